@@ -1,0 +1,1 @@
+"""CUDA C++ sources of LMPool kernels; `lmpool.ops` builds and binds them."""

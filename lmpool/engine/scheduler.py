@@ -1,0 +1,120 @@
+"""Continuous batching for one replica: which sequences run this step, and how many tokens each.
+
+Each step spends at most ``max_num_batched_tokens`` tokens. Running sequences go
+first, in admission order: a decoding sequence takes one token, a sequence still
+prefilling takes the next chunk of its prompt. Waiting sequences are then
+admitted first-come-first-served while the budget, ``max_num_seqs`` and the KV
+blocks allow. When a running sequence needs a block and none is available, the
+most recently admitted running sequence is preempted: its blocks are dropped
+and it waits at the head of the queue to be recomputed (its complete blocks are
+usually still in the prefix cache). No sequence is admitted in a step that
+preempted, so the pool does not thrash.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lmpool.engine.block_manager import BlockManager
+from lmpool.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per sequence
+    num_preempted: int = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence ``i`` reaches its last token this step, and so yields a new token."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_tokens[i] == len(seq)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while bm.blocks_needed(target) - len(seq.block_table) > bm.num_available:
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                bm.grow(seq, target)
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n
+                i += 1
+        if batch.num_preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit = bm.match_prefix(seq)
+            n = min(len(seq) - len(hit) * bm.block_size, budget)
+            fresh = bm.blocks_needed(len(hit) * bm.block_size + n) - len(hit)
+            if not bm.can_admit(hit, fresh):
+                break
+            self.waiting.popleft()
+            bm.admit(seq, hit)
+            bm.grow(seq, seq.num_computed_tokens + n)
+            if not seq.admitted:
+                seq.admitted = True
+                seq.num_cached_tokens = min(len(hit) * bm.block_size, seq.num_prompt_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def complete_step(self, batch: ScheduledBatch) -> None:
+        """Account for the tokens the model just computed and cache the blocks they completed."""
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)

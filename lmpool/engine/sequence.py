@@ -1,0 +1,83 @@
+"""One request's tokens and its progress through the engine.
+
+Invariants: ``num_computed_tokens <= len(token_ids)``; ``block_hashes[i]`` is the
+chained hash of complete block ``i`` of ``token_ids`` and is extended as tokens
+are appended; ``block_table`` covers at least the computed tokens while the
+sequence is running and is empty while it waits.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from lmpool.engine.hashing import chain_hashes
+from lmpool.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        block_size: int,
+        output_token_ids: list[int] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.block_size = block_size
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # Outputs already produced elsewhere (a request recomputed on another
+        # replica) are replayed as part of the prefill.
+        self.token_ids = list(prompt_token_ids) + list(output_token_ids or [])
+        self.block_hashes = chain_hashes(self.token_ids, block_size)
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_ready_blocks = 0  # leading blocks whose KV is complete (see BlockManager.commit)
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.admitted = False
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_tokens(self, index: int) -> list[int]:
+        return self.token_ids[index * self.block_size : (index + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            self.block_hashes = chain_hashes(self.token_ids, self.block_size, self.block_hashes)
+
+    def reset_for_recompute(self) -> None:
+        """Drop all KV progress (preemption): the next admission prefills every token again."""
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.num_ready_blocks = 0
+        self.status = SequenceStatus.WAITING

@@ -1,0 +1,212 @@
+"""Qwen3 dense decoder in plain torch, reading and writing a paged KV cache.
+
+Numerics follow ``transformers``' Qwen3 so that the two agree on the same
+weights: RMSNorm in fp32 then cast back, q/k RMSNorm per head before rotary
+embedding (rotate-half form, ``rope_theta`` from the config), grouped-query
+attention with scale ``head_dim ** -0.5``, SwiGLU MLP, residual adds in the
+model dtype. q/k/v and gate/up projections are fused at load time so a layer
+runs two matmuls where the checkpoint has five.
+
+Attention is delegated to a ``KVOps`` backend; every forward first writes this
+step's keys and values into the cache, then attends over the cache only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmpool.model.config import ModelConfig
+from lmpool.ops import KVOps
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what they attend to (see ``lmpool.ops.reference``)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    is_decode: bool  # every sequence has exactly one new token
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x[T, heads, head_dim]`` by each token's position."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        ops: KVOps,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(positions, self.q_norm(q.view(-1, self.num_heads, self.head_dim)))
+        k = rotary(positions, self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            o = ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
+        else:
+            o = ops.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                meta.query_start_loc, self.scale,
+            )
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        ops: KVOps,
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]``; ``kv_cache`` is ``[layers, 2, blocks, ...]``."""
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn(
+                layer.input_layernorm(h), positions, self.rotary, meta, kv_cache[i], ops
+            )
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights ---------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face Qwen3 tensors, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        c = self.config
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        fused = {  # checkpoint suffix -> (our suffix, row offset, rows)
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
+        }
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the output projection
+            target, rows = name, None
+            for src, (dst, offset, size) in fused.items():
+                if f".{src}." in name:
+                    target, rows = name.replace(src, dst), (offset, size)
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in a Qwen3 model")
+            dest = param.data if rows is None else param.data[rows[0] : rows[0] + rows[1]]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(f"{target}@{rows}")
+        expected = set()
+        for pname in params:
+            parts = [
+                (offset, size)
+                for dst, offset, size in fused.values()
+                if pname.endswith((f"{dst}.weight", f"{dst}.bias"))
+            ]
+            expected.update(f"{pname}@{rows}" for rows in parts or [None])
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0].split('@')[0]}")

@@ -1,0 +1,45 @@
+"""KV-cache operations behind one interface, backed by torch or by LMPool's CUDA kernels.
+
+``get_backend(device)`` returns a ``KVOps`` whose functions all follow the layouts
+documented in ``lmpool.ops.reference``. The torch reference is the CPU path and the
+test oracle; on CUDA the compiled kernels (``lmpool.ops.cuda``) are used unless the
+caller asks for the reference explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lmpool.ops import reference
+
+
+@dataclass(frozen=True)
+class KVOps:
+    name: str
+    write_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    pack_kv: Callable[..., torch.Tensor]
+    unpack_kv: Callable[..., None]
+
+
+TORCH_OPS = KVOps(
+    name="torch",
+    write_kv=reference.write_kv,
+    paged_attention=reference.paged_attention,
+    paged_decode_attention=reference.paged_decode_attention,
+    pack_kv=reference.pack_kv,
+    unpack_kv=reference.unpack_kv,
+)
+
+
+def get_backend(device: torch.device | str, use_kernels: bool = True) -> KVOps:
+    """The ops for tensors on ``device``: CUDA kernels on a GPU unless ``use_kernels`` is False."""
+    if torch.device(device).type != "cuda" or not use_kernels:
+        return TORCH_OPS
+    from lmpool.ops import cuda  # builds the extension on first use
+
+    return cuda.CUDA_OPS

@@ -1,0 +1,116 @@
+"""Plain-torch reference implementations of LMPool's KV-cache operations.
+
+These are the CPU path of the engine and the oracle every CUDA kernel is tested
+against, so they favour obvious correctness over speed.
+
+Layouts (shared with the CUDA kernels in ``kernels/``):
+
+- whole cache: ``kv_cache[layers, 2, num_blocks, block_size, kv_heads, head_dim]``;
+  ``kv_cache[l, 0]`` is layer ``l``'s key cache, ``kv_cache[l, 1]`` its value cache,
+  each a contiguous ``[num_blocks, block_size, kv_heads, head_dim]`` tensor.
+- a slot is ``block_id * block_size + offset``; slot ``-1`` marks padding.
+- a ragged batch of queries is packed as ``q[total_q, q_heads, head_dim]`` with
+  ``query_start_loc[b] .. query_start_loc[b + 1]`` the rows of sequence ``b``.
+- ``context_lens[b]`` counts every token of sequence ``b`` already in the cache,
+  including this step's new tokens (they are written before attention runs), so the
+  ``j``-th of ``n`` new tokens sits at position ``context_lens[b] - n + j`` and
+  attends to positions ``0 ..= context_lens[b] - n + j``.
+- ``block_tables[b, i]`` is the physical block of sequence ``b``'s ``i``-th logical
+  block; entries past the sequence's last block are ignored (pad with anything).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` rows ``[T, kv_heads, head_dim]`` at their slots; skip slot -1."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def gather_sequence_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The first ``length`` cached rows of one sequence as ``[length, kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    rows = cache[block_table[:num_blocks].long()].flatten(0, 1)
+    return rows[:length]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of ragged new queries over their sequences' paged KV.
+
+    Returns ``[total_q, q_heads, head_dim]`` in ``q``'s dtype; math runs in fp32.
+    """
+    q_heads, kv_heads = q.shape[1], k_cache.shape[2]
+    group = q_heads // kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    for b, ctx in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        n = hi - lo
+        if n == 0:
+            continue
+        keys = gather_sequence_kv(k_cache, block_tables[b], ctx).float()
+        vals = gather_sequence_kv(v_cache, block_tables[b], ctx).float()
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+        vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
+        queries = q[lo:hi].float().transpose(0, 1)  # [Hq, n, D]
+        scores = torch.matmul(queries, keys.transpose(1, 2)) * scale  # [Hq, n, ctx]
+        q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
+        k_pos = torch.arange(ctx).unsqueeze(0)
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[lo:hi] = torch.matmul(probs, vals).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new query per sequence: ``q[batch, q_heads, head_dim]``."""
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale
+    )
+
+
+def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Gather blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``."""
+    return kv_cache[:, :, block_ids.long()].contiguous()
+
+
+def unpack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, payload: torch.Tensor) -> None:
+    """Scatter a packed payload into ``block_ids`` of every layer (inverse of ``pack_kv``)."""
+    if payload.shape[2] != block_ids.numel():
+        raise ValueError(
+            f"payload holds {payload.shape[2]} blocks but {block_ids.numel()} block ids were given"
+        )
+    kv_cache[:, :, block_ids.long()] = payload.to(kv_cache.dtype)
