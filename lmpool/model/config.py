@@ -1,0 +1,182 @@
+"""The Qwen3 dense model configuration LMPool serves, read from a Hugging Face directory.
+
+Owns parsing ``config.json`` (+ the EOS ids of ``generation_config.json``) into a frozen
+``ModelConfig``, and writing it back in the same format.
+
+Invariants:
+- only the Qwen3 dense architecture is accepted (``model_type == "qwen3"`` or
+  ``Qwen3ForCausalLM`` in ``architectures``); anything else is a ``ValueError``.
+- a missing optional key takes the value transformers' ``Qwen3Config`` would give it, so
+  LMPool and transformers build the same model from the same directory. The shape keys
+  have no meaningful default (transformers' defaults describe an 8B model), so they are
+  required.
+- features that would silently change the math (rope scaling, sliding window, an
+  activation other than SiLU) are rejected rather than ignored.
+- every constructed ``ModelConfig`` has positive shapes and
+  ``num_attention_heads % num_key_value_heads == 0``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_SUPPORTED = 'model_type "qwen3" / architecture "Qwen3ForCausalLM"'
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for key in (*_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.torch_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r}")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory not found: {path}")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        generation_file = path / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
+        return cls.from_hf_dict(json.loads(config_file.read_text()), generation)
+
+    @classmethod
+    def from_hf_dict(
+        cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        model_type = config.get("model_type")
+        architectures = config.get("architectures") or []
+        if model_type != "qwen3" and "Qwen3ForCausalLM" not in architectures:
+            raise ValueError(
+                f"unsupported model: model_type={model_type!r}, architectures={architectures!r}; "
+                f"LMPool supports only {_SUPPORTED}"
+            )
+        for key in _REQUIRED:
+            if config.get(key) is None:
+                raise ValueError(f"config.json is missing required key {key!r}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; only 'silu'")
+        if config.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported")
+
+        generation_config = generation_config or {}
+        eos: list[int] = []
+        for ids in (config.get("eos_token_id"), generation_config.get("eos_token_id")):
+            for token_id in [ids] if isinstance(ids, int) else ids or []:
+                if token_id not in eos:
+                    eos.append(token_id)
+        bos = config.get("bos_token_id", generation_config.get("bos_token_id"))
+
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(config),
+            max_position_embeddings=config.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            eos_token_ids=tuple(eos),
+            bos_token_id=bos,
+            torch_dtype=config.get("torch_dtype") or config.get("dtype") or "bfloat16",
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json contents transformers' Qwen3ForCausalLM loads as this model."""
+        eos: int | list[int] | None = list(self.eos_token_ids) or None
+        if eos is not None and len(eos) == 1:
+            eos = eos[0]
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.num_hidden_layers,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "torch_dtype": self.torch_dtype,
+            "use_cache": True,
+        }
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | str) -> int:
+        """Bytes one KV-cache block of ``block_size`` tokens takes across all layers (K and V)."""
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return (
+            self.num_hidden_layers * 2 * block_size * self.num_key_value_heads
+            * self.head_dim * itemsize
+        )
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    """rope_theta from a top-level key or the ``rope_parameters``/``rope_scaling`` dict newer
+    transformers versions write; any rope type but the default one is rejected."""
+    theta = config.get("rope_theta")
+    for key in ("rope_parameters", "rope_scaling"):
+        params = config.get(key)
+        if not params:
+            continue
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"unsupported {key} rope_type {rope_type!r}; only 'default'")
+        theta = params.get("rope_theta", theta)
+    return float(theta if theta is not None else 10000.0)
