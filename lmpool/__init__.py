@@ -1,0 +1,7 @@
+"""LMPool: one LLM served from N data-parallel replicas whose paged KV caches act as one pool."""
+
+from lmpool.llm import LLM
+from lmpool.outputs import RequestOutput
+from lmpool.sampling_params import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]

@@ -27,7 +27,7 @@ class EngineConfig:
     use_kernels: bool = True  # CUDA kernels on GPU; False forces the torch reference
     enforce_eager: bool = False  # no CUDA graphs
     gpu_memory_utilization: float = 0.9  # share of the GPU this engine may fill
-    cpu_kv_cache_bytes: int = 2 << 30
+    cpu_kv_cache_bytes: int = 1 << 30
     seed: int = 0
 
     def __post_init__(self) -> None:

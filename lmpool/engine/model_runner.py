@@ -64,7 +64,9 @@ class ModelRunner:
 
     def _blocks_that_fit(self) -> int:
         if self.device.type == "cpu":
-            return max(1, self.config.cpu_kv_cache_bytes // self.block_bytes)
+            # Never more than every admissible sequence at full length could use.
+            useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            return max(1, min(useful, self.config.cpu_kv_cache_bytes // self.block_bytes))
         torch.cuda.synchronize(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
         # Headroom for activations of the largest batch: hidden states, the fused

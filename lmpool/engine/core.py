@@ -1,0 +1,132 @@
+"""One replica's engine loop: admission checks, scheduling, the model step and stop conditions.
+
+``EngineCore`` is driven from outside (``LLM.generate`` or a pool worker): add
+requests, call ``step()`` until nothing is unfinished. A request that is
+invalid, or that could never fit in this replica's KV cache, is refused with a
+``ValueError`` at ``add_request`` and never disturbs the requests already in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+
+from lmpool.config import EngineConfig
+from lmpool.engine.block_manager import BlockManager
+from lmpool.engine.model_runner import ModelRunner
+from lmpool.engine.scheduler import Scheduler
+from lmpool.engine.sequence import Sequence
+from lmpool.model.config import ModelConfig
+from lmpool.sampling_params import SamplingParams
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_id: int
+    finished: bool
+    finish_reason: str | None
+    seq: Sequence
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}"
+            )
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+
+    # ---- admission ------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: SequenceABC[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming what is wrong with a request; return if it can be served."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token {t!r} at position {i} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        blocks = self.block_manager.blocks_needed(total)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV blocks ({total} tokens) but the cache holds only "
+                f"{self.block_manager.num_blocks}: it could never run"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceABC[int],
+        params: SamplingParams,
+        output_token_ids: SequenceABC[int] = (),
+    ) -> Sequence:
+        """Queue a request; ``output_token_ids`` resumes one whose first tokens were generated elsewhere."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(
+            request_id, list(prompt_token_ids), params, self.config.block_size, list(output_token_ids)
+        )
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; an unknown id is a no-op that returns False."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(seq)
+        self.runner.sampler.release(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        tokens = self.runner.run(batch)
+        self.scheduler.complete_step(batch)
+        outputs = []
+        for seq, token in zip(sampling, tokens):
+            seq.append_token(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.running.remove(seq)
+                self.scheduler.finish(seq, reason)
+                self.runner.sampler.release(seq.request_id)
+                del self.requests[seq.request_id]
+            outputs.append(StepOutput(seq.request_id, token, reason is not None, reason, seq))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,111 @@
+"""``LLM``: the synchronous single-replica API, shaped like ``vllm.LLM``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+
+from lmpool.config import EngineConfig
+from lmpool.engine.core import EngineCore
+from lmpool.outputs import RequestOutput
+from lmpool.sampling_params import SamplingParams
+from lmpool.tokenizer import load_tokenizer
+
+Prompt = str | SequenceABC[int]
+
+
+def normalize_prompts(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
+    """One prompt or many: a string or a flat list of token ids is a single prompt."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def normalize_params(
+    params: SamplingParams | SequenceABC[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+class LLM:
+    """Generate from a Qwen3 checkpoint directory on one device.
+
+    >>> llm = LLM("path/to/qwen3", device="cpu")
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].text
+    """
+
+    def __init__(self, model: str, **engine_args) -> None:
+        self.config = EngineConfig(model=str(model), **engine_args)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(model)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass token ids instead of text")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. Every prompt is checked before any runs."""
+        prompt_list = normalize_prompts(prompts)
+        params = normalize_params(sampling_params, len(prompt_list))
+        token_lists = []
+        for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+            ids = self.encode(prompt)
+            try:
+                self.engine.validate(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            token_lists.append(ids)
+        request_ids = [f"llm-{next(self._ids)}" for _ in token_lists]
+        for rid, ids, p in zip(request_ids, token_lists, params):
+            self.engine.add_request(rid, ids, p)
+        done: dict[str, RequestOutput] = {}
+        try:
+            while len(done) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        seq = out.seq
+                        done[out.request_id] = RequestOutput(
+                            request_id=out.request_id,
+                            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+                            token_ids=seq.output_token_ids,
+                            text=self.decode(seq.output_token_ids),
+                            num_cached_tokens=seq.num_cached_tokens,
+                            finish_reason=out.finish_reason,
+                        )
+        finally:
+            for rid in request_ids:  # an interrupted call leaves nothing behind
+                if rid not in done:
+                    self.engine.abort_request(rid)
+        return [done[rid] for rid in request_ids]
+
+    def shutdown(self) -> None:
+        self.engine = None  # drops the weights and the KV cache
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,15 @@
+"""What a finished request returns to its caller."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None = None  # None when the model directory has no tokenizer
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    rank: int | None = None  # the replica that served it, in a pool
