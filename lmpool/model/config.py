@@ -6,10 +6,13 @@ Owns parsing ``config.json`` (+ the EOS ids of ``generation_config.json``) into 
 Invariants:
 - only the Qwen3 dense architecture is accepted (``model_type == "qwen3"`` or
   ``Qwen3ForCausalLM`` in ``architectures``); anything else is a ``ValueError``.
-- a missing optional key takes the value transformers' ``Qwen3Config`` would give it, so
-  LMPool and transformers build the same model from the same directory. The shape keys
-  have no meaningful default (transformers' defaults describe an 8B model), so they are
-  required.
+- a missing non-shape key (eps, rope_theta, tying, ...) takes the value transformers'
+  ``Qwen3Config`` would give it, so LMPool and transformers build the same model from
+  the same directory. transformers' shape defaults describe Qwen3-8B and mean nothing
+  for another model, so the main shapes are required, and the two that configs of this
+  family sometimes omit are derived the conventional way: ``head_dim = hidden_size //
+  num_attention_heads`` and ``num_key_value_heads = num_attention_heads``. (Published
+  Qwen3 configs give both explicitly.)
 - features that would silently change the math (rope scaling, sliding window, an
   activation other than SiLU) are rejected rather than ignored.
 - every constructed ``ModelConfig`` has positive shapes and
