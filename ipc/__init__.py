@@ -1,0 +1,39 @@
+"""LMPool IPC: shared-memory rings carrying msgspec messages between processes.
+
+A pool owner creates links; each end of a link is opened by name in one process as an
+asyncio ``Channel``. ``Requester``/``Responder`` add request/response on a channel.
+This package knows nothing of LLMs; the message types are its users'.
+"""
+
+from .channel import Channel, ChannelStats
+from .errors import (
+    ChannelClosedError,
+    DecodeError,
+    IpcError,
+    MessageTooLargeError,
+    PeerDeadError,
+    RemoteError,
+    RingCorruptError,
+)
+from .lifecycle import remove_pool, sweep_dead_pools
+from .pool import DEFAULT_CAPACITY, IpcPool, Link
+from .rpc import Requester, Responder
+
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "Channel",
+    "ChannelClosedError",
+    "ChannelStats",
+    "DecodeError",
+    "IpcError",
+    "IpcPool",
+    "Link",
+    "MessageTooLargeError",
+    "PeerDeadError",
+    "RemoteError",
+    "Requester",
+    "Responder",
+    "RingCorruptError",
+    "remove_pool",
+    "sweep_dead_pools",
+]

@@ -1,0 +1,280 @@
+"""Asyncio channel of typed msgspec messages over one end of a link.
+
+``send`` encodes with msgspec msgpack and appends one frame, waiting while the ring is
+full (backpressure); ``recv`` returns the next message decoded as the channel's type
+(typically a tagged union of ``msgspec.Struct``s). Messages arrive in order, each once.
+
+Waiting without burning a core. A side with nothing to do first spins for ``spin_us``,
+re-checking the ring between rounds of the event loop (``await asyncio.sleep(0)``, so
+other tasks keep running): while traffic flows, the next frame almost always lands within
+that window and costs no system call. Then it parks: it declares itself asleep in the
+ring header (see ``ring``) and awaits a future that a helper thread completes through
+``call_soon_threadsafe`` when the peer posts this end's semaphore. A blocking semaphore
+wait cannot run on the event loop thread, and the alternative, polling with a growing
+timer backoff, trades idle CPU against wake-up latency; the helper thread gives both:
+it sleeps in ``sem_wait`` (GIL released) and costs nothing while idle.
+
+Failure. While parked, the end wakes every ``liveness_interval`` seconds to check its
+peer: a peer that exited (pid gone or a zombie), closed its end, or (with
+``heartbeat_timeout``) stopped beating makes ``recv`` and ``send`` raise instead of
+waiting forever. Frames the peer published before it went away are still delivered
+first. A frame that does not decode raises ``DecodeError`` from that ``recv``, is
+counted in ``stats.decode_errors``, and the next ``recv`` returns the next message.
+"""
+
+import asyncio
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, TypeVar
+
+import msgspec
+
+from .endpoint import Endpoint
+from .errors import (
+    ChannelClosedError,
+    DecodeError,
+    IpcError,
+    MessageTooLargeError,
+    PeerDeadError,
+)
+from .frames import frame_size, max_payload
+from .lifecycle import pid_alive
+
+T = TypeVar("T")
+
+
+@dataclass
+class ChannelStats:
+    sent: int = 0
+    received: int = 0
+    decode_errors: int = 0
+    parks: int = 0  # waits that outlasted the spin and slept on the semaphore
+
+
+class Channel(Generic[T]):
+    """One end of a link, used from the running event loop (asyncio or uvloop).
+
+    ``Channel(end, decode_type)`` opens end name ``end`` (a string from
+    ``IpcPool.create_link``) and must be called with the loop running. Every coroutine of
+    a channel must run on that loop.
+    """
+
+    def __init__(
+        self,
+        end: str,
+        decode_type: Any = Any,
+        *,
+        spin_us: float = 100.0,
+        liveness_interval: float = 0.25,
+        heartbeat_timeout: float | None = None,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._endpoint = Endpoint(end)
+        self._tx = self._endpoint.tx
+        self._rx = self._endpoint.rx
+        self._max_payload = max_payload(self._tx.capacity)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(decode_type)
+        self._decode_type = decode_type
+        self._spin_ns = int(spin_us * 1000)
+        self._liveness_interval = liveness_interval
+        self._heartbeat_timeout_ns = None if heartbeat_timeout is None else int(heartbeat_timeout * 1e9)
+        self._expected_peer = 0
+        self._inbox: deque[bytes] = deque()
+        self._send_lock = asyncio.Lock()
+        self._waiters: set[asyncio.Future] = set()
+        self._closed = False
+        self.stats = ChannelStats()
+        self._beat_timer = self._loop.call_later(liveness_interval, self._beat)
+        self._bell_thread = threading.Thread(
+            target=self._forward_bells, name=f"lmpool-ipc-bell {end}", daemon=True
+        )
+        self._bell_thread.start()
+
+    @property
+    def peer_pid(self) -> int:
+        """The peer's pid once it has opened its end (or as set by ``expect_peer``)."""
+        return self._rx.producer_pid or self._expected_peer
+
+    def expect_peer(self, pid: int) -> None:
+        """Watch process ``pid`` as the peer before it has opened its end, so that waits
+        fail if it dies first (e.g. a child that crashes on start-up)."""
+        self._expected_peer = pid
+
+    # Sending ---------------------------------------------------------------------
+
+    async def send(self, msg: Any) -> None:
+        """Encode ``msg`` and append it, waiting while the ring is full."""
+        await self.send_bytes(self._encoder.encode(msg))
+
+    async def send_bytes(self, payload) -> None:
+        """Append an already encoded message (any bytes-like object) as one frame."""
+        if len(payload) > self._max_payload:
+            raise MessageTooLargeError(
+                f"a message of {len(payload)} bytes does not fit in a ring of "
+                f"{self._tx.capacity} bytes (at most {self._max_payload} bytes per message)"
+            )
+        self._check_open()
+        tx = self._tx
+        if tx.consumer_closed:
+            raise ChannelClosedError(f"peer process {self.peer_pid} closed the channel")
+        # Senders that found the ring full queue on the lock, so that a large message
+        # waiting for space is not overtaken forever by smaller ones.
+        if self._send_lock.locked() or not tx.try_put(payload):
+            async with self._send_lock:
+                need = frame_size(len(payload))
+                while not tx.try_put(payload):
+                    await self._wait(
+                        lambda: tx.free() >= need,
+                        lambda: tx.park_producer(need),
+                        tx.unpark_producer,
+                        sending=True,
+                    )
+        if tx.take_consumer_wakeup():
+            self._endpoint.wake_peer()
+        self.stats.sent += 1
+
+    # Receiving -------------------------------------------------------------------
+
+    async def recv(self) -> T:
+        """The next message, decoded as the channel's type."""
+        payload = await self.recv_bytes()
+        try:
+            return self._decoder.decode(payload)
+        except msgspec.DecodeError as e:
+            self.stats.decode_errors += 1
+            raise DecodeError(
+                f"frame of {len(payload)} bytes from process {self.peer_pid} is not a "
+                f"valid {_type_name(self._decode_type)}: {e}"
+            ) from e
+
+    async def recv_bytes(self) -> bytes:
+        """The next message's encoded bytes, undecoded."""
+        rx = self._rx
+        while not self._inbox:
+            self._check_open()
+            # Take every published frame at once: one head store frees all their space,
+            # so a producer blocked on a full ring is woken once per batch, not per frame.
+            frames = rx.take_all()
+            if frames:
+                self._inbox.extend(frames)
+                if rx.take_producer_wakeup():
+                    self._endpoint.wake_peer()
+            else:
+                await self._wait(rx.used, rx.park_consumer, rx.unpark_consumer, sending=False)
+        self.stats.received += 1
+        return self._inbox.popleft()
+
+    # Waiting ---------------------------------------------------------------------
+
+    async def _wait(
+        self,
+        ready: Callable[[], Any],
+        park: Callable[[], bool],
+        unpark: Callable[[], None],
+        *,
+        sending: bool,
+    ) -> None:
+        """Return once ``ready()`` may be true; raise if the channel or peer goes away."""
+        deadline = time.perf_counter_ns() + self._spin_ns
+        while time.perf_counter_ns() < deadline:
+            await asyncio.sleep(0)
+            os.sched_yield()
+            self._check_open()
+            if ready():
+                return
+        self.stats.parks += 1
+        while True:
+            failure = self._peer_failure(sending)
+            if failure is not None:
+                if not sending and self._rx.used():
+                    return  # deliver what the peer published before it went away
+                raise failure
+            if not park():
+                return
+            waiter = self._loop.create_future()
+            self._waiters.add(waiter)
+            timer = self._loop.call_later(self._liveness_interval, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiters.discard(waiter)
+                if not self._closed:
+                    unpark()
+            self._check_open()
+            if ready():
+                return
+
+    def _peer_failure(self, sending: bool) -> IpcError | None:
+        pid = self.peer_pid
+        closed = self._tx.consumer_closed if sending else self._rx.producer_closed
+        if closed:
+            return ChannelClosedError(f"peer process {pid} closed the channel")
+        if pid and not pid_alive(pid):
+            return PeerDeadError(f"peer process {pid} has exited (or was killed)")
+        beat = self._rx.producer_beat_ns
+        timeout = self._heartbeat_timeout_ns
+        if timeout is not None and beat and time.monotonic_ns() - beat > timeout:
+            return PeerDeadError(
+                f"peer process {pid} missed its heartbeat: last beat "
+                f"{(time.monotonic_ns() - beat) / 1e9:.2f} s ago, timeout {timeout / 1e9:g} s"
+            )
+        return None
+
+    def _forward_bells(self) -> None:
+        """Helper thread: turn each post of this end's semaphore into a loop wake-up."""
+        bell = self._endpoint.bell
+        while True:
+            bell.acquire()
+            if self._closed:
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._on_bell)
+            except RuntimeError:  # the loop is closed; nobody is left to wake
+                return
+
+    def _on_bell(self) -> None:
+        for waiter in self._waiters:
+            _wake(waiter)
+
+    def _beat(self) -> None:
+        self._endpoint.beat()
+        self._beat_timer = self._loop.call_later(self._liveness_interval, self._beat)
+
+    # Lifecycle -------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChannelClosedError(f"channel {self._endpoint.name!r} is closed")
+
+    def close(self) -> None:
+        """Close this end: pending waits raise ``ChannelClosedError``, the peer's
+        ``recv`` does too once it has read what we sent. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._beat_timer.cancel()
+        for waiter in self._waiters:
+            _wake(waiter)
+        self._endpoint.bell.release()  # lets the helper thread see _closed and exit
+        self._bell_thread.join()
+        self._endpoint.close()
+
+    async def __aenter__(self) -> "Channel[T]":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or repr(tp)

@@ -1,0 +1,93 @@
+"""A pool: the namespace of one LMPool instance's shared-memory objects, and its links.
+
+The process that starts a pool owns it. ``IpcPool.start`` first sweeps the leftovers of
+dead pools, then names a fresh pool; ``create_link`` creates the two rings and two
+semaphores of one link (mode 0600, exclusive create); ``close`` unlinks every object of
+the pool, whichever process created it. Links are opened by end name with ``Channel``.
+"""
+
+import mmap
+import os
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import posix_ipc
+
+from .lifecycle import PoolObject, remove_pool, sweep_dead_pools, unlink_object
+from .names import (
+    BELL_ROLES,
+    RING_ROLES,
+    end_name,
+    new_link_prefix,
+    new_pool_id,
+    object_name,
+    parse_object,
+)
+from .ring import format_ring, ring_bytes
+
+DEFAULT_CAPACITY = 1 << 20
+MODE = 0o600
+
+
+@dataclass(frozen=True)
+class Link:
+    """The two end names of a link: give ``a`` to one process and ``b`` to the other."""
+
+    a: str
+    b: str
+
+
+class IpcPool:
+    """The shared-memory namespace of one pool, owned by process ``owner_pid``."""
+
+    def __init__(self, pool_id: str, owner_pid: int) -> None:
+        self.pool_id = pool_id
+        self.owner_pid = owner_pid
+
+    @classmethod
+    def start(cls) -> "IpcPool":
+        """Remove dead pools' leftovers, then start a new pool owned by this process."""
+        sweep_dead_pools()
+        return cls(new_pool_id(), os.getpid())
+
+    def create_link(self, capacity: int = DEFAULT_CAPACITY) -> Link:
+        """Create a link whose two rings each hold ``capacity`` bytes of frames."""
+        prefix = new_link_prefix(self.pool_id, self.owner_pid)
+        with ExitStack() as undo:
+            for role in RING_ROLES:
+                name = object_name(prefix, role)
+                _create_ring(name, capacity, self.owner_pid)
+                undo.callback(_unlink, "shm", name)
+            for role in BELL_ROLES:
+                name = object_name(prefix, role)
+                posix_ipc.Semaphore(name, posix_ipc.O_CREX, MODE, 0).close()
+                undo.callback(_unlink, "sem", name)
+            undo.pop_all()
+        return Link(end_name(prefix, "a"), end_name(prefix, "b"))
+
+    def close(self) -> list[str]:
+        """Unlink every segment and semaphore of this pool; return their names. Channels
+        still open keep working until they close."""
+        return remove_pool(self.pool_id)
+
+    def __enter__(self) -> "IpcPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _create_ring(name: str, capacity: int, owner_pid: int) -> None:
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, MODE, ring_bytes(capacity))
+    try:
+        with mmap.mmap(shm.fd, shm.size) as buf:
+            format_ring(buf, owner_pid)
+    except BaseException:
+        shm.unlink()
+        raise
+    finally:
+        shm.close_fd()
+
+
+def _unlink(kind: str, name: str) -> None:
+    unlink_object(PoolObject(kind, name, parse_object(name)))

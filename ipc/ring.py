@@ -1,0 +1,260 @@
+"""One single-producer/single-consumer ring of frames laid out in a shared buffer.
+
+Layout: three 64-byte cache lines of native-endian u64 words, then the data region.
+
+    line 0, fixed at creation:  magic, format version, capacity, owner pid
+    line 1, producer's line:    tail, producer_wait, producer_pid, producer_beat_ns, producer_closed
+    line 2, consumer's line:    head, consumer_wait, consumer_pid, consumer_closed
+    data:                       ``capacity`` bytes of frames (see ``frames``)
+
+Head and tail sit on separate cache lines so that the producer's tail stores and the
+consumer's head stores do not invalidate each other's line on every message.
+
+Invariants: only the producer stores ``tail`` and only the consumer stores ``head``;
+``0 <= tail - head <= capacity``; both are multiples of ``ALIGN``; ``[head, tail)`` holds
+complete frames.
+
+Wakeups. A side that finds nothing to do sleeps on a semaphore (owned by ``Endpoint``),
+but only after declaring it in the header, so that the other side posts only to a
+sleeper and a flowing stream costs no system calls:
+
+- the consumer stores ``consumer_wait = 1``, fences, and re-reads ``tail``; it sleeps only
+  if the ring is still empty. The producer, after publishing ``tail``, fences and reads
+  ``consumer_wait``; if set it clears it and posts. Because each side fences between its
+  own store and its load of the other's word, at least one of them sees the other's
+  store: either the consumer sees the new frame or the producer sees the flag. No
+  wakeup is lost. (A stale post only causes one spurious wake, which re-checks.)
+- symmetrically the producer stores ``producer_wait = n`` (the free bytes it needs) and
+  the consumer, after publishing ``head``, posts once that much is free.
+"""
+
+import threading
+
+from .errors import RingCorruptError
+from .frames import ALIGN, frame_size, read_frame, write_frame
+
+MAGIC = b"LMPRING\x00"
+VERSION = 1
+HEADER_SIZE = 192
+MIN_CAPACITY = 64
+
+# Word indices into the header.
+_MAGIC, _VERSION, _CAPACITY, _OWNER_PID = 0, 1, 2, 3
+_TAIL, _PRODUCER_WAIT, _PRODUCER_PID, _PRODUCER_BEAT, _PRODUCER_CLOSED = 8, 9, 10, 11, 12
+_HEAD, _CONSUMER_WAIT, _CONSUMER_PID, _CONSUMER_CLOSED = 16, 17, 18, 19
+
+_fence_lock = threading.Lock()
+
+
+def fence() -> None:
+    """Full memory barrier between the loads and stores before and after it.
+
+    Python has no memory model: nothing stops the CPU from making our tail store
+    visible to the other process before the payload stores it publishes, or from
+    performing a load of the other side's index before our own store (the store->load
+    reordering that breaks the wakeup handshake). A lock acquire/release is a real
+    barrier: CPython implements ``threading.Lock`` with a glibc semaphore whose fast
+    paths are atomic read-modify-writes, and on x86-64 every such locked instruction is
+    a full fence that no load or store crosses in either direction. (The C compiler
+    cannot move memory accesses across these opaque calls either.) ~100 ns a pair.
+    """
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def ring_bytes(capacity: int) -> int:
+    """Size of the shared buffer that holds a ring of ``capacity`` data bytes."""
+    return HEADER_SIZE + capacity
+
+
+def format_ring(buf, owner_pid: int) -> None:
+    """Write a fresh header into ``buf`` (all of it becomes header + data)."""
+    capacity = len(buf) - HEADER_SIZE
+    if capacity < MIN_CAPACITY or capacity % ALIGN:
+        raise ValueError(
+            f"ring capacity must be a multiple of {ALIGN} and at least {MIN_CAPACITY}, "
+            f"got {capacity}"
+        )
+    with memoryview(buf) as view, view[:HEADER_SIZE].cast("Q") as words:
+        words[:] = memoryview(bytes(HEADER_SIZE)).cast("Q")
+        words[_VERSION] = VERSION
+        words[_CAPACITY] = capacity
+        words[_OWNER_PID] = owner_pid
+        fence()  # a reader that sees the magic sees the complete header
+        view[:8] = MAGIC
+
+
+class Ring:
+    """A view of a formatted ring in ``buf``; one process is its producer, one its consumer.
+
+    Header words are read and written through a memoryview cast to u64: an item access
+    copies 8 aligned bytes with a fixed-size memcpy, i.e. one load or store, so an index
+    is never seen half-written (``struct``'s standard sizes would go byte by byte).
+    """
+
+    def __init__(self, buf) -> None:
+        self._view = memoryview(buf)
+        self._words = self._view[:HEADER_SIZE].cast("Q")
+        self._data = self._view[HEADER_SIZE:]
+        if self._view[:8] != MAGIC:
+            self.release()
+            raise RingCorruptError("not an LMPool ring: bad magic")
+        if self._words[_VERSION] != VERSION:
+            version = self._words[_VERSION]
+            self.release()
+            raise RingCorruptError(f"ring format version {version}, expected {VERSION}")
+        self.capacity = self._words[_CAPACITY]
+        if self.capacity != len(self._data):
+            self.release()
+            raise RingCorruptError(
+                f"ring header says capacity {self.capacity} but the buffer holds "
+                f"{len(buf) - HEADER_SIZE} data bytes"
+            )
+
+    def release(self) -> None:
+        """Drop the views into ``buf`` so that its owner can close it."""
+        for view in (self._words, self._data, self._view):
+            view.release()
+
+    # Identity and liveness fields ------------------------------------------------
+
+    @property
+    def owner_pid(self) -> int:
+        return self._words[_OWNER_PID]
+
+    @property
+    def producer_pid(self) -> int:
+        return self._words[_PRODUCER_PID]
+
+    @producer_pid.setter
+    def producer_pid(self, pid: int) -> None:
+        self._words[_PRODUCER_PID] = pid
+
+    @property
+    def consumer_pid(self) -> int:
+        return self._words[_CONSUMER_PID]
+
+    @consumer_pid.setter
+    def consumer_pid(self, pid: int) -> None:
+        self._words[_CONSUMER_PID] = pid
+
+    @property
+    def producer_beat_ns(self) -> int:
+        """CLOCK_MONOTONIC time of the producer's last heartbeat (0: none yet)."""
+        return self._words[_PRODUCER_BEAT]
+
+    @producer_beat_ns.setter
+    def producer_beat_ns(self, ns: int) -> None:
+        self._words[_PRODUCER_BEAT] = ns
+
+    @property
+    def producer_closed(self) -> bool:
+        return bool(self._words[_PRODUCER_CLOSED])
+
+    def close_producer(self) -> None:
+        fence()  # every frame published before the close is visible with it
+        self._words[_PRODUCER_CLOSED] = 1
+
+    @property
+    def consumer_closed(self) -> bool:
+        return bool(self._words[_CONSUMER_CLOSED])
+
+    def close_consumer(self) -> None:
+        self._words[_CONSUMER_CLOSED] = 1
+
+    # Indices ---------------------------------------------------------------------
+
+    @property
+    def head(self) -> int:
+        return self._words[_HEAD]
+
+    @property
+    def tail(self) -> int:
+        return self._words[_TAIL]
+
+    def used(self) -> int:
+        return self._words[_TAIL] - self._words[_HEAD]
+
+    def free(self) -> int:
+        return self.capacity - (self._words[_TAIL] - self._words[_HEAD])
+
+    # Producer side ---------------------------------------------------------------
+
+    def try_put(self, payload) -> bool:
+        """Append one frame and publish it; False (nothing written) if it does not fit now.
+        The caller has checked that ``len(payload) <= max_payload(capacity)``."""
+        words = self._words
+        tail = words[_TAIL]
+        head = words[_HEAD]
+        size = frame_size(len(payload))
+        if size > self.capacity - (tail - head):
+            return False
+        fence()  # the head load completes before we overwrite the space it handed back
+        write_frame(self._data, tail, payload)
+        fence()  # the payload is visible before the tail store that publishes it
+        words[_TAIL] = tail + size
+        return True
+
+    def take_consumer_wakeup(self) -> bool:
+        """After publishing: True if the consumer declared itself asleep (the caller posts
+        its semaphore); the declaration is consumed."""
+        fence()  # our tail store is ordered before this load of the consumer's flag
+        if self._words[_CONSUMER_WAIT]:
+            self._words[_CONSUMER_WAIT] = 0
+            return True
+        return False
+
+    def park_producer(self, need: int) -> bool:
+        """Declare that the producer sleeps until ``need`` bytes are free. False (and the
+        declaration withdrawn) if they already are."""
+        self._words[_PRODUCER_WAIT] = need
+        fence()  # the flag store is ordered before the head load below
+        if self.free() >= need:
+            self._words[_PRODUCER_WAIT] = 0
+            return False
+        return True
+
+    def unpark_producer(self) -> None:
+        self._words[_PRODUCER_WAIT] = 0
+
+    # Consumer side ---------------------------------------------------------------
+
+    def take_all(self) -> list[bytes]:
+        """Copy out every frame published so far and hand their space back at once."""
+        words = self._words
+        head = words[_HEAD]
+        tail = words[_TAIL]
+        if head == tail:
+            return []
+        fence()  # the payload loads happen after the tail load that published them
+        data = self._data
+        payloads = []
+        while head != tail:
+            payload, head = read_frame(data, head, tail - head)
+            payloads.append(payload)
+        fence()  # the payload loads complete before the head store frees their space
+        words[_HEAD] = head
+        return payloads
+
+    def take_producer_wakeup(self) -> bool:
+        """After freeing space: True if the producer sleeps and its need is now met (the
+        caller posts its semaphore); the declaration is consumed."""
+        fence()  # our head store is ordered before this load of the producer's flag
+        need = self._words[_PRODUCER_WAIT]
+        if need and self.free() >= need:
+            self._words[_PRODUCER_WAIT] = 0
+            return True
+        return False
+
+    def park_consumer(self) -> bool:
+        """Declare that the consumer sleeps until a frame is published. False (and the
+        declaration withdrawn) if one already is."""
+        self._words[_CONSUMER_WAIT] = 1
+        fence()  # the flag store is ordered before the tail load below
+        if self._words[_TAIL] != self._words[_HEAD]:
+            self._words[_CONSUMER_WAIT] = 0
+            return False
+        return True
+
+    def unpark_consumer(self) -> None:
+        self._words[_CONSUMER_WAIT] = 0
