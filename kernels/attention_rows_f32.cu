@@ -1,0 +1,12 @@
+// fp32 instantiations of the paged row-attention kernels (attention_rows.cuh).
+// One file per dtype so the JIT build compiles them in parallel.
+#include "attention_rows.cuh"
+
+namespace lmpool {
+
+cudaError_t launch_attention_rows_f32(int head_dim, const AttentionRowsArgs& args,
+                                       cudaStream_t stream) {
+  return launch_rows_for<float>(head_dim, args, stream);
+}
+
+}  // namespace lmpool

@@ -1,0 +1,412 @@
+// Torch-facing entry points of LMPool's CUDA kernels and their Python module.
+//
+// This file owns input validation (every check names the argument and says
+// what was expected), output and workspace allocation, and the launch
+// heuristics; the .cu files only enqueue kernels. Nothing here reads device
+// memory from the host or synchronizes: launch shapes come from tensor shapes
+// alone, so every entry point can be captured in a CUDA graph. Workspaces come
+// from torch's caching allocator (a capture's private pool during capture).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+
+#include "launchers.h"
+
+namespace lmpool {
+namespace {
+
+constexpr double kLog2E = 1.4426950408889634;  // the kernels use exp2: exp(x) = exp2(x * log2(e))
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kHalf: return DType::kF16;
+    case at::kBFloat16: return DType::kBF16;
+    default:
+      TORCH_CHECK(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+void check_device(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got a tensor on ", t.device());
+  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but the other inputs are on ",
+              device);
+}
+
+bool is_aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+void check_aligned16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(is_aligned16(t), name,
+              "'s data must be 16-byte aligned for vector access (a storage offset breaks it)");
+}
+
+void check_int32(const at::Tensor& t, const char* name, int64_t dims, const at::Device& device) {
+  check_device(t, name, device);
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dims, name, " must be ", dims, "-D, got shape ", t.sizes());
+  TORCH_CHECK(t.stride(-1) == 1, name, "'s last dimension must be contiguous, got strides ",
+              t.strides());
+}
+
+void check_ids(const at::Tensor& t, const char* name, const at::Device& device) {
+  check_device(t, name, device);
+  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
+              " must be int32 or int64, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), name, " must be a contiguous 1-D tensor, got shape ",
+              t.sizes(), " strides ", t.strides());
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+int block_shift(int64_t block_size) {
+  if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -1;
+  int shift = 0;
+  while ((int64_t{1} << shift) < block_size) ++shift;
+  return shift;
+}
+
+struct CacheShape {
+  int64_t num_blocks, block_size, kv_heads, head_dim;
+};
+
+// Checks shared by decode and prefill attention.
+CacheShape check_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens) {
+  const auto device = q.device();
+  check_device(q, "q", device);
+  check_device(k_cache, "k_cache", device);
+  check_device(v_cache, "v_cache", device);
+  dtype_of(q, "q");
+  TORCH_CHECK(q.dim() == 3, "q must be [tokens, q_heads, head_dim], got shape ", q.sizes());
+  TORCH_CHECK(q.stride(2) == 1, "q's head_dim must be contiguous, got strides ", q.strides());
+  TORCH_CHECK(k_cache.dim() == 4,
+              "k_cache must be [num_blocks, block_size, kv_heads, head_dim], got shape ",
+              k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache has shape ", v_cache.sizes(),
+              " but k_cache has shape ", k_cache.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous (pass kv_cache[layer, 0] and kv_cache[layer, 1])");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share a dtype, got ", q.scalar_type(), ", ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  CacheShape c{k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3)};
+  TORCH_CHECK(c.head_dim == 64 || c.head_dim == 128, "head_dim must be 64 or 128, got ", c.head_dim);
+  TORCH_CHECK(q.size(2) == c.head_dim, "q's head_dim is ", q.size(2), " but the cache's is ",
+              c.head_dim);
+  TORCH_CHECK(c.kv_heads > 0 && q.size(1) % c.kv_heads == 0, "q_heads (", q.size(1),
+              ") must be a positive multiple of kv_heads (", c.kv_heads, ")");
+  check_aligned16(k_cache, "k_cache");
+  check_aligned16(v_cache, "v_cache");
+  check_int32(block_tables, "block_tables", 2, device);
+  check_int32(context_lens, "context_lens", 1, device);
+  TORCH_CHECK(context_lens.size(0) == block_tables.size(0), "context_lens has ",
+              context_lens.size(0), " entries but block_tables has ", block_tables.size(0), " rows");
+  TORCH_CHECK(block_tables.size(1) * c.block_size < INT_MAX,
+              "block_tables covers more than 2^31 tokens per sequence");
+  return c;
+}
+
+// A device attribute, read once per device: the runtime call is cheap but not
+// free, and the answer never changes.
+int device_attribute(cudaDeviceAttr attr, int device) {
+  static std::array<std::array<int, 2>, 64> cache{};  // [device] -> {sm count, cc major}, 0 = unknown
+  const int slot = attr == cudaDevAttrMultiProcessorCount ? 0 : 1;
+  TORCH_CHECK(device >= 0 && device < 64, "device index ", device, " out of range");
+  int& value = cache[device][slot];
+  if (value == 0) {
+    int v = 0;
+    const cudaError_t err = cudaDeviceGetAttribute(&v, attr, device);
+    TORCH_CHECK(err == cudaSuccess, "cudaDeviceGetAttribute failed: ", cudaGetErrorString(err));
+    value = v;
+  }
+  return value;
+}
+
+int num_sms(int device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); }
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// Splits of the keys per row: enough CTAs for many waves (so the last wave's
+// tail and ragged lengths cost little) but never below kMinPartitionTokens
+// keys per split for the longest row the block table can describe.
+int64_t choose_splits(int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t max_tokens,
+                      int sms) {
+  const int64_t group = q_heads / kv_heads;
+  const int64_t heads_per_cta = rows_heads_per_cta(static_cast<int>(group));
+  const int64_t base = std::max<int64_t>(1, rows * kv_heads * ((group + heads_per_cta - 1) / heads_per_cta));
+  const int64_t target = 32LL * sms;
+  const int64_t useful = std::max<int64_t>(1, (max_tokens + kMinPartitionTokens - 1) / kMinPartitionTokens);
+  return std::clamp<int64_t>((target + base - 1) / base, 1, std::min<int64_t>(useful, 256));
+}
+
+at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& context_lens,
+                    const at::Tensor* query_start_loc, const CacheShape& c, double scale,
+                    int64_t num_splits, const char* what) {
+  const int64_t rows = q.size(0), q_heads = q.size(1);
+  auto out = at::empty({rows, q_heads, c.head_dim}, q.options());
+  if (rows == 0) return out;
+  const int64_t group = q_heads / c.kv_heads;
+  TORCH_CHECK(rows < INT_MAX, what, ": too many query rows (", rows, ")");
+  TORCH_CHECK(c.kv_heads * ((group + 7) / 8) < 65536, what, ": too many kv heads");
+  const int64_t max_tokens = block_tables.size(1) * c.block_size;
+  const int64_t splits = num_splits > 0 ? num_splits
+                                        : choose_splits(rows, q_heads, c.kv_heads, max_tokens, num_sms(q.get_device()));
+  TORCH_CHECK(splits < 65536, what, ": num_splits must be below 65536, got ", splits);
+
+  AttentionRowsArgs a{};
+  a.q = q.data_ptr();
+  a.q_row_stride = q.stride(0);
+  a.q_head_stride = q.stride(1);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = block_tables.data_ptr<int>();
+  a.block_table_stride = block_tables.stride(0);
+  a.context_lens = context_lens.data_ptr<int>();
+  a.query_start_loc = query_start_loc ? query_start_loc->data_ptr<int>() : nullptr;
+  a.out = out.data_ptr();
+  at::Tensor partial_out, partial_lse;
+  if (splits > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    partial_out = at::empty({rows, q_heads, splits, c.head_dim}, f32);
+    partial_lse = at::empty({rows, q_heads, splits}, f32);
+    a.partial_out = partial_out.data_ptr<float>();
+    a.partial_lse = partial_lse.data_ptr<float>();
+  }
+  a.num_rows = static_cast<int>(rows);
+  a.num_seqs = static_cast<int>(block_tables.size(0));
+  a.q_heads = static_cast<int>(q_heads);
+  a.kv_heads = static_cast<int>(c.kv_heads);
+  a.block_size = static_cast<int>(c.block_size);
+  a.block_shift = block_shift(c.block_size);
+  a.max_blocks = static_cast<int>(block_tables.size(1));
+  a.num_splits = static_cast<int>(splits);
+  a.scale_log2 = static_cast<float>(scale * kLog2E);
+  check_launch(launch_attention_rows(dtype_of(q, "q"), static_cast<int>(c.head_dim), a,
+                                     current_stream()),
+               what);
+  return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale,
+                                  int64_t num_splits) {
+  const CacheShape c = check_attention(q, k_cache, v_cache, block_tables, context_lens);
+  TORCH_CHECK(block_tables.size(0) == q.size(0),
+              "decode takes one query per sequence: q has ", q.size(0),
+              " rows but block_tables has ", block_tables.size(0));
+  TORCH_CHECK(num_splits >= 0, "num_splits must be >= 0 (0 picks one), got ", num_splits);
+  const c10::cuda::CUDAGuard guard(q.device());
+  return run_rows(q, k_cache, v_cache, block_tables, context_lens, nullptr, c, scale, num_splits,
+                  "paged_decode_attention");
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& context_lens,
+                                   const at::Tensor& query_start_loc, double scale,
+                                   bool use_tensor_cores) {
+  const CacheShape c = check_attention(q, k_cache, v_cache, block_tables, context_lens);
+  check_int32(query_start_loc, "query_start_loc", 1, q.device());
+  const int64_t num_seqs = block_tables.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have num_seqs + 1 = ",
+              num_seqs + 1, " entries, got ", query_start_loc.size(0));
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t total_q = q.size(0), q_heads = q.size(1);
+  const int64_t group = q_heads / c.kv_heads;
+  if (num_seqs == 0) return at::zeros_like(q, at::MemoryFormat::Contiguous);
+
+  const DType dtype = dtype_of(q, "q");
+  const bool tensor_cores = use_tensor_cores && dtype != DType::kF32 && group <= kPrefillRows &&
+                            device_attribute(cudaDevAttrComputeCapabilityMajor, q.get_device()) >= 8 && q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 &&
+                            is_aligned16(q);
+  if (!tensor_cores)
+    return run_rows(q, k_cache, v_cache, block_tables, context_lens, &query_start_loc, c, scale, 0,
+                    "paged_attention");
+
+  auto out = at::empty({total_q, q_heads, c.head_dim}, q.options());
+  if (total_q == 0) return out;
+  PrefillArgs a{};
+  a.q = q.data_ptr();
+  a.q_row_stride = q.stride(0);
+  a.q_head_stride = q.stride(1);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = block_tables.data_ptr<int>();
+  a.block_table_stride = block_tables.stride(0);
+  a.context_lens = context_lens.data_ptr<int>();
+  a.query_start_loc = query_start_loc.data_ptr<int>();
+  a.out = out.data_ptr();
+  a.num_seqs = static_cast<int>(num_seqs);
+  a.q_heads = static_cast<int>(q_heads);
+  a.kv_heads = static_cast<int>(c.kv_heads);
+  a.block_size = static_cast<int>(c.block_size);
+  a.block_shift = block_shift(c.block_size);
+  a.max_blocks = static_cast<int>(block_tables.size(1));
+  a.tokens_per_tile = static_cast<int>(kPrefillRows / group);
+  const int64_t tiles = (total_q + num_seqs * (a.tokens_per_tile - 1)) / a.tokens_per_tile;
+  TORCH_CHECK(tiles < INT_MAX && c.kv_heads < 65536, "paged_attention: batch too large");
+  a.num_tiles = static_cast<int>(tiles);
+  a.scale_log2 = static_cast<float>(scale * kLog2E);
+  check_launch(launch_prefill_mma(dtype, static_cast<int>(c.head_dim), a,
+                                  current_stream()),
+               "paged_attention");
+  return out;
+}
+
+void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+              const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const auto device = k_cache.device();
+  check_device(key, "key", device);
+  check_device(value, "value", device);
+  check_device(k_cache, "k_cache", device);
+  check_device(v_cache, "v_cache", device);
+  check_ids(slot_mapping, "slot_mapping", device);
+  TORCH_CHECK(k_cache.dim() == 4,
+              "k_cache must be [num_blocks, block_size, kv_heads, head_dim], got shape ",
+              k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache has shape ", v_cache.sizes(),
+              " but k_cache has shape ", k_cache.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous");
+  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK(key.dim() == 3 && key.size(1) == kv_heads && key.size(2) == head_dim,
+              "key must be [tokens, ", kv_heads, ", ", head_dim, "] to match the cache, got shape ",
+              key.sizes());
+  TORCH_CHECK(value.sizes() == key.sizes(), "value has shape ", value.sizes(),
+              " but key has shape ", key.sizes());
+  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
+              " entries but key has ", key.size(0), " tokens");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
+              "key and value must have a contiguous head_dim, got strides ", key.strides(), " and ",
+              value.strides());
+  const auto dt = k_cache.scalar_type();
+  dtype_of(k_cache, "k_cache");
+  TORCH_CHECK(v_cache.scalar_type() == dt && key.scalar_type() == dt && value.scalar_type() == dt,
+              "key, value, k_cache and v_cache must share a dtype, got ", key.scalar_type(), ", ",
+              value.scalar_type(), ", ", dt, " and ", v_cache.scalar_type());
+  TORCH_CHECK(key.size(0) < INT_MAX, "write_kv: too many tokens");
+  const c10::cuda::CUDAGuard guard(device);
+
+  const int64_t esize = k_cache.element_size();
+  const int64_t vec = 16 / esize;
+  const bool vectorized = is_aligned16(key) && is_aligned16(value) && is_aligned16(k_cache) &&
+                          is_aligned16(v_cache) && head_dim % vec == 0 &&
+                          key.stride(0) % vec == 0 && key.stride(1) % vec == 0 &&
+                          value.stride(0) % vec == 0 && value.stride(1) % vec == 0;
+  WriteKVArgs a{};
+  a.key = key.data_ptr();
+  a.value = value.data_ptr();
+  a.key_row_stride = key.stride(0);
+  a.key_head_stride = key.stride(1);
+  a.value_row_stride = value.stride(0);
+  a.value_head_stride = value.stride(1);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.slot_mapping = slot_mapping.data_ptr();
+  a.slots_int64 = slot_mapping.scalar_type() == at::kLong;
+  a.num_tokens = static_cast<int>(key.size(0));
+  a.kv_heads = static_cast<int>(kv_heads);
+  a.head_dim = static_cast<int>(head_dim);
+  a.elem_size = static_cast<int>(esize);
+  a.num_slots = k_cache.size(0) * k_cache.size(1);
+  a.vectorized = vectorized;
+  check_launch(launch_write_kv(a, current_stream()), "write_kv");
+}
+
+BlockCopyArgs block_copy_args(const at::Tensor& kv_cache, const at::Tensor& block_ids,
+                              const char* what) {
+  check_device(kv_cache, "kv_cache", kv_cache.device());
+  check_ids(block_ids, "block_ids", kv_cache.device());
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2,
+              "kv_cache must be [layers, 2, num_blocks, block_size, kv_heads, head_dim], got shape ",
+              kv_cache.sizes());
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  check_aligned16(kv_cache, "kv_cache");
+  const int64_t block_bytes =
+      kv_cache.size(3) * kv_cache.size(4) * kv_cache.size(5) * kv_cache.element_size();
+  TORCH_CHECK(block_bytes % 16 == 0, what, " copies 16-byte vectors, but one block of one layer is ",
+              block_bytes, " bytes");
+  BlockCopyArgs a{};
+  a.kv_cache = kv_cache.data_ptr();
+  a.block_ids = block_ids.data_ptr();
+  a.ids_int64 = block_ids.scalar_type() == at::kLong;
+  a.planes = kv_cache.size(0) * 2;
+  a.num_blocks = kv_cache.size(2);
+  a.num_ids = block_ids.size(0);
+  a.block_bytes = block_bytes;
+  const int64_t tiles = (block_bytes / 16 + 1023) / 1024;
+  TORCH_CHECK(a.planes * a.num_ids * tiles < INT_MAX, what, ": too many blocks in one call (",
+              a.num_ids, ")");
+  return a;
+}
+
+at::Tensor pack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids) {
+  BlockCopyArgs a = block_copy_args(kv_cache, block_ids, "pack_kv");
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  auto payload = at::empty({kv_cache.size(0), 2, block_ids.size(0), kv_cache.size(3),
+                            kv_cache.size(4), kv_cache.size(5)},
+                           kv_cache.options());
+  a.payload = payload.data_ptr();
+  check_launch(launch_pack_kv(a, current_stream()), "pack_kv");
+  return payload;
+}
+
+void unpack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids, const at::Tensor& payload) {
+  BlockCopyArgs a = block_copy_args(kv_cache, block_ids, "unpack_kv");
+  check_device(payload, "payload", kv_cache.device());
+  const std::vector<int64_t> expected{kv_cache.size(0), 2, block_ids.size(0), kv_cache.size(3),
+                                      kv_cache.size(4), kv_cache.size(5)};
+  TORCH_CHECK(payload.sizes() == at::IntArrayRef(expected), "payload must have shape ",
+              at::IntArrayRef(expected), " for ", block_ids.size(0), " block ids, got ",
+              payload.sizes());
+  TORCH_CHECK(payload.scalar_type() == kv_cache.scalar_type(), "payload dtype ",
+              payload.scalar_type(), " differs from kv_cache dtype ", kv_cache.scalar_type());
+  TORCH_CHECK(payload.is_contiguous(), "payload must be contiguous");
+  check_aligned16(payload, "payload");
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  a.payload = payload.data_ptr();
+  check_launch(launch_unpack_kv(a, current_stream()), "unpack_kv");
+}
+
+int64_t decode_splits(int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t max_tokens,
+                      int64_t device_index) {
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "q_heads must be a multiple of kv_heads");
+  return choose_splits(rows, q_heads, kv_heads, max_tokens, num_sms(static_cast<int>(device_index)));
+}
+
+}  // namespace
+}  // namespace lmpool
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "LMPool paged-KV CUDA kernels (layouts: lmpool/ops/reference.py)";
+  m.def("paged_decode_attention", &lmpool::paged_decode_attention, py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("num_splits") = 0,
+        "One query per sequence; num_splits=0 picks the split-K factor from the shapes.");
+  m.def("paged_prefill_attention", &lmpool::paged_prefill_attention, py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("use_tensor_cores") = true,
+        "Ragged causal attention over cached prefixes; fp16/bf16 use tensor cores when allowed.");
+  m.def("write_kv", &lmpool::write_kv, py::arg("key"), py::arg("value"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slot_mapping"), "Store K/V rows at their slots; -1 is skipped.");
+  m.def("pack_kv", &lmpool::pack_kv, py::arg("kv_cache"), py::arg("block_ids"),
+        "Gather blocks of every layer into [layers, 2, B, block_size, kv_heads, head_dim].");
+  m.def("unpack_kv", &lmpool::unpack_kv, py::arg("kv_cache"), py::arg("block_ids"),
+        py::arg("payload"), "Scatter a packed payload into block_ids of every layer.");
+  m.def("decode_splits", &lmpool::decode_splits, py::arg("rows"), py::arg("q_heads"),
+        py::arg("kv_heads"), py::arg("max_tokens"), py::arg("device_index"),
+        "The split-K factor paged_decode_attention picks for these shapes.");
+}

@@ -1,0 +1,102 @@
+// Shared device helpers for LMPool's kernels: 16-byte vector loads and the
+// conversions between the cache dtypes (fp32, fp16, bf16) and fp32 math.
+//
+// Invariant: every "vector" here is exactly 16 bytes (a uint4), so a vector
+// holds 4 fp32 or 8 fp16/bf16 elements; callers guarantee 16-byte alignment.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace lmpool {
+
+template <typename T>
+struct Vec16 {
+  static constexpr int kElems = 16 / sizeof(T);
+};
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Read-only, L1-cached 16-byte load: K/V rows and block-table entries are never
+// written while a kernel runs, so the non-coherent path is safe.
+__device__ __forceinline__ uint4 load16(const void* ptr) {
+  return __ldg(reinterpret_cast<const uint4*>(ptr));
+}
+
+// Convert one 16-byte vector to fp32 lanes.
+__device__ __forceinline__ void to_float(const uint4& v, float (&out)[4]) {
+  out[0] = __uint_as_float(v.x);
+  out[1] = __uint_as_float(v.y);
+  out[2] = __uint_as_float(v.z);
+  out[3] = __uint_as_float(v.w);
+}
+
+__device__ __forceinline__ float2 pair_to_float2(uint32_t bits, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+
+__device__ __forceinline__ float2 pair_to_float2(uint32_t bits, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+}
+
+template <typename T>
+__device__ __forceinline__ void to_float(const uint4& v, float (&out)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = pair_to_float2(words[i], T{});
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// Dispatch helper so kernels can write `vec_to_float<T>(v, arr)` for any T.
+template <typename T, int N>
+__device__ __forceinline__ void vec_to_float(const uint4& v, float (&out)[N]) {
+  if constexpr (sizeof(T) == 4) {
+    to_float(v, out);
+  } else {
+    to_float<T>(v, out);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float scalar_to_float(T x);
+template <>
+__device__ __forceinline__ float scalar_to_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float scalar_to_float<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float scalar_to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <typename T>
+__device__ __forceinline__ T float_to(float x);
+template <>
+__device__ __forceinline__ float float_to<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half float_to<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 float_to<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Two fp32 values packed into one 32-bit register of 16-bit elements, the
+// operand format of the tensor-core mma instructions.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+}  // namespace lmpool

@@ -1,0 +1,161 @@
+// The boundary between the torch-facing host code (bindings.cpp) and the CUDA
+// translation units. Nothing here includes torch, so the .cu files compile
+// without ATen's heavy headers and can be built in parallel.
+//
+// Invariants the host side guarantees before calling a launcher:
+// - every tensor lives on the current device, is 16-byte aligned, and has the
+//   layout documented in lmpool/ops/reference.py (the cache and outputs are
+//   contiguous; q and key/value rows only need a contiguous last dimension);
+// - dtypes match (the cache dtype is the compute input dtype);
+// - index tensors are int32 unless a field says otherwise.
+// Launchers only enqueue work on `stream` and return the launch status; they
+// never synchronize, so they are safe to capture in a CUDA graph.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace lmpool {
+
+enum class DType { kF32, kF16, kBF16 };
+
+inline int dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// ---------------------------------------------------------------------------
+// Paged attention, one CTA per (query row, kv head [, q-head chunk], split).
+// Used for decode (row == sequence) and as the general prefill path.
+
+constexpr int kRowsThreads = 128;
+// A split never gets fewer keys than this: below it the per-CTA setup and the
+// cross-split reduction cost more than the parallelism they buy.
+constexpr int kMinPartitionTokens = 256;
+
+// Query heads one CTA handles; a GQA group larger than this is split in chunks.
+inline int rows_heads_per_cta(int group) {
+  return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8;
+}
+
+// Tokens a CTA consumes per loop iteration: (threads / lanes per token) token
+// groups times the tokens each group keeps in flight. Fewer in flight when more
+// heads share a CTA, to bound registers. Must match attention_rows.cuh.
+constexpr int rows_unroll(int heads_per_cta) {
+  return heads_per_cta <= 2 ? 8 : heads_per_cta == 4 ? 4 : 2;
+}
+constexpr int rows_tile_tokens(int elem_size, int head_dim, int heads_per_cta) {
+  return (kRowsThreads / (head_dim / (16 / elem_size))) * rows_unroll(heads_per_cta);
+}
+
+struct AttentionRowsArgs {
+  const void* q;  // [rows, q_heads, head_dim]
+  int64_t q_row_stride;
+  int64_t q_head_stride;
+  const void* k_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+  const void* v_cache;
+  const int* block_tables;  // [num_seqs, max_blocks]
+  int64_t block_table_stride;
+  const int* context_lens;     // [num_seqs]
+  const int* query_start_loc;  // [num_seqs + 1]; nullptr: decode, row b is sequence b
+  void* out;                   // [rows, q_heads, head_dim], contiguous
+  float* partial_out;          // [rows, q_heads, num_splits, head_dim] if num_splits > 1
+  float* partial_lse;          // [rows, q_heads, num_splits] (log2 domain)
+  int num_rows;
+  int num_seqs;
+  int q_heads;
+  int kv_heads;
+  int block_size;
+  int block_shift;  // log2(block_size) if a power of two, else -1
+  int max_blocks;   // block_tables.size(1): bounds every read of the table
+  int num_splits;
+  float scale_log2;  // softmax scale * log2(e): kernels work in the exp2 domain
+};
+
+// One translation unit per dtype (attention_rows_*.cu) so they compile in parallel.
+cudaError_t launch_attention_rows_f32(int head_dim, const AttentionRowsArgs& args, cudaStream_t stream);
+cudaError_t launch_attention_rows_f16(int head_dim, const AttentionRowsArgs& args, cudaStream_t stream);
+cudaError_t launch_attention_rows_bf16(int head_dim, const AttentionRowsArgs& args, cudaStream_t stream);
+
+inline cudaError_t launch_attention_rows(DType dtype, int head_dim, const AttentionRowsArgs& args,
+                                         cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF32: return launch_attention_rows_f32(head_dim, args, stream);
+    case DType::kF16: return launch_attention_rows_f16(head_dim, args, stream);
+    default: return launch_attention_rows_bf16(head_dim, args, stream);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Prefill over a cached prefix on tensor cores (fp16/bf16, head_dim 64/128).
+// One CTA per (64-row tile of (token, q head) pairs of one sequence, kv head).
+
+constexpr int kPrefillRows = 64;
+
+struct PrefillArgs {
+  const void* q;  // [total_q, q_heads, head_dim]; both strides multiples of 8
+  int64_t q_row_stride;
+  int64_t q_head_stride;
+  const void* k_cache;
+  const void* v_cache;
+  const int* block_tables;
+  int64_t block_table_stride;
+  const int* context_lens;
+  const int* query_start_loc;
+  void* out;  // [total_q, q_heads, head_dim], contiguous
+  int num_seqs;
+  int q_heads;
+  int kv_heads;
+  int block_size;
+  int block_shift;
+  int max_blocks;
+  int tokens_per_tile;  // kPrefillRows / group: a tile holds whole GQA groups
+  int num_tiles;        // grid size: an upper bound on the tiles of all sequences
+  float scale_log2;
+};
+
+cudaError_t launch_prefill_mma_f16(int head_dim, const PrefillArgs& args, cudaStream_t stream);
+cudaError_t launch_prefill_mma_bf16(int head_dim, const PrefillArgs& args, cudaStream_t stream);
+
+inline cudaError_t launch_prefill_mma(DType dtype, int head_dim, const PrefillArgs& args,
+                                      cudaStream_t stream) {
+  return dtype == DType::kF16 ? launch_prefill_mma_f16(head_dim, args, stream)
+                              : launch_prefill_mma_bf16(head_dim, args, stream);
+}
+
+// ---------------------------------------------------------------------------
+// KV-cache write by slot, and whole-block gather/scatter across all layers.
+
+struct WriteKVArgs {
+  const void* key;  // [tokens, kv_heads, head_dim]
+  const void* value;
+  int64_t key_row_stride, key_head_stride;  // elements
+  int64_t value_row_stride, value_head_stride;
+  void* k_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+  void* v_cache;
+  const void* slot_mapping;  // [tokens], int32 or int64
+  bool slots_int64;
+  int num_tokens;
+  int kv_heads;
+  int head_dim;
+  int elem_size;
+  int64_t num_slots;  // num_blocks * block_size: larger slots are skipped
+  bool vectorized;    // all rows 16-byte aligned: copy in 16-byte vectors
+};
+
+cudaError_t launch_write_kv(const WriteKVArgs& args, cudaStream_t stream);
+
+struct BlockCopyArgs {
+  void* kv_cache;         // [planes = layers * 2, num_blocks, block_bytes]
+  void* payload;          // [planes, num_ids, block_bytes]
+  const void* block_ids;  // [num_ids], int32 or int64
+  bool ids_int64;
+  int64_t planes;
+  int64_t num_blocks;
+  int64_t num_ids;
+  int64_t block_bytes;  // multiple of 16
+};
+
+// pack: cache -> payload (blocks with an id outside [0, num_blocks) read as zeros);
+// unpack: payload -> cache (such blocks are skipped).
+cudaError_t launch_pack_kv(const BlockCopyArgs& args, cudaStream_t stream);
+cudaError_t launch_unpack_kv(const BlockCopyArgs& args, cudaStream_t stream);
+
+}  // namespace lmpool

@@ -1,0 +1,281 @@
+// Prefill attention over a cached prefix on tensor cores (mma.sync m16n8k16,
+// fp16/bf16 inputs, fp32 accumulation), FlashAttention-2 style.
+//
+// Rows of a tile are (new token, q head) pairs of one sequence and one GQA
+// group, token-major: row r is token tok0 + r / group, head r % group. Packing
+// the group into the rows means each K/V tile loaded into shared memory serves
+// every q head of the group. A CTA of 4 warps owns 64 rows (16 per warp) and
+// walks the keys in tiles of 64: S = Q K^T on tensor cores, causal mask, online
+// softmax in registers, then O += P V with P reused straight from the S
+// accumulators as the A operand.
+//
+// Tiles of all sequences share grid.x without a host-side count: sequence b's
+// tiles start at slot (query_start_loc[b] + b * (tokens_per_tile - 1)) /
+// tokens_per_tile, which leaves room for ceil(n_b / tokens_per_tile) tiles; a
+// CTA binary-searches its sequence and exits if its slot is a gap.
+#pragma once
+
+#include <cmath>
+
+#include "common.cuh"
+#include "launchers.h"
+
+namespace lmpool {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy that bypasses registers; src_bytes = 0 zero-fills.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1);
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4],
+                                                  uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
+                                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
+  constexpr int kRows = kPrefillRows, kKeys = 64;
+  constexpr int kChunks = D / 8;      // 16-byte chunks per row
+  constexpr int kStride = D + 8;      // padded so ldmatrix's 8 row addresses hit distinct banks
+  static_assert(kRows == 64, "4 warps x 16 rows");
+  __shared__ __align__(16) T k_tile[kKeys * kStride];
+  __shared__ __align__(16) T v_tile[kKeys * kStride];
+
+  const int kv_head = blockIdx.y;
+  const int group = a.q_heads / a.kv_heads;
+  const int tpt = a.tokens_per_tile;
+  const int* qsl = a.query_start_loc;
+
+  // Which sequence owns this tile slot (see the file comment).
+  const int slot = blockIdx.x;
+  int lo = 0, hi = a.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if ((__ldg(qsl + mid) + mid * (tpt - 1)) / tpt <= slot) lo = mid; else hi = mid - 1;
+  }
+  const int seq = lo;
+  const int q_start = __ldg(qsl + seq);
+  const int n = __ldg(qsl + seq + 1) - q_start;
+  const int tok0 = (slot - (q_start + seq * (tpt - 1)) / tpt) * tpt;
+  if (tok0 < 0 || tok0 >= n) return;  // a gap slot: uniform exit, before any barrier
+
+  const int ctx = min(__ldg(a.context_lens + seq), a.max_blocks * a.block_size);
+  const int prefix = ctx - n;  // keys cached before this step's tokens
+  const int tok_end = min(tok0 + tpt, n);
+  const int rows_valid = (tok_end - tok0) * group;
+  const int kv_end = max(0, min(ctx, prefix + tok_end));  // keys any row here may see
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const T* q = static_cast<const T*>(a.q);
+
+  // Stage this tile's queries through k_tile, then keep them in registers.
+  for (int c = tid; c < kRows * kChunks; c += 128) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows_valid) {
+      const int t = tok0 + r / group, h = kv_head * group + r % group;
+      v = *reinterpret_cast<const uint4*>(q + (int64_t)(q_start + t) * a.q_row_stride +
+                                          (int64_t)h * a.q_head_stride + col);
+    }
+    *reinterpret_cast<uint4*>(&k_tile[r * kStride + col]) = v;
+  }
+  __syncthreads();
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    ldmatrix_x4(qf[kk], &k_tile[(warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kStride +
+                                kk * 16 + (lane / 16) * 8]);
+  __syncthreads();
+
+  // This thread's two rows (mma C layout: lane/4 and lane/4 + 8 of the warp's 16)
+  // and the first key each may not see. Padding rows see every loaded key so
+  // they stay finite; they are never stored.
+  int limit[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int rr = warp * 16 + lane / 4 + r * 8;
+    limit[r] = rr < rows_valid ? min(ctx, prefix + tok0 + rr / group + 1) : kv_end;
+  }
+  const int unmasked_end = min(ctx, prefix + tok0 + 1);  // keys below it are visible to all rows
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  const int* table = a.block_tables + (int64_t)seq * a.block_table_stride;
+  const int64_t token_stride = (int64_t)a.kv_heads * D;
+  const T* k_cache = static_cast<const T*>(a.k_cache) + kv_head * D;
+  const T* v_cache = static_cast<const T*>(a.v_cache) + kv_head * D;
+  const int bs = a.block_size, shift = a.block_shift;
+
+  for (int kv0 = 0; kv0 < kv_end; kv0 += kKeys) {
+    // K then V as two cp.async groups, so QK^T can start while V is in flight.
+    // Keys past kv_end are zero-filled: 0 * garbage could be NaN in P V.
+    int64_t row_off[kKeys * kChunks / 128];
+#pragma unroll
+    for (int i = 0; i < kKeys * kChunks / 128; ++i) {
+      const int c = tid + i * 128;
+      const int t = kv0 + c / kChunks;
+      row_off[i] = -1;
+      if (t < kv_end) {
+        const int lb = shift >= 0 ? t >> shift : t / bs;
+        const int off = shift >= 0 ? t & (bs - 1) : t - lb * bs;
+        row_off[i] = ((int64_t)__ldg(table + lb) * bs + off) * token_stride + (c % kChunks) * 8;
+      }
+      cp_async16(&k_tile[(c / kChunks) * kStride + (c % kChunks) * 8],
+                 row_off[i] >= 0 ? k_cache + row_off[i] : k_cache, row_off[i] >= 0);
+    }
+    cp_async_commit();
+#pragma unroll
+    for (int i = 0; i < kKeys * kChunks / 128; ++i) {
+      const int c = tid + i * 128;
+      cp_async16(&v_tile[(c / kChunks) * kStride + (c % kChunks) * 8],
+                 row_off[i] >= 0 ? v_cache + row_off[i] : v_cache, row_off[i] >= 0);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    float s[kKeys / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kKeys / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; nt += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, &k_tile[(nt * 8 + (lane % 8) + (lane / 16) * 8) * kStride + kk * 16 +
+                               ((lane / 8) % 2) * 8]);
+        mma_16816<T>(s[nt], qf[kk], b[0], b[1]);
+        mma_16816<T>(s[nt + 1], qf[kk], b[2], b[3]);
+      }
+    }
+
+    const bool masked = kv0 + kKeys > unmasked_end;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = row_max[r];
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = s[nt][2 * r + e] * a.scale_log2;
+          if (masked && kv0 + nt * 8 + (lane % 4) * 2 + e >= limit[r]) x = -INFINITY;
+          s[nt][2 * r + e] = x;
+          tile_max = fmaxf(tile_max, x);
+        }
+      }
+      // The 4 lanes of a quad hold the same row.
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float ref = tile_max == -INFINITY ? 0.f : tile_max;
+      const float alpha = exp2f(row_max[r] - ref);
+      row_max[r] = tile_max;
+      row_sum[r] *= alpha;  // a per-lane partial sum; the quad adds its parts at the end
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        o[dt][2 * r] *= alpha;
+        o[dt][2 * r + 1] *= alpha;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2f(s[nt][2 * r + e] - ref);
+          s[nt][2 * r + e] = p;
+          row_sum[r] += p;
+        }
+      }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      // The S accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment of P.
+      const uint32_t pa[4] = {pack_pair<T>(s[2 * kk][0], s[2 * kk][1]),
+                              pack_pair<T>(s[2 * kk][2], s[2 * kk][3]),
+                              pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dt = 0; dt < D / 8; dt += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, &v_tile[(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kStride +
+                                     dt * 8 + (lane / 16) * 8]);
+        mma_16816<T>(o[dt], pa, b[0], b[1]);
+        mma_16816<T>(o[dt + 1], pa, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // the next tile's copies overwrite k_tile and v_tile
+  }
+
+  T* out = static_cast<T*>(a.out);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row with no key reads as zeros
+    const int rr = warp * 16 + lane / 4 + r * 8;
+    if (rr < rows_valid) {
+      const int t = tok0 + rr / group, h = kv_head * group + rr % group;
+      T* dst = out + ((int64_t)(q_start + t) * a.q_heads + h) * D + (lane % 4) * 2;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt)
+        *reinterpret_cast<uint32_t*>(dst + dt * 8) =
+            pack_pair<T>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch_prefill_for(int head_dim, const PrefillArgs& a, cudaStream_t stream) {
+  const dim3 grid(a.num_tiles, a.kv_heads);
+  switch (head_dim) {
+    case 64: prefill_mma_kernel<T, 64><<<grid, 128, 0, stream>>>(a); break;
+    case 128: prefill_mma_kernel<T, 128><<<grid, 128, 0, stream>>>(a); break;
+    default: return cudaErrorInvalidValue;  // the host checks head_dim first
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace lmpool

@@ -1,0 +1,229 @@
+"""LMPool's CUDA kernels behind the ``KVOps`` interface, built from ``kernels/`` on first use.
+
+Owns: finding the kernel sources, compiling them once per (sources, torch, CUDA,
+GPU architecture) into a cached build directory, and the thin wrappers that give
+each kernel exactly the signature of its reference in ``lmpool.ops.reference``.
+
+Invariants:
+- Importing this module never compiles anything and works without a GPU; the
+  first kernel call builds (or loads the cached build of) the extension, and
+  raises a ``RuntimeError`` naming what is missing when it cannot.
+- No wrapper reads device memory from the host or synchronizes, so the engine
+  can capture them in CUDA graphs. Index tensors that are not int32 are
+  converted on the device; inputs whose dtype differs from the cache's are cast
+  to it, as the reference does.
+- The build directory name hashes everything that changes the binary, so a
+  stale build is never loaded and concurrent processes share one build (torch
+  serializes builders with a lock file in that directory).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.resources
+import os
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from lmpool.ops import KVOps
+
+_SOURCES = (
+    "bindings.cpp",
+    "attention_rows_f32.cu",
+    "attention_rows_f16.cu",
+    "attention_rows_bf16.cu",
+    "prefill_mma_f16.cu",
+    "prefill_mma_bf16.cu",
+    "kv_cache.cu",
+)
+_HEADERS = ("launchers.h", "common.cuh", "attention_rows.cuh", "prefill_mma.cuh")
+_CUDA_FLAGS = ("-O3", "-lineinfo")
+_CXX_FLAGS = ("-O3",)
+CACHE_ENV = "LMPOOL_KERNEL_CACHE"
+
+
+def kernel_source_dir() -> Path:
+    """The folder holding the kernel sources.
+
+    Installed, they are the data package ``lmpool_kernels``; in a source tree
+    that is not installed (``PYTHONPATH`` pointing at the checkout) they are the
+    ``kernels/`` folder beside the ``lmpool/`` package.
+    """
+    candidates = []
+    try:
+        candidates.append(Path(str(importlib.resources.files("lmpool_kernels"))))
+    except ModuleNotFoundError:
+        pass
+    candidates.append(Path(__file__).resolve().parents[2] / "kernels")
+    for folder in candidates:
+        if all((folder / name).is_file() for name in _SOURCES + _HEADERS):
+            return folder
+    raise RuntimeError(
+        "LMPool's CUDA kernel sources were not found; looked in "
+        + ", ".join(str(c) for c in candidates)
+        + f" for {', '.join(_SOURCES)}. Reinstall lmpool (pip install -e .) from a full checkout."
+    )
+
+
+def arch_flags(capability: tuple[int, int]) -> list[str]:
+    """nvcc targets: machine code for this GPU (sm_90a on Hopper) plus compute_80 PTX.
+
+    The PTX lets the driver compile the kernels for any later GPU (they need
+    sm_80 for bf16 and cp.async); the machine code avoids that JIT on this one.
+    """
+    major, minor = capability
+    if (major, minor) == (9, 0):
+        native = "-gencode=arch=compute_90a,code=sm_90a"
+    else:
+        native = f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"
+    return [native, "-gencode=arch=compute_80,code=compute_80"]
+
+
+def _require_toolchain() -> str:
+    """Check that a build can run here; returns the nvcc path or raises a RuntimeError."""
+    if torch.version.cuda is None:
+        raise RuntimeError(
+            f"LMPool's CUDA kernels need a CUDA build of torch, but torch {torch.__version__} "
+            "is a CPU-only build. Install a CUDA wheel of torch on a GPU machine, or use the "
+            "torch reference ops: lmpool.ops.get_backend(device, use_kernels=False)."
+        )
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"LMPool's CUDA kernels need a CUDA GPU, but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, CUDA {torch.version.cuda}). Check the NVIDIA driver "
+            "and CUDA_VISIBLE_DEVICES, or use the torch reference ops: "
+            "lmpool.ops.get_backend(device, use_kernels=False)."
+        )
+    from torch.utils import cpp_extension
+
+    cuda_home = cpp_extension.CUDA_HOME
+    nvcc = Path(cuda_home, "bin", "nvcc") if cuda_home else None
+    if nvcc is None or not nvcc.is_file():
+        raise RuntimeError(
+            "LMPool compiles its CUDA kernels on first use, but nvcc was not found "
+            f"(CUDA_HOME={cuda_home!r}). Install the CUDA toolkit {torch.version.cuda} "
+            "and set CUDA_HOME to it (or put its bin/ on PATH)."
+        )
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError(
+            "LMPool compiles its CUDA kernels with torch.utils.cpp_extension, which needs "
+            "ninja: pip install ninja."
+        )
+    return str(nvcc)
+
+
+def _build_dir(source_dir: Path, flags: list[str], nvcc: str) -> tuple[Path, str]:
+    digest = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        digest.update(name.encode())
+        digest.update((source_dir / name).read_bytes())
+    nvcc_version = subprocess.run(
+        [nvcc, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    for part in (torch.__version__, str(torch.version.cuda), nvcc_version, *flags):
+        digest.update(part.encode())
+    key = digest.hexdigest()[:16]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lmpool" / "kernels")
+    return root / key, key
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """Build (once per process, and once per cache key on disk) and import the extension."""
+    nvcc = _require_toolchain()
+    from torch.utils import cpp_extension
+
+    source_dir = kernel_source_dir()
+    archs = arch_flags(torch.cuda.get_device_capability())
+    cuda_flags = [*_CUDA_FLAGS, *archs]
+    build_dir, key = _build_dir(source_dir, cuda_flags + list(_CXX_FLAGS), nvcc)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=f"lmpool_cuda_{key}",
+        sources=[str(source_dir / name) for name in _SOURCES],
+        extra_cflags=list(_CXX_FLAGS),
+        extra_cuda_cflags=cuda_flags,
+        extra_include_paths=[str(source_dir)],
+        build_directory=str(build_dir),
+        verbose=os.environ.get("LMPOOL_KERNEL_VERBOSE") == "1",
+    )
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` rows ``[T, kv_heads, head_dim]`` at their slots; skip slot -1."""
+    load_extension().write_kv(
+        key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, slot_mapping
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of ragged new queries over their sequences' paged KV."""
+    return load_extension().paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        _int32(block_tables),
+        _int32(context_lens),
+        _int32(query_start_loc),
+        float(scale),
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new query per sequence: ``q[batch, q_heads, head_dim]``."""
+    return load_extension().paged_decode_attention(
+        q, k_cache, v_cache, _int32(block_tables), _int32(context_lens), float(scale)
+    )
+
+
+def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Gather blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``."""
+    return load_extension().pack_kv(kv_cache, block_ids)
+
+
+def unpack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, payload: torch.Tensor) -> None:
+    """Scatter a packed payload into ``block_ids`` of every layer (inverse of ``pack_kv``)."""
+    if payload.shape[2] != block_ids.numel():
+        raise ValueError(
+            f"payload holds {payload.shape[2]} blocks but {block_ids.numel()} block ids were given"
+        )
+    load_extension().unpack_kv(kv_cache, block_ids, payload.to(kv_cache.dtype))
+
+
+CUDA_OPS = KVOps(
+    name="cuda",
+    write_kv=write_kv,
+    paged_attention=paged_attention,
+    paged_decode_attention=paged_decode_attention,
+    pack_kv=pack_kv,
+    unpack_kv=unpack_kv,
+)
