@@ -31,9 +31,10 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        kind = str(self.device).split(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (optionally 'cuda:N'), got {self.device!r}")
         device = torch.device(self.device)
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
         if self.dtype is not None and self.dtype not in DTYPES:
