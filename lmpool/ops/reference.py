@@ -79,8 +79,8 @@ def paged_attention(
         vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
         queries = q[lo:hi].float().transpose(0, 1)  # [Hq, n, D]
         scores = torch.matmul(queries, keys.transpose(1, 2)) * scale  # [Hq, n, ctx]
-        q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
-        k_pos = torch.arange(ctx).unsqueeze(0)
+        q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[lo:hi] = torch.matmul(probs, vals).transpose(0, 1).to(q.dtype)
