@@ -1,0 +1,45 @@
+"""The CUDA kernel loader's behaviour that does not need a GPU: sources, targets, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpool.ops import cuda, get_backend
+
+
+def test_sources_are_found():
+    folder = cuda.kernel_source_dir()
+    assert (folder / "bindings.cpp").is_file()
+    assert (folder / "attention_rows.cuh").is_file()
+
+
+def test_hopper_gets_sm90a_and_a_portable_ptx_target():
+    flags = cuda.arch_flags((9, 0))
+    assert "-gencode=arch=compute_90a,code=sm_90a" in flags
+    assert "-gencode=arch=compute_80,code=compute_80" in flags
+    assert cuda.arch_flags((8, 9))[0] == "-gencode=arch=compute_89,code=sm_89"
+
+
+def test_cuda_ops_keep_the_reference_signatures():
+    import inspect
+
+    from lmpool.ops import TORCH_OPS
+
+    for name in ("write_kv", "paged_attention", "paged_decode_attention", "pack_kv", "unpack_kv"):
+        ours = inspect.signature(getattr(cuda.CUDA_OPS, name))
+        theirs = inspect.signature(getattr(TORCH_OPS, name))
+        assert list(ours.parameters) == list(theirs.parameters), name
+
+
+def test_cpu_devices_get_the_torch_ops():
+    assert get_backend("cpu").name == "torch"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_loading_without_cuda_raises_a_clear_error():
+    with pytest.raises(RuntimeError, match="CUDA") as info:
+        cuda.load_extension()
+    assert "use_kernels=False" in str(info.value)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        cuda.CUDA_OPS.pack_kv(torch.zeros(1, 2, 1, 1, 1, 8), torch.zeros(1, dtype=torch.int64))
