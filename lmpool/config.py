@@ -28,6 +28,10 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     gpu_memory_utilization: float = 0.9  # share of the GPU this engine may fill
     cpu_kv_cache_bytes: int = 1 << 30
+    # Torch intra-op threads for a CPU engine. The engine's ops are small, and with
+    # several replicas (or any other busy process) sharing few cores, OpenMP workers
+    # spin against each other and a step gets tens of times slower than on one thread.
+    cpu_threads: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -47,5 +51,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -36,6 +36,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(config, model_config)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)  # process-wide: see EngineConfig.cpu_threads
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.ops = get_backend(self.device, config.use_kernels)
@@ -48,7 +50,10 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         c = model_config
-        self.kv_cache = torch.zeros(
+        # Only written slots are ever read, so CPU memory can stay lazily mapped; on
+        # CUDA the cache is zeroed so that padded graph rows read finite values.
+        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        self.kv_cache = alloc(
             c.num_hidden_layers, 2, self.num_blocks, self.block_size,
             c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device,
         )

@@ -95,11 +95,27 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One new query per sequence: ``q[batch, q_heads, head_dim]``."""
-    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_attention(
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale
-    )
+    """One new query per sequence: ``q[batch, q_heads, head_dim]``.
+
+    Batched over sequences (padded to the longest context and masked), because
+    decode is the CPU engine's hot path and per-sequence loops cost more in
+    dispatch than in arithmetic.
+    """
+    batch, q_heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    max_ctx = int(context_lens.max())
+    width = (max_ctx + block_size - 1) // block_size
+    # Table entries past a sequence's last block may hold anything: clamp, then mask.
+    tables = block_tables[:, :width].long().clamp(0, num_blocks - 1)
+    keys = k_cache[tables].view(batch, width * block_size, kv_heads, head_dim)[:, :max_ctx].float()
+    vals = v_cache[tables].view(batch, width * block_size, kv_heads, head_dim)[:, :max_ctx].float()
+    queries = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", queries, keys) * scale
+    beyond = torch.arange(max_ctx, device=q.device)[None, :] >= context_lens[:, None]
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, vals)
+    return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 
 
 def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,214 @@
+"""Offline generation throughput of one engine (and, side by side, transformers' ``generate``).
+
+N sequences with input and output lengths uniform in [min, max], random token ids,
+``ignore_eos`` so every request produces exactly its output length. Prints output
+tokens per second and writes JSON. With ``--compare-hf`` the same prompts run
+through ``transformers`` ``generate`` (greedy, left-padded batches) on the same
+weights in the same process, and the ratio is reported; HF is credited with every
+token it generates, including those past a request's own output length.
+
+    python benchmarks/benchmark_throughput.py --preset tiny --num-seqs 64 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lmpool import LLM, SamplingParams
+from lmpool.model.config import ModelConfig
+from lmpool.model.make_model import make_model
+
+
+def workload(num_seqs: int, lo_in: int, hi_in: int, lo_out: int, hi_out: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    prompts, outputs = [], []
+    for _ in range(num_seqs):
+        prompts.append([rng.randrange(vocab) for _ in range(rng.randint(lo_in, hi_in))])
+        outputs.append(rng.randint(lo_out, hi_out))
+    return prompts, outputs
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_lmpool(model: str, prompts, outputs, args) -> dict:
+    llm = LLM(
+        model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops,
+    )
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    llm.generate(prompts[:2], params[:2])  # warm-up: kernels, allocator
+    sync(args.device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(args.device)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    assert tokens == sum(outputs), "ignore_eos requests must produce exactly max_tokens"
+    result = {
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / elapsed,
+        "num_kv_blocks": llm.engine.block_manager.num_blocks,
+        "kv_ops": llm.engine.runner.ops.name,
+        "cuda_graphs": llm.engine.runner.graphs is not None,
+        "preemptions": llm.engine.scheduler.num_preemptions,
+    }
+    result["decode_roofline"] = roofline(llm, prompts, outputs, elapsed)
+    llm.shutdown()
+    return result
+
+
+def roofline(llm: LLM, prompts, outputs, elapsed: float) -> dict | None:
+    """Bytes every decode step must read (weights + live KV) over the measured copy bandwidth."""
+    if not llm.config.device.startswith("cuda"):
+        return None
+    runner = llm.engine.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_per_token = runner.block_bytes / runner.block_size
+    steps = max(outputs)
+    # Each decode step reads the weights once and the KV of every live sequence.
+    kv_bytes = 0.0
+    for p, n in zip(prompts, outputs):
+        kv_bytes += sum((len(p) + t) * kv_per_token for t in range(n))
+    total = steps * weight_bytes + kv_bytes
+    bw = copy_bandwidth()
+    return {
+        "bytes_read": total,
+        "copy_bandwidth_GBps": bw / 1e9,
+        "min_time_s": total / bw,
+        "fraction_of_roofline": (total / bw) / elapsed,
+    }
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * reps / (time.perf_counter() - start)
+
+
+def run_hf(model: str, prompts, outputs, args) -> dict:
+    from transformers import Qwen3ForCausalLM
+
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
+        args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    ]
+    hf = Qwen3ForCausalLM.from_pretrained(model, dtype=dtype).to(args.device).eval()
+    pad = 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    generated = 0
+    sync(args.device)
+    start = time.perf_counter()
+    for b in range(0, len(order), args.hf_batch):
+        idx = order[b : b + args.hf_batch]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        new = max(outputs[i] for i in idx)
+        with torch.no_grad():
+            out = hf.generate(
+                input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
+                max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                eos_token_id=None, pad_token_id=pad,
+            )
+        generated += (out.shape[1] - width) * len(idx)
+    sync(args.device)
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "output_tokens": generated, "output_tok_s": generated / elapsed,
+            "batch_size": args.hf_batch}
+
+
+def environment(device: str) -> dict:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu_count": torch.get_num_threads(),
+    }
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    try:
+        env["git_revision"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        pass
+    return env
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="checkpoint directory (default: generate --preset)")
+    ap.add_argument("--preset", default="tiny", choices=["tiny", "0.6b", "1.7b"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--num-seqs", type=int, default=32)
+    ap.add_argument("--min-input", type=int, default=100)
+    ap.add_argument("--max-input", type=int, default=1024)
+    ap.add_argument("--min-output", type=int, default=100)
+    ap.add_argument("--max-output", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--torch-ops", action="store_true", help="use the torch reference instead of the CUDA kernels")
+    ap.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(make_model(Path(tmp) / "model", preset=args.preset, seed=args.seed))
+        vocab = ModelConfig.from_pretrained(model).vocab_size
+        prompts, outputs = workload(
+            args.num_seqs, args.min_input, args.max_input, args.min_output, args.max_output, vocab, args.seed
+        )
+        result = {"config": vars(args) | {"model": args.model, "json": None}, "environment": environment(args.device)}
+        result["lmpool"] = run_lmpool(model, prompts, outputs, args)
+        print(f"lmpool: {result['lmpool']['output_tok_s']:.1f} output tok/s "
+              f"({result['lmpool']['output_tokens']} tokens in {result['lmpool']['elapsed_s']:.2f} s)")
+        roof = result["lmpool"]["decode_roofline"]
+        if roof:
+            print(f"lmpool: {roof['fraction_of_roofline']:.1%} of the HBM roofline "
+                  f"(copy bandwidth {roof['copy_bandwidth_GBps']:.0f} GB/s)")
+        if args.compare_hf:
+            result["transformers"] = run_hf(model, prompts, outputs, args)
+            ratio = result["lmpool"]["output_tok_s"] / result["transformers"]["output_tok_s"]
+            result["speedup_vs_transformers"] = ratio
+            print(f"transformers: {result['transformers']['output_tok_s']:.1f} output tok/s; "
+                  f"lmpool is {ratio:.2f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
