@@ -1,0 +1,247 @@
+"""Microbenchmarks of LMPool's CUDA kernels, driven by pytest (``pytest benchmarks/test_bench_kernels.py -s``).
+
+Every memory-bound figure is reported as a fraction of the device-to-device copy
+bandwidth measured in the same run (read + write bytes of a large clone), and
+against the torch reference (``lmpool.ops.reference``), timed on the lighter
+cases where it is slow. Shapes follow Qwen3-0.6B: 16 q heads, 8 kv heads,
+head_dim 128, bf16, 256-token blocks (16-token blocks as well for decode).
+
+Timing: ``triton.testing.do_bench`` medians (it clears L2 before every run);
+without triton, CUDA events around runs that each follow an L2-sized clear.
+Results go to the JSON file named by ``LMPOOL_BENCH_JSON`` when it is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmpool.ops import cuda, reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
+LAYERS = 28
+GB = 1e9
+
+
+def time_ms(fn) -> float:
+    """Median milliseconds per call, L2 cleared before each call."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return _time_with_events(fn, reps=20)
+    return float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def _time_with_events(fn, reps: int) -> float:
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def slow_ms(fn) -> float:
+    """For the reference: few runs, since one call can take many milliseconds."""
+    return _time_with_events(fn, reps=3)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return cuda.load_extension()
+
+
+@pytest.fixture(scope="module")
+def report():
+    props = torch.cuda.get_device_properties(0)
+    data = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bf16"},
+    }
+    yield data
+    path = os.environ.get("LMPOOL_BENCH_JSON")
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"\nwrote {path}")
+
+
+@pytest.fixture(scope="module")
+def copy_gbps(report) -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    gbps = 2 * src.numel() / (ms * 1e-3) / GB
+    report["copy_GBps"] = gbps
+    print(f"\ndevice-to-device copy (1 GiB, read + write): {ms:.3f} ms = {gbps:.0f} GB/s")
+    del src, dst
+    return gbps
+
+
+def _record(report, section, row):
+    report.setdefault(section, []).append(row)
+    print(f"{section}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+
+
+def _decode_inputs(batch, ctx, block_size, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    per_seq = ctx // block_size
+    num_blocks = batch * per_seq
+    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    tables = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32).view(batch, per_seq)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, tables, lens
+
+
+DECODE_CASES = [(b, c, bs) for bs in (256, 16) for c in (2048, 4096) for b in (64, 128, 256)]
+
+
+@pytest.mark.parametrize("batch,ctx,block_size", DECODE_CASES)
+def test_decode(ext, report, copy_gbps, batch, ctx, block_size):
+    q, k_cache, v_cache, tables, lens = _decode_inputs(batch, ctx, block_size)
+    scale = HEAD_DIM**-0.5
+    ms = time_ms(lambda: ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
+    kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+    gbps = kv_bytes / (ms * 1e-3) / GB
+    row = {
+        "batch": batch,
+        "ctx": ctx,
+        "block_size": block_size,
+        "splits": ext.decode_splits(batch, Q_HEADS, KV_HEADS, ctx, 0),
+        "ms": ms,
+        "GBps": gbps,
+        "frac_copy": gbps / copy_gbps,
+    }
+    if batch == 64 and ctx == 2048:
+        ref_ms = slow_ms(lambda: reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
+        row["ref_ms"] = ref_ms
+        row["speedup_vs_ref"] = ref_ms / ms
+        if block_size == 256:
+            # Dense, unpaged anchor: torch SDPA on contiguous [batch, heads, ctx, head_dim] K/V.
+            k = k_cache[tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
+            v = v_cache[tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
+            q4 = q.unsqueeze(2)
+            sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
+            row["sdpa_dense_ms"] = sdpa_ms
+            row["speedup_vs_sdpa_dense"] = sdpa_ms / ms
+            del k, v
+    _record(report, "decode", row)
+    if block_size == 256 and batch >= 64:
+        assert gbps / copy_gbps > 0.5, "decode far below copy bandwidth"
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 8, 16, 0])
+def test_decode_split_sweep(ext, report, copy_gbps, num_splits):
+    batch, ctx, block_size = 64, 4096, 256
+    q, k_cache, v_cache, tables, lens = _decode_inputs(batch, ctx, block_size)
+    ms = time_ms(lambda: ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, num_splits))
+    gbps = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2 / (ms * 1e-3) / GB
+    _record(report, "decode_split_sweep", {
+        "batch": batch, "ctx": ctx, "num_splits": num_splits or "auto", "ms": ms, "frac_copy": gbps / copy_gbps,
+    })
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_decode_few_long_sequences(ext, report, copy_gbps, batch):
+    ctx, block_size = 32768, 256
+    q, k_cache, v_cache, tables, lens = _decode_inputs(batch, ctx, block_size)
+    auto_ms = time_ms(lambda: ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1))
+    one_ms = time_ms(lambda: ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, 1))
+    gbps = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2 / (auto_ms * 1e-3) / GB
+    _record(report, "decode_long", {
+        "batch": batch, "ctx": ctx, "splits": ext.decode_splits(batch, Q_HEADS, KV_HEADS, ctx, 0),
+        "ms": auto_ms, "frac_copy": gbps / copy_gbps, "no_split_ms": one_ms, "split_speedup": one_ms / auto_ms,
+    })
+
+
+@pytest.fixture(scope="module")
+def kv_cache():
+    # 192 blocks of Qwen3-0.6B: 28 layers x {K, V} x 512 KiB per block = 5.6 GB.
+    shape = (LAYERS, 2, 192, 256, KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, device="cuda", dtype=DTYPE)
+
+
+@pytest.mark.parametrize("blocks", [16, 64, 128])
+def test_pack_unpack(ext, report, copy_gbps, kv_cache, blocks):
+    gen = torch.Generator(device="cuda").manual_seed(blocks)
+    ids = torch.randperm(kv_cache.shape[2], generator=gen, device="cuda")[:blocks]
+    payload = ext.pack_kv(kv_cache, ids)
+    moved = 2 * payload.numel() * payload.element_size()  # read + write
+    pack_ms = time_ms(lambda: ext.pack_kv(kv_cache, ids))
+    unpack_ms = time_ms(lambda: ext.unpack_kv(kv_cache, ids, payload))
+    ref_pack_ms = time_ms(lambda: reference.pack_kv(kv_cache, ids))
+    ref_unpack_ms = time_ms(lambda: reference.unpack_kv(kv_cache, ids, payload))
+    for op, ms, ref_ms in (("pack", pack_ms, ref_pack_ms), ("unpack", unpack_ms, ref_unpack_ms)):
+        gbps = moved / (ms * 1e-3) / GB
+        _record(report, op, {
+            "blocks": blocks, "MB": payload.numel() * 2 / 1e6, "ms": ms, "GBps": gbps,
+            "frac_copy": gbps / copy_gbps, "ref_ms": ref_ms, "speedup_vs_ref": ref_ms / ms,
+        })
+        assert gbps / copy_gbps > 0.5, f"{op} far below copy bandwidth"
+
+
+PREFILL_CASES = [  # (sequences, new tokens each, cached prefix each)
+    (8, 512, 0),
+    (4, 256, 2048),
+    (1, 4096, 0),
+    (32, 32, 4096),
+]
+
+
+@pytest.mark.parametrize("seqs,new,prefix", PREFILL_CASES)
+def test_prefill(ext, report, seqs, new, prefix):
+    block_size = 256
+    ctx = new + prefix
+    per_seq = -(-ctx // block_size)
+    gen = torch.Generator(device="cuda").manual_seed(new)
+    shape = (seqs * per_seq, block_size, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    tables = torch.randperm(shape[0], generator=gen, device="cuda").to(torch.int32).view(seqs, per_seq)
+    q = torch.randn(seqs * new, Q_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+    lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    starts = torch.arange(0, seqs * new + 1, new, dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM**-0.5
+    mma_ms = time_ms(lambda: ext.paged_prefill_attention(q, k_cache, v_cache, tables, lens, starts, scale, True))
+    rows_ms = time_ms(lambda: ext.paged_prefill_attention(q, k_cache, v_cache, tables, lens, starts, scale, False))
+    pairs = seqs * (new * prefix + new * (new + 1) // 2)  # visible (query, key) pairs
+    flops = 4 * pairs * Q_HEADS * HEAD_DIM
+    row = {
+        "seqs": seqs, "new": new, "prefix": prefix, "ms": mma_ms, "TFLOPs": flops / (mma_ms * 1e-3) / 1e12,
+        "rows_path_ms": rows_ms, "speedup_vs_rows_path": rows_ms / mma_ms,
+    }
+    if seqs * new <= 2048:
+        ref_ms = slow_ms(lambda: reference.paged_attention(q, k_cache, v_cache, tables, lens, starts, scale))
+        row["ref_ms"] = ref_ms
+        row["speedup_vs_ref"] = ref_ms / mma_ms
+    if prefix == 0:
+        # Dense anchor: torch SDPA (flash) causal on contiguous K/V of the same tokens.
+        k = k_cache[tables.long()].flatten(1, 2)[:, :new].transpose(1, 2).contiguous()
+        v = v_cache[tables.long()].flatten(1, 2)[:, :new].transpose(1, 2).contiguous()
+        q4 = q.view(seqs, new, Q_HEADS, HEAD_DIM).transpose(1, 2)
+        sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, is_causal=True, scale=scale, enable_gqa=True))
+        row["sdpa_dense_ms"] = sdpa_ms
+        row["speedup_vs_sdpa_dense"] = sdpa_ms / mma_ms
+    _record(report, "prefill", row)
