@@ -106,7 +106,9 @@ class ModelConfig:
             for token_id in [ids] if isinstance(ids, int) else ids or []:
                 if token_id not in eos:
                     eos.append(token_id)
-        bos = config.get("bos_token_id", generation_config.get("bos_token_id"))
+        bos = config.get("bos_token_id")
+        if bos is None:
+            bos = generation_config.get("bos_token_id")
 
         heads = config["num_attention_heads"]
         return cls(
@@ -163,10 +165,9 @@ class ModelConfig:
         """Bytes one KV-cache block of ``block_size`` tokens takes across all layers (K and V)."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        itemsize = torch.empty((), dtype=dtype).element_size()
         return (
             self.num_hidden_layers * 2 * block_size * self.num_key_value_heads
-            * self.head_dim * itemsize
+            * self.head_dim * dtype.itemsize
         )
 
 

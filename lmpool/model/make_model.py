@@ -149,8 +149,8 @@ def make_model(
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     generation = {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext], "pad_token_id": endoftext}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _save_tokenizer(build_tokenizer(regular), out)
-    weight_bytes = _num_params(cfg) * torch.empty((), dtype=getattr(torch, cfg.torch_dtype)).element_size()
+    _save_tokenizer(build_tokenizer(regular), out, cfg.max_position_embeddings)
+    weight_bytes = _num_params(cfg) * getattr(torch, cfg.torch_dtype).itemsize
     shard = MAX_SHARD_BYTES if weight_bytes > MAX_SHARD_BYTES else None
     save_safetensors(random_weights(cfg, seed), out, max_shard_bytes=shard)
     return out
@@ -223,16 +223,15 @@ def _num_params(cfg: ModelConfig) -> int:
 def build_tokenizer(regular_tokens: int) -> Tokenizer:
     """A byte-level BPE with exactly ``regular_tokens`` regular tokens, then SPECIAL_TOKENS.
 
-    Merges are learned from the built-in corpus; a small corpus supports only a few
-    thousand, so the rest are filler merges (concatenations of existing tokens, in a
-    fixed order). Fillers make every id a random model emits decode to some text.
+    Merges are learned from the built-in corpus, which supports under a thousand tokens;
+    the rest are filler merges (concatenations of learned tokens, in a fixed order), so
+    that every id a random model emits decodes to readable text.
     """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=regular_tokens,
-        min_frequency=2,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -242,11 +241,17 @@ def build_tokenizer(regular_tokens: int) -> Tokenizer:
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
 
     learned = sorted(vocab, key=vocab.__getitem__)
-    # Word-like fillers first ("Ġ" marks a leading space in byte-level BPE).
-    starts = [t for t in learned if t.startswith("Ġ") and t[1:].isascii() and t[1:].isalpha()]
+
+    def body(token: str) -> str:  # "Ġ" is how byte-level BPE spells a leading space
+        return token[1:] if token.startswith("Ġ") else token
+
+    # Word-like fillers first, then any printable pair; no fillers from control bytes or
+    # partial UTF-8, which would decode to garbage.
+    starts = [t for t in learned if t.startswith("Ġ") and body(t).isascii() and body(t).isalpha()]
     continuations = [t for t in learned if t.isascii() and t.isalpha()]
+    printable = [t for t in learned if body(t).isascii() and body(t).isprintable() and body(t)]
     candidates = itertools.chain(
-        itertools.product(starts, continuations), itertools.product(learned, learned)
+        itertools.product(starts, continuations), itertools.product(printable, printable)
     )
     for left, right in candidates:
         if len(vocab) >= regular_tokens:
@@ -260,13 +265,21 @@ def build_tokenizer(regular_tokens: int) -> Tokenizer:
     return tokenizer
 
 
-def _save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    hf.save_pretrained(out)
+def _save_tokenizer(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
+    # Written by hand rather than with transformers' save_pretrained, whose
+    # tokenizer_class differs between transformers 4 and 5; PreTrainedTokenizerFast over
+    # tokenizer.json loads in both. Decoding must not "clean up" spaces, or decode(encode(s))
+    # would differ from s.
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -159,8 +159,10 @@ def test_single_file_and_shards_load_the_same_tensors(tmp_path):
     assert save_safetensors(tensors, tmp_path / "one") == [tmp_path / "one" / "model.safetensors"]
     shards = save_safetensors(iter(tensors.items()), tmp_path / "many", max_shard_bytes=1000)
     assert len(shards) > 2
-    assert all(f.stat().st_size < 1000 + 200 for f in shards)  # + safetensors header
     index = json.loads((tmp_path / "many" / INDEX_FILE).read_text())
+    for shard in shards:
+        in_shard = [tensors[k] for k, file in index["weight_map"].items() if file == shard.name]
+        assert sum(t.numel() * t.element_size() for t in in_shard) <= 1000
     assert set(index["weight_map"]) == set(tensors)
     assert set(index["weight_map"].values()) == {f.name for f in shards}
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
@@ -235,7 +237,7 @@ def test_tiny_checkpoint_loads_in_transformers(tiny):
 
 def test_tiny_tokenizer_round_trips_and_matches_config(tiny):
     tok = AutoTokenizer.from_pretrained(tiny)
-    text = "The harbour town woke slowly. Zero arrived late! ünïcödé 😀 {json: [1, 2]}"
+    text = "The harbour town woke slowly. Zero arrived late !  ünïcödé 😀 {json: [1, 2]} ,x"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == text
     assert len(ids) < len(text.encode()) * 0.7  # the merges actually compress
@@ -307,3 +309,7 @@ def test_cli_main_writes_a_model_and_refuses_a_non_empty_directory(tmp_path, cap
         make_model(tmp_path / "m")
     with pytest.raises(SystemExit):
         main([str(tmp_path / "x"), "--preset", "70b"])
+    with pytest.raises(ValueError, match="unknown preset"):
+        make_model(tmp_path / "y", preset="70b")
+    with pytest.raises(ValueError, match="vocab_size 200"):
+        make_model(tmp_path / "z", overrides={"vocab_size": 200})
