@@ -81,7 +81,9 @@ class Channel(Generic[T]):
         self._decode_type = decode_type
         self._spin_ns = int(spin_us * 1000)
         self._liveness_interval = liveness_interval
-        self._heartbeat_timeout_ns = None if heartbeat_timeout is None else int(heartbeat_timeout * 1e9)
+        self._heartbeat_timeout_ns = (
+            None if heartbeat_timeout is None else int(heartbeat_timeout * 1e9)
+        )
         self._expected_peer = 0
         self._inbox: deque[bytes] = deque()
         self._send_lock = asyncio.Lock()

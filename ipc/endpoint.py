@@ -21,6 +21,9 @@ from .lifecycle import pid_alive
 from .names import ENDS, object_name, parse_end
 from .ring import Ring
 
+# Ends open in this process: a second open of one of them is refused like one elsewhere.
+_open_here: set[str] = set()
+
 
 class Endpoint:
     """The rings and semaphores of one end of a link, mapped into this process."""
@@ -42,10 +45,11 @@ class Endpoint:
                     f"link end {end!r} does not exist (its pool was closed or swept)"
                 ) from None
             holder = self.tx.producer_pid
-            if holder and holder != os.getpid() and pid_alive(holder):
+            if end in _open_here or (holder != os.getpid() and pid_alive(holder)):
                 raise IpcError(f"link end {end!r} is already open in process {holder}")
             self._maps = (tx_map, rx_map)
             undo.pop_all()
+        _open_here.add(end)
         self.tx.producer_pid = os.getpid()
         self.rx.consumer_pid = os.getpid()
         self.beat()
@@ -73,6 +77,7 @@ class Endpoint:
             buf.close()
         self.bell.close()
         self.peer_bell.close()
+        _open_here.discard(self.name)
 
 
 def _map_ring(name: str, undo: ExitStack) -> tuple[Ring, mmap.mmap]:

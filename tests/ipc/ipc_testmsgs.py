@@ -1,0 +1,50 @@
+"""Message types and deterministic payload streams shared by the ipc tests and their
+peer processes."""
+
+import random
+
+import msgspec
+
+
+class Echo(msgspec.Struct, tag=True, array_like=True, gc=False):
+    seq: int
+    payload: bytes = b""
+
+
+class Stop(msgspec.Struct, tag=True, array_like=True, gc=False):
+    pass
+
+
+class Seq(msgspec.Struct, tag=True, array_like=True, gc=False):
+    n: int
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True, gc=False):
+    pid: int
+
+
+Message = Echo | Stop | Seq | Ready
+
+
+class Square(msgspec.Struct, array_like=True):
+    x: int
+
+
+class Squared(msgspec.Struct, array_like=True):
+    x: int
+    y: int
+
+
+PATTERN_BYTES = 1 << 18
+MAX_STREAM_PAYLOAD = 64 * 1024
+
+
+def payload_stream(seed: int, count: int):
+    """``count`` payloads of random sizes 0..64 KiB, each a slice of a random pattern at a
+    random offset: the same sequence in every process, without generating 32 GB."""
+    pattern = random.Random(seed).randbytes(PATTERN_BYTES)
+    rng = random.Random(seed + 1)
+    for _ in range(count):
+        size = rng.randrange(MAX_STREAM_PAYLOAD + 1)
+        offset = rng.randrange(PATTERN_BYTES - size + 1)
+        yield pattern[offset : offset + size]

@@ -1,0 +1,154 @@
+"""Dead peers, closing, and removal of shared-memory objects (lmpool_ipc.lifecycle,
+IpcPool): a killed peer is reported within 2 s, and nothing of a pool outlives it."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import leftovers
+from ipc_testmsgs import Message, Ready, Seq
+
+from lmpool_ipc import Channel, IpcPool, PeerDeadError, sweep_dead_pools
+from lmpool_ipc.lifecycle import pid_alive
+
+DETECTION_BOUND_S = 2.0  # the acceptance bound: a SIGKILLed peer is reported within 2 s
+
+
+def test_peer_killed_mid_stream_is_reported_within_2s(pool, run, spawn):
+    """The peer streams until SIGKILLed; we drain what it sent, then recv() raises. The
+    peer is not reaped before that: a zombie must count as dead."""
+    link = pool.create_link()
+
+    async def main():
+        async with Channel(link.a, Message) as channel:
+            peer = spawn("stream", link.b)
+            channel.expect_peer(peer.pid)
+            for n in range(20000):
+                assert await channel.recv() == Seq(n)
+            os.kill(peer.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with pytest.raises(PeerDeadError, match=f"peer process {peer.pid} has exited"):
+                while True:
+                    n += 1
+                    assert await channel.recv() == Seq(n)  # in order up to the end
+            assert time.monotonic() - killed_at < DETECTION_BOUND_S
+
+    run(main())
+
+
+def test_peer_killed_while_we_sleep_in_recv(pool, run, spawn):
+    link = pool.create_link()
+
+    async def main():
+        async with Channel(link.a, Message) as channel:
+            peer = spawn("idle", link.b)
+            assert await channel.recv() == Ready(peer.pid)
+            waiting = asyncio.create_task(channel.recv())
+            await asyncio.sleep(0)
+            os.kill(peer.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with pytest.raises(PeerDeadError):
+                await waiting
+            assert time.monotonic() - killed_at < DETECTION_BOUND_S
+
+    run(main())
+
+
+def test_peer_killed_while_we_wait_for_ring_space(pool, run, spawn):
+    link = pool.create_link(capacity=4096)
+
+    async def main():
+        async with Channel(link.a, Message) as channel:
+            peer = spawn("idle", link.b)  # never reads: the ring fills up
+            assert await channel.recv() == Ready(peer.pid)
+            while True:  # a send that cannot finish in its first step waits for space
+                sending = asyncio.create_task(channel.send_bytes(bytes(1000)))
+                await asyncio.sleep(0)
+                if not sending.done():
+                    break
+                await sending
+            os.kill(peer.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with pytest.raises(PeerDeadError):
+                await sending
+            assert time.monotonic() - killed_at < DETECTION_BOUND_S
+
+    run(main())
+
+
+def test_missed_heartbeat_is_reported(pool, run, spawn):
+    """A stopped peer still has a pid; its silence is what gives it away."""
+    link = pool.create_link()
+
+    async def main():
+        async with Channel(link.a, Message, heartbeat_timeout=0.5) as channel:
+            peer = spawn("idle", link.b)
+            assert await channel.recv() == Ready(peer.pid)
+            os.kill(peer.pid, signal.SIGSTOP)
+            with pytest.raises(PeerDeadError, match="missed its heartbeat"):
+                await channel.recv()
+
+    run(main())
+
+
+def test_a_peer_that_dies_before_opening_its_end(pool, run):
+    link = pool.create_link()
+
+    async def main():
+        async with Channel(link.a, Message) as channel:
+            child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+            channel.expect_peer(child.pid)
+            with pytest.raises(PeerDeadError, match=str(child.pid)):
+                await channel.recv()
+            child.wait()
+
+    run(main())
+
+
+def test_pool_close_removes_every_object_and_open_channels_keep_working(run):
+    pool = IpcPool.start()
+    link = pool.create_link()
+    assert len(leftovers(pool.pool_id)) == 4  # two rings, two semaphores
+
+    async def main():
+        async with Channel(link.a, Message) as a, Channel(link.b, Message) as b:
+            removed = pool.close()
+            assert sorted(removed) == sorted(leftovers_before)
+            assert leftovers(pool.pool_id) == []
+            await a.send(Seq(1))
+            assert await b.recv() == Seq(1)
+
+    leftovers_before = leftovers(pool.pool_id)
+    run(main())
+
+
+def test_a_pool_started_after_a_crash_removes_its_leftovers(loop_name, spawn):
+    crashed = spawn("crash-pool", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    crashed_pool = crashed.stdout.readline().strip()
+    assert len(leftovers(crashed_pool)) == 8  # two links, one end open
+    crashed.kill()
+    crashed.wait()
+    assert len(leftovers(crashed_pool)) == 8  # nothing removes them on its own
+    with IpcPool.start() as pool:
+        assert leftovers(crashed_pool) == []
+        assert pool.pool_id != crashed_pool
+
+
+def test_the_sweeper_leaves_live_pools_alone(pool):
+    pool.create_link()
+    sweep_dead_pools()
+    assert len(leftovers(pool.pool_id)) == 4
+
+
+def test_pid_liveness():
+    assert pid_alive(os.getpid())
+    assert not pid_alive(0)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+    assert not pid_alive(child.pid)  # a zombie is dead
+    child.wait()
+    assert not pid_alive(child.pid)
