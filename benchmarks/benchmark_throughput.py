@@ -7,7 +7,11 @@ through ``transformers`` ``generate`` (greedy, left-padded batches) on the same
 weights in the same process, and the ratio is reported; HF is credited with every
 token it generates, including those past a request's own output length.
 
-    python benchmarks/benchmark_throughput.py --preset tiny --num-seqs 64 --json out.json
+    python benchmarks/benchmark_throughput.py --preset tiny --json out.json
+    python benchmarks/benchmark_throughput.py --preset 0.6b --device cuda --num-seqs 256 \
+        --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 --compare-hf
+
+Defaults are sized for the CPU path (a few thousand tokens, well under a minute).
 """
 
 from __future__ import annotations
@@ -169,10 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--num-seqs", type=int, default=32)
-    ap.add_argument("--min-input", type=int, default=100)
-    ap.add_argument("--max-input", type=int, default=1024)
-    ap.add_argument("--min-output", type=int, default=100)
-    ap.add_argument("--max-output", type=int, default=1024)
+    ap.add_argument("--min-input", type=int, default=32)
+    ap.add_argument("--max-input", type=int, default=256)
+    ap.add_argument("--min-output", type=int, default=32)
+    ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)

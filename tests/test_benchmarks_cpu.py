@@ -1,0 +1,24 @@
+"""The CPU benchmarks run end to end and write the JSON they promise (figures are not asserted)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import benchmark_throughput  # noqa: E402
+
+
+def test_throughput_benchmark_writes_json(tiny_model, tmp_path):
+    out = tmp_path / "tp.json"
+    benchmark_throughput.main([
+        "--model", tiny_model, "--num-seqs", "4", "--min-input", "8", "--max-input", "40",
+        "--min-output", "4", "--max-output", "12", "--block-size", "16", "--compare-hf", "--json", str(out),
+    ])
+    data = json.loads(out.read_text())
+    assert data["lmpool"]["output_tokens"] > 0 and data["lmpool"]["output_tok_s"] > 0
+    assert data["transformers"]["output_tok_s"] > 0
+    assert data["speedup_vs_transformers"] > 0
+    assert data["environment"]["torch"]
