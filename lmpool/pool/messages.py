@@ -1,0 +1,193 @@
+"""The message vocabulary between LMPool's processes: engine (user process), control, workers.
+
+Every message is a ``msgspec.Struct`` in a tagged union per direction, so each
+receiver decodes exactly the types it expects and anything else is a decode
+error. All are ``array_like`` (tagged unions need one wire shape) and
+``gc=False``. KV bytes never travel here: block hashes,
+ids and generations only.
+
+Links (each a pair of rings):
+- engine <-> control: request/response (``lmpool_ipc.Requester``): ``ControlRequest`` -> reply types.
+- engine <-> worker r: ``EngineToWorker`` down, ``WorkerToEngine`` up.
+- control <-> worker r: ``ControlToWorker`` down, ``WorkerToControl`` up.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from lmpool.engine.kv_events import KVDelta, KVSnapshot
+from lmpool.sampling_params import SamplingParams
+
+
+
+class Message(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """Base of every message: positional arrays on the wire, defaults omitted, no GC tracking
+    (messages hold no reference cycles)."""
+
+
+class LoadReport(Message):
+    """A worker's queue and capacity at one instant (what routing needs to cost a rank)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    waiting_prefill_tokens: int = 0  # prompt tokens not yet computed, over waiting and running
+    decode_tokens_left: int = 0  # tokens still to generate by running sequences (max_tokens bound)
+    blocks_free: int = 0
+    blocks_reclaimable: int = 0
+    blocks_used: int = 0
+    prompt_tokens: int = 0  # cumulative prompt tokens admitted
+    prefix_hit_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
+    admitted: list[str] = []  # request ids that reached the worker since the previous report
+
+
+# ---- engine <-> worker ---------------------------------------------------------------
+
+
+class AddRequest(Message, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = []  # tokens already generated elsewhere (recompute after a failure)
+
+
+class AbortRequest(Message, tag="abort"):
+    request_id: str
+
+
+class AttachControl(Message, tag="attach_control"):
+    """Use this link end to reach a (re)started control process, and send it a full snapshot."""
+
+    end: str
+
+
+class Shutdown(Message, tag="shutdown"):
+    pass
+
+
+EngineToWorker = AddRequest | AbortRequest | AttachControl | Shutdown
+
+
+class WorkerReady(Message, tag="ready"):
+    rank: int
+    pid: int
+    num_blocks: int
+    block_size: int
+
+
+class WorkerFailed(Message, tag="failed"):
+    """The worker could not start (or hit a fatal error); ``error`` says why."""
+
+    rank: int
+    error: str
+
+
+class RequestRejected(Message, tag="rejected"):
+    request_id: str
+    error: str
+
+
+class TokenDelta(Message):
+    request_id: str
+    token_id: int
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+class StepOutputs(Message, tag="outputs"):
+    outputs: list[TokenDelta]
+    load: LoadReport
+
+
+WorkerToEngine = WorkerReady | WorkerFailed | RequestRejected | StepOutputs
+
+
+# ---- control <-> worker --------------------------------------------------------------
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    rank: int
+    epoch: int
+    load: LoadReport | None = None
+
+
+class WorkerSnapshot(Message, tag="snapshot"):
+    rank: int
+    epoch: int
+    num_blocks: int
+    snapshot: KVSnapshot
+    load: LoadReport
+
+
+class WorkerDelta(Message, tag="delta"):
+    rank: int
+    epoch: int
+    delta: KVDelta
+    load: LoadReport
+
+
+WorkerToControl = Heartbeat | WorkerSnapshot | WorkerDelta
+
+
+class ResyncRequest(Message, tag="resync"):
+    """The control plane saw a gap in this worker's deltas: send a full snapshot."""
+
+    rank: int
+
+
+ControlToWorker = ResyncRequest | Heartbeat
+
+
+# ---- engine -> control (request/response) -----------------------------------------
+
+
+class RouteQuery(Message, tag="route"):
+    request_id: str
+    block_hashes: list[int]  # chained hashes of the prompt's complete blocks
+    num_prompt_tokens: int
+    max_tokens: int
+
+
+class RouteDecision(Message):
+    rank: int
+    matched_blocks: int = 0  # prefix blocks the chosen rank already holds (as the page table saw them)
+    reason: str = ""  # which rule chose the rank, for logs and benchmarks
+
+
+class RankDown(Message, tag="rank_down"):
+    """The engine saw rank ``rank`` die: forget its blocks and stop routing to it."""
+
+    rank: int
+
+
+class RankUp(Message, tag="rank_up"):
+    rank: int
+    epoch: int
+
+
+class StatsQuery(Message, tag="stats"):
+    pass
+
+
+class RankState(Message, kw_only=True):
+    rank: int
+    alive: bool
+    epoch: int
+    snapshot_version: int
+    heartbeat_age_s: float
+    load: LoadReport
+    cached_blocks: int
+
+
+class ControlStats(Message, kw_only=True):
+    pid: int
+    ranks: list[RankState]
+    route_queries: int
+    route_p50_us: float
+    route_p99_us: float
+    resyncs: int
+    stale_rejected: int
+
+
+ControlRequest = RouteQuery | RankDown | RankUp | StatsQuery
