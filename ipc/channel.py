@@ -26,7 +26,6 @@ import asyncio
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
@@ -85,7 +84,6 @@ class Channel(Generic[T]):
             None if heartbeat_timeout is None else int(heartbeat_timeout * 1e9)
         )
         self._expected_peer = 0
-        self._inbox: deque[bytes] = deque()
         self._send_lock = asyncio.Lock()
         self._waiters: set[asyncio.Future] = set()
         self._closed = False
@@ -156,19 +154,18 @@ class Channel(Generic[T]):
     async def recv_bytes(self) -> bytes:
         """The next message's encoded bytes, undecoded."""
         rx = self._rx
-        while not self._inbox:
+        while True:
             self._check_open()
-            # Take every published frame at once: one head store frees all their space,
-            # so a producer blocked on a full ring is woken once per batch, not per frame.
-            frames = rx.take_all()
-            if frames:
-                self._inbox.extend(frames)
-                if rx.take_producer_wakeup():
-                    self._endpoint.wake_peer()
-            else:
-                await self._wait(rx.used, rx.park_consumer, rx.unpark_consumer, sending=False)
+            # One frame at a time, its space handed back at once: a batch of copies held
+            # together makes malloc return and re-fault memory for large messages.
+            payload = rx.take()
+            if payload is not None:
+                break
+            await self._wait(rx.used, rx.park_consumer, rx.unpark_consumer, sending=False)
+        if rx.take_producer_wakeup():
+            self._endpoint.wake_peer()
         self.stats.received += 1
-        return self._inbox.popleft()
+        return payload
 
     # Waiting ---------------------------------------------------------------------
 

@@ -219,22 +219,18 @@ class Ring:
 
     # Consumer side ---------------------------------------------------------------
 
-    def take_all(self) -> list[bytes]:
-        """Copy out every frame published so far and hand their space back at once."""
+    def take(self) -> bytes | None:
+        """Copy out the oldest published frame and hand its space back; None if empty."""
         words = self._words
         head = words[_HEAD]
         tail = words[_TAIL]
         if head == tail:
-            return []
+            return None
         fence()  # the payload loads happen after the tail load that published them
-        data = self._data
-        payloads = []
-        while head != tail:
-            payload, head = read_frame(data, head, tail - head)
-            payloads.append(payload)
+        payload, head = read_frame(self._data, head, tail - head)
         fence()  # the payload loads complete before the head store frees their space
         words[_HEAD] = head
-        return payloads
+        return payload
 
     def take_producer_wakeup(self) -> bool:
         """After freeing space: True if the producer sleeps and its need is now met (the
