@@ -108,10 +108,17 @@ class Channel(Generic[T]):
 
     async def send(self, msg: Any) -> None:
         """Encode ``msg`` and append it, waiting while the ring is full."""
-        await self.send_bytes(self._encoder.encode(msg))
+        payload = self._encoder.encode(msg)
+        if not self._try_send(payload):
+            await self._send_when_space(payload)
 
     async def send_bytes(self, payload) -> None:
         """Append an already encoded message (any bytes-like object) as one frame."""
+        if not self._try_send(payload):
+            await self._send_when_space(payload)
+
+    def _try_send(self, payload) -> bool:
+        """Append ``payload`` if it fits now; raise if it can never be sent."""
         if len(payload) > self._max_payload:
             raise MessageTooLargeError(
                 f"a message of {len(payload)} bytes does not fit in a ring of "
@@ -124,15 +131,23 @@ class Channel(Generic[T]):
         # Senders that found the ring full queue on the lock, so that a large message
         # waiting for space is not overtaken forever by smaller ones.
         if self._send_lock.locked() or not tx.try_put(payload):
-            async with self._send_lock:
-                need = frame_size(len(payload))
-                while not tx.try_put(payload):
-                    await self._wait(
-                        lambda: tx.free() >= need,
-                        lambda: tx.park_producer(need),
-                        tx.unpark_producer,
-                        sending=True,
-                    )
+            return False
+        if tx.take_consumer_wakeup():
+            self._endpoint.wake_peer()
+        self.stats.sent += 1
+        return True
+
+    async def _send_when_space(self, payload) -> None:
+        tx = self._tx
+        need = frame_size(len(payload))
+        async with self._send_lock:
+            while not tx.try_put(payload):
+                await self._wait(
+                    lambda: tx.free() >= need,
+                    lambda: tx.park_producer(need),
+                    tx.unpark_producer,
+                    sending=True,
+                )
         if tx.take_consumer_wakeup():
             self._endpoint.wake_peer()
         self.stats.sent += 1
@@ -141,7 +156,9 @@ class Channel(Generic[T]):
 
     async def recv(self) -> T:
         """The next message, decoded as the channel's type."""
-        payload = await self.recv_bytes()
+        payload = self._try_recv()
+        if payload is None:
+            payload = await self._recv_when_published()
         try:
             return self._decoder.decode(payload)
         except msgspec.DecodeError as e:
@@ -153,19 +170,30 @@ class Channel(Generic[T]):
 
     async def recv_bytes(self) -> bytes:
         """The next message's encoded bytes, undecoded."""
+        payload = self._try_recv()
+        if payload is None:
+            payload = await self._recv_when_published()
+        return payload
+
+    def _try_recv(self) -> bytes | None:
+        self._check_open()
+        # One frame at a time, its space handed back at once: a batch of copies held
+        # together makes malloc return and re-fault memory for large messages.
+        rx = self._rx
+        payload = rx.take()
+        if payload is not None:
+            if rx.take_producer_wakeup():
+                self._endpoint.wake_peer()
+            self.stats.received += 1
+        return payload
+
+    async def _recv_when_published(self) -> bytes:
         rx = self._rx
         while True:
-            self._check_open()
-            # One frame at a time, its space handed back at once: a batch of copies held
-            # together makes malloc return and re-fault memory for large messages.
-            payload = rx.take()
-            if payload is not None:
-                break
             await self._wait(rx.used, rx.park_consumer, rx.unpark_consumer, sending=False)
-        if rx.take_producer_wakeup():
-            self._endpoint.wake_peer()
-        self.stats.received += 1
-        return payload
+            payload = self._try_recv()
+            if payload is not None:
+                return payload
 
     # Waiting ---------------------------------------------------------------------
 

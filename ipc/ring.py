@@ -1,14 +1,19 @@
 """One single-producer/single-consumer ring of frames laid out in a shared buffer.
 
-Layout: three 64-byte cache lines of native-endian u64 words, then the data region.
+Layout: four 64-byte cache lines of native-endian u64 words, then the data region.
 
     line 0, fixed at creation:  magic, format version, capacity, owner pid
-    line 1, producer's line:    tail, producer_wait, producer_pid, producer_beat_ns, producer_closed
-    line 2, consumer's line:    head, consumer_wait, consumer_pid, consumer_closed
+    line 1, stored per message by the producer:  tail
+    line 2, stored per message by the consumer:  head
+    line 3, stored rarely:      producer_wait, consumer_wait, producer_pid, consumer_pid,
+                                producer_beat_ns, producer_closed, consumer_closed
     data:                       ``capacity`` bytes of frames (see ``frames``)
 
-Head and tail sit on separate cache lines so that the producer's tail stores and the
-consumer's head stores do not invalidate each other's line on every message.
+Each side stores one line per message and the words it reads on every message (the
+other side's index, the wait flags) sit on lines that change only when the other side
+makes progress or goes to sleep. Each side also keeps the last value it read of the
+other's index and re-reads it only when that value no longer lets it proceed, so a
+flowing stream moves few cache lines between the two cores.
 
 Invariants: only the producer stores ``tail`` and only the consumer stores ``head``;
 ``0 <= tail - head <= capacity``; both are multiples of ``ALIGN``; ``[head, tail)`` holds
@@ -35,13 +40,15 @@ from .frames import ALIGN, frame_size, read_frame, write_frame
 
 MAGIC = b"LMPRING\x00"
 VERSION = 1
-HEADER_SIZE = 192
+HEADER_SIZE = 256
 MIN_CAPACITY = 64
 
 # Word indices into the header.
 _MAGIC, _VERSION, _CAPACITY, _OWNER_PID = 0, 1, 2, 3
-_TAIL, _PRODUCER_WAIT, _PRODUCER_PID, _PRODUCER_BEAT, _PRODUCER_CLOSED = 8, 9, 10, 11, 12
-_HEAD, _CONSUMER_WAIT, _CONSUMER_PID, _CONSUMER_CLOSED = 16, 17, 18, 19
+_TAIL = 8
+_HEAD = 16
+_PRODUCER_WAIT, _CONSUMER_WAIT, _PRODUCER_PID, _CONSUMER_PID = 24, 25, 26, 27
+_PRODUCER_BEAT, _PRODUCER_CLOSED, _CONSUMER_CLOSED = 28, 29, 30
 
 _fence_lock = threading.Lock()
 
@@ -104,6 +111,9 @@ class Ring:
             self.release()
             raise RingCorruptError(f"ring format version {version}, expected {VERSION}")
         self.capacity = self._words[_CAPACITY]
+        # The last values this process read of the other side's index (see above).
+        self._seen_head = self._words[_HEAD]
+        self._seen_tail = self._words[_TAIL]
         if self.capacity != len(self._data):
             self.release()
             raise RingCorruptError(
@@ -185,11 +195,12 @@ class Ring:
         The caller has checked that ``len(payload) <= max_payload(capacity)``."""
         words = self._words
         tail = words[_TAIL]
-        head = words[_HEAD]
         size = frame_size(len(payload))
-        if size > self.capacity - (tail - head):
-            return False
-        fence()  # the head load completes before we overwrite the space it handed back
+        if size > self.capacity - (tail - self._seen_head):
+            self._seen_head = words[_HEAD]
+            if size > self.capacity - (tail - self._seen_head):
+                return False
+            fence()  # the head load completes before we overwrite the space it handed back
         write_frame(self._data, tail, payload)
         fence()  # the payload is visible before the tail store that publishes it
         words[_TAIL] = tail + size
@@ -223,11 +234,12 @@ class Ring:
         """Copy out the oldest published frame and hand its space back; None if empty."""
         words = self._words
         head = words[_HEAD]
-        tail = words[_TAIL]
-        if head == tail:
-            return None
-        fence()  # the payload loads happen after the tail load that published them
-        payload, head = read_frame(self._data, head, tail - head)
+        if head == self._seen_tail:
+            self._seen_tail = words[_TAIL]
+            if head == self._seen_tail:
+                return None
+            fence()  # the payload loads happen after the tail load that published them
+        payload, head = read_frame(self._data, head, self._seen_tail - head)
         fence()  # the payload loads complete before the head store frees their space
         words[_HEAD] = head
         return payload
