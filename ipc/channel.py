@@ -6,13 +6,18 @@ full (backpressure); ``recv`` returns the next message decoded as the channel's 
 
 Waiting without burning a core. A side with nothing to do first spins for ``spin_us``,
 re-checking the ring between rounds of the event loop (``await asyncio.sleep(0)``, so
-other tasks keep running): while traffic flows, the next frame almost always lands within
-that window and costs no system call. Then it parks: it declares itself asleep in the
+other tasks keep running) and yielding the CPU (``sched_yield``, so that on a busy
+2-core machine the spin does not keep the peer, or the thread that would wake it, off
+the core). While traffic flows the next frame almost always lands within that window and
+costs no system call beyond the yield. Then it parks: it declares itself asleep in the
 ring header (see ``ring``) and awaits a future that a helper thread completes through
 ``call_soon_threadsafe`` when the peer posts this end's semaphore. A blocking semaphore
 wait cannot run on the event loop thread, and the alternative, polling with a growing
 timer backoff, trades idle CPU against wake-up latency; the helper thread gives both:
-it sleeps in ``sem_wait`` (GIL released) and costs nothing while idle.
+it sleeps in ``sem_wait`` (GIL released) and costs nothing while idle. The default spin
+outlasts a semaphore wake-up (60-90 us on a 2-core machine), so that one side's late
+wake-up does not push the other past its own spin: a cascade that would make every
+later message pay for a wake-up too.
 
 Failure. While parked, the end wakes every ``liveness_interval`` seconds to check its
 peer: a peer that exited (pid gone or a zombie), closed its end, or (with
@@ -57,8 +62,16 @@ class Channel(Generic[T]):
     """One end of a link, used from the running event loop (asyncio or uvloop).
 
     ``Channel(end, decode_type)`` opens end name ``end`` (a string from
-    ``IpcPool.create_link``) and must be called with the loop running. Every coroutine of
-    a channel must run on that loop.
+    ``IpcPool.create_link``) and must be called with the loop running; every coroutine of
+    the channel must run on that loop. ``decode_type`` is what ``recv`` decodes into (any
+    type msgspec can decode, typically a union of tagged Structs).
+
+    - ``spin_us``: how long a wait polls before sleeping on the semaphore.
+    - ``liveness_interval``: how often a sleeping wait checks the peer, and how often this
+      end stamps its heartbeat.
+    - ``heartbeat_timeout``: if set, a peer whose heartbeat is older than this is dead even
+      if its pid lives (stopped, or its event loop blocked). The peer must itself be a
+      ``Channel``: heartbeats come from its event loop.
     """
 
     def __init__(

@@ -210,3 +210,19 @@ def test_the_channel_decodes_with_the_users_type(pool, run):
                 await b.recv()
 
     run(main())
+
+
+def test_an_idle_wait_sleeps_on_the_semaphore_and_a_send_wakes_it(pool, run):
+    link = pool.create_link()
+
+    async def main():
+        async with Channel(link.a, Message) as a, Channel(link.b, Message) as b:
+            for n in range(3):
+                waiting = asyncio.create_task(b.recv())
+                while b.stats.parks == n:  # let the spin run out: the wait goes to sleep
+                    await asyncio.sleep(0.001)
+                assert not waiting.done()
+                await a.send(Seq(n))  # the sleeper declared itself: this send posts
+                assert await waiting == Seq(n)
+
+    run(main())
