@@ -111,9 +111,10 @@ class Ring:
             self.release()
             raise RingCorruptError(f"ring format version {version}, expected {VERSION}")
         self.capacity = self._words[_CAPACITY]
-        # The last values this process read of the other side's index (see above).
-        self._seen_head = self._words[_HEAD]
-        self._seen_tail = self._words[_TAIL]
+        # Each side keeps its own index (it is its only writer) and the last value it read
+        # of the other side's (see above).
+        self._head = self._seen_head = self._words[_HEAD]
+        self._tail = self._seen_tail = self._words[_TAIL]
         if self.capacity != len(self._data):
             self.release()
             raise RingCorruptError(
@@ -193,17 +194,16 @@ class Ring:
     def try_put(self, payload) -> bool:
         """Append one frame and publish it; False (nothing written) if it does not fit now.
         The caller has checked that ``len(payload) <= max_payload(capacity)``."""
-        words = self._words
-        tail = words[_TAIL]
+        tail = self._tail
         size = frame_size(len(payload))
         if size > self.capacity - (tail - self._seen_head):
-            self._seen_head = words[_HEAD]
+            self._seen_head = self._words[_HEAD]
             if size > self.capacity - (tail - self._seen_head):
                 return False
             fence()  # the head load completes before we overwrite the space it handed back
         write_frame(self._data, tail, payload)
         fence()  # the payload is visible before the tail store that publishes it
-        words[_TAIL] = tail + size
+        self._words[_TAIL] = self._tail = tail + size
         return True
 
     def take_consumer_wakeup(self) -> bool:
@@ -232,16 +232,15 @@ class Ring:
 
     def take(self) -> bytes | None:
         """Copy out the oldest published frame and hand its space back; None if empty."""
-        words = self._words
-        head = words[_HEAD]
+        head = self._head
         if head == self._seen_tail:
-            self._seen_tail = words[_TAIL]
+            self._seen_tail = self._words[_TAIL]
             if head == self._seen_tail:
                 return None
             fence()  # the payload loads happen after the tail load that published them
         payload, head = read_frame(self._data, head, self._seen_tail - head)
         fence()  # the payload loads complete before the head store frees their space
-        words[_HEAD] = head
+        self._words[_HEAD] = self._head = head
         return payload
 
     def take_producer_wakeup(self) -> bool:
