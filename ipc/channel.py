@@ -49,6 +49,8 @@ from .lifecycle import pid_alive
 
 T = TypeVar("T")
 
+_POLL_BURST_NS = 2_000
+
 
 @dataclass
 class ChannelStats:
@@ -219,13 +221,20 @@ class Channel(Generic[T]):
         sending: bool,
     ) -> None:
         """Return once ``ready()`` may be true; raise if the channel or peer goes away."""
-        deadline = time.perf_counter_ns() + self._spin_ns
-        while time.perf_counter_ns() < deadline:
+        now = time.perf_counter_ns
+        deadline = now() + self._spin_ns
+        while now() < deadline:
             await asyncio.sleep(0)
             os.sched_yield()
             self._check_open()
-            if ready():
-                return
+            # Poll tightly for a moment before handing the loop and the CPU back: a frame
+            # that lands meanwhile is seen at once rather than a loop round later.
+            burst_end = now() + _POLL_BURST_NS
+            while True:
+                if ready():
+                    return
+                if now() >= burst_end:
+                    break
         self.stats.parks += 1
         while True:
             failure = self._peer_failure(sending)

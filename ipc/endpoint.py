@@ -5,8 +5,8 @@ and posts the peer's. Opening an end records this process's pid in both rings (t
 uses it to notice our death); closing it marks both rings closed for the peer, wakes the
 peer so it notices, and unmaps everything. Unlinking the names is the pool's business.
 
-Invariant: at most one process has an end open, so each ring has one producer and one
-consumer.
+Invariants: at most one process has an end open, so each ring has one producer and one
+consumer; an end that was closed stays closed (the peer has seen it go).
 """
 
 import mmap
@@ -47,6 +47,8 @@ class Endpoint:
             holder = self.tx.producer_pid
             if end in _open_here or (holder != os.getpid() and pid_alive(holder)):
                 raise IpcError(f"link end {end!r} is already open in process {holder}")
+            if self.tx.producer_closed:
+                raise ChannelClosedError(f"link end {end!r} was closed; ends do not reopen")
             self._maps = (tx_map, rx_map)
             undo.pop_all()
         _open_here.add(end)

@@ -168,15 +168,15 @@ def test_closing_fails_our_own_pending_recv(pool, run):
     run(main())
 
 
-def test_an_end_opens_once(pool, run):
+def test_an_end_opens_once_and_only_while_it_exists(pool, run):
     link = pool.create_link()
 
     async def main():
         async with Channel(link.a):
             with pytest.raises(IpcError, match="already open"):
                 Channel(link.a)
-        async with Channel(link.a):  # reopening after close is fine
-            pass
+        with pytest.raises(ChannelClosedError, match="ends do not reopen"):
+            Channel(link.a)
         with pytest.raises(ChannelClosedError, match="does not exist"):
             Channel(link.a.replace(link.a[8:40], "0" * 32))
         with pytest.raises(ValueError, match="not an LMPool link end"):

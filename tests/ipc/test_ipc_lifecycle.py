@@ -152,3 +152,9 @@ def test_pid_liveness():
     assert not pid_alive(child.pid)  # a zombie is dead
     child.wait()
     assert not pid_alive(child.pid)
+
+
+def test_a_link_that_cannot_be_created_leaves_nothing(pool):
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pool.create_link(capacity=1001)
+    assert leftovers(pool.pool_id) == []
