@@ -152,14 +152,17 @@ def test_decode(ext, report, copy_gbps, batch, ctx, block_size):
         assert gbps / copy_gbps > 0.5, "decode far below copy bandwidth"
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 4, 8, 16, 0])
-def test_decode_split_sweep(ext, report, copy_gbps, num_splits):
-    batch, ctx, block_size = 64, 4096, 256
-    q, k_cache, v_cache, tables, lens = _decode_inputs(batch, ctx, block_size)
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 4, 6, 8, 0])
+@pytest.mark.parametrize("batch,ctx", [(64, 2048), (64, 4096), (128, 2048), (256, 2048)])
+def test_decode_split_sweep(ext, report, copy_gbps, batch, ctx, num_splits):
+    """The split-K factor against bandwidth; 0 is the automatic choice."""
+    q, k_cache, v_cache, tables, lens = _decode_inputs(batch, ctx, 256)
     ms = time_ms(lambda: ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, num_splits))
     gbps = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2 / (ms * 1e-3) / GB
+    chosen = num_splits or ext.decode_splits(batch, Q_HEADS, KV_HEADS, ctx, 0)
     _record(report, "decode_split_sweep", {
-        "batch": batch, "ctx": ctx, "num_splits": num_splits or "auto", "ms": ms, "frac_copy": gbps / copy_gbps,
+        "batch": batch, "ctx": ctx, "num_splits": chosen, "auto": num_splits == 0, "ms": ms,
+        "frac_copy": gbps / copy_gbps,
     })
 
 

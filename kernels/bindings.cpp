@@ -22,20 +22,37 @@ namespace {
 
 constexpr double kLog2E = 1.4426950408889634;  // the kernels use exp2: exp(x) = exp2(x * log2(e))
 
+// Messages format numbers, shapes and devices into strings here instead of
+// streaming them through c10::str: on the CUDA image, streaming an integer
+// from inside this JIT-built module crashed in libstdc++'s number formatting
+// (the compiler's headers and the libstdc++ loaded at run time disagree), so
+// only character strings ever reach an ostream from this file.
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string shape(at::IntArrayRef dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+std::string dev(const at::Device& d) { return d.str(); }
+
+const char* dtype_name(const at::Tensor& t) { return c10::toString(t.scalar_type()); }
+
 DType dtype_of(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::kF32;
     case at::kHalf: return DType::kF16;
     case at::kBFloat16: return DType::kBF16;
     default:
-      TORCH_CHECK(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+      TORCH_CHECK(false, name, " must be float32, float16 or bfloat16, got ", dtype_name(t));
   }
 }
 
 void check_device(const at::Tensor& t, const char* name, const at::Device& device) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got a tensor on ", t.device());
-  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but the other inputs are on ",
-              device);
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got a tensor on ", dev(t.device()));
+  TORCH_CHECK(t.device() == device, name, " is on ", dev(t.device()), " but the other inputs are on ",
+              dev(device));
 }
 
 bool is_aligned16(const at::Tensor& t) {
@@ -49,18 +66,18 @@ void check_aligned16(const at::Tensor& t, const char* name) {
 
 void check_int32(const at::Tensor& t, const char* name, int64_t dims, const at::Device& device) {
   check_device(t, name, device);
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dims, name, " must be ", dims, "-D, got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", dtype_name(t));
+  TORCH_CHECK(t.dim() == dims, name, " must be ", num(dims), "-D, got shape ", shape(t.sizes()));
   TORCH_CHECK(t.stride(-1) == 1, name, "'s last dimension must be contiguous, got strides ",
-              t.strides());
+              shape(t.strides()));
 }
 
 void check_ids(const at::Tensor& t, const char* name, const at::Device& device) {
   check_device(t, name, device);
   TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
-              " must be int32 or int64, got ", t.scalar_type());
+              " must be int32 or int64, got ", dtype_name(t));
   TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), name, " must be a contiguous 1-D tensor, got shape ",
-              t.sizes(), " strides ", t.strides());
+              shape(t.sizes()), " strides ", shape(t.strides()));
 }
 
 void check_launch(cudaError_t err, const char* what) {
@@ -87,30 +104,31 @@ CacheShape check_attention(const at::Tensor& q, const at::Tensor& k_cache,
   check_device(k_cache, "k_cache", device);
   check_device(v_cache, "v_cache", device);
   dtype_of(q, "q");
-  TORCH_CHECK(q.dim() == 3, "q must be [tokens, q_heads, head_dim], got shape ", q.sizes());
-  TORCH_CHECK(q.stride(2) == 1, "q's head_dim must be contiguous, got strides ", q.strides());
+  TORCH_CHECK(q.dim() == 3, "q must be [tokens, q_heads, head_dim], got shape ", shape(q.sizes()));
+  TORCH_CHECK(q.stride(2) == 1, "q's head_dim must be contiguous, got strides ", shape(q.strides()));
   TORCH_CHECK(k_cache.dim() == 4,
               "k_cache must be [num_blocks, block_size, kv_heads, head_dim], got shape ",
-              k_cache.sizes());
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache has shape ", v_cache.sizes(),
-              " but k_cache has shape ", k_cache.sizes());
+              shape(k_cache.sizes()));
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache has shape ", shape(v_cache.sizes()),
+              " but k_cache has shape ", shape(k_cache.sizes()));
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "k_cache and v_cache must be contiguous (pass kv_cache[layer, 0] and kv_cache[layer, 1])");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q, k_cache and v_cache must share a dtype, got ", q.scalar_type(), ", ",
-              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+              "q, k_cache and v_cache must share a dtype, got ", dtype_name(q), ", ",
+              dtype_name(k_cache), " and ", dtype_name(v_cache));
   CacheShape c{k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3)};
-  TORCH_CHECK(c.head_dim == 64 || c.head_dim == 128, "head_dim must be 64 or 128, got ", c.head_dim);
-  TORCH_CHECK(q.size(2) == c.head_dim, "q's head_dim is ", q.size(2), " but the cache's is ",
-              c.head_dim);
-  TORCH_CHECK(c.kv_heads > 0 && q.size(1) % c.kv_heads == 0, "q_heads (", q.size(1),
-              ") must be a positive multiple of kv_heads (", c.kv_heads, ")");
+  TORCH_CHECK(c.head_dim == 64 || c.head_dim == 128, "head_dim must be 64 or 128, got ", num(c.head_dim));
+  TORCH_CHECK(q.size(2) == c.head_dim, "q's head_dim is ", num(q.size(2)), " but the cache's is ",
+              num(c.head_dim));
+  TORCH_CHECK(c.kv_heads > 0 && q.size(1) % c.kv_heads == 0, "q_heads (", num(q.size(1)),
+              ") must be a positive multiple of kv_heads (", num(c.kv_heads), ")");
   check_aligned16(k_cache, "k_cache");
   check_aligned16(v_cache, "v_cache");
   check_int32(block_tables, "block_tables", 2, device);
   check_int32(context_lens, "context_lens", 1, device);
   TORCH_CHECK(context_lens.size(0) == block_tables.size(0), "context_lens has ",
-              context_lens.size(0), " entries but block_tables has ", block_tables.size(0), " rows");
+              num(context_lens.size(0)), " entries but block_tables has ", num(block_tables.size(0)),
+              " rows");
   TORCH_CHECK(block_tables.size(1) * c.block_size < INT_MAX,
               "block_tables covers more than 2^31 tokens per sequence");
   return c;
@@ -121,7 +139,7 @@ CacheShape check_attention(const at::Tensor& q, const at::Tensor& k_cache,
 int device_attribute(cudaDeviceAttr attr, int device) {
   static std::array<std::array<int, 2>, 64> cache{};  // [device] -> {sm count, cc major}, 0 = unknown
   const int slot = attr == cudaDevAttrMultiProcessorCount ? 0 : 1;
-  TORCH_CHECK(device >= 0 && device < 64, "device index ", device, " out of range");
+  TORCH_CHECK(device >= 0 && device < 64, "device index ", num(device), " out of range");
   int& value = cache[device][slot];
   if (value == 0) {
     int v = 0;
@@ -136,15 +154,18 @@ int num_sms(int device) { return device_attribute(cudaDevAttrMultiProcessorCount
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-// Splits of the keys per row: enough CTAs for many waves (so the last wave's
-// tail and ragged lengths cost little) but never below kMinPartitionTokens
-// keys per split for the longest row the block table can describe.
+// Splits of the keys per row: enough CTAs to keep every SM streaming when few
+// sequences run, but never below kMinPartitionTokens keys per split for the
+// longest row the block table can describe.
 int64_t choose_splits(int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t max_tokens,
                       int sms) {
   const int64_t group = q_heads / kv_heads;
   const int64_t heads_per_cta = rows_heads_per_cta(static_cast<int>(group));
   const int64_t base = std::max<int64_t>(1, rows * kv_heads * ((group + heads_per_cta - 1) / heads_per_cta));
-  const int64_t target = 32LL * sms;
+  // On the H200, once (seq, kv head) pairs alone fill ~4 CTAs per SM, extra
+  // splits only add partial-output traffic and a tail: batch 64 x 8 kv heads
+  // gets 2 splits, batch 128 and up none.
+  const int64_t target = 6LL * sms;
   const int64_t useful = std::max<int64_t>(1, (max_tokens + kMinPartitionTokens - 1) / kMinPartitionTokens);
   return std::clamp<int64_t>((target + base - 1) / base, 1, std::min<int64_t>(useful, 256));
 }
@@ -157,12 +178,12 @@ at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   auto out = at::empty({rows, q_heads, c.head_dim}, q.options());
   if (rows == 0) return out;
   const int64_t group = q_heads / c.kv_heads;
-  TORCH_CHECK(rows < INT_MAX, what, ": too many query rows (", rows, ")");
+  TORCH_CHECK(rows < INT_MAX, what, ": too many query rows (", num(rows), ")");
   TORCH_CHECK(c.kv_heads * ((group + 7) / 8) < 65536, what, ": too many kv heads");
   const int64_t max_tokens = block_tables.size(1) * c.block_size;
   const int64_t splits = num_splits > 0 ? num_splits
                                         : choose_splits(rows, q_heads, c.kv_heads, max_tokens, num_sms(q.get_device()));
-  TORCH_CHECK(splits < 65536, what, ": num_splits must be below 65536, got ", splits);
+  TORCH_CHECK(splits < 65536, what, ": num_splits must be below 65536, got ", num(splits));
 
   AttentionRowsArgs a{};
   a.q = q.data_ptr();
@@ -204,9 +225,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   int64_t num_splits) {
   const CacheShape c = check_attention(q, k_cache, v_cache, block_tables, context_lens);
   TORCH_CHECK(block_tables.size(0) == q.size(0),
-              "decode takes one query per sequence: q has ", q.size(0),
-              " rows but block_tables has ", block_tables.size(0));
-  TORCH_CHECK(num_splits >= 0, "num_splits must be >= 0 (0 picks one), got ", num_splits);
+              "decode takes one query per sequence: q has ", num(q.size(0)),
+              " rows but block_tables has ", num(block_tables.size(0)));
+  TORCH_CHECK(num_splits >= 0, "num_splits must be >= 0 (0 picks one), got ", num(num_splits));
   const c10::cuda::CUDAGuard guard(q.device());
   return run_rows(q, k_cache, v_cache, block_tables, context_lens, nullptr, c, scale, num_splits,
                   "paged_decode_attention");
@@ -221,7 +242,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   check_int32(query_start_loc, "query_start_loc", 1, q.device());
   const int64_t num_seqs = block_tables.size(0);
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have num_seqs + 1 = ",
-              num_seqs + 1, " entries, got ", query_start_loc.size(0));
+              num(num_seqs + 1), " entries, got ", num(query_start_loc.size(0)));
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t total_q = q.size(0), q_heads = q.size(1);
   const int64_t group = q_heads / c.kv_heads;
@@ -275,27 +296,27 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   check_ids(slot_mapping, "slot_mapping", device);
   TORCH_CHECK(k_cache.dim() == 4,
               "k_cache must be [num_blocks, block_size, kv_heads, head_dim], got shape ",
-              k_cache.sizes());
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache has shape ", v_cache.sizes(),
-              " but k_cache has shape ", k_cache.sizes());
+              shape(k_cache.sizes()));
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache has shape ", shape(v_cache.sizes()),
+              " but k_cache has shape ", shape(k_cache.sizes()));
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "k_cache and v_cache must be contiguous");
   const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   TORCH_CHECK(key.dim() == 3 && key.size(1) == kv_heads && key.size(2) == head_dim,
-              "key must be [tokens, ", kv_heads, ", ", head_dim, "] to match the cache, got shape ",
-              key.sizes());
-  TORCH_CHECK(value.sizes() == key.sizes(), "value has shape ", value.sizes(),
-              " but key has shape ", key.sizes());
-  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
-              " entries but key has ", key.size(0), " tokens");
+              "key must be [tokens, ", num(kv_heads), ", ", num(head_dim),
+              "] to match the cache, got shape ", shape(key.sizes()));
+  TORCH_CHECK(value.sizes() == key.sizes(), "value has shape ", shape(value.sizes()),
+              " but key has shape ", shape(key.sizes()));
+  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping has ", num(slot_mapping.size(0)),
+              " entries but key has ", num(key.size(0)), " tokens");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
-              "key and value must have a contiguous head_dim, got strides ", key.strides(), " and ",
-              value.strides());
+              "key and value must have a contiguous head_dim, got strides ",
+              shape(key.strides()), " and ", shape(value.strides()));
   const auto dt = k_cache.scalar_type();
   dtype_of(k_cache, "k_cache");
   TORCH_CHECK(v_cache.scalar_type() == dt && key.scalar_type() == dt && value.scalar_type() == dt,
-              "key, value, k_cache and v_cache must share a dtype, got ", key.scalar_type(), ", ",
-              value.scalar_type(), ", ", dt, " and ", v_cache.scalar_type());
+              "key, value, k_cache and v_cache must share a dtype, got ", dtype_name(key), ", ",
+              dtype_name(value), ", ", dtype_name(k_cache), " and ", dtype_name(v_cache));
   TORCH_CHECK(key.size(0) < INT_MAX, "write_kv: too many tokens");
   const c10::cuda::CUDAGuard guard(device);
 
@@ -331,13 +352,13 @@ BlockCopyArgs block_copy_args(const at::Tensor& kv_cache, const at::Tensor& bloc
   check_ids(block_ids, "block_ids", kv_cache.device());
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2,
               "kv_cache must be [layers, 2, num_blocks, block_size, kv_heads, head_dim], got shape ",
-              kv_cache.sizes());
+              shape(kv_cache.sizes()));
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
   check_aligned16(kv_cache, "kv_cache");
   const int64_t block_bytes =
       kv_cache.size(3) * kv_cache.size(4) * kv_cache.size(5) * kv_cache.element_size();
   TORCH_CHECK(block_bytes % 16 == 0, what, " copies 16-byte vectors, but one block of one layer is ",
-              block_bytes, " bytes");
+              num(block_bytes), " bytes");
   BlockCopyArgs a{};
   a.kv_cache = kv_cache.data_ptr();
   a.block_ids = block_ids.data_ptr();
@@ -348,7 +369,7 @@ BlockCopyArgs block_copy_args(const at::Tensor& kv_cache, const at::Tensor& bloc
   a.block_bytes = block_bytes;
   const int64_t tiles = (block_bytes / 16 + 1023) / 1024;
   TORCH_CHECK(a.planes * a.num_ids * tiles < INT_MAX, what, ": too many blocks in one call (",
-              a.num_ids, ")");
+              num(a.num_ids), ")");
   return a;
 }
 
@@ -369,10 +390,10 @@ void unpack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids, const at
   const std::vector<int64_t> expected{kv_cache.size(0), 2, block_ids.size(0), kv_cache.size(3),
                                       kv_cache.size(4), kv_cache.size(5)};
   TORCH_CHECK(payload.sizes() == at::IntArrayRef(expected), "payload must have shape ",
-              at::IntArrayRef(expected), " for ", block_ids.size(0), " block ids, got ",
-              payload.sizes());
+              shape(expected), " for ", num(block_ids.size(0)), " block ids, got ",
+              shape(payload.sizes()));
   TORCH_CHECK(payload.scalar_type() == kv_cache.scalar_type(), "payload dtype ",
-              payload.scalar_type(), " differs from kv_cache dtype ", kv_cache.scalar_type());
+              dtype_name(payload), " differs from kv_cache dtype ", dtype_name(kv_cache));
   TORCH_CHECK(payload.is_contiguous(), "payload must be contiguous");
   check_aligned16(payload, "payload");
   const c10::cuda::CUDAGuard guard(kv_cache.device());

@@ -7,7 +7,8 @@
 // every q head of the group. A CTA of 4 warps owns 64 rows (16 per warp) and
 // walks the keys in tiles of 64: S = Q K^T on tensor cores, causal mask, online
 // softmax in registers, then O += P V with P reused straight from the S
-// accumulators as the A operand.
+// accumulators as the A operand. K/V tiles are double-buffered in shared memory
+// (cp.async), so the next tile streams in while this one is computed.
 //
 // Tiles of all sequences share grid.x without a host-side count: sequence b's
 // tiles start at slot (query_start_loc[b] + b * (tokens_per_tile - 1)) /
@@ -71,13 +72,22 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const ui
 }
 
 template <typename T, int D>
+struct PrefillTiles {
+  static constexpr int kKeys = 64;             // keys per tile
+  static constexpr int kChunks = D / 8;        // 16-byte chunks per row
+  static constexpr int kStride = D + 8;        // padded so ldmatrix's 8 row addresses hit distinct banks
+  static constexpr int kTileElems = kKeys * kStride;
+  // Two stages of {K, V}: the next tile streams in while this one is computed.
+  static constexpr int kSmemBytes = 2 * 2 * kTileElems * static_cast<int>(sizeof(T));
+};
+
+template <typename T, int D>
 __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
-  constexpr int kRows = kPrefillRows, kKeys = 64;
-  constexpr int kChunks = D / 8;      // 16-byte chunks per row
-  constexpr int kStride = D + 8;      // padded so ldmatrix's 8 row addresses hit distinct banks
-  static_assert(kRows == 64, "4 warps x 16 rows");
-  __shared__ __align__(16) T k_tile[kKeys * kStride];
-  __shared__ __align__(16) T v_tile[kKeys * kStride];
+  using L = PrefillTiles<T, D>;
+  constexpr int kRows = kPrefillRows, kKeys = L::kKeys, kChunks = L::kChunks, kStride = L::kStride;
+  static_assert(kRows == 64 && kRows <= kKeys, "4 warps x 16 rows; Q is staged in a K buffer");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* const smem = reinterpret_cast<T*>(smem_raw);  // [stage][K, V][kKeys * kStride]
 
   const int kv_head = blockIdx.y;
   const int group = a.q_heads / a.kv_heads;
@@ -106,7 +116,7 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* q = static_cast<const T*>(a.q);
 
-  // Stage this tile's queries through k_tile, then keep them in registers.
+  // Stage this tile's queries through shared memory, then keep them in registers.
   for (int c = tid; c < kRows * kChunks; c += 128) {
     const int r = c / kChunks, col = (c % kChunks) * 8;
     uint4 v = make_uint4(0, 0, 0, 0);
@@ -115,15 +125,15 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
       v = *reinterpret_cast<const uint4*>(q + (int64_t)(q_start + t) * a.q_row_stride +
                                           (int64_t)h * a.q_head_stride + col);
     }
-    *reinterpret_cast<uint4*>(&k_tile[r * kStride + col]) = v;
+    *reinterpret_cast<uint4*>(&smem[r * kStride + col]) = v;
   }
   __syncthreads();
   uint32_t qf[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    ldmatrix_x4(qf[kk], &k_tile[(warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kStride +
-                                kk * 16 + (lane / 16) * 8]);
-  __syncthreads();
+    ldmatrix_x4(qf[kk], &smem[(warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kStride +
+                              kk * 16 + (lane / 16) * 8]);
+  __syncthreads();  // the first tile's copies overwrite the staged queries
 
   // This thread's two rows (mma C layout: lane/4 and lane/4 + 8 of the warp's 16)
   // and the first key each may not see. Padding rows see every loaded key so
@@ -147,33 +157,41 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
   const T* v_cache = static_cast<const T*>(a.v_cache) + kv_head * D;
   const int bs = a.block_size, shift = a.block_shift;
 
-  for (int kv0 = 0; kv0 < kv_end; kv0 += kKeys) {
-    // K then V as two cp.async groups, so QK^T can start while V is in flight.
-    // Keys past kv_end are zero-filled: 0 * garbage could be NaN in P V.
-    int64_t row_off[kKeys * kChunks / 128];
+  // Copy keys [kv0, kv0 + kKeys) of K and V into `stage` as one cp.async group.
+  // Keys past kv_end are zero-filled: 0 * garbage could be NaN in P V.
+  auto load_tile = [&](int stage, int kv0) {
+    T* k_dst = smem + stage * 2 * L::kTileElems;
+    T* v_dst = k_dst + L::kTileElems;
 #pragma unroll
     for (int i = 0; i < kKeys * kChunks / 128; ++i) {
       const int c = tid + i * 128;
       const int t = kv0 + c / kChunks;
-      row_off[i] = -1;
+      const int dst = (c / kChunks) * kStride + (c % kChunks) * 8;
+      int64_t src = 0;
       if (t < kv_end) {
         const int lb = shift >= 0 ? t >> shift : t / bs;
         const int off = shift >= 0 ? t & (bs - 1) : t - lb * bs;
-        row_off[i] = ((int64_t)__ldg(table + lb) * bs + off) * token_stride + (c % kChunks) * 8;
+        src = ((int64_t)__ldg(table + lb) * bs + off) * token_stride + (c % kChunks) * 8;
       }
-      cp_async16(&k_tile[(c / kChunks) * kStride + (c % kChunks) * 8],
-                 row_off[i] >= 0 ? k_cache + row_off[i] : k_cache, row_off[i] >= 0);
+      cp_async16(k_dst + dst, k_cache + src, t < kv_end);
+      cp_async16(v_dst + dst, v_cache + src, t < kv_end);
     }
     cp_async_commit();
-#pragma unroll
-    for (int i = 0; i < kKeys * kChunks / 128; ++i) {
-      const int c = tid + i * 128;
-      cp_async16(&v_tile[(c / kChunks) * kStride + (c % kChunks) * 8],
-                 row_off[i] >= 0 ? v_cache + row_off[i] : v_cache, row_off[i] >= 0);
+  };
+
+  const int num_tiles = ceil_div(kv_end, kKeys);
+  if (num_tiles > 0) load_tile(0, 0);
+  for (int it = 0; it < num_tiles; ++it) {
+    const int kv0 = it * kKeys;
+    if (it + 1 < num_tiles) {
+      load_tile((it + 1) & 1, kv0 + kKeys);
+      cp_async_wait<1>();  // this tile's group is complete; the next one may still fly
+    } else {
+      cp_async_wait<0>();
     }
-    cp_async_commit();
-    cp_async_wait<1>();
     __syncthreads();
+    const T* k_tile = smem + (it & 1) * 2 * L::kTileElems;
+    const T* v_tile = k_tile + L::kTileElems;
 
     float s[kKeys / 8][4];
 #pragma unroll
@@ -227,8 +245,6 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
       }
     }
 
-    cp_async_wait<0>();
-    __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       // The S accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment of P.
@@ -245,7 +261,7 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
         mma_16816<T>(o[dt + 1], pa, b[2], b[3]);
       }
     }
-    __syncthreads();  // the next tile's copies overwrite k_tile and v_tile
+    __syncthreads();  // every warp is done with this stage before it is refilled
   }
 
   T* out = static_cast<T*>(a.out);
@@ -267,15 +283,31 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
   }
 }
 
+template <typename T, int D>
+cudaError_t launch_prefill_dim(const PrefillArgs& a, cudaStream_t stream) {
+  constexpr int kSmem = PrefillTiles<T, D>::kSmemBytes;
+  // Over 48 KiB of dynamic shared memory needs an opt-in, once per device.
+  static bool opted_in[64] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 64 && !opted_in[device]) {
+    err = cudaFuncSetAttribute(prefill_mma_kernel<T, D>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+    opted_in[device] = true;
+  }
+  prefill_mma_kernel<T, D><<<dim3(a.num_tiles, a.kv_heads), 128, kSmem, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_prefill_for(int head_dim, const PrefillArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.num_tiles, a.kv_heads);
   switch (head_dim) {
-    case 64: prefill_mma_kernel<T, 64><<<grid, 128, 0, stream>>>(a); break;
-    case 128: prefill_mma_kernel<T, 128><<<grid, 128, 0, stream>>>(a); break;
+    case 64: return launch_prefill_dim<T, 64>(a, stream);
+    case 128: return launch_prefill_dim<T, 128>(a, stream);
     default: return cudaErrorInvalidValue;  // the host checks head_dim first
   }
-  return cudaGetLastError();
 }
 
 }  // namespace lmpool
