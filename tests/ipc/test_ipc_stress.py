@@ -12,7 +12,6 @@ SEED = 20240601
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop_name", ["uvloop"])
 def test_a_million_random_messages_through_a_1mib_ring(pool, run, spawn):
     link = pool.create_link(capacity=1 << 20)
 
