@@ -43,8 +43,8 @@ VERSION = 1
 HEADER_SIZE = 256
 MIN_CAPACITY = 64
 
-# Word indices into the header.
-_MAGIC, _VERSION, _CAPACITY, _OWNER_PID = 0, 1, 2, 3
+# Word indices into the header (word 0 holds MAGIC).
+_VERSION, _CAPACITY, _OWNER_PID = 1, 2, 3
 _TAIL = 8
 _HEAD = 16
 _PRODUCER_WAIT, _CONSUMER_WAIT, _PRODUCER_PID, _CONSUMER_PID = 24, 25, 26, 27
@@ -64,6 +64,8 @@ def fence() -> None:
     paths are atomic read-modify-writes, and on x86-64 every such locked instruction is
     a full fence that no load or store crosses in either direction. (The C compiler
     cannot move memory accesses across these opaque calls either.) ~100 ns a pair.
+    LMPool's hosts are x86-64; on a weakly ordered CPU (aarch64) glibc's semaphore
+    operations are only acquire/release, and this would have to become a real fence.
     """
     _fence_lock.acquire()
     _fence_lock.release()
