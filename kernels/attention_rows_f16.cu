@@ -5,7 +5,7 @@
 namespace lmpool {
 
 cudaError_t launch_attention_rows_f16(int head_dim, const AttentionRowsArgs& args,
-                                       cudaStream_t stream) {
+                                      cudaStream_t stream) {
   return launch_rows_for<__half>(head_dim, args, stream);
 }
 

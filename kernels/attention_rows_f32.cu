@@ -5,7 +5,7 @@
 namespace lmpool {
 
 cudaError_t launch_attention_rows_f32(int head_dim, const AttentionRowsArgs& args,
-                                       cudaStream_t stream) {
+                                      cudaStream_t stream) {
   return launch_rows_for<float>(head_dim, args, stream);
 }
 
