@@ -1,8 +1,25 @@
 """LMPool IPC: shared-memory rings carrying msgspec messages between processes.
 
-A pool owner creates links; each end of a link is opened by name in one process as an
-asyncio ``Channel``. ``Requester``/``Responder`` add request/response on a channel.
-This package knows nothing of LLMs; the message types are its users'.
+A pool owner creates links; each end of a link is opened by name, in one process, as an
+asyncio ``Channel``. ``Requester``/``Responder`` add request/response on a channel. This
+package knows nothing of LLMs; the message types are its users'.
+
+Parent (the pool owner)::
+
+    pool = IpcPool.start()                 # also sweeps dead pools' leftovers
+    link = pool.create_link()              # two 1 MiB rings, two semaphores
+    child = subprocess.Popen([sys.executable, "-m", "worker", link.b])
+    channel = Channel(link.a, ToParent)    # inside the running event loop
+    channel.expect_peer(child.pid)         # fail, not hang, if it dies before opening
+    await channel.send(Hello())
+    reply = await channel.recv()
+    ...
+    channel.close()
+    pool.close()                           # unlinks every segment and semaphore
+
+Child::
+
+    channel = Channel(sys.argv[1], ToChild)  # the end name is a plain string
 """
 
 from .channel import Channel, ChannelStats

@@ -122,7 +122,9 @@ class Channel(Generic[T]):
     # Sending ---------------------------------------------------------------------
 
     async def send(self, msg: Any) -> None:
-        """Encode ``msg`` and append it, waiting while the ring is full."""
+        """Encode ``msg`` and append it, waiting while the ring is full. A send that finds
+        room does not look at the peer: a dead peer is reported by ``recv``, or by a send
+        that has to wait for room."""
         payload = self._encoder.encode(msg)
         if not self._try_send(payload):
             await self._send_when_space(payload)
