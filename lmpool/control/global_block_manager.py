@@ -6,10 +6,12 @@ control plane's own bookkeeping (route reservations, transfer in-flight markers,
 per-hash demand). One event loop owns it, so it takes no locks.
 
 The page table maps ``hash -> entries [(rank, block_id, generation, ready)]``.
-It is stored per rank (``hash -> (block_id, generation, ready)``) with one
-routing index on top: ``hash -> bitmask of the ranks holding a ready copy``.
-``ready`` is False for a block a transfer reserved or received but has not
-published (``mark_in_flight``); routing never counts such a block.
+It is stored per rank as ``hash -> generation << 32 | block_id`` (one int per
+entry: a million entries cost no tuples and give the garbage collector nothing
+to trace) with one routing index on top: ``hash -> bitmask of the ranks
+holding a ready copy``. An entry is ready unless a transfer marked its hash in
+flight on that rank (reserved or received, not yet published:
+``mark_in_flight``); routing never counts such a block.
 
 Per-rank state follows the worker's life: an epoch (one per process
 incarnation), the snapshot version applied so far (None until the first
@@ -26,8 +28,8 @@ Update rules:
   worker for a snapshot (``ResyncRequest``).
 
 Invariants (``check_invariants``): every entry belongs to a registered, alive
-rank; the ready index holds exactly the ready entries; per-rank entry and
-ready counts match the entries; every reservation is on an alive rank and the
+rank; the ready index holds exactly the ready entries; per-rank ready counts
+match the entries; every reservation is on an alive rank and the
 per-rank reservation totals are the sums of its reservations; per-hash stats
 exist only for hashes some rank holds; in-flight markers are on alive ranks.
 """
@@ -92,12 +94,13 @@ class RankInfo:
         self.last_heartbeat = 0.0
         self.num_blocks = 0
         self.load = LoadReport()
-        self.blocks: dict[int, tuple[int, int, bool]] = {}  # hash -> (block_id, generation, ready)
+        self.blocks: dict[int, int] = {}  # hash -> generation << 32 | block_id
         self.num_ready = 0
         self.reserved_blocks = 0
         self.reserved_tokens = 0
         self.num_reservations = 0
-        self.in_flight: set[int] = set()  # hashes a transfer is bringing here, not yet published
+        # Hashes a transfer is bringing here, not yet published -> the block it reserved (packed).
+        self.in_flight: dict[int, int] = {}
 
     @property
     def blocks_available(self) -> int:
@@ -246,20 +249,18 @@ class GlobalBlockManager:
 
     def _store(self, info: RankInfo, stored: BlockStored) -> None:
         h = stored.block_hash
-        # The in-flight marker alone decides readiness, so an existing entry keeps its flag.
-        ready = h not in info.in_flight
-        known = h in info.blocks
-        info.blocks[h] = (stored.block_id, stored.generation, ready)
-        if ready and not known:
+        blocks = info.blocks
+        known = h in blocks
+        blocks[h] = stored.generation << 32 | stored.block_id
+        if not known and h not in info.in_flight:
             self._set_ready(info, h, True)
 
     def _remove(self, info: RankInfo, h: int, block_id: int, generation: int) -> None:
-        old = info.blocks.get(h)
-        # A removal of another copy (an older generation, or a transfer's placeholder) is not this entry's.
-        if old is None or old[0] != block_id or old[1] != generation:
+        # A removal of another copy (an older generation, or a transfer's reserved block) is not this entry's.
+        if info.blocks.get(h) != generation << 32 | block_id:
             return
         del info.blocks[h]
-        if old[2]:
+        if h not in info.in_flight:
             self._set_ready(info, h, False)
 
     def _set_ready(self, info: RankInfo, h: int, ready: bool) -> None:
@@ -278,42 +279,41 @@ class GlobalBlockManager:
         info.num_ready -= 1
 
     def _drop_entries(self, info: RankInfo) -> None:
-        for h, (_, _, ready) in info.blocks.items():
-            if ready:
+        for h in info.blocks:
+            if h not in info.in_flight:
                 self._set_ready(info, h, False)
         info.blocks = {}
         assert info.num_ready == 0
 
     # ---- transfers: blocks not yet visible to routing ----------------------------------
 
-    def mark_in_flight(self, rank: int, block_hash: int, block_id: int = -1, generation: int = 0) -> None:
-        """A transfer reserved (or filled) a block for ``block_hash`` on ``rank``: routing must not count it.
+    def mark_in_flight(self, rank: int, block_hash: int, block_id: int, generation: int) -> bool:
+        """A transfer reserved block ``block_id`` on ``rank`` for ``block_hash``: routing must not count it.
 
-        Without an entry a placeholder is recorded; an entry reported later by the
-        worker stays not ready while the marker is set.
+        The entry stays not ready, whatever the worker reports meanwhile, until
+        ``unmark_in_flight``. False (and nothing marked) when the rank already
+        holds a ready copy: the transfer is redundant.
         """
         info = self._rank(rank)
         if not info.alive:
             raise ValueError(f"rank {rank} is not alive")
-        info.in_flight.add(block_hash)
-        old = info.blocks.get(block_hash)
-        if old is None:
-            info.blocks[block_hash] = (block_id, generation, False)
-        elif old[2]:
-            info.blocks[block_hash] = (old[0], old[1], False)
-            self._set_ready(info, block_hash, False)
+        if block_hash in info.blocks and block_hash not in info.in_flight:
+            return False
+        reserved = generation << 32 | block_id
+        info.in_flight[block_hash] = reserved
+        info.blocks.setdefault(block_hash, reserved)
+        return True
 
     def unmark_in_flight(self, rank: int, block_hash: int, published: bool) -> None:
-        """The transfer published the block (routing may use it now) or aborted (its reservation is gone)."""
+        """The transfer published the block (routing may use it now) or aborted (its reserved block is gone)."""
         info = self._rank(rank)
-        if block_hash not in info.in_flight:
+        reserved = info.in_flight.pop(block_hash, None)
+        if reserved is None:
             return
-        info.in_flight.discard(block_hash)
-        old = info.blocks.get(block_hash)
-        if old is None:
-            return  # a snapshot replaced the placeholder meanwhile
-        if published:
-            info.blocks[block_hash] = (old[0], old[1], True)
+        entry = info.blocks.get(block_hash)
+        if entry is None:
+            return  # a snapshot or removal dropped it meanwhile
+        if published or entry != reserved:  # an abort leaves a copy the worker cached on its own
             self._set_ready(info, block_hash, True)
         else:
             del info.blocks[block_hash]
@@ -355,7 +355,8 @@ class GlobalBlockManager:
         for info in self.ranks:
             entry = info.blocks.get(block_hash)
             if entry is not None:
-                found.append(PageEntry(info.rank, *entry))
+                ready = block_hash not in info.in_flight
+                found.append(PageEntry(info.rank, entry & 0xFFFFFFFF, entry >> 32, ready))
         return found
 
     def ready_ranks(self, block_hash: int) -> int:
@@ -447,9 +448,8 @@ class GlobalBlockManager:
                 assert info.registered and info.alive, f"rank {info.rank} holds entries but is not alive"
             assert bool(self.alive_mask >> info.rank & 1) == (info.registered and info.alive), "alive mask"
             num_ready = 0
-            for h, (_, _, is_ready) in info.blocks.items():
-                assert is_ready == (h not in info.in_flight), f"rank {info.rank} hash {h:#x}: ready flag vs marker"
-                if is_ready:
+            for h in info.blocks:
+                if h not in info.in_flight:
                     num_ready += 1
                     ready[h] = ready.get(h, 0) | 1 << info.rank
             assert num_ready == info.num_ready, f"rank {info.rank}: ready count {info.num_ready} != {num_ready}"

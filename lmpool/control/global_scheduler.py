@@ -105,11 +105,7 @@ class RankCost(NamedTuple):
     available: int  # free + reclaimable - reserved blocks
     load: float  # queue + decode-weighted work already there
     cost: float
-    affinity: int
-
-    @property
-    def feasible(self) -> bool:
-        return self.available >= self.need
+    affinity: int  # to the seed rank
 
 
 class GlobalScheduler:
@@ -163,25 +159,36 @@ class GlobalScheduler:
 
     # ---- LMPool ------------------------------------------------------------------------
 
-    def project(self, query: RouteQuery, rank: int, matched: int, seed_rank: int | None) -> RankCost:
-        """The LMPool cost model for sending ``query`` to ``rank`` (see the module docstring)."""
+    def project(self, query: RouteQuery, ranks: list[int], lengths: list[int], seed: int | None) -> list[RankCost]:
+        """The LMPool cost model for sending ``query`` to each of ``ranks`` (see the module docstring)."""
         cfg = self.config
-        info = self.gbm.ranks[rank]
-        load = info.load
+        infos = self.gbm.ranks
         block_size = self.gbm.block_size
-        m, missing, need = _request_shape(query, matched, block_size)
-        free = load.blocks_free - info.reserved_blocks
-        reclaim = max(0, need - max(0, free))
-        decode = load.decode_tokens_left if cfg.decode_work == "tokens" else load.num_running
-        work = load.waiting_prefill_tokens + info.reserved_tokens + cfg.decode_weight * decode
-        cost = work + missing + cfg.reclaim_weight * reclaim * block_size
-        affinity = 0 if seed_rank is None else self.topology.affinity(seed_rank, rank)
-        return RankCost(rank, m, missing, need, free + load.blocks_reclaimable, work, cost, affinity)
+        prompt = query.num_prompt_tokens
+        usable = max(0, (prompt - 1) // block_size)
+        total_blocks = -(-(prompt + query.max_tokens) // block_size)
+        by_tokens = cfg.decode_work == "tokens"
+        reclaim_tokens = cfg.reclaim_weight * block_size
+        affinity = self.topology.affinity
+        costs = []
+        for r in ranks:
+            info = infos[r]
+            load = info.load
+            m = min(lengths[r], usable)
+            missing = prompt - m * block_size
+            need = max(0, total_blocks - m)
+            free = load.blocks_free - info.reserved_blocks
+            reclaim = max(0, need - max(0, free))
+            decode = load.decode_tokens_left if by_tokens else load.num_running
+            work = load.waiting_prefill_tokens + info.reserved_tokens + cfg.decode_weight * decode
+            cost = work + missing + reclaim_tokens * reclaim
+            near = 0 if seed is None else affinity(seed, r)
+            costs.append(RankCost(r, m, missing, need, free + load.blocks_reclaimable, work, cost, near))
+        return costs
 
     def _route_lmpool(self, query: RouteQuery, ranks: list[int], lengths: list[int], seed: int | None):
-        costs = [self.project(query, r, lengths[r], seed) for r in ranks]
-        self.last_costs = costs
-        pool = [c for c in costs if c.feasible]
+        costs = self.last_costs = self.project(query, ranks, lengths, seed)
+        pool = [c for c in costs if c.available >= c.need]
         rule = "min_cost"
         if not pool:
             pool = costs
