@@ -178,6 +178,8 @@ class GlobalBlockManager:
 
     def _check_epoch(self, info: RankInfo, epoch: int) -> None:
         """Raise for a report from an older incarnation, or from the incarnation already declared dead."""
+        if epoch < 0:
+            raise ValueError(f"rank {info.rank}: epoch must be >= 0, got {epoch}")
         if not info.registered:
             return
         if epoch < info.epoch or (epoch == info.epoch and not info.alive):
