@@ -7,10 +7,10 @@ measure:
   p50 and p99 in microseconds;
 - one-way throughput: the parent sends a burst of messages, the child counts them and
   answers a final ``done``; messages per second from the first send to that answer, the
-  median of ``--bursts`` bursts.
+  median over the rounds.
 
-The three transports take turns within each size, so that a change in the machine's load
-during the run hits them alike. The ring runs as LMPool uses it: ``lmpool_ipc.Channel``
+The three transports take turns in short rounds within each size, so that a change in the
+machine's load during the run hits them alike. The ring runs as LMPool uses it: ``lmpool_ipc.Channel``
 on uvloop in both processes, typed msgspec messages. Queue and Pipe carry
 ``(kind, payload)`` tuples (pickled, as those transports do), driven from the same
 event loop with their blocking calls.
@@ -147,24 +147,29 @@ def serve(get, put) -> None:
 
 
 async def measure(drivers: dict, args) -> dict:
-    """Every size on every transport, the transports taking turns within each size."""
+    """Every size on every transport. Within a size the transports take turns in
+    ``--rounds`` short rounds (round trips, then one burst), so that a change in the
+    machine's load during the run hits them alike."""
     results: dict = {name: {} for name in drivers}
     for size in SIZES:
         payload = bytes(size)
         count = args.burst if size < 65536 else args.burst // 10
+        rtts: dict = {name: [] for name in drivers}
+        rates: dict = {name: [] for name in drivers}
         for name, driver in drivers.items():
-            rtts = []
-            for i in range(args.warmup + args.rtt_count):
-                start = time.perf_counter_ns()
+            for _ in range(args.warmup):
                 await driver.round_trip(payload)
-                if i >= args.warmup:
-                    rtts.append(time.perf_counter_ns() - start)
-            rates = []
-            for _ in range(args.bursts):
+        for _ in range(args.rounds):
+            for name, driver in drivers.items():
+                for _ in range(args.rtt_count // args.rounds):
+                    start = time.perf_counter_ns()
+                    await driver.round_trip(payload)
+                    rtts[name].append(time.perf_counter_ns() - start)
                 start = time.perf_counter()
                 await driver.burst(payload, count)
-                rates.append(count / (time.perf_counter() - start))
-            results[name][str(size)] = summarize(rtts, rates)
+                rates[name].append(count / (time.perf_counter() - start))
+        for name in drivers:
+            results[name][str(size)] = summarize(rtts[name], rates[name])
     for driver in drivers.values():
         await driver.stop()
     return results
@@ -207,10 +212,14 @@ def main() -> None:
     parser.add_argument("--rtt-count", type=int, default=20000, help="round trips per size")
     parser.add_argument("--warmup", type=int, default=1000, help="untimed round trips first")
     parser.add_argument(
-        "--burst", type=int, default=200000, help="one-way messages per size (a tenth at 64 KiB)"
+        "--burst", type=int, default=100000, help="messages per burst (a tenth at 64 KiB)"
     )
     parser.add_argument(
-        "--bursts", type=int, default=3, help="bursts per size; the median rate is reported"
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds per size, each of rtt-count/rounds round trips and one burst; the "
+        "median burst rate is reported",
     )
     parser.add_argument("--ring-child", metavar="END", help=argparse.SUPPRESS)
     args = parser.parse_args()
