@@ -38,8 +38,8 @@ def pid_alive(pid: int) -> bool:
         return True
     # The state letter follows the command name, which is in parentheses and may
     # itself contain ") ".
-    state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
-    return state not in (b"Z", b"X")
+    after_name = stat.rindex(b")") + 2
+    return stat[after_name : after_name + 1] not in (b"Z", b"X")
 
 
 class PoolObject(NamedTuple):
