@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import uvloop
+from ipc_testkit import leftovers
 
 from lmpool_ipc import IpcPool
 from lmpool_ipc.lifecycle import pool_objects
@@ -34,10 +35,6 @@ def run(loop_name):
         return (uvloop.run if loop_name == "uvloop" else asyncio.run)(guarded())
 
     return run
-
-
-def leftovers(pool_id: str) -> list[str]:
-    return [o.name for o in pool_objects() if o.parsed.pool_id == pool_id]
 
 
 @pytest.fixture

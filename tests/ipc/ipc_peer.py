@@ -15,7 +15,7 @@ import random  # noqa: E402
 import msgspec  # noqa: E402
 import uvloop  # noqa: E402
 
-from ipc_testmsgs import (  # noqa: E402
+from ipc_testkit import (  # noqa: E402
     Echo,
     Message,
     Ready,

@@ -7,7 +7,7 @@ import stat
 
 import msgspec
 import pytest
-from ipc_testmsgs import Echo, Message, Seq, Stop
+from ipc_testkit import Echo, Message, Seq, Stop
 
 from lmpool_ipc import (
     Channel,

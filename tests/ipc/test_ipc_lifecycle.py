@@ -9,8 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import leftovers
-from ipc_testmsgs import Message, Ready, Seq
+from ipc_testkit import Message, Ready, Seq, leftovers
 
 from lmpool_ipc import Channel, IpcPool, PeerDeadError, sweep_dead_pools
 from lmpool_ipc.lifecycle import pid_alive

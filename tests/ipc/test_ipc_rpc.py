@@ -6,7 +6,7 @@ import random
 
 import msgspec
 import pytest
-from ipc_testmsgs import Square, Squared
+from ipc_testkit import Square, Squared
 
 from lmpool_ipc import (
     Channel,

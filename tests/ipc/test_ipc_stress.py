@@ -3,7 +3,7 @@ ring (about 32 GB: the ring wraps some 30,000 times): all arrive, in order, byte
 each once."""
 
 import pytest
-from ipc_testmsgs import payload_stream
+from ipc_testkit import payload_stream
 
 from lmpool_ipc import Channel, ChannelClosedError
 

@@ -1,9 +1,11 @@
-"""Message types and deterministic payload streams shared by the ipc tests and their
-peer processes."""
+"""Message types, deterministic payload streams and a look into /dev/shm, shared by the
+ipc tests and their peer processes."""
 
 import random
 
 import msgspec
+
+from lmpool_ipc.lifecycle import pool_objects
 
 
 class Echo(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -48,3 +50,8 @@ def payload_stream(seed: int, count: int):
         size = rng.randrange(MAX_STREAM_PAYLOAD + 1)
         offset = rng.randrange(PATTERN_BYTES - size + 1)
         yield pattern[offset : offset + size]
+
+
+def leftovers(pool_id: str) -> list[str]:
+    """Names of the segments and semaphores of pool ``pool_id`` that still exist."""
+    return [o.name for o in pool_objects() if o.parsed.pool_id == pool_id]
