@@ -7,8 +7,8 @@ per-hash demand). One event loop owns it, so it takes no locks.
 
 The page table maps ``hash -> entries [(rank, block_id, generation, ready)]``.
 It is stored per rank as ``hash -> generation << 32 | block_id`` (one int per
-entry: a million entries cost no tuples and give the garbage collector nothing
-to trace) with one routing index on top: ``hash -> bitmask of the ranks
+entry, block ids below 2**32: a million entries cost no tuples and give the
+garbage collector nothing to trace) with one routing index on top: ``hash -> bitmask of the ranks
 holding a ready copy``. An entry is ready unless a transfer marked its hash in
 flight on that rank (reserved or received, not yet published:
 ``mark_in_flight``); routing never counts such a block.
@@ -141,20 +141,16 @@ class GlobalBlockManager:
         """A worker announced itself (at start, or with each snapshot). A newer epoch starts afresh."""
         info = self._rank(rank)
         self._check_epoch(info, epoch)
+        info.num_blocks = num_blocks
         if not info.registered or epoch > info.epoch:
             self._reset(info, epoch)
-            info.load = LoadReport(blocks_free=num_blocks)  # until its first report: empty
-        info.num_blocks = num_blocks
         info.last_heartbeat = self.clock()
 
     def mark_dead(self, rank: int) -> None:
         """Forget the rank's blocks, reservations and transfers; routing skips it until a newer epoch."""
         info = self._rank(rank)
-        self._drop_entries(info)
-        self._drop_reservations(info)
-        info.in_flight.clear()
+        self._forget(info)
         info.alive = False
-        info.version = None
         self.alive_mask &= ~(1 << rank)
 
     def rank_up(self, rank: int, epoch: int) -> None:
@@ -163,18 +159,22 @@ class GlobalBlockManager:
         self._check_epoch(info, epoch)
         if not info.registered or epoch > info.epoch:
             self._reset(info, epoch)
-            info.load = LoadReport(blocks_free=info.num_blocks)
 
     def _reset(self, info: RankInfo, epoch: int) -> None:
-        self._drop_entries(info)
-        self._drop_reservations(info)
-        info.in_flight.clear()
+        """Start incarnation ``epoch`` of the rank: alive, empty, awaiting its snapshot and first report."""
+        self._forget(info)
         info.registered = True
         info.alive = True
         info.epoch = epoch
-        info.version = None
+        info.load = LoadReport(blocks_free=info.num_blocks)
         info.last_heartbeat = self.clock()
         self.alive_mask |= 1 << info.rank
+
+    def _forget(self, info: RankInfo) -> None:
+        self._drop_entries(info)
+        self._drop_reservations(info)
+        info.in_flight.clear()
+        info.version = None
 
     def _check_epoch(self, info: RankInfo, epoch: int) -> None:
         """Raise for a report from an older incarnation, or from the incarnation already declared dead."""
@@ -195,7 +195,6 @@ class GlobalBlockManager:
         self._check_epoch(info, epoch)
         if epoch > info.epoch:
             self._reset(info, epoch)
-            info.load = LoadReport(blocks_free=info.num_blocks)
         info.last_heartbeat = self.clock()
         return info
 
@@ -238,6 +237,10 @@ class GlobalBlockManager:
         info.version = delta.to_version
         self.deltas_applied += 1
         return True
+
+    def heartbeat(self, rank: int, epoch: int) -> None:
+        """The rank is alive at ``epoch`` (a report without news): only its report time moves."""
+        self._accept(rank, epoch)
 
     def update_load(self, rank: int, epoch: int, load: LoadReport) -> None:
         """Record the rank's queue and capacity; requests it admitted no longer need their reservations."""

@@ -164,9 +164,6 @@ class GlobalScheduler:
         cfg = self.config
         infos = self.gbm.ranks
         block_size = self.gbm.block_size
-        prompt = query.num_prompt_tokens
-        usable = max(0, (prompt - 1) // block_size)
-        total_blocks = -(-(prompt + query.max_tokens) // block_size)
         by_tokens = cfg.decode_work == "tokens"
         reclaim_tokens = cfg.reclaim_weight * block_size
         affinity = self.topology.affinity
@@ -174,9 +171,7 @@ class GlobalScheduler:
         for r in ranks:
             info = infos[r]
             load = info.load
-            m = min(lengths[r], usable)
-            missing = prompt - m * block_size
-            need = max(0, total_blocks - m)
+            m, missing, need = _request_shape(query, lengths[r], block_size)
             free = load.blocks_free - info.reserved_blocks
             reclaim = max(0, need - max(0, free))
             decode = load.decode_tokens_left if by_tokens else load.num_running
