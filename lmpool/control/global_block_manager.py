@@ -41,6 +41,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
+import msgspec
+
 from lmpool.engine.kv_events import BlockStored, KVDelta, KVSnapshot
 from lmpool.pool.messages import LoadReport, RankState
 
@@ -68,15 +70,17 @@ class Reservation(NamedTuple):
     created: float
 
 
-class HashStats:
-    """Demand for one cached block: how often routed prompts contained it, and how often a route used it."""
+class HashStats(msgspec.Struct, gc=False):
+    """Demand for one cached block: how often routed prompts contained it, and how often a route used it.
 
-    __slots__ = ("accesses", "route_hits", "last_access")
+    Untracked by the garbage collector (it holds numbers only): hundreds of
+    thousands of these would otherwise make every full collection pause the
+    control loop for tens of milliseconds.
+    """
 
-    def __init__(self) -> None:
-        self.accesses = 0
-        self.route_hits = 0
-        self.last_access = 0.0
+    accesses: int = 0
+    route_hits: int = 0
+    last_access: float = 0.0
 
 
 class RankInfo:
