@@ -258,6 +258,10 @@ class BlockManager:
         self._events.append(event)
         self.version += 1
 
+    @property
+    def has_pending_events(self) -> bool:
+        return bool(self._events)
+
     def drain_delta(self) -> KVDelta:
         """Events since the previous drain, as one versioned delta."""
         delta = KVDelta(self._events_from, self.version, self._events)

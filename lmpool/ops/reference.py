@@ -113,6 +113,8 @@ def paged_decode_attention(
     scores = torch.einsum("bhgd,blhd->bhgl", queries, keys) * scale
     beyond = torch.arange(max_ctx, device=q.device)[None, :] >= context_lens[:, None]
     scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    # Slots past a context may hold garbage (even NaN): a zero weight does not cancel NaN.
+    vals = vals.masked_fill(beyond[:, :, None, None], 0.0)
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgl,blhd->bhgd", probs, vals)
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)

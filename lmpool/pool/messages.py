@@ -149,7 +149,7 @@ class RouteQuery(Message, tag="route"):
     max_tokens: int
 
 
-class RouteDecision(Message):
+class RouteDecision(Message, tag="decision"):
     rank: int
     matched_blocks: int = 0  # prefix blocks the chosen rank already holds (as the page table saw them)
     reason: str = ""  # which rule chose the rank, for logs and benchmarks
@@ -166,6 +166,12 @@ class RankUp(Message, tag="rank_up"):
     epoch: int
 
 
+class WaitRanks(Message, tag="wait_ranks"):
+    """Reply once each of ``ranks`` has delivered a snapshot (or died): routing then sees them."""
+
+    ranks: list[int]
+
+
 class StatsQuery(Message, tag="stats"):
     pass
 
@@ -180,7 +186,7 @@ class RankState(Message, kw_only=True):
     cached_blocks: int
 
 
-class ControlStats(Message, kw_only=True):
+class ControlStats(Message, tag="control_stats", kw_only=True):
     pid: int
     ranks: list[RankState]
     route_queries: int
@@ -190,4 +196,4 @@ class ControlStats(Message, kw_only=True):
     stale_rejected: int
 
 
-ControlRequest = RouteQuery | RankDown | RankUp | StatsQuery
+ControlRequest = RouteQuery | RankDown | RankUp | WaitRanks | StatsQuery

@@ -1,0 +1,206 @@
+"""The pool's public API: ``AsyncLMPool`` for asyncio applications, ``LMPool`` for plain code.
+
+``AsyncLMPool`` runs on the application's own event loop (asyncio or uvloop):
+it starts the control process and the workers and exchanges messages with
+them from that loop, never blocking it for long. ``LMPool`` owns a private
+uvloop loop on a background thread and offers the same pool synchronously,
+shaped like ``LLM.generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import threading
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as SequenceABC
+
+import uvloop
+
+from lmpool.llm import Prompt, normalize_params, normalize_prompts
+from lmpool.outputs import RequestOutput
+from lmpool.pool.engine import LLMEngine, PoolConfig, TrackedRequest
+from lmpool.pool.spec import EngineArgs
+from lmpool.sampling_params import SamplingParams
+from lmpool.tokenizer import load_tokenizer
+
+
+class AsyncLMPool:
+    """N data-parallel replicas of one model behind one asyncio API.
+
+    >>> async with AsyncLMPool("path/to/qwen3", world_size=4, device="cuda") as pool:
+    ...     out = await pool.generate("Hello", SamplingParams(max_tokens=16))
+    ...     async for partial in pool.stream("Hi", SamplingParams(max_tokens=16)):
+    ...         print(partial.text)
+    """
+
+    def __init__(
+        self,
+        model: str,
+        world_size: int = 2,
+        device: str = "cpu",
+        routing: str = "lmpool",
+        topology: list[tuple[int, int]] | None = None,
+        ready_timeout: float = 300.0,
+        **engine_args,
+    ) -> None:
+        engine = EngineArgs(model=str(model), **engine_args)
+        self.config = PoolConfig(
+            model=str(model), world_size=world_size, device=device, routing=routing,
+            topology=topology, engine=engine, ready_timeout=ready_timeout,
+        )
+        self.tokenizer = load_tokenizer(model)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+        self._prefix = secrets.token_hex(4)
+
+    async def start(self) -> AsyncLMPool:
+        await self.engine.start()
+        return self
+
+    async def __aenter__(self) -> AsyncLMPool:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+    # ---- requests -----------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass token ids instead of text")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def _output(self, req: TrackedRequest) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=text,
+            num_cached_tokens=req.num_cached_tokens,
+            finish_reason=req.finish_reason,
+            rank=req.rank,
+        )
+
+    async def submit(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> TrackedRequest:
+        """Validate and route one request; its tokens arrive on the returned request's queue."""
+        rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
+        return await self.engine.add_request(rid, self.encode(prompt), params or SamplingParams())
+
+    async def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """One ``RequestOutput`` per new token (cumulative); the last has ``finish_reason`` set.
+        Leaving the loop early, or cancelling the consuming task, aborts the request."""
+        req = await self.submit(prompt, params, request_id)
+        try:
+            while True:
+                item = await req.queue.get()
+                if item is None:
+                    if req.finish_reason == "abort":
+                        yield self._output(req)
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield self._output(req)
+        finally:
+            if req.finish_reason is None:
+                await self.engine.abort(req.request_id)
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestOutput:
+        """The finished output of one request."""
+        last = None
+        async for last in self.stream(prompt, params, request_id):
+            pass
+        return last
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; an unknown or finished id is a no-op."""
+        await self.engine.abort(request_id)
+
+    async def stats(self) -> dict:
+        """Pool state: ``control_pid`` and per-rank rows (see ``LLMEngine.stats``)."""
+        return await self.engine.stats()
+
+
+class LMPool:
+    """The pool for synchronous code: ``LMPool(model, world_size=4).generate(prompts, params)``."""
+
+    def __init__(self, model: str, **pool_args) -> None:
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="lmpool-loop", daemon=True)
+        self._thread.start()
+        try:
+            self._pool = self._call(self._create(model, pool_args))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @staticmethod
+    async def _create(model: str, pool_args: dict) -> AsyncLMPool:
+        return await AsyncLMPool(model, **pool_args).start()
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``; every prompt is checked before any is sent."""
+        prompt_list = normalize_prompts(prompts)
+        params = normalize_params(sampling_params, len(prompt_list))
+        pool = self._pool
+        token_lists = []
+        for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+            ids = pool.encode(prompt)
+            try:
+                pool.engine.validate("", ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            token_lists.append(ids)
+
+        async def run_all() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(pool.generate(ids, p) for ids, p in zip(token_lists, params))))
+
+        return self._call(run_all())
+
+    def stats(self) -> dict:
+        return self._call(self._pool.stats())
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self._pool.engine
+
+    def shutdown(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self._pool.shutdown())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> LMPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,180 @@
+"""The control process: one uvloop event loop that owns the global page table and routes requests.
+
+Every state change (a worker's snapshot or delta, a heartbeat, a route query,
+a rank going down) runs as a callback of this one loop, so the
+GlobalBlockManager and GlobalScheduler need no locks: the loop serializes them.
+The control process holds metadata only; KV bytes never pass through it.
+
+It serves the engine's requests (``ControlRequest``) on one link and reads each
+worker's reports on another. A gap in a worker's deltas is answered with a
+``ResyncRequest``; stale snapshots are rejected and counted. It exits when the
+engine closes its link or dies.
+
+Run as ``python -m lmpool.pool.control SPEC_JSON`` (see ``lmpool.pool.spec``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import numpy as np
+import uvloop
+
+from lmpool.control.global_block_manager import GlobalBlockManager, StaleUpdateError
+from lmpool.control.global_scheduler import GlobalScheduler
+from lmpool.control.topology import Topology
+from lmpool.pool.messages import (
+    ControlRequest,
+    ControlStats,
+    Heartbeat,
+    RankDown,
+    RankState,
+    RankUp,
+    ResyncRequest,
+    RouteQuery,
+    StatsQuery,
+    WaitRanks,
+    WorkerDelta,
+    WorkerSnapshot,
+    WorkerToControl,
+)
+from lmpool.pool.process import read_spec
+from lmpool.pool.spec import ControlSpec
+from lmpool_ipc import Channel, IpcError, Responder
+
+ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
+
+
+class ControlPlane:
+    def __init__(self, spec: ControlSpec) -> None:
+        self.spec = spec
+        if spec.pairs is None:
+            topology = Topology.virtual(spec.world_size)
+        else:
+            topology = Topology.from_pairs(spec.world_size, [tuple(p) for p in spec.pairs], spec.gpu_of_rank)
+        self.gbm = GlobalBlockManager(spec.world_size, spec.block_size)
+        self.scheduler = GlobalScheduler(self.gbm, topology, policy=spec.routing)
+        self.workers: dict[int, Channel] = {}
+        self.resync_pending: set[int] = set()
+        # Set once a rank's first snapshot is applied, or once it is known dead.
+        self.known = [asyncio.Event() for _ in range(spec.world_size)]
+        self.route_us = np.zeros(ROUTE_SAMPLES)
+        self.route_queries = 0
+        self.resyncs = 0
+        self.stale_rejected = 0
+
+    # ---- workers -----------------------------------------------------------------
+
+    async def read_worker(self, rank: int, channel: Channel) -> None:
+        try:
+            while True:
+                msg = await channel.recv()
+                try:
+                    gap = self.apply(msg)
+                except StaleUpdateError:
+                    self.stale_rejected += 1
+                    continue
+                if isinstance(msg, WorkerSnapshot):
+                    self.resync_pending.discard(rank)
+                    self.known[rank].set()
+                elif gap and rank not in self.resync_pending:  # ask once per gap
+                    self.resync_pending.add(rank)
+                    self.resyncs += 1
+                    await channel.send(ResyncRequest(rank))
+        except IpcError:
+            self.gbm.mark_dead(rank)
+            self.workers.pop(rank, None)
+            self.known[rank].set()
+
+    def apply(self, msg: WorkerToControl) -> bool:
+        """Apply one worker report; True when a gap means the rank must resend a snapshot."""
+        if isinstance(msg, WorkerSnapshot):
+            self.gbm.register_rank(msg.rank, msg.epoch, msg.num_blocks)
+            self.gbm.apply_snapshot(msg.rank, msg.epoch, msg.snapshot)
+            self.gbm.update_load(msg.rank, msg.epoch, msg.load)
+            return False
+        if isinstance(msg, WorkerDelta):
+            applied = self.gbm.apply_delta(msg.rank, msg.epoch, msg.delta)
+            self.gbm.update_load(msg.rank, msg.epoch, msg.load)
+            return not applied
+        if msg.load is not None:
+            self.gbm.update_load(msg.rank, msg.epoch, msg.load)
+        return False
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.heartbeat_interval)
+            for rank, channel in list(self.workers.items()):
+                try:
+                    await channel.send(Heartbeat(rank, 0))
+                except IpcError:
+                    pass  # its reader sees the failure and marks the rank dead
+
+    # ---- engine requests -------------------------------------------------------------
+
+    async def handle(self, request: ControlRequest):
+        if isinstance(request, RouteQuery):
+            start = time.perf_counter_ns()
+            decision = self.scheduler.route_sequence_meta(request)
+            self.route_us[self.route_queries % ROUTE_SAMPLES] = (time.perf_counter_ns() - start) / 1e3
+            self.route_queries += 1
+            return decision
+        if isinstance(request, RankDown):
+            self.gbm.mark_dead(request.rank)
+            self.known[request.rank].set()
+            return None
+        if isinstance(request, WaitRanks):
+            await asyncio.gather(*(self.known[r].wait() for r in request.ranks))
+            return None
+        if isinstance(request, RankUp):
+            self.gbm.rank_up(request.rank, request.epoch)
+            return None
+        if isinstance(request, StatsQuery):
+            return self.stats()
+        raise ValueError(f"unexpected request {type(request).__name__}")
+
+    def stats(self) -> ControlStats:
+        n = min(self.route_queries, ROUTE_SAMPLES)
+        samples = self.route_us[:n]
+        return ControlStats(
+            pid=os.getpid(),
+            ranks=[self.gbm.rank_state(r) for r in range(self.spec.world_size)],
+            route_queries=self.route_queries,
+            route_p50_us=float(np.percentile(samples, 50)) if n else 0.0,
+            route_p99_us=float(np.percentile(samples, 99)) if n else 0.0,
+            resyncs=self.resyncs,
+            stale_rejected=self.stale_rejected,
+        )
+
+    async def run(self) -> None:
+        engine = Channel(self.spec.engine_end, ControlRequest)
+        tasks = [asyncio.create_task(self.heartbeat())]
+        for rank, end in enumerate(self.spec.worker_ends):
+            if end is None:  # down before this control process started
+                self.known[rank].set()
+                continue
+            channel = Channel(end, WorkerToControl)
+            self.workers[rank] = channel
+            tasks.append(asyncio.create_task(self.read_worker(rank, channel)))
+        try:
+            await Responder(engine, ControlRequest, self.handle).serve()
+        except IpcError:
+            pass  # the engine died: nothing left to serve
+        finally:
+            for task in tasks:
+                task.cancel()
+            for channel in self.workers.values():
+                channel.close()
+            engine.close()
+
+
+def main() -> None:
+    spec = read_spec(ControlSpec)
+    sys.exit(uvloop.run(ControlPlane(spec).run()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""``LLMEngine``: the user-process side of a pool. It launches, wires and supervises the
+control process and N workers, and carries every request from ingress to its last token.
+
+Flow of one request: validate at ingress -> chain the prompt's complete-block
+hashes -> ask the control plane for a rank -> send the sequence to that
+worker -> collect its tokens as they stream back.
+
+Supervision: every link watches its peer's pid, so a dead process surfaces as
+an ``IpcError`` on its channel. A dead worker's unfinished requests are routed
+to live ranks and recomputed from prompt + tokens generated so far; the caller
+sees no error while one rank lives. A dead control process is restarted on
+fresh links, and every live worker re-attaches and sends a full snapshot.
+
+Invariants: a request is in ``requests`` from ingress until its final token
+(or abort), and then never again; each request has exactly one rank at a time.
+Everything here runs on the one event loop that called ``start()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import subprocess
+from dataclasses import dataclass, field
+
+import torch
+
+from lmpool.engine.hashing import chain_hashes
+from lmpool.model.config import ModelConfig
+from lmpool.pool import process
+from lmpool.pool.messages import (
+    AbortRequest,
+    AddRequest,
+    AttachControl,
+    ControlStats,
+    RankDown,
+    RequestRejected,
+    RouteDecision,
+    RouteQuery,
+    Shutdown,
+    StatsQuery,
+    StepOutputs,
+    TokenDelta,
+    WaitRanks,
+    WorkerFailed,
+    WorkerReady,
+    WorkerToEngine,
+)
+from lmpool.pool.spec import ControlSpec, EngineArgs, WorkerSpec
+from lmpool.sampling_params import SamplingParams
+from lmpool_ipc import Channel, IpcError, IpcPool, Requester
+
+ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
+
+
+class PoolError(RuntimeError):
+    """The pool cannot serve: it failed to start, or no rank is left alive."""
+
+
+@dataclass
+class PoolConfig:
+    model: str
+    world_size: int = 2
+    device: str = "cpu"
+    routing: str = "lmpool"
+    topology: list[tuple[int, int]] | None = None  # logical NVLink pairs; None: all partners
+    engine: EngineArgs | None = None
+    ready_timeout: float = 300.0
+    heartbeat_interval: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}; got {self.routing!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+        if self.engine is None:
+            self.engine = EngineArgs(model=self.model)
+
+    def device_of(self, rank: int) -> str:
+        if self.device == "cpu":
+            return "cpu"
+        return f"cuda:{rank % torch.cuda.device_count()}"
+
+    def gpu_of_rank(self) -> list[int]:
+        if self.device == "cpu":
+            return list(range(self.world_size))
+        return [r % torch.cuda.device_count() for r in range(self.world_size)]
+
+
+@dataclass
+class Rank:
+    rank: int
+    proc: subprocess.Popen
+    channel: Channel
+    alive: bool = True
+    num_blocks: int = 0
+    epoch: int = 1
+
+
+@dataclass
+class TrackedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    rank: int = -1
+    # The id the worker knows this dispatch by: new for every dispatch, so tokens still in
+    # flight from an aborted request, or from a rank the request left, never match it.
+    wire_id: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    reroutes: int = 0
+    # TokenDelta for every new token, then None at the end (or an exception).
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class LLMEngine:
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.block_size = config.engine.block_size
+        self.max_model_len = config.engine.max_model_len or self.model_config.max_position_embeddings
+        self.ipc: IpcPool | None = None
+        self.ranks: list[Rank] = []
+        self.control_proc: subprocess.Popen | None = None
+        self.control: Requester | None = None
+        self._control_channel: Channel | None = None
+        self._control_lock = asyncio.Lock()
+        self.control_restarts = 0
+        self.requests: dict[str, TrackedRequest] = {}
+        self._by_wire: dict[str, TrackedRequest] = {}
+        self._wire_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    # ---- start-up ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.ipc = IpcPool.start()  # also removes what crashed pools left in /dev/shm
+        try:
+            await self._start_processes()
+        except BaseException:
+            await self.shutdown()
+            raise
+
+    async def _start_processes(self) -> None:
+        cfg = self.config
+        control_links = []
+        for r in range(cfg.world_size):
+            link = self.ipc.create_link()
+            control_links.append(self.ipc.create_link())
+            spec = WorkerSpec(
+                rank=r, epoch=1, device=cfg.device_of(r), engine_end=link.b,
+                control_end=control_links[r].b, engine_args=cfg.engine,
+                heartbeat_interval=cfg.heartbeat_interval,
+            )
+            proc = process.spawn("lmpool.pool.worker", spec)
+            channel = Channel(link.a, WorkerToEngine)
+            channel.expect_peer(proc.pid)
+            self.ranks.append(Rank(r, proc, channel))
+        await self._spawn_control([link.a for link in control_links])
+        await asyncio.gather(*(self._await_ready(rank) for rank in self.ranks))
+        for rank in self.ranks:
+            self._tasks.append(asyncio.create_task(self._read_worker(rank)))
+        await self.control_request(WaitRanks(list(range(cfg.world_size))))
+
+    async def _await_ready(self, rank: Rank) -> None:
+        try:
+            msg = await asyncio.wait_for(rank.channel.recv(), self.config.ready_timeout)
+        except asyncio.TimeoutError:
+            raise PoolError(
+                f"rank {rank.rank} did not become ready within {self.config.ready_timeout:g} s"
+            ) from None
+        except IpcError:
+            code = rank.proc.wait()
+            raise PoolError(f"rank {rank.rank} exited with code {code} during start-up") from None
+        if isinstance(msg, WorkerFailed):
+            raise PoolError(f"rank {rank.rank} failed to start: {msg.error}")
+        assert isinstance(msg, WorkerReady)
+        rank.num_blocks = msg.num_blocks
+
+    async def _spawn_control(self, worker_ends: list[str | None]) -> None:
+        cfg = self.config
+        link = self.ipc.create_link()
+        spec = ControlSpec(
+            world_size=cfg.world_size, block_size=self.block_size, routing=cfg.routing,
+            pairs=cfg.topology, gpu_of_rank=cfg.gpu_of_rank(), engine_end=link.b,
+            worker_ends=worker_ends, heartbeat_interval=cfg.heartbeat_interval,
+        )
+        self.control_proc = process.spawn("lmpool.pool.control", spec)
+        self._control_channel = Channel(link.a, object)
+        self._control_channel.expect_peer(self.control_proc.pid)
+        self.control = Requester(self._control_channel, RouteDecision | ControlStats | None)
+
+    async def _restart_control(self, failed: Requester) -> None:
+        """Start a new control process unless another task already replaced ``failed``."""
+        async with self._control_lock:
+            if self.control is not failed or self._closed:
+                return
+            self.control_restarts += 1
+            failed.close()
+            self._control_channel.close()
+            process.stop(self.control_proc, timeout=1.0)
+            live = [r for r in self.ranks if r.alive]
+            links = {r.rank: self.ipc.create_link() for r in live}
+            ends = [links[r].a if r in links else None for r in range(self.config.world_size)]
+            await self._spawn_control(ends)
+            for r in live:  # each worker re-attaches and sends a full snapshot
+                await self._send_to_rank(r, AttachControl(links[r.rank].b))
+            # Routing needs the snapshots; a rank that dies meanwhile releases the wait.
+            await self.control.request(WaitRanks([r.rank for r in live]))
+
+    async def control_request(self, msg):
+        """A request to the control plane, restarting the control process if it died."""
+        for _ in range(3):
+            requester = self.control
+            try:
+                return await requester.request(msg)
+            except IpcError:
+                if self._closed:
+                    raise PoolError("the pool is shut down") from None
+                await self._restart_control(requester)
+        raise PoolError("the control process keeps failing")
+
+    # ---- requests ---------------------------------------------------------------
+
+    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Reject at ingress what no rank could serve, naming the problem."""
+        if self._closed:
+            raise PoolError("the pool is shut down")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token {t!r} at position {i} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        blocks = -(-total // self.block_size)
+        capacity = max((r.num_blocks for r in self.ranks if r.alive), default=0)
+        if blocks > capacity:
+            raise ValueError(
+                f"request needs {blocks} KV blocks ({total} tokens) but the largest live rank "
+                f"holds only {capacity}: it could never run"
+            )
+
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> TrackedRequest:
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate(request_id, prompt_token_ids, params)
+        req = TrackedRequest(request_id, prompt_token_ids, params)
+        self.requests[request_id] = req
+        try:
+            await self._dispatch(req)
+        except BaseException:
+            self._forget(req)
+            raise
+        return req
+
+    async def _dispatch(self, req: TrackedRequest) -> None:
+        """Route ``req`` (again, after a failure) and hand it to its rank."""
+        while True:
+            if not any(r.alive for r in self.ranks):
+                raise PoolError("no rank is alive")
+            tokens = req.prompt_token_ids + req.output_token_ids
+            query = RouteQuery(
+                req.request_id, chain_hashes(tokens, self.block_size), len(tokens),
+                req.params.max_tokens - len(req.output_token_ids),
+            )
+            decision = await self.control_request(query)
+            rank = self.ranks[decision.rank]
+            if not rank.alive:
+                continue  # the control plane had not yet heard of its death
+            self._by_wire.pop(req.wire_id, None)
+            req.rank, req.wire_id = rank.rank, str(next(self._wire_ids))
+            self._by_wire[req.wire_id] = req
+            msg = AddRequest(req.wire_id, req.prompt_token_ids, req.params, list(req.output_token_ids))
+            if await self._send_to_rank(rank, msg):
+                return
+
+    async def _send_to_rank(self, rank: Rank, msg) -> bool:
+        try:
+            await rank.channel.send(msg)
+            return True
+        except IpcError:
+            await self._rank_died(rank)
+            return False
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; an unknown (or already finished) id is a no-op."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        self._forget(req)
+        req.finish_reason = "abort"
+        req.queue.put_nowait(None)
+        rank = self.ranks[req.rank]
+        if rank.alive:
+            await self._send_to_rank(rank, AbortRequest(req.wire_id))
+
+    def _forget(self, req: TrackedRequest) -> None:
+        self.requests.pop(req.request_id, None)
+        self._by_wire.pop(req.wire_id, None)
+
+    # ---- workers ----------------------------------------------------------------
+
+    async def _read_worker(self, rank: Rank) -> None:
+        try:
+            while True:
+                msg = await rank.channel.recv()
+                if isinstance(msg, StepOutputs):
+                    for delta in msg.outputs:
+                        self._deliver(rank, delta)
+                elif isinstance(msg, RequestRejected):
+                    req = self._by_wire.get(msg.request_id)
+                    if req is not None:
+                        self._forget(req)
+                        req.queue.put_nowait(ValueError(msg.error))
+        except IpcError:
+            if not self._closed:
+                await self._rank_died(rank)
+
+    def _deliver(self, rank: Rank, delta: TokenDelta) -> None:
+        req = self._by_wire.get(delta.request_id)
+        if req is None:
+            return  # aborted, or a late token from a rank the request has left
+        if not req.output_token_ids and not req.reroutes:
+            req.num_cached_tokens = min(delta.num_cached_tokens, len(req.prompt_token_ids))
+        req.output_token_ids.append(delta.token_id)
+        req.queue.put_nowait(delta)
+        if delta.finished:
+            req.finish_reason = delta.finish_reason
+            self._forget(req)
+            req.queue.put_nowait(None)
+
+    async def _rank_died(self, rank: Rank) -> None:
+        if not rank.alive:
+            return
+        rank.alive = False
+        rank.channel.close()
+        process.stop(rank.proc, timeout=1.0)
+        try:
+            await self.control_request(RankDown(rank.rank))
+        except PoolError:
+            pass
+        orphans = [r for r in self.requests.values() if r.rank == rank.rank]
+        for req in orphans:
+            req.reroutes += 1
+            try:
+                await self._dispatch(req)
+            except PoolError as e:
+                self._forget(req)
+                req.queue.put_nowait(e)
+
+    # ---- state --------------------------------------------------------------------
+
+    async def stats(self) -> dict:
+        control: ControlStats = await self.control_request(StatsQuery())
+        ranks = []
+        for state in control.ranks:
+            rank = self.ranks[state.rank]
+            load = state.load
+            ranks.append({
+                "rank": state.rank, "pid": rank.proc.pid, "alive": rank.alive,
+                "num_waiting": load.num_waiting, "num_running": load.num_running,
+                "blocks_free": load.blocks_free, "blocks_reclaimable": load.blocks_reclaimable,
+                "blocks_used": load.blocks_used, "prompt_tokens": load.prompt_tokens,
+                "prefix_hit_tokens": load.prefix_hit_tokens, "heartbeat_age_s": state.heartbeat_age_s,
+                "epoch": state.epoch, "snapshot_version": state.snapshot_version,
+                "cached_blocks": state.cached_blocks,
+            })
+        return {
+            "control_pid": control.pid, "ranks": ranks, "route_queries": control.route_queries,
+            "route_p50_us": control.route_p50_us, "route_p99_us": control.route_p99_us,
+            "resyncs": control.resyncs, "stale_rejected": control.stale_rejected,
+            "control_restarts": self.control_restarts,
+        }
+
+    # ---- shutdown -------------------------------------------------------------------
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every process and remove every shared-memory object. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for req in self.requests.values():
+            req.queue.put_nowait(PoolError("the pool is shut down"))
+        self.requests.clear()
+        self._by_wire.clear()
+        for task in self._tasks:
+            task.cancel()
+        for rank in self.ranks:
+            if rank.alive:
+                try:
+                    await asyncio.wait_for(rank.channel.send(Shutdown()), 1.0)
+                except (IpcError, asyncio.TimeoutError):
+                    pass
+        if self.control is not None:
+            self.control.close()
+            self._control_channel.close()  # the control process's Responder sees it and exits
+        loop = asyncio.get_running_loop()
+        procs = [r.proc for r in self.ranks] + ([self.control_proc] if self.control_proc else [])
+        await asyncio.gather(*(loop.run_in_executor(None, process.stop, p, timeout) for p in procs))
+        for rank in self.ranks:
+            rank.channel.close()
+        if self.ipc is not None:
+            self.ipc.close()
+
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self.ranks] + ([self.control_proc.pid] if self.control_proc else [])

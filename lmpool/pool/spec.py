@@ -1,0 +1,44 @@
+"""What a child process needs to know at start-up, passed as JSON on its command line."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineArgs(msgspec.Struct, kw_only=True):
+    """The per-replica ``EngineConfig`` fields (minus the device, which is per rank)."""
+
+    model: str
+    dtype: str | None = None
+    block_size: int = 256
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    use_kernels: bool = True
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 256 << 20
+    seed: int = 0
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    rank: int
+    epoch: int
+    device: str
+    engine_end: str  # link end to the user process
+    control_end: str  # link end to the control process
+    engine_args: EngineArgs
+    heartbeat_interval: float = 0.5
+
+
+class ControlSpec(msgspec.Struct, kw_only=True):
+    world_size: int
+    block_size: int
+    routing: str
+    pairs: list[tuple[int, int]] | None  # logical NVLink pairs; None: every rank partners every other
+    gpu_of_rank: list[int] | None
+    engine_end: str
+    worker_ends: list[str | None]  # None for a rank that is down
+    heartbeat_interval: float = 0.5

@@ -1,0 +1,239 @@
+"""A data-plane worker: one replica's EngineCore driven by messages from the engine and control.
+
+The worker owns its blocks; it tells the control plane what it caches with
+versioned deltas (a full snapshot at start, after a ``ResyncRequest`` and when a
+new control process attaches), and streams every new token to the engine.
+
+The step loop never waits on a message: reader tasks move arriving messages
+into an inbox, and the loop yields to them between steps (``asyncio.sleep(0)``),
+so a request or an abort is taken at the next step boundary while the model
+runs. With nothing to do the loop sleeps on an event, burning no CPU.
+
+Run as ``python -m lmpool.pool.worker SPEC_JSON`` (see ``lmpool.pool.spec``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import msgspec
+import uvloop
+
+from lmpool.config import EngineConfig
+from lmpool.engine.core import EngineCore
+from lmpool.pool.messages import (
+    AbortRequest,
+    AddRequest,
+    AttachControl,
+    ControlToWorker,
+    EngineToWorker,
+    Heartbeat,
+    LoadReport,
+    RequestRejected,
+    ResyncRequest,
+    Shutdown,
+    StepOutputs,
+    TokenDelta,
+    WorkerDelta,
+    WorkerFailed,
+    WorkerReady,
+    WorkerSnapshot,
+)
+from lmpool.pool.process import read_spec
+from lmpool.pool.spec import WorkerSpec
+from lmpool_ipc import Channel, IpcError
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, core: EngineCore, engine: Channel) -> None:
+        self.spec = spec
+        self.rank = spec.rank
+        self.epoch = spec.epoch
+        self.core = core
+        self.engine = engine
+        self.control: Channel | None = None
+        self.inbox: list = []
+        self.wakeup = asyncio.Event()
+        self.need_snapshot = True
+        self.admitted: list[str] = []  # for the control plane's reservations
+        self.last_load: LoadReport | None = None
+        self.prompt_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.stopping = False
+        self.tasks: list[asyncio.Task] = []
+
+    # ---- message intake ---------------------------------------------------------
+
+    async def read_engine(self) -> None:
+        try:
+            while True:
+                msg = await self.engine.recv()
+                # Not ``self.inbox.append(await ...)``: that binds the list before the
+                # await, and the step loop swaps in a new list meanwhile.
+                self.inbox.append(msg)
+                self.wakeup.set()
+        except IpcError:
+            self.stopping = True  # the user process is gone: nobody to serve
+            self.wakeup.set()
+
+    async def read_control(self, channel: Channel) -> None:
+        try:
+            while True:
+                msg = await channel.recv()
+                if isinstance(msg, ResyncRequest):
+                    self.need_snapshot = True
+                    self.wakeup.set()
+        except IpcError:
+            if self.control is channel:  # the control process died; the engine restarts it
+                self.control = None
+
+    def attach_control(self, end: str) -> None:
+        old, self.control = self.control, Channel(end, ControlToWorker)
+        if old is not None:
+            old.close()
+        self.need_snapshot = True
+        self.tasks.append(asyncio.create_task(self.read_control(self.control)))
+
+    # ---- reports --------------------------------------------------------------
+
+    def load(self) -> LoadReport:
+        sched, bm = self.core.scheduler, self.core.block_manager
+        prefill = 0
+        decode_left = 0
+        for seq in sched.running:
+            prefill += max(0, len(seq) - 1 - seq.num_computed_tokens)
+            decode_left += seq.params.max_tokens - seq.num_output_tokens
+        for seq in sched.waiting:
+            prefill += len(seq) - seq.num_computed_tokens
+        return LoadReport(
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            waiting_prefill_tokens=prefill,
+            decode_tokens_left=decode_left,
+            blocks_free=bm.num_free,
+            blocks_reclaimable=bm.num_reclaimable,
+            blocks_used=bm.num_used,
+            prompt_tokens=self.prompt_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+        )
+
+    async def publish(self) -> None:
+        """Tell the control plane what changed: cached blocks (or everything, if asked) and load.
+
+        Routing costs a rank by its queue, so a changed load is reported at once
+        rather than at the next heartbeat.
+        """
+        if self.control is None:
+            return
+        bm = self.core.block_manager
+        load = self.load()
+        if not (self.need_snapshot or bm.has_pending_events or self.admitted or load != self.last_load):
+            return
+        self.last_load = load
+        report = msgspec.structs.replace(load, admitted=self.admitted)
+        self.admitted = []
+        try:
+            if self.need_snapshot:
+                self.need_snapshot = False
+                bm.drain_delta()  # the snapshot supersedes pending events
+                await self.control.send(
+                    WorkerSnapshot(self.rank, self.epoch, bm.num_blocks, bm.snapshot(), report)
+                )
+            else:
+                await self.control.send(WorkerDelta(self.rank, self.epoch, bm.drain_delta(), report))
+        except IpcError:
+            self.control = None
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.heartbeat_interval)
+            if self.control is not None:
+                try:
+                    await self.control.send(Heartbeat(self.rank, self.epoch, self.load()))
+                except IpcError:
+                    self.control = None
+
+    # ---- the step loop ----------------------------------------------------------
+
+    def handle(self, msg) -> list:
+        """Apply one engine message; return messages to send back."""
+        if isinstance(msg, AddRequest):
+            try:
+                self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids)
+            except ValueError as e:
+                return [RequestRejected(msg.request_id, str(e))]
+            self.admitted.append(msg.request_id)
+        elif isinstance(msg, AbortRequest):
+            self.core.abort_request(msg.request_id)
+        elif isinstance(msg, AttachControl):
+            self.attach_control(msg.end)
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+        return []
+
+    async def run(self) -> None:
+        self.tasks += [asyncio.create_task(self.read_engine()), asyncio.create_task(self.heartbeat())]
+        self.attach_control(self.spec.control_end)
+        await self.publish()
+        while not self.stopping:
+            if not self.inbox and not self.core.has_unfinished():
+                self.wakeup.clear()
+                await self.wakeup.wait()
+            inbox, self.inbox = self.inbox, []
+            replies = [r for msg in inbox for r in self.handle(msg)]
+            for reply in replies:
+                await self.engine.send(reply)
+            if self.stopping:
+                break
+            deltas = []
+            if self.core.has_unfinished():
+                for out in self.core.step():
+                    seq = out.seq
+                    if seq.first_token_time is None:
+                        seq.first_token_time = time.monotonic()
+                        self.prompt_tokens += seq.num_prompt_tokens
+                        self.prefix_hit_tokens += seq.num_cached_tokens
+                    deltas.append(
+                        TokenDelta(out.request_id, out.new_token_id, out.finished, out.finish_reason,
+                                   seq.num_cached_tokens)
+                    )
+            if deltas:
+                await self.engine.send(StepOutputs(deltas, self.load()))
+            await self.publish()
+            await asyncio.sleep(0)  # let the readers take what arrived during the step
+        for task in self.tasks:
+            task.cancel()
+
+
+async def main_async(spec: WorkerSpec) -> int:
+    engine = Channel(spec.engine_end, EngineToWorker)
+    try:
+        args = msgspec.structs.asdict(spec.engine_args)
+        config = EngineConfig(device=spec.device, **args)
+        core = EngineCore(config)
+    except Exception as e:  # any start-up failure is reported, with its cause, to the engine
+        await engine.send(WorkerFailed(spec.rank, f"{type(e).__name__}: {e}"))
+        engine.close()
+        return 1
+    bm = core.block_manager
+    await engine.send(WorkerReady(spec.rank, os.getpid(), bm.num_blocks, bm.block_size))
+    worker = Worker(spec, core, engine)
+    try:
+        await worker.run()
+    finally:
+        if worker.control is not None:
+            worker.control.close()
+        engine.close()
+    return 0
+
+
+def main() -> None:
+    spec = read_spec(WorkerSpec)
+    sys.exit(uvloop.run(main_async(spec)))
+
+
+if __name__ == "__main__":
+    main()

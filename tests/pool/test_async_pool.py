@@ -1,0 +1,109 @@
+"""AsyncLMPool inside an application's running loop: streaming, cancellation, request ids."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import uvloop
+
+from lmpool import LLM, SamplingParams
+from lmpool.pool.api import AsyncLMPool
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPT = list(range(100, 140))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        return llm.generate(PROMPT, GREEDY)[0].token_ids
+
+
+def run(coro):
+    """Run on uvloop, as an application would."""
+    return uvloop.run(coro)
+
+
+def test_stream_yields_token_by_token(tiny_model, expected):
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            seen = [out async for out in pool.stream(PROMPT, GREEDY)]
+            whole = await pool.generate(PROMPT, GREEDY)
+        return seen, whole
+
+    seen, whole = run(main())
+    assert [len(o.token_ids) for o in seen] == list(range(1, 7))
+    assert seen[-1].token_ids == expected == whole.token_ids
+    assert seen[-1].finish_reason == "length" and all(o.finish_reason is None for o in seen[:-1])
+
+
+def test_cancelling_a_stream_aborts_the_request(tiny_model):
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+            first_token = asyncio.Event()
+
+            async def consume():
+                async for _ in pool.stream(PROMPT, long, request_id="to-cancel"):
+                    first_token.set()
+
+            task = asyncio.create_task(consume())
+            await first_token.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert "to-cancel" not in pool.engine.requests
+            # The worker dropped it: the same id can be used again and the pool still serves.
+            out = await pool.generate(PROMPT, GREEDY, request_id="to-cancel")
+            return out
+
+    assert len(run(main()).token_ids) == 6
+
+
+def test_duplicate_request_id_refused_and_unknown_abort_is_noop(tiny_model):
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            req = await pool.submit(PROMPT, long, request_id="dup")
+            with pytest.raises(ValueError, match="already in use"):
+                await pool.submit(PROMPT, GREEDY, request_id="dup")
+            await pool.abort("no-such-request")
+            await pool.abort("dup")
+            assert req.finish_reason == "abort"
+            return await pool.generate(PROMPT, GREEDY)
+
+    assert len(run(main()).token_ids) == 6
+
+
+def test_thousand_concurrent_streams_all_finish(tiny_model):
+    """Every stream ends with its full output while a 10 ms timer keeps ticking in the loop
+    (its lag is printed; the latency goal lives in benchmarks/benchmark_async_pool.py)."""
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            lags = []
+            stop = asyncio.Event()
+
+            async def ticker():
+                loop = asyncio.get_running_loop()
+                while not stop.is_set():
+                    start = loop.time()
+                    await asyncio.sleep(0.01)
+                    lags.append(loop.time() - start - 0.01)
+
+            async def one(i):
+                params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+                return [o async for o in pool.stream([i % 900 + 1, 7, 9], params)][-1]
+
+            tick = asyncio.create_task(ticker())
+            outs = await asyncio.gather(*(one(i) for i in range(1000)))
+            stop.set()
+            await tick
+            return outs, lags
+
+    outs, lags = run(main())
+    assert len(outs) == 1000 and all(len(o.token_ids) == 3 for o in outs)
+    lags.sort()
+    print(f"timer lag p50 {lags[len(lags) // 2] * 1e3:.1f} ms, p99 {lags[int(len(lags) * 0.99)] * 1e3:.1f} ms")

@@ -1,0 +1,94 @@
+"""Killing a worker or the control process mid-run loses no request and changes no token."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+import uvloop
+
+from lmpool import LLM, SamplingParams
+from lmpool.pool.api import AsyncLMPool
+
+BLOCK = 16
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+N = 200
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    stems = [torch.randint(0, 1000, (48,), generator=g).tolist() for _ in range(8)]
+    return [stems[i % 8] + torch.randint(0, 1000, (i % 13 + 1,), generator=g).tolist() for i in range(N)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        return [o.token_ids for o in llm.generate(prompts(), PARAMS)]
+
+
+async def run_with_kill(pool: AsyncLMPool, victim_pid) -> list:
+    """Start all requests; once 20 tokens have streamed, SIGKILL ``victim_pid()``."""
+    streamed = 0
+    killed = asyncio.Event()
+
+    async def one(prompt):
+        nonlocal streamed
+        last = None
+        async for last in pool.stream(prompt, PARAMS):
+            streamed += 1
+            if streamed == 20:
+                os.kill(victim_pid(), signal.SIGKILL)
+                killed.set()
+        return last
+
+    outs = await asyncio.gather(*(one(p) for p in prompts()))
+    assert killed.is_set()
+    return outs
+
+
+async def wait_for_resync(pool: AsyncLMPool) -> dict:
+    """Poll the pool's stats until every live rank's snapshot has reached the control plane."""
+    for _ in range(400):
+        stats = await pool.stats()
+        if all(r["snapshot_version"] > 0 for r in stats["ranks"] if r["alive"]):
+            return stats
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no resync: {stats}")
+
+
+def test_worker_sigkill_mid_run(tiny_model, reference):
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK) as pool:
+            victim = pool.engine.ranks[1].proc.pid
+            outs = await run_with_kill(pool, lambda: victim)
+            stats = await pool.stats()
+            again = await pool.generate(prompts()[0], PARAMS)
+            return outs, stats, again
+
+    outs, stats, again = uvloop.run(main())
+    assert [o.token_ids for o in outs] == reference
+    assert not stats["ranks"][1]["alive"]
+    assert {o.rank for o in outs} <= {0, 2}, "requests finish on live ranks"
+    assert again.rank != 1 and again.num_cached_tokens > 0
+
+
+def test_control_sigkill_mid_run(tiny_model, reference):
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK) as pool:
+            old = pool.engine.control_proc.pid
+            outs = await run_with_kill(pool, lambda: pool.engine.control_proc.pid)
+            stats = await wait_for_resync(pool)
+            # After the resync, routing finds the prefixes again: a repeat of an early
+            # prompt goes to a rank that holds its blocks and hits the cache.
+            again = await pool.generate(prompts()[5], PARAMS)
+            return outs, stats, again, old
+
+    outs, stats, again, old = uvloop.run(main())
+    assert [o.token_ids for o in outs] == reference
+    assert stats["control_pid"] != old and stats["control_restarts"] >= 1
+    assert all(r["alive"] for r in stats["ranks"])
+    assert again.num_cached_tokens >= 48

@@ -1,0 +1,93 @@
+"""The pool on CPU replicas: same tokens as one engine under every routing policy, prefix
+locality, stats, bad input at ingress, start-up failures."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lmpool import LLM, SamplingParams
+from lmpool.pool.api import LMPool
+from lmpool.pool.engine import ROUTINGS, PoolError
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def mixed_prompts(n: int = 64, seed: int = 0) -> list[list[int]]:
+    """Prompts sharing a few long prefixes (so routing has locality to find) plus loners."""
+    g = torch.Generator().manual_seed(seed)
+    stems = [torch.randint(0, 1000, (int(k),), generator=g).tolist() for k in (40, 57, 23, 70)]
+    prompts = []
+    for i in range(n):
+        tail = torch.randint(0, 1000, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        prompts.append(stems[i % 5] + tail if i % 5 < 4 else tail)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        return [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)]
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_pool_outputs_equal_single_engine(tiny_model, reference, routing):
+    with LMPool(tiny_model, world_size=4, routing=routing, block_size=BLOCK) as pool:
+        outs = pool.generate(mixed_prompts(), GREEDY)
+        stats = pool.stats()
+    assert [o.token_ids for o in outs] == reference
+    assert {o.rank for o in outs} <= {0, 1, 2, 3}
+    assert all(o.finish_reason == "length" for o in outs)
+    assert len(stats["ranks"]) == 4 and all(r["alive"] for r in stats["ranks"])
+    assert stats["route_queries"] == len(outs)
+    if routing == "round_robin":
+        assert {o.rank for o in outs} == {0, 1, 2, 3}
+
+
+def test_lmpool_routing_follows_the_prefix(tiny_model):
+    g = torch.Generator().manual_seed(3)
+    stem = torch.randint(0, 1000, (64,), generator=g).tolist()
+    with LMPool(tiny_model, world_size=4, block_size=BLOCK) as pool:
+        first = pool.generate(stem + [1, 2, 3], GREEDY)[0]
+        # The page table learns of the first request's blocks from the worker's delta;
+        # later requests sharing the stem go where the blocks are and hit the cache.
+        later = pool.generate([stem + [i] for i in range(4, 12)], GREEDY)
+        stats = pool.stats()
+    assert all(o.rank == first.rank for o in later)
+    assert all(o.num_cached_tokens == 64 for o in later)
+    row = stats["ranks"][first.rank]
+    assert row["prefix_hit_tokens"] >= 8 * 64 and row["snapshot_version"] > 0
+
+
+def test_stats_fields(tiny_model):
+    with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+        pool.generate(mixed_prompts(4), GREEDY)
+        stats = pool.stats()
+    assert stats["control_pid"] > 0
+    for i, row in enumerate(stats["ranks"]):
+        assert row["rank"] == i and row["pid"] > 0 and row["alive"]
+        for key in ("num_waiting", "num_running", "blocks_free", "blocks_reclaimable", "blocks_used",
+                    "prompt_tokens", "prefix_hit_tokens", "heartbeat_age_s", "epoch", "snapshot_version"):
+            assert key in row
+    assert sum(r["prompt_tokens"] for r in stats["ranks"]) == sum(len(p) for p in mixed_prompts(4))
+
+
+def test_bad_input_rejected_at_ingress(tiny_model):
+    with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+        for prompt, match in (([], "empty"), ([5, 10**7], "outside the vocabulary"), ([1] * 5000, "max_model_len")):
+            with pytest.raises(ValueError, match=match):
+                pool.generate([[1, 2, 3], prompt], GREEDY)
+        assert pool.engine.requests == {}
+        assert len(pool.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 8
+
+
+def test_model_that_fails_to_load_names_rank_and_cause(tiny_model, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    for f in broken.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(PoolError, match=r"rank \d failed to start: FileNotFoundError"):
+        LMPool(str(broken), world_size=2, block_size=BLOCK)
