@@ -18,11 +18,11 @@ steps=${*:-tests throughput}
 for step in $steps; do
   case $step in
     tests)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_engine_gpu.py 2>&1 \
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_engine_gpu.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -5 ;;
     throughput)
       python3 -m lmpool.cli make-model /tmp/qwen3-0.6b --preset 0.6b >/dev/null
-      timeout 420 python3 benchmarks/benchmark_throughput.py --model /tmp/qwen3-0.6b --device cuda \
+      timeout 440 python3 benchmarks/benchmark_throughput.py --model /tmp/qwen3-0.6b --device cuda \
         --dtype bfloat16 --num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 \
         --max-output 1024 --compare-hf --hf-batch 256 --json "$OUT/throughput_h200_0.6b.json" 2>&1 \
         | grep -v "Loading weights" | tee "$OUT/throughput.log" ;;
