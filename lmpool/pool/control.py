@@ -16,6 +16,7 @@ Run as ``python -m lmpool.pool.control SPEC_JSON`` (see ``lmpool.pool.spec``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 import time
@@ -52,7 +53,7 @@ class ControlPlane:
     def __init__(self, spec: ControlSpec) -> None:
         self.spec = spec
         if spec.pairs is None:
-            topology = Topology.virtual(spec.world_size)
+            topology = Topology.detect(spec.world_size, spec.device, spec.gpu_of_rank)
         else:
             topology = Topology.from_pairs(spec.world_size, [tuple(p) for p in spec.pairs], spec.gpu_of_rank)
         self.gbm = GlobalBlockManager(spec.world_size, spec.block_size)
@@ -102,6 +103,8 @@ class ControlPlane:
             return not applied
         if msg.load is not None:
             self.gbm.update_load(msg.rank, msg.epoch, msg.load)
+        else:
+            self.gbm.heartbeat(msg.rank, msg.epoch)
         return False
 
     async def heartbeat(self) -> None:
@@ -150,6 +153,9 @@ class ControlPlane:
         )
 
     async def run(self) -> None:
+        # Everything imported so far lives as long as the process: keep it out of the
+        # collector, whose full passes over torch's objects would stall routing for ~0.1 s.
+        gc.freeze()
         engine = Channel(self.spec.engine_end, ControlRequest)
         tasks = [asyncio.create_task(self.heartbeat())]
         for rank, end in enumerate(self.spec.worker_ends):

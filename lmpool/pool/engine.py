@@ -48,7 +48,7 @@ from lmpool.pool.messages import (
 )
 from lmpool.pool.spec import ControlSpec, EngineArgs, WorkerSpec
 from lmpool.sampling_params import SamplingParams
-from lmpool_ipc import Channel, IpcError, IpcPool, Requester
+from lmpool_ipc import Channel, IpcError, IpcPool, RemoteError, Requester
 
 ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
 
@@ -187,7 +187,7 @@ class LLMEngine:
         cfg = self.config
         link = self.ipc.create_link()
         spec = ControlSpec(
-            world_size=cfg.world_size, block_size=self.block_size, routing=cfg.routing,
+            world_size=cfg.world_size, device=cfg.device, block_size=self.block_size, routing=cfg.routing,
             pairs=cfg.topology, gpu_of_rank=cfg.gpu_of_rank(), engine_end=link.b,
             worker_ends=worker_ends, heartbeat_interval=cfg.heartbeat_interval,
         )
@@ -220,6 +220,8 @@ class LLMEngine:
             requester = self.control
             try:
                 return await requester.request(msg)
+            except RemoteError as e:  # the control plane answered with an error: not a crash
+                raise PoolError(f"control plane: {e}") from None
             except IpcError:
                 if self._closed:
                     raise PoolError("the pool is shut down") from None

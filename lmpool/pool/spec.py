@@ -35,6 +35,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
 
 class ControlSpec(msgspec.Struct, kw_only=True):
     world_size: int
+    device: str  # "cpu" or "cuda": where the topology comes from
     block_size: int
     routing: str
     pairs: list[tuple[int, int]] | None  # logical NVLink pairs; None: every rank partners every other

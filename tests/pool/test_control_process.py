@@ -1,0 +1,96 @@
+"""The control process's handling of worker reports: stale snapshots are rejected, a gap in
+deltas is answered with one ResyncRequest, and the following snapshot resynchronises."""
+
+from __future__ import annotations
+
+import asyncio
+
+from lmpool.engine.kv_events import BlockStored, KVDelta, KVSnapshot
+from lmpool.pool.control import ControlPlane
+from lmpool.pool.messages import LoadReport, ResyncRequest, RouteQuery, WorkerDelta, WorkerSnapshot
+from lmpool.pool.spec import ControlSpec
+from lmpool_ipc import PeerDeadError
+
+
+class FakeWorkerChannel:
+    """Feeds scripted reports to ``read_worker`` and records what the control plane sends back."""
+
+    def __init__(self, reports: list) -> None:
+        self.reports = list(reports)
+        self.sent: list = []
+
+    async def recv(self):
+        if not self.reports:
+            raise PeerDeadError("script finished")
+        return self.reports.pop(0)
+
+    async def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+def stored(h: int, parent: int, block_id: int) -> BlockStored:
+    return BlockStored(h, parent, block_id, 1)
+
+
+def control() -> ControlPlane:
+    spec = ControlSpec(world_size=2, device="cpu", block_size=4, routing="lmpool", pairs=None,
+                       gpu_of_rank=None, engine_end="unused", worker_ends=["unused", "unused"])
+    return ControlPlane(spec)
+
+
+LOAD = LoadReport(blocks_free=10)
+
+
+def test_gap_triggers_one_resync_and_snapshot_recovers():
+    plane = control()
+    reports = [
+        WorkerSnapshot(0, 1, 16, KVSnapshot(1, [stored(11, 0, 0)]), LOAD),
+        WorkerDelta(0, 1, KVDelta(1, 2, [stored(12, 11, 1)]), LOAD),
+        WorkerDelta(0, 1, KVDelta(5, 6, [stored(99, 98, 7)]), LOAD),  # versions 2..5 lost
+        WorkerDelta(0, 1, KVDelta(6, 7, [stored(100, 99, 8)]), LOAD),  # still behind: no second ask
+        WorkerSnapshot(0, 1, 16, KVSnapshot(7, [stored(11, 0, 0), stored(12, 11, 1), stored(13, 12, 2)]), LOAD),
+        WorkerDelta(0, 1, KVDelta(7, 8, [stored(14, 13, 3)]), LOAD),
+        WorkerSnapshot(0, 1, 16, KVSnapshot(3, [stored(11, 0, 0)]), LOAD),  # stale: older than 8
+    ]
+    channel = FakeWorkerChannel(reports)
+    asyncio.run(plane.read_worker(0, channel))
+    assert channel.sent == [ResyncRequest(0)]
+    assert plane.resyncs == 1
+    assert plane.stale_rejected == 1
+    # After the script the channel "died": the rank is forgotten.
+    assert plane.gbm.rank_state(0).alive is False
+
+
+def test_routing_sees_the_resynced_chain():
+    plane = control()
+    reports = [
+        WorkerSnapshot(1, 1, 16, KVSnapshot(0, []), LOAD),
+        WorkerDelta(1, 1, KVDelta(3, 4, [stored(13, 12, 2)]), LOAD),  # gap
+        WorkerSnapshot(1, 1, 16, KVSnapshot(4, [stored(11, 0, 0), stored(12, 11, 1), stored(13, 12, 2)]), LOAD),
+    ]
+
+    async def main():
+        channel = FakeWorkerChannel(reports)
+        channel.reports.append(None)  # keep the rank alive: block on an event instead of dying
+        hold = asyncio.Event()
+
+        async def recv():
+            msg = channel.reports.pop(0)
+            if msg is None:
+                await hold.wait()
+            return msg
+
+        channel.recv = recv
+        plane.gbm.register_rank(0, 1, 16)
+        plane.gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
+        plane.gbm.update_load(0, 1, LOAD)
+        task = asyncio.create_task(plane.read_worker(1, channel))
+        while channel.reports:
+            await asyncio.sleep(0)
+        decision = await plane.handle(RouteQuery("r", [11, 12, 13, 14], 17, 4))
+        task.cancel()
+        return decision, channel.sent
+
+    decision, sent = asyncio.run(main())
+    assert sent == [ResyncRequest(1)]
+    assert decision.rank == 1 and decision.matched_blocks == 3
