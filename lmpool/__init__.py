@@ -2,6 +2,7 @@
 
 from lmpool.llm import LLM
 from lmpool.outputs import RequestOutput
+from lmpool.pool.api import AsyncLMPool, LMPool
 from lmpool.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLMPool", "LMPool", "RequestOutput", "SamplingParams"]
