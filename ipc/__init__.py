@@ -20,8 +20,16 @@ Parent (the pool owner)::
 Child::
 
     channel = Channel(sys.argv[1], ToChild)  # the end name is a plain string
+
+A board publishes one value (say, a state snapshot) that any number of read-only readers
+take without disturbing the writer::
+
+    name = pool.create_board("state", capacity=65536)
+    BoardWriter(name).publish(b"...")     # in one process
+    BoardReader(name).read()              # in any other: the latest value, or None
 """
 
+from .board import BoardBusyError, BoardReader, BoardWriter
 from .channel import Channel, ChannelStats
 from .errors import (
     ChannelClosedError,
@@ -32,11 +40,14 @@ from .errors import (
     RemoteError,
     RingCorruptError,
 )
-from .lifecycle import remove_pool, sweep_dead_pools
+from .lifecycle import boards, pid_alive, remove_pool, sweep_dead_pools
 from .pool import DEFAULT_CAPACITY, IpcPool, Link
 from .rpc import Requester, Responder
 
 __all__ = [
+    "BoardBusyError",
+    "BoardReader",
+    "BoardWriter",
     "DEFAULT_CAPACITY",
     "Channel",
     "ChannelClosedError",
@@ -51,6 +62,8 @@ __all__ = [
     "Requester",
     "Responder",
     "RingCorruptError",
+    "boards",
+    "pid_alive",
     "remove_pool",
     "sweep_dead_pools",
 ]

@@ -68,6 +68,11 @@ def pool_objects() -> list[PoolObject]:
     return found
 
 
+def boards(label: str) -> list[PoolObject]:
+    """Every board named ``label``, of any pool and any owner."""
+    return [o for o in pool_objects() if o.parsed.board == label]
+
+
 def unlink_object(obj: PoolObject) -> bool:
     """Unlink one object; False if it was already gone (someone else removed it)."""
     try:

@@ -1,6 +1,6 @@
 """Names of the POSIX shared-memory segments and semaphores of a pool.
 
-Every object of a pool is named ``/lmpool-<pool id>-<owner pid>-<link id>-<role>``:
+Every object of a link is named ``/lmpool-<pool id>-<owner pid>-<link id>-<role>``:
 
 - ``pool id``: 32 hex digits from ``secrets``, so other users cannot guess (and pre-create
   or open) a pool's objects; with mode 0600 they could not open them anyway.
@@ -10,6 +10,10 @@ Every object of a pool is named ``/lmpool-<pool id>-<owner pid>-<link id>-<role>
 - ``link id``: 16 hex digits, one per link (a pair of rings between two processes).
 - ``role``: ``ab`` / ``ba``, the ring from end a to end b and back; ``a`` / ``b``, the
   semaphore that wakes that end.
+
+A board (a region of the pool with no link, see ``board``) is named
+``/lmpool-<pool id>-<owner pid>-board-<label>``, ``label`` being a short lowercase word
+chosen by its user; ``board`` is not 16 hex digits, so no link name looks like it.
 
 An end of a link is addressed by the string ``<link prefix>:a`` or ``<link prefix>:b``;
 that string is all another process needs to open its end.
@@ -27,17 +31,22 @@ RING_ROLES = ("ab", "ba")
 BELL_ROLES = ("a", "b")
 ENDS = ("a", "b")
 
-_OBJECT = re.compile(r"lmpool-([0-9a-f]{32})-([0-9]+)-([0-9a-f]{16})-(ab|ba|a|b)")
+_OBJECT = re.compile(
+    r"lmpool-([0-9a-f]{32})-([0-9]+)-(?:([0-9a-f]{16})-(ab|ba|a|b)|board-([a-z][a-z0-9]{0,15}))"
+)
+_LABEL = re.compile(r"[a-z][a-z0-9]{0,15}")
 _END = re.compile(r"(/lmpool-[0-9a-f]{32}-[0-9]+-[0-9a-f]{16}):(a|b)")
 
 
 class ObjectName(NamedTuple):
-    """A parsed object name: which pool, its owner, which link, which role."""
+    """A parsed object name: which pool, its owner, and which link and role, or which
+    board (``link_id`` and ``role`` empty)."""
 
     pool_id: str
     owner_pid: int
     link_id: str
     role: str
+    board: str = ""
 
 
 def new_pool_id() -> str:
@@ -46,6 +55,12 @@ def new_pool_id() -> str:
 
 def new_link_prefix(pool_id: str, owner_pid: int) -> str:
     return f"/lmpool-{pool_id}-{owner_pid}-{secrets.token_hex(8)}"
+
+
+def board_name(pool_id: str, owner_pid: int, label: str) -> str:
+    if _LABEL.fullmatch(label) is None:
+        raise ValueError(f"a board label is 1-16 lowercase letters and digits, starting with a letter; got {label!r}")
+    return f"/lmpool-{pool_id}-{owner_pid}-board-{label}"
 
 
 def object_name(link_prefix: str, role: str) -> str:
@@ -69,4 +84,6 @@ def parse_object(name: str) -> ObjectName | None:
     match = _OBJECT.fullmatch(name.removeprefix("/"))
     if match is None:
         return None
+    if match[5] is not None:
+        return ObjectName(match[1], int(match[2]), "", "", match[5])
     return ObjectName(match[1], int(match[2]), match[3], match[4])

@@ -2,8 +2,10 @@
 
 The process that starts a pool owns it. ``IpcPool.start`` first sweeps the leftovers of
 dead pools, then names a fresh pool; ``create_link`` creates the two rings and two
-semaphores of one link (mode 0600, exclusive create); ``close`` unlinks every object of
-the pool, whichever process created it. Links are opened by end name with ``Channel``.
+semaphores of one link (mode 0600, exclusive create); ``create_board`` creates a board
+(see ``board``); ``close`` unlinks every object of the pool, whichever process created it.
+Links are opened by end name with ``Channel``, boards by name with ``BoardWriter`` and
+``BoardReader``.
 """
 
 import mmap
@@ -13,10 +15,12 @@ from dataclasses import dataclass
 
 import posix_ipc
 
+from .board import board_bytes, format_board
 from .lifecycle import PoolObject, remove_pool, sweep_dead_pools, unlink_object
 from .names import (
     BELL_ROLES,
     RING_ROLES,
+    board_name,
     end_name,
     new_link_prefix,
     new_pool_id,
@@ -64,6 +68,23 @@ class IpcPool:
                 undo.callback(_unlink, "sem", name)
             undo.pop_all()
         return Link(end_name(prefix, "a"), end_name(prefix, "b"))
+
+    def create_board(self, label: str, capacity: int) -> str:
+        """Create board ``label`` of this pool, holding values of up to ``capacity`` bytes;
+        return its name. Only the owner's user can open it (mode 0600)."""
+        if capacity < 1:
+            raise ValueError(f"board capacity must be positive, got {capacity}")
+        name = board_name(self.pool_id, self.owner_pid, label)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, MODE, board_bytes(capacity))
+        try:
+            with mmap.mmap(shm.fd, shm.size) as buf:
+                format_board(buf, self.owner_pid)
+        except BaseException:
+            shm.unlink()
+            raise
+        finally:
+            shm.close_fd()
+        return name
 
     def close(self) -> list[str]:
         """Unlink every segment and semaphore of this pool; return their names. Channels

@@ -23,9 +23,10 @@ from ipc_testkit import (  # noqa: E402
     Square,
     Squared,
     Stop,
+    board_value,
     payload_stream,
 )
-from lmpool_ipc import Channel, IpcPool, Responder  # noqa: E402
+from lmpool_ipc import BoardWriter, Channel, IpcPool, Responder  # noqa: E402
 
 
 async def echo(end: str) -> None:
@@ -102,6 +103,24 @@ def crash_pool() -> None:
     asyncio.run(hold())
 
 
+def publish(name: str) -> None:
+    """Publish ``board_value(0)``, ``board_value(1)``, ... on board ``name`` until killed."""
+    writer = BoardWriter(name)
+    n = 0
+    while True:
+        writer.publish(board_value(n))
+        n += 1
+
+
+def crash_board() -> None:
+    """Start a pool with one board, print the pool id, then wait for stdin to close (the
+    test SIGKILLs us first)."""
+    pool = IpcPool.start()
+    pool.create_board("state", 4096)
+    print(pool.pool_id, flush=True)
+    sys.stdin.read()
+
+
 MODES = {
     "echo": echo,
     "stream": stream,
@@ -115,5 +134,9 @@ if __name__ == "__main__":
     loop, mode, *args = sys.argv[1:]
     if mode == "crash-pool":
         crash_pool()
+    elif mode == "crash-board":
+        crash_board()
+    elif mode == "publish":
+        publish(*args)
     else:
         (uvloop.run if loop == "uvloop" else asyncio.run)(MODES[mode](*args))

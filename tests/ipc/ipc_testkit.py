@@ -52,6 +52,19 @@ def payload_stream(seed: int, count: int):
         yield pattern[offset : offset + size]
 
 
+def board_value(n: int) -> bytes:
+    """Value ``n`` of a board stream: ``n`` as 8 bytes, repeated 1 to 500 times, so a torn
+    read (bytes of two values) shows as unequal words or a wrong length."""
+    return n.to_bytes(8, "little") * (1 + n % 500)
+
+
+def check_board_value(value: bytes) -> int:
+    """The ``n`` of a value made by ``board_value``; AssertionError if the value is torn."""
+    n = int.from_bytes(value[:8], "little")
+    assert value == board_value(n), f"torn value: {len(value)} bytes, starting with {n}"
+    return n
+
+
 def leftovers(pool_id: str) -> list[str]:
     """Names of the segments and semaphores of pool ``pool_id`` that still exist."""
     return [o.name for o in pool_objects() if o.parsed.pool_id == pool_id]

@@ -1,0 +1,131 @@
+"""Boards (lmpool_ipc.board): a reader sees the latest value whole, never a torn one, while
+another process publishes as fast as it can; board names; a board goes with its pool."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ipc_testkit import board_value, check_board_value, leftovers
+
+from lmpool_ipc import BoardBusyError, BoardReader, BoardWriter, IpcPool, RingCorruptError, boards
+from lmpool_ipc.board import _SEQUENCE
+from lmpool_ipc.names import board_name, parse_object
+
+PEER = Path(__file__).with_name("ipc_peer.py")
+
+
+def peer(mode: str, *args: str, **popen_kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(PEER), "asyncio", mode, *args], **popen_kwargs)
+
+
+def test_publish_and_read(pool):
+    name = pool.create_board("state", 1024)
+    with BoardWriter(name) as writer, BoardReader(name) as reader:
+        assert reader.read() is None  # nothing published yet
+        assert reader.owner_pid == os.getpid() and reader.capacity == 1024
+        writer.publish(b"hello board")
+        assert reader.read() == b"hello board"
+        writer.publish(b"hi")  # shorter than the value before
+        assert reader.read() == b"hi"
+        writer.publish(b"")
+        assert reader.read() == b""
+        assert reader.sequence == 6  # two per publish, even between them
+        with pytest.raises(ValueError, match="does not fit a board of 1024 bytes"):
+            writer.publish(bytes(1025))
+        writer.publish(bytes(1024))  # exactly full
+        assert reader.read() == bytes(1024)
+
+
+def test_only_the_owner_can_open_it_and_readers_cannot_write(pool):
+    name = pool.create_board("state", 64)
+    assert os.stat(f"/dev/shm{name}").st_mode & 0o777 == 0o600
+    with BoardReader(name) as reader:
+        with pytest.raises(TypeError):  # the mapping is read-only
+            reader._data[0] = 1
+
+
+def test_no_torn_reads_while_another_process_publishes(pool):
+    name = pool.create_board("state", 8 * 500)
+    writer = peer("publish", name)
+    try:
+        with BoardReader(name) as reader:
+            seen = [0]
+            deadline = time.monotonic() + 60
+            busy = 0
+            while len(seen) < 200 and time.monotonic() < deadline:  # 200 distinct values
+                try:
+                    value = reader.read()
+                except BoardBusyError:  # back-to-back writes can outrun a reader: no harm
+                    busy += 1
+                    continue
+                if value is not None and check_board_value(value) != seen[-1]:
+                    seen.append(check_board_value(value))
+    finally:
+        writer.kill()
+        writer.wait()
+    assert len(seen) == 200, f"{len(seen)} values read, {busy} reads gave up"
+    assert seen == sorted(seen), "a reader never goes back in time"
+
+
+def test_a_writer_that_died_mid_write(pool):
+    name = pool.create_board("state", 64)
+    with BoardWriter(name) as writer:
+        writer.publish(board_value(1))
+        writer._words[_SEQUENCE] += 1  # what a writer killed between its two stores leaves
+    with BoardReader(name) as reader:
+        with pytest.raises(BoardBusyError, match="being written"):
+            reader.read()
+        with BoardWriter(name) as successor:
+            successor.publish(board_value(2))
+        assert check_board_value(reader.read()) == 2
+        assert reader.sequence % 2 == 0
+
+
+def test_not_a_board(pool):
+    link = pool.create_link()
+    ring = link.a.split(":")[0] + "-ab"
+    with pytest.raises(RingCorruptError, match="not an LMPool board"):
+        BoardReader(ring)
+
+
+def test_board_names():
+    pool_id = "0123456789abcdef" * 2
+    name = board_name(pool_id, 42, "state")
+    assert name == f"/lmpool-{pool_id}-42-board-state"
+    parsed = parse_object(name)
+    assert (parsed.pool_id, parsed.owner_pid, parsed.board, parsed.link_id, parsed.role) == (
+        pool_id, 42, "state", "", ""
+    )
+    assert parse_object(f"/lmpool-{pool_id}-42-{'ab' * 8}-ab").board == ""
+    for bad in ("", "State", "9lives", "a-b", "x" * 17):
+        with pytest.raises(ValueError, match="board label"):
+            board_name(pool_id, 42, bad)
+
+
+def test_pool_close_removes_its_board():
+    pool = IpcPool.start()
+    name = pool.create_board("state", 64)
+    assert [b.name for b in boards("state") if b.parsed.pool_id == pool.pool_id] == [name]
+    with BoardReader(name) as reader:
+        assert pool.close() == [name]
+        assert reader.read() is None  # an open mapping outlives the name
+    assert leftovers(pool.pool_id) == []
+
+
+def test_a_dead_pools_board_is_swept_and_a_live_ones_is_not(pool):
+    pool.create_board("state", 64)
+    crashed = peer("crash-board", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        crashed_pool = crashed.stdout.readline().strip()
+        assert len(leftovers(crashed_pool)) == 1
+    finally:
+        crashed.kill()
+        crashed.wait()
+        crashed.stdin.close()
+        crashed.stdout.close()
+    with IpcPool.start():
+        assert leftovers(crashed_pool) == []
+        assert len(leftovers(pool.pool_id)) == 1
