@@ -5,6 +5,9 @@ it starts the control process and the workers and exchanges messages with
 them from that loop, never blocking it for long. ``LMPool`` owns a private
 uvloop loop on a background thread and offers the same pool synchronously,
 shaped like ``LLM.generate``.
+
+``metrics_port`` (an int; 0 picks a free port) turns on Prometheus metrics, served
+from this process at ``http://<metrics_host>:<port>/metrics`` (see ``lmpool.pool.metrics``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import uvloop
 from lmpool.llm import Prompt, normalize_params, normalize_prompts
 from lmpool.outputs import RequestOutput
 from lmpool.pool.engine import LLMEngine, PoolConfig, TrackedRequest
+from lmpool.pool.metrics import NO_METRICS, MetricsServer
 from lmpool.pool.spec import EngineArgs
 from lmpool.sampling_params import SamplingParams
 from lmpool.tokenizer import load_tokenizer
@@ -43,6 +47,8 @@ class AsyncLMPool:
         routing: str = "lmpool",
         topology: list[tuple[int, int]] | None = None,
         ready_timeout: float = 300.0,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
         **engine_args,
     ) -> None:
         engine = EngineArgs(model=str(model), **engine_args)
@@ -54,10 +60,30 @@ class AsyncLMPool:
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
+        self._metrics_address = (metrics_host, metrics_port)
+        self._metrics: MetricsServer | None = None
 
     async def start(self) -> AsyncLMPool:
         await self.engine.start()
+        host, port = self._metrics_address
+        if port is not None:
+            try:
+                self._metrics = MetricsServer(self.engine.board, port, host)
+            except BaseException:
+                await self.engine.shutdown()
+                raise
+            self.engine.metrics = self._metrics
         return self
+
+    @property
+    def pool_id(self) -> str:
+        """The pool's id, as ``lmpool ps`` lists it and ``lmpool top`` takes it."""
+        return self.engine.ipc.pool_id
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port serving ``/metrics``; None when metrics are off."""
+        return None if self._metrics is None else self._metrics.port
 
     async def __aenter__(self) -> AsyncLMPool:
         return await self.start()
@@ -66,6 +92,11 @@ class AsyncLMPool:
         await self.shutdown()
 
     async def shutdown(self) -> None:
+        if self._metrics is not None:
+            metrics, self._metrics = self._metrics, None
+            self.engine.metrics = NO_METRICS
+            # The HTTP server takes up to half a second to stop: not on the event loop.
+            await asyncio.get_running_loop().run_in_executor(None, metrics.close)
         await self.engine.shutdown()
 
     # ---- requests -----------------------------------------------------------------
@@ -185,6 +216,14 @@ class LMPool:
     @property
     def engine(self) -> LLMEngine:
         return self._pool.engine
+
+    @property
+    def pool_id(self) -> str:
+        return self._pool.pool_id
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._pool.metrics_port
 
     def shutdown(self) -> None:
         if self._loop.is_closed():

@@ -10,6 +10,9 @@ worker's reports on another. A gap in a worker's deltas is answered with a
 ``ResyncRequest``; stale snapshots are rejected and counted. It exits when the
 engine closes its link or dies.
 
+A few times a second it publishes the pool's state on the pool-state board
+(``lmpool.pool.state_board``) for monitors; readers never make it wait.
+
 Run as ``python -m lmpool.pool.control SPEC_JSON`` (see ``lmpool.pool.spec``).
 """
 
@@ -44,6 +47,7 @@ from lmpool.pool.messages import (
 )
 from lmpool.pool.process import read_spec
 from lmpool.pool.spec import ControlSpec
+from lmpool.pool.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
 from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
@@ -66,6 +70,7 @@ class ControlPlane:
         self.route_queries = 0
         self.resyncs = 0
         self.stale_rejected = 0
+        self.published = 0
 
     # ---- workers -----------------------------------------------------------------
 
@@ -152,12 +157,35 @@ class ControlPlane:
             stale_rejected=self.stale_rejected,
         )
 
+    def pool_state(self) -> PoolState:
+        stats = self.stats()
+        self.published += 1
+        return PoolState(
+            pool_id=self.spec.pool_id, owner_pid=self.spec.owner_pid, control_pid=stats.pid,
+            started_at=self.spec.started_at, published=self.published, published_at=time.time(),
+            monotonic=time.monotonic(), world_size=self.spec.world_size,
+            route_queries=stats.route_queries, route_p50_us=stats.route_p50_us,
+            route_p99_us=stats.route_p99_us,
+            ranks=[
+                RankRow.from_state(s, self.spec.worker_pids[s.rank], len(self.gbm.ranks[s.rank].in_flight))
+                for s in stats.ranks
+            ],
+        )
+
+    async def publish_state(self) -> None:
+        with StateBoardWriter(self.spec.board) as board:
+            while True:
+                board.publish(self.pool_state())
+                await asyncio.sleep(PUBLISH_INTERVAL_S)
+
     async def run(self) -> None:
         # Everything imported so far lives as long as the process: keep it out of the
         # collector, whose full passes over torch's objects would stall routing for ~0.1 s.
         gc.freeze()
         engine = Channel(self.spec.engine_end, ControlRequest)
         tasks = [asyncio.create_task(self.heartbeat())]
+        if self.spec.board is not None:
+            tasks.append(asyncio.create_task(self.publish_state()))
         for rank, end in enumerate(self.spec.worker_ends):
             if end is None:  # down before this control process started
                 self.known[rank].set()

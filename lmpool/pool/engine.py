@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import subprocess
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -46,7 +47,9 @@ from lmpool.pool.messages import (
     WorkerReady,
     WorkerToEngine,
 )
+from lmpool.pool.metrics import NO_METRICS
 from lmpool.pool.spec import ControlSpec, EngineArgs, WorkerSpec
+from lmpool.pool.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
 from lmpool_ipc import Channel, IpcError, IpcPool, RemoteError, Requester
 
@@ -114,6 +117,8 @@ class TrackedRequest:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     reroutes: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    last_token_at: float = 0.0  # time.monotonic() of the latest token, for inter-token latency
     # TokenDelta for every new token, then None at the end (or an exception).
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -125,6 +130,9 @@ class LLMEngine:
         self.block_size = config.engine.block_size
         self.max_model_len = config.engine.max_model_len or self.model_config.max_position_embeddings
         self.ipc: IpcPool | None = None
+        self.board: str | None = None  # the pool-state board (``state_board``)
+        self.started_at = 0.0
+        self.metrics = NO_METRICS  # token timing; a Prometheus recorder when metrics are on
         self.ranks: list[Rank] = []
         self.control_proc: subprocess.Popen | None = None
         self.control: Requester | None = None
@@ -141,6 +149,7 @@ class LLMEngine:
 
     async def start(self) -> None:
         self.ipc = IpcPool.start()  # also removes what crashed pools left in /dev/shm
+        self.started_at = time.time()
         try:
             await self._start_processes()
         except BaseException:
@@ -149,6 +158,7 @@ class LLMEngine:
 
     async def _start_processes(self) -> None:
         cfg = self.config
+        self.board = self.ipc.create_board(BOARD_LABEL, board_capacity(cfg.world_size))
         control_links = []
         for r in range(cfg.world_size):
             link = self.ipc.create_link()
@@ -190,6 +200,8 @@ class LLMEngine:
             world_size=cfg.world_size, device=cfg.device, block_size=self.block_size, routing=cfg.routing,
             pairs=cfg.topology, gpu_of_rank=cfg.gpu_of_rank(), engine_end=link.b,
             worker_ends=worker_ends, heartbeat_interval=cfg.heartbeat_interval,
+            pool_id=self.ipc.pool_id, owner_pid=self.ipc.owner_pid, started_at=self.started_at,
+            board=self.board, worker_pids=[r.proc.pid for r in self.ranks],
         )
         self.control_proc = process.spawn("lmpool.pool.control", spec)
         self._control_channel = Channel(link.a, object)
@@ -339,6 +351,12 @@ class LLMEngine:
         req = self._by_wire.get(delta.request_id)
         if req is None:
             return  # aborted, or a late token from a rank the request has left
+        now = time.monotonic()
+        if req.output_token_ids:
+            self.metrics.inter_token(now - req.last_token_at)
+        else:
+            self.metrics.first_token(now - req.arrival)
+        req.last_token_at = now
         if not req.output_token_ids and not req.reroutes:
             req.num_cached_tokens = min(delta.num_cached_tokens, len(req.prompt_token_ids))
         req.output_token_ids.append(delta.token_id)

@@ -39,6 +39,7 @@ class LoadReport(Message):
     prompt_tokens: int = 0  # cumulative prompt tokens admitted
     prefix_hit_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
     admitted: list[str] = []  # request ids that reached the worker since the previous report
+    generated_tokens: int = 0  # cumulative tokens this worker has emitted
 
 
 # ---- engine <-> worker ---------------------------------------------------------------

@@ -43,3 +43,8 @@ class ControlSpec(msgspec.Struct, kw_only=True):
     engine_end: str
     worker_ends: list[str | None]  # None for a rank that is down
     heartbeat_interval: float = 0.5
+    pool_id: str = ""
+    owner_pid: int = 0  # the user process
+    started_at: float = 0.0  # wall-clock time the pool started
+    board: str | None = None  # the pool-state board to publish on (``state_board``)
+    worker_pids: list[int] = []

@@ -62,6 +62,7 @@ class Worker:
         self.last_load: LoadReport | None = None
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
+        self.generated_tokens = 0
         self.stopping = False
         self.tasks: list[asyncio.Task] = []
 
@@ -118,6 +119,7 @@ class Worker:
             blocks_used=bm.num_used,
             prompt_tokens=self.prompt_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
+            generated_tokens=self.generated_tokens,
         )
 
     async def publish(self) -> None:
@@ -201,6 +203,7 @@ class Worker:
                                    seq.num_cached_tokens)
                     )
             if deltas:
+                self.generated_tokens += len(deltas)  # one delta per new token
                 await self.engine.send(StepOutputs(deltas, self.load()))
             await self.publish()
             await asyncio.sleep(0)  # let the readers take what arrived during the step
