@@ -1,4 +1,4 @@
-"""The ``lmpool`` command: ``make-model`` and ``demo``."""
+"""The ``lmpool`` command: ``demo``, ``make-model``, and the operator tools ``ps`` and ``top``."""
 
 from __future__ import annotations
 
@@ -45,32 +45,57 @@ def default_model(preset: str = "tiny", seed: int = 0) -> Path:
 def demo(argv: list[str]) -> int:
     import torch
 
-    from lmpool import LLM, SamplingParams
+    from lmpool import LMPool, SamplingParams
 
-    parser = argparse.ArgumentParser(prog="lmpool demo", description="Generate from a small model.")
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(prog="lmpool demo", description="Serve a small model from a pool of replicas.")
     parser.add_argument("--model", help="a Qwen3 checkpoint directory (default: a generated tiny model)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--world-size", type=int, help="replicas (default: one per GPU, at least 2)")
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args(argv)
+    world_size = args.world_size or (max(2, torch.cuda.device_count()) if args.device == "cuda" else 2)
     model = args.model or str(default_model())
-    print(f"model: {model}\ndevice: {args.device}")
-    with LLM(model, device=args.device, block_size=16) as llm:
+    print(f"model: {model}\ndevice: {args.device}, {world_size} replicas")
+    with LMPool(model, world_size=world_size, device=args.device, block_size=16) as pool:
+        print(f"pool: {pool.pool_id} (watch it with: lmpool top {pool.pool_id[:8]})")
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=0)
-        start = time.perf_counter()
         prompts = [PREAMBLE + p for p in DEMO_PROMPTS]
-        outs = llm.generate(prompts, params)
-        again = llm.generate(prompts, params)
+        start = time.perf_counter()
+        # The second round finds the prompts' blocks cached where the first round put them.
+        outs = pool.generate(prompts, params) + pool.generate(prompts, params)
         elapsed = time.perf_counter() - start
+        stats = pool.stats()
     for prompt, out in zip(DEMO_PROMPTS, outs):
         print(f"\n> {prompt}\n  {out.text!r}")
-    tokens = sum(len(o.token_ids) for o in outs + again)
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs + again)
-    hits = sum(o.num_cached_tokens for o in outs + again)
-    print(
-        f"\n{len(outs) + len(again)} requests, {tokens} output tokens in {elapsed:.2f} s "
-        f"({tokens / elapsed:.0f} tok/s); prefix cache served {hits}/{prompt_tokens} prompt tokens"
-    )
+    print(summary(outs, stats, elapsed))
     return 0
+
+
+def summary(outs, stats: dict, elapsed: float) -> str:
+    """Per-rank requests, prefix hits and tokens, then the totals."""
+    lines = ["", f"{'rank':>4} {'requests':>8} {'prompt tokens':>13} {'cached':>6} {'hit rate':>8} {'output tokens':>13}"]
+    for row in stats["ranks"]:
+        mine = [o for o in outs if o.rank == row["rank"]]
+        prompt = sum(len(o.prompt_token_ids) for o in mine)
+        cached = sum(o.num_cached_tokens for o in mine)
+        lines.append(
+            f"{row['rank']:>4} {len(mine):>8} {prompt:>13} {cached:>6} {_rate(cached, prompt):>8} "
+            f"{sum(len(o.token_ids) for o in mine):>13}"
+        )
+    tokens = sum(len(o.token_ids) for o in outs)
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    lines.append(
+        f"\n{len(outs)} requests on {len(stats['ranks'])} ranks: {tokens} output tokens in {elapsed:.2f} s "
+        f"({tokens / elapsed:.0f} tok/s); prefix cache hit rate {_rate(cached, prompt)} "
+        f"({cached}/{prompt} prompt tokens)"
+    )
+    return "\n".join(lines)
+
+
+def _rate(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
 def make_model_command(argv: list[str]) -> int:
@@ -79,7 +104,19 @@ def make_model_command(argv: list[str]) -> int:
     return make_model.main(argv)
 
 
-COMMANDS = {"demo": demo, "make-model": make_model_command}
+def top_command(argv: list[str]) -> int:
+    from lmpool_tools import top
+
+    return top.main(argv)
+
+
+def ps_command(argv: list[str]) -> int:
+    from lmpool_tools import ps
+
+    return ps.main(argv)
+
+
+COMMANDS = {"demo": demo, "make-model": make_model_command, "ps": ps_command, "top": top_command}
 
 
 def main(argv: list[str] | None = None) -> int:
