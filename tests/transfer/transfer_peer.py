@@ -1,0 +1,94 @@
+"""A worker's side of the transport tests: ``python -m transfer_peer ADDRESS RANK WORLD
+HEADER SCRIPT``.
+
+It runs SCRIPT (a JSON list of steps) against a GlooTransport and prints one JSON line per
+result. Steps (one key names each):
+  {"connect": peer, "session": s}           start connecting
+  {"connected": timeout}                    wait for every connection started so far
+  {"send"|"recv": peer, "tag": t, "blocks": n, "seed": s}
+                                            start one transfer of n blocks (ids from seed);
+                                            sends pack this rank's cache, receives unpack
+                                            into it once complete
+  {"wait": timeout}                         wait for every started transfer, print its
+                                            digest, then the digest of the whole cache
+  {"fail": timeout}                         wait for every started transfer, expecting each
+                                            to raise; print the error and how long it took
+  {"say": text} / {"hear": null}            print a line / read one from stdin (sequencing)
+At the end it closes the transport and prints {"exit": ...} with the threads left.
+"""
+
+import json
+import sys
+import threading
+import time
+
+import torch
+
+from lmpool.ops.reference import pack_kv, unpack_kv
+from lmpool.transfer import GlooTransport, TransportError
+from transfer_testkit import block_ids, digest, make_cache, payload_like
+
+
+def out(**line) -> None:
+    print(json.dumps(line), flush=True)
+
+
+def main() -> None:
+    address, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    header, script = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+    dtype = header["dtype"]
+    cache = make_cache(rank, header["incarnation"], dtype)
+    transport = GlooTransport(address, rank, world, timeout_s=header.get("timeout_s", 20.0))
+    connects, started = [], []
+    for step in script:
+        if "connect" in step:
+            connects.append(transport.connect(step["connect"], step["session"]))
+        elif "connected" in step:
+            for h in connects:
+                h.wait(step["connected"])
+            connects.clear()
+            out(connected=rank)
+        elif "send" in step or "recv" in step:
+            op = "send" if "send" in step else "recv"
+            src_ids, dst_ids = block_ids(step["seed"], step["blocks"])
+            if op == "send":
+                data = pack_kv(cache, src_ids)
+                handle = transport.send(step["send"], data, step["tag"])
+            else:
+                data = payload_like(step["blocks"], dtype)
+                handle = transport.recv(step["recv"], data, step["tag"])
+            started.append((op, step, handle, data, dst_ids))
+        elif "wait" in step:
+            for op, s, handle, data, dst_ids in started:
+                handle.wait(step["wait"])
+                if op == "recv":
+                    unpack_kv(cache, dst_ids, data)
+                    out(received=s["tag"], digest=digest(pack_kv(cache, dst_ids)))
+                else:
+                    out(sent=s["tag"])
+            started.clear()
+            out(cache=digest(cache))
+        elif "fail" in step:
+            for op, s, handle, _, _ in started:
+                t0 = time.monotonic()
+                try:
+                    handle.wait(step["fail"])
+                except TransportError as e:
+                    out(failed=s["tag"], op=op, error=type(e).__name__, message=str(e),
+                        elapsed=time.monotonic() - t0)
+                else:
+                    out(failed=s["tag"], op=op, error=None, elapsed=time.monotonic() - t0)
+            started.clear()
+        elif "say" in step:
+            out(say=step["say"])
+        elif "hear" in step:
+            sys.stdin.readline()
+        else:
+            raise ValueError(f"unknown step {step}")
+    transport.close()
+    out(exit=rank, pending=transport.pending(), threads=threading.active_count())
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # several peers share two cores
+    main()
