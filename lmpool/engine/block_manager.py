@@ -29,6 +29,10 @@ from lmpool.engine.kv_events import BlockRemoved, BlockStored, KVDelta, KVEvent,
 from lmpool.engine.sequence import Sequence
 
 
+class StaleBlockError(ValueError):
+    """A transfer named a block that is no longer cached here under that generation."""
+
+
 class BlockState(enum.Enum):
     FREE = "free"
     WRITING = "writing"
@@ -127,12 +131,8 @@ class BlockManager:
         """Take references on the prefix hit; the sequence starts computing after it."""
         assert not seq.block_table, "sequence already holds blocks"
         for block_id in hit:
-            block = self.blocks[block_id]
-            if block.state is BlockState.RECLAIMABLE:
-                block.state = BlockState.READY
-                self.num_reclaimable -= 1
-            block.ref_count += 1
-            self._touch(block, hit=True)
+            self._reference(self.blocks[block_id])
+            self._touch(self.blocks[block_id], hit=True)
         seq.block_table = list(hit)
         seq.num_computed_tokens = len(hit) * self.block_size
         seq.num_ready_blocks = len(hit)
@@ -168,6 +168,13 @@ class BlockManager:
             self.release(block_id)
         seq.block_table = []
         seq.num_ready_blocks = 0
+
+    def _reference(self, block: Block) -> None:
+        """One more holder of a cached or in-use block; a reclaimable one is revived."""
+        if block.state is BlockState.RECLAIMABLE:
+            block.state = BlockState.READY
+            self.num_reclaimable -= 1
+        block.ref_count += 1
 
     def release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -211,6 +218,75 @@ class BlockManager:
         block.token_ids = tuple(seq.block_tokens(index))
         self.hash_to_block[block_hash] = block.block_id
         self._emit(BlockStored(block_hash, parent_hash, block.block_id, block.generation))
+
+    # ---- transfers ------------------------------------------------------------
+
+    def pin_cached(self, block_hashes: list[int], generations: list[int]) -> tuple[list[int], list[int]]:
+        """Reference the cached blocks holding ``block_hashes`` (a transfer's source), so they
+        cannot be reclaimed while their bytes move. All or nothing: if any block is no longer
+        cached, or was reused under another generation, nothing is pinned.
+
+        The cached ancestors of the first block are pinned too: a referenced block must
+        never hang off a reclaimable parent, or leaf-first reclamation could stall.
+        Returns (the blocks, every block pinned).
+        """
+        ids = []
+        for h, generation in zip(block_hashes, generations, strict=True):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].generation != generation:
+                raise StaleBlockError(f"block {h:#x} generation {generation} is no longer cached here")
+            ids.append(block_id)
+        pinned = list(ids)
+        parent = self.blocks[ids[0]].parent_id if ids else None
+        while parent is not None:
+            pinned.append(parent)
+            parent = self.blocks[parent].parent_id
+        for block_id in pinned:
+            self._reference(self.blocks[block_id])
+        return ids, pinned
+
+    def publish_received(
+        self,
+        block_ids: list[int],
+        block_hashes: list[int],
+        parent_hashes: list[int],
+        token_ids: list[list[int]],
+    ) -> None:
+        """Make blocks that received a transfer visible in the prefix cache, parents first, then
+        drop the transfer's references (they stay cached, reclaimable).
+
+        A block joins the cache only if its parent is cached here (the chain stays
+        contiguous) and no other copy holds its hash; otherwise it is simply freed.
+        """
+        for block_id, h, parent, tokens in zip(block_ids, block_hashes, parent_hashes, token_ids, strict=True):
+            block = self.blocks[block_id]
+            if block.state is not BlockState.WRITING or block.block_hash is not None:
+                raise ValueError(f"block {block_id} is not a reserved transfer destination")
+            if len(tokens) != self.block_size:
+                raise ValueError(f"block {h:#x} carries {len(tokens)} tokens, not {self.block_size}")
+            block.state = BlockState.READY
+            parent_id = None if parent == ROOT_HASH else self.hash_to_block.get(parent)
+            if h in self.hash_to_block or (parent != ROOT_HASH and parent_id is None):
+                continue
+            if parent_id is not None:
+                self.blocks[parent_id].num_cached_children += 1
+            block.block_hash, block.parent_id, block.token_ids = h, parent_id, tuple(tokens)
+            self.hash_to_block[h] = block_id
+            self._emit(BlockStored(h, parent, block_id, block.generation))
+        for block_id in block_ids:
+            self.release(block_id)
+
+    def drop_unreferenced_suffix(self, block_ids: list[int]) -> list[int]:
+        """Reclaim a chain's blocks from its end backwards while nobody references them and no
+        cached child hangs off them (the source side of a move); return the freed ids."""
+        freed = []
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.state is not BlockState.RECLAIMABLE or block.num_cached_children:
+                break
+            self._uncache(block)
+            freed.append(block_id)
+        return freed
 
     # ---- reclamation ----------------------------------------------------------
 
