@@ -1,0 +1,124 @@
+"""What a KV transfer costs, from a calibration profile corrected online.
+
+A calibration run (``benchmarks/benchmark_kv_transfer.py``) measures each
+directed pair at several sizes and writes a profile: the P95 latency of the
+data path (pack, send, receive, unpack) per block count, and optionally the
+P95 residual of the rest of a transaction (dispatch to publish, minus the data
+path) per size bucket. The estimate for moving ``n`` blocks over a pair is
+
+    (residual_P95(pair, bucket(n)) + interference * data_path_P95(pair, n)) * correction(pair, bucket(n))
+
+where ``data_path_P95`` interpolates the measured curve linearly in block count
+(and extrapolates past the largest size at the last segment's per-block
+slope), and ``correction`` is an EWMA of observed / estimated seconds, so a
+profile taken on a quiet machine adapts to a busy one.
+
+Invariants: a profile is only accepted for a model whose KV bytes per block
+match the profile's (a curve measured for another shape would be meaningless);
+estimates are positive and non-decreasing in ``n`` for a fixed pair.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket(num_blocks: int) -> int:
+    """The size bucket of a transfer: the largest calibrated power of two not above it."""
+    i = bisect.bisect_right(BUCKETS, max(1, num_blocks)) - 1
+    return BUCKETS[i]
+
+
+@dataclass
+class PairCurve:
+    sizes: list[int]  # block counts, ascending
+    p95_s: list[float]
+
+    def __post_init__(self) -> None:
+        # Noise can make a larger size measure faster; moving more blocks never costs less.
+        for i in range(1, len(self.p95_s)):
+            self.p95_s[i] = max(self.p95_s[i], self.p95_s[i - 1])
+
+    def at(self, num_blocks: int) -> float:
+        sizes, times = self.sizes, self.p95_s
+        if len(sizes) == 1:
+            return times[0]
+        if num_blocks <= sizes[0]:
+            return times[0]
+        i = min(bisect.bisect_left(sizes, num_blocks), len(sizes) - 1)
+        lo, hi = i - 1, i
+        slope = max(0.0, (times[hi] - times[lo]) / (sizes[hi] - sizes[lo]))
+        return times[lo] + slope * (num_blocks - sizes[lo])
+
+
+@dataclass
+class TransferCostModel:
+    kv_bytes_per_block: int
+    curves: dict[str, PairCurve]
+    residuals: dict[str, PairCurve] = field(default_factory=dict)
+    interference: float = 1.0  # > 1 when the data path shares the GPU with running batches
+    ewma_alpha: float = 0.2
+    correction: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    @classmethod
+    def from_profile(cls, profile: dict | str | Path, kv_bytes_per_block: int, **kwargs) -> TransferCostModel:
+        """Load a profile (dict or JSON file) for a model with ``kv_bytes_per_block``."""
+        if not isinstance(profile, dict):
+            profile = json.loads(Path(profile).read_text())
+        measured = profile["model"]["kv_bytes_per_block"]
+        if measured != kv_bytes_per_block:
+            raise ValueError(
+                f"transfer profile was measured for {measured} KV bytes per block, but the serving "
+                f"model has {kv_bytes_per_block}: recalibrate with benchmarks/benchmark_kv_transfer.py"
+            )
+        curves = {}
+        for pair, points in profile["pairs"].items():
+            sizes = sorted(int(n) for n in points)
+            if not sizes:
+                raise ValueError(f"transfer profile has no measurements for pair {pair}")
+            curves[pair] = PairCurve(sizes, [float(points[str(n)]["p95_s"]) for n in sizes])
+        residuals = {}
+        for pair, by_size in profile.get("residual_p95_s", {}).items():
+            sizes = sorted(int(n) for n in by_size)
+            residuals[pair] = PairCurve(sizes, [float(by_size[str(n)]) for n in sizes])
+        return cls(kv_bytes_per_block, curves, residuals, **kwargs)
+
+    @staticmethod
+    def pair_key(src: int, dst: int) -> str:
+        return f"{src}->{dst}"
+
+    def _curve(self, pair: str) -> PairCurve:
+        curve = self.curves.get(pair)
+        if curve is None:
+            # Pairs of one kind behave alike (same link type): borrow the slowest measured one.
+            if not self.curves:
+                raise ValueError("transfer profile holds no pairs")
+            curve = max(self.curves.values(), key=lambda c: c.at(BUCKETS[-1]))
+        return curve
+
+    def data_path_p95(self, src: int, dst: int, num_blocks: int) -> float:
+        return self._curve(self.pair_key(src, dst)).at(num_blocks)
+
+    def residual_p95(self, src: int, dst: int, num_blocks: int) -> float:
+        """Dispatch-to-publish time beyond the data path, interpolated between measured buckets."""
+        curve = self.residuals.get(self.pair_key(src, dst))
+        return curve.at(bucket(num_blocks)) if curve is not None else 0.0
+
+    def estimate(self, src: int, dst: int, num_blocks: int) -> float:
+        """Expected seconds from dispatch to publish for ``num_blocks`` blocks over src -> dst."""
+        raw = self.residual_p95(src, dst, num_blocks) + self.interference * self.data_path_p95(src, dst, num_blocks)
+        return raw * self.correction.get((self.pair_key(src, dst), bucket(num_blocks)), 1.0)
+
+    def observe(self, src: int, dst: int, num_blocks: int, seconds: float) -> None:
+        """Fold one measured transaction into the pair and bucket's correction."""
+        key = (self.pair_key(src, dst), bucket(num_blocks))
+        raw = self.residual_p95(src, dst, num_blocks) + self.interference * self.data_path_p95(src, dst, num_blocks)
+        if raw <= 0:
+            return
+        old = self.correction.get(key, 1.0)
+        self.correction[key] = (1 - self.ewma_alpha) * old + self.ewma_alpha * (seconds / raw)
