@@ -108,17 +108,19 @@ class AsyncLMPool:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
-    def _output(self, req: TrackedRequest) -> RequestOutput:
+    def _output(self, req: TrackedRequest, num_tokens: int, finish_reason: str | None) -> RequestOutput:
+        """The request as of its first ``num_tokens`` output tokens (later ones may have arrived)."""
+        tokens = req.output_token_ids[:num_tokens]
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
+            token_ids=tokens,
             text=text,
             num_cached_tokens=req.num_cached_tokens,
-            finish_reason=req.finish_reason,
+            finish_reason=finish_reason,
             rank=req.rank,
         )
 
@@ -135,16 +137,18 @@ class AsyncLMPool:
         """One ``RequestOutput`` per new token (cumulative); the last has ``finish_reason`` set.
         Leaving the loop early, or cancelling the consuming task, aborts the request."""
         req = await self.submit(prompt, params, request_id)
+        seen = 0
         try:
             while True:
                 item = await req.queue.get()
                 if item is None:
                     if req.finish_reason == "abort":
-                        yield self._output(req)
+                        yield self._output(req, seen, "abort")
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield self._output(req)
+                seen += 1
+                yield self._output(req, seen, item.finish_reason if item.finished else None)
         finally:
             if req.finish_reason is None:
                 await self.engine.abort(req.request_id)
