@@ -16,6 +16,9 @@ Invariants:
 - abort releases everything the plan holds and never touches the source's
   cached copy: a source is only ever freed by a move's finalize, and then only
   its unreferenced suffix;
+- a plan whose control plane falls silent (its messages lost, or the control
+  process dead) is aborted here once ``lease_s`` passes without a phase message
+  (``expire``), so no pin or reservation outlives its transaction;
 - every phase message is idempotent: repeating one returns the first answer,
   and a message for a plan that already ended (or that this side never
   prepared) changes nothing. A message that would need a phase this side has
@@ -25,8 +28,10 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from lmpool.engine.block_manager import BlockManager
 
@@ -61,11 +66,16 @@ class LocalPlan:
     block_ids: list[int]  # the blocks whose bytes move
     pinned: list[int]  # every block the plan references here (a source also pins ancestors)
     token_ids: list[list[int]] = field(default_factory=list)  # source: each block's tokens
+    touched: float = 0.0  # when the last phase message for it arrived
 
 
 class TransferParticipant:
-    def __init__(self, block_manager: BlockManager) -> None:
+    def __init__(
+        self, block_manager: BlockManager, lease_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.bm = block_manager
+        self.lease_s = lease_s
+        self.clock = clock
         self.plans: dict[int, LocalPlan] = {}
         self.ended: OrderedDict[int, Phase] = OrderedDict()
 
@@ -93,6 +103,13 @@ class TransferParticipant:
         plan = self._active(plan_id)
         if plan is not None and plan.phase is Phase.PREPARED:
             plan.phase = Phase.EXECUTED
+
+    def expire(self) -> list[int]:
+        """Abort the plans that heard nothing for ``lease_s``; return their ids."""
+        stale = [p.plan_id for p in self.plans.values() if self.clock() - p.touched > self.lease_s]
+        for plan_id in stale:
+            self.abort(plan_id)
+        return stale
 
     def publish(
         self, plan_id: int, block_hashes: list[int], parent_hashes: list[int], token_ids: list[list[int]]
@@ -155,9 +172,12 @@ class TransferParticipant:
         plan = self.plans.get(plan_id)
         if plan is None and plan_id not in self.ended:
             raise StalePlanError(f"plan {plan_id} was never prepared here")
+        if plan is not None:
+            plan.touched = self.clock()
         return plan
 
     def _open(self, plan: LocalPlan) -> LocalPlan:
+        plan.touched = self.clock()
         self.plans[plan.plan_id] = plan
         return plan
 

@@ -1,0 +1,236 @@
+"""The control plane's transfer state machine driving real worker-side participants in one
+process: phase messages are delivered late, twice or never, ranks die, the watchdog fires;
+after every step the block accounting holds on every rank, the page table's invariants hold,
+and no plan leaks a reservation once everything has ended."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lmpool.control.global_block_manager import GlobalBlockManager
+from lmpool.engine.block_manager import BlockManager, StaleBlockError
+from lmpool.engine.hashing import ROOT_HASH
+from lmpool.engine.sequence import Sequence
+from lmpool.pool.messages import LoadReport
+from lmpool.sampling_params import SamplingParams
+from lmpool.transfer.coordinator import PhaseMessage, PlanState, TransferCoordinator
+from lmpool.transfer.transactions import StalePlanError, TransferParticipant
+
+BLOCK = 4
+PARAMS = SamplingParams(temperature=0, max_tokens=1)
+PHASE_OF = {
+    "prepare_source": PlanState.PREPARING, "prepare_dest": PlanState.PREPARING,
+    "execute_send": PlanState.EXECUTING, "execute_recv": PlanState.EXECUTING,
+    "publish": PlanState.PUBLISHING, "finalize": PlanState.FINALIZING,
+}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Cluster:
+    """N simulated workers (BlockManager + TransferParticipant) and one control plane."""
+
+    def __init__(self, world: int, blocks: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.clock = Clock()
+        self.gbm = GlobalBlockManager(world, BLOCK, clock=self.clock)
+        self.inbox: list[tuple[int, PhaseMessage]] = []
+        self.coord = TransferCoordinator(self.gbm, lambda r, m: self.inbox.append((r, m)), phase_timeout_s=1.0,
+                                         clock=self.clock)
+        self.world, self.blocks = world, blocks
+        self.bms: list[BlockManager] = []
+        self.parts: list[TransferParticipant] = []
+        self.epochs = [0] * world
+        for r in range(world):
+            self.restart(r)
+
+    def restart(self, rank: int) -> None:
+        """A fresh worker process for ``rank`` (its predecessor's blocks are gone)."""
+        if len(self.bms) <= rank:
+            self.bms.append(None)
+            self.parts.append(None)
+        self.bms[rank] = BlockManager(self.blocks, BLOCK)
+        self.parts[rank] = TransferParticipant(self.bms[rank], lease_s=3.0, clock=self.clock)
+        self.epochs[rank] += 1
+        bm = self.bms[rank]
+        self.gbm.register_rank(rank, self.epochs[rank], bm.num_blocks)
+        self.gbm.apply_snapshot(rank, self.epochs[rank], bm.snapshot())
+
+    def sync(self, rank: int) -> None:
+        bm = self.bms[rank]
+        assert self.gbm.apply_delta(rank, self.epochs[rank], bm.drain_delta())
+        self.gbm.update_load(rank, self.epochs[rank], LoadReport(blocks_free=bm.num_free,
+                                                                   blocks_reclaimable=bm.num_reclaimable))
+
+    def cache_prefix(self, rank: int) -> None:
+        bm = self.bms[rank]
+        tokens = [self.rng.randrange(3) for _ in range(self.rng.choice((4, 8, 12)))] + [9]
+        seq = Sequence("s", tokens, PARAMS, BLOCK)
+        hit = bm.match_prefix(seq)
+        if bm.can_admit(hit, bm.blocks_needed(len(seq)) - len(hit)):
+            bm.admit(seq, hit)
+            bm.grow(seq, len(seq))
+            seq.num_computed_tokens = len(seq)
+            bm.commit(seq)
+            bm.free(seq)
+        self.sync(rank)
+
+    def start_plan(self, src: int, dst: int) -> None:
+        """Copy or move a cached chain of ``src`` that ``dst`` lacks (destination absence)."""
+        bm = self.bms[src]
+        if not bm.hash_to_block:
+            return
+        leaf = self.rng.choice(sorted(bm.hash_to_block.values()))
+        chain = [leaf]
+        while bm.blocks[chain[-1]].parent_id is not None:
+            chain.append(bm.blocks[chain[-1]].parent_id)
+        blocks = [bm.blocks[b] for b in reversed(chain)]
+        hashes = [b.block_hash for b in blocks]
+        if any(self.gbm.ready_ranks(h) >> dst & 1 for h in hashes):
+            return
+        busy = {h for p in self.coord.plans.values() if p.dst == dst for h in p.hashes}
+        if busy & set(hashes):
+            return  # another plan is already bringing these blocks there
+        self.coord.start(src, dst, hashes, [b.generation for b in blocks],
+                         [ROOT_HASH] + hashes[:-1], move=self.rng.random() < 0.5)
+
+    def deliver(self, index: int) -> None:
+        rank, msg = self.inbox.pop(index)
+        part = self.parts[rank]
+        args = msg.args
+        phase = PHASE_OF.get(msg.kind)
+        try:
+            if msg.kind == "prepare_source":
+                plan = part.prepare_source(msg.plan_id, args["hashes"], args["generations"])
+                result = {"block_ids": plan.block_ids, "token_ids": plan.token_ids}
+            elif msg.kind == "prepare_dest":
+                ids = part.prepare_dest(msg.plan_id, args["num_blocks"]).block_ids
+                result = {"block_ids": ids, "generations": [self.bms[rank].blocks[b].generation for b in ids]}
+            elif msg.kind in ("execute_send", "execute_recv"):
+                part.executed(msg.plan_id)
+                result = {}
+            elif msg.kind == "publish":
+                part.publish(msg.plan_id, args["hashes"], args["parents"], args["token_ids"])
+                result = {}
+            elif msg.kind == "finalize":
+                part.finalize(msg.plan_id, args["move"])
+                result = {}
+            else:
+                part.abort(msg.plan_id)
+                return
+        except (StaleBlockError, StalePlanError, RuntimeError) as e:
+            self.sync(rank)
+            self.coord.on_ack(msg.plan_id, rank, phase, ok=False, error=str(e))
+            return
+        self.sync(rank)
+        self.coord.on_ack(msg.plan_id, rank, phase, ok=True, **result)
+
+    def check(self) -> None:
+        for bm, part in zip(self.bms, self.parts):
+            bm.check_invariants(part.held_blocks())
+        self.gbm.check_invariants()
+        for plan in self.coord.plans.values():
+            for h in plan.marked:  # a reserved, unpublished copy is never routable
+                assert not self.gbm.ready_ranks(h) >> plan.dst & 1
+
+    def step(self, drop: float = 0.05, tick: float = 0.095, kill: float = 0.005) -> None:
+        """One random event: cache a prefix, start a plan, deliver a message (sometimes twice),
+        lose one, let time pass, or SIGKILL a worker."""
+        r = self.rng.random()
+        if r < 0.15:
+            self.cache_prefix(self.rng.randrange(self.world))
+        elif r < 0.35:
+            src, dst = self.rng.sample(range(self.world), 2)
+            self.start_plan(src, dst)
+        elif r < 1 - drop - tick - kill:
+            if self.inbox:
+                i = self.rng.randrange(len(self.inbox))
+                if self.rng.random() < 0.1:  # a duplicate arrives later as well
+                    self.inbox.append(self.inbox[i])
+                self.deliver(i)
+        elif r < 1 - tick - kill:
+            if self.inbox:
+                self.inbox.pop(self.rng.randrange(len(self.inbox)))  # lost: only a watchdog can end it
+        elif r < 1 - kill:
+            self.clock.now += 0.3
+            self.coord.tick()
+            self.expire_all()
+        else:
+            rank = self.rng.randrange(self.world)  # SIGKILL: the worker and its state are gone
+            self.inbox = [(r2, m) for r2, m in self.inbox if r2 != rank]
+            self.coord.rank_died(rank)
+            self.gbm.mark_dead(rank)
+            self.restart(rank)
+        self.check()
+
+    def expire_all(self) -> None:
+        for rank, part in enumerate(self.parts):
+            if part.expire():
+                self.sync(rank)
+
+    def drain(self) -> None:
+        """Deliver everything still queued and let the watchdog end whatever is stuck."""
+        for _ in range(10_000):
+            if self.inbox:
+                self.deliver(0)
+            elif self.coord.plans:
+                self.clock.now += 2.0
+                self.coord.tick()
+            else:
+                break
+            self.check()
+        while self.inbox:  # the aborts the watchdog sent
+            self.deliver(0)
+        self.clock.now += 10.0  # past every worker's lease: plans whose aborts were lost end too
+        self.expire_all()
+        self.check()
+        assert not self.coord.plans
+        for part in self.parts:
+            assert part.held_blocks() == [], "a plan leaked a reservation or a pin"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_faults_keep_every_invariant(seed):
+    cluster = Cluster(world=3, blocks=24, seed=seed)
+    for _ in range(1500):
+        cluster.step()
+    cluster.drain()
+    assert cluster.coord.completed > 0 and cluster.coord.aborted > 0
+
+
+def test_ten_thousand_concurrent_transactions_on_four_ranks():
+    cluster = Cluster(world=4, blocks=64, seed=99)
+    while cluster.coord.completed + cluster.coord.aborted < 10_000:
+        cluster.step(drop=0.002, tick=0.01, kill=0.0005)
+        # Simultaneous opposite-direction moves on one pair, often.
+        if cluster.rng.random() < 0.1:
+            cluster.start_plan(0, 1)
+            cluster.start_plan(1, 0)
+    cluster.drain()
+    assert cluster.coord.completed > 100  # most end by abort: evictions, full destinations, kills
+
+
+def test_published_copy_serves_the_same_tokens():
+    cluster = Cluster(world=2, blocks=16, seed=5)
+    for _ in range(4):
+        cluster.cache_prefix(0)
+    src = cluster.bms[0]
+    cluster.start_plan(0, 1)
+    plan = next(iter(cluster.coord.plans.values()))
+    while cluster.inbox:
+        cluster.deliver(0)
+    assert cluster.coord.completed == 1
+    dst = cluster.bms[1]
+    for h in plan.hashes:
+        assert list(dst.blocks[dst.hash_to_block[h]].token_ids) == plan.token_ids[plan.hashes.index(h)]
+        assert cluster.gbm.ready_ranks(h) >> 1 & 1, "routing sees the published copy"
+    if plan.move:
+        assert not any(h in src.hash_to_block for h in plan.hashes[-1:]), "a move frees the source suffix"
