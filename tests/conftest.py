@@ -1,13 +1,66 @@
-"""Shared fixtures: random-weight Qwen3 checkpoints generated offline, once per session."""
+"""Shared fixtures: random-weight Qwen3 checkpoints generated offline, once per session, and
+the leak check of the tests that start pools."""
 
 from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
 
 import pytest
 
 from lmpool.model.make_model import make_model
+from lmpool_ipc.lifecycle import pid_alive
+from lmpool_ipc.names import SEM_FILE_PREFIX, parse_object
+
+_OWNER_IN_SPEC = re.compile(rb"/lmpool-[0-9a-f]{32}-([0-9]+)-")
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The default tiny preset (GQA 2, head_dim 64, tied embeddings, with a tokenizer)."""
     return str(make_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0))
+
+
+def _someone_elses(owner_pid: int) -> bool:
+    """A pool owned by another live process (say, a test run alongside this one) is not
+    this test's to clean up; a dead owner's leftovers are anyone's leak."""
+    return owner_pid != os.getpid() and pid_alive(owner_pid)
+
+
+def lmpool_shm() -> set[str]:
+    names = set()
+    for name in os.listdir("/dev/shm"):
+        parsed = parse_object(name.removeprefix(SEM_FILE_PREFIX))
+        if "lmpool" in name and not (parsed and _someone_elses(parsed.owner_pid)):
+            names.add(name)
+    return names
+
+
+def child_pids() -> set[int]:
+    """Live LMPool worker and control processes, but those of other processes' pools."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or not any(arg in (b"lmpool.pool.worker", b"lmpool.pool.control") for arg in cmdline):
+            continue
+        owner = _OWNER_IN_SPEC.search(b" ".join(cmdline))  # the spec names the pool's links
+        if owner is None or not _someone_elses(int(owner[1])):
+            pids.add(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def no_leaks():
+    """The test leaves no LMPool process and no shared-memory object behind (the pool
+    tests make this autouse)."""
+    shm_before, pids_before = lmpool_shm(), child_pids()
+    yield
+    assert child_pids() - pids_before == set(), "a pool process outlived its test"
+    assert lmpool_shm() - shm_before == set(), "a pool left shared memory behind"

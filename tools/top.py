@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import curses
 import locale
+import os
 import sys
 import time
 from datetime import datetime
@@ -144,6 +145,11 @@ def row_text(rv: RankView, bar_width: int, trend_width: int, glyphs: dict) -> st
 
 def live(monitor: PoolMonitor, interval: float, glyphs: dict) -> PoolView:
     """Run the curses screen until ``q``; return the last view."""
+    # Size the screen by the terminal, not by LINES/COLUMNS in the environment: those are
+    # often stale exports (GNU readline sets them in every process that loads it), and
+    # ncurses would believe them over the terminal.
+    os.environ.pop("LINES", None)
+    os.environ.pop("COLUMNS", None)
     return curses.wrapper(_screen, monitor, interval, glyphs)
 
 

@@ -1,0 +1,91 @@
+"""Prometheus metrics (lmpool.pool.metrics): a pool with ``metrics_port`` serves /metrics,
+which a Prometheus text parser reads, with latency histograms that count every request and
+token, and per-rank counters equal to what the requests' outputs say."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from tools_testkit import wait_until
+
+from lmpool import LMPool, SamplingParams
+
+N, MAX_TOKENS = 10, 6
+
+
+def scrape(port: int) -> dict:
+    """Family name -> {(sample name, labels as sorted tuple): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {
+        family.name: {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}
+        for family in text_string_to_metric_families(text)
+    }
+
+
+def per_rank(families: dict, name: str) -> dict[int, float]:
+    return {int(dict(labels)["rank"]): value for (_, labels), value in families[name].items()}
+
+
+def test_metrics_endpoint(tiny_model):
+    g = torch.Generator().manual_seed(5)
+    stem = torch.randint(0, 1000, (48,), generator=g).tolist()
+    prompts = [stem + torch.randint(0, 1000, (i + 1,), generator=g).tolist() for i in range(N)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LMPool(tiny_model, world_size=2, block_size=16, metrics_port=0) as pool:
+        port = pool.metrics_port
+        outs = pool.generate(prompts, params)
+
+        def counted_every_token():
+            # Counters come from the state board, published a few times a second: wait
+            # for the publish that includes the last token.
+            families = scrape(port)
+            done = sum(per_rank(families, "lmpool:generation_tokens").values()) == N * MAX_TOKENS
+            return families if done else None
+
+        families = wait_until(counted_every_token, "the generation counters to reach every token")
+    with pytest.raises(urllib.error.URLError):  # the endpoint goes with the pool
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+    ttft = families["lmpool:time_to_first_token_seconds"]
+    assert ttft[("lmpool:time_to_first_token_seconds_count", ())] == N
+    assert ttft[("lmpool:time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == N
+    assert ttft[("lmpool:time_to_first_token_seconds_sum", ())] > 0
+    itl = families["lmpool:inter_token_latency_seconds"]
+    assert itl[("lmpool:inter_token_latency_seconds_count", ())] == N * (MAX_TOKENS - 1)
+    buckets = sorted((float(dict(labels)["le"]), v) for (name, labels), v in itl.items() if name.endswith("_bucket"))
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
+
+    ranks = {0, 1}
+    by_rank = {r: [o for o in outs if o.rank == r] for r in ranks}
+    assert per_rank(families, "lmpool:generation_tokens") == {r: len(by_rank[r]) * MAX_TOKENS for r in ranks}
+    prompt_tokens = {r: sum(len(o.prompt_token_ids) for o in by_rank[r]) for r in ranks}
+    assert per_rank(families, "lmpool:prompt_tokens") == prompt_tokens
+    assert per_rank(families, "lmpool:prefix_cache_queries") == prompt_tokens
+    hits = {r: sum(o.num_cached_tokens for o in by_rank[r]) for r in ranks}
+    assert per_rank(families, "lmpool:prefix_cache_hits") == hits
+    assert per_rank(families, "lmpool:num_requests_running") == {0: 0, 1: 0}
+    assert per_rank(families, "lmpool:num_requests_waiting") == {0: 0, 1: 0}
+    assert all(0 <= u <= 1 for u in per_rank(families, "lmpool:kv_cache_usage_perc").values())
+    assert per_rank(families, "lmpool:rank_up") == {0: 1, 1: 1}
+    assert families["lmpool:kv_transfers"] == {("lmpool:kv_transfers_total", ()): 0}
+    assert families["lmpool:route_queries"] == {("lmpool:route_queries_total", ()): N}
+    assert set(families["lmpool:route_latency_seconds"]) == {
+        ("lmpool:route_latency_seconds", (("quantile", q),)) for q in ("0.5", "0.99")
+    }
+
+
+def test_metrics_are_off_by_default_and_need_no_prometheus_client():
+    check = (
+        "import sys; import lmpool.pool.api, lmpool.pool.engine, lmpool.pool.metrics; "
+        "assert 'prometheus_client' not in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
