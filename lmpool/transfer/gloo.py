@@ -48,6 +48,7 @@ from lmpool.transfer.transport import (
     as_bytes,
     check_args,
     open_store,
+    parse_address,
 )
 
 _BREAK_TAG = TAG_LIMIT  # never used by a transfer: see _break_group
@@ -103,7 +104,8 @@ class GlooTransport:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.device = _CPU
-        self._store = open_store(rendezvous, timeout_s)
+        parse_address(rendezvous)  # a malformed address fails here, not in a connect thread
+        self._rendezvous = rendezvous
         self._lock = threading.Lock()
         self._pairs: dict[int, _Pair] = {}
         self._closed = False
@@ -131,15 +133,18 @@ class GlooTransport:
 
     def _connect(self, pair: _Pair, handle: GlooHandle) -> None:
         lo, hi = sorted((self.rank, pair.peer))
-        store = dist.PrefixStore(f"lmpool/gloo/{lo}-{hi}/{pair.session}", self._store)
         options = dist.ProcessGroupGloo._Options()
         # Loopback only: replicas of one pool share a host, and nothing else should reach them.
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         # Bounds the connection and, via the waiter threads, any operation nobody completes.
         options._timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
+            # A store client of its own: one client serializes its calls, so connections
+            # sharing one would wait for each other's peers, and three ranks connecting
+            # around a cycle would deadlock.
+            store = dist.PrefixStore(f"lmpool/gloo/{lo}-{hi}/{pair.session}", open_store(self._rendezvous, self.timeout_s))
             group = dist.ProcessGroupGloo(store, 0 if self.rank == lo else 1, 2, options)
-        except RuntimeError as e:
+        except (RuntimeError, TransportError) as e:
             error = TransportError(
                 f"rank {self.rank} could not connect to rank {pair.peer} (session {pair.session}) "
                 f"within {self.timeout_s}s: {_first_line(e)}"
@@ -194,27 +199,58 @@ class GlooTransport:
         return handle
 
     def _post(self, pair: _Pair, op: str, data: torch.Tensor, tag: int, handle: GlooHandle) -> None:
-        """Post one operation on a connected pair (under the lock) and start its waiter."""
+        """Post one operation on a connected pair (under the lock) and start its waiter.
+
+        Every payload is preceded, on the same tag, by its size: gloo matches one tag's
+        messages in order, and a receive posted for the wrong size would not fail but
+        abort the whole process (an enforce in gloo's I/O thread calls std::terminate).
+        So a receive posts the size first and the payload only once the sizes agree.
+        """
         peer_rank = 1 if self.rank < pair.peer else 0
         try:
-            work = (pair.group.send if op == "send" else pair.group.recv)([data], peer_rank, tag)
+            if op == "send":
+                size = torch.tensor([data.numel()], dtype=torch.int64)
+                works = [pair.group.send([size], peer_rank, tag), pair.group.send([data], peer_rank, tag)]
+            else:
+                size = torch.zeros(1, dtype=torch.int64)
+                works = [pair.group.recv([size], peer_rank, tag)]
         except RuntimeError as e:  # gloo already knows the pair is gone
             pair.pending.discard(handle)
-            handle._finish(TransportError(f"{handle.what} failed: {_first_line(e)}"))
             pair.broken = pair.broken or _first_line(e)
+            handle._finish(TransportError(f"{handle.what} failed: {pair.broken}"))
             return
         threading.Thread(
-            target=self._watch, args=(pair, work, data, handle), name=f"gloo-{op}-{pair.peer}", daemon=True
+            target=self._watch, args=(pair, op, works, size, data, tag, handle),
+            name=f"gloo-{op}-{pair.peer}", daemon=True,
         ).start()
 
-    def _watch(self, pair: _Pair, work: dist.Work, data: torch.Tensor, handle: GlooHandle) -> None:
-        # ``data`` is held here until gloo is done with it, even if the caller gave up.
+    def _watch(self, pair: _Pair, op: str, works: list, size: torch.Tensor, data: torch.Tensor, tag: int,
+               handle: GlooHandle) -> None:
+        # ``size`` and ``data`` are held here until gloo is done with them, even if the
+        # caller gave up on the handle.
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        error = None
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            for work in works:
+                work.wait(timeout)
+            if op == "recv":
+                sent = int(size[0])
+                if sent != data.numel():
+                    error = f"rank {pair.peer} sent {sent} bytes on tag {tag}, {data.numel()} were expected"
+                else:
+                    with self._lock:
+                        if pair.broken is not None:
+                            error = pair.broken
+                        else:
+                            work = pair.group.recv([data], 1 if self.rank < pair.peer else 0, tag)
+                    if error is None:
+                        work.wait(timeout)
         except RuntimeError as e:
-            reason = _first_line(e)
-            self._break(pair, reason)
-            handle._finish(TransportError(f"{handle.what} failed: {reason}"))
+            with self._lock:  # when this end broke the pair, its reason is the real one
+                error = pair.broken or _first_line(e)
+        if error is not None:
+            self._break(pair, error)
+            handle._finish(TransportError(f"{handle.what} failed: {error}"))
         else:
             handle._finish()
         with self._lock:
@@ -251,7 +287,6 @@ class GlooTransport:
             self._pairs.clear()
         for pair in pairs:
             self._break(pair, "transport closed")
-        self._store = None
 
 
 def _break_group(group: dist.ProcessGroupGloo) -> None:
@@ -274,4 +309,4 @@ def _first_line(error: BaseException) -> str:
     # gloo prefixes its messages with the C++ source location, which says nothing to a reader.
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
-    return text
+    return text.split(". This is typically", 1)[0]  # gloo's advice to check the peer's logs

@@ -131,17 +131,20 @@ class Rendezvous:
         self._store = None
 
 
-def open_store(address: str, timeout_s: float) -> dist.Store:
-    """A client of the rendezvous at ``address``; every blocking call on it gives up after
-    ``timeout_s``."""
+def parse_address(address: str) -> tuple[str, int]:
     scheme, _, rest = address.partition("://")
     host, _, port = rest.rpartition(":")
     if scheme != "tcp" or not host or not port.isdigit():
         raise ValueError(f"rendezvous address must look like tcp://HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def open_store(address: str, timeout_s: float) -> dist.Store:
+    """A client of the rendezvous at ``address``; every blocking call on it gives up after
+    ``timeout_s``."""
+    host, port = parse_address(address)
     try:
-        return dist.TCPStore(
-            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as e:
         raise TransportError(f"cannot reach the rendezvous at {address} within {timeout_s}s: {e}") from e
 
