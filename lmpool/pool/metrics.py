@@ -55,7 +55,11 @@ class MetricsServer(TokenTimer):
         )
         self._board = StateBoardReader(board)
         self.registry.register(_BoardCollector(self._board))
-        self._server, self._thread = prometheus_client.start_http_server(port, host, self.registry)
+        try:
+            self._server, self._thread = prometheus_client.start_http_server(port, host, self.registry)
+        except BaseException:  # say, the port is taken
+            self._board.close()
+            raise
         self.port = self._server.server_port
 
     def first_token(self, seconds: float) -> None:

@@ -4,6 +4,7 @@ token, and per-rank counters equal to what the requests' outputs say."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -89,3 +90,11 @@ def test_metrics_are_off_by_default_and_need_no_prometheus_client():
     )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_taken_port_fails_the_start_and_leaves_nothing(tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            LMPool(tiny_model, world_size=2, block_size=16, metrics_port=taken.getsockname()[1])
