@@ -93,7 +93,7 @@ def frame(
             f"  up {duration(end - state.started_at)}  {datetime.now():%H:%M:%S}",
             "title",
         ))
-        trend_width = max(0, min(30, width - 110))
+        trend_width = max(0, min(30, width - 110))  # what the line's ~110 other characters leave
         lines.append((
             f"route p50 {state.route_p50_us:.1f} us  p99 {state.route_p99_us:.1f} us  {view.route_qps:.1f} q/s"
             f" ({state.route_queries} total)   tokens/s {view.tokens_per_s:.1f} "
