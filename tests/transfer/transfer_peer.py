@@ -1,10 +1,12 @@
 """A worker's side of the transport tests: ``python -m transfer_peer ADDRESS RANK WORLD
 HEADER SCRIPT``.
 
-It runs SCRIPT (a JSON list of steps) against a GlooTransport and prints one JSON line per
-result. Steps (one key names each):
-  {"connect": peer, "session": s}           start connecting
-  {"connected": timeout}                    wait for every connection started so far
+It runs SCRIPT (a JSON list of steps) against the transport HEADER names (``kind``: gloo,
+or cuda_ipc on ``device``) and prints one JSON line per result. Steps (one key names each):
+  {"connect": peer, "session": s}           gloo: start connecting
+  {"connected": timeout}                    gloo: wait for every connection started so far
+  {"export": null}                          cuda_ipc: print this rank's export (msgpack, hex)
+  {"import": null}                          cuda_ipc: read a peer's export from stdin, connect
   {"send"|"recv": peer, "tag": t, "blocks": n, "seed": s}
                                             start one transfer of n blocks (ids from seed);
                                             sends pack this rank's cache, receives unpack
@@ -22,10 +24,12 @@ import sys
 import threading
 import time
 
+import msgspec
 import torch
 
 from lmpool.ops.reference import pack_kv, unpack_kv
 from lmpool.transfer import GlooTransport, TransportError
+from lmpool.transfer.messages import CudaIpcExport
 from transfer_testkit import block_ids, digest, make_cache, payload_like
 
 
@@ -37,8 +41,17 @@ def main() -> None:
     address, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     header, script = json.loads(sys.argv[4]), json.loads(sys.argv[5])
     dtype = header["dtype"]
-    cache = make_cache(rank, header["incarnation"], dtype)
-    transport = GlooTransport(address, rank, world, timeout_s=header.get("timeout_s", 20.0))
+    device = torch.device(header.get("device", "cpu"))
+    timeout_s = header.get("timeout_s", 20.0)
+    if header.get("kind", "gloo") == "gloo":
+        transport = GlooTransport(address, rank, world, timeout_s=timeout_s)
+    else:
+        from lmpool.transfer.cuda_ipc import CudaIpcTransport
+
+        torch.cuda.set_device(device)
+        transport = CudaIpcTransport(address, rank, world, device=str(device),
+                                     staging_bytes=header["staging_bytes"], timeout_s=timeout_s)
+    cache = make_cache(rank, header["incarnation"], dtype).to(device)
     connects, started = [], []
     for step in script:
         if "connect" in step:
@@ -48,6 +61,12 @@ def main() -> None:
                 h.wait(step["connected"])
             connects.clear()
             out(connected=rank)
+        elif "export" in step:
+            out(export=msgspec.msgpack.encode(transport.export()).hex())
+        elif "import" in step:
+            export = msgspec.msgpack.decode(bytes.fromhex(sys.stdin.readline().strip()), type=CudaIpcExport)
+            transport.connect(export)
+            out(connected=rank)
         elif "send" in step or "recv" in step:
             op = "send" if "send" in step else "recv"
             src_ids, dst_ids = block_ids(step["seed"], step["blocks"])
@@ -55,7 +74,7 @@ def main() -> None:
                 data = pack_kv(cache, src_ids)
                 handle = transport.send(step["send"], data, step["tag"])
             else:
-                data = payload_like(step["blocks"], dtype)
+                data = payload_like(step["blocks"], dtype).to(device)
                 handle = transport.recv(step["recv"], data, step["tag"])
             started.append((op, step, handle, data, dst_ids))
         elif "wait" in step:
@@ -86,7 +105,8 @@ def main() -> None:
         else:
             raise ValueError(f"unknown step {step}")
     transport.close()
-    out(exit=rank, pending=transport.pending(), threads=threading.active_count())
+    pending = transport.pending() if hasattr(transport, "pending") else 0
+    out(exit=rank, pending=pending, threads=threading.active_count())
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def payload_like(count: int, dtype: str) -> torch.Tensor:
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def expected_cache(dst_rank: int, transfers: list[dict], dtype: str = "float32", incarnation: int = 0,
@@ -59,8 +59,8 @@ class Peer:
     """One peer process: ``python -m transfer_peer ADDRESS RANK WORLD SCRIPT``."""
 
     def __init__(self, address: str, rank: int, world_size: int, script: list, incarnation: int = 0,
-                 dtype: str = "float32") -> None:
-        header = {"incarnation": incarnation, "dtype": dtype}
+                 dtype: str = "float32", **transport: object) -> None:
+        header = {"incarnation": incarnation, "dtype": dtype, **transport}
         self.rank = rank
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "transfer_peer", address, str(rank), str(world_size),

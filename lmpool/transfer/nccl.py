@@ -1,0 +1,164 @@
+"""KV payloads between replicas on different GPUs: NCCL point-to-point over pair
+communicators.
+
+UNTESTED: written without a multi-GPU machine; no test in this repository runs it yet.
+Treat it as a starting point that must pass a two-GPU version of
+tests/transfer/test_cuda_ipc_gpu.py before a pool relies on it.
+
+Owns two two-rank ``ProcessGroupNCCL`` per connected peer, one per direction.
+
+Why one communicator per direction: NCCL runs one communicator's operations in issue
+order on one stream, so a send to a peer followed by a receive from it would wait for
+the peer's matching receive, while the peer, doing the same, waits for ours: opposite
+transfers of one pair deadlock on a shared communicator. With one per direction they
+run on separate streams.
+
+Invariants:
+- NCCL ignores tags: on one directed pair, both ends must start their transfers in the
+  same order (the control plane sends a pair's execute messages in plan order), with
+  the same sizes. The tag is only checked for range, and kept in error messages.
+- connections are made on a thread (communicator set-up blocks until the peer joins)
+  under a session the caller picks and never reuses for the pair, as for gloo.
+- a wait that expires aborts the pair's communicators (both directions): the pair is
+  broken until ``connect`` with a new session.
+- a completed receive orders the caller's current stream after it (``Work.wait``), so
+  unpacking ``out`` on that stream needs no further synchronization.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from lmpool.transfer.transport import TransferTimeout, TransportError, check_args, open_store, parse_address
+
+
+class NcclHandle:
+    def __init__(self, what: str, work: dist.Work | None, tensor: torch.Tensor | None, pair: "_NcclPair") -> None:
+        self.what = what
+        self._work, self._tensor, self._pair = work, tensor, pair
+        self._error: str | None = None
+        self._finished = False
+
+    def done(self) -> bool:
+        if not self._finished:
+            try:
+                if self._work.is_completed():
+                    self._work.wait()  # orders the caller's current stream after NCCL's
+                    self._finished = True
+            except RuntimeError as e:
+                self._error = str(e).splitlines()[0]
+                self._finished = True
+            if self._pair.broken is not None and not self._finished:
+                self._error, self._finished = self._pair.broken, True
+            if self._finished:
+                self._tensor = None
+        return self._finished
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pause = 50e-6
+        while not self.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._pair.abort(f"{self.what} did not complete within {timeout}s")
+                raise TransferTimeout(f"{self.what} did not complete within {timeout}s")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 2e-3)
+        if self._error is not None:
+            raise TransportError(f"{self.what} failed: {self._error}")
+
+
+class _NcclPair:
+    def __init__(self, peer: int, session: int) -> None:
+        self.peer, self.session = peer, session
+        self.outgoing: dist.ProcessGroup | None = None  # this rank is rank 0 (the sender)
+        self.incoming: dist.ProcessGroup | None = None  # this rank is rank 1 (the receiver)
+        self.ready = threading.Event()
+        self.broken: str | None = None
+
+    def abort(self, reason: str) -> None:
+        if self.broken is None:
+            self.broken = reason
+            for group in (self.outgoing, self.incoming):
+                if group is not None:
+                    group.abort()
+
+
+class NcclTransport:
+    """This rank's end of every NCCL connection of the pool (see the module docstring)."""
+
+    def __init__(self, rendezvous: str, rank: int, world_size: int, device: str, timeout_s: float = 30.0) -> None:
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise TransportError("this torch build has no NCCL")
+        self.device = torch.device(device)
+        if self.device.type != "cuda" or self.device.index is None:
+            raise ValueError(f"nccl needs a CUDA device with an index (cuda:N), got {device!r}")
+        parse_address(rendezvous)
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self._rendezvous = rendezvous
+        self._pairs: dict[int, _NcclPair] = {}
+
+    def connect(self, peer: int, session: int) -> threading.Event:
+        """Start connecting to ``peer`` under ``session``; the event is set once both
+        directions are up (or the attempt failed: see ``send``/``recv`` errors)."""
+        old = self._pairs.get(peer)
+        if old is not None:
+            old.abort(f"replaced by session {session}")
+        pair = self._pairs[peer] = _NcclPair(peer, session)
+        threading.Thread(target=self._connect, args=(pair,), daemon=True, name=f"nccl-connect-{peer}").start()
+        return pair.ready
+
+    def _connect(self, pair: _NcclPair) -> None:
+        try:
+            torch.cuda.set_device(self.device)
+            for src, dst in ((self.rank, pair.peer), (pair.peer, self.rank)):
+                store = dist.PrefixStore(f"lmpool/nccl/{src}>{dst}/{pair.session}",
+                                         open_store(self._rendezvous, self.timeout_s))
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = datetime.timedelta(seconds=self.timeout_s)
+                group = dist.ProcessGroupNCCL(store, 0 if src == self.rank else 1, 2, options)
+                group.eager_connect_single_device(self.device)  # set up now, not in the first transfer
+                if src == self.rank:
+                    pair.outgoing = group
+                else:
+                    pair.incoming = group
+        except (RuntimeError, TransportError) as e:
+            pair.abort(f"could not connect to rank {pair.peer} (session {pair.session}): {e}")
+        pair.ready.set()
+
+    def _pair(self, peer: int, wait_s: float) -> _NcclPair:
+        pair = self._pairs.get(peer)
+        if pair is None:
+            raise TransportError(f"rank {self.rank} has no connection to rank {peer}: call connect({peer}, session) first")
+        # Communicators are made on their thread; an operation cannot be queued before
+        # them, so the first transfer waits for the connection (bounded).
+        if not pair.ready.wait(wait_s):
+            raise TransportError(f"the connection of rank {self.rank} to rank {peer} is not up after {wait_s}s")
+        if pair.broken is not None:
+            raise TransportError(f"the connection to rank {peer} (session {pair.session}) is broken ({pair.broken}); "
+                                 "connect again with a new session")
+        return pair
+
+    def send(self, peer: int, payload: torch.Tensor, tag: int) -> NcclHandle:
+        check_args(self, peer, payload, tag, self.device)
+        pair = self._pair(peer, self.timeout_s)
+        work = pair.outgoing.send([payload], 1, 0)
+        return NcclHandle(f"send of {payload.nbytes} bytes from rank {self.rank} to rank {peer} (tag {tag})",
+                          work, payload, pair)
+
+    def recv(self, peer: int, out: torch.Tensor, tag: int) -> NcclHandle:
+        check_args(self, peer, out, tag, self.device)
+        pair = self._pair(peer, self.timeout_s)
+        work = pair.incoming.recv([out], 0, 0)
+        return NcclHandle(f"receive of {out.nbytes} bytes by rank {self.rank} from rank {peer} (tag {tag})",
+                          work, out, pair)
+
+    def close(self) -> None:
+        for pair in self._pairs.values():
+            pair.abort("transport closed")
+        self._pairs.clear()
