@@ -54,6 +54,9 @@ def test_top_shows_every_rank_and_its_throughput(tiny_model, tmux):
 
             screen = wait_until(busy_screen, "every rank with non-zero tokens/s", tmux.report)
             listing = lmpool("ps")
+            for key, shown in (("s", "sort by waiting"), ("6", "sort by tok/s"), ("p", "(paused)")):
+                tmux.keys(key)
+                wait_until(lambda: shown in tmux.screen(), f"{shown!r} after key {key!r}", tmux.report)
         finally:
             stop.set()
             load.join()
