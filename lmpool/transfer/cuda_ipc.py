@@ -10,11 +10,15 @@ Protocol of one transfer, sender S -> receiver R, tag t:
    records one of its free interprocess events there, then publishes
    ``offset,nbytes,event`` under the key of (S, R, t) in the rendezvous store. S's host
    never waits for the GPU.
-2. R, polling (``done``) or waiting, finds the key, makes its current stream wait on
-   that event (the record happened before the key existed, so the wait covers it), copies
-   the region of S's mapped buffer into ``out`` and records a local event.
+2. R finds the key, makes its receive stream for S wait on that event (the record
+   happened before the key existed, so the wait covers it), copies the region of S's
+   mapped buffer into ``out`` on that stream and records a local event.
 3. Once that copy has completed R acknowledges under (S, R, t)/ack; then S frees the
    region and the event.
+
+Nothing runs in the background: steps 2 and 3 of every receive advance whenever any
+handle of R's transport is polled (``done``) or waited on, so a worker polls its
+handles every step, and a rank waiting on its own send still serves its peer.
 
 Invariants:
 - a region and its event belong to one transfer from staging until the acknowledgement;
@@ -45,7 +49,7 @@ from lmpool.transfer.messages import CudaIpcExport
 from lmpool.transfer.transport import TransferTimeout, TransportError, as_bytes, check_args, open_store
 
 ALIGN = 256  # region starts, so that the copy kernels see aligned pointers
-_POLL_S = (50e-6, 2e-3)  # wait() polls the store from 50 us, backing off to 2 ms
+_POLL_S = (20e-6, 1e-3)  # wait() polls the store from 20 us, backing off to 1 ms
 
 
 class Regions:
@@ -107,9 +111,13 @@ class _Peer:
 
 class _Poller:
     """A handle whose progress is made by polling: ``done`` never blocks, ``wait`` polls
-    with a growing pause until done or the deadline."""
+    with a growing pause until done or the deadline. Both first advance every receive of
+    the transport: a send completes only once its receiver has copied the payload, so a
+    process blocked waiting on its own send must still serve its peer's sends to it, or
+    two ranks sending to each other and waiting on their sends first would deadlock."""
 
     what: str
+    _transport: "CudaIpcTransport"
 
     def _poll(self) -> bool:
         raise NotImplementedError
@@ -118,12 +126,16 @@ class _Poller:
         pass
 
     def done(self) -> bool:
+        self._transport._progress()
         return self._poll()
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         pause = _POLL_S[0]
-        while not self._poll():
+        while True:
+            self._transport._progress()
+            if self._poll():
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 self._expire()
@@ -254,6 +266,7 @@ class CudaIpcTransport:
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(max_inflight)]
         self._free_events = list(range(max_inflight))
         self._quarantined: list[_Send] = []
+        self._receiving: list[_Recv] = []  # receives not yet finished, advanced by _progress
         self._peers: dict[int, _Peer] = {}
         self._closed = False
 
@@ -303,6 +316,8 @@ class CudaIpcTransport:
             return
         for send in [s for s in self._quarantined if s._peer is old]:
             send._release()
+        for receiving in [r for r in self._receiving if r._peer is old]:
+            receiving.error, receiving._finished = f"rank {peer} was disconnected", True
 
     def send(self, peer: int, payload: torch.Tensor, tag: int) -> _Send:
         check_args(self, peer, payload, tag, self.device)
@@ -334,7 +349,14 @@ class CudaIpcTransport:
     def recv(self, peer: int, out: torch.Tensor, tag: int) -> _Recv:
         check_args(self, peer, out, tag, self.device)
         source = self._peer(peer)
-        return _Recv(self, source, transfer_key(peer, source.session, self.rank, self.session, tag), out)
+        receiving = _Recv(self, source, transfer_key(peer, source.session, self.rank, self.session, tag), out)
+        self._receiving.append(receiving)
+        return receiving
+
+    def _progress(self) -> None:
+        """Advance every unfinished receive: copy what has been staged, acknowledge copies done."""
+        if self._receiving:
+            self._receiving = [r for r in self._receiving if not r._poll()]
 
     def _peer(self, peer: int) -> _Peer:
         if self._closed:
@@ -360,3 +382,4 @@ class CudaIpcTransport:
         self._closed = True
         self._peers.clear()
         self._quarantined.clear()
+        self._receiving.clear()
