@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
 from lmpool.config import EngineConfig
@@ -37,6 +38,26 @@ def normalize_params(
     return params
 
 
+def prepare_batch(
+    prompts: Prompt | SequenceABC[Prompt],
+    sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+    encode: Callable[[Prompt], list[int]],
+    validate: Callable[[list[int], SamplingParams], None],
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Token ids and params of every prompt, each checked before any is run; an error names the prompt."""
+    prompt_list = normalize_prompts(prompts)
+    params = normalize_params(sampling_params, len(prompt_list))
+    token_lists = []
+    for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+        try:
+            ids = encode(prompt)
+            validate(ids, p)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+        token_lists.append(ids)
+    return token_lists, params
+
+
 class LLM:
     """Generate from a Qwen3 checkpoint directory on one device.
 
@@ -68,16 +89,7 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. Every prompt is checked before any runs."""
-        prompt_list = normalize_prompts(prompts)
-        params = normalize_params(sampling_params, len(prompt_list))
-        token_lists = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, params)):
-            ids = self.encode(prompt)
-            try:
-                self.engine.validate(ids, p)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-            token_lists.append(ids)
+        token_lists, params = prepare_batch(prompts, sampling_params, self.encode, self.engine.validate)
         request_ids = [f"llm-{next(self._ids)}" for _ in token_lists]
         for rid, ids, p in zip(request_ids, token_lists, params):
             self.engine.add_request(rid, ids, p)

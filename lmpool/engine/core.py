@@ -16,6 +16,7 @@ from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.model_runner import ModelRunner
 from lmpool.engine.scheduler import Scheduler
 from lmpool.engine.sequence import Sequence
+from lmpool.engine.validation import validate_request
 from lmpool.model.config import ModelConfig
 from lmpool.sampling_params import SamplingParams
 
@@ -51,26 +52,11 @@ class EngineCore:
 
     def validate(self, prompt_token_ids: SequenceABC[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming what is wrong with a request; return if it can be served."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(prompt_token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token {t!r} at position {i} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
-        blocks = self.block_manager.blocks_needed(total)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request needs {blocks} KV blocks ({total} tokens) but the cache holds only "
-                f"{self.block_manager.num_blocks}: it could never run"
-            )
+        validate_request(
+            prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len, block_size=self.config.block_size,
+            max_blocks=self.block_manager.num_blocks,
+        )
 
     def add_request(
         self,

@@ -21,7 +21,7 @@ from collections.abc import Sequence as SequenceABC
 
 import uvloop
 
-from lmpool.llm import Prompt, normalize_params, normalize_prompts
+from lmpool.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
 from lmpool.pool.engine import LLMEngine, PoolConfig, TrackedRequest
 from lmpool.pool.metrics import NO_METRICS, MetricsServer
@@ -197,17 +197,10 @@ class LMPool:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``; every prompt is checked before any is sent."""
-        prompt_list = normalize_prompts(prompts)
-        params = normalize_params(sampling_params, len(prompt_list))
         pool = self._pool
-        token_lists = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, params)):
-            ids = pool.encode(prompt)
-            try:
-                pool.engine.validate("", ids, p)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-            token_lists.append(ids)
+        token_lists, params = prepare_batch(
+            prompts, sampling_params, pool.encode, lambda ids, p: pool.engine.validate("", ids, p)
+        )
 
         async def run_all() -> list[RequestOutput]:
             return list(await asyncio.gather(*(pool.generate(ids, p) for ids, p in zip(token_lists, params))))

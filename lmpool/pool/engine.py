@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmpool.engine.hashing import chain_hashes
+from lmpool.engine.validation import validate_request
 from lmpool.model.config import ModelConfig
 from lmpool.pool import process
 from lmpool.pool.messages import (
@@ -248,27 +249,12 @@ class LLMEngine:
             raise PoolError("the pool is shut down")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(prompt_token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token {t!r} at position {i} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
-        blocks = -(-total // self.block_size)
         capacity = max((r.num_blocks for r in self.ranks if r.alive), default=0)
-        if blocks > capacity:
-            raise ValueError(
-                f"request needs {blocks} KV blocks ({total} tokens) but the largest live rank "
-                f"holds only {capacity}: it could never run"
-            )
+        validate_request(
+            prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len, block_size=self.block_size, max_blocks=capacity,
+            where="the largest live rank",
+        )
 
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
