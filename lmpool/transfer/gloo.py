@@ -14,6 +14,10 @@ Why these choices (each was checked against torch 2.13's gloo):
 - Connections are made on threads: a gloo group's constructor blocks until the peer
   joins, and a worker must not stall its step loop, nor deadlock when three ranks each
   wait for the next one.
+- Every payload is preceded by its size, on the same tag: in gloo, a payload larger
+  than the posted receive does not fail the receive but aborts the receiving process
+  (an enforce in its I/O thread). The receiver posts the payload's receive only once
+  the sizes agree; this costs one more small message per transfer.
 
 Invariants:
 - both ends of a pair call ``connect(peer, session)`` with the same session, never used
@@ -263,6 +267,7 @@ class GlooTransport:
                 return
             pair.broken = reason
             queued, pair.queued = pair.queued, []
+            pair.pending.difference_update(handle for _, _, _, handle in queued)
             group = pair.group
         for _, _, _, handle in queued:
             handle._finish(TransportError(f"{handle.what} failed: {reason}"))
