@@ -10,7 +10,7 @@ from lmpool.config import EngineConfig
 from lmpool.engine.core import EngineCore
 from lmpool.outputs import RequestOutput
 from lmpool.sampling_params import SamplingParams
-from lmpool.tokenizer import load_tokenizer
+from lmpool.tokenizer import encode_prompt, load_tokenizer
 
 Prompt = str | SequenceABC[int]
 
@@ -72,11 +72,7 @@ class LLM:
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer: pass token ids instead of text")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:

@@ -27,7 +27,7 @@ from lmpool.pool.engine import LLMEngine, PoolConfig, TrackedRequest
 from lmpool.pool.metrics import NO_METRICS, MetricsServer
 from lmpool.pool.spec import EngineArgs
 from lmpool.sampling_params import SamplingParams
-from lmpool.tokenizer import load_tokenizer
+from lmpool.tokenizer import encode_prompt, load_tokenizer
 
 
 class AsyncLMPool:
@@ -102,11 +102,7 @@ class AsyncLMPool:
     # ---- requests -----------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer: pass token ids instead of text")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def _output(self, req: TrackedRequest, num_tokens: int, finish_reason: str | None) -> RequestOutput:
         """The request as of its first ``num_tokens`` output tokens (later ones may have arrived)."""
