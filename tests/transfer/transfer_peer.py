@@ -45,6 +45,12 @@ def main() -> None:
     timeout_s = header.get("timeout_s", 20.0)
     if header.get("kind", "gloo") == "gloo":
         transport = GlooTransport(address, rank, world, timeout_s=timeout_s)
+    elif header["kind"] == "nccl":
+        from lmpool.transfer.nccl import NcclTransport
+
+        device = torch.device(f"cuda:{rank}")  # one GPU per rank: NCCL refuses two ranks on one
+        torch.cuda.set_device(device)
+        transport = NcclTransport(address, rank, world, device=str(device), timeout_s=timeout_s)
     else:
         from lmpool.transfer.cuda_ipc import CudaIpcTransport
 
