@@ -49,12 +49,14 @@ class AsyncLMPool:
         ready_timeout: float = 300.0,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        enable_transfers: bool = False,
         **engine_args,
     ) -> None:
         engine = EngineArgs(model=str(model), **engine_args)
         self.config = PoolConfig(
             model=str(model), world_size=world_size, device=device, routing=routing,
             topology=topology, engine=engine, ready_timeout=ready_timeout,
+            enable_transfers=enable_transfers,
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = LLMEngine(self.config)
@@ -121,18 +123,22 @@ class AsyncLMPool:
         )
 
     async def submit(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        rank: int | None = None,
     ) -> TrackedRequest:
-        """Validate and route one request; its tokens arrive on the returned request's queue."""
+        """Validate and route one request (or send it to ``rank``); its tokens arrive on the
+        returned request's queue."""
         rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
-        return await self.engine.add_request(rid, self.encode(prompt), params or SamplingParams())
+        return await self.engine.add_request(rid, self.encode(prompt), params or SamplingParams(), rank)
 
     async def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """One ``RequestOutput`` per new token (cumulative); the last has ``finish_reason`` set.
-        Leaving the loop early, or cancelling the consuming task, aborts the request."""
-        req = await self.submit(prompt, params, request_id)
+        Leaving the loop early, or cancelling the consuming task, aborts the request.
+        ``rank`` bypasses routing (for experiments and benchmarks)."""
+        req = await self.submit(prompt, params, request_id, rank)
         seen = 0
         try:
             while True:
@@ -150,13 +156,19 @@ class AsyncLMPool:
                 await self.engine.abort(req.request_id)
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        rank: int | None = None,
     ) -> RequestOutput:
         """The finished output of one request."""
         last = None
-        async for last in self.stream(prompt, params, request_id):
+        async for last in self.stream(prompt, params, request_id, rank):
             pass
         return last
+
+    async def transfer(self, prompt: Prompt, src: int, dst: int, move: bool = False):
+        """Copy (or move) the KV of ``prompt``'s complete blocks from rank ``src`` to ``dst``
+        (a pool started with ``enable_transfers=True``); returns the plan's ``TransferResult``."""
+        return await self.engine.transfer(self.encode(prompt), src, dst, move)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; an unknown or finished id is a no-op."""

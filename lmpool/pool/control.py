@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import random
 import sys
 import time
 
@@ -40,6 +41,12 @@ from lmpool.pool.messages import (
     ResyncRequest,
     RouteQuery,
     StatsQuery,
+    BlockDigests,
+    DigestsReply,
+    TransferAck,
+    TransferChain,
+    TransferOrder,
+    TransferResult,
     WaitRanks,
     WorkerDelta,
     WorkerSnapshot,
@@ -48,6 +55,8 @@ from lmpool.pool.messages import (
 from lmpool.pool.process import read_spec
 from lmpool.pool.spec import ControlSpec
 from lmpool.pool.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
+from lmpool.engine.hashing import ROOT_HASH
+from lmpool.transfer.coordinator import Plan, PlanState, TransferCoordinator
 from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
@@ -66,6 +75,11 @@ class ControlPlane:
         self.resync_pending: set[int] = set()
         # Set once a rank's first snapshot is applied, or once it is known dead.
         self.known = [asyncio.Event() for _ in range(spec.world_size)]
+        self.coordinator = TransferCoordinator(self.gbm, self.send_order, on_end=self._plan_ended)
+        self.outbox: dict[int, asyncio.Queue] = {}
+        self.plan_waiters: dict[int, asyncio.Future] = {}
+        self.digest_waiters: dict[int, asyncio.Future] = {}
+        self._digest_ids = 0
         self.route_us = np.zeros(ROUTE_SAMPLES)
         self.route_queries = 0
         self.resyncs = 0
@@ -78,6 +92,9 @@ class ControlPlane:
         try:
             while True:
                 msg = await channel.recv()
+                if isinstance(msg, TransferAck):
+                    self.on_transfer_ack(msg)
+                    continue
                 try:
                     gap = self.apply(msg)
                 except StaleUpdateError:
@@ -91,6 +108,7 @@ class ControlPlane:
                     self.resyncs += 1
                     await channel.send(ResyncRequest(rank))
         except IpcError:
+            self.coordinator.rank_died(rank)
             self.gbm.mark_dead(rank)
             self.workers.pop(rank, None)
             self.known[rank].set()
@@ -111,6 +129,74 @@ class ControlPlane:
         else:
             self.gbm.heartbeat(msg.rank, msg.epoch)
         return False
+
+    # ---- transfers ---------------------------------------------------------------------
+
+    def send_order(self, rank: int, message) -> None:
+        """The coordinator's outlet: queue a phase order for the rank's sender task."""
+        queue = self.outbox.get(rank)
+        if queue is not None:
+            queue.put_nowait(TransferOrder(message.plan_id, message.kind, **message.args))
+
+    async def send_orders(self, rank: int, channel: Channel) -> None:
+        queue = self.outbox[rank]
+        while True:
+            order = await queue.get()
+            try:
+                await channel.send(order)
+            except IpcError:
+                return  # the reader sees the death and aborts the rank's plans
+
+    def on_transfer_ack(self, ack: TransferAck) -> None:
+        if ack.phase == "digest":
+            waiter = self.digest_waiters.pop(ack.plan_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(ack.digests)
+            return
+        self.coordinator.on_ack(
+            ack.plan_id, ack.rank, PlanState(ack.phase), ack.ok, ack.error,
+            block_ids=ack.block_ids, token_ids=ack.token_ids, generations=ack.generations,
+        )
+
+    def _plan_ended(self, plan: Plan) -> None:
+        waiter = self.plan_waiters.pop(plan.plan_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(TransferResult(plan.plan_id, plan.state.value, plan.abort_reason))
+
+    async def transfer_chain(self, request: TransferChain) -> TransferResult:
+        generations = []
+        for h in request.block_hashes:
+            entry = next((e for e in self.gbm.entries(h) if e.rank == request.src and e.ready), None)
+            if entry is None:
+                return TransferResult(0, PlanState.ABORTED.value, f"rank {request.src} does not hold block {h:#x}")
+            generations.append(entry.generation)
+        parents = [ROOT_HASH] + request.block_hashes[:-1]
+        plan = self.coordinator.start(request.src, request.dst, request.block_hashes, generations, parents,
+                                      move=request.move)
+        waiter = asyncio.get_running_loop().create_future()
+        self.plan_waiters[plan.plan_id] = waiter
+        return await waiter
+
+    async def block_digests(self, request: BlockDigests) -> DigestsReply:
+        self._digest_ids += 1
+        waiter = asyncio.get_running_loop().create_future()
+        self.digest_waiters[self._digest_ids] = waiter
+        self.outbox[request.rank].put_nowait(TransferOrder(self._digest_ids, "digest", hashes=request.block_hashes))
+        return DigestsReply(await asyncio.wait_for(waiter, 30.0))
+
+    async def watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            self.coordinator.tick()
+
+    def connect_pairs(self) -> None:
+        """Open the data path of every pair of live workers under fresh sessions."""
+        ranks = sorted(self.workers)
+        for i, a in enumerate(ranks):
+            for b in ranks[i + 1 :]:
+                session = random.getrandbits(62)
+                self.outbox[a].put_nowait(TransferOrder(0, "connect", peer=b, session=session))
+                self.outbox[b].put_nowait(TransferOrder(0, "connect", peer=a, session=session))
 
     async def heartbeat(self) -> None:
         while True:
@@ -142,6 +228,10 @@ class ControlPlane:
             return None
         if isinstance(request, StatsQuery):
             return self.stats()
+        if isinstance(request, TransferChain):
+            return await self.transfer_chain(request)
+        if isinstance(request, BlockDigests):
+            return await self.block_digests(request)
         raise ValueError(f"unexpected request {type(request).__name__}")
 
     def stats(self) -> ControlStats:
@@ -192,7 +282,12 @@ class ControlPlane:
                 continue
             channel = Channel(end, WorkerToControl)
             self.workers[rank] = channel
+            self.outbox[rank] = asyncio.Queue()
             tasks.append(asyncio.create_task(self.read_worker(rank, channel)))
+            tasks.append(asyncio.create_task(self.send_orders(rank, channel)))
+        if self.spec.transfers:
+            self.connect_pairs()
+            tasks.append(asyncio.create_task(self.watchdog()))
         try:
             await Responder(engine, ControlRequest, self.handle).serve()
         except IpcError:

@@ -42,7 +42,11 @@ from lmpool.pool.messages import (
     Shutdown,
     StatsQuery,
     StepOutputs,
+    BlockDigests,
+    DigestsReply,
     TokenDelta,
+    TransferChain,
+    TransferResult,
     WaitRanks,
     WorkerFailed,
     WorkerReady,
@@ -52,6 +56,7 @@ from lmpool.pool.metrics import NO_METRICS
 from lmpool.pool.spec import ControlSpec, EngineArgs, WorkerSpec
 from lmpool.pool.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
+from lmpool.transfer import Rendezvous
 from lmpool_ipc import Channel, IpcError, IpcPool, RemoteError, Requester
 
 ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
@@ -71,8 +76,11 @@ class PoolConfig:
     engine: EngineArgs | None = None
     ready_timeout: float = 300.0
     heartbeat_interval: float = 0.5
+    enable_transfers: bool = False  # workers can copy and move KV blocks between them
 
     def __post_init__(self) -> None:
+        if self.enable_transfers and self.device != "cpu":
+            raise ValueError("KV transfers are wired for CPU replicas only so far")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.routing not in ROUTINGS:
@@ -131,6 +139,7 @@ class LLMEngine:
         self.block_size = config.engine.block_size
         self.max_model_len = config.engine.max_model_len or self.model_config.max_position_embeddings
         self.ipc: IpcPool | None = None
+        self.rendezvous: Rendezvous | None = None  # the workers' transfer rendezvous, if enabled
         self.board: str | None = None  # the pool-state board (``state_board``)
         self.started_at = 0.0
         self.metrics = NO_METRICS  # token timing; a Prometheus recorder when metrics are on
@@ -150,6 +159,8 @@ class LLMEngine:
 
     async def start(self) -> None:
         self.ipc = IpcPool.start()  # also removes what crashed pools left in /dev/shm
+        if self.config.enable_transfers:
+            self.rendezvous = Rendezvous.create()
         self.started_at = time.time()
         try:
             await self._start_processes()
@@ -167,7 +178,8 @@ class LLMEngine:
             spec = WorkerSpec(
                 rank=r, epoch=1, device=cfg.device_of(r), engine_end=link.b,
                 control_end=control_links[r].b, engine_args=cfg.engine,
-                heartbeat_interval=cfg.heartbeat_interval,
+                heartbeat_interval=cfg.heartbeat_interval, world_size=cfg.world_size,
+                transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
             )
             proc = process.spawn("lmpool.pool.worker", spec)
             channel = Channel(link.a, WorkerToEngine)
@@ -203,11 +215,14 @@ class LLMEngine:
             worker_ends=worker_ends, heartbeat_interval=cfg.heartbeat_interval,
             pool_id=self.ipc.pool_id, owner_pid=self.ipc.owner_pid, started_at=self.started_at,
             board=self.board, worker_pids=[r.proc.pid for r in self.ranks],
+            transfers=self.rendezvous is not None,
         )
         self.control_proc = process.spawn("lmpool.pool.control", spec)
         self._control_channel = Channel(link.a, object)
         self._control_channel.expect_peer(self.control_proc.pid)
-        self.control = Requester(self._control_channel, RouteDecision | ControlStats | None)
+        self.control = Requester(
+            self._control_channel, RouteDecision | ControlStats | TransferResult | DigestsReply | None
+        )
 
     async def _restart_control(self, failed: Requester) -> None:
         """Start a new control process unless another task already replaced ``failed``."""
@@ -257,31 +272,37 @@ class LLMEngine:
         )
 
     async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, rank: int | None = None
     ) -> TrackedRequest:
+        """Validate, route (or send to ``rank``, bypassing routing) and start one request."""
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
+        if rank is not None and not (0 <= rank < len(self.ranks) and self.ranks[rank].alive):
+            raise ValueError(f"rank {rank} is not a live rank of this pool")
         req = TrackedRequest(request_id, prompt_token_ids, params)
         self.requests[request_id] = req
         try:
-            await self._dispatch(req)
+            await self._dispatch(req, rank)
         except BaseException:
             self._forget(req)
             raise
         return req
 
-    async def _dispatch(self, req: TrackedRequest) -> None:
+    async def _dispatch(self, req: TrackedRequest, pinned: int | None = None) -> None:
         """Route ``req`` (again, after a failure) and hand it to its rank."""
         while True:
             if not any(r.alive for r in self.ranks):
                 raise PoolError("no rank is alive")
-            tokens = req.prompt_token_ids + req.output_token_ids
-            query = RouteQuery(
-                req.request_id, chain_hashes(tokens, self.block_size), len(tokens),
-                req.params.max_tokens - len(req.output_token_ids),
-            )
-            decision = await self.control_request(query)
-            rank = self.ranks[decision.rank]
+            if pinned is not None and self.ranks[pinned].alive:
+                rank = self.ranks[pinned]
+            else:
+                tokens = req.prompt_token_ids + req.output_token_ids
+                query = RouteQuery(
+                    req.request_id, chain_hashes(tokens, self.block_size), len(tokens),
+                    req.params.max_tokens - len(req.output_token_ids),
+                )
+                decision = await self.control_request(query)
+                rank = self.ranks[decision.rank]
             if not rank.alive:
                 continue  # the control plane had not yet heard of its death
             self._by_wire.pop(req.wire_id, None)
@@ -290,6 +311,20 @@ class LLMEngine:
             msg = AddRequest(req.wire_id, req.prompt_token_ids, req.params, list(req.output_token_ids))
             if await self._send_to_rank(rank, msg):
                 return
+
+    async def transfer(self, prompt_token_ids: list[int], src: int, dst: int, move: bool = False) -> TransferResult:
+        """Copy (or move) the KV of the prompt's complete blocks from rank ``src`` to ``dst``."""
+        if self.rendezvous is None:
+            raise PoolError("this pool was started without enable_transfers")
+        hashes = chain_hashes(list(prompt_token_ids), self.block_size)
+        return await self.control_request(TransferChain(src, dst, hashes, move))
+
+    async def block_digests(self, rank: int, prompt_token_ids: list[int]) -> list[str]:
+        """SHA-256 of each complete prompt block's KV bytes on ``rank`` ("" where not cached)."""
+        if self.rendezvous is None:
+            raise PoolError("this pool was started without enable_transfers")
+        hashes = chain_hashes(list(prompt_token_ids), self.block_size)
+        return (await self.control_request(BlockDigests(rank, hashes))).digests
 
     async def _send_to_rank(self, rank: Rank, msg) -> bool:
         try:
@@ -424,6 +459,8 @@ class LLMEngine:
             rank.channel.close()
         if self.ipc is not None:
             self.ipc.close()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
 
     def pids(self) -> list[int]:
         return [r.proc.pid for r in self.ranks] + ([self.control_proc.pid] if self.control_proc else [])

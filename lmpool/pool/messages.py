@@ -128,7 +128,6 @@ class WorkerDelta(Message, tag="delta"):
     load: LoadReport
 
 
-WorkerToControl = Heartbeat | WorkerSnapshot | WorkerDelta
 
 
 class ResyncRequest(Message, tag="resync"):
@@ -137,7 +136,6 @@ class ResyncRequest(Message, tag="resync"):
     rank: int
 
 
-ControlToWorker = ResyncRequest | Heartbeat
 
 
 # ---- engine -> control (request/response) -----------------------------------------
@@ -197,4 +195,71 @@ class ControlStats(Message, tag="control_stats", kw_only=True):
     stale_rejected: int
 
 
-ControlRequest = RouteQuery | RankDown | RankUp | WaitRanks | StatsQuery
+
+
+# ---- KV transfers (control <-> worker; engine -> control) ------------------------------
+
+
+class TransferOrder(Message, tag="xfer"):
+    """One phase of a transfer plan for one worker (see ``lmpool.transfer.coordinator``), or
+    ``kind="connect"``: open the data path to ``peer`` under a fresh ``session``."""
+
+    plan_id: int
+    kind: str
+    peer: int = -1
+    session: int = 0
+    num_blocks: int = 0
+    move: bool = False
+    hashes: list[int] = []
+    generations: list[int] = []
+    parents: list[int] = []
+    block_ids: list[int] = []
+    token_ids: list[list[int]] = []
+
+
+class TransferAck(Message, tag="xfer_ack"):
+    """A worker finished (``ok``) or failed one phase of a plan."""
+
+    plan_id: int
+    rank: int
+    phase: str  # a ``PlanState`` value, or "digest"
+    ok: bool
+    error: str = ""
+    block_ids: list[int] = []
+    generations: list[int] = []
+    token_ids: list[list[int]] = []
+    digests: list[str] = []
+
+
+class TransferChain(Message, tag="transfer_chain"):
+    """Copy (or move) the cached chain ``block_hashes`` (complete blocks from the first) from
+    ``src`` to ``dst``; the reply is a ``TransferResult`` once the plan has ended."""
+
+    src: int
+    dst: int
+    block_hashes: list[int]
+    move: bool = False
+
+
+class TransferResult(Message, tag="transfer_result"):
+    plan_id: int
+    state: str  # "done" or "aborted"
+    reason: str = ""
+
+
+class BlockDigests(Message, tag="block_digests"):
+    """Ask ``rank`` for a digest of the KV bytes of each cached block in ``block_hashes``."""
+
+    rank: int
+    block_hashes: list[int]
+
+
+class DigestsReply(Message, tag="digests"):
+    digests: list[str]  # "" for a block the rank does not cache
+
+
+# ---- the unions each receiver decodes ---------------------------------------------------
+
+WorkerToControl = Heartbeat | WorkerSnapshot | WorkerDelta | TransferAck
+ControlToWorker = ResyncRequest | Heartbeat | TransferOrder
+ControlRequest = RouteQuery | RankDown | RankUp | WaitRanks | StatsQuery | TransferChain | BlockDigests

@@ -31,6 +31,8 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     control_end: str  # link end to the control process
     engine_args: EngineArgs
     heartbeat_interval: float = 0.5
+    world_size: int = 1
+    transfer_rendezvous: str | None = None  # KV transfers between workers, when set
 
 
 class ControlSpec(msgspec.Struct, kw_only=True):
@@ -42,6 +44,7 @@ class ControlSpec(msgspec.Struct, kw_only=True):
     gpu_of_rank: list[int] | None
     engine_end: str
     worker_ends: list[str | None]  # None for a rank that is down
+    transfers: bool = False  # workers can exchange KV blocks (they hold a transfer rendezvous)
     heartbeat_interval: float = 0.5
     pool_id: str = ""
     owner_pid: int = 0  # the user process

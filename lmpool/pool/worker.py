@@ -35,6 +35,7 @@ from lmpool.pool.messages import (
     RequestRejected,
     ResyncRequest,
     Shutdown,
+    TransferOrder,
     StepOutputs,
     TokenDelta,
     WorkerDelta,
@@ -44,6 +45,7 @@ from lmpool.pool.messages import (
 )
 from lmpool.pool.process import read_spec
 from lmpool.pool.spec import WorkerSpec
+from lmpool.pool.transfers import TransferExecutor
 from lmpool_ipc import Channel, IpcError
 
 
@@ -65,6 +67,7 @@ class Worker:
         self.generated_tokens = 0
         self.stopping = False
         self.tasks: list[asyncio.Task] = []
+        self.transfers = TransferExecutor(spec, core) if spec.transfer_rendezvous else None
 
     # ---- message intake ---------------------------------------------------------
 
@@ -86,6 +89,9 @@ class Worker:
                 msg = await channel.recv()
                 if isinstance(msg, ResyncRequest):
                     self.need_snapshot = True
+                    self.wakeup.set()
+                elif isinstance(msg, TransferOrder) and self.transfers is not None:
+                    self.transfers.orders.append(msg)
                     self.wakeup.set()
         except IpcError:
             if self.control is channel:  # the control process died; the engine restarts it
@@ -149,6 +155,13 @@ class Worker:
         except IpcError:
             self.control = None
 
+    async def send_control(self, msg) -> None:
+        if self.control is not None:
+            try:
+                await self.control.send(msg)
+            except IpcError:
+                self.control = None
+
     async def heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.spec.heartbeat_interval)
@@ -181,9 +194,13 @@ class Worker:
         self.attach_control(self.spec.control_end)
         await self.publish()
         while not self.stopping:
-            if not self.inbox and not self.core.has_unfinished():
+            transferring = self.transfers is not None and self.transfers.busy
+            if not self.inbox and not self.core.has_unfinished() and not transferring:
                 self.wakeup.clear()
                 await self.wakeup.wait()
+            if self.transfers is not None:
+                for ack in self.transfers.progress():
+                    await self.send_control(ack)
             inbox, self.inbox = self.inbox, []
             replies = [r for msg in inbox for r in self.handle(msg)]
             for reply in replies:
@@ -206,9 +223,15 @@ class Worker:
                 self.generated_tokens += len(deltas)  # one delta per new token
                 await self.engine.send(StepOutputs(deltas, self.load()))
             await self.publish()
+            if self.transfers is not None and self.transfers.in_flight and not self.core.has_unfinished():
+                # Bytes are moving on the transport's threads and nothing else needs this
+                # loop: look again shortly instead of spinning.
+                await asyncio.sleep(0.0005)
             await asyncio.sleep(0)  # let the readers take what arrived during the step
         for task in self.tasks:
             task.cancel()
+        if self.transfers is not None:
+            self.transfers.close()
 
 
 async def main_async(spec: WorkerSpec) -> int:

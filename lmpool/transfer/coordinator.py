@@ -76,8 +76,10 @@ class TransferCoordinator:
         cost_model: TransferCostModel | None = None,
         phase_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        on_end: Callable[[Plan], None] | None = None,
     ) -> None:
         self.gbm = gbm
+        self.on_end = on_end
         self.send = send
         self.cost_model = cost_model
         self.phase_timeout_s = phase_timeout_s
@@ -182,3 +184,5 @@ class TransferCoordinator:
         plan.state = state
         del self.plans[plan.plan_id]
         self.ended[plan.plan_id] = state
+        if self.on_end is not None:
+            self.on_end(plan)

@@ -1,0 +1,51 @@
+"""KV transfers between CPU replicas of a running pool (gloo): the destination's blocks are
+byte-equal to the source's, and generation there uses them with the same tokens."""
+
+from __future__ import annotations
+
+import torch
+import uvloop
+
+from lmpool import LLM, SamplingParams
+from lmpool.pool.api import AsyncLMPool
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def prompt() -> list[int]:
+    return torch.randint(0, 1000, (3 * BLOCK + 5,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+def test_copy_and_move_between_replicas(tiny_model):
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        expected = llm.generate(prompt(), GREEDY)[0].token_ids
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, enable_transfers=True) as pool:
+            engine = pool.engine
+            first = await pool.generate(prompt(), GREEDY, rank=0)
+            source = await engine.block_digests(0, prompt())
+            assert all(source) and await engine.block_digests(1, prompt()) == ["", "", ""]
+
+            copied = await pool.transfer(prompt(), src=0, dst=1)
+            assert copied.state == "done", copied.reason
+            assert await engine.block_digests(1, prompt()) == source, "the copy is byte-equal"
+            assert await engine.block_digests(0, prompt()) == source, "a copy keeps the source"
+            on_copy = await pool.generate(prompt(), GREEDY, rank=1)
+
+            moved = await pool.transfer(prompt(), src=1, dst=2, move=True)
+            assert moved.state == "done", moved.reason
+            assert await engine.block_digests(2, prompt()) == source
+            assert await engine.block_digests(1, prompt()) == ["", "", ""], "a move frees the source"
+            on_move = await pool.generate(prompt(), GREEDY, rank=2)
+
+            again = await pool.transfer(prompt(), src=1, dst=0)  # rank 1 no longer holds it
+            return first, on_copy, on_move, again, await pool.stats()
+
+    first, on_copy, on_move, again, stats = uvloop.run(main())
+    assert first.token_ids == on_copy.token_ids == on_move.token_ids == expected
+    assert first.num_cached_tokens == 0
+    assert on_copy.num_cached_tokens == on_move.num_cached_tokens == 3 * BLOCK
+    assert again.state == "aborted" and "does not hold" in again.reason
+    assert all(r["alive"] for r in stats["ranks"])
