@@ -240,13 +240,13 @@ async def main_async(spec: WorkerSpec) -> int:
         args = msgspec.structs.asdict(spec.engine_args)
         config = EngineConfig(device=spec.device, **args)
         core = EngineCore(config)
+        worker = Worker(spec, core, engine)  # joins the transfer rendezvous, if any
     except Exception as e:  # any start-up failure is reported, with its cause, to the engine
         await engine.send(WorkerFailed(spec.rank, f"{type(e).__name__}: {e}"))
         engine.close()
         return 1
     bm = core.block_manager
     await engine.send(WorkerReady(spec.rank, os.getpid(), bm.num_blocks, bm.block_size))
-    worker = Worker(spec, core, engine)
     try:
         await worker.run()
     finally:
