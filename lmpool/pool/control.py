@@ -111,6 +111,7 @@ class ControlPlane:
             self.coordinator.rank_died(rank)
             self.gbm.mark_dead(rank)
             self.workers.pop(rank, None)
+            self.outbox.pop(rank, None)  # orders for a dead rank have nowhere to go
             self.known[rank].set()
 
     def apply(self, msg: WorkerToControl) -> bool:
