@@ -165,6 +165,11 @@ class ControlPlane:
             waiter.set_result(TransferResult(plan.plan_id, plan.state.value, plan.abort_reason))
 
     async def transfer_chain(self, request: TransferChain) -> TransferResult:
+        for rank in (request.src, request.dst):
+            if rank not in self.outbox:
+                raise ValueError(f"rank {rank} is not a live rank of this pool")
+        if request.src == request.dst:
+            raise ValueError(f"a transfer needs two ranks, got {request.src} twice")
         generations = []
         for h in request.block_hashes:
             entry = next((e for e in self.gbm.entries(h) if e.rank == request.src and e.ready), None)
@@ -179,6 +184,8 @@ class ControlPlane:
         return await waiter
 
     async def block_digests(self, request: BlockDigests) -> DigestsReply:
+        if request.rank not in self.outbox:
+            raise ValueError(f"rank {request.rank} is not a live rank of this pool")
         self._digest_ids += 1
         waiter = asyncio.get_running_loop().create_future()
         self.digest_waiters[self._digest_ids] = waiter

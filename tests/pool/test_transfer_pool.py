@@ -3,11 +3,13 @@ byte-equal to the source's, and generation there uses them with the same tokens.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import uvloop
 
 from lmpool import LLM, SamplingParams
 from lmpool.pool.api import AsyncLMPool
+from lmpool.pool.engine import PoolError
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -41,6 +43,8 @@ def test_copy_and_move_between_replicas(tiny_model):
             on_move = await pool.generate(prompt(), GREEDY, rank=2)
 
             again = await pool.transfer(prompt(), src=1, dst=0)  # rank 1 no longer holds it
+            with pytest.raises(PoolError, match="needs two ranks"):
+                await pool.transfer(prompt(), src=2, dst=2)
             return first, on_copy, on_move, again, await pool.stats()
 
     first, on_copy, on_move, again, stats = uvloop.run(main())
