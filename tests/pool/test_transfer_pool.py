@@ -3,6 +3,8 @@ byte-equal to the source's, and generation there uses them with the same tokens.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 import uvloop
@@ -53,3 +55,40 @@ def test_copy_and_move_between_replicas(tiny_model):
     assert on_copy.num_cached_tokens == on_move.num_cached_tokens == 3 * BLOCK
     assert again.state == "aborted" and "does not hold" in again.reason
     assert all(r["alive"] for r in stats["ranks"])
+
+
+def test_destination_killed_mid_plan_aborts_and_releases_the_source(tiny_model):
+    """The destination is frozen (SIGSTOP) so the plan cannot pass prepare, then SIGKILLed:
+    the plan aborts, the source's pins are released and its copy kept, and the pool goes on
+    transferring between the live ranks."""
+    import os
+    import signal
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, enable_transfers=True) as pool:
+            engine = pool.engine
+            await pool.generate(prompt(), GREEDY, rank=0)
+            source = await engine.block_digests(0, prompt())
+            victim = engine.ranks[1].proc.pid
+            os.kill(victim, signal.SIGSTOP)
+            plan = asyncio.create_task(pool.transfer(prompt(), src=0, dst=1))
+            # The plan is under way once the source has pinned the chain (its used blocks show it).
+            for _ in range(400):
+                if (await pool.stats())["ranks"][0]["blocks_used"] > 0:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the source never pinned the chain")
+            os.kill(victim, signal.SIGKILL)
+            result = await plan
+            after = await engine.block_digests(0, prompt())
+            retry = await pool.transfer(prompt(), src=0, dst=2)
+            out = await pool.generate(prompt(), GREEDY, rank=2)
+            stats = await pool.stats()
+            return result, source, after, retry, out, stats
+
+    result, source, after, retry, out, stats = uvloop.run(main())
+    assert result.state == "aborted" and "rank 1 died" in result.reason
+    assert after == source, "an abort keeps the source's blocks"
+    assert retry.state == "done" and out.num_cached_tokens == 3 * BLOCK
+    assert stats["ranks"][0]["blocks_used"] == 0, "no pin outlived the aborted plan"
