@@ -50,13 +50,14 @@ class AsyncLMPool:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         enable_transfers: bool = False,
+        transfer_lease_s: float = 10.0,
         **engine_args,
     ) -> None:
         engine = EngineArgs(model=str(model), **engine_args)
         self.config = PoolConfig(
             model=str(model), world_size=world_size, device=device, routing=routing,
             topology=topology, engine=engine, ready_timeout=ready_timeout,
-            enable_transfers=enable_transfers,
+            enable_transfers=enable_transfers, transfer_lease_s=transfer_lease_s,
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = LLMEngine(self.config)

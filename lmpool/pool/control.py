@@ -75,7 +75,9 @@ class ControlPlane:
         self.resync_pending: set[int] = set()
         # Set once a rank's first snapshot is applied, or once it is known dead.
         self.known = [asyncio.Event() for _ in range(spec.world_size)]
-        self.coordinator = TransferCoordinator(self.gbm, self.send_order, on_end=self._plan_ended)
+        self.coordinator = TransferCoordinator(
+            self.gbm, self.send_order, on_end=self._plan_ended, first_plan_id=random.getrandbits(48)
+        )
         self.outbox: dict[int, asyncio.Queue] = {}
         self.plan_waiters: dict[int, asyncio.Future] = {}
         self.digest_waiters: dict[int, asyncio.Future] = {}

@@ -77,6 +77,7 @@ class PoolConfig:
     ready_timeout: float = 300.0
     heartbeat_interval: float = 0.5
     enable_transfers: bool = False  # workers can copy and move KV blocks between them
+    transfer_lease_s: float = 10.0  # a worker aborts a plan its control plane left silent this long
 
     def __post_init__(self) -> None:
         if self.enable_transfers and self.device != "cpu":
@@ -180,6 +181,7 @@ class LLMEngine:
                 control_end=control_links[r].b, engine_args=cfg.engine,
                 heartbeat_interval=cfg.heartbeat_interval, world_size=cfg.world_size,
                 transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
+                transfer_lease_s=cfg.transfer_lease_s,
             )
             proc = process.spawn("lmpool.pool.worker", spec)
             channel = Channel(link.a, WorkerToEngine)

@@ -33,6 +33,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     heartbeat_interval: float = 0.5
     world_size: int = 1
     transfer_rendezvous: str | None = None  # KV transfers between workers, when set
+    transfer_lease_s: float = 10.0  # a plan silent this long is aborted on the worker
 
 
 class ControlSpec(msgspec.Struct, kw_only=True):

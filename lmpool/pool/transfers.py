@@ -40,7 +40,7 @@ class TransferExecutor:
             raise ValueError("KV transfers are wired for CPU replicas (gloo) only so far")
         self.rank = spec.rank
         self.core = core
-        self.participant = TransferParticipant(core.block_manager)
+        self.participant = TransferParticipant(core.block_manager, lease_s=spec.transfer_lease_s)
         self.transport = GlooTransport(spec.transfer_rendezvous, spec.rank, spec.world_size)
         self.orders: list[TransferOrder] = []
         # (order, handle, receive buffer or None)

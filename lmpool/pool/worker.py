@@ -165,6 +165,10 @@ class Worker:
     async def heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.spec.heartbeat_interval)
+            # Plans whose control plane fell silent (it died, or its aborts were lost) end
+            # here, so no pin or reservation outlives them.
+            if self.transfers is not None and self.transfers.participant.expire():
+                self.wakeup.set()
             if self.control is not None:
                 try:
                     await self.control.send(Heartbeat(self.rank, self.epoch, self.load()))

@@ -77,6 +77,7 @@ class TransferCoordinator:
         phase_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         on_end: Callable[[Plan], None] | None = None,
+        first_plan_id: int = 1,
     ) -> None:
         self.gbm = gbm
         self.on_end = on_end
@@ -86,7 +87,9 @@ class TransferCoordinator:
         self.clock = clock
         self.plans: dict[int, Plan] = {}
         self.ended: dict[int, PlanState] = {}
-        self._ids = itertools.count(1)
+        # A restarted control process must not reuse the ids its predecessor's plans hold on
+        # the workers, hence a caller-chosen (random) start.
+        self._ids = itertools.count(first_plan_id)
         self.completed = 0
         self.aborted = 0
         self.blocks_moved = 0

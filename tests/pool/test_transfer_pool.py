@@ -92,3 +92,46 @@ def test_destination_killed_mid_plan_aborts_and_releases_the_source(tiny_model):
     assert after == source, "an abort keeps the source's blocks"
     assert retry.state == "done" and out.num_cached_tokens == 3 * BLOCK
     assert stats["ranks"][0]["blocks_used"] == 0, "no pin outlived the aborted plan"
+
+
+def test_control_killed_mid_plan_the_retry_completes_and_leases_free_the_old_pins(tiny_model):
+    """The control process dies while a plan waits on a frozen destination: the engine restarts
+    it and retries the transfer under a fresh plan id, which completes once the destination
+    runs again; the dead plan's pins on the source end with the workers' lease."""
+    import os
+    import signal
+
+    async def used(pool, rank):
+        return (await pool.stats())["ranks"][rank]["blocks_used"]
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, enable_transfers=True,
+                               transfer_lease_s=1.0) as pool:
+            engine = pool.engine
+            await pool.generate(prompt(), GREEDY, rank=0)
+            source = await engine.block_digests(0, prompt())
+            frozen = engine.ranks[1].proc.pid
+            os.kill(frozen, signal.SIGSTOP)
+            plan = asyncio.create_task(pool.transfer(prompt(), src=0, dst=1))
+            for _ in range(400):  # under way once the source has pinned the chain
+                if await used(pool, 0) > 0:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the source never pinned the chain")
+            old_control = engine.control_proc.pid
+            os.kill(old_control, signal.SIGKILL)
+            os.kill(frozen, signal.SIGCONT)
+            result = await plan
+            for _ in range(500):  # the old plan's pins end with the lease (1 s here)
+                if await used(pool, 0) == 0:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the dead plan's pins were never released")
+            return result, source, await engine.block_digests(1, prompt()), engine.control_proc.pid, old_control
+
+    result, source, copied, control, old_control = uvloop.run(main())
+    assert control != old_control
+    assert result.state == "done", result.reason
+    assert copied == source
