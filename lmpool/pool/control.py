@@ -36,7 +36,6 @@ from lmpool.pool.messages import (
     ControlStats,
     Heartbeat,
     RankDown,
-    RankState,
     RankUp,
     ResyncRequest,
     RouteQuery,

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from lmpool.ops.reference import pack_kv
-from lmpool.transfer import Rendezvous
-from transfer_testkit import Peer, block_ids, digest, expected_cache, make_cache, process_gone, reap
+from transfer_testkit import Peer, block_ids, digest, expected_cache, make_cache, process_gone
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,20 +18,6 @@ pytestmark = [
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 CUDA = dict(kind="cuda_ipc", device="cuda:0", staging_bytes=64 << 20)
-
-
-@pytest.fixture
-def rendezvous():
-    rz = Rendezvous.create()
-    yield rz.address
-    rz.close()
-
-
-@pytest.fixture
-def peers():
-    started: list[Peer] = []
-    yield started
-    assert reap(started) == [], "a peer process was still running at the end of the test"
 
 
 def exchange_exports(a: Peer, b: Peer) -> None:

@@ -28,23 +28,9 @@ from lmpool.transfer import (
     plan_tag,
 )
 from lmpool.transfer.transport import open_store
-from transfer_testkit import Peer, block_ids, digest, expected_cache, make_cache, process_gone, reap
+from transfer_testkit import Peer, block_ids, digest, expected_cache, make_cache, process_gone
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
-
-
-@pytest.fixture
-def rendezvous():
-    rz = Rendezvous.create()
-    yield rz.address
-    rz.close()
-
-
-@pytest.fixture
-def peers():
-    started: list[Peer] = []
-    yield started
-    assert reap(started) == [], "a peer process was still running at the end of the test"
 
 
 def connect_all(rank: int, world: int, session: int = 1) -> list[dict]:

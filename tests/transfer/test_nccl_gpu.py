@@ -12,9 +12,8 @@ import os
 import pytest
 import torch
 
-from lmpool.transfer import Rendezvous
 from test_gloo_transport import SIZES, check_received, ops_of, script_for
-from transfer_testkit import Peer, reap
+from transfer_testkit import Peer
 
 pytestmark = [
     pytest.mark.nccl,
@@ -23,20 +22,6 @@ pytestmark = [
         reason="needs two CUDA devices and RUN_NCCL_INTEGRATION=1",
     ),
 ]
-
-
-@pytest.fixture
-def rendezvous():
-    rz = Rendezvous.create()
-    yield rz.address
-    rz.close()
-
-
-@pytest.fixture
-def peers():
-    started: list[Peer] = []
-    yield started
-    assert reap(started) == [], "a peer process was still running at the end of the test"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
