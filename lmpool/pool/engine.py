@@ -80,8 +80,6 @@ class PoolConfig:
     transfer_lease_s: float = 10.0  # a worker aborts a plan its control plane left silent this long
 
     def __post_init__(self) -> None:
-        if self.enable_transfers and self.device != "cpu":
-            raise ValueError("KV transfers are wired for CPU replicas only so far")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.routing not in ROUTINGS:
