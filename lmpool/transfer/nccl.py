@@ -1,10 +1,6 @@
 """KV payloads between replicas on different GPUs: NCCL point-to-point over pair
 communicators.
 
-UNTESTED: written without a multi-GPU machine; no test in this repository runs it yet.
-Treat it as a starting point that must pass a two-GPU version of
-tests/transfer/test_cuda_ipc_gpu.py before a pool relies on it.
-
 Owns two two-rank ``ProcessGroupNCCL`` per connected peer, one per direction.
 
 Why one communicator per direction: NCCL runs one communicator's operations in issue
@@ -19,6 +15,13 @@ Invariants:
   the same sizes. The tag is only checked for range, and kept in error messages.
 - connections are made on a thread (communicator set-up blocks until the peer joins)
   under a session the caller picks and never reuses for the pair, as for gloo.
+- both ends set a pair up in one canonical order: the lower rank's outgoing direction
+  first. Creating a communicator is collective, so if each end started with its own
+  outgoing direction, each would wait in a different communicator for the other.
+- set-up ends with a one-element exchange on each direction, in the same canonical
+  order: torch may create the point-to-point NCCL communicator lazily at the first
+  send/recv, which is collective too, and must not first happen inside transfers that
+  the two ends start in different orders.
 - a wait that expires aborts the pair's communicators (both directions): the pair is
   broken until ``connect`` with a new session.
 - a completed receive orders the caller's current stream after it (``Work.wait``), so
@@ -28,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 
@@ -86,7 +90,10 @@ class _NcclPair:
             self.broken = reason
             for group in (self.outgoing, self.incoming):
                 if group is not None:
-                    group.abort()
+                    try:
+                        group.abort()  # fails pending operations instead of leaving them hung
+                    except (AttributeError, RuntimeError):
+                        pass  # an older torch without abort, or a communicator already torn down
 
 
 class NcclTransport:
@@ -100,6 +107,8 @@ class NcclTransport:
             raise ValueError(f"nccl needs a CUDA device with an index (cuda:N), got {device!r}")
         parse_address(rendezvous)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        # Point-to-point needs no NVLink multicast; its buffers would cost memory per communicator.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         self._rendezvous = rendezvous
         self._pairs: dict[int, _NcclPair] = {}
 
@@ -116,7 +125,9 @@ class NcclTransport:
     def _connect(self, pair: _NcclPair) -> None:
         try:
             torch.cuda.set_device(self.device)
-            for src, dst in ((self.rank, pair.peer), (pair.peer, self.rank)):
+            low, high = sorted((self.rank, pair.peer))
+            directions = ((low, high), (high, low))  # the same order on both ends
+            for src, dst in directions:
                 store = dist.PrefixStore(f"lmpool/nccl/{src}>{dst}/{pair.session}",
                                          open_store(self._rendezvous, self.timeout_s))
                 options = dist.ProcessGroupNCCL.Options()
@@ -127,6 +138,14 @@ class NcclTransport:
                     pair.outgoing = group
                 else:
                     pair.incoming = group
+            probe = torch.zeros(1, dtype=torch.int32, device=self.device)
+            for src, _ in directions:
+                if src == self.rank:
+                    work = pair.outgoing.send([probe], 1, 0)
+                else:
+                    work = pair.incoming.recv([probe], 0, 0)
+                work.wait()
+            torch.cuda.synchronize(self.device)
         except (RuntimeError, TransportError) as e:
             pair.abort(f"could not connect to rank {pair.peer} (session {pair.session}): {e}")
         pair.ready.set()
