@@ -1,22 +1,50 @@
 """A worker's transfer executor: carries out the control plane's ``TransferOrder``s.
 
-Block bookkeeping is the ``TransferParticipant``'s (pins, reservations,
-publish, finalize, abort); this module adds the bytes: a source packs its
-blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``
-payload and sends it once, a destination receives it into a buffer and only
-then scatters it into its reserved blocks. Transport operations run on the
-transport's own threads; ``progress()`` polls them between engine steps, so the
-step loop never waits for bytes.
+Block bookkeeping is the ``TransferParticipant``'s (pins, reservations, publish,
+finalize, abort); this module adds the bytes, over the data path the topology gives
+each peer:
 
-Every order is answered with one ``TransferAck`` (ok or not); an order for a
-plan this worker no longer knows (aborted, expired) is answered as failed and
-changes nothing. A receive that completes after its plan was aborted is
-dropped without touching the cache.
+- **pull** (CUDA replicas that can address each other's memory: one GPU, or GPUs with
+  peer access such as NVLink): the destination copies the source's pinned blocks
+  straight out of the source's mapped cache into its reserved blocks, one kernel
+  (``CudaIpcTransport.pull``). The source does nothing at execute time.
+- **packed** (CPU replicas over gloo; CUDA replicas without peer access over NCCL): the
+  source packs its blocks of every layer into one ``[layers, 2, B, block_size, kv_heads,
+  head_dim]`` payload and sends it once; the destination receives it into a buffer and
+  only then scatters it into its reserved blocks.
+
+Setting up a pair: the control plane sends both ends ``TransferOrder(kind="connect",
+peer, session)``. CPU replicas connect gloo. A CUDA replica answers with its
+``CudaIpcExport`` for that peer, which the control plane relays; on receiving the peer's
+export each end picks the path from the two devices (``kind_for_devices``: both ends see
+the same pair, so they pick the same) and maps the export (pull) or connects NCCL under
+the pair's session (packed).
+
+Invariants:
+- a source acknowledges ``prepare`` only once every GPU write issued before it has
+  completed (its stream is idle, or an event recorded then has fired), so a pull never
+  reads a block still being written and needs no event across processes.
+- a source holds its pins from prepare until finalize or abort. A destination
+  acknowledges a pull only after its copy has completed while the source was alive, and
+  the control plane publishes, then finalizes, only after that acknowledgement: a move
+  frees the source's blocks only once the copy is done.
+- a destination copies on its compute stream: an abort frees the reserved blocks at once
+  and any later use of them is stream-ordered after the copy.
+- every order is answered with one ``TransferAck`` (ok or not), except ``connect`` and
+  ``abort``; an order for a plan this worker no longer knows (aborted, expired) is
+  answered as failed and changes nothing. Bytes that arrive after their plan was aborted
+  are dropped without touching the cache.
+
+Transport operations complete on their own threads or on the GPU; ``progress()`` polls
+them between engine steps, so the step loop never waits for bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -24,7 +52,8 @@ from lmpool.engine.block_manager import StaleBlockError
 from lmpool.engine.core import EngineCore
 from lmpool.pool.messages import TransferAck, TransferOrder
 from lmpool.pool.spec import WorkerSpec
-from lmpool.transfer import GlooTransport, TransportError, plan_tag
+from lmpool.transfer import GlooTransport, TransportError, kind_for_devices, plan_tag
+from lmpool.transfer.messages import CudaIpcExport
 from lmpool.transfer.transactions import StalePlanError, TransferParticipant
 
 PHASE = {
@@ -32,76 +61,117 @@ PHASE = {
     "execute_send": "executing", "execute_recv": "executing",
     "publish": "publishing", "finalize": "finalizing",
 }
+# A pull of a few blocks takes tens of microseconds: waiting that long right after
+# starting it saves the step loop's next poll (which comes after a pause while idle).
+SETTLE_S = 100e-6
+FAILURES = (StaleBlockError, StalePlanError, TransportError, RuntimeError, ValueError)
+
+
+class _GpuDone:
+    """A handle that is done once the GPU has passed this point of ``device``'s current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(device))
+
+    def done(self) -> bool:
+        return self._event.query()
+
+    def wait(self, timeout: float) -> None:
+        pass  # only waited on once done: nothing can fail
+
+
+@dataclass
+class _Pending:
+    order: TransferOrder
+    handle: object  # a transport ``Handle``
+    finish: Callable[[], TransferAck]  # the ack, once the handle is done without error
 
 
 class TransferExecutor:
     def __init__(self, spec: WorkerSpec, core: EngineCore) -> None:
-        if core.runner.device.type != "cpu":
-            raise ValueError("KV transfers are wired for CPU replicas (gloo) only so far")
+        runner = core.runner
         self.rank = spec.rank
+        self.world_size = spec.world_size
         self.core = core
+        self.device = runner.device
+        self.rendezvous = spec.transfer_rendezvous
         self.participant = TransferParticipant(core.block_manager, lease_s=spec.transfer_lease_s)
-        self.transport = GlooTransport(spec.transfer_rendezvous, spec.rank, spec.world_size)
-        self.orders: list[TransferOrder] = []
-        # (order, handle, receive buffer or None)
-        self.in_flight: list[tuple[TransferOrder, object, torch.Tensor | None]] = []
+        self.ipc = None
+        self.packed = None  # gloo (CPU), or NCCL once a peer cannot be pulled from
+        if self.device.type == "cpu":
+            self.packed = GlooTransport(spec.transfer_rendezvous, spec.rank, spec.world_size)
+        else:
+            from lmpool.transfer.cuda_ipc import CudaIpcTransport
+
+            self.ipc = CudaIpcTransport(spec.transfer_rendezvous, spec.rank, spec.world_size, device=str(self.device),
+                                        kv_cache=runner.kv_cache, use_kernels=runner.ops.name == "cuda")
+        self.paths: dict[int, str] = {}  # peer -> "pull" | "packed"
+        self.broken: dict[int, str] = {}  # peer -> why its data path could not be set up
+        self.orders: list[TransferOrder | CudaIpcExport] = []
+        self.in_flight: list[_Pending] = []
 
     @property
     def busy(self) -> bool:
         return bool(self.orders or self.in_flight)
 
     def close(self) -> None:
-        self.transport.close()
+        for transport in (self.ipc, self.packed):
+            if transport is not None:
+                transport.close()
 
-    def progress(self) -> list[TransferAck]:
-        """Take new orders, collect finished transport operations; return the acks to send."""
-        acks = []
+    def progress(self) -> list[TransferAck | CudaIpcExport]:
+        """Take new orders, collect finished operations; return the messages for the control plane."""
+        out = []
         orders, self.orders = self.orders, []
+        started = len(self.in_flight)
         for order in orders:
-            ack = self._start(order)
-            if ack is not None:
-                acks.append(ack)
+            msg = self._start(order)
+            if msg is not None:
+                out.append(msg)
+        self._settle(self.in_flight[started:])
         still = []
-        for order, handle, buffer in self.in_flight:
-            if not handle.done():
-                still.append((order, handle, buffer))
-                continue
-            acks.append(self._finish(order, handle, buffer))
+        for pending in self.in_flight:
+            if pending.handle.done():
+                out.append(self._finish(pending))
+            else:
+                still.append(pending)
         self.in_flight = still
-        return acks
+        return out
+
+    def _settle(self, new: list[_Pending]) -> None:
+        """Give operations just started on the GPU a moment to complete (bounded)."""
+        if self.device.type != "cuda" or not new:
+            return
+        deadline = time.perf_counter() + SETTLE_S
+        while not all(p.handle.done() for p in new) and time.perf_counter() < deadline:
+            pass
 
     def _ack(self, order: TransferOrder, ok: bool = True, error: str = "", **fields) -> TransferAck:
         return TransferAck(order.plan_id, self.rank, PHASE.get(order.kind, order.kind), ok, error, **fields)
 
-    def _start(self, order: TransferOrder) -> TransferAck | None:
-        p, bm, runner = self.participant, self.core.block_manager, self.core.runner
+    # ---- orders -----------------------------------------------------------------------
+
+    def _start(self, order: TransferOrder | CudaIpcExport) -> TransferAck | CudaIpcExport | None:
+        if isinstance(order, CudaIpcExport):
+            self._accept(order)
+            return None
+        p, bm = self.participant, self.core.block_manager
         try:
             if order.kind == "connect":
-                self.transport.connect(order.peer, order.session)
-                return None
+                return self._connect(order)
             if order.kind == "prepare_source":
                 plan = p.prepare_source(order.plan_id, order.hashes, order.generations)
-                return self._ack(order, block_ids=plan.block_ids, token_ids=plan.token_ids)
+                ack = self._ack(order, block_ids=plan.block_ids, token_ids=plan.token_ids)
+                return self._when_written(order, ack)
             if order.kind == "prepare_dest":
                 plan = p.prepare_dest(order.plan_id, order.num_blocks)
                 return self._ack(order, block_ids=plan.block_ids,
                                  generations=[bm.blocks[b].generation for b in plan.block_ids])
             if order.kind == "execute_send":
-                plan = p.plans.get(order.plan_id)
-                if plan is None:
-                    raise StalePlanError(f"plan {order.plan_id} is not open here")
-                payload = runner.ops.pack_kv(runner.kv_cache, torch.tensor(plan.block_ids))
-                self.in_flight.append((order, self.transport.send(order.peer, payload, plan_tag(order.plan_id)), None))
-                return None
+                return self._execute_send(order)
             if order.kind == "execute_recv":
-                plan = p.plans.get(order.plan_id)
-                if plan is None:
-                    raise StalePlanError(f"plan {order.plan_id} is not open here")
-                cache = runner.kv_cache
-                shape = (cache.shape[0], 2, len(plan.block_ids), *cache.shape[3:])
-                buffer = torch.empty(shape, dtype=cache.dtype)
-                self.in_flight.append((order, self.transport.recv(order.peer, buffer, plan_tag(order.plan_id)), buffer))
-                return None
+                return self._execute_recv(order)
             if order.kind == "publish":
                 p.publish(order.plan_id, order.hashes, order.parents, order.token_ids)
                 return self._ack(order)
@@ -114,22 +184,112 @@ class TransferExecutor:
             if order.kind == "digest":
                 return self._ack(order, digests=[self.digest(h) for h in order.hashes])
             raise ValueError(f"unknown transfer order {order.kind!r}")
-        except (StaleBlockError, StalePlanError, TransportError, RuntimeError, ValueError) as e:
+        except FAILURES as e:
             return self._ack(order, ok=False, error=f"{type(e).__name__}: {e}")
 
-    def _finish(self, order: TransferOrder, handle, buffer: torch.Tensor | None) -> TransferAck:
+    def _connect(self, order: TransferOrder) -> CudaIpcExport | None:
+        self.broken.pop(order.peer, None)
+        if self.ipc is None:
+            self.packed.connect(order.peer, order.session)
+            self.paths[order.peer] = "packed"
+            return None
+        # The path is chosen once the peer's export says where its memory is; until then an
+        # earlier path to the same peer (a reconnect after a control restart) stays usable.
+        return self.ipc.export(peer=order.peer, pair_session=order.session)
+
+    def _accept(self, export: CudaIpcExport) -> None:
+        """A peer's export, relayed by the control plane: set up the data path to it."""
+        peer = export.rank
+        if self.ipc is None or not 0 <= peer < self.world_size or peer == self.rank:
+            return  # not for a CUDA replica, or not from a peer: nothing to set up
+        from lmpool.transfer.cuda_ipc import can_reach
+
         try:
-            handle.wait(0)
-        except TransportError as e:
-            return self._ack(order, ok=False, error=f"{type(e).__name__}: {e}")
+            kind = kind_for_devices(str(self.device), f"cuda:{export.device}",
+                                    peer_access=can_reach(self.device.index, export.device))
+            if kind == "cuda_ipc":
+                self.ipc.connect(export)
+                self.paths[peer] = "pull"
+            else:
+                self._nccl().connect(peer, export.pair_session)
+                self.paths[peer] = "packed"
+            self.broken.pop(peer, None)
+        except (TransportError, RuntimeError, ValueError) as e:
+            self.paths.pop(peer, None)
+            self.broken[peer] = f"{type(e).__name__}: {e}"
+
+    def _nccl(self):
+        if self.packed is None:
+            from lmpool.transfer.nccl import NcclTransport
+
+            self.packed = NcclTransport(self.rendezvous, self.rank, self.world_size, device=str(self.device))
+        return self.packed
+
+    def _path(self, peer: int) -> str:
+        path = self.paths.get(peer)
+        if path is None:
+            reason = self.broken.get(peer, "its connection is not set up yet")
+            raise TransportError(f"rank {self.rank} has no data path to rank {peer}: {reason}")
+        return path
+
+    def _when_written(self, order: TransferOrder, ack: TransferAck) -> TransferAck | None:
+        """``ack`` now if every GPU write issued so far has completed, else once it has."""
+        if self.device.type != "cuda" or torch.cuda.current_stream(self.device).query():
+            return ack
+        self.in_flight.append(_Pending(order, _GpuDone(self.device), lambda: ack))
+        return None
+
+    def _open_plan(self, order: TransferOrder):
+        plan = self.participant.plans.get(order.plan_id)
+        if plan is None:
+            raise StalePlanError(f"plan {order.plan_id} is not open here")
+        return plan
+
+    def _execute_send(self, order: TransferOrder) -> TransferAck | None:
+        plan = self._open_plan(order)
+        if self._path(order.peer) == "pull":
+            # The destination copies the blocks; they stay pinned here until finalize.
+            self.participant.executed(order.plan_id)
+            return self._ack(order)
+        runner = self.core.runner
+        payload = runner.ops.pack_kv(runner.kv_cache, torch.tensor(plan.block_ids, device=self.device))
+        handle = self.packed.send(order.peer, payload, plan_tag(order.plan_id))
+        self.in_flight.append(_Pending(order, handle, lambda: self._executed(order)))
+        return None
+
+    def _execute_recv(self, order: TransferOrder) -> TransferAck | None:
+        plan = self._open_plan(order)
+        if self._path(order.peer) == "pull":
+            # The control plane names the source's blocks in the order (TransferOrder.peer_block_ids).
+            src_ids = getattr(order, "peer_block_ids", None)
+            if not src_ids:
+                raise ValueError(f"execute_recv of plan {order.plan_id} names no source blocks to pull")
+            handle = self.ipc.pull(order.peer, list(src_ids), plan.block_ids)
+            self.in_flight.append(_Pending(order, handle, lambda: self._executed(order)))
+            return None
+        cache = self.core.runner.kv_cache
+        shape = (cache.shape[0], 2, len(plan.block_ids), *cache.shape[3:])
+        buffer = torch.empty(shape, dtype=cache.dtype, device=self.device)
+        handle = self.packed.recv(order.peer, buffer, plan_tag(order.plan_id))
+        self.in_flight.append(_Pending(order, handle, lambda: self._executed(order, buffer)))
+        return None
+
+    def _executed(self, order: TransferOrder, buffer: torch.Tensor | None = None) -> TransferAck:
         plan = self.participant.plans.get(order.plan_id)
         if plan is None:  # aborted while the bytes moved: leave the cache alone
             return self._ack(order, ok=False, error=f"plan {order.plan_id} ended before its bytes arrived")
         if buffer is not None:
             runner = self.core.runner
-            runner.ops.unpack_kv(runner.kv_cache, torch.tensor(plan.block_ids), buffer)
+            runner.ops.unpack_kv(runner.kv_cache, torch.tensor(plan.block_ids, device=self.device), buffer)
         self.participant.executed(order.plan_id)
         return self._ack(order)
+
+    def _finish(self, pending: _Pending) -> TransferAck:
+        try:
+            pending.handle.wait(0)
+            return pending.finish()
+        except FAILURES as e:
+            return self._ack(pending.order, ok=False, error=f"{type(e).__name__}: {e}")
 
     def digest(self, block_hash: int) -> str:
         """SHA-256 of a cached block's KV bytes in every layer ("" if not cached here)."""
@@ -137,5 +297,5 @@ class TransferExecutor:
         if block_id is None:
             return ""
         runner = self.core.runner
-        data = runner.ops.pack_kv(runner.kv_cache, torch.tensor([block_id])).contiguous()
-        return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+        data = runner.ops.pack_kv(runner.kv_cache, torch.tensor([block_id], device=self.device))
+        return hashlib.sha256(data.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()

@@ -98,14 +98,20 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def kind_for_devices(device_a: str, device_b: str) -> str:
-    """Which transport connects replicas on these two devices."""
+def kind_for_devices(device_a: str, device_b: str, peer_access: bool = False) -> str:
+    """Which transport connects replicas on these two devices; ``peer_access``: each GPU
+    can read the other's memory (NVLink or PCIe P2P, ``torch.cuda.can_device_access_peer``).
+
+    GPUs that can address each other use CUDA IPC: the destination pulls the blocks out of
+    the source's cache in one kernel, with no payload, no communicator and no ordering
+    rule between transfers. NCCL is left for GPUs that cannot (its packed payload crosses
+    through whatever path NCCL finds). On one GPU there is no choice: NCCL refuses two
+    ranks of one communicator on one device."""
     a, b = torch.device(device_a), torch.device(device_b)
     if a.type == b.type == "cpu":
         return "gloo"
     if a.type == b.type == "cuda":
-        # NCCL refuses two ranks of one communicator on one device.
-        return "cuda_ipc" if a.index == b.index else "nccl"
+        return "cuda_ipc" if a.index == b.index or peer_access else "nccl"
     raise ValueError(f"no transport connects a replica on {a} with one on {b}")
 
 
@@ -150,9 +156,13 @@ def open_store(address: str, timeout_s: float) -> dist.Store:
 
 
 def make_transport(kind: str, rank: int, world_size: int, *, rendezvous: str, device: str = "cpu",
-                   timeout_s: float = 30.0, staging_bytes: int | None = None) -> KVTransport:
+                   timeout_s: float = 30.0, staging_bytes: int = 0, kv_cache: torch.Tensor | None = None,
+                   use_kernels: bool = True) -> KVTransport:
     """The transport of ``kind`` for this rank. Connections are made afterwards, per peer:
-    ``connect(peer, session)`` for gloo and nccl, ``export``/``connect`` for cuda_ipc."""
+    ``connect(peer, session)`` for gloo and nccl, ``export``/``connect`` for cuda_ipc.
+
+    cuda_ipc only: ``staging_bytes`` bounds the packed payloads this rank sends at once
+    (0: it sends none), ``kv_cache`` is shared so that peers can pull from it."""
     if kind == "gloo":
         from lmpool.transfer.gloo import GlooTransport
 
@@ -160,10 +170,8 @@ def make_transport(kind: str, rank: int, world_size: int, *, rendezvous: str, de
     if kind == "cuda_ipc":
         from lmpool.transfer.cuda_ipc import CudaIpcTransport
 
-        if staging_bytes is None:
-            raise ValueError("cuda_ipc needs staging_bytes: the largest payload this rank will send")
-        return CudaIpcTransport(rendezvous, rank, world_size, device=device,
-                                staging_bytes=staging_bytes, timeout_s=timeout_s)
+        return CudaIpcTransport(rendezvous, rank, world_size, device=device, staging_bytes=staging_bytes,
+                                timeout_s=timeout_s, kv_cache=kv_cache, use_kernels=use_kernels)
     if kind == "nccl":
         from lmpool.transfer.nccl import NcclTransport
 

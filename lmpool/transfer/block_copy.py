@@ -1,0 +1,106 @@
+"""Block-to-block copy between two KV caches: the data path of a transfer whose destination
+can address the source's cache (``CudaIpcTransport.pull``).
+
+``copy_blocks(src_cache, src_ids, dst_cache, dst_ids)`` sets
+``dst_cache[:, :, dst_ids] = src_cache[:, :, src_ids]`` for every layer and both K and V.
+On CUDA it is one kernel (``kernels/kv_transfer.cu``) that reads each byte once from the
+source and writes it once into the destination: no packed payload exists. The source cache
+may be another process's (mapped through CUDA IPC) or live on a peer GPU.
+
+Invariants:
+- both caches have the layout of ``lmpool.ops.reference`` and agree on everything but
+  the number of blocks; ids are validated on the host (a clear ``ValueError``) before any
+  launch, and again on the device by the kernel.
+- the copy is enqueued on the destination device's current stream and never waits for
+  it, so whatever the caller does next on that stream (reusing the destination blocks
+  included) is ordered after it.
+- the extension is built apart from the engine's kernels (``lmpool.ops.cuda``), on first
+  use, into a cache directory keyed by everything that changes the binary.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+_SOURCES = ("kv_transfer_bindings.cpp", "kv_transfer.cu")
+_HEADERS = ("kv_transfer.h",)
+_CUDA_FLAGS = ("-O3", "-lineinfo")
+_CXX_FLAGS = ("-O3",)
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """Build (once per cache key on disk) and import the transfer kernel's extension."""
+    from torch.utils import cpp_extension
+
+    from lmpool.ops.cuda import CACHE_ENV, _require_toolchain, arch_flags, kernel_source_dir
+
+    nvcc = _require_toolchain()
+    source_dir = kernel_source_dir()
+    missing = [n for n in _SOURCES + _HEADERS if not (source_dir / n).is_file()]
+    if missing:
+        raise RuntimeError(f"LMPool's KV-transfer kernel sources are missing from {source_dir}: {', '.join(missing)}")
+    cuda_flags = [*_CUDA_FLAGS, *arch_flags(torch.cuda.get_device_capability())]
+    digest = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        digest.update(name.encode() + (source_dir / name).read_bytes())
+    nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+    for part in (torch.__version__, str(torch.version.cuda), nvcc_version, *cuda_flags, *_CXX_FLAGS):
+        digest.update(part.encode())
+    key = digest.hexdigest()[:16]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lmpool" / "kernels")
+    build_dir = root / f"kv_transfer_{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=f"lmpool_kv_transfer_{key}",
+        sources=[str(source_dir / name) for name in _SOURCES],
+        extra_cflags=list(_CXX_FLAGS),
+        extra_cuda_cflags=cuda_flags,
+        extra_include_paths=[str(source_dir)],
+        build_directory=str(build_dir),
+        verbose=os.environ.get("LMPOOL_KERNEL_VERBOSE") == "1",
+    )
+
+
+def check_blocks(src_cache: torch.Tensor, src_ids: list[int], dst_cache: torch.Tensor, dst_ids: list[int]) -> None:
+    """Raise ValueError, saying what is wrong, unless the copy is well defined."""
+    for name, cache in (("src_cache", src_cache), ("dst_cache", dst_cache)):
+        if cache.dim() != 6 or cache.shape[1] != 2:
+            raise ValueError(f"{name} must be [layers, 2, num_blocks, block_size, kv_heads, head_dim], "
+                             f"got {tuple(cache.shape)}")
+    if src_cache.dtype != dst_cache.dtype or [src_cache.shape[i] for i in (0, 3, 4, 5)] != [
+            dst_cache.shape[i] for i in (0, 3, 4, 5)]:
+        raise ValueError(f"the caches hold different KV shapes: {src_cache.dtype} {tuple(src_cache.shape)} "
+                         f"vs {dst_cache.dtype} {tuple(dst_cache.shape)}")
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source block ids but {len(dst_ids)} destination block ids")
+    for name, ids, limit in (("source", src_ids, src_cache.shape[2]), ("destination", dst_ids, dst_cache.shape[2])):
+        bad = [b for b in ids if not 0 <= b < limit]
+        if bad:
+            raise ValueError(f"{name} block ids {bad[:8]} are outside [0, {limit})")
+    if len(set(dst_ids)) != len(dst_ids):
+        raise ValueError("destination block ids repeat: two source blocks would race for one destination block")
+
+
+def copy_blocks(src_cache: torch.Tensor, src_ids: list[int], dst_cache: torch.Tensor, dst_ids: list[int],
+                use_kernel: bool = True) -> None:
+    """``dst_cache[:, :, dst_ids] = src_cache[:, :, src_ids]``, enqueued on the destination
+    device's current stream (see the module docstring)."""
+    check_blocks(src_cache, src_ids, dst_cache, dst_ids)
+    if not dst_ids:
+        return
+    device = dst_cache.device
+    if device.type == "cuda" and use_kernel:
+        ids = torch.tensor([src_ids, dst_ids], dtype=torch.int32, device=device)
+        load_extension().copy_blocks(src_cache, ids[0], dst_cache, ids[1])
+        return
+    # The reference: an index gather (materialised) then a scatter; correct on any device.
+    gathered = src_cache[:, :, torch.tensor(src_ids, device=src_cache.device)]
+    dst_cache[:, :, torch.tensor(dst_ids, device=device)] = gathered.to(device)
