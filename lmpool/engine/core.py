@@ -21,7 +21,7 @@ from lmpool.model.config import ModelConfig
 from lmpool.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     request_id: str
     new_token_id: int
@@ -94,11 +94,13 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        tokens = self.runner.run(batch)
+        pending = self.runner.launch(batch)
+        # Block accounting needs only the batch, not the new tokens: it runs while
+        # the device computes them.
         self.scheduler.complete_step(batch)
+        tokens = pending.result()
         outputs = []
-        for seq, token in zip(sampling, tokens):
+        for seq, token in zip(pending.seqs, tokens):
             seq.append_token(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:

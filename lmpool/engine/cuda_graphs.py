@@ -2,10 +2,19 @@
 
 A decode step launches hundreds of small kernels; replaying a captured graph
 removes the launch gaps. Inputs live in static buffers that each replay
-overwrites. Rows past the real batch are padding: slot -1 (nothing written)
-and context length 1, so their attention reads one valid slot and their output
-is discarded. Only graph-safe ops can be captured (the CUDA kernels: no host
-synchronisation), so the torch reference path always runs eagerly.
+overwrites: ids, positions, slots and context lengths form one ``[4, max_batch]``
+int32 block, so a step's padded ``[4, G]`` inputs (``StepInputs.graph_header``,
+already on the device) land in it with one copy, and its block table with one
+more. Rows past the real batch are padding, prepared on the host: slot -1
+(nothing written) and context length 1, so their attention reads one valid slot
+(static table entries are always block ids some earlier step wrote, or 0) and
+their output is discarded. Only graph-safe ops can be captured (the CUDA
+kernels: no host synchronisation), so the torch reference path always runs
+eagerly.
+
+Batch sizes: 1, 2, 4, 8, then every multiple of 16 up to the largest, so a
+replay pads at most 15 rows; decode cost is dominated by reading the weights
+and the live KV, which padding rows barely add to.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from lmpool.model.qwen3 import AttentionMetadata
 
 if TYPE_CHECKING:
     from lmpool.engine.model_runner import ModelRunner
+    from lmpool.engine.step_inputs import StepInputs
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -35,18 +45,19 @@ class DecodeGraphs:
         dev = runner.device
         self.sizes = batch_sizes(max_batch)
         self.max_batch = max_batch
-        self.ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
-        self.tables = torch.zeros(max_batch, runner.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.max_width = runner.max_blocks_per_seq
+        # Rows: token ids, positions, slots, context lengths (see StepInputs).
+        self.header = torch.zeros(4, max_batch, dtype=torch.int32, device=dev)
+        self.header[2].fill_(-1)
+        self.header[3].fill_(1)
+        self.tables = torch.zeros(max_batch, self.max_width, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
         for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             meta = self._meta(b)
-            args = (self.ids[:b], self.pos[:b], meta, runner.kv_cache, runner.ops)
+            args = (self.header[0, :b], self.header[1, :b], meta, runner.kv_cache, runner.ops)
             runner.model(*args)  # warm-up outside capture (lazy initialisation, autotuning)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -57,25 +68,24 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slots[:b],
+            slot_mapping=self.header[2, :b],
             block_tables=self.tables[:b],
-            context_lens=self.context_lens[:b],
+            context_lens=self.header[3, :b],
             query_start_loc=self.query_start[: b + 1],
             is_decode=True,
         )
 
-    def fits(self, n: int, meta: AttentionMetadata) -> bool:
-        return n <= self.max_batch and meta.block_tables.shape[1] <= self.tables.shape[1]
+    def padded_size(self, num_seqs: int) -> int | None:
+        """The captured batch a decode step of ``num_seqs`` sequences replays, or None if none fits."""
+        if num_seqs > self.max_batch:
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
-    def replay(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        n = ids.shape[0]
-        b = self.sizes[bisect.bisect_left(self.sizes, n)]
-        self.ids[:n] = ids
-        self.pos[:n] = pos
-        self.slots[:n] = meta.slot_mapping
-        self.slots[n:b] = -1
-        self.tables[:n, : meta.block_tables.shape[1]] = meta.block_tables
-        self.context_lens[:n] = meta.context_lens
-        self.context_lens[n:b] = 1
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of the ``inputs.num_seqs`` real rows; valid until the next replay."""
+        b, n = inputs.graph_size, inputs.num_seqs
+        tables = inputs.meta.block_tables
+        self.header[:, :b].copy_(inputs.graph_header)
+        self.tables[:n, : tables.shape[1]].copy_(tables)
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -4,6 +4,12 @@ The KV cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads,
 head_dim]``, so any set of blocks of every layer gathers into a single
 ``[layers, 2, B, block_size, kv_heads, head_dim]`` payload for transfers. Block
 ids come from the BlockManager; the runner never decides which block holds what.
+
+A step is ``launch`` (build the inputs on the host, one copy to the device, the
+forward and the sampling queued) then ``PendingTokens.result`` (the step's only
+wait for the device). Between the two the caller may do host work that does
+not need the new tokens. The inputs of a step are valid until the next
+``prepare`` or ``launch``.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from lmpool.config import DTYPES, EngineConfig
 from lmpool.engine.cuda_graphs import DecodeGraphs
 from lmpool.engine.sampler import Sampler
 from lmpool.engine.scheduler import ScheduledBatch
+from lmpool.engine.sequence import Sequence
+from lmpool.engine.step_inputs import StepInputBuilder, StepInputs, arena_capacity
 from lmpool.model.checkpoint import iter_safetensors
 from lmpool.model.config import ModelConfig
 from lmpool.model.qwen3 import AttentionMetadata, Qwen3ForCausalLM
@@ -58,6 +66,15 @@ class ModelRunner:
             c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device,
         )
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
+        if self.num_blocks * self.block_size >= 2**31:
+            raise ValueError(
+                f"{self.num_blocks} KV blocks of {self.block_size} slots exceed int32 slot indices; "
+                "lower num_kv_blocks or gpu_memory_utilization"
+            )
+        self.inputs = StepInputBuilder(
+            self.device, self.block_size,
+            arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq),
+        )
         self.graphs = None
         # The torch reference synchronises with the host, so only the kernels can be captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.ops.name == "cuda":
@@ -91,56 +108,77 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        query_start = [0]
-        sample_rows: list[int] = []
-        bs = self.block_size
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            context_lens.append(start + n)
-            query_start.append(query_start[-1] + n)
-            if batch.samples(i):
-                sample_rows.append(query_start[-1] - 1)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            is_decode=len(input_ids) == len(batch.seqs),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, sample_rows
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, StepInputs]:
+        """The step's device inputs (valid until the next ``prepare``): ids, positions, metadata, all of it."""
+        inputs = self.inputs.build(batch, self.graphs)
+        return inputs.ids, inputs.positions, inputs.meta, inputs
 
     @torch.inference_mode()
-    def forward_hidden(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.is_decode and self.graphs is not None and self.graphs.fits(len(ids), meta):
-            return self.graphs.replay(ids, pos, meta)
+    def forward_hidden(
+        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, inputs: StepInputs | None = None
+    ) -> torch.Tensor:
+        """Final hidden states of every token row; a decode step ``prepare`` padded for a graph replays it."""
+        if inputs is not None and inputs.graph_size is not None and self.graphs is not None:
+            return self.graphs.replay(inputs)
         return self.model(ids, pos, meta, self.kv_cache, self.ops)
 
     @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> PendingTokens:
+        """Queue one step on the device; the tokens are read back by ``PendingTokens.result``.
+
+        On CUDA nothing here waits for the device, so the caller can do host work
+        that does not need the new tokens while the step runs.
+        """
+        ids, pos, meta, inputs = self.prepare(batch)
+        hidden = self.forward_hidden(ids, pos, meta, inputs)
+        if inputs.sample_index is None:
+            seqs = batch.seqs
+        else:
+            seqs = [batch.seqs[i] for i in inputs.sample_index]
+            if not seqs:
+                return PendingTokens([], None)
+        if inputs.sample_rows is not None:
+            hidden = hidden[inputs.sample_rows]
+        return PendingTokens(seqs, self.sample(hidden, seqs))
+
+    def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Next token of each row of ``hidden`` (one per sequence of ``seqs``), left on the device."""
+        params = [s.params for s in seqs]
+        if all(p.temperature == 0 for p in params):
+            # Greedy rows only: argmax of the model-dtype logits equals the sampler's
+            # argmax of their (exact) fp32 cast, without materialising that copy.
+            return self.model.compute_logits(hidden, fp32=False).argmax(dim=-1)
+        logits = self.model.compute_logits(hidden)
+        return self.sampler.sample(logits, params, [s.request_id for s in seqs])
+
     def run(self, batch: ScheduledBatch) -> list[int]:
         """Compute one step; returns the new token of every sequence that samples, in batch order."""
-        ids, pos, meta, sample_rows = self.prepare(batch)
-        hidden = self.forward_hidden(ids, pos, meta)
-        if not sample_rows:
-            return []
-        rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        sampling = [i for i in range(len(batch)) if batch.samples(i)]
-        return self.sampler(
-            logits,
-            [batch.seqs[i].params for i in sampling],
-            [batch.seqs[i].request_id for i in sampling],
-        )
+        return self.launch(batch).result()
+
+
+class PendingTokens:
+    """The tokens of a launched step: ``seqs`` in batch order, read back to the host once.
+
+    On CUDA the device-to-host copy is queued at once into pinned memory and an
+    event marks its end, so ``result`` waits for exactly that step (the only
+    host synchronisation of a step) and never copies twice.
+    """
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None) -> None:
+        self.seqs = seqs
+        self._tokens = tokens
+        self._done = None
+        if tokens is not None and tokens.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+            self._tokens = host
+        self._result: list[int] | None = None
+
+    def result(self) -> list[int]:
+        if self._result is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._result = [] if self._tokens is None else self._tokens.tolist()
+        return self._result

@@ -28,7 +28,7 @@ from lmpool.ops import KVOps
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what they attend to (see ``lmpool.ops.reference``)."""
 
-    slot_mapping: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int32 or int64
     block_tables: torch.Tensor  # [B, max_blocks] int32
     context_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
@@ -159,9 +159,15 @@ class Qwen3ForCausalLM(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Logits of ``hidden[R, hidden]``, cast to fp32 unless ``fp32`` is False.
+
+        The cast is exact, so the model-dtype logits have the same argmax (greedy
+        decoding skips writing and reading a ``[R, vocab]`` fp32 copy).
+        """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        return logits.float() if fp32 else logits
 
     # ---- weights ---------------------------------------------------------------
 

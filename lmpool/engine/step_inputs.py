@@ -1,0 +1,192 @@
+"""One step's model inputs, built with numpy in a reused host buffer and moved in one copy.
+
+Every index the model needs is int32 and lives in one flat arena, laid out as
+
+    ids[P] | positions[P] | slots[P] | context_lens[C] | query_start_loc[B + 1]
+           | sample_rows[R] | block_tables[B * W]
+
+for B sequences and T token rows, W the longest block table of the batch, and R
+the sampled rows (R = 0 when the sampled rows are exactly every row: a decode
+step where every sequence samples). Without a decode graph P = T and C = B. A decode step that replays a CUDA
+graph of batch G >= B is padded on the host to P = C = G, so that ids .. context
+lengths form one ``[4, G]`` block the graph copies in one go; padding rows have
+token 0, position 0, slot -1 (nothing written) and context length 1 (one valid
+slot read), and are never sampled.
+
+Invariants:
+- On CUDA the host arena is pinned and reaches the device with a single
+  ``non_blocking`` copy per step. Before rewriting it the builder waits on the
+  event recorded after the previous copy, so a copy never reads a half-written
+  buffer; the wait is normally free (the previous step's token readback already
+  waited for more).
+- The device tensors of a step stay valid until the next ``build``: its copy
+  overwrites them, after the previous step's kernels have read them (stream order).
+- On CPU the host arena is the device arena: no copy at all.
+- A sequence samples when the tokens it has computed plus this step's reach its
+  length (``ScheduledBatch.samples``); its sample row is its last token row. Rows
+  and batch indices of the sampling sequences keep batch order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter, getitem
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from lmpool.engine.scheduler import ScheduledBatch
+from lmpool.model.qwen3 import AttentionMetadata
+
+_token_ids = attrgetter("token_ids")
+_computed = attrgetter("num_computed_tokens")
+_block_table = attrgetter("block_table")
+
+
+class GraphSizes(Protocol):
+    """What the builder needs to know of the decode graphs (``DecodeGraphs``)."""
+
+    max_width: int  # block-table columns the graphs' static table holds
+
+    def padded_size(self, num_seqs: int) -> int | None: ...
+
+
+@dataclass
+class StepInputs:
+    ids: torch.Tensor  # [T] int32 token ids
+    positions: torch.Tensor  # [T] int32
+    meta: AttentionMetadata
+    num_seqs: int
+    sample_rows: torch.Tensor | None  # [R] hidden rows to sample, in batch order; None: every row
+    sample_index: list[int] | None  # batch indices of the sampling sequences; None: all of them
+    graph_size: int | None = None  # padded batch G when a decode graph replays this step
+    graph_header: torch.Tensor | None = None  # [4, G]: ids, positions, slots, context lengths
+
+
+def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
+    """Int32 entries of the largest step: P = C = max(tokens, seqs) and R <= B."""
+    rows = max(max_tokens, max_seqs)
+    return 4 * rows + 2 * max_seqs + 1 + max_seqs * max_width
+
+
+class StepInputBuilder:
+    def __init__(self, device: torch.device, block_size: int, capacity: int) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.device = device
+        self.block_size = block_size
+        self.block_shift = block_size.bit_length() - 1
+        self.on_cuda = device.type == "cuda"
+        self._copied = torch.cuda.Event() if self.on_cuda else None
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        # Normal tensors even when called under inference mode, so that callers
+        # outside it (tests calling ``prepare``) may still write them.
+        with torch.inference_mode(False):
+            self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda)
+            self.dev = torch.zeros(capacity, dtype=torch.int32, device=self.device) if self.on_cuda else self.host
+        self.host_np = self.host.numpy()
+
+    @property
+    def capacity(self) -> int:
+        return self.host.numel()
+
+    def build(self, batch: ScheduledBatch, graphs: GraphSizes | None = None) -> StepInputs:
+        seqs, counts = batch.seqs, batch.num_tokens
+        num_seqs = len(seqs)
+        if num_seqs == 0:
+            raise ValueError("cannot build model inputs for an empty batch")
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy has read the host arena
+        tokens = list(map(_token_ids, seqs))
+        starts_list = list(map(_computed, seqs))
+        tables = list(map(_block_table, seqs))
+        starts = np.array(starts_list, dtype=np.int64)
+        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+        seq_lens = np.fromiter(map(len, tokens), dtype=np.int64, count=num_seqs)
+        width = int(table_lens.max())
+        num_rows = sum(counts)
+        decode = num_rows == num_seqs  # every sequence has exactly one new token
+        if decode:
+            ends = starts + 1
+            query_start = np.arange(num_seqs + 1, dtype=np.int64)
+        else:
+            count_arr = np.array(counts, dtype=np.int64)
+            ends = starts + count_arr
+            query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(count_arr, out=query_start[1:])
+        samples = ends == seq_lens
+        all_sample = bool(samples.all())
+        # Sample rows are needed unless they are exactly every row (a decode step where all sample).
+        rows_needed = not (decode and all_sample)
+        num_sampled = int(np.count_nonzero(samples)) if rows_needed else 0
+
+        graph_size = graphs.padded_size(num_seqs) if decode and graphs is not None and width <= graphs.max_width else None
+        padded = graph_size or num_rows
+        ctx_rows = graph_size or num_seqs
+        o_pos, o_slot, o_ctx = padded, 2 * padded, 3 * padded
+        o_qsl = o_ctx + ctx_rows
+        o_rows = o_qsl + num_seqs + 1
+        o_tab = o_rows + num_sampled
+        end = o_tab + num_seqs * width
+        if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)
+            self._allocate(max(end, 2 * self.capacity))
+        a = self.host_np
+
+        table = a[o_tab:end].reshape(num_seqs, width)
+        flat_tables = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
+        if (table_lens == width).all():
+            table.reshape(-1)[:] = flat_tables
+        else:  # pad short rows with 0; entries past a sequence's blocks are never read
+            table[:] = 0
+            table[np.arange(width) < table_lens[:, None]] = flat_tables
+
+        if decode:
+            a[:num_seqs] = list(map(getitem, tokens, starts_list))
+            positions = starts
+            owner = np.arange(num_seqs)
+        else:
+            ids: list[int] = []
+            for toks, start, n in zip(tokens, starts_list, counts):
+                ids += toks[start : start + n]
+            a[:num_rows] = ids
+            owner = np.repeat(np.arange(num_seqs), count_arr)
+            positions = np.arange(num_rows, dtype=np.int64) + (starts - query_start[:-1])[owner]
+        a[o_pos : o_pos + num_rows] = positions
+        blocks = table[owner, positions >> self.block_shift].astype(np.int64)
+        a[o_slot : o_slot + num_rows] = (blocks << self.block_shift) + (positions & (self.block_size - 1))
+        a[o_ctx : o_ctx + num_seqs] = ends
+        if graph_size is not None and graph_size > num_seqs:
+            a[num_seqs:padded] = 0
+            a[o_pos + num_seqs : o_slot] = 0
+            a[o_slot + num_seqs : o_ctx] = -1
+            a[o_ctx + num_seqs : o_qsl] = 1
+        a[o_qsl:o_rows] = query_start
+        if rows_needed:
+            a[o_rows:o_tab] = query_start[1:][samples] - 1
+        sample_index = None if all_sample else np.flatnonzero(samples).tolist()
+
+        dev = self.dev
+        if self.on_cuda:
+            dev[:end].copy_(self.host[:end], non_blocking=True)
+            self._copied.record()
+        meta = AttentionMetadata(
+            slot_mapping=dev[o_slot : o_slot + num_rows],
+            block_tables=dev[o_tab:end].view(num_seqs, width),
+            context_lens=dev[o_ctx : o_ctx + num_seqs],
+            query_start_loc=dev[o_qsl:o_rows],
+            is_decode=decode,
+        )
+        return StepInputs(
+            ids=dev[:num_rows],
+            positions=dev[o_pos : o_pos + num_rows],
+            meta=meta,
+            num_seqs=num_seqs,
+            sample_rows=dev[o_rows:o_tab] if rows_needed else None,
+            sample_index=sample_index,
+            graph_size=graph_size,
+            graph_header=None if graph_size is None else dev[: 4 * graph_size].view(4, graph_size),
+        )
