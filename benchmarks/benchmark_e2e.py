@@ -1,0 +1,95 @@
+"""End to end: load skew and memory skew under every policy of the runtime side by side:
+the peers (round robin, least loaded, SGLang cache-aware, Dynamo KV), LMPool routing only,
+and LMPool with each transfer mode (background copy, foreground move, both).
+
+- load skew: 3 warm-ups build one long prefix per hot group, then 189 requests revisit
+  those 3 groups, so all the load lands on a few prefixes;
+- memory skew: 6 session prefixes are built on the source ranks (the first half), 30
+  pressure requests pinned there share only a session's first block and fill memory with
+  cold tokens, then 36 routed requests reuse the whole session prefixes.
+
+A transfer mode this build does not accept is recorded as ``unavailable`` and the suite
+goes on. See ``eval_suite`` for the run order and ``benchmarks/README.md`` for the metrics.
+
+    python benchmarks/benchmark_e2e.py --quick                              # CPU, five-way
+    python benchmarks/benchmark_e2e.py --device cuda --preset 0.6b --world-size 4 \\
+        --dtype bfloat16 --block-size 256 --reps 5 --mps                     # 4 replicas on one GPU
+
+Writes one JSON (default ``benchmarks/results/eval_<device>_<preset>_e2e.json``);
+``benchmarks/plot_results.py`` draws its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eval_metrics import paired_change  # noqa: E402
+from eval_suite import (  # noqa: E402
+    LMPOOL, PEERS, TRANSFER_MODES, add_arguments, finish_arguments, resolve_model, run_suite, select_policies,
+)
+from workloads import load_skew, memory_skew  # noqa: E402
+
+POLICIES = (*PEERS, LMPOOL, *TRANSFER_MODES)
+QUICK_POLICIES = "round_robin,least_loaded,lmpool,lmpool+background,lmpool+foreground"
+WORKLOADS = ("load_skew", "memory_skew")
+POOL_BLOCKS = 384  # whole-pool KV budget: 96 blocks per worker at 4 replicas
+COMPARED = ("throughput_tok_s", "ttft_mean_ms", "e2e_mean_ms", "tpot_mean_ms", "dp_tok_reuse",
+            "reuse/ttft_mean_ms", "revisit/ttft_mean_ms")
+
+
+def comparisons(summary: dict) -> dict:
+    """Per workload: every policy against LMPool routing only and against round robin
+    (paired by repetition), and whether a transfer mode beats routing only on mean TTFT and
+    on throughput or mean E2E with separated intervals (the acceptance figure)."""
+    out: dict = {}
+    verdicts = {}
+    for workload, by_policy in sorted(summary.items()):
+        rows = {}
+        for baseline in ("lmpool", "round_robin"):
+            if baseline in by_policy:
+                rows[f"vs_{baseline}"] = {
+                    p: {m: paired_change(by_policy, p, baseline, m) for m in COMPARED}
+                    for p in sorted(by_policy) if p != baseline}
+        out[workload] = rows
+        wins = []
+        for mode, row in rows.get("vs_lmpool", {}).items():
+            if not mode.startswith("lmpool+"):
+                continue
+            sep = {m: (row.get(m) or {}).get("separation") for m in ("ttft_mean_ms", "throughput_tok_s", "e2e_mean_ms")}
+            if sep["ttft_mean_ms"] == "better" and "better" in (sep["throughput_tok_s"], sep["e2e_mean_ms"]):
+                wins.append(mode)
+        verdicts[workload] = wins
+    out["acceptance"] = {"transfer_beats_routing_only": verdicts,
+                         "met": any(verdicts.values()) if verdicts else False}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="default load_skew,memory_skew")
+    args = finish_arguments(ap.parse_args(argv), POOL_BLOCKS, "e2e")
+    if args.quick and not args.policies:
+        args.policies = QUICK_POLICIES
+    policies = select_policies(POLICIES, None if args.policies == "all" else args.policies)
+    from lmpool.model.config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(resolve_model(args)).vocab_size
+    makers = {
+        "load_skew": lambda seed: load_skew(seed, vocab, args.scale, args.max_tokens),
+        "memory_skew": lambda seed: memory_skew(seed, vocab, args.world_size, args.scale, args.max_tokens),
+    }
+    names = args.workloads.split(",")
+    unknown = [n for n in names if n not in makers]
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; choose from {list(makers)}")
+    traces = {n: [makers[n](args.seed + r) for r in range(args.reps)] for n in names}
+    return run_suite(args, "e2e", traces, policies, comparisons)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

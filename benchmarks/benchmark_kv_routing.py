@@ -1,0 +1,89 @@
+"""Routing only: the locality workload at 1x/3x/5x shared-prefix length under every routing
+policy (LMPool, round robin, least loaded, SGLang cache-aware, Dynamo KV), transfers off.
+
+192 requests over 16 recurring groups (12 each, seeded shuffled order) whose shared
+prefixes hold 1,911 / 5,655 / 9,399 tokens at scale 1. Every policy replays the same
+trace on a fresh pool; see ``eval_suite`` for the run order and ``benchmarks/README.md``
+for every metric.
+
+    python benchmarks/benchmark_kv_routing.py --quick                      # CPU, about a minute
+    python benchmarks/benchmark_kv_routing.py --quick --policies all       # CPU, every policy
+    python benchmarks/benchmark_kv_routing.py --device cuda --preset 0.6b --world-size 4 \\
+        --dtype bfloat16 --block-size 256 --reps 5 --mps                    # 4 replicas on one GPU
+
+Writes one JSON (``--json``; default ``benchmarks/results/eval_<device>_<preset>_kv_routing.json``);
+``benchmarks/plot_results.py`` draws its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eval_metrics import paired_change  # noqa: E402
+from eval_suite import (  # noqa: E402
+    LMPOOL, PEERS, add_arguments, finish_arguments, resolve_model, run_suite, select_policies,
+)
+from workloads import LOCALITY_LEVELS, locality  # noqa: E402
+
+POLICIES = (LMPOOL, *PEERS)
+QUICK_POLICIES = "lmpool,round_robin,least_loaded"
+POOL_BLOCKS = 768  # whole-pool KV budget: 192 blocks per worker at 4 replicas
+COMPARED = ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "e2e_mean_ms", "tpot_mean_ms", "dp_tok_reuse")
+GOALS = {"throughput_gain": 0.25, "ttft_reduction": 0.30}
+
+
+def comparisons(summary: dict) -> dict:
+    """LMPool against every peer at every level (paired by repetition), and the acceptance
+    figures at the longest prefix: throughput gain and mean-TTFT reduction over round robin,
+    and the peers whose interval lies wholly better than LMPool's on a headline metric."""
+    out: dict = {}
+    for workload, by_policy in sorted(summary.items()):
+        if "lmpool" not in by_policy:
+            continue
+        out[workload] = {peer: {m: paired_change(by_policy, "lmpool", peer, m) for m in COMPARED}
+                         for peer in sorted(by_policy) if peer != "lmpool"}
+    levels = sorted((w for w in out if w.startswith("locality_")), key=lambda w: int(w.split("_")[1][:-1]))
+    if levels and "round_robin" in out[levels[-1]]:
+        top = levels[-1]
+        vs_rr = out[top]["round_robin"]
+        acceptance: dict = {"workload": top}
+        for key, metric, sign in (("throughput_gain", "throughput_tok_s", 1.0), ("ttft_reduction", "ttft_mean_ms", -1.0)):
+            change = vs_rr.get(metric)
+            if change is None:
+                continue
+            ci = change["relative_change"]
+            bounds = [sign * b for b in (ci["low"], ci["high"]) if b is not None]
+            acceptance[key] = {"mean": sign * ci["mean"], "low": min(bounds) if bounds else None,
+                               "high": max(bounds) if bounds else None, "n": ci["n"], "goal": GOALS[key],
+                               "goal_met": sign * ci["mean"] >= GOALS[key]}
+        acceptance["peers_better_beyond_ci"] = sorted(
+            f"{peer}:{m}" for peer, row in out[top].items() for m in ("throughput_tok_s", "ttft_mean_ms", "e2e_mean_ms")
+            if row.get(m) and row[m]["separation"] == "worse")
+        out["acceptance"] = acceptance
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    ap.add_argument("--levels", default=",".join(map(str, LOCALITY_LEVELS)),
+                    help="shared-prefix multiples to run (default 1,3,5)")
+    args = finish_arguments(ap.parse_args(argv), POOL_BLOCKS, "kv_routing")
+    levels = [int(x) for x in args.levels.split(",")]
+    if args.quick and not args.policies:
+        args.policies = QUICK_POLICIES
+    policies = select_policies(POLICIES, None if args.policies == "all" else args.policies)
+    from lmpool.model.config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(resolve_model(args)).vocab_size
+    traces = {f"locality_{lvl}x": [locality(lvl, args.seed + r, vocab, args.scale, args.max_tokens)
+                                   for r in range(args.reps)] for lvl in levels}
+    return run_suite(args, "kv_routing", traces, policies, comparisons)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

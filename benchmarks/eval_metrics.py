@@ -1,0 +1,146 @@
+"""Metrics of one benchmark run, their aggregation across repetitions, and comparisons.
+
+A run's per-request records are columns (one list per field, one entry per request, in
+trace order); times are seconds from the run's first submission. Definitions (see
+``benchmarks/README.md``):
+
+- throughput: output tokens / (last completion - first arrival);
+- TTFT: first token - arrival; E2E: completion - arrival;
+- TPOT: (completion - first token) / (N - 1), for requests with N > 1 output tokens;
+- DP req hit: requests with ``num_cached_tokens > 0`` / requests;
+- DP tok reuse: sum of ``num_cached_tokens`` / sum of prompt tokens.
+
+Transfer counters come from the pool's ``stats()["transfers"]``; a counter the pool does
+not report is left out, never read as zero. Aggregates use only runs that completed; a
+comparison between two policies pairs them by repetition and uses the repetitions where
+both completed. Intervals are two-sided 95% Student-t (``student_t``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from student_t import confidence_interval, mean, percentile
+
+RECORD_FIELDS = (
+    "index", "phase", "group", "prompt_len", "max_tokens", "pinned_rank", "rank",
+    "num_cached_tokens", "output_len", "arrival_s", "first_token_s", "completion_s",
+)
+TRANSFER_COUNTERS = (
+    "plans_started", "plans_committed", "plans_aborted", "blocks_copied", "blocks_moved", "lease_routed",
+)
+# (metric, higher is better) for the comparisons and the figures.
+HEADLINE = {
+    "throughput_tok_s": True, "ttft_mean_ms": False, "ttft_p50_ms": False, "ttft_p99_ms": False,
+    "tpot_mean_ms": False, "e2e_mean_ms": False, "e2e_p99_ms": False, "dp_req_hit": True, "dp_tok_reuse": True,
+}
+
+
+def _latency(prefix: str, values_s: list[float]) -> dict:
+    if not values_s:
+        return {}
+    ms = [v * 1e3 for v in values_s]
+    return {f"{prefix}_mean_ms": mean(ms), f"{prefix}_p50_ms": percentile(ms, 50),
+            f"{prefix}_p99_ms": percentile(ms, 99)}
+
+
+def _request_metrics(rows: list[dict]) -> dict:
+    ttft = [r["first_token_s"] - r["arrival_s"] for r in rows]
+    e2e = [r["completion_s"] - r["arrival_s"] for r in rows]
+    tpot = [(r["completion_s"] - r["first_token_s"]) / (r["output_len"] - 1) for r in rows if r["output_len"] > 1]
+    out_tokens = sum(r["output_len"] for r in rows)
+    prompt_tokens = sum(r["prompt_len"] for r in rows)
+    duration = max(r["completion_s"] for r in rows) - min(r["arrival_s"] for r in rows)
+    m = {
+        "requests": len(rows), "output_tokens": out_tokens, "prompt_tokens": prompt_tokens, "duration_s": duration,
+        "throughput_tok_s": out_tokens / duration if duration > 0 else None,
+        "request_rate": len(rows) / duration if duration > 0 else None,
+        "dp_req_hit": sum(r["num_cached_tokens"] > 0 for r in rows) / len(rows),
+        "dp_tok_reuse": sum(r["num_cached_tokens"] for r in rows) / prompt_tokens,
+    }
+    m.update(_latency("ttft", ttft))
+    m.update(_latency("tpot", tpot))
+    m.update(_latency("e2e", e2e))
+    return m
+
+
+def rows_of(columns: dict[str, list]) -> list[dict]:
+    n = len(columns["index"])
+    return [{f: columns[f][i] for f in RECORD_FIELDS} for i in range(n)]
+
+
+def run_metrics(columns: dict[str, list], transfers: dict | None, world_size: int) -> dict:
+    """Scalar metrics of one completed run (``None`` where a figure is undefined), plus
+    ``phases`` (the request metrics of each phase) and ``rank_requests``."""
+    rows = rows_of(columns)
+    if not rows:
+        raise ValueError("a run without requests has no metrics")
+    m = _request_metrics(rows)
+    per_rank = Counter(r["rank"] for r in rows if r["rank"] is not None)
+    m["rank_requests"] = [per_rank.get(k, 0) for k in range(world_size)]
+    m["rank_imbalance"] = max(m["rank_requests"]) / (len(rows) / world_size) if per_rank else None
+    phases: dict[str, list[dict]] = {}
+    for r in rows:
+        phases.setdefault(r["phase"], []).append(r)
+    m["phases"] = {name: _request_metrics(p) for name, p in phases.items()} if len(phases) > 1 else {}
+    for key in TRANSFER_COUNTERS:
+        if transfers is not None and key in transfers:
+            m[key] = transfers[key]
+    return m
+
+
+def scalar_items(metrics: dict) -> dict[str, float]:
+    """Every numeric figure of a run's metrics, phase figures as ``phase/metric``."""
+    flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for phase, pm in metrics.get("phases", {}).items():
+        flat.update({f"{phase}/{k}": v for k, v in pm.items() if isinstance(v, (int, float))})
+    return flat
+
+
+def summarize(runs: list[dict]) -> dict:
+    """``{workload: {policy: {metric: interval + values + reps}}}`` over completed runs."""
+    grouped: dict[str, dict[str, list[dict]]] = {}
+    for run in runs:
+        if run["status"] == "ok":
+            grouped.setdefault(run["workload"], {}).setdefault(run["policy"], []).append(run)
+    summary: dict = {}
+    for workload, policies in grouped.items():
+        for policy, prs in policies.items():
+            prs = sorted(prs, key=lambda r: r["rep"])
+            keys = sorted({k for r in prs for k in scalar_items(r["metrics"])})
+            out = {}
+            for key in keys:
+                pairs = [(r["rep"], scalar_items(r["metrics"]).get(key)) for r in prs]
+                pairs = [(rep, v) for rep, v in pairs if v is not None]
+                if pairs:
+                    out[key] = confidence_interval([v for _, v in pairs]) | {
+                        "values": [v for _, v in pairs], "reps": [rep for rep, _ in pairs]}
+            summary.setdefault(workload, {})[policy] = out
+    return summary
+
+
+def separation(a: dict, b: dict, higher_is_better: bool) -> str | None:
+    """"better" / "worse" when ``a``'s interval lies wholly on one side of ``b``'s, "overlap"
+    otherwise, None without intervals."""
+    if a.get("low") is None or b.get("low") is None:
+        return None
+    if a["low"] > b["high"]:
+        return "better" if higher_is_better else "worse"
+    if a["high"] < b["low"]:
+        return "worse" if higher_is_better else "better"
+    return "overlap"
+
+
+def paired_change(summary_wl: dict, candidate: str, baseline: str, metric: str) -> dict | None:
+    """Relative change candidate / baseline - 1 paired by repetition, with its interval, and
+    whether the two policies' own intervals are separated."""
+    a, b = summary_wl.get(candidate, {}).get(metric), summary_wl.get(baseline, {}).get(metric)
+    if a is None or b is None:
+        return None
+    base = dict(zip(b["reps"], b["values"]))
+    ratios = [v / base[rep] - 1.0 for rep, v in zip(a["reps"], a["values"]) if base.get(rep)]
+    if not ratios:
+        return None
+    higher = HEADLINE.get(metric.split("/")[-1], True)
+    return {"relative_change": confidence_interval(ratios) | {"values": ratios},
+            "separation": separation(a, b, higher), "higher_is_better": higher}

@@ -1,0 +1,410 @@
+"""A benchmark suite: every policy on every workload, repeated, one fresh pool per run.
+
+Runs go repetition-major (repetition 0: every workload under every policy; then
+repetition 1; ...), so a suite cut short by ``--max-minutes`` still holds complete
+repetitions of every policy. Every run starts its own pool: each repetition begins with
+empty KV caches and no learned state, and no policy inherits another's cache. All
+policies of a workload replay the same trace (same token ids, order and arrivals);
+repetition r uses seed ``--seed + r``.
+
+A policy whose pool constructor rejects its settings (``TypeError``/``ValueError``, e.g. a
+transfer mode this build does not have) is marked ``unavailable`` with the error and
+skipped; a policy whose runs fail twice (start-up, error, ``--run-timeout``) is marked
+``failed`` and skipped. The JSON is rewritten after every run, so an interrupted suite
+keeps what it measured. Progress goes to stderr (tqdm when installed, plain lines
+otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvloop
+
+from dataset_profile import profile_trace
+from eval_driver import Arrival, replay
+from eval_metrics import run_metrics, summarize
+from mps import mps_daemon
+from workloads import max_request_tokens
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SCHEMA = "lmpool-eval/1"
+MAX_FAILURES = 2
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    routing: str
+    transfer_mode: str = "none"
+
+    def pool_kwargs(self) -> dict:
+        # Routing-only policies do not pass the keyword at all: they must run on builds
+        # that have no transfer modes.
+        kw = {"routing": self.routing}
+        if self.transfer_mode != "none":
+            kw["transfer_mode"] = self.transfer_mode
+        return kw
+
+
+PEERS = (
+    Policy("round_robin", "round_robin"),
+    Policy("least_loaded", "least_loaded"),
+    Policy("sglang_cache_aware", "sglang_cache_aware"),
+    Policy("dynamo_kv", "dynamo_kv"),
+)
+LMPOOL = Policy("lmpool", "lmpool")
+TRANSFER_MODES = (
+    Policy("lmpool+background", "lmpool", "background"),
+    Policy("lmpool+foreground", "lmpool", "foreground"),
+    Policy("lmpool+both", "lmpool", "both"),
+)
+
+
+def select_policies(available: tuple[Policy, ...], names: str | None) -> list[Policy]:
+    if not names:
+        return list(available)
+    by_name = {p.name: p for p in available}
+    unknown = [n for n in names.split(",") if n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; choose from {sorted(by_name)}")
+    return [by_name[n] for n in names.split(",")]
+
+
+# ---- command line ----------------------------------------------------------------------
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags every runner shares; ``None`` defaults are filled by ``finish_arguments``."""
+    ap.add_argument("--quick", action="store_true",
+                    help="CPU quick mode: tiny model, 2 replicas, 1 repetition, lengths / 32, 8-token blocks, "
+                         "4 output tokens, a handful of policies (--policies all for every one)")
+    ap.add_argument("--model", help="checkpoint directory (default: generate --preset into the cache)")
+    ap.add_argument("--preset", choices=["tiny", "0.6b", "1.7b"], help="random-weight Qwen3 shape (default tiny)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="default cpu")
+    ap.add_argument("--world-size", type=int, help="replicas (default 2 on CPU, 4 on CUDA)")
+    ap.add_argument("--num-kv-blocks", type=int, help="KV blocks of every worker (equal budgets)")
+    ap.add_argument("--block-size", type=int, help="tokens per KV block (default 256; quick 8)")
+    ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: checkpoint's on CUDA")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per worker")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster pool start)")
+    ap.add_argument("--reps", type=int, help="repetitions (default 5; quick 1)")
+    ap.add_argument("--scale", type=float, help="multiply every prompt length (default 1; quick 1/32)")
+    ap.add_argument("--max-tokens", type=int, help="output tokens of every request (default 32; quick 4)")
+    ap.add_argument("--arrival", choices=["window", "poisson"], default="window")
+    ap.add_argument("--window", type=int, default=16, help="most requests in flight (0: unlimited)")
+    ap.add_argument("--rate", type=float, default=0.0, help="requests/s for --arrival poisson")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policies", help="comma-separated subset of the runner's policies, or 'all'")
+    ap.add_argument("--mps", action="store_true",
+                    help="start a private MPS daemon; each replica gets 100/replicas-per-GPU %% of the SMs")
+    ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds before a run is abandoned")
+    ap.add_argument("--max-minutes", type=float, help="start no repetition that would end past this")
+    ap.add_argument("--json", type=Path, help="output file (default under benchmarks/results/)")
+    ap.add_argument("--no-progress", action="store_true", help="plain lines instead of progress bars")
+
+
+def finish_arguments(args: argparse.Namespace, pool_blocks: int, name: str) -> argparse.Namespace:
+    """Fill defaults (quick mode or full), validate, and pick the output path.
+
+    ``pool_blocks`` is the runner's whole-pool KV budget: each worker gets
+    ``pool_blocks // world_size`` blocks unless ``--num-kv-blocks`` says otherwise."""
+    quick = args.quick
+    if quick and (args.device == "cuda" or args.preset not in (None, "tiny")):
+        raise SystemExit("--quick is the CPU tiny-model mode; drop --device cuda / --preset")
+    args.preset = args.preset or "tiny"
+    args.device = args.device or "cpu"
+    args.world_size = args.world_size or (4 if args.device == "cuda" else 2)
+    # Quick mode divides lengths and the block size alike, so prompts keep their block counts.
+    args.block_size = args.block_size or (8 if quick else 256)
+    args.reps = args.reps or (1 if quick else 5)
+    args.scale = args.scale or (1 / 32 if quick else 1.0)
+    args.max_tokens = args.max_tokens or (4 if quick else 32)
+    args.num_kv_blocks = args.num_kv_blocks or max(1, pool_blocks // args.world_size)
+    for flag in ("world_size", "block_size", "reps", "max_tokens", "num_kv_blocks", "max_num_seqs"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.json is None:
+        tag = "cpu_quick" if quick else f"{args.device}_{args.preset}"
+        args.json = RESULTS_DIR / f"eval_{tag}_{name}.json"
+    args.arrival_process = Arrival(args.arrival, args.window, args.rate, args.seed)
+    return args
+
+
+# ---- environment -----------------------------------------------------------------------
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=Path(__file__).parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _portable(arg: str) -> str:
+    # The record must not name this machine's directories; a file's name is enough.
+    return f"<{Path(arg).name}>" if os.path.isabs(arg) else arg
+
+
+def environment(device: str) -> dict:
+    versions = {"python": platform.python_version()}
+    for dist in ("lmpool", "torch", "msgspec", "numpy", "uvloop"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    hardware = {"platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count()}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem = Path("/proc/meminfo").read_text().split("\n")[0].split()
+        hardware["memory_gib"] = round(int(mem[1]) / 2**20, 1)
+    if device == "cuda":
+        # Asked of nvidia-smi rather than torch, so this process makes no CUDA context.
+        gpus = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+        hardware["gpus"] = gpus.splitlines() if gpus else None
+        import torch
+
+        versions["cuda"] = torch.version.cuda
+    revision = _run(["git", "rev-parse", "HEAD"])
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+    git = {"revision": revision, "dirty": bool(dirty) if dirty is not None else None}
+    return {"versions": versions, "hardware": hardware, "git": git}
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from lmpool.cli import default_model
+
+    return str(default_model(args.preset))
+
+
+def model_record(model: str, preset: str | None, explicit: bool) -> dict:
+    from lmpool.model.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model)
+    return {"name": Path(model).name, "preset": None if explicit else preset, "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers,
+            "attention_heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim, "torch_dtype": cfg.torch_dtype,
+            "max_position_embeddings": cfg.max_position_embeddings}
+
+
+def replicas_per_gpu(args: argparse.Namespace) -> int:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus < 1:
+        raise SystemExit("--mps needs a CUDA device")
+    return -(-args.world_size // gpus)
+
+
+@contextlib.contextmanager
+def mps_if_asked(args: argparse.Namespace) -> Iterator[dict]:
+    if not args.mps:
+        yield {"enabled": False}
+        return
+    with mps_daemon(replicas_per_gpu(args)) as info:
+        if not info["enabled"]:
+            print(f"warning: running without MPS: {info['error']}", file=sys.stderr)
+        yield info
+
+
+# ---- progress --------------------------------------------------------------------------
+
+class Progress:
+    """A bar over every run and one over each run's requests (tqdm), or plain lines."""
+
+    def __init__(self, total_runs: int, enabled: bool) -> None:
+        self._tqdm = None
+        if enabled:
+            with contextlib.suppress(ImportError):
+                from tqdm import tqdm
+
+                self._tqdm = tqdm
+        self.total = total_runs
+        self.done = 0
+        self._outer = self._tqdm(total=total_runs, desc="runs", file=sys.stderr, position=0) if self._tqdm else None
+
+    def run_bar(self, desc: str, total: int):
+        if self._tqdm is None:
+            print(f"[{self.done + 1}/{self.total}] {desc}: {total} requests ...", file=sys.stderr, flush=True)
+            return None
+        return self._tqdm(total=total, desc=desc, file=sys.stderr, position=1, leave=False)
+
+    def skipped(self) -> None:
+        self.done += 1
+        if self._outer is not None:
+            self._outer.update(1)
+
+    def finished(self, line: str) -> None:
+        self.done += 1
+        if self._outer is not None:
+            self._outer.update(1)
+            self._outer.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._outer is not None:
+            self._outer.close()
+
+
+# ---- runs ------------------------------------------------------------------------------
+
+def engine_args(args: argparse.Namespace, max_model_len: int) -> dict:
+    kw = {"block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs,
+          "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": max_model_len,
+          "enforce_eager": args.enforce_eager}
+    if args.dtype:
+        kw["dtype"] = args.dtype
+    return kw
+
+
+async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, max_model_len: int,
+                  bar) -> dict:
+    """Start a pool for ``policy``, replay ``trace`` on it, and stop it. Raises
+    ``PolicyUnavailable`` when the pool constructor refuses the policy."""
+    from lmpool.pool.api import AsyncLMPool
+
+    try:
+        pool = AsyncLMPool(model, world_size=args.world_size, device=args.device,
+                           **policy.pool_kwargs(), **engine_args(args, max_model_len))
+    except (TypeError, ValueError) as e:
+        raise PolicyUnavailable(f"{type(e).__name__}: {e}") from e
+    record: dict = {}
+    started = time.perf_counter()
+    try:
+        await pool.start()
+        record["start_s"] = time.perf_counter() - started
+        async with asyncio.timeout(args.run_timeout):
+            t = time.perf_counter()
+            record["requests"] = await replay(pool, trace, args.arrival_process,
+                                              bar.update if bar is not None else (lambda *a: None))
+            record["replay_s"] = time.perf_counter() - t
+            stats = await pool.stats()
+        transfers = stats.get("transfers")
+        record["transfers"] = dict(transfers) if isinstance(transfers, dict) else None
+        record["rank_stats"] = [{k: r.get(k) for k in ("rank", "prompt_tokens", "prefix_hit_tokens", "blocks_used",
+                                                      "blocks_reclaimable", "blocks_free", "cached_blocks")}
+                                for r in stats.get("ranks", [])]
+    finally:
+        await pool.shutdown()
+    return record
+
+
+class PolicyUnavailable(Exception):
+    pass
+
+
+def _line(run: dict) -> str:
+    head = f"{run['workload']:<14} {run['policy']:<19} rep {run['rep']}"
+    if run["status"] != "ok":
+        return f"{head}: {run['status']}: {run['error']}"
+    m = run["metrics"]
+    tput = m.get("throughput_tok_s") or 0.0
+    return (f"{head}: {tput:8.1f} tok/s  TTFT {m.get('ttft_mean_ms', 0):8.1f} ms  E2E {m.get('e2e_mean_ms', 0):8.1f} ms"
+            f"  tok reuse {m['dp_tok_reuse']:.3f}  ({run['wall_s']:.1f} s)")
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    # Compact: thousands of per-request records; ``python -m json.tool`` pretty-prints it.
+    tmp.write_text(json.dumps(result, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
+
+
+def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, list], policies: list[Policy],
+              comparisons: Callable[[dict], dict]) -> dict:
+    """Run ``traces[workload][rep]`` under every policy; write and return the result."""
+    model = resolve_model(args)
+    max_model_len = -(-max_request_tokens([t for ts in traces.values() for t in ts]) // args.block_size) * args.block_size
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "arrival_process"}
+    config["json"] = _portable(str(args.json))
+    if config.get("model"):
+        config["model"] = _portable(config["model"])
+    result = {
+        "schema": SCHEMA,
+        "benchmark": benchmark,
+        "metadata": {
+            "command": [_portable(a) for a in sys.argv],
+            "config": config | {"max_model_len": max_model_len},
+            "model": model_record(model, args.preset, bool(args.model)),
+            **environment(args.device),
+            "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "dataset_profile": {wl: profile_trace(ts[0], args.block_size) for wl, ts in traces.items()},
+        },
+        "policies": {p.name: {"routing": p.routing, "transfer_mode": p.transfer_mode, "status": "ok", "error": None}
+                     for p in policies},
+        "runs": [],
+    }
+    failures = {p.name: 0 for p in policies}
+    progress = Progress(args.reps * len(traces) * len(policies), not args.no_progress)
+    suite_start = time.perf_counter()
+    rep_seconds: list[float] = []
+    try:
+        with mps_if_asked(args) as mps:
+            result["metadata"]["mps"] = mps
+            for rep in range(args.reps):
+                elapsed = time.perf_counter() - suite_start
+                if args.max_minutes and rep_seconds and elapsed + rep_seconds[-1] > 60 * args.max_minutes:
+                    result["stopped_early"] = (f"after {rep} repetitions: another would end past "
+                                               f"--max-minutes {args.max_minutes}")
+                    print(result["stopped_early"], file=sys.stderr)
+                    break
+                rep_start = time.perf_counter()
+                for workload, reps in traces.items():
+                    trace = reps[rep]
+                    for policy in policies:
+                        state = result["policies"][policy.name]
+                        run = {"workload": workload, "policy": policy.name, "rep": rep, "seed": trace.seed,
+                               "status": "skipped", "error": None}
+                        if state["status"] == "ok":
+                            bar = progress.run_bar(f"{workload} {policy.name} rep {rep}", len(trace.requests))
+                            t = time.perf_counter()
+                            try:
+                                record = uvloop.run(run_one(model, args, policy, trace, max_model_len, bar))
+                                run.update(record, status="ok")
+                                run["metrics"] = run_metrics(record["requests"], record["transfers"], args.world_size)
+                            except PolicyUnavailable as e:
+                                state.update(status="unavailable", error=str(e))
+                                run.update(status="unavailable", error=str(e))
+                            except Exception as e:  # noqa: BLE001 - a failed run is recorded, the suite goes on
+                                failures[policy.name] += 1
+                                run.update(status="failed", error=f"{type(e).__name__}: {e}")
+                                if failures[policy.name] >= MAX_FAILURES:
+                                    state.update(status="failed", error=run["error"])
+                            finally:
+                                if bar is not None:
+                                    bar.close()
+                            run["wall_s"] = time.perf_counter() - t
+                            progress.finished(_line(run))
+                        else:
+                            progress.skipped()
+                        result["runs"].append(run)
+                        result["summary"] = summarize(result["runs"])
+                        result["comparisons"] = comparisons(result["summary"])
+                        write_json(args.json, result)
+                rep_seconds.append(time.perf_counter() - rep_start)
+    finally:
+        progress.close()
+        result["metadata"]["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        result["metadata"]["suite_s"] = time.perf_counter() - suite_start
+        result["summary"] = summarize(result["runs"])
+        result["comparisons"] = comparisons(result["summary"])
+        write_json(args.json, result)
+    print(f"saved json: {args.json}", file=sys.stderr)
+    return result

@@ -1,0 +1,180 @@
+"""Draw every figure of the evaluation from its JSON files, and nothing else.
+
+    python benchmarks/plot_results.py                       # every benchmarks/results/eval_*.json
+    python benchmarks/plot_results.py path/to/run.json ...  # chosen files
+
+For each ``kv_routing`` JSON, ``<name>.png``: headline metrics per locality level, one bar
+per policy. For each ``e2e`` JSON, ``<name>_<workload>.png`` per workload: headline
+metrics, the last phase's TTFT, transfer counters and requests per rank, one bar per
+policy. Bars are means over completed repetitions; error bars are the two-sided 95%
+Student-t intervals stored in the JSON (none with a single repetition). Figures are
+written next to their JSON; the JSON is the only input, so they regenerate exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+HEADLINE = (
+    ("throughput_tok_s", "throughput (output tok/s)"),
+    ("ttft_mean_ms", "mean TTFT (ms)"),
+    ("ttft_p99_ms", "p99 TTFT (ms)"),
+    ("e2e_mean_ms", "mean E2E latency (ms)"),
+    ("tpot_mean_ms", "mean TPOT (ms)"),
+    ("dp_tok_reuse", "DP tok reuse"),
+)
+TRANSFERS = ("plans_committed", "blocks_copied", "blocks_moved", "lease_routed")
+
+
+def _policies(data: dict) -> list[str]:
+    return list(data["policies"])
+
+
+def _bars(ax, groups: list[str], policies: list[str], cell) -> None:
+    """Grouped bars: ``cell(group, policy)`` gives a summary entry (or None)."""
+    width = 0.8 / max(1, len(policies))
+    for i, policy in enumerate(policies):
+        xs, ys, errs = [], [], []
+        for g, group in enumerate(groups):
+            entry = cell(group, policy)
+            if entry is None:
+                continue
+            xs.append(g + (i - (len(policies) - 1) / 2) * width)
+            ys.append(entry["mean"])
+            errs.append(entry["half_width"])
+        # A single repetition has no interval: no error bar rather than a zero-width one.
+        yerr = [e or 0.0 for e in errs] if any(e is not None for e in errs) else None
+        ax.bar(xs, ys, width, yerr=yerr, capsize=2, label=policy)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _title(data: dict) -> str:
+    meta = data["metadata"]
+    cfg, model = meta["config"], meta["model"]
+    name = model.get("preset") or model["name"]
+    reps = max((r["rep"] for r in data["runs"] if r["status"] == "ok"), default=-1) + 1
+    gpus = meta["hardware"].get("gpus")
+    where = gpus[0].split(",")[0] if gpus else f"{meta['hardware']['machine']} CPU"
+    text = (f"{data['benchmark']}: {name}, {cfg['world_size']} replicas on {where}, {cfg['block_size']}-token blocks, "
+            f"{cfg['num_kv_blocks']} blocks/worker, scale {cfg['scale']:g}, "
+            + (f"{reps} reps, 95% t-CI" if reps > 1 else "1 rep (no CI)"))
+    missing = [f"{p} ({s['status']})" for p, s in data["policies"].items() if s["status"] != "ok"]
+    return text + (f"\nnot run: {', '.join(missing)}" if missing else "")
+
+
+def plot_routing(data: dict, out: Path) -> list[Path]:
+    summary = data.get("summary", {})
+    levels = sorted(summary, key=lambda w: int(w.split("_")[1][:-1]) if w.startswith("locality_") else 0)
+    policies = [p for p in _policies(data) if any(p in summary[w] for w in levels)]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (metric, label) in zip(axes.flat, HEADLINE):
+        _bars(ax, [w.removeprefix("locality_") for w in levels], policies,
+              lambda g, p, m=metric: summary.get(f"locality_{g}", {}).get(p, {}).get(m))
+        ax.set_title(label)
+        ax.set_xlabel("shared-prefix length")
+    axes.flat[0].legend(fontsize=8)
+    profile = data["metadata"]["dataset_profile"]
+    shares = ", ".join(f"{w.removeprefix('locality_')}: {100 * profile[w]['trace_req_share']:.2f}% req / "
+                       f"{100 * profile[w]['trace_tok_share']:.2f}% tok" for w in levels if w in profile)
+    fig.suptitle(_title(data) + f"\ntrace share {shares}", fontsize=10)
+    fig.tight_layout()
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def _last_phase(profile: dict) -> str | None:
+    phases = list(profile.get("phases", {}))
+    return phases[-1] if len(phases) > 1 else None
+
+
+def plot_e2e(data: dict, out: Path) -> list[Path]:
+    summary = data.get("summary", {})
+    paths = []
+    for workload, by_policy in sorted(summary.items()):
+        policies = [p for p in _policies(data) if p in by_policy]
+        profile = data["metadata"]["dataset_profile"].get(workload, {})
+        fig, axes = plt.subplots(2, 4, figsize=(19, 8))
+        panels = list(HEADLINE[:2]) + list(HEADLINE[3:])
+        phase = _last_phase(profile)
+        if phase:
+            panels.append((f"{phase}/ttft_mean_ms", f"mean TTFT, {phase} phase (ms)"))
+        for ax, (metric, label) in zip(axes.flat, panels):
+            _bars(ax, [""], policies, lambda g, p, m=metric: by_policy.get(p, {}).get(m))
+            ax.set_xticks([])
+            ax.set_title(label)
+        axes.flat[0].legend(fontsize=8)
+        ax = axes.flat[len(panels)]
+        _bars(ax, list(TRANSFERS), policies, lambda g, p: by_policy.get(p, {}).get(g))
+        ax.set_title("transfers per run (absent: not reported)")
+        ax.tick_params(axis="x", labelsize=7)
+        ax = axes.flat[len(panels) + 1]
+        _rank_load(ax, data, workload, policies)
+        for extra in axes.flat[len(panels) + 2:]:
+            extra.axis("off")
+        share = (f"trace share {100 * profile['trace_req_share']:.2f}% req / {100 * profile['trace_tok_share']:.2f}% tok"
+                 if profile else "")
+        fig.suptitle(f"{workload} - {_title(data)}\n{share}", fontsize=10)
+        fig.tight_layout()
+        path = out.with_name(f"{out.stem}_{workload}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _rank_load(ax, data: dict, workload: str, policies: list[str]) -> None:
+    """Requests served per rank, averaged over completed repetitions, stacked per policy."""
+    world = data["metadata"]["config"]["world_size"]
+    bottoms = [0.0] * len(policies)
+    for rank in range(world):
+        heights = []
+        for policy in policies:
+            counts = [r["metrics"]["rank_requests"][rank] for r in data["runs"]
+                      if r["workload"] == workload and r["policy"] == policy and r["status"] == "ok"]
+            heights.append(sum(counts) / len(counts) if counts else 0.0)
+        ax.bar(range(len(policies)), heights, bottom=bottoms, label=f"rank {rank}")
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(policies)), policies, rotation=30, ha="right", fontsize=7)
+    ax.set_title("requests per rank")
+    ax.legend(fontsize=7)
+
+
+def plot_file(path: Path) -> list[Path]:
+    data = json.loads(path.read_text())
+    kind = data.get("benchmark")
+    if kind == "kv_routing":
+        return plot_routing(data, path)
+    if kind == "e2e":
+        return plot_e2e(data, path)
+    raise ValueError(f"{path}: not an evaluation JSON (benchmark {kind!r})")
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="*", type=Path, help="evaluation JSON files (default: results/eval_*.json)")
+    args = ap.parse_args(argv)
+    files = args.files or sorted(RESULTS_DIR.glob("eval_*.json"))
+    if not files:
+        raise SystemExit("no evaluation JSON found")
+    written = []
+    for f in files:
+        for p in plot_file(f):
+            print(f"saved figure: {p}")
+            written.append(p)
+    return written
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
