@@ -97,8 +97,12 @@ def copy_blocks(src_cache: torch.Tensor, src_ids: list[int], dst_cache: torch.Te
     if not dst_ids:
         return
     device = dst_cache.device
-    if device.type == "cuda" and use_kernel:
-        ids = torch.tensor([src_ids, dst_ids], dtype=torch.int32, device=device)
+    block_bytes = dst_cache[0, 0, 0].nbytes
+    if device.type == "cuda" and use_kernel and block_bytes % 16 == 0:  # the kernel moves 16-byte vectors
+        # Pinned, so the copy to the device is asynchronous: a plain one would wait for
+        # everything already queued on the stream (the caching host allocator keeps the
+        # page until the copy is done).
+        ids = torch.tensor([src_ids, dst_ids], dtype=torch.int32).pin_memory().to(device, non_blocking=True)
         load_extension().copy_blocks(src_cache, ids[0], dst_cache, ids[1])
         return
     # The reference: an index gather (materialised) then a scatter; correct on any device.

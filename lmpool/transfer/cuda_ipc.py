@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from lmpool.transfer.block_copy import check_blocks, copy_blocks
+from lmpool.transfer.block_copy import check_blocks, copy_blocks, load_extension
 from lmpool.transfer.messages import CudaIpcExport, IpcStorage
 from lmpool.transfer.transport import TransferTimeout, TransportError, as_bytes, check_args, open_store
 
@@ -349,6 +349,8 @@ class CudaIpcTransport:
         self.session = secrets.randbits(63)
         self.kv_cache = kv_cache
         self.use_kernels = use_kernels
+        if kv_cache is not None and use_kernels:
+            load_extension()  # built now: a first pull must not stall its caller for a compile
         self._rendezvous, self._timeout_s = rendezvous, timeout_s
         self._store_client = None  # opened on the first packed transfer: pulls need no store
         self._staging = torch.empty(staging_bytes, dtype=torch.uint8, device=self.device) if staging_bytes else None

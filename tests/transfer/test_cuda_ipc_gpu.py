@@ -1,6 +1,8 @@
 """The CUDA IPC transport (``lmpool/transfer/cuda_ipc.py``) between two processes on one
-GPU (**GPU**). The test process plays the control plane: it relays each peer's
-``CudaIpcExport`` (msgpack, as the rings would carry it) to the other peer.
+GPU (**GPU**), and across two peer-accessible GPUs (**nccl**: several GPUs): packed
+send/receive through the staging buffer, and pulls straight out of the peer's cache. The
+test process plays the control plane: it relays each peer's ``CudaIpcExport`` (msgpack,
+as the rings would carry it) to the other peer.
 """
 
 from __future__ import annotations
@@ -75,3 +77,76 @@ def test_killed_peer_fails_the_survivor_within_its_timeout(rendezvous, peers):
     assert failure["error"] == "TransportError" and failure["elapsed"] < 2.0, failure
     assert "is gone" in failure["message"]
     peers[0].finish()
+
+
+PULL = dict(kind="cuda_ipc", device="cuda:0", share_cache=True)
+
+
+def pull_scripts(puller: int, sizes: list[int]) -> tuple[list, list]:
+    """The puller copies every size out of the other rank's cache, all started before any wait."""
+    pulls = [{"pull": 1 - puller, "blocks": n, "seed": 7 * n} for n in sizes]
+    source = [{"export": None}, {"import": None}, {"say": "serving"}, {"hear": None}]
+    dest = [{"export": None}, {"import": None}, *pulls, {"wait": 30}]
+    return (dest, source) if puller == 0 else (source, dest)
+
+
+def check_pulls(dest: Peer, source_rank: int, sizes: list[int], dtype: str) -> None:
+    for n in sizes:
+        line = dest.expect("pulled")
+        src_ids, _ = block_ids(line["pulled"], n)
+        assert line["digest"] == digest(pack_kv(make_cache(source_rank, dtype=dtype), src_ids)), n
+    transfers = [{"src": source_rank, "blocks": n, "seed": 7 * n} for n in sizes]
+    assert dest.expect("cache")["cache"] == expected_cache(dest.rank, transfers, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("puller", [0, 1])
+def test_pull_copies_blocks_out_of_the_peer_cache(rendezvous, peers, dtype, puller):
+    """The fast path: one kernel from the source's mapped cache into the destination's."""
+    scripts = pull_scripts(puller, SIZES)
+    for rank in (0, 1):
+        peers.append(Peer(rendezvous, rank, 2, scripts[rank], dtype=dtype, **PULL))
+    exchange_exports(*peers)
+    source = peers[1 - puller]
+    source.expect("say")
+    check_pulls(peers[puller], source.rank, SIZES, dtype)
+    source.tell()
+    for p in peers:
+        assert p.finish()["exit"] == p.rank
+
+
+def test_pull_from_a_killed_peer_fails_without_reading(rendezvous, peers):
+    puller = [{"export": None}, {"import": None}, {"say": "mapped"}, {"hear": None},
+              {"pull": 1, "blocks": 4, "seed": 1}, {"wait": 5}]
+    victim = [{"export": None}, {"import": None}, {"say": "ready"}, {"hear": None}]
+    peers.append(Peer(rendezvous, 0, 2, puller, dtype="bfloat16", **PULL))
+    peers.append(Peer(rendezvous, 1, 2, victim, dtype="bfloat16", **PULL))
+    exchange_exports(*peers)
+    peers[0].expect("say")
+    peers[1].expect("say")
+    pid = peers[1].proc.pid
+    peers[1].kill()
+    assert process_gone(pid)
+    peers[0].tell()
+    refused = peers[0].expect("refused")
+    assert refused["error"] == "TransportError" and "is gone" in refused["message"], refused
+    assert peers[0].expect("cache")["cache"] == expected_cache(0, [], "bfloat16"), "nothing was written"
+    peers[0].finish()
+
+
+@pytest.mark.nccl
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_pull_across_two_gpus(rendezvous, peers):
+    """Peer-accessible GPUs (NVLink): the destination's kernel reads the peer GPU's cache."""
+    if not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("cuda:0 cannot access cuda:1 directly")
+    scripts = pull_scripts(1, SIZES)
+    for rank in (0, 1):
+        peers.append(Peer(rendezvous, rank, 2, scripts[rank], dtype="bfloat16", device_per_rank=True,
+                          kind="cuda_ipc", share_cache=True))
+    exchange_exports(*peers)
+    peers[0].expect("say")
+    check_pulls(peers[1], 0, SIZES, "bfloat16")
+    peers[0].tell()
+    for p in peers:
+        assert p.finish()["exit"] == p.rank

@@ -2,7 +2,8 @@
 HEADER SCRIPT``.
 
 It runs SCRIPT (a JSON list of steps) against the transport HEADER names (``kind``: gloo,
-or cuda_ipc on ``device``) and prints one JSON line per result. Steps (one key names each):
+nccl, or cuda_ipc on ``device``, or on cuda:RANK with ``device_per_rank``; ``share_cache``:
+cuda_ipc exports the cache for pulls) and prints one JSON line per result. Steps (one key names each):
   {"connect": peer, "session": s}           gloo: start connecting
   {"connected": timeout}                    gloo: wait for every connection started so far
   {"export": null}                          cuda_ipc: print this rank's export (msgpack, hex)
@@ -11,6 +12,10 @@ or cuda_ipc on ``device``) and prints one JSON line per result. Steps (one key n
                                             start one transfer of n blocks (ids from seed);
                                             sends pack this rank's cache, receives unpack
                                             into it once complete
+  {"pull": peer, "blocks": n, "seed": s}    cuda_ipc: start copying n blocks of the peer's
+                                            cache (source ids from seed) into this rank's
+                                            (destination ids from seed); a refusal prints
+                                            {"refused": seed, ...}
   {"wait": timeout}                         wait for every started transfer, print its
                                             digest, then the digest of the whole cache
   {"fail": timeout}                         wait for every started transfer, expecting each
@@ -54,10 +59,14 @@ def main() -> None:
     else:
         from lmpool.transfer.cuda_ipc import CudaIpcTransport
 
+        if header.get("device_per_rank"):
+            device = torch.device(f"cuda:{rank}")
         torch.cuda.set_device(device)
-        transport = CudaIpcTransport(address, rank, world, device=str(device),
-                                     staging_bytes=header["staging_bytes"], timeout_s=timeout_s)
     cache = make_cache(rank, header["incarnation"], dtype).to(device)
+    if header.get("kind") == "cuda_ipc":
+        transport = CudaIpcTransport(address, rank, world, device=str(device),
+                                     staging_bytes=header.get("staging_bytes", 0), timeout_s=timeout_s,
+                                     kv_cache=cache if header.get("share_cache") else None)
     connects, started = [], []
     for step in script:
         if "connect" in step:
@@ -83,12 +92,22 @@ def main() -> None:
                 data = payload_like(step["blocks"], dtype).to(device)
                 handle = transport.recv(step["recv"], data, step["tag"])
             started.append((op, step, handle, data, dst_ids))
+        elif "pull" in step:
+            src_ids, dst_ids = block_ids(step["seed"], step["blocks"])
+            try:
+                handle = transport.pull(step["pull"], src_ids.tolist(), dst_ids.tolist())
+            except TransportError as e:  # refused before anything was read
+                out(refused=step["seed"], error=type(e).__name__, message=str(e))
+                continue
+            started.append(("pull", step, handle, None, dst_ids))
         elif "wait" in step:
             for op, s, handle, data, dst_ids in started:
                 handle.wait(step["wait"])
                 if op == "recv":
                     unpack_kv(cache, dst_ids, data)
                     out(received=s["tag"], digest=digest(pack_kv(cache, dst_ids)))
+                elif op == "pull":
+                    out(pulled=s["seed"], digest=digest(pack_kv(cache, dst_ids.to(device))))
                 else:
                     out(sent=s["tag"])
             started.clear()
@@ -99,10 +118,10 @@ def main() -> None:
                 try:
                     handle.wait(step["fail"])
                 except TransportError as e:
-                    out(failed=s["tag"], op=op, error=type(e).__name__, message=str(e),
+                    out(failed=s.get("tag"), op=op, error=type(e).__name__, message=str(e),
                         elapsed=time.monotonic() - t0)
                 else:
-                    out(failed=s["tag"], op=op, error=None, elapsed=time.monotonic() - t0)
+                    out(failed=s.get("tag"), op=op, error=None, elapsed=time.monotonic() - t0)
             started.clear()
         elif "say" in step:
             out(say=step["say"])
