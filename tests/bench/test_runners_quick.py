@@ -1,0 +1,109 @@
+"""Both evaluation runners in CPU quick mode: they finish, write the JSON the figures and
+the paper runbook rely on, and ``plot_results.py`` draws every figure from it. Figures
+(speed) are not asserted, only structure and the invariants of the records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(no_leaks):
+    yield
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def check_common(data: dict, workloads: set[str], policies: set[str]) -> None:
+    assert data["schema"] == "lmpool-eval/1"
+    meta = data["metadata"]
+    for key in ("command", "config", "model", "versions", "hardware", "git", "started_at", "finished_at",
+                "dataset_profile", "mps"):
+        assert key in meta, key
+    assert meta["git"]["revision"] and meta["versions"]["torch"]
+    assert meta["config"]["reps"] == 1 and meta["config"]["world_size"] == 2 and meta["config"]["block_size"] == 8
+    assert set(meta["dataset_profile"]) == workloads
+    assert set(data["policies"]) == policies
+    assert all(not str(a).startswith("/") for a in meta["command"])  # no machine paths in the record
+    ok = [r for r in data["runs"] if r["status"] == "ok"]
+    for policy, state in data["policies"].items():
+        runs = [r for r in data["runs"] if r["policy"] == policy]
+        assert len(runs) == len(workloads)
+        if state["status"] == "ok":
+            assert all(r["status"] == "ok" for r in runs), [r["error"] for r in runs]
+        else:
+            assert state["error"]  # unavailable or failed policies say why
+    for r in ok:
+        cols = r["requests"]
+        n = len(cols["index"])
+        assert n == meta["dataset_profile"][r["workload"]]["requests"]
+        assert cols["index"] == list(range(n))
+        assert all(c == 4 for c in cols["output_len"])  # ignore_eos: exactly max_tokens
+        assert all(0 <= rank < 2 for rank in cols["rank"])
+        assert all(0 <= c <= p for c, p in zip(cols["num_cached_tokens"], cols["prompt_len"]))
+        assert all(a <= f <= c for a, f, c in zip(cols["arrival_s"], cols["first_token_s"], cols["completion_s"]))
+        pinned = [(p, k) for p, k in zip(cols["pinned_rank"], cols["rank"]) if p is not None]
+        assert all(p == k for p, k in pinned)  # the workload's placement was honoured
+        m = r["metrics"]
+        assert sum(m["rank_requests"]) == n
+        for key in ("throughput_tok_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms",
+                    "e2e_mean_ms", "dp_req_hit", "dp_tok_reuse"):
+            assert m[key] is not None and m[key] >= 0, key
+        assert 0 <= m["dp_req_hit"] <= meta["dataset_profile"][r["workload"]]["trace_req_share"] + 1e-9
+        assert r["start_s"] > 0 and r["replay_s"] > 0
+    for r in ok:
+        entry = data["summary"][r["workload"]][r["policy"]]["throughput_tok_s"]
+        assert entry["n"] == 1 and entry["half_width"] is None and entry["values"] == [r["metrics"]["throughput_tok_s"]]
+
+
+def plots(path: Path) -> list[str]:
+    done = subprocess.run([sys.executable, str(BENCH / "plot_results.py"), str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line.removeprefix("saved figure: ") for line in done.stdout.splitlines()]
+
+
+def test_routing_runner_quick_mode(tiny_model, tmp_path):
+    out = tmp_path / "eval_routing.json"
+    run("benchmark_kv_routing.py", "--model", tiny_model, "--json", str(out))
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "kv_routing"
+    check_common(data, {"locality_1x", "locality_3x", "locality_5x"}, {"lmpool", "round_robin", "least_loaded"})
+    assert all(r["status"] == "ok" for r in data["runs"])
+    profile = data["metadata"]["dataset_profile"]
+    assert all(f"{100 * p['trace_req_share']:.2f}" == "91.67" for p in profile.values())
+    acceptance = data["comparisons"]["acceptance"]
+    assert acceptance["workload"] == "locality_5x"
+    assert {"throughput_gain", "ttft_reduction", "peers_better_beyond_ci"} <= set(acceptance)
+    assert plots(out) == [str(tmp_path / "eval_routing.png")]
+
+
+def test_e2e_runner_quick_mode(tiny_model, tmp_path):
+    out = tmp_path / "eval_e2e.json"
+    run("benchmark_e2e.py", "--model", tiny_model, "--json", str(out))
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "e2e"
+    check_common(data, {"load_skew", "memory_skew"},
+                 {"round_robin", "least_loaded", "lmpool", "lmpool+background", "lmpool+foreground"})
+    for name in ("round_robin", "least_loaded", "lmpool"):  # these exist in every build
+        assert data["policies"][name]["status"] == "ok"
+    for r in data["runs"]:
+        if r["status"] == "ok" and r["policy"] in ("round_robin", "least_loaded", "lmpool"):
+            assert r["metrics"].get("blocks_moved", 0) == 0 and r["metrics"].get("blocks_copied", 0) == 0
+    mem = next(r for r in data["runs"] if r["workload"] == "memory_skew" and r["status"] == "ok")
+    assert set(mem["metrics"]["phases"]) == {"warmup", "pressure", "reuse"}
+    assert "met" in data["comparisons"]["acceptance"]
+    assert plots(out) == [str(tmp_path / "eval_e2e_load_skew.png"), str(tmp_path / "eval_e2e_memory_skew.png")]
