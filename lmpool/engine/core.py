@@ -100,21 +100,23 @@ class EngineCore:
         self.scheduler.complete_step(batch)
         tokens = pending.result()
         outputs = []
+        append = outputs.append
+        eos, max_len = self.eos_token_ids, self.max_model_len
+        # Stop conditions inline: this loop runs once per sequence per step.
         for seq, token in zip(pending.seqs, tokens):
             seq.append_token(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.scheduler.running.remove(seq)
-                self.scheduler.finish(seq, reason)
-                self.runner.sampler.release(seq.request_id)
-                del self.requests[seq.request_id]
-            outputs.append(StepOutput(seq.request_id, token, reason is not None, reason, seq))
+            params = seq.params
+            length = len(seq.token_ids)
+            if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
+                reason = "stop"
+            elif length - seq.num_prompt_tokens >= params.max_tokens or length >= max_len:
+                reason = "length"
+            else:
+                append(StepOutput(seq.request_id, token, False, None, seq))
+                continue
+            self.scheduler.running.remove(seq)
+            self.scheduler.finish(seq, reason)
+            self.runner.sampler.release(seq.request_id)
+            del self.requests[seq.request_id]
+            append(StepOutput(seq.request_id, token, True, reason, seq))
         return outputs
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter, getitem
+from operator import getitem
 from typing import Protocol
 
 import numpy as np
@@ -39,10 +39,6 @@ import torch
 
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.model.qwen3 import AttentionMetadata
-
-_token_ids = attrgetter("token_ids")
-_computed = attrgetter("num_computed_tokens")
-_block_table = attrgetter("block_table")
 
 
 class GraphSizes(Protocol):
@@ -89,6 +85,9 @@ class StepInputBuilder:
             self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda)
             self.dev = torch.zeros(capacity, dtype=torch.int32, device=self.device) if self.on_cuda else self.host
         self.host_np = self.host.numpy()
+        self._arange = np.arange(capacity + 1, dtype=np.int64)
+        # Device views per layout: a decode step usually has the previous step's layout.
+        self._views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
 
     @property
     def capacity(self) -> int:
@@ -101,63 +100,66 @@ class StepInputBuilder:
             raise ValueError("cannot build model inputs for an empty batch")
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has read the host arena
-        tokens = list(map(_token_ids, seqs))
-        starts_list = list(map(_computed, seqs))
-        tables = list(map(_block_table, seqs))
-        starts = np.array(starts_list, dtype=np.int64)
-        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
-        seq_lens = np.fromiter(map(len, tokens), dtype=np.int64, count=num_seqs)
-        width = int(table_lens.max())
+        tokens = [s.token_ids for s in seqs]
+        starts_list = [s.num_computed_tokens for s in seqs]
+        tables = [s.block_table for s in seqs]
+        table_lens = list(map(len, tables))
+        width = max(table_lens)
         num_rows = sum(counts)
         decode = num_rows == num_seqs  # every sequence has exactly one new token
+        starts = np.array(starts_list, dtype=np.int64)
         if decode:
             ends = starts + 1
-            query_start = np.arange(num_seqs + 1, dtype=np.int64)
+            query_start = self._arange[: num_seqs + 1]
         else:
             count_arr = np.array(counts, dtype=np.int64)
             ends = starts + count_arr
             query_start = np.zeros(num_seqs + 1, dtype=np.int64)
             np.cumsum(count_arr, out=query_start[1:])
-        samples = ends == seq_lens
-        all_sample = bool(samples.all())
+        samples = ends == np.array(list(map(len, tokens)), dtype=np.int64)
+        num_sampled = int(np.count_nonzero(samples))
+        all_sample = num_sampled == num_seqs
         # Sample rows are needed unless they are exactly every row (a decode step where all sample).
         rows_needed = not (decode and all_sample)
-        num_sampled = int(np.count_nonzero(samples)) if rows_needed else 0
+        num_rows_sampled = num_sampled if rows_needed else 0
 
-        graph_size = graphs.padded_size(num_seqs) if decode and graphs is not None and width <= graphs.max_width else None
+        graph_size = None
+        if decode and graphs is not None and width <= graphs.max_width:
+            graph_size = graphs.padded_size(num_seqs)
         padded = graph_size or num_rows
         ctx_rows = graph_size or num_seqs
         o_pos, o_slot, o_ctx = padded, 2 * padded, 3 * padded
         o_qsl = o_ctx + ctx_rows
         o_rows = o_qsl + num_seqs + 1
-        o_tab = o_rows + num_sampled
+        o_tab = o_rows + num_rows_sampled
         end = o_tab + num_seqs * width
         if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)
             self._allocate(max(end, 2 * self.capacity))
         a = self.host_np
 
         table = a[o_tab:end].reshape(num_seqs, width)
-        flat_tables = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
-        if (table_lens == width).all():
-            table.reshape(-1)[:] = flat_tables
+        num_entries = sum(table_lens)
+        flat_tables = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=num_entries)
+        if num_entries == num_seqs * width:
+            a[o_tab:end] = flat_tables
         else:  # pad short rows with 0; entries past a sequence's blocks are never read
             table[:] = 0
-            table[np.arange(width) < table_lens[:, None]] = flat_tables
+            table[self._arange[:width] < np.array(table_lens)[:, None]] = flat_tables
 
         if decode:
             a[:num_seqs] = list(map(getitem, tokens, starts_list))
             positions = starts
-            owner = np.arange(num_seqs)
+            owner = self._arange[:num_seqs]
         else:
             ids: list[int] = []
             for toks, start, n in zip(tokens, starts_list, counts):
                 ids += toks[start : start + n]
             a[:num_rows] = ids
-            owner = np.repeat(np.arange(num_seqs), count_arr)
-            positions = np.arange(num_rows, dtype=np.int64) + (starts - query_start[:-1])[owner]
+            owner = np.repeat(self._arange[:num_seqs], count_arr)
+            positions = self._arange[:num_rows] + (starts - query_start[:-1])[owner]
         a[o_pos : o_pos + num_rows] = positions
         blocks = table[owner, positions >> self.block_shift].astype(np.int64)
-        a[o_slot : o_slot + num_rows] = (blocks << self.block_shift) + (positions & (self.block_size - 1))
+        a[o_slot : o_slot + num_rows] = (blocks << self.block_shift) | (positions & (self.block_size - 1))
         a[o_ctx : o_ctx + num_seqs] = ends
         if graph_size is not None and graph_size > num_seqs:
             a[num_seqs:padded] = 0
@@ -167,26 +169,34 @@ class StepInputBuilder:
         a[o_qsl:o_rows] = query_start
         if rows_needed:
             a[o_rows:o_tab] = query_start[1:][samples] - 1
-        sample_index = None if all_sample else np.flatnonzero(samples).tolist()
 
-        dev = self.dev
         if self.on_cuda:
-            dev[:end].copy_(self.host[:end], non_blocking=True)
+            self.dev[:end].copy_(self.host[:end], non_blocking=True)
             self._copied.record()
-        meta = AttentionMetadata(
-            slot_mapping=dev[o_slot : o_slot + num_rows],
-            block_tables=dev[o_tab:end].view(num_seqs, width),
-            context_lens=dev[o_ctx : o_ctx + num_seqs],
-            query_start_loc=dev[o_qsl:o_rows],
-            is_decode=decode,
-        )
+        key = (padded, ctx_rows, num_seqs, num_rows, num_rows_sampled, width, graph_size or 0)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            dev = self.dev
+            views = self._views[key] = (
+                dev[:num_rows],
+                dev[o_pos : o_pos + num_rows],
+                dev[o_slot : o_slot + num_rows],
+                dev[o_tab:end].view(num_seqs, width),
+                dev[o_ctx : o_ctx + num_seqs],
+                dev[o_qsl:o_rows],
+                dev[o_rows:o_tab] if rows_needed else None,
+                dev[: 4 * graph_size].view(4, graph_size) if graph_size else None,
+            )
+        ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v = views
         return StepInputs(
-            ids=dev[:num_rows],
-            positions=dev[o_pos : o_pos + num_rows],
-            meta=meta,
+            ids=ids_v,
+            positions=pos_v,
+            meta=AttentionMetadata(slots_v, tables_v, ctx_v, qsl_v, decode),
             num_seqs=num_seqs,
-            sample_rows=dev[o_rows:o_tab] if rows_needed else None,
-            sample_index=sample_index,
+            sample_rows=rows_v,
+            sample_index=None if all_sample else np.flatnonzero(samples).tolist(),
             graph_size=graph_size,
-            graph_header=None if graph_size is None else dev[: 4 * graph_size].view(4, graph_size),
+            graph_header=header_v,
         )
