@@ -47,6 +47,8 @@ from lmpool.engine.kv_events import BlockStored, KVDelta, KVSnapshot
 from lmpool.pool.messages import LoadReport, RankState
 
 DEFAULT_RESERVATION_TTL_S = 10.0
+DEFAULT_HEAT_HALF_LIFE_S = 30.0
+DEFAULT_ROUTE_HIT_WEIGHT = 0.5
 
 
 class StaleUpdateError(Exception):
@@ -71,7 +73,9 @@ class Reservation(NamedTuple):
 
 
 class HashStats(msgspec.Struct, gc=False):
-    """Demand for one cached block: how often routed prompts contained it, and how often a route used it.
+    """Demand for one cached block: how often routed prompts contained it, how often a route
+    used it, and its heat: those two decayed with the page table's half-life (an access
+    counts 1, a route hit ``route_hit_weight`` more), as of ``last_access``.
 
     Untracked by the garbage collector (it holds numbers only): hundreds of
     thousands of these would otherwise make every full collection pause the
@@ -81,6 +85,7 @@ class HashStats(msgspec.Struct, gc=False):
     accesses: int = 0
     route_hits: int = 0
     last_access: float = 0.0
+    heat: float = 0.0
 
 
 class RankInfo:
@@ -119,12 +124,19 @@ class GlobalBlockManager:
         block_size: int,
         reservation_ttl_s: float = DEFAULT_RESERVATION_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        heat_half_life_s: float = DEFAULT_HEAT_HALF_LIFE_S,
+        route_hit_weight: float = DEFAULT_ROUTE_HIT_WEIGHT,
     ) -> None:
         if world_size < 1 or block_size < 1:
             raise ValueError(f"need world_size >= 1 and block_size >= 1, got {world_size}, {block_size}")
+        if heat_half_life_s <= 0 or route_hit_weight < 0:
+            raise ValueError(f"need heat_half_life_s > 0 and route_hit_weight >= 0, got {heat_half_life_s}, "
+                             f"{route_hit_weight}")
         self.world_size = world_size
         self.block_size = block_size
         self.reservation_ttl_s = reservation_ttl_s
+        self.heat_half_life_s = heat_half_life_s
+        self.route_hit_weight = route_hit_weight
         self.clock = clock
         self.ranks = [RankInfo(r) for r in range(world_size)]
         self.alive_mask = 0  # bit r set while rank r is registered and alive
@@ -368,6 +380,14 @@ class GlobalBlockManager:
                 found.append(PageEntry(info.rank, entry & 0xFFFFFFFF, entry >> 32, ready))
         return found
 
+    def generation(self, rank: int, block_hash: int) -> int | None:
+        """The generation of ``rank``'s ready copy of ``block_hash`` (None without one)."""
+        info = self.ranks[rank]
+        entry = info.blocks.get(block_hash)
+        if entry is None or block_hash in info.in_flight:
+            return None
+        return entry >> 32
+
     def ready_ranks(self, block_hash: int) -> int:
         """Bitmask of the alive ranks holding a ready copy of ``block_hash``."""
         return self._ready.get(block_hash, 0)
@@ -376,18 +396,31 @@ class GlobalBlockManager:
         """Demand seen at ingress: the first ``held`` blocks are cached somewhere; the route used the first ``used``."""
         now = self.clock()
         stats = self._stats
+        half_life = self.heat_half_life_s
+        hit_weight = 1.0 + self.route_hit_weight
         for i in range(held):
             h = block_hashes[i]
             s = stats.get(h)
             if s is None:
                 s = stats[h] = HashStats()
             s.accesses += 1
+            decay = 0.5 ** ((now - s.last_access) / half_life)
             s.last_access = now
             if i < used:
                 s.route_hits += 1
+                s.heat = s.heat * decay + hit_weight
+            else:
+                s.heat = s.heat * decay + 1.0
 
     def hash_stats(self, block_hash: int) -> HashStats | None:
         return self._stats.get(block_hash)
+
+    def heat(self, block_hash: int) -> float:
+        """The block's demand now: its heat decayed since its last access (0 if never routed)."""
+        s = self._stats.get(block_hash)
+        if s is None:
+            return 0.0
+        return s.heat * 0.5 ** ((self.clock() - s.last_access) / self.heat_half_life_s)
 
     # ---- route reservations ----------------------------------------------------------------
 

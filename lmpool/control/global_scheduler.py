@@ -45,6 +45,12 @@ move, not for recomputation).
 
 The baselines are documented on their methods. Every policy sees the same
 candidates and the same reservations, so comparisons isolate the rule.
+
+Placement leases (``lmpool.control.leases``), when background placement runs,
+apply after any policy: if the prompt contains a leased chain, the lease's rank
+still holds it, is a candidate and capacity-feasible, and its projected cost
+(the LMPool terms above) is below the chosen rank's, the lease's rank gets the
+request ("lease ... over ..."); ``lease_routed`` counts these.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lmpool.control.global_block_manager import GlobalBlockManager
+from lmpool.control.leases import PlacementLeases
 from lmpool.control.topology import Topology
 from lmpool.pool.messages import RouteDecision, RouteQuery
 
@@ -125,6 +132,9 @@ class GlobalScheduler:
         self.policy = policy
         self.config = config or RoutingConfig()
         self.last_costs: list[RankCost] = []  # the LMPool policy's projections for the latest route
+        self.last_held = 0  # blocks of the latest routed prompt cached on some candidate rank
+        self.leases: PlacementLeases | None = None  # set when background placement runs
+        self.lease_routed = 0
         self._route = getattr(self, "_route_" + policy)
         self._rr_next = 0
         self._rng = random.Random(self.config.seed)
@@ -146,11 +156,36 @@ class GlobalScheduler:
         ranks = [r for r in range(gbm.world_size) if candidates >> r & 1]
         lengths = gbm.prefix_match(query.block_hashes, candidates)
         rank, reason = self._route(query, ranks, lengths, seed_rank)
+        if self.leases:
+            rank, reason = self._steer(query, candidates, lengths, seed_rank, rank, reason)
         self._reserve(query, rank, lengths[rank])
-        gbm.record_route(query.block_hashes, max(lengths), lengths[rank])
+        self.last_held = max(lengths)
+        gbm.record_route(query.block_hashes, self.last_held, lengths[rank])
         if self.policy == "sglang_cache_aware" and self.config.sglang_tree == "approximate":
             self._sgl_insert(rank, query.block_hashes)
         return RouteDecision(rank, lengths[rank], reason)
+
+    def _steer(self, query: RouteQuery, candidates: int, lengths: list[int], seed: int | None,
+               rank: int, reason: str) -> tuple[int, str]:
+        """Send the request to a placement lease's copy when that is cheaper (module docstring)."""
+        lease = self.leases.find(query.block_hashes)
+        if lease is None or lease.dst == rank or not candidates >> lease.dst & 1:
+            return rank, reason
+        if lengths[lease.dst] < lease.depth:  # the copy is gone: so is the lease's point
+            self.leases.drop(lease.leaf)
+            return rank, reason
+        chosen, copy = self.project(query, [rank, lease.dst], lengths, seed)
+        if copy.available < copy.need or copy.cost >= chosen.cost:
+            return rank, reason
+        self.lease_routed += 1
+        return copy.rank, f"{_describe('lease', copy)} over {reason}"
+
+    def rank_load(self, rank: int) -> float:
+        """Work already queued on ``rank``, in token-equivalents: ``project()``'s load term."""
+        info = self.gbm.ranks[rank]
+        load = info.load
+        decode = load.decode_tokens_left if self.config.decode_work == "tokens" else load.num_running
+        return load.waiting_prefill_tokens + info.reserved_tokens + self.config.decode_weight * decode
 
     def _reserve(self, query: RouteQuery, rank: int, matched: int) -> None:
         _, missing, need = _request_shape(query, matched, self.gbm.block_size)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import deque
+from collections.abc import Iterable
 
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.engine.kv_events import BlockRemoved, BlockStored, KVDelta, KVEvent, KVSnapshot
@@ -226,7 +227,7 @@ class BlockManager:
         cannot be reclaimed while their bytes move. All or nothing: if any block is no longer
         cached, or was reused under another generation, nothing is pinned.
 
-        The cached ancestors of the first block are pinned too: a referenced block must
+        The cached ancestors of every block are pinned too: a referenced block must
         never hang off a reclaimable parent, or leaf-first reclamation could stall.
         Returns (the blocks, every block pinned).
         """
@@ -237,10 +238,13 @@ class BlockManager:
                 raise StaleBlockError(f"block {h:#x} generation {generation} is no longer cached here")
             ids.append(block_id)
         pinned = list(ids)
-        parent = self.blocks[ids[0]].parent_id if ids else None
-        while parent is not None:
-            pinned.append(parent)
-            parent = self.blocks[parent].parent_id
+        seen = set(ids)
+        for block_id in ids:  # a plan may carry several chains: pin each one's ancestors
+            parent = self.blocks[block_id].parent_id
+            while parent is not None and parent not in seen:
+                seen.add(parent)
+                pinned.append(parent)
+                parent = self.blocks[parent].parent_id
         for block_id in pinned:
             self._reference(self.blocks[block_id])
         return ids, pinned
@@ -277,16 +281,49 @@ class BlockManager:
             self.release(block_id)
 
     def drop_unreferenced_suffix(self, block_ids: list[int]) -> list[int]:
-        """Reclaim a chain's blocks from its end backwards while nobody references them and no
-        cached child hangs off them (the source side of a move); return the freed ids."""
+        """Reclaim the blocks of ``block_ids`` (parents before children) from the end backwards
+        that nobody references and no cached child hangs off (the source side of a move);
+        return the freed ids.
+
+        A block that must stay keeps its ancestors too (they still have a cached child), so
+        of one chain exactly an unreferenced suffix goes; of several chains, each one's."""
         freed = []
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             if block.state is not BlockState.RECLAIMABLE or block.num_cached_children:
-                break
+                continue
             self._uncache(block)
             freed.append(block_id)
         return freed
+
+    def eviction_order(self, n: int, exclude: Iterable[int] = ()) -> list[int]:
+        """The first ``n`` blocks (or fewer) reclamation would take, in order, without taking
+        them: cold cached blocks that nobody references, leaves first. A block in ``exclude``
+        (say, a waiting sequence's own prefix hit) is never named, nor are its ancestors
+        through it."""
+        skip = set(exclude)
+        heap = []
+        for hits, last_access, block_id in self._reclaim_heap:
+            block = self.blocks[block_id]
+            if (block_id not in skip and block.state is BlockState.RECLAIMABLE and not block.num_cached_children
+                    and (block.hits, block.last_access) == (hits, last_access)):
+                heap.append((hits, last_access, block_id))
+                skip.add(block_id)  # the heap may hold an entry twice
+        heapq.heapify(heap)
+        taken: list[int] = []
+        children_taken: dict[int, int] = {}
+        excluded = set(exclude)
+        while heap and len(taken) < n:
+            block_id = heapq.heappop(heap)[2]
+            taken.append(block_id)
+            parent_id = self.blocks[block_id].parent_id
+            if parent_id is None or parent_id in excluded:
+                continue
+            parent = self.blocks[parent_id]
+            children_taken[parent_id] = children_taken.get(parent_id, 0) + 1
+            if parent.state is BlockState.RECLAIMABLE and children_taken[parent_id] == parent.num_cached_children:
+                heapq.heappush(heap, (parent.hits, parent.last_access, parent_id))
+        return taken
 
     # ---- reclamation ----------------------------------------------------------
 

@@ -9,11 +9,19 @@ most recently admitted running sequence is preempted: its blocks are dropped
 and it waits at the head of the queue to be recomputed (its complete blocks are
 usually still in the prefix cache). No sequence is admitted in a step that
 preempted, so the pool does not thrash.
+
+Admitting a waiting sequence may need more fresh blocks than are free; the rest
+are then reclaimed from the prefix cache (evicted). Before that happens the
+optional ``on_shortage(hit, num_blocks)`` hook is asked: True means "keep the
+sequence waiting this step" (a pool worker is moving that many cold cached blocks
+to a partner instead of losing them), False means evict as usual. The hook
+bounds its own waiting, so admission never stalls forever.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmpool.engine.block_manager import BlockManager
@@ -45,6 +53,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_shortage: Callable[[list[int], int], bool] | None = None
+        self.last_batch = ScheduledBatch()  # what the latest ``schedule()`` returned
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -65,7 +75,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        batch = self.last_batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         i = 0
@@ -94,6 +104,9 @@ class Scheduler:
             fresh = bm.blocks_needed(len(hit) * bm.block_size + n) - len(hit)
             if not bm.can_admit(hit, fresh):
                 break
+            evict = fresh - bm.num_free
+            if evict > 0 and self.on_shortage is not None and self.on_shortage(hit, evict):
+                break  # cold cached blocks are being moved out instead of evicted: wait for them
             self.waiting.popleft()
             bm.admit(seq, hit)
             bm.grow(seq, seq.num_computed_tokens + n)

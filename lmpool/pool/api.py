@@ -8,6 +8,12 @@ shaped like ``LLM.generate``.
 
 ``metrics_port`` (an int; 0 picks a free port) turns on Prometheus metrics, served
 from this process at ``http://<metrics_host>:<port>/metrics`` (see ``lmpool.pool.metrics``).
+
+KV transfers: ``enable_transfers=True`` allows explicit ones (``transfer``);
+``transfer_mode`` ("background", "foreground" or "both"; implies transfers) runs the
+automatic policies, with copies capped per chain (``background_copy_max_blocks``) and
+per pair and tick (``background_copy_batch_max_blocks``), and their thresholds in
+``transfer_policy`` (``TransferPolicyConfig``). ``stats()["transfers"]`` counts them.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Sequence as SequenceABC
 
 import uvloop
 
+from lmpool.control.transfer_config import TransferPolicyConfig
 from lmpool.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
 from lmpool.pool.engine import LLMEngine, PoolConfig, TrackedRequest
@@ -51,6 +58,10 @@ class AsyncLMPool:
         metrics_host: str = "127.0.0.1",
         enable_transfers: bool = False,
         transfer_lease_s: float = 10.0,
+        transfer_mode: str = "none",
+        background_copy_max_blocks: int = 8,
+        background_copy_batch_max_blocks: int = 128,
+        transfer_policy: TransferPolicyConfig | None = None,
         **engine_args,
     ) -> None:
         engine = EngineArgs(model=str(model), **engine_args)
@@ -58,6 +69,8 @@ class AsyncLMPool:
             model=str(model), world_size=world_size, device=device, routing=routing,
             topology=topology, engine=engine, ready_timeout=ready_timeout,
             enable_transfers=enable_transfers, transfer_lease_s=transfer_lease_s,
+            transfer_mode=transfer_mode, background_copy_max_blocks=background_copy_max_blocks,
+            background_copy_batch_max_blocks=background_copy_batch_max_blocks, transfer_policy=transfer_policy,
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = LLMEngine(self.config)
@@ -176,7 +189,8 @@ class AsyncLMPool:
         await self.engine.abort(request_id)
 
     async def stats(self) -> dict:
-        """Pool state: ``control_pid`` and per-rank rows (see ``LLMEngine.stats``)."""
+        """Pool state: ``control_pid``, per-rank rows and the ``transfers`` counters (see
+        ``LLMEngine.stats`` and ``TransferStats``)."""
         return await self.engine.stats()
 
 

@@ -13,6 +13,12 @@ engine closes its link or dies.
 A few times a second it publishes the pool's state on the pool-state board
 (``lmpool.pool.state_board``) for monitors; readers never make it wait.
 
+With transfers enabled it runs transfer plans (``TransferCoordinator``): those the
+engine asks for (``TransferChain``) and, per ``transfer_mode``, those of the
+automatic policies (``lmpool.pool.transfer_policies``): a background placement
+task every ``transfer_policy.interval_s``, and a foreground move for each
+worker's ``ShortageReport``. Neither ever makes routing wait.
+
 Run as ``python -m lmpool.pool.control SPEC_JSON`` (see ``lmpool.pool.spec``).
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import random
 import sys
@@ -39,6 +46,7 @@ from lmpool.pool.messages import (
     RankUp,
     ResyncRequest,
     RouteQuery,
+    ShortageReport,
     StatsQuery,
     BlockDigests,
     DigestsReply,
@@ -54,11 +62,13 @@ from lmpool.pool.messages import (
 from lmpool.pool.process import read_spec
 from lmpool.pool.spec import ControlSpec
 from lmpool.pool.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
+from lmpool.pool.transfer_policies import TransferPolicies
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.transfer.coordinator import Plan, PlanState, TransferCoordinator
 from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
+log = logging.getLogger("lmpool.control")
 
 
 class ControlPlane:
@@ -68,7 +78,9 @@ class ControlPlane:
             topology = Topology.detect(spec.world_size, spec.device, spec.gpu_of_rank)
         else:
             topology = Topology.from_pairs(spec.world_size, [tuple(p) for p in spec.pairs], spec.gpu_of_rank)
-        self.gbm = GlobalBlockManager(spec.world_size, spec.block_size)
+        policy = spec.transfer_policy
+        self.gbm = GlobalBlockManager(spec.world_size, spec.block_size, heat_half_life_s=policy.heat_half_life_s,
+                                      route_hit_weight=policy.route_hit_weight)
         self.scheduler = GlobalScheduler(self.gbm, topology, policy=spec.routing)
         self.workers: dict[int, Channel] = {}
         self.resync_pending: set[int] = set()
@@ -78,6 +90,7 @@ class ControlPlane:
             self.gbm, self.send_order, on_end=self._plan_ended, first_plan_id=random.getrandbits(48)
         )
         self.outbox: dict[int, asyncio.Queue] = {}
+        self.policies = TransferPolicies(spec, self.gbm, self.scheduler, self.coordinator, self.send_to)
         self.plan_waiters: dict[int, asyncio.Future] = {}
         self.digest_waiters: dict[int, asyncio.Future] = {}
         self._digest_ids = 0
@@ -95,6 +108,9 @@ class ControlPlane:
                 msg = await channel.recv()
                 if isinstance(msg, TransferAck):
                     self.on_transfer_ack(msg)
+                    continue
+                if isinstance(msg, ShortageReport):
+                    self.policies.on_shortage(msg)
                     continue
                 try:
                     gap = self.apply(msg)
@@ -136,9 +152,13 @@ class ControlPlane:
 
     def send_order(self, rank: int, message) -> None:
         """The coordinator's outlet: queue a phase order for the rank's sender task."""
+        self.send_to(rank, TransferOrder(message.plan_id, message.kind, **message.args))
+
+    def send_to(self, rank: int, message) -> None:
+        """Queue a message for the rank's sender task (dropped for a rank that is gone)."""
         queue = self.outbox.get(rank)
         if queue is not None:
-            queue.put_nowait(TransferOrder(message.plan_id, message.kind, **message.args))
+            queue.put_nowait(message)
 
     async def send_orders(self, rank: int, channel: Channel) -> None:
         queue = self.outbox[rank]
@@ -161,6 +181,7 @@ class ControlPlane:
         )
 
     def _plan_ended(self, plan: Plan) -> None:
+        self.policies.plan_ended(plan)
         waiter = self.plan_waiters.pop(plan.plan_id, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(TransferResult(plan.plan_id, plan.state.value, plan.abort_reason))
@@ -198,6 +219,15 @@ class ControlPlane:
             await asyncio.sleep(0.25)
             self.coordinator.tick()
 
+    async def place(self) -> None:
+        """Background placement: one bounded, synchronous pass per interval."""
+        while True:
+            await asyncio.sleep(self.spec.transfer_policy.interval_s)
+            try:
+                self.policies.tick()
+            except Exception:  # a bug in a policy must not end placement, nor the control plane
+                log.exception("background placement tick failed")
+
     def connect_pairs(self) -> None:
         """Open the data path of every pair of live workers under fresh sessions."""
         ranks = sorted(self.workers)
@@ -224,6 +254,7 @@ class ControlPlane:
             decision = self.scheduler.route_sequence_meta(request)
             self.route_us[self.route_queries % ROUTE_SAMPLES] = (time.perf_counter_ns() - start) / 1e3
             self.route_queries += 1
+            self.policies.observe_route(request)
             return decision
         if isinstance(request, RankDown):
             self.gbm.mark_dead(request.rank)
@@ -254,6 +285,7 @@ class ControlPlane:
             route_p99_us=float(np.percentile(samples, 99)) if n else 0.0,
             resyncs=self.resyncs,
             stale_rejected=self.stale_rejected,
+            transfers=self.policies.stats(),
         )
 
     def pool_state(self) -> PoolState:
@@ -297,6 +329,8 @@ class ControlPlane:
         if self.spec.transfers:
             self.connect_pairs()
             tasks.append(asyncio.create_task(self.watchdog()))
+            if self.policies.background:
+                tasks.append(asyncio.create_task(self.place()))
         try:
             await Responder(engine, ControlRequest, self.handle).serve()
         except IpcError:

@@ -24,9 +24,13 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
+from lmpool.config import EngineConfig
+from lmpool.control.transfer_config import TransferPolicyConfig, check_mode
 from lmpool.engine.hashing import chain_hashes
+from lmpool.engine.model_runner import resolve_dtype
 from lmpool.engine.validation import validate_request
 from lmpool.model.config import ModelConfig
 from lmpool.pool import process
@@ -78,8 +82,21 @@ class PoolConfig:
     heartbeat_interval: float = 0.5
     enable_transfers: bool = False  # workers can copy and move KV blocks between them
     transfer_lease_s: float = 10.0  # a worker aborts a plan its control plane left silent this long
+    # Automatic transfers (``lmpool.control.transfer_config``); any mode but "none" enables transfers.
+    transfer_mode: str = "none"
+    background_copy_max_blocks: int = 8
+    background_copy_batch_max_blocks: int = 128
+    transfer_policy: TransferPolicyConfig | None = None  # thresholds; None: the defaults
 
     def __post_init__(self) -> None:
+        check_mode(self.transfer_mode, self.background_copy_max_blocks, self.background_copy_batch_max_blocks)
+        if self.transfer_policy is None:
+            self.transfer_policy = TransferPolicyConfig()
+        elif not isinstance(self.transfer_policy, TransferPolicyConfig):
+            raise ValueError(f"transfer_policy must be a TransferPolicyConfig, got {type(self.transfer_policy).__name__}")
+        self.transfer_policy.check()
+        if self.transfer_mode != "none":
+            self.enable_transfers = True
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.routing not in ROUTINGS:
@@ -180,6 +197,9 @@ class LLMEngine:
                 heartbeat_interval=cfg.heartbeat_interval, world_size=cfg.world_size,
                 transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
                 transfer_lease_s=cfg.transfer_lease_s,
+                foreground_release=cfg.transfer_mode in ("foreground", "both"),
+                foreground_wait_s=cfg.transfer_policy.foreground_wait_s,
+                foreground_retry_s=cfg.transfer_policy.foreground_retry_s,
             )
             proc = process.spawn("lmpool.pool.worker", spec)
             channel = Channel(link.a, WorkerToEngine)
@@ -215,7 +235,10 @@ class LLMEngine:
             worker_ends=worker_ends, heartbeat_interval=cfg.heartbeat_interval,
             pool_id=self.ipc.pool_id, owner_pid=self.ipc.owner_pid, started_at=self.started_at,
             board=self.board, worker_pids=[r.proc.pid for r in self.ranks],
-            transfers=self.rendezvous is not None,
+            transfers=self.rendezvous is not None, transfer_mode=cfg.transfer_mode,
+            background_copy_max_blocks=cfg.background_copy_max_blocks,
+            background_copy_batch_max_blocks=cfg.background_copy_batch_max_blocks,
+            transfer_policy=cfg.transfer_policy, kv_bytes_per_block=self.kv_bytes_per_block(),
         )
         self.control_proc = process.spawn("lmpool.pool.control", spec)
         self._control_channel = Channel(link.a, object)
@@ -223,6 +246,12 @@ class LLMEngine:
         self.control = Requester(
             self._control_channel, RouteDecision | ControlStats | TransferResult | DigestsReply | None
         )
+
+    def kv_bytes_per_block(self) -> int:
+        """KV bytes of one block on a rank (the transfer cost model's unit)."""
+        engine = self.config.engine
+        config = EngineConfig(model=engine.model, device=self.config.device_of(0), dtype=engine.dtype)
+        return self.model_config.kv_bytes_per_block(self.block_size, resolve_dtype(config, self.model_config))
 
     async def _restart_control(self, failed: Requester) -> None:
         """Start a new control process unless another task already replaced ``failed``."""
@@ -428,6 +457,7 @@ class LLMEngine:
             "route_p50_us": control.route_p50_us, "route_p99_us": control.route_p99_us,
             "resyncs": control.resyncs, "stale_rejected": control.stale_rejected,
             "control_restarts": self.control_restarts,
+            "transfers": msgspec.structs.asdict(control.transfers),
         }
 
     # ---- shutdown -------------------------------------------------------------------

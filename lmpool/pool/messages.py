@@ -40,6 +40,7 @@ class LoadReport(Message):
     prefix_hit_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
     admitted: list[str] = []  # request ids that reached the worker since the previous report
     generated_tokens: int = 0  # cumulative tokens this worker has emitted
+    prefill_s_per_token: float = 0.0  # measured on prefill-heavy steps (EWMA); 0 until measured
 
 
 # ---- engine <-> worker ---------------------------------------------------------------
@@ -136,6 +137,31 @@ class ResyncRequest(Message, tag="resync"):
     rank: int
 
 
+class ShortageReport(Message, tag="shortage"):
+    """The worker can admit a waiting sequence only by evicting ``num_victims`` cold cached
+    blocks: move them to a partner instead (``lmpool.control.foreground``). ``hashes`` holds
+    the victims' cached ancestors that are not victims, then the victims, parents before
+    children, with each block's parent hash and generation."""
+
+    rank: int
+    epoch: int
+    release_id: int
+    hashes: list[int]
+    parents: list[int]
+    generations: list[int]
+    num_victims: int  # the last ``num_victims`` of ``hashes``
+    expected_reuses: float  # the victims' mean prefix-cache hits so far
+
+
+class ReleaseOutcome(Message, tag="release"):
+    """The control plane's answer to a ``ShortageReport``: ``state`` is "done" (the move
+    completed), "aborted" (it started and failed) or "refused" (none was started)."""
+
+    release_id: int
+    state: str
+    reason: str = ""
+
+
 
 
 # ---- engine -> control (request/response) -----------------------------------------
@@ -185,6 +211,31 @@ class RankState(Message, kw_only=True):
     cached_blocks: int
 
 
+class TransferStats(Message, kw_only=True):
+    """The control plane's KV transfer counters (all plans: explicit, background, foreground)."""
+
+    plans_started: int = 0
+    plans_committed: int = 0
+    plans_aborted: int = 0
+    plans_open: int = 0
+    blocks_copied: int = 0  # blocks of committed plans that the source kept
+    blocks_moved: int = 0  # blocks of committed moves that the source gave up
+    lease_routed: int = 0  # requests routed to a copy because of a placement lease
+    leases: int = 0  # placement leases held now
+    background_ticks: int = 0
+    background_copies: int = 0  # committed background plans
+    background_blocks: int = 0  # blocks they copied
+    foreground_requests: int = 0  # shortage reports received
+    foreground_moves: int = 0  # committed foreground plans
+    foreground_refused: int = 0  # shortage reports answered without a move
+    foreground_failed: int = 0  # foreground plans that aborted
+    admission_admitted: int = 0
+    admission_refused: int = 0
+    placement_refused: dict[str, int] = {}  # background candidates refused, per gate
+    in_flight_blocks: int = 0  # page-table entries marked in flight now
+    reservations: int = 0  # route reservations held now
+
+
 class ControlStats(Message, tag="control_stats", kw_only=True):
     pid: int
     ranks: list[RankState]
@@ -193,6 +244,7 @@ class ControlStats(Message, tag="control_stats", kw_only=True):
     route_p99_us: float
     resyncs: int
     stale_rejected: int
+    transfers: TransferStats = msgspec.field(default_factory=TransferStats)
 
 
 
@@ -260,6 +312,6 @@ class DigestsReply(Message, tag="digests"):
 
 # ---- the unions each receiver decodes ---------------------------------------------------
 
-WorkerToControl = Heartbeat | WorkerSnapshot | WorkerDelta | TransferAck
-ControlToWorker = ResyncRequest | Heartbeat | TransferOrder
+WorkerToControl = Heartbeat | WorkerSnapshot | WorkerDelta | TransferAck | ShortageReport
+ControlToWorker = ResyncRequest | Heartbeat | TransferOrder | ReleaseOutcome
 ControlRequest = RouteQuery | RankDown | RankUp | WaitRanks | StatsQuery | TransferChain | BlockDigests

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from lmpool.control.transfer_config import TransferPolicyConfig
+
 
 class EngineArgs(msgspec.Struct, kw_only=True):
     """The per-replica ``EngineConfig`` fields (minus the device, which is per rank)."""
@@ -34,6 +36,9 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     world_size: int = 1
     transfer_rendezvous: str | None = None  # KV transfers between workers, when set
     transfer_lease_s: float = 10.0  # a plan silent this long is aborted on the worker
+    foreground_release: bool = False  # ask the control plane to move blocks before evicting them
+    foreground_wait_s: float = 1.0  # how long admission waits for such a move
+    foreground_retry_s: float = 1.0  # after a refused or failed move, evict for this long
 
 
 class ControlSpec(msgspec.Struct, kw_only=True):
@@ -52,3 +57,8 @@ class ControlSpec(msgspec.Struct, kw_only=True):
     started_at: float = 0.0  # wall-clock time the pool started
     board: str | None = None  # the pool-state board to publish on (``state_board``)
     worker_pids: list[int] = []
+    transfer_mode: str = "none"  # which automatic transfer policies run (``transfer_config``)
+    background_copy_max_blocks: int = 8
+    background_copy_batch_max_blocks: int = 128
+    transfer_policy: TransferPolicyConfig = msgspec.field(default_factory=TransferPolicyConfig)
+    kv_bytes_per_block: int = 0  # for the transfer cost model

@@ -9,6 +9,12 @@ into an inbox, and the loop yields to them between steps (``asyncio.sleep(0)``),
 so a request or an abort is taken at the next step boundary while the model
 runs. With nothing to do the loop sleeps on an event, burning no CPU.
 
+With foreground release on, admission that would evict cached blocks first asks
+the control plane to move them to a partner (``lmpool.pool.release``); while the
+worker waits for that (bounded), a step that runs nothing sleeps on the same
+event until a message or the wait's deadline, instead of spinning. It also
+measures its prefill cost per token (``prefill_meter``) for the transfer gate.
+
 Run as ``python -m lmpool.pool.worker SPEC_JSON`` (see ``lmpool.pool.spec``).
 """
 
@@ -32,6 +38,7 @@ from lmpool.pool.messages import (
     EngineToWorker,
     Heartbeat,
     LoadReport,
+    ReleaseOutcome,
     RequestRejected,
     ResyncRequest,
     Shutdown,
@@ -43,7 +50,9 @@ from lmpool.pool.messages import (
     WorkerReady,
     WorkerSnapshot,
 )
+from lmpool.pool.prefill_meter import PrefillMeter
 from lmpool.pool.process import read_spec
+from lmpool.pool.release import ForegroundRelease
 from lmpool.pool.spec import WorkerSpec
 from lmpool.pool.transfers import TransferExecutor
 from lmpool_ipc import Channel, IpcError
@@ -68,6 +77,12 @@ class Worker:
         self.stopping = False
         self.tasks: list[asyncio.Task] = []
         self.transfers = TransferExecutor(spec, core) if spec.transfer_rendezvous else None
+        self.prefill = PrefillMeter()
+        self.release: ForegroundRelease | None = None
+        if spec.foreground_release and self.transfers is not None:
+            self.release = ForegroundRelease(core.block_manager, spec.rank, spec.epoch, spec.foreground_wait_s,
+                                             spec.foreground_retry_s)
+            core.scheduler.on_shortage = self.release.on_shortage
 
     # ---- message intake ---------------------------------------------------------
 
@@ -91,17 +106,28 @@ class Worker:
                     self.need_snapshot = True
                     self.wakeup.set()
                 elif isinstance(msg, TransferOrder) and self.transfers is not None:
+                    if msg.kind == "finalize" and msg.move and msg.num_blocks:
+                        # A partial move (foreground release): its leading blocks were only
+                        # copied along as ancestors, and the source keeps them.
+                        self.transfers.participant.limit_move(msg.plan_id, msg.num_blocks)
                     self.transfers.orders.append(msg)
+                    self.wakeup.set()
+                elif isinstance(msg, ReleaseOutcome) and self.release is not None:
+                    self.release.on_outcome(msg)
                     self.wakeup.set()
         except IpcError:
             if self.control is channel:  # the control process died; the engine restarts it
                 self.control = None
+                if self.release is not None:
+                    self.release.connected = False
 
     def attach_control(self, end: str) -> None:
         old, self.control = self.control, Channel(end, ControlToWorker)
         if old is not None:
             old.close()
         self.need_snapshot = True
+        if self.release is not None:
+            self.release.connected = True
         self.tasks.append(asyncio.create_task(self.read_control(self.control)))
 
     # ---- reports --------------------------------------------------------------
@@ -126,6 +152,7 @@ class Worker:
             prompt_tokens=self.prompt_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
             generated_tokens=self.generated_tokens,
+            prefill_s_per_token=self.prefill.s_per_token,
         )
 
     async def publish(self) -> None:
@@ -193,6 +220,24 @@ class Worker:
             self.stopping = True
         return []
 
+    async def idle(self) -> None:
+        """The step ran nothing: wait for what can change that instead of spinning."""
+        if self.transfers is not None and self.transfers.in_flight:
+            # Bytes are moving on the transport's threads and nothing else needs this
+            # loop: look again shortly.
+            await asyncio.sleep(0.0005)
+            return
+        release = self.release
+        if release is None or release.pending is None or self.inbox or self.transfers.orders:
+            return
+        # Admission waits for a move: only a message (an order, the outcome, a request)
+        # or the wait's deadline can change anything.
+        self.wakeup.clear()
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), max(0.0, release.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            pass
+
     async def run(self) -> None:
         self.tasks += [asyncio.create_task(self.read_engine()), asyncio.create_task(self.heartbeat())]
         self.attach_control(self.spec.control_end)
@@ -212,8 +257,14 @@ class Worker:
             if self.stopping:
                 break
             deltas = []
+            ran = False
             if self.core.has_unfinished():
-                for out in self.core.step():
+                start = time.perf_counter()
+                outputs = self.core.step()
+                batch = self.core.scheduler.last_batch
+                ran = bool(batch.seqs or batch.num_preempted)
+                self.prefill.observe(batch, time.perf_counter() - start)
+                for out in outputs:
                     seq = out.seq
                     if seq.first_token_time is None:
                         seq.first_token_time = time.monotonic()
@@ -227,10 +278,12 @@ class Worker:
                 self.generated_tokens += len(deltas)  # one delta per new token
                 await self.engine.send(StepOutputs(deltas, self.load()))
             await self.publish()
-            if self.transfers is not None and self.transfers.in_flight and not self.core.has_unfinished():
-                # Bytes are moving on the transport's threads and nothing else needs this
-                # loop: look again shortly instead of spinning.
-                await asyncio.sleep(0.0005)
+            if self.release is not None and self.release.outbox:
+                reports, self.release.outbox = self.release.outbox, []
+                for report in reports:  # after the deltas that announced its blocks
+                    await self.send_control(report)
+            if not ran:
+                await self.idle()
             await asyncio.sleep(0)  # let the readers take what arrived during the step
         for task in self.tasks:
             task.cancel()

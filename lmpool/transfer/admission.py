@@ -14,17 +14,25 @@ the cost of prefilling one token on the destination.
 
 A transfer is admitted when ``benefit > margin * cost``. Every decision, admitted
 or not, is logged with both figures (logger ``lmpool.transfer.admission``) and
-returned, so benchmarks can count and audit them.
+returned, so benchmarks can count and audit them; the latest ``DECISIONS_KEPT``
+stay in ``decisions``.
+
+A plan may carry more blocks than it saves (a move also copies ancestors the
+destination lacks, so that the moved blocks have their chain there): the cost is
+for every block carried, the benefit only for ``saved_blocks``. The prefill
+cost per token may be given per decision (the destination's latest measurement).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 from lmpool.transfer.cost_model import TransferCostModel
 
 log = logging.getLogger("lmpool.transfer.admission")
+DECISIONS_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -63,22 +71,35 @@ class AdmissionGate:
     def __init__(self, policy: AdmissionPolicy, cost_model: TransferCostModel) -> None:
         self.policy = policy
         self.cost_model = cost_model
-        self.decisions: list[AdmissionDecision] = []
+        self.decisions: deque[AdmissionDecision] = deque(maxlen=DECISIONS_KEPT)
+        self.admitted = 0
+        self.refused = 0
 
-    def saved_once(self, num_blocks: int) -> float:
-        return num_blocks * self.policy.block_size * self.policy.prefill_s_per_token
+    def saved_once(self, num_blocks: int, prefill_s_per_token: float | None = None) -> float:
+        per_token = self.policy.prefill_s_per_token if prefill_s_per_token is None else prefill_s_per_token
+        return num_blocks * self.policy.block_size * per_token
 
-    def foreground(self, src: int, dst: int, num_blocks: int, expected_reuses: float) -> AdmissionDecision:
+    def foreground(
+        self, src: int, dst: int, num_blocks: int, expected_reuses: float,
+        saved_blocks: int | None = None, prefill_s_per_token: float | None = None,
+    ) -> AdmissionDecision:
         d = self.policy.discount
         reuse = (1 - d ** expected_reuses) / (1 - d) if expected_reuses > 0 else 0.0
-        return self._decide("foreground", src, dst, num_blocks, self.saved_once(num_blocks) * reuse)
+        saved = num_blocks if saved_blocks is None else saved_blocks
+        return self._decide("foreground", src, dst, num_blocks, self.saved_once(saved, prefill_s_per_token) * reuse)
 
-    def background(self, src: int, dst: int, num_blocks: int) -> AdmissionDecision:
-        return self._decide("background", src, dst, num_blocks, self.saved_once(num_blocks))
+    def background(
+        self, src: int, dst: int, num_blocks: int, prefill_s_per_token: float | None = None
+    ) -> AdmissionDecision:
+        return self._decide("background", src, dst, num_blocks, self.saved_once(num_blocks, prefill_s_per_token))
 
     def _decide(self, kind: str, src: int, dst: int, num_blocks: int, benefit: float) -> AdmissionDecision:
         cost = self.cost_model.estimate(src, dst, num_blocks)
         decision = AdmissionDecision(benefit > self.policy.margin * cost, kind, src, dst, num_blocks, benefit, cost)
         self.decisions.append(decision)
+        if decision.admitted:
+            self.admitted += 1
+        else:
+            self.refused += 1
         log.info("%s", decision)
         return decision

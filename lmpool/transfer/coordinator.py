@@ -15,7 +15,8 @@ source keeps its blocks.
 Invariants: every plan ends (DONE or ABORTED) within ``phase_timeout_s`` of its
 last progress (``tick`` is the watchdog); every phase message is sent once per
 phase and acknowledged idempotently by the workers; acks for another phase,
-or for an ended plan, change nothing.
+or for an ended plan, change nothing. A move's finalize order carries the plan's
+``keep`` (``num_blocks``): the leading blocks the source copied but keeps.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ class Plan:
     deadline: float = 0.0
     abort_reason: str = ""
     marked: list[int] = field(default_factory=list)  # hashes marked in flight on the destination
+    keep: int = 0  # a move frees none of its first ``keep`` blocks (ancestors copied along)
+    kind: str = "explicit"  # who asked: "explicit" (the API), "background" or "foreground"
+
+    @property
+    def num_moved(self) -> int:
+        """Blocks the source gives up (at most: its finalize frees only unreferenced ones)."""
+        return len(self.hashes) - self.keep if self.move else 0
 
 
 class TransferCoordinator:
@@ -90,15 +98,23 @@ class TransferCoordinator:
         # A restarted control process must not reuse the ids its predecessor's plans hold on
         # the workers, hence a caller-chosen (random) start.
         self._ids = itertools.count(first_plan_id)
+        self.started = 0
         self.completed = 0
         self.aborted = 0
-        self.blocks_moved = 0
+        self.blocks_copied = 0  # blocks of completed plans the source kept
+        self.blocks_moved = 0  # blocks of completed moves the source gave up
 
     def start(self, src: int, dst: int, hashes: list[int], generations: list[int], parents: list[int],
-              move: bool = False) -> Plan:
+              move: bool = False, keep: int = 0, kind: str = "explicit") -> Plan:
+        """Open a plan for the chain(s) ``hashes`` (parents before children; ``parents[i]`` is
+        block i's parent hash) from ``src`` to ``dst``; a move frees the source's copies of all
+        but the first ``keep`` blocks."""
+        if not 0 <= keep <= len(hashes):
+            raise ValueError(f"keep={keep} for a plan of {len(hashes)} blocks")
         now = self.clock()
         plan = Plan(next(self._ids), src, dst, move, list(hashes), list(generations), list(parents),
-                    started=now, deadline=now + self.phase_timeout_s)
+                    started=now, deadline=now + self.phase_timeout_s, keep=keep, kind=kind)
+        self.started += 1
         self.plans[plan.plan_id] = plan
         self.send(src, PhaseMessage("prepare_source", plan.plan_id, {"hashes": plan.hashes, "generations": plan.generations}))
         self.send(dst, PhaseMessage("prepare_dest", plan.plan_id, {"num_blocks": len(hashes)}))
@@ -148,11 +164,13 @@ class TransferCoordinator:
                 self.gbm.unmark_in_flight(plan.dst, h, published=True)
             plan.marked = []
             plan.state = PlanState.FINALIZING
-            self.send(plan.src, PhaseMessage("finalize", plan.plan_id, {"move": plan.move}))
+            args = {"move": plan.move, "num_blocks": plan.keep} if plan.keep else {"move": plan.move}
+            self.send(plan.src, PhaseMessage("finalize", plan.plan_id, args))
         else:
-            self._end(plan, PlanState.DONE)
             self.completed += 1
-            self.blocks_moved += len(plan.hashes)
+            self.blocks_moved += plan.num_moved
+            self.blocks_copied += len(plan.hashes) - plan.num_moved
+            self._end(plan, PlanState.DONE)
             if self.cost_model is not None:
                 self.cost_model.observe(plan.src, plan.dst, len(plan.hashes), self.clock() - plan.started)
 
@@ -170,14 +188,24 @@ class TransferCoordinator:
         plan.abort_reason = reason
         for rank in (plan.src, plan.dst):
             self.send(rank, PhaseMessage("abort", plan_id))
-        self._end(plan, PlanState.ABORTED)
         self.aborted += 1
+        self._end(plan, PlanState.ABORTED)
 
     def tick(self) -> None:
         """Watchdog: abort every plan stuck in one phase past its deadline."""
         now = self.clock()
         for plan in [p for p in self.plans.values() if now > p.deadline]:
             self.abort(plan.plan_id, f"timed out in {plan.state.value}")
+
+    def busy(self, a: int, b: int) -> bool:
+        """Whether a plan is open between ranks ``a`` and ``b``, in either direction."""
+        return any({p.src, p.dst} == {a, b} for p in self.plans.values())
+
+    def incoming(self, rank: int) -> int:
+        """Blocks that open plans bring to ``rank``. Counted until the plan ends, though the
+        rank's own load report shows them once reserved: a brief overestimate of its use,
+        never an underestimate."""
+        return sum(len(p.hashes) for p in self.plans.values() if p.dst == rank)
 
     def rank_died(self, rank: int) -> None:
         for plan in [p for p in self.plans.values() if rank in (p.src, p.dst)]:

@@ -13,6 +13,10 @@ where ``data_path_P95`` interpolates the measured curve linearly in block count
 slope), and ``correction`` is an EWMA of observed / estimated seconds, so a
 profile taken on a quiet machine adapts to a busy one.
 
+Without a profile, ``uncalibrated`` starts from a plain link model (a fixed
+cost plus bytes over bandwidth, one curve for every pair) that the same EWMAs
+then correct from the pool's own completed plans.
+
 Invariants: a profile is only accepted for a model whose KV bytes per block
 match the profile's (a curve measured for another shape would be meaningless);
 estimates are positive and non-decreasing in ``n`` for a fixed pair.
@@ -87,6 +91,18 @@ class TransferCostModel:
             sizes = sorted(int(n) for n in by_size)
             residuals[pair] = PairCurve(sizes, [float(by_size[str(n)]) for n in sizes])
         return cls(kv_bytes_per_block, curves, residuals, **kwargs)
+
+    @classmethod
+    def uncalibrated(cls, kv_bytes_per_block: int, fixed_s: float, bytes_per_s: float, **kwargs) -> TransferCostModel:
+        """A link model for a pool without a calibration profile: ``fixed_s + bytes / bytes_per_s``
+        at every calibrated size, for every pair (corrected online like any profile)."""
+        if kv_bytes_per_block < 1 or fixed_s < 0 or bytes_per_s <= 0:
+            raise ValueError(
+                f"need kv_bytes_per_block >= 1, fixed_s >= 0 and bytes_per_s > 0; got "
+                f"{kv_bytes_per_block}, {fixed_s}, {bytes_per_s}"
+            )
+        times = [fixed_s + n * kv_bytes_per_block / bytes_per_s for n in BUCKETS]
+        return cls(kv_bytes_per_block, {"*": PairCurve(list(BUCKETS), times)}, **kwargs)
 
     @staticmethod
     def pair_key(src: int, dst: int) -> str:

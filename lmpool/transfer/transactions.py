@@ -15,7 +15,9 @@ Invariants:
   prefix cache nor the global page table can ever serve them half-written;
 - abort releases everything the plan holds and never touches the source's
   cached copy: a source is only ever freed by a move's finalize, and then only
-  its unreferenced suffix;
+  its unreferenced suffix, and never the plan's first ``keep`` blocks (a
+  partial move: ancestors copied so the destination can hold the moved blocks,
+  see ``limit_move``);
 - a plan whose control plane falls silent (its messages lost, or the control
   process dead) is aborted here once ``lease_s`` passes without a phase message
   (``expire``), so no pin or reservation outlives its transaction;
@@ -67,6 +69,7 @@ class LocalPlan:
     pinned: list[int]  # every block the plan references here (a source also pins ancestors)
     token_ids: list[list[int]] = field(default_factory=list)  # source: each block's tokens
     touched: float = 0.0  # when the last phase message for it arrived
+    keep: int = 0  # source: leading blocks a move copies but never frees
 
 
 class TransferParticipant:
@@ -135,9 +138,16 @@ class TransferParticipant:
             raise StalePlanError(f"plan {plan_id}: finalize needs a source that sent, not {plan.phase.value}")
         for block_id in plan.pinned:
             self.bm.release(block_id)
-        freed = self.bm.drop_unreferenced_suffix(plan.block_ids) if move else []
+        freed = self.bm.drop_unreferenced_suffix(plan.block_ids[plan.keep :]) if move else []
         self._close(plan, Phase.FINALIZED)
         return freed
+
+    def limit_move(self, plan_id: int, keep: int) -> None:
+        """A move of this source plan frees none of its first ``keep`` blocks: they were only
+        copied along as the moved blocks' ancestors. A plan not open here is left alone."""
+        plan = self.plans.get(plan_id)
+        if plan is not None and plan.role is Role.SOURCE:
+            plan.keep = max(0, keep)
 
     def abort(self, plan_id: int) -> None:
         """Release whatever the plan holds here; the source's cached blocks stay cached."""

@@ -1,0 +1,89 @@
+"""Placement leases: for a while after a background copy, routes for the copied chain go to it.
+
+A background copy only pays if requests use it, and routing alone keeps a request
+on the rank with the longest match (``owner_kept``) until the load gap is large.
+A lease names the copied chain by its deepest block (``leaf``, ``depth`` blocks
+from the root) and the rank holding the copy (``dst``); while it lasts, a request
+whose prompt contains that chain goes to ``dst`` whenever ``dst`` is
+capacity-feasible and its projected cost is below the rank the policy chose
+(``GlobalScheduler.route_sequence_meta``).
+
+Invariants: at most one lease per leaf (a newer placement replaces the older);
+an expired lease is never returned and is dropped when met; at most
+``max_leases`` are held (the oldest go first).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MAX_LEASES = 4096
+
+
+@dataclass(frozen=True)
+class Lease:
+    leaf: int  # hash of the deepest copied block
+    depth: int  # blocks from the root to ``leaf``, inclusive
+    src: int
+    dst: int
+    expires: float
+
+
+class PlacementLeases:
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_leases: int = MAX_LEASES) -> None:
+        if lease_s <= 0 or max_leases < 1:
+            raise ValueError(f"need lease_s > 0 and max_leases >= 1, got {lease_s}, {max_leases}")
+        self.lease_s = lease_s
+        self.clock = clock
+        self.max_leases = max_leases
+        self._by_leaf: OrderedDict[int, Lease] = OrderedDict()
+        self._max_depth = 0  # no lease is deeper: bounds the search in ``find``
+
+    def __len__(self) -> int:
+        return len(self._by_leaf)
+
+    def grant(self, leaf: int, depth: int, src: int, dst: int) -> Lease:
+        if depth < 1:
+            raise ValueError(f"a lease needs depth >= 1, got {depth}")
+        lease = Lease(leaf, depth, src, dst, self.clock() + self.lease_s)
+        self._by_leaf.pop(leaf, None)
+        self._by_leaf[leaf] = lease
+        while len(self._by_leaf) > self.max_leases:
+            self._by_leaf.popitem(last=False)
+        self._max_depth = max(self._max_depth, depth)
+        return lease
+
+    def drop(self, leaf: int) -> None:
+        self._by_leaf.pop(leaf, None)
+        if not self._by_leaf:
+            self._max_depth = 0
+
+    def find(self, block_hashes: list[int]) -> Lease | None:
+        """The deepest live lease whose chain is a prefix of ``block_hashes``.
+
+        Chained hashes name their whole prefix, so a lease matches when its leaf sits
+        at index ``depth - 1``: one dict lookup per candidate depth, deepest first."""
+        if not self._by_leaf:
+            return None
+        now = self.clock()
+        for i in range(min(len(block_hashes), self._max_depth) - 1, -1, -1):
+            lease = self._by_leaf.get(block_hashes[i])
+            if lease is None or lease.depth != i + 1:
+                continue
+            if lease.expires <= now:
+                self.drop(lease.leaf)
+                continue
+            return lease
+        return None
+
+    def expire(self) -> int:
+        """Drop every expired lease; how many."""
+        now = self.clock()
+        stale = [leaf for leaf, lease in self._by_leaf.items() if lease.expires <= now]
+        for leaf in stale:
+            self.drop(leaf)
+        return len(stale)
