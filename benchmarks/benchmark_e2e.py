@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [n for n in names if n not in makers]
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; choose from {list(makers)}")
-    traces = {n: [makers[n](args.seed + r) for r in range(args.reps)] for n in names}
+    traces = {n: {r: makers[n](args.seed + r) for r in args.rep_ids} for n in names}
     return run_suite(args, "e2e", traces, policies, comparisons)
 
 

@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     from lmpool.model.config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(resolve_model(args)).vocab_size
-    traces = {f"locality_{lvl}x": [locality(lvl, args.seed + r, vocab, args.scale, args.max_tokens)
-                                   for r in range(args.reps)] for lvl in levels}
+    traces = {f"locality_{lvl}x": {r: locality(lvl, args.seed + r, vocab, args.scale, args.max_tokens)
+                                   for r in args.rep_ids} for lvl in levels}
     return run_suite(args, "kv_routing", traces, policies, comparisons)
 
 

@@ -102,6 +102,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster pool start)")
     ap.add_argument("--reps", type=int, help="repetitions (default 5; quick 1)")
+    ap.add_argument("--first-rep", type=int, default=0,
+                    help="number of the first repetition (seed --seed + number), to split a suite")
     ap.add_argument("--scale", type=float, help="multiply every prompt length (default 1; quick 1/32)")
     ap.add_argument("--max-tokens", type=int, help="output tokens of every request (default 32; quick 4)")
     ap.add_argument("--arrival", choices=["window", "poisson"], default="window")
@@ -114,7 +116,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds before a run is abandoned")
     ap.add_argument("--max-minutes", type=float, help="start no repetition that would end past this")
     ap.add_argument("--json", type=Path, help="output file (default under benchmarks/results/)")
-    ap.add_argument("--no-progress", action="store_true", help="plain lines instead of progress bars")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="plain lines instead of progress bars (always so when stderr is not a terminal)")
 
 
 def finish_arguments(args: argparse.Namespace, pool_blocks: int, name: str) -> argparse.Namespace:
@@ -140,6 +143,9 @@ def finish_arguments(args: argparse.Namespace, pool_blocks: int, name: str) -> a
     if args.json is None:
         tag = "cpu_quick" if quick else f"{args.device}_{args.preset}"
         args.json = RESULTS_DIR / f"eval_{tag}_{name}.json"
+    if args.first_rep < 0:
+        raise SystemExit("--first-rep must be >= 0")
+    args.rep_ids = list(range(args.first_rep, args.first_rep + args.reps))
     args.arrival_process = Arrival(args.arrival, args.window, args.rate, args.seed)
     return args
 
@@ -180,6 +186,9 @@ def environment(device: str) -> dict:
     revision = _run(["git", "rev-parse", "HEAD"])
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     git = {"revision": revision, "dirty": bool(dirty) if dirty is not None else None}
+    if revision is None and os.environ.get("LMPOOL_GIT_REVISION"):
+        # A copy of the tree without .git (a remote GPU machine): the revision is passed in.
+        git = {"revision": os.environ["LMPOOL_GIT_REVISION"], "dirty": None, "source": "LMPOOL_GIT_REVISION"}
     return {"versions": versions, "hardware": hardware, "git": git}
 
 
@@ -202,10 +211,18 @@ def model_record(model: str, preset: str | None, explicit: bool) -> dict:
             "max_position_embeddings": cfg.max_position_embeddings}
 
 
-def replicas_per_gpu(args: argparse.Namespace) -> int:
-    import torch
+def visible_gpus() -> int:
+    """GPUs this process may use, counted without initialising CUDA here: a process that
+    initialised CUDA before the MPS daemon started would not be its client."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    listed = _run(["nvidia-smi", "-L"])
+    return len(listed.splitlines()) if listed else 0
 
-    gpus = torch.cuda.device_count()
+
+def replicas_per_gpu(args: argparse.Namespace) -> int:
+    gpus = visible_gpus()
     if gpus < 1:
         raise SystemExit("--mps needs a CUDA device")
     return -(-args.world_size // gpus)
@@ -225,17 +242,20 @@ def mps_if_asked(args: argparse.Namespace) -> Iterator[dict]:
 # ---- progress --------------------------------------------------------------------------
 
 class Progress:
-    """A bar over every run and one over each run's requests (tqdm), or plain lines."""
+    """A bar over every run and one over each run's requests (tqdm, on a terminal), or plain
+    lines with the elapsed time and an estimate of the rest (logs, or without tqdm)."""
 
     def __init__(self, total_runs: int, enabled: bool) -> None:
         self._tqdm = None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             with contextlib.suppress(ImportError):
                 from tqdm import tqdm
 
                 self._tqdm = tqdm
         self.total = total_runs
         self.done = 0
+        self._ran = 0
+        self._start = time.perf_counter()
         self._outer = self._tqdm(total=total_runs, desc="runs", file=sys.stderr, position=0) if self._tqdm else None
 
     def run_bar(self, desc: str, total: int):
@@ -251,11 +271,14 @@ class Progress:
 
     def finished(self, line: str) -> None:
         self.done += 1
+        self._ran += 1
         if self._outer is not None:
             self._outer.update(1)
             self._outer.write(line, file=sys.stderr)
-        else:
-            print(line, file=sys.stderr, flush=True)
+            return
+        elapsed = time.perf_counter() - self._start
+        left = elapsed / self._ran * (self.total - self.done)
+        print(f"{line}  [{elapsed / 60:.1f} min elapsed, ~{left / 60:.1f} min left]", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._outer is not None:
@@ -327,12 +350,14 @@ def write_json(path: Path, result: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, list], policies: list[Policy],
-              comparisons: Callable[[dict], dict]) -> dict:
+def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[int, object]],
+              policies: list[Policy], comparisons: Callable[[dict], dict]) -> dict:
     """Run ``traces[workload][rep]`` under every policy; write and return the result."""
     model = resolve_model(args)
-    max_model_len = -(-max_request_tokens([t for ts in traces.values() for t in ts]) // args.block_size) * args.block_size
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "arrival_process"}
+    every = [t for ts in traces.values() for t in ts.values()]
+    max_model_len = -(-max_request_tokens(every) // args.block_size) * args.block_size
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+              if k not in ("arrival_process", "rep_ids")}
     config["json"] = _portable(str(args.json))
     if config.get("model"):
         config["model"] = _portable(config["model"])
@@ -345,7 +370,8 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, list],
             "model": model_record(model, args.preset, bool(args.model)),
             **environment(args.device),
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "dataset_profile": {wl: profile_trace(ts[0], args.block_size) for wl, ts in traces.items()},
+            # The profile does not depend on the seed (``workloads``): the first repetition's.
+            "dataset_profile": {wl: profile_trace(ts[args.rep_ids[0]], args.block_size) for wl, ts in traces.items()},
         },
         "policies": {p.name: {"routing": p.routing, "transfer_mode": p.transfer_mode, "status": "ok", "error": None}
                      for p in policies},
@@ -358,10 +384,10 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, list],
     try:
         with mps_if_asked(args) as mps:
             result["metadata"]["mps"] = mps
-            for rep in range(args.reps):
+            for done_reps, rep in enumerate(args.rep_ids):
                 elapsed = time.perf_counter() - suite_start
                 if args.max_minutes and rep_seconds and elapsed + rep_seconds[-1] > 60 * args.max_minutes:
-                    result["stopped_early"] = (f"after {rep} repetitions: another would end past "
+                    result["stopped_early"] = (f"after {done_reps} repetitions: another would end past "
                                                f"--max-minutes {args.max_minutes}")
                     print(result["stopped_early"], file=sys.stderr)
                     break

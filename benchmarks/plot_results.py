@@ -62,7 +62,7 @@ def _title(data: dict) -> str:
     meta = data["metadata"]
     cfg, model = meta["config"], meta["model"]
     name = model.get("preset") or model["name"]
-    reps = max((r["rep"] for r in data["runs"] if r["status"] == "ok"), default=-1) + 1
+    reps = len({r["rep"] for r in data["runs"] if r["status"] == "ok"})
     gpus = meta["hardware"].get("gpus")
     where = gpus[0].split(",")[0] if gpus else f"{meta['hardware']['machine']} CPU"
     text = (f"{data['benchmark']}: {name}, {cfg['world_size']} replicas on {where}, {cfg['block_size']}-token blocks, "

@@ -1,0 +1,92 @@
+"""Merge evaluation JSONs that split one suite (by policy, level, workload or repetition
+range) into one file, recomputing the summary and the comparisons from the merged runs.
+
+    python benchmarks/merge_results.py -o merged.json part1.json part2.json ...
+
+Used when a suite is spread over several GPUs or several sessions: each part runs a
+subset (``--policies``, ``--levels``, ``--workloads``, ``--first-rep``) with otherwise
+identical settings. Parts must agree on the benchmark, the model and every setting that
+shapes a run; two parts may not both hold the same (workload, policy, repetition).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eval_metrics import summarize  # noqa: E402
+from eval_suite import write_json  # noqa: E402
+
+# Settings that change what a run measures; the others (policies, levels, workloads,
+# repetition range, output path, progress, time limits) may differ between parts.
+MUST_MATCH = ("device", "world_size", "num_kv_blocks", "block_size", "dtype", "max_num_seqs",
+              "max_num_batched_tokens", "enforce_eager", "scale", "max_tokens", "arrival", "window", "rate",
+              "seed", "mps")
+
+
+def comparisons_for(benchmark: str):
+    if benchmark == "kv_routing":
+        from benchmark_kv_routing import comparisons
+    elif benchmark == "e2e":
+        from benchmark_e2e import comparisons
+    else:
+        raise ValueError(f"not an evaluation benchmark: {benchmark!r}")
+    return comparisons
+
+
+def merge(parts: list[dict]) -> dict:
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]
+    for i, part in enumerate(parts[1:], 1):
+        if part["benchmark"] != first["benchmark"]:
+            raise ValueError(f"part {i} is {part['benchmark']}, part 0 is {first['benchmark']}")
+        if part["metadata"]["model"] != first["metadata"]["model"]:
+            raise ValueError(f"part {i} served another model")
+        a, b = first["metadata"]["config"], part["metadata"]["config"]
+        differ = [k for k in MUST_MATCH if a.get(k) != b.get(k)]
+        if differ:
+            raise ValueError(f"part {i} differs from part 0 in {differ}")
+    merged = json.loads(json.dumps(first))  # a deep copy
+    merged["metadata"]["merged_from"] = [p["metadata"] for p in parts]
+    seen = set()
+    merged["runs"], merged["policies"] = [], {}
+    for part in parts:
+        for run in part["runs"]:
+            key = (run["workload"], run["policy"], run["rep"])
+            if key in seen:
+                raise ValueError(f"two parts hold {key}")
+            seen.add(key)
+            merged["runs"].append(run)
+        merged["metadata"]["dataset_profile"].update(part["metadata"]["dataset_profile"])
+        for name, state in part["policies"].items():
+            # A policy is as good as its worst part: an unavailable or failed part shows.
+            if merged["policies"].get(name, {}).get("status", "ok") == "ok":
+                merged["policies"][name] = state
+    merged["runs"].sort(key=lambda r: (r["rep"], r["workload"], r["policy"]))
+    merged["summary"] = summarize(merged["runs"])
+    merged["comparisons"] = comparisons_for(merged["benchmark"])(merged["summary"])
+    stopped = [p["stopped_early"] for p in parts if p.get("stopped_early")]
+    merged.pop("stopped_early", None)
+    if stopped:
+        merged["stopped_early"] = "; ".join(stopped)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-o", "--output", type=Path, required=True)
+    ap.add_argument("parts", nargs="+", type=Path)
+    args = ap.parse_args(argv)
+    merged = merge([json.loads(p.read_text()) for p in args.parts])
+    write_json(args.output, merged)
+    print(f"saved json: {args.output} ({len(merged['runs'])} runs)")
+    return merged
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

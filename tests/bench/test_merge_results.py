@@ -1,0 +1,43 @@
+"""``benchmarks/merge_results.py``: parts of one suite merge into the JSON one run would
+have written; parts that measured different things are refused."""
+
+from __future__ import annotations
+
+import pytest
+from merge_results import merge
+
+
+def part(policy: str, reps: list[int], tput: float, status: str = "ok", **config) -> dict:
+    runs = [{"workload": "locality_5x", "policy": policy, "rep": r, "status": "ok", "error": None,
+             "metrics": {"throughput_tok_s": tput + r, "ttft_mean_ms": 100.0 - r, "phases": {}}} for r in reps]
+    return {
+        "schema": "lmpool-eval/1", "benchmark": "kv_routing",
+        "metadata": {"model": {"name": "m"}, "config": {"block_size": 256, "scale": 1.0, **config},
+                     "dataset_profile": {"locality_5x": {"requests": 192}}},
+        "policies": {policy: {"routing": policy, "transfer_mode": "none", "status": status, "error": None}},
+        "runs": runs,
+    }
+
+
+def test_parts_merge_and_the_summary_is_recomputed():
+    merged = merge([part("lmpool", [0, 1, 2], 150.0), part("round_robin", [0, 1], 100.0),
+                    part("round_robin", [2], 100.0)])
+    assert [(r["policy"], r["rep"]) for r in merged["runs"]] == [
+        ("lmpool", 0), ("round_robin", 0), ("lmpool", 1), ("round_robin", 1), ("lmpool", 2), ("round_robin", 2)]
+    assert set(merged["policies"]) == {"lmpool", "round_robin"}
+    assert merged["summary"]["locality_5x"]["round_robin"]["throughput_tok_s"]["n"] == 3
+    gain = merged["comparisons"]["acceptance"]["throughput_gain"]
+    assert gain["n"] == 3 and gain["mean"] == pytest.approx(sum(0.5 / (1 + r / 100) for r in range(3)) / 3)
+    assert len(merged["metadata"]["merged_from"]) == 3
+
+
+def test_overlapping_or_mismatched_parts_are_refused():
+    with pytest.raises(ValueError, match="two parts hold"):
+        merge([part("lmpool", [0, 1], 1.0), part("lmpool", [1], 1.0)])
+    with pytest.raises(ValueError, match=r"differs from part 0 in \['scale'\]"):
+        merge([part("lmpool", [0], 1.0), part("round_robin", [0], 1.0, scale=0.5)])
+
+
+def test_a_failed_part_marks_its_policy():
+    merged = merge([part("lmpool", [0], 1.0), part("lmpool", [1], 1.0, status="failed")])
+    assert merged["policies"]["lmpool"]["status"] == "failed"
