@@ -12,8 +12,9 @@ worth making. A chain becomes a copy only when every gate passes, in this order
 - ``cooldown``: the chain was neither placed nor refused by the gate within ``cooldown_s``;
 - ``no_source``: some rank holds the whole chain ready (all ancestors resident);
   the most loaded such rank is the source;
-- ``destination_holds``: a topology partner of the source lacks part of it (and no
-  plan is bringing it); the least loaded such partner is the destination;
+- ``no_partner``: the source has a live topology partner;
+- ``destination_holds``: a partner lacks part of the chain (and no plan is bringing
+  it); the least loaded such partner is the destination;
 - ``load_skew``: source load - destination load >= ``min_load_skew_tokens``;
 - ``pair_busy``: no plan is open between the two ranks, nor a batch of this tick in
   the other direction (pair idleness);
@@ -169,6 +170,8 @@ class BackgroundPlacement:
         ranks = [r for r in range(gbm.world_size) if holders >> r & 1]
         src = max(ranks, key=lambda r: (self.scheduler.rank_load(r), -r))
         partners = [r for r in topology.partners(src) if gbm.alive_mask >> r & 1]
+        if not partners:
+            return "no_partner"
         lacking = []
         for dst in partners:
             start = gbm.prefix_match(chain, 1 << dst)[dst]

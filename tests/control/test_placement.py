@@ -1,0 +1,340 @@
+"""Background placement: hotness from routed demand, the deepest hot prefix of each chain, every
+gate refusing on its own, per-chain and per-pair caps, coalescing, and a hypothesis state
+machine checking the batch invariants after every tick."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from lmpool.control.global_block_manager import GlobalBlockManager
+from lmpool.control.global_scheduler import GlobalScheduler
+from lmpool.control.placement import BackgroundPlacement, HotChains
+from lmpool.control.topology import Topology
+from lmpool.engine.hashing import ROOT_HASH
+from lmpool.engine.kv_events import BlockStored, KVSnapshot
+from lmpool.pool.messages import LoadReport, RouteQuery
+from lmpool.transfer.admission import AdmissionGate, AdmissionPolicy
+from lmpool.transfer.coordinator import TransferCoordinator
+from lmpool.transfer.cost_model import TransferCostModel
+
+BLOCK = 16
+NUM_BLOCKS = 100
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class World:
+    """A page table, router and coordinator for ``n`` ranks, with a placement policy on top."""
+
+    def __init__(self, n: int = 2, max_blocks: int = 8, batch_max: int = 128, prefill: float = 1e-3,
+                 skew: float = 100.0, topology: Topology | None = None) -> None:
+        self.clock = Clock()
+        self.gbm = GlobalBlockManager(n, BLOCK, clock=self.clock, heat_half_life_s=10.0, route_hit_weight=0.5)
+        self.sent = []
+        self.coord = TransferCoordinator(self.gbm, lambda r, m: self.sent.append((r, m)), clock=self.clock)
+        self.sched = GlobalScheduler(self.gbm, topology or Topology.virtual(n))
+        # 1 ms + 1 MB/s over 4 KiB blocks: ~1 ms per block at these sizes.
+        self.gate = AdmissionGate(AdmissionPolicy(prefill_s_per_token=prefill, block_size=BLOCK),
+                                  TransferCostModel.uncalibrated(4096, 1e-3, 4e6))
+        self.prefill = prefill
+        self.placement = BackgroundPlacement(
+            self.gbm, self.sched, self.coord, self.gate, lambda rank: self.prefill,
+            hot_threshold=2.0, min_load_skew_tokens=skew, cooldown_s=30.0, max_blocks=max_blocks,
+            batch_max_blocks=batch_max,
+        )
+        self.versions = [0] * n
+        for r in range(n):
+            self.gbm.register_rank(r, 1, NUM_BLOCKS)
+            self.gbm.apply_snapshot(r, 1, KVSnapshot(0, []))
+            self.load(r)
+
+    def cache(self, rank: int, *chains: list[int]) -> None:
+        blocks, seen = [], set()
+        for chain in chains:
+            for i, h in enumerate(chain):
+                if h not in seen:
+                    seen.add(h)
+                    blocks.append(BlockStored(h, chain[i - 1] if i else ROOT_HASH, len(blocks), 7))
+        self.versions[rank] += 1
+        self.gbm.apply_snapshot(rank, 1, KVSnapshot(self.versions[rank], blocks))
+
+    def load(self, rank: int, waiting_prefill_tokens: int = 0, blocks_free: int = NUM_BLOCKS) -> None:
+        self.gbm.update_load(rank, 1, LoadReport(waiting_prefill_tokens=waiting_prefill_tokens,
+                                                 blocks_free=blocks_free))
+
+    def route(self, chain: list[int], times: int = 1) -> None:
+        for i in range(times):
+            q = RouteQuery(f"q{len(self.gbm.reservations)}-{i}-{self.clock.now}", chain, len(chain) * BLOCK + 3, 4)
+            self.sched.route_sequence_meta(q)
+            self.placement.chains.observe(chain, self.sched.last_held)
+            self.gbm.release(q.request_id)  # the rank admitted it: no reservation left
+
+
+def chain(n: int, family: int) -> list[int]:
+    return [family * 1000 + i for i in range(1, n + 1)]
+
+
+def hot_on_rank0(world: World, c: list[int], times: int = 2) -> None:
+    """``c`` cached on rank 0 only, rank 0 loaded, routed ``times`` times (all land on rank 0)."""
+    world.cache(0, c)
+    world.load(0, waiting_prefill_tokens=1000)
+    world.route(c, times)
+    world.load(0, waiting_prefill_tokens=1000)
+
+
+# ---- hotness ------------------------------------------------------------------------------
+
+
+def test_heat_counts_accesses_weighs_route_hits_and_decays():
+    w = World()
+    c = chain(3, 1)
+    w.cache(0, c[:2])
+    w.route(c)  # rank 0 holds 2 blocks and the route used both: 1 + 0.5 each
+    assert w.gbm.heat(c[0]) == pytest.approx(1.5) and w.gbm.heat(c[2]) == 0.0
+    w.load(0, waiting_prefill_tokens=10_000)  # the route now spills to rank 1: an access, not a hit
+    w.route(c)
+    assert w.gbm.hash_stats(c[0]).route_hits == 1 and w.gbm.heat(c[0]) == pytest.approx(2.5)
+    w.clock.now += 10.0  # one half-life
+    assert w.gbm.heat(c[0]) == pytest.approx(1.25)
+
+
+def test_hot_chains_give_the_deepest_hot_prefix_once_and_forget_cold_chains():
+    heat = {1: 5.0, 2: 3.0, 3: 1.0, 7: 0.0}
+    chains = HotChains(capacity=3)
+    chains.observe([1, 2, 3, 4], held=3)
+    chains.observe([1, 2, 5], held=2)  # the same deepest hot prefix: reported once
+    chains.observe([7, 8], held=1)
+    chains.observe([9], held=0)  # nothing held anywhere: not a candidate
+    assert chains.hot(lambda h: heat.get(h, 0.0), threshold=2.0) == [[1, 2]]
+    assert len(chains) == 2, "the chain whose root nobody holds is forgotten"
+    chains.observe([11], 1)
+    chains.observe([12], 1)
+    assert len(chains) == 3, "bounded: the oldest chain goes"
+
+
+# ---- a copy, and each gate refusing --------------------------------------------------------
+
+
+def test_a_hot_chain_on_a_loaded_rank_is_copied_to_its_idle_partner():
+    w = World(max_blocks=2)
+    c = chain(3, 1)
+    hot_on_rank0(w, c)
+    (batch,) = w.placement.tick()
+    assert (batch.src, batch.dst) == (0, 1)
+    assert batch.hashes == c[:2] and batch.parents == [ROOT_HASH, c[0]] and batch.generations == [7, 7]
+    assert batch.leases == [(c[1], 2)]
+    decision = w.placement.decisions[0]
+    assert decision.admitted and decision.kind == "background" and decision.num_blocks == 2
+    assert decision.saved_prefill_s == pytest.approx(2 * BLOCK * w.prefill)
+
+
+def test_the_copy_continues_where_the_destination_match_ends():
+    w = World(max_blocks=2)
+    c = chain(5, 1)
+    hot_on_rank0(w, c)
+    w.cache(1, c[:2])
+    (batch,) = w.placement.tick()
+    assert batch.hashes == c[2:4] and batch.parents == c[1:3]
+
+
+def refusal(setup) -> dict:
+    w = World()
+    c = chain(3, 1)
+    hot_on_rank0(w, c)
+    setup(w, c)
+    assert w.placement.tick() == []
+    return dict(w.placement.refused)
+
+
+def test_cooldown_refuses_a_chain_looked_at_recently():
+    w = World()
+    c = chain(3, 1)
+    hot_on_rank0(w, c)
+    assert w.placement.tick()
+    assert w.placement.tick() == [] and w.placement.refused == {"cooldown": 1}
+    w.clock.now += 31.0
+    w.route(c, 3)  # still in demand after the cooldown
+    assert w.placement.tick()
+
+
+def test_no_source_when_no_rank_holds_the_whole_chain():
+    # A rank reporting a block without its parent: no rank holds all resident ancestors.
+    def setup(w, c):
+        w.versions[1] += 1
+        w.gbm.apply_snapshot(1, 1, KVSnapshot(w.versions[1], [BlockStored(c[2], c[1], 0, 7)]))
+        w.versions[0] += 1
+        w.gbm.apply_snapshot(0, 1, KVSnapshot(w.versions[0], [BlockStored(c[0], ROOT_HASH, 0, 7),
+                                                             BlockStored(c[1], c[0], 1, 7)]))
+    assert refusal(setup) == {"no_source": 1}
+
+
+def test_destination_absence_refuses_a_partner_that_holds_the_chain():
+    assert refusal(lambda w, c: w.cache(1, c)) == {"destination_holds": 1}
+
+
+def test_destination_absence_refuses_blocks_already_on_their_way():
+    assert refusal(lambda w, c: w.gbm.mark_in_flight(1, c[0], 3, 1)) == {"destination_holds": 1}
+
+
+def test_a_partner_is_needed():
+    w = World(n=2, topology=Topology.from_pairs(2, []))  # two GPUs without NVLink
+    hot_on_rank0(w, chain(3, 1))
+    assert w.placement.tick() == [] and w.placement.refused == {"no_partner": 1}
+
+
+def test_load_skew_refuses_when_the_source_is_not_busier():
+    assert refusal(lambda w, c: w.load(1, waiting_prefill_tokens=950)) == {"load_skew": 1}
+
+
+def test_pair_idleness_refuses_while_a_plan_runs_between_the_ranks():
+    other = chain(1, 9)
+    assert refusal(lambda w, c: w.coord.start(1, 0, other, [1], [ROOT_HASH])) == {"pair_busy": 1}
+
+
+def test_target_capacity_refuses_a_copy_that_would_evict():
+    assert refusal(lambda w, c: w.load(1, blocks_free=2)) == {"capacity": 1}
+
+
+def test_capacity_counts_reservations_and_blocks_other_plans_bring():
+    w = World(n=3)
+    c = chain(3, 1)
+    hot_on_rank0(w, c)
+    w.load(2, waiting_prefill_tokens=1000)  # so the destination is rank 1
+    w.load(1, blocks_free=6)
+    w.gbm.reserve("r", 1, blocks=2, tokens=0)
+    other = w.coord.start(2, 1, chain(2, 8), [1, 1], [ROOT_HASH, 8001])  # brings 2 blocks to rank 1
+    assert w.placement.tick() == [] and w.placement.refused == {"capacity": 1}  # 6 - 2 - 2 < 3
+    w.coord.abort(other.plan_id, "test")
+    assert w.placement.tick() and w.placement.refused == {"capacity": 1}, "6 - 2 free blocks hold 3"
+
+
+def test_the_admission_gate_refuses_little_saved_prefill():
+    w = World(prefill=1e-6)  # 16 us of prefill per block against ~1 ms of transfer
+    c = chain(3, 1)
+    hot_on_rank0(w, c)
+    assert w.placement.tick() == [] and w.placement.refused == {"admission": 1}
+    decision = w.placement.decisions[0]
+    assert not decision.admitted and decision.saved_prefill_s < decision.transfer_cost_s
+    assert w.placement.tick() == [] and w.placement.refused["cooldown"] == 1, "a refusal cools down too"
+
+
+def test_gate_decisions_are_logged_with_both_figures(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lmpool.transfer.admission")
+    w = World()
+    hot_on_rank0(w, chain(3, 1))
+    w.placement.tick()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("admit background transfer 0->1 of 3 blocks: saves 48.000 ms of prefill, costs")
+
+
+# ---- caps and coalescing ---------------------------------------------------------------------
+
+
+def test_chains_to_one_pair_coalesce_up_to_the_batch_cap_each_block_once():
+    w = World(max_blocks=2, batch_max=5)
+    stem = chain(1, 1)
+    chains = [stem + [2000 + 10 * k + i for i in range(3)] for k in range(3)]  # share their first block
+    w.cache(0, *chains)
+    w.load(0, waiting_prefill_tokens=1000)
+    for c in chains:
+        w.route(c, 2)
+    w.load(0, waiting_prefill_tokens=1000)
+    (batch,) = w.placement.tick()
+    # Each chain's copy is its first 2 blocks; the shared root once: 2 + 1 + 1 blocks.
+    assert len(batch.hashes) == len(set(batch.hashes)) == 4
+    assert batch.hashes[0] == stem[0] and batch.parents == [ROOT_HASH, stem[0], stem[0], stem[0]]
+    assert w.placement.refused == {} and len(batch.leases) == 3
+    w2 = World(max_blocks=3, batch_max=5)
+    w2.cache(0, *chains)
+    w2.load(0, waiting_prefill_tokens=1000)
+    for c in chains:
+        w2.route(c, 2)
+    w2.load(0, waiting_prefill_tokens=1000)
+    (batch,) = w2.placement.tick()
+    assert len(batch.hashes) == 5 and w2.placement.refused == {"batch_full": 1}  # 3 + 2, then 2 more
+    (rest,) = w2.placement.tick()  # (the first batch never ran: the root is still missing there)
+    assert rest.leases == [(chains[0][2], 3)], "a chain left out of a full batch is not cooled down"
+
+
+def test_one_batch_per_directed_pair_and_not_both_directions_at_once():
+    w = World(n=3, skew=10)
+    a, b = chain(2, 1), chain(2, 2)
+    w.cache(0, a)
+    w.cache(1, b)
+    w.load(0, waiting_prefill_tokens=1000)
+    w.load(1, waiting_prefill_tokens=500)
+    w.route(a, 2)
+    w.route(b, 2)
+    w.load(0, waiting_prefill_tokens=1000)
+    w.load(1, waiting_prefill_tokens=500)
+    batches = w.placement.tick()
+    assert sorted((x.src, x.dst) for x in batches) == [(0, 2), (1, 2)], "each to the least loaded partner"
+
+
+# ---- invariants under random demand -----------------------------------------------------------
+
+
+class PlacementMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = World(n=3, max_blocks=2, batch_max=5, skew=50)
+        self.families = {f: chain(4, f) for f in range(1, 6)}
+
+    @rule(rank=st.integers(0, 2), fams=st.lists(st.integers(1, 5), min_size=1, max_size=3), depth=st.integers(1, 4))
+    def cache(self, rank, fams, depth):
+        self.w.cache(rank, *[self.families[f][:depth] for f in fams])
+
+    @rule(rank=st.integers(0, 2), work=st.integers(0, 2000), free=st.integers(0, 20))
+    def load(self, rank, work, free):
+        self.w.load(rank, waiting_prefill_tokens=work, blocks_free=free)
+
+    @rule(fam=st.integers(1, 5), depth=st.integers(1, 4), times=st.integers(1, 3))
+    def route(self, fam, depth, times):
+        self.w.route(self.families[fam][:depth], times)
+
+    @rule(dt=st.floats(0, 40))
+    def time_passes(self, dt):
+        self.w.clock.now += dt
+
+    @rule()
+    def end_plans(self):
+        for plan_id in list(self.w.coord.plans):
+            self.w.coord.abort(plan_id, "test")
+
+    @rule()
+    def tick(self):
+        w = self.w
+        busy = {frozenset((p.src, p.dst)) for p in w.coord.plans.values()}
+        batches = w.placement.tick()
+        pairs = [frozenset((b.src, b.dst)) for b in batches]
+        assert len(pairs) == len(set(pairs)), "one batch per pair per tick, in one direction"
+        for b in batches:
+            assert frozenset((b.src, b.dst)) not in busy, "never on a pair with an open plan"
+            assert 0 < len(b.hashes) <= 5 and len(set(b.hashes)) == len(b.hashes)
+            known = {ROOT_HASH}
+            for h, parent in zip(b.hashes, b.parents):
+                assert parent in known or w.gbm.ready_ranks(parent) >> b.dst & 1, "parents before children"
+                known.add(h)
+            for h, g in zip(b.hashes, b.generations):
+                assert w.gbm.ready_ranks(h) >> b.src & 1 and g == 7, "the source holds what it sends"
+                assert not w.gbm.ready_ranks(h) >> b.dst & 1, "destination absence"
+            w.coord.start(b.src, b.dst, b.hashes, b.generations, b.parents)
+
+    @invariant()
+    def page_table(self):
+        self.w.gbm.check_invariants()
+
+
+TestPlacementMachine = PlacementMachine.TestCase
+TestPlacementMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
