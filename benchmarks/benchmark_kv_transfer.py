@@ -1,26 +1,56 @@
-"""KV transfer latency between two worker processes, per block count: the profile the
-transfer cost model reads (``lmpool/transfer/cost_model.py``).
+"""KV transfer latency and bandwidth between two worker processes, per block count: the
+profile the transfer cost model reads (``lmpool/transfer/cost_model.py``).
 
-For each directed pair (0->1, then 1->0) and each block count, two worker processes
-measure, in turns within every repetition:
+Modes (``--kind``):
 
-- ``pairs``: the data path of a transfer: the sender packs random block ids of its cache
-  (``pack_kv``), sends, the receiver receives and unpacks into other block ids
-  (``unpack_kv``); from just before the pack to just after the unpack has completed;
-- ``raw``: the same bytes sent from a ready payload into a ready buffer (no pack, no
-  unpack).
+- ``gloo``: two CPU workers.
+- ``cuda_ipc``: two workers sharing one GPU (``--device``, default cuda:0).
+- ``nccl``: two workers on two GPUs (cuda:0, cuda:1), for the side-by-side comparison of
+  the packed NCCL transfer, a raw ``torch.distributed`` send/recv of the same bytes, and a
+  CUDA IPC pull across the GPUs. NCCL runs with ``NCCL_NVLS_ENABLE=0`` unless set.
+- ``pool``: the real pool path on one GPU with two replicas (``kv_transfer_pool.py``).
 
-Both ends take their timestamps from ``time.monotonic()``, one clock for every process of
-a host, so a one-way latency needs no round trip. Before each repetition the receiver
-has already started its receive and tells the sender to go (a 4-byte message on the same
-transport, outside the timed span). The first repetition of every size also checks the
-bytes: a fingerprint of the sender's payload against one of the destination blocks after
-the unpack; any difference fails the run. The run also measures a plain copy of the
-largest payload within one process on the same device and reports each size's bandwidth
-as a fraction of it.
+For each directed pair (0->1, then 1->0) and each block count the workers measure, in
+turns within every repetition, the paths their kind offers:
+
+- ``pull`` (cuda_ipc, nccl): the destination copies the source's blocks straight out of
+  the source's mapped cache into its own blocks (``CudaIpcTransport.pull``: one kernel,
+  no payload); from the destination's synchronized start to the copy's completion seen
+  by the host (polled without pauses, so the figure is the data path's, not a polling
+  policy's);
+- ``pack``: the sender packs random block ids of its cache (``pack_kv``), sends the
+  payload, the receiver receives it and unpacks it into other block ids; from just before
+  the pack to just after the unpack has completed (cuda_ipc: through the staging buffer;
+  nccl: ``NcclTransport``);
+- ``raw``: the same bytes sent from a ready payload into a ready buffer, no pack, no
+  unpack (nccl: a plain ``torch.distributed`` process group's send/recv).
+
+Timestamps come from ``time.monotonic()``, one clock for every process of a host, so a
+one-way latency needs no round trip. Before each repetition of ``pack`` and ``raw`` the
+receiver has started its receive (nccl raw: is about to) and tells the sender to go, with
+a 4-byte message outside the timed span. ``pairs`` in the output is the path the pool's
+transfer executor uses for the kind (gloo and GPUs without peer access: ``pack``; one GPU
+and peer-accessible GPUs: ``pull``), so the cost model reads the curve the pool will see.
+
+Bytes are checked in an untimed warm-up repetition of every size and path: a fingerprint
+of the source's blocks against one of the destination's blocks afterwards; any difference
+fails the run.
+
+**Bandwidth, and the fraction of copy bandwidth.** Every bandwidth here counts payload
+bytes once: ``bytes / seconds``, where ``bytes`` is the KV of the blocks moved. The
+baseline is a plain ``copy_`` of a contiguous buffer of the same number of bytes, within
+one process on the source's device, timed the same way (host clock, from a synchronized
+start until the copy has completed), median of 10. ``copy_fraction_p50`` is
+``copy_seconds(n) / transfer_p50(n)`` for the same ``n``: the transfer's bandwidth as a
+fraction of a device copy of the same size. A copy reads and writes every byte, as a
+pull does; device notes that quote read plus write (4.24 TB/s on an H200) count twice
+what this benchmark calls copy bandwidth. Across two GPUs the baseline is still the
+source device's local copy: the fraction then says how close the link gets to HBM.
 
     python benchmarks/benchmark_kv_transfer.py --kind gloo --json profile.json
-    python benchmarks/benchmark_kv_transfer.py --kind cuda_ipc --preset 0.6b --json profile.json  # one GPU
+    python benchmarks/benchmark_kv_transfer.py --kind cuda_ipc --preset 0.6b --json profile.json      # one GPU
+    python benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,2,4,8,16 --json nccl.json  # two GPUs
+    python benchmarks/benchmark_kv_transfer.py --kind pool --preset 0.6b --profile profile.json --json pool.json
 """
 
 from __future__ import annotations
@@ -46,26 +76,31 @@ from lmpool.transfer.messages import CudaIpcExport
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WAIT_S = 120.0
+COPY_SAMPLES = 10
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kind", choices=("gloo", "cuda_ipc"), default="gloo")
+    p.add_argument("--kind", choices=("gloo", "cuda_ipc", "nccl", "pool"), default="gloo")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the preset's")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="block counts, comma-separated")
     p.add_argument("--reps", type=int, default=30, help="timed repetitions per size, path and pair")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--device", default=None, help="default: cpu for gloo, cuda:0 for cuda_ipc")
-    p.add_argument("--reference-ops", action="store_true", help="torch pack/unpack even on CUDA")
+    p.add_argument("--device", default=None, help="default: cpu for gloo, cuda:0 for cuda_ipc and pool")
+    p.add_argument("--reference-ops", action="store_true", help="torch pack/unpack/pull even on CUDA")
+    p.add_argument("--model", default=None, help="pool: a Qwen3 checkpoint (default: a random one of --preset)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="pool: a data-path profile of this machine; the output adds its curves and the residuals")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sizes = [int(n) for n in args.sizes.split(",")]
     args.dtype = args.dtype or DEFAULT_DTYPE[args.preset]
-    args.device = args.device or ("cpu" if args.kind == "gloo" else "cuda:0")
+    args.device = args.device or {"gloo": "cpu", "nccl": "cuda"}.get(args.kind, "cuda:0")
+    args.warmup = max(1, args.warmup)  # the bytes are checked in the first warm-up repetition
     return args
 
 
@@ -95,116 +130,203 @@ def fingerprint(t: torch.Tensor) -> int:
     return total
 
 
+def block_ids(rank: int, n: int, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """The blocks rank ``rank`` moves at size ``n``: distinct, shuffled, and computable by
+    the peer (a pull names the source's blocks)."""
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    return torch.randperm(num_blocks, generator=g)[:n].to(device)
+
+
+def spin(handle, timeout: float = WAIT_S) -> None:
+    """Wait for ``handle`` by polling without pauses (a GPU transfer's end is then seen
+    within microseconds); raise what its ``wait`` raises."""
+    deadline = time.monotonic() + timeout
+    while not handle.done():
+        if time.monotonic() > deadline:
+            break
+    handle.wait(0 if handle.done() else timeout)
+
+
 # ---- one worker ----------------------------------------------------------------------
 
 
 class Worker:
     def __init__(self, args) -> None:
+        self.kind = args.kind
         self.rank, self.peer = args.worker, 1 - args.worker
-        self.device = torch.device(args.device)
+        self.device = torch.device(f"cuda:{self.rank}") if args.kind == "nccl" else torch.device(args.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
             torch.set_num_threads(1)  # two workers share the machine's cores
-        torch.manual_seed(self.rank)  # so the two ends pick different block ids
         self.m = shape(args)
         self.ops = get_backend(self.device, use_kernels=not args.reference_ops)
         self.num_blocks = 2 * max(args.sizes)
         g = torch.Generator(device=self.device).manual_seed(1234 + self.rank)
         self.cache = torch.randn(self.m["layers"], 2, self.num_blocks, self.m["block_size"], self.m["kv_heads"],
                                  self.m["head_dim"], generator=g, device=self.device).to(DTYPES[args.dtype])
+        from lmpool.transfer.transport import open_store
+
+        self.store = open_store(args.rendezvous, WAIT_S)
         payload_bytes = max(args.sizes) * self.m["kv_bytes_per_block"]
-        self.transport = make_transport(args.kind, self.rank, 2, rendezvous=args.rendezvous, device=args.device,
-                                        timeout_s=WAIT_S, staging_bytes=2 * payload_bytes + (1 << 20))
-        self._connect(args)
+        self.ipc = None  # the pull path
+        if args.kind == "gloo":
+            self.packed = make_transport("gloo", self.rank, 2, rendezvous=args.rendezvous, timeout_s=WAIT_S)
+            self.packed.connect(self.peer, session=1).wait(WAIT_S)
+        elif args.kind == "cuda_ipc":
+            self.packed = self.ipc = make_transport(
+                "cuda_ipc", self.rank, 2, rendezvous=args.rendezvous, device=str(self.device), timeout_s=WAIT_S,
+                staging_bytes=2 * payload_bytes + (1 << 20), kv_cache=self.cache, use_kernels=not args.reference_ops)
+        else:
+            self.packed = make_transport("nccl", self.rank, 2, rendezvous=args.rendezvous, device=str(self.device),
+                                         timeout_s=WAIT_S)
+            # An event (False on expiry) or a handle (raises on expiry or failure).
+            if self.packed.connect(self.peer, session=1).wait(WAIT_S) is False:
+                raise RuntimeError(f"rank {self.rank}: the NCCL pair connection is not up after {WAIT_S}s")
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl", store=dist.PrefixStore("bench/raw", self.store), rank=self.rank,
+                                    world_size=2, device_id=self.device)
+            if torch.cuda.can_device_access_peer(self.rank, self.peer):
+                self.ipc = make_transport("cuda_ipc", self.rank, 2, rendezvous=args.rendezvous,
+                                          device=str(self.device), timeout_s=WAIT_S, kv_cache=self.cache,
+                                          use_kernels=not args.reference_ops)
+        if self.ipc is not None:
+            self._exchange_exports()
+        self.paths = [p for p in ("pull", "pack", "raw") if p != "pull" or self.ipc is not None]
         self.tag = 0
         self.go = torch.zeros(1, dtype=torch.int32, device=self.device)
 
-    def _connect(self, args) -> None:
-        if args.kind == "gloo":
-            self.transport.connect(self.peer, session=1).wait(WAIT_S)
-            return
+    def _exchange_exports(self) -> None:
         # The benchmark is its own control plane: exports travel through the rendezvous.
-        from lmpool.transfer.transport import open_store
-
-        store = open_store(args.rendezvous, WAIT_S)
-        store.set(f"bench/export/{self.rank}", msgspec.msgpack.encode(self.transport.export()))
-        theirs = msgspec.msgpack.decode(store.get(f"bench/export/{self.peer}"), type=CudaIpcExport)
-        self.transport.connect(theirs)
+        self.store.set(f"bench/export/{self.rank}", msgspec.msgpack.encode(self.ipc.export(peer=self.peer)))
+        theirs = msgspec.msgpack.decode(self.store.get(f"bench/export/{self.peer}"), type=CudaIpcExport)
+        self.ipc.connect(theirs)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def wait(self, handle) -> None:
+        if self.device.type == "cuda":
+            spin(handle)
+        else:
+            handle.wait(WAIT_S)
 
     def payload(self, n: int) -> torch.Tensor:
         return torch.empty(self.m["layers"], 2, n, self.m["block_size"], self.m["kv_heads"], self.m["head_dim"],
                            dtype=self.cache.dtype, device=self.device)
 
     def run(self, args) -> dict:
-        times: dict[str, list[float]] = {}
+        starts: dict[str, list[float]] = {}
+        ends: dict[str, list[float]] = {}
         checks: dict[str, int] = {}
         for src in (0, 1):
             for n in args.sizes:
-                ids = torch.randperm(self.num_blocks, device=self.device)[:n]  # differs per rank: src/dst ids
+                mine = block_ids(self.rank, n, self.num_blocks, self.device)  # src ids, or dst ids
+                theirs = block_ids(self.peer, n, self.num_blocks, self.device)
                 ready = self.payload(n)  # the raw path's payload (sender) / buffer (receiver)
-                ready.copy_(self.ops.pack_kv(self.cache, ids))
+                ready.copy_(self.ops.pack_kv(self.cache, mine))
                 out = self.payload(n)
                 for rep in range(-args.warmup, args.reps):
-                    for path in ("pack", "raw"):
-                        t, check = self.one(src, path, ids, ready, out, check=rep == 0 and path == "pack")
+                    for path in self.paths:
                         key = f"{path}/{src}->{1 - src}/{n}"
-                        if rep >= 0:
-                            times.setdefault(key, []).append(t)
+                        t0, t1, check = self.one(src, path, mine, theirs, ready, out, check=rep == -args.warmup)
                         if check is not None:
                             checks[key] = check
-        return {"times": times, "checks": checks}
+                        if rep >= 0:
+                            if t0 is not None:
+                                starts.setdefault(key, []).append(t0)
+                            if t1 is not None:
+                                ends.setdefault(key, []).append(t1)
+        return {"starts": starts, "ends": ends, "checks": checks}
 
-    def one(self, src: int, path: str, ids, ready, out, check: bool) -> tuple[float, int | None]:
-        """One timed transfer; returns this end's timestamp (start or end) and its fingerprint."""
-        self.tag += 2
-        if self.rank == src:
-            self.transport.recv(self.peer, self.go, self.tag).wait(WAIT_S)
+    def one(self, src: int, path: str, mine, theirs, ready, out, check: bool):
+        """One transfer; returns this end's timestamps (start, end: None where the other end
+        takes it) and, when ``check``, a fingerprint of the bytes it sent or received."""
+        if path == "pull":
+            if self.rank == src:  # the source takes no part: its blocks are simply there
+                return None, None, fingerprint(self.ops.pack_kv(self.cache, mine)) if check else None
             self.sync()
             t0 = time.monotonic()
-            payload = self.ops.pack_kv(self.cache, ids) if path == "pack" else ready
-            self.transport.send(self.peer, payload, self.tag + 1).wait(WAIT_S)
-            return t0, fingerprint(payload) if check else None
+            spin(self.ipc.pull(self.peer, theirs.tolist(), mine.tolist()))
+            self.sync()
+            t1 = time.monotonic()
+            return t0, t1, fingerprint(self.ops.pack_kv(self.cache, mine)) if check else None
+        if self.kind == "nccl" and path == "raw":
+            return self.one_raw_nccl(src, ready, check)
+        self.tag += 2
+        if self.rank == src:
+            self.wait(self.packed.recv(self.peer, self.go, self.tag))
+            self.sync()
+            t0 = time.monotonic()
+            payload = self.ops.pack_kv(self.cache, mine) if path == "pack" else ready
+            self.wait(self.packed.send(self.peer, payload, self.tag + 1))
+            return t0, None, fingerprint(payload) if check else None
         buf = out if path == "pack" else ready
-        receiving = self.transport.recv(self.peer, buf, self.tag + 1)
-        self.transport.send(self.peer, self.go, self.tag).wait(WAIT_S)
-        receiving.wait(WAIT_S)
+        receiving = self.packed.recv(self.peer, buf, self.tag + 1)
+        self.wait(self.packed.send(self.peer, self.go, self.tag))
+        self.wait(receiving)
         if path == "pack":
-            self.ops.unpack_kv(self.cache, ids, buf)
+            self.ops.unpack_kv(self.cache, mine, buf)
         self.sync()
         t1 = time.monotonic()
-        return t1, fingerprint(self.ops.pack_kv(self.cache, ids)) if check else None
+        return None, t1, fingerprint(self.ops.pack_kv(self.cache, mine) if path == "pack" else buf) if check else None
 
+    def one_raw_nccl(self, src: int, ready, check: bool):
+        """``raw`` between two GPUs: a plain process group's send/recv. One communicator
+        serves both directions of the pair and runs its operations in issue order, so the
+        receiver sends the go before it posts the receive (the other order deadlocks)."""
+        import torch.distributed as dist
 
-def copy_bandwidth(args, m: dict) -> float:
-    """Bytes per second of a plain copy of the largest payload, same device, one process."""
-    device = torch.device(args.device)
-    nbytes = max(args.sizes) * m["kv_bytes_per_block"]
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    samples = []
-    for i in range(13):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= 3:
-            samples.append(time.perf_counter() - t0)
-    return nbytes / sorted(samples)[len(samples) // 2]
+        if self.rank == src:
+            dist.recv(self.go, src=self.peer)
+            self.sync()  # the go has arrived, not just been queued
+            t0 = time.monotonic()
+            dist.send(ready, dst=self.peer)
+            self.sync()
+            return t0, None, fingerprint(ready) if check else None
+        dist.send(self.go, dst=self.peer)
+        dist.recv(ready, src=self.peer)
+        self.sync()
+        t1 = time.monotonic()
+        return None, t1, fingerprint(ready) if check else None
+
+    def copy_seconds(self, sizes: list[int]) -> dict[str, float]:
+        """Median seconds of a plain copy of each size's bytes on this device (the baseline)."""
+        result = {}
+        for n in sizes:
+            nbytes = n * self.m["kv_bytes_per_block"]
+            src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=self.device)
+            dst = torch.empty_like(src)
+            samples = []
+            for i in range(COPY_SAMPLES + 3):
+                self.sync()
+                t0 = time.monotonic()
+                dst.copy_(src)
+                self.sync()
+                if i >= 3:
+                    samples.append(time.monotonic() - t0)
+            result[str(n)] = sorted(samples)[len(samples) // 2]
+            del src, dst
+        return result
+
+    def close(self) -> None:
+        for transport in {id(t): t for t in (self.packed, self.ipc) if t is not None}.values():
+            transport.close()
+        if self.kind == "nccl":
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
 def worker_main(args) -> None:
     worker = Worker(args)
     result = worker.run(args)
+    result["paths"] = worker.paths
     if worker.rank == 0:
-        result["copy_Bps"] = copy_bandwidth(args, worker.m)
-    worker.transport.close()
+        result["copy_s"] = worker.copy_seconds(args.sizes)
+    worker.close()
     print(json.dumps(result), flush=True)
 
 
@@ -223,20 +345,97 @@ def environment(args) -> dict:
         env["cpu"] = model.split(":", 1)[1].strip()
     except (OSError, StopIteration):
         pass
-    if torch.device(args.device).type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    if args.kind != "gloo" and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        if args.kind == "nccl" and torch.cuda.device_count() > 1:
+            env["peer_access_0_1"] = torch.cuda.can_device_access_peer(0, 1)
+            version = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+            env["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE", "0")
     return env
+
+
+def executor_path(kind: str, paths: list[str]) -> str:
+    """The path the pool's transfer executor takes for this kind of pair (see
+    ``lmpool.transfer.transport.kind_for_devices``): pull where the GPUs can address each
+    other, the packed payload otherwise."""
+    return "pull" if kind != "gloo" and "pull" in paths else "pack"
+
+
+def summarize(args, results: list[dict]) -> tuple[dict, list[str]]:
+    m = shape(args)
+    copy_s = results[0]["copy_s"]
+    paths = results[0]["paths"]
+    profile = {"kind": args.kind, "model": m, "sizes": args.sizes, "repetitions": args.reps,
+               "pairs_path": executor_path(args.kind, paths), "paths": {},
+               "copy_seconds": copy_s,
+               "copy_bandwidth_GBps": round(max(args.sizes) * m["kv_bytes_per_block"] / copy_s[str(max(args.sizes))]
+                                            / 1e9, 3)}
+    wrong = []
+    for key in results[0]["checks"]:
+        path, pair, n = key.split("/")
+        src = int(pair[0])
+        starts = results[src]["starts"].get(key) or results[1 - src]["starts"][key]
+        ends = results[1 - src]["ends"][key]
+        latencies = sorted(e - s for s, e in zip(starts, ends))
+        nbytes = int(n) * m["kv_bytes_per_block"]
+        p50 = percentile(latencies, 0.5)
+        point = {"p50_s": p50, "p95_s": percentile(latencies, 0.95), "bytes": nbytes,
+                 "GBps_p50": round(nbytes / p50 / 1e9, 3), "copy_fraction_p50": round(copy_s[n] / p50, 4),
+                 "bytes_equal": results[src]["checks"][key] == results[1 - src]["checks"][key]}
+        if not point["bytes_equal"]:
+            wrong.append(key)
+        profile["paths"].setdefault(path, {}).setdefault(pair, {})[n] = point
+    profile["pairs"] = profile["paths"][profile["pairs_path"]]
+    profile["raw"] = profile["paths"]["raw"]
+    if args.kind == "nccl":
+        profile["nccl_ratios"] = {
+            pair: {n: {"packed_over_raw": round(profile["paths"]["raw"][pair][n]["p50_s"] / point["p50_s"], 4),
+                       **({"pull_over_raw": round(profile["paths"]["raw"][pair][n]["p50_s"]
+                                                  / profile["paths"]["pull"][pair][n]["p50_s"], 4)}
+                          if "pull" in profile["paths"] else {})}
+                   for n, point in points.items()}
+            for pair, points in profile["paths"]["pack"].items()
+        }
+    return profile, wrong
+
+
+def report(profile: dict) -> None:
+    m = profile["model"]
+    print(f"kind {profile['kind']}, {m['preset']} ({m['layers']} layers, {m['kv_heads']} kv heads, head_dim "
+          f"{m['head_dim']}, block {m['block_size']}, {m['dtype']}): {m['kv_bytes_per_block']} B per block; "
+          f"device copy {profile['copy_bandwidth_GBps']:.2f} GB/s at the largest size; pairs = "
+          f"{profile['pairs_path']}")
+    print(f"{'path':>5} {'pair':>5} {'blocks':>6} {'MiB':>9} {'p50 ms':>9} {'p95 ms':>9} {'GB/s':>9} "
+          f"{'of copy':>8} {'bytes':>6}")
+    for path, pairs in profile["paths"].items():
+        for pair, points in pairs.items():
+            for n, point in points.items():
+                print(f"{path:>5} {pair:>5} {n:>6} {point['bytes'] / 2**20:>9.2f} {point['p50_s'] * 1e3:>9.3f} "
+                      f"{point['p95_s'] * 1e3:>9.3f} {point['GBps_p50']:>9.2f} {point['copy_fraction_p50']:>8.2%} "
+                      f"{'equal' if point['bytes_equal'] else 'DIFFER':>6}")
+    for pair, points in profile.get("nccl_ratios", {}).items():
+        for n, ratios in points.items():
+            print(f"nccl {pair} {n} blocks: " + ", ".join(f"{k} {v:.2%}" for k, v in ratios.items()))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    argv = argv if argv is not None else sys.argv[1:]
+    if args.kind == "pool":
+        from kv_transfer_pool import pool_main
+
+        return pool_main(args, argv)
     if args.worker is not None:
         worker_main(args)
         return 0
+    if args.kind == "nccl" and torch.cuda.device_count() < 2:
+        print("--kind nccl needs two CUDA devices", file=sys.stderr)
+        return 2
     rendezvous = Rendezvous.create()
-    command = [sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:]),
-               "--rendezvous", rendezvous.address]
-    workers = [subprocess.Popen([*command, "--worker", str(r)], stdout=subprocess.PIPE, text=True)
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--rendezvous", rendezvous.address]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+    workers = [subprocess.Popen([*command, "--worker", str(r)], stdout=subprocess.PIPE, text=True, env=env)
                for r in (0, 1)]
     try:
         outputs = [w.communicate(timeout=3600)[0] for w in workers]
@@ -249,39 +448,10 @@ def main(argv=None) -> int:
     if any(w.returncode != 0 for w in workers):
         print(f"a worker failed: exit codes {[w.returncode for w in workers]}", file=sys.stderr)
         return 1
-    results = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
-    m = shape(args)
-    copy_Bps = results[0]["copy_Bps"]
-    profile = {"kind": args.kind, "model": m, "sizes": args.sizes, "repetitions": args.reps,
-               "pairs": {}, "raw": {}, "copy_bandwidth_GBps": round(copy_Bps / 1e9, 3)}
-    wrong = []
-    for key in results[0]["times"]:
-        path, pair, n = key.split("/")
-        src = int(pair[0])
-        starts, ends = results[src]["times"][key], results[1 - src]["times"][key]
-        latencies = sorted(e - s for s, e in zip(starts, ends))
-        nbytes = int(n) * m["kv_bytes_per_block"]
-        point = {"p50_s": percentile(latencies, 0.5), "p95_s": percentile(latencies, 0.95), "bytes": nbytes,
-                 "copy_fraction_p50": round(nbytes / percentile(latencies, 0.5) / copy_Bps, 4)}
-        if path == "pack":
-            point["bytes_equal"] = results[src]["checks"][key] == results[1 - src]["checks"][key]
-            if not point["bytes_equal"]:
-                wrong.append(key)
-        profile["pairs" if path == "pack" else "raw"].setdefault(pair, {})[n] = point
+    profile, wrong = summarize(args, [json.loads(o.strip().splitlines()[-1]) for o in outputs])
     profile["environment"] = environment(args)
-    profile["environment"]["command"] = "python benchmarks/benchmark_kv_transfer.py " + shlex.join(
-        argv if argv is not None else sys.argv[1:])
-    print(f"kind {args.kind}, {m['preset']} ({m['layers']} layers, {m['kv_heads']} kv heads, head_dim "
-          f"{m['head_dim']}, block {m['block_size']}, {m['dtype']}): {m['kv_bytes_per_block']} B per block; "
-          f"device copy {copy_Bps / 1e9:.2f} GB/s")
-    print(f"{'pair':>5} {'blocks':>6} {'MiB':>9} {'p50 ms':>9} {'p95 ms':>9} {'raw p50':>9} {'raw p95':>9} "
-          f"{'of copy':>8} {'bytes':>6}")
-    for pair, points in profile["pairs"].items():
-        for n, point in points.items():
-            raw = profile["raw"][pair][n]
-            print(f"{pair:>5} {n:>6} {point['bytes'] / 2**20:>9.2f} {point['p50_s'] * 1e3:>9.3f} "
-                  f"{point['p95_s'] * 1e3:>9.3f} {raw['p50_s'] * 1e3:>9.3f} {raw['p95_s'] * 1e3:>9.3f} "
-                  f"{point['copy_fraction_p50']:>8.2%} {'equal' if point['bytes_equal'] else 'DIFFER':>6}")
+    profile["environment"]["command"] = "python benchmarks/benchmark_kv_transfer.py " + shlex.join(argv)
+    report(profile)
     if args.json:
         args.json.write_text(json.dumps(profile, indent=1) + "\n")
     if wrong:

@@ -1,5 +1,6 @@
 """``benchmarks/benchmark_kv_transfer.py`` runs on CPU replicas and writes a profile the
-transfer cost model accepts."""
+transfer cost model accepts; its GPU modes' arithmetic (bandwidth, fractions of copy
+bandwidth, NCCL ratios, pool residuals) is checked on synthetic measurements."""
 
 from __future__ import annotations
 
@@ -8,24 +9,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lmpool.transfer.cost_model import TransferCostModel
 
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "benchmark_kv_transfer.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import benchmark_kv_transfer as bench  # noqa: E402
+import kv_transfer_pool  # noqa: E402
 
 
 def test_profile_is_written_checked_and_readable_by_the_cost_model(tmp_path):
     out = tmp_path / "profile.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "benchmark_kv_transfer.py"), "--kind", "gloo",
+        [sys.executable, str(SCRIPT), "--kind", "gloo",
          "--block-size", "16", "--sizes", "1,4", "--reps", "3", "--warmup", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 0, run.stderr
     profile = json.loads(out.read_text())
     per_block = 4 * 2 * 16 * 2 * 64 * 4  # tiny preset, float32
-    assert profile["kind"] == "gloo"
+    assert profile["kind"] == "gloo" and profile["pairs_path"] == "pack"
     assert profile["model"] == {"preset": "tiny", "layers": 4, "kv_heads": 2, "head_dim": 64, "block_size": 16,
                                 "dtype": "float32", "kv_bytes_per_block": per_block}
+    assert set(profile["paths"]) == {"pack", "raw"}
+    assert profile["pairs"] == profile["paths"]["pack"] and profile["raw"] == profile["paths"]["raw"]
+    assert set(profile["copy_seconds"]) == {"1", "4"}
     for table in ("pairs", "raw"):
         assert set(profile[table]) == {"0->1", "1->0"}
         for points in profile[table].values():
@@ -33,7 +44,59 @@ def test_profile_is_written_checked_and_readable_by_the_cost_model(tmp_path):
             for n, point in points.items():
                 assert 0 < point["p50_s"] <= point["p95_s"] < 10
                 assert point["bytes"] == int(n) * per_block
-    assert all(p["bytes_equal"] for points in profile["pairs"].values() for p in points.values())
+                assert point["bytes_equal"]
+                assert point["copy_fraction_p50"] == round(profile["copy_seconds"][n] / point["p50_s"], 4)
     model = TransferCostModel.from_profile(out, kv_bytes_per_block=per_block)
     curve = profile["pairs"]["0->1"]
     assert model.data_path_p95(0, 1, 4) == max(curve["1"]["p95_s"], curve["4"]["p95_s"])  # made monotonic
+
+
+def synthetic(paths: dict[str, float], check_differs: str = "") -> list[dict]:
+    """Two workers' results for one size (2 blocks), each path taking the given seconds."""
+    results = [{"starts": {}, "ends": {}, "checks": {}, "paths": list(paths)} for _ in (0, 1)]
+    for path, seconds in paths.items():
+        for src in (0, 1):
+            key = f"{path}/{src}->{1 - src}/2"
+            starter = 1 - src if path == "pull" else src  # a pull is timed at its destination
+            results[starter]["starts"][key] = [10.0, 20.0, 30.0]
+            results[1 - src]["ends"][key] = [10.0 + seconds, 20.0 + seconds, 30.0 + 2 * seconds]
+            results[src]["checks"][key] = 7
+            results[1 - src]["checks"][key] = 8 if key == check_differs else 7
+    results[0]["copy_s"] = {"2": 0.001}
+    return results
+
+
+def test_nccl_summary_ratios_and_bandwidth():
+    args = bench.parse_args(["--kind", "nccl", "--preset", "tiny", "--sizes", "2", "--reps", "3"])
+    profile, wrong = bench.summarize(args, synthetic({"pull": 0.002, "pack": 0.004, "raw": 0.003}))
+    assert wrong == []
+    assert profile["pairs_path"] == "pull" and profile["pairs"] == profile["paths"]["pull"]
+    point = profile["paths"]["pack"]["0->1"]["2"]
+    assert point["p50_s"] == pytest.approx(0.004) and point["p95_s"] == pytest.approx(0.008)
+    assert point["GBps_p50"] == round(2 * bench.shape(args)["kv_bytes_per_block"] / 0.004 / 1e9, 3)
+    assert point["copy_fraction_p50"] == 0.25  # a 1 ms copy against a 4 ms transfer
+    assert profile["nccl_ratios"]["1->0"]["2"] == {"packed_over_raw": 0.75, "pull_over_raw": 1.5}
+
+
+def test_summary_flags_bytes_that_differ_and_picks_pack_without_peer_access():
+    args = bench.parse_args(["--kind", "nccl", "--preset", "tiny", "--sizes", "2", "--reps", "3"])
+    profile, wrong = bench.summarize(args, synthetic({"pack": 0.004, "raw": 0.003},
+                                                     check_differs="pack/1->0/2"))
+    assert wrong == ["pack/1->0/2"] and not profile["paths"]["pack"]["1->0"]["2"]["bytes_equal"]
+    assert profile["pairs_path"] == "pack" and "pull_over_raw" not in profile["nccl_ratios"]["0->1"]["2"]
+
+
+def test_pool_residuals_are_what_the_pool_adds_to_the_data_path():
+    pool = {"0->1": {"1": {"p95_s": 0.0015}, "4": {"p95_s": 0.001}}, "1->0": {"1": {"p95_s": 0.002}}}
+    pairs = {"0->1": {"1": {"p95_s": 0.0005}, "4": {"p95_s": 0.0012}}}
+    assert kv_transfer_pool.residuals(pool, pairs) == {"0->1": {"1": pytest.approx(0.001), "4": 0.0}, "1->0": {}}
+
+
+@pytest.mark.parametrize("kind", ["nccl", "pool"])
+def test_gpu_modes_refuse_a_machine_without_the_gpus(kind):
+    import torch
+
+    if torch.cuda.device_count() >= (2 if kind == "nccl" else 1):
+        pytest.skip("this machine has the GPUs")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--kind", kind], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "needs" in run.stderr, run.stderr
