@@ -128,6 +128,7 @@ def finish_arguments(args: argparse.Namespace, pool_blocks: int, name: str) -> a
     quick = args.quick
     if quick and (args.device == "cuda" or args.preset not in (None, "tiny")):
         raise SystemExit("--quick is the CPU tiny-model mode; drop --device cuda / --preset")
+    args.preset_given = args.preset is not None
     args.preset = args.preset or "tiny"
     args.device = args.device or "cpu"
     args.world_size = args.world_size or (4 if args.device == "cuda" else 2)
@@ -200,11 +201,11 @@ def resolve_model(args: argparse.Namespace) -> str:
     return str(default_model(args.preset))
 
 
-def model_record(model: str, preset: str | None, explicit: bool) -> dict:
+def model_record(model: str, preset: str | None) -> dict:
     from lmpool.model.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(model)
-    return {"name": Path(model).name, "preset": None if explicit else preset, "vocab_size": cfg.vocab_size,
+    return {"name": Path(model).name, "preset": preset, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers,
             "attention_heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
             "head_dim": cfg.head_dim, "torch_dtype": cfg.torch_dtype,
@@ -357,7 +358,7 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
     every = [t for ts in traces.values() for t in ts.values()]
     max_model_len = -(-max_request_tokens(every) // args.block_size) * args.block_size
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-              if k not in ("arrival_process", "rep_ids")}
+              if k not in ("arrival_process", "rep_ids", "preset_given")}
     config["json"] = _portable(str(args.json))
     if config.get("model"):
         config["model"] = _portable(config["model"])
@@ -367,7 +368,7 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
         "metadata": {
             "command": [_portable(a) for a in sys.argv],
             "config": config | {"max_model_len": max_model_len},
-            "model": model_record(model, args.preset, bool(args.model)),
+            "model": model_record(model, args.preset if args.preset_given or not args.model else None),
             **environment(args.device),
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             # The profile does not depend on the seed (``workloads``): the first repetition's.
