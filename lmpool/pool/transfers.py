@@ -200,8 +200,8 @@ class TransferExecutor:
     def _accept(self, export: CudaIpcExport) -> None:
         """A peer's export, relayed by the control plane: set up the data path to it."""
         peer = export.rank
-        if self.ipc is None or not 0 <= peer < self.world_size or peer == self.rank:
-            return  # not for a CUDA replica, or not from a peer: nothing to set up
+        if self.ipc is None or export.peer != self.rank or not 0 <= peer < self.world_size or peer == self.rank:
+            return  # not for this CUDA replica, or not from a peer: nothing to set up
         from lmpool.transfer.cuda_ipc import can_reach
 
         try:

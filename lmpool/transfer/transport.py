@@ -4,7 +4,10 @@ wait for it, and learn exactly why it failed.
 A transport moves the bytes of one packed payload (``[layers, 2, B, block_size,
 kv_heads, head_dim]``, see ``lmpool.ops.reference.pack_kv``) from one worker to another,
 once per transfer. Block hashes, generations, modes and block ids travel on the control
-plane; nothing here knows what the bytes mean.
+plane; nothing here knows what the bytes mean. Where two workers' GPUs can address each
+other's memory, ``CudaIpcTransport`` also offers a faster path outside this interface:
+``pull``, which copies blocks straight from the peer's cache and materialises no payload
+(see ``lmpool.transfer.cuda_ipc``; ``kind_for_devices`` says which pairs get it).
 
 Invariants every transport keeps:
 - ``send`` and ``recv`` only start an operation and return a ``Handle``; they never wait
