@@ -234,3 +234,35 @@ def test_published_copy_serves_the_same_tokens():
         assert cluster.gbm.ready_ranks(h) >> 1 & 1, "routing sees the published copy"
     if plan.move:
         assert not any(h in src.hash_to_block for h in plan.hashes[-1:]), "a move frees the source suffix"
+
+
+def test_a_partial_move_keeps_its_ancestors_and_counts_copied_and_moved_blocks():
+    """A foreground-style plan: the chain's first block travels as an ancestor (``keep=1``), the
+    rest is moved; the source keeps the ancestor and frees the rest."""
+    cluster = Cluster(world=2, blocks=16, seed=3)
+    bm = cluster.bms[0]
+    seq = Sequence("s", [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 0], PARAMS, BLOCK)
+    bm.admit(seq, [])
+    bm.grow(seq, len(seq))
+    seq.num_computed_tokens = len(seq)
+    bm.commit(seq)
+    bm.free(seq)
+    cluster.sync(0)
+    blocks = [bm.blocks[bm.hash_to_block[h]] for h in seq.block_hashes]
+    hashes = [b.block_hash for b in blocks]
+    plan = cluster.coord.start(0, 1, hashes, [b.generation for b in blocks], [ROOT_HASH] + hashes[:-1],
+                               move=True, keep=1, kind="foreground")
+    finalize = []
+    while cluster.inbox:
+        rank, msg = cluster.inbox[0]
+        if msg.kind == "finalize":
+            finalize.append(msg.args)
+            cluster.parts[rank].limit_move(msg.plan_id, msg.args.get("num_blocks", 0))  # as the worker does
+        cluster.deliver(0)
+    assert finalize == [{"move": True, "num_blocks": 1}]
+    assert cluster.coord.completed == 1 and plan.kind == "foreground"
+    assert (cluster.coord.blocks_copied, cluster.coord.blocks_moved) == (1, 2)
+    assert list(bm.hash_to_block) == hashes[:1], "the source keeps the ancestor and frees the moved blocks"
+    assert all(h in cluster.bms[1].hash_to_block for h in hashes)
+    with pytest.raises(ValueError, match="keep=4"):
+        cluster.coord.start(0, 1, hashes, [1, 1, 1], [ROOT_HASH] + hashes[:-1], move=True, keep=4)

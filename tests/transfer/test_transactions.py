@@ -166,18 +166,21 @@ class TransferMachine(RuleBasedStateMachine):
         event("published")
 
     @precondition(lambda self: any(p["phase"] == "published" for p in self.plans.values()))
-    @rule(data=st.data(), move=st.booleans())
-    def finalize(self, data, move):
+    @rule(data=st.data(), move=st.booleans(), keep=st.integers(0, 2))
+    def finalize(self, data, move, keep):
         pid = self.open_plan(data, "published")
         chain = list(self.ps.plans[pid].block_ids)
+        self.ps.limit_move(pid, keep)  # a partial move: the first ``keep`` blocks were copied along
+        self.pd.limit_move(pid, keep)  # (a destination's plan is ended: nothing to limit)
         freed = self.ps.finalize(pid, move)
         assert self.ps.finalize(pid, move) == []  # duplicate: no-op
         if not move:
             assert freed == []
-        for b in freed:  # only an unreferenced suffix of the chain is freed
-            assert b in chain and self.src.blocks[b].state is BlockState.FREE
-        assert freed == chain[len(chain) - len(freed):][::-1]
-        event(f"finalized, move={move}, freed {len(freed)} > 0: {len(freed) > 0}")
+        movable = chain[keep:]
+        for b in freed:  # only an unreferenced suffix of the chain's movable part is freed
+            assert b in movable and self.src.blocks[b].state is BlockState.FREE
+        assert freed == movable[len(movable) - len(freed):][::-1]
+        event(f"finalized, move={move}, keep={keep}, freed {len(freed)} > 0: {len(freed) > 0}")
         del self.plans[pid]
 
     @precondition(lambda self: self.plans)
