@@ -76,6 +76,7 @@ class StepInputBuilder:
         self.block_shift = block_size.bit_length() - 1
         self.on_cuda = device.type == "cuda"
         self._copied = torch.cuda.Event() if self.on_cuda else None
+        self._arange = np.arange(capacity + 1, dtype=np.int64)
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -85,13 +86,18 @@ class StepInputBuilder:
             self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda)
             self.dev = torch.zeros(capacity, dtype=torch.int32, device=self.device) if self.on_cuda else self.host
         self.host_np = self.host.numpy()
-        self._arange = np.arange(capacity + 1, dtype=np.int64)
         # Device views per layout: a decode step usually has the previous step's layout.
         self._views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
 
     @property
     def capacity(self) -> int:
         return self.host.numel()
+
+    def _iota(self, n: int) -> np.ndarray:
+        """``0 .. n-1`` as a view of a kept array (numpy calls cost more than their work here)."""
+        if n > len(self._arange):
+            self._arange = np.arange(2 * n, dtype=np.int64)
+        return self._arange[:n]
 
     def build(self, batch: ScheduledBatch, graphs: GraphSizes | None = None) -> StepInputs:
         seqs, counts = batch.seqs, batch.num_tokens
@@ -110,7 +116,7 @@ class StepInputBuilder:
         starts = np.array(starts_list, dtype=np.int64)
         if decode:
             ends = starts + 1
-            query_start = self._arange[: num_seqs + 1]
+            query_start = self._iota(num_seqs + 1)
         else:
             count_arr = np.array(counts, dtype=np.int64)
             ends = starts + count_arr
@@ -144,19 +150,19 @@ class StepInputBuilder:
             a[o_tab:end] = flat_tables
         else:  # pad short rows with 0; entries past a sequence's blocks are never read
             table[:] = 0
-            table[self._arange[:width] < np.array(table_lens)[:, None]] = flat_tables
+            table[self._iota(width) < np.array(table_lens)[:, None]] = flat_tables
 
         if decode:
             a[:num_seqs] = list(map(getitem, tokens, starts_list))
             positions = starts
-            owner = self._arange[:num_seqs]
+            owner = self._iota(num_seqs)
         else:
             ids: list[int] = []
             for toks, start, n in zip(tokens, starts_list, counts):
                 ids += toks[start : start + n]
             a[:num_rows] = ids
-            owner = np.repeat(self._arange[:num_seqs], count_arr)
-            positions = self._arange[:num_rows] + (starts - query_start[:-1])[owner]
+            owner = np.repeat(self._iota(num_seqs), count_arr)
+            positions = self._iota(num_rows) + (starts - query_start[:-1])[owner]
         a[o_pos : o_pos + num_rows] = positions
         blocks = table[owner, positions >> self.block_shift].astype(np.int64)
         a[o_slot : o_slot + num_rows] = (blocks << self.block_shift) | (positions & (self.block_size - 1))
@@ -173,7 +179,7 @@ class StepInputBuilder:
         if self.on_cuda:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
             self._copied.record()
-        key = (padded, ctx_rows, num_seqs, num_rows, num_rows_sampled, width, graph_size or 0)
+        key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0)
         views = self._views.get(key)
         if views is None:
             if len(self._views) > 256:

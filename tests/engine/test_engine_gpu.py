@@ -1,4 +1,5 @@
-"""The engine on CUDA: same greedy tokens as the CPU path (fp32), CUDA graphs equal eager."""
+"""The engine on CUDA: same greedy tokens as the CPU path (fp32), CUDA graphs equal eager; step
+inputs through the pinned arena equal the CPU builder's; a step's launch never synchronises."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import pytest
 import torch
 
 from lmpool import LLM, SamplingParams
+from lmpool.engine.cuda_graphs import batch_sizes
+from lmpool.engine.scheduler import ScheduledBatch
+from lmpool.engine.sequence import Sequence
+from lmpool.engine.step_inputs import StepInputBuilder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -49,3 +54,96 @@ def test_gpu_bf16_runs_with_preemption(tiny_model, block_size):
         assert llm.engine.scheduler.num_preemptions > 0 or block_size == 256
     assert all(len(o.token_ids) == 32 for o in outs)
     assert len({t for o in outs for t in o.token_ids}) > 32
+
+
+# ---- step inputs: pinned arena, one non_blocking copy, graph padding --------------------------
+
+
+class _GraphSizes:
+    def __init__(self, max_batch: int, max_width: int) -> None:
+        self.sizes, self.max_batch, self.max_width = batch_sizes(max_batch), max_batch, max_width
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_seqs), None)
+
+
+def _batch(specs: list[tuple[int, int, int]], block_size: int) -> ScheduledBatch:
+    """Sequences of (length, computed, new tokens) with scattered block ids."""
+    seqs = []
+    for i, (length, computed, _) in enumerate(specs):
+        seq = Sequence(f"s{i}", [(7 * i + t) % 1000 for t in range(length)], GREEDY, block_size)
+        seq.num_computed_tokens = computed
+        seq.block_table = [40 * i + 3 * j + 1 for j in range(-(-length // block_size))]
+        seqs.append(seq)
+    return ScheduledBatch(seqs=seqs, num_tokens=[n for _, _, n in specs])
+
+
+def _as_lists(inputs) -> list:
+    m = inputs.meta
+    tensors = [inputs.ids, inputs.positions, m.slot_mapping, m.block_tables, m.context_lens, m.query_start_loc,
+               inputs.sample_rows, inputs.graph_header]
+    return [None if t is None else t.cpu().tolist() for t in tensors] + [inputs.sample_index, inputs.graph_size]
+
+
+@pytest.mark.parametrize("graphs", [None, _GraphSizes(16, 8)], ids=["eager", "graph-padding"])
+def test_gpu_step_inputs_equal_the_cpu_builder(graphs):
+    block = 16
+    # A small arena, so that the large prefill makes it grow between steps.
+    cuda = StepInputBuilder(torch.device("cuda"), block, capacity=64)
+    cpu = StepInputBuilder(torch.device("cpu"), block, capacity=64)
+    assert cuda.host.is_pinned() and cuda.dev.is_cuda
+    steps = [
+        [(40, 39, 1), (17, 16, 1), (100, 99, 1)],  # decode, padded to 4 with graphs
+        [(90, 0, 90), (33, 32, 1), (60, 10, 20)],  # mixed prefill: one chunk does not sample
+        [(120, 119, 1)] * 11,  # decode, padded to 16
+        [(128, 0, 128)] * 6,  # past the arena's capacity
+        [(20, 19, 1)] * 20,  # more than the graphs hold: eager
+    ]
+    for specs in steps:
+        batch = _batch(specs, block)
+        got = cuda.build(batch, graphs)
+        assert got.ids.is_cuda and got.meta.block_tables.is_cuda
+        assert _as_lists(got) == _as_lists(cpu.build(batch, graphs))
+
+
+def test_gpu_launch_never_waits_for_the_device(tiny_model, cpu_tokens):
+    """torch raises on a synchronising CUDA call made in the sync debug mode "error": a step's
+    launch and block accounting run without one; only reading the tokens back waits."""
+    sampled = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=32, ignore_eos=True, seed=7),
+               SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)]
+    params = [GREEDY if i % 3 == 0 else sampled[i % 3 - 1] for i in range(len(prompts()))]
+    for enforce_eager in (False, True):
+        with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, enforce_eager=enforce_eager) as llm:
+            llm.generate(prompts(), params)  # first calls may load the kernels and set up libraries
+            core = llm.engine
+            core.runner.launch = _strict(core.runner.launch)
+            core.scheduler.complete_step = _strict(core.scheduler.complete_step)
+            outs = llm.generate(prompts(), params)
+        assert all(len(o.token_ids) == 32 for o in outs)
+        assert [o.token_ids for o, p in zip(outs, params) if p is GREEDY] == [
+            t for t, p in zip(cpu_tokens, params) if p is GREEDY
+        ]
+
+
+def _strict(fn):
+    def call(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return call
+
+
+def test_gpu_draining_batch_replays_padded_graphs_like_cpu(tiny_model):
+    """Requests finish one by one, so decode steps run every batch size from 20 down to 1 and
+    replay graphs of 32, 16, 8, 4, 2 and 1 rows with padding."""
+    ps = prompts(20)
+    params = [SamplingParams(temperature=0, max_tokens=1 + 2 * i, ignore_eos=True) for i in range(20)]
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        want = [o.token_ids for o in llm.generate(ps, params)]
+    for enforce_eager in (False, True):
+        with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, enforce_eager=enforce_eager) as llm:
+            assert (llm.engine.runner.graphs is None) == enforce_eager
+            assert [o.token_ids for o in llm.generate(ps, params)] == want

@@ -1,0 +1,135 @@
+"""StepInputBuilder: every tensor of a step equals the plain per-token construction it replaces.
+
+Random batches (decode, chunked prefill, mixed, with and without decode-graph
+padding) are built one after another in one builder, so the reused arena, its
+growth and the cached views are exercised; after each build every input is
+compared with a list-by-list oracle that asks ``ScheduledBatch.samples`` which
+sequences sample.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from lmpool.engine.cuda_graphs import batch_sizes
+from lmpool.engine.scheduler import ScheduledBatch
+from lmpool.engine.sequence import Sequence
+from lmpool.engine.step_inputs import StepInputBuilder, arena_capacity
+from lmpool.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=1)
+
+
+class FakeGraphs:
+    """The builder's view of DecodeGraphs: captured sizes up to ``max_batch``, table width."""
+
+    def __init__(self, max_batch: int, max_width: int) -> None:
+        self.sizes = batch_sizes(max_batch)
+        self.max_batch = max_batch
+        self.max_width = max_width
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_seqs), None)
+
+
+def oracle(batch: ScheduledBatch, block_size: int) -> dict:
+    """The former ModelRunner.prepare, per token in Python lists."""
+    ids, positions, slots, ctx, qsl, rows, index = [], [], [], [], [0], [], []
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+        start = seq.num_computed_tokens
+        ids += seq.token_ids[start : start + n]
+        positions += range(start, start + n)
+        slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        ctx.append(start + n)
+        qsl.append(qsl[-1] + n)
+        if batch.samples(i):
+            rows.append(qsl[-1] - 1)
+            index.append(i)
+    width = max(len(s.block_table) for s in batch.seqs)
+    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+    return dict(ids=ids, positions=positions, slots=slots, ctx=ctx, qsl=qsl, rows=rows, index=index, tables=tables)
+
+
+@st.composite
+def batches(draw, block_size: int):
+    decode = draw(st.booleans())
+    num_seqs = draw(st.integers(1, 40 if decode else 8))
+    seqs, counts = [], []
+    next_block = 0
+    for i in range(num_seqs):
+        length = draw(st.integers(1, 5 * block_size))
+        computed = draw(st.integers(max(0, length - 1) if decode else 0, length - 1))
+        n = 1 if decode else draw(st.integers(1, length - computed))
+        seq = Sequence(f"s{i}", draw(st.lists(st.integers(0, 999), min_size=length, max_size=length)), PARAMS, block_size)
+        seq.num_computed_tokens = computed
+        blocks = -(-(computed + n) // block_size) + draw(st.integers(0, 1))  # grow may have run ahead
+        # Block ids scattered, so a wrong table entry shows up in the slots.
+        seq.block_table = [next_block + 7 * j + 3 for j in range(blocks)]
+        next_block += 7 * blocks + 5
+        seqs.append(seq)
+        counts.append(n)
+    return ScheduledBatch(seqs=seqs, num_tokens=counts)
+
+
+def check(builder: StepInputBuilder, batch: ScheduledBatch, graphs: FakeGraphs | None) -> None:
+    want = oracle(batch, builder.block_size)
+    got = builder.build(batch, graphs)
+    num_seqs, num_rows = len(batch.seqs), sum(batch.num_tokens)
+    decode = num_rows == num_seqs
+    assert got.num_seqs == num_seqs and got.meta.is_decode == decode
+    assert got.ids.tolist() == want["ids"]
+    assert got.positions.tolist() == want["positions"]
+    assert got.meta.slot_mapping.tolist() == want["slots"]
+    assert got.meta.context_lens.tolist() == want["ctx"]
+    assert got.meta.query_start_loc.tolist() == want["qsl"]
+    assert got.meta.block_tables.tolist() == want["tables"]
+    for t in (got.ids, got.positions, got.meta.slot_mapping, got.meta.block_tables, got.meta.context_lens):
+        assert t.dtype == torch.int32
+    rows = list(range(num_rows)) if got.sample_rows is None else got.sample_rows.tolist()
+    assert rows == want["rows"]
+    if got.sample_rows is None:
+        assert decode and len(want["index"]) == num_seqs
+    assert (got.sample_index is None) == (len(want["index"]) == num_seqs)
+    assert (list(range(num_seqs)) if got.sample_index is None else got.sample_index) == want["index"]
+    if graphs is None or not decode or num_seqs > graphs.max_batch:
+        assert got.graph_size is None and got.graph_header is None
+        return
+    size = got.graph_size
+    assert size == graphs.padded_size(num_seqs) and got.graph_header.shape == (4, size)
+    header = got.graph_header.tolist()
+    assert [h[:num_seqs] for h in header] == [want["ids"], want["positions"], want["slots"], want["ctx"]]
+    pad = size - num_seqs
+    assert [h[num_seqs:] for h in header] == [[0] * pad, [0] * pad, [-1] * pad, [1] * pad]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_inputs_equal_the_per_token_construction(block_size, data):
+    graphs = data.draw(st.sampled_from([None, FakeGraphs(32, 64)]))
+    # A small arena, so that some batches make it grow.
+    builder = StepInputBuilder(torch.device("cpu"), block_size, capacity=data.draw(st.integers(16, 512)))
+    for _ in range(data.draw(st.integers(1, 4))):
+        check(builder, data.draw(batches(block_size)), graphs)
+
+
+def test_a_graph_step_needs_a_table_the_graph_can_hold():
+    builder = StepInputBuilder(torch.device("cpu"), 4, arena_capacity(64, 8, 8))
+    seq = Sequence("s", list(range(40)), PARAMS, 4)
+    seq.num_computed_tokens = 39
+    seq.block_table = list(range(10))
+    batch = ScheduledBatch(seqs=[seq], num_tokens=[1])
+    assert builder.build(batch, FakeGraphs(8, 10)).graph_size == 1
+    assert builder.build(batch, FakeGraphs(8, 9)).graph_size is None  # too wide: runs eagerly
+    assert builder.build(batch, None).graph_size is None
+
+
+def test_empty_batch_and_bad_block_size_are_refused():
+    builder = StepInputBuilder(torch.device("cpu"), 16, 64)
+    with pytest.raises(ValueError, match="empty batch"):
+        builder.build(ScheduledBatch())
+    with pytest.raises(ValueError, match="power of two"):
+        StepInputBuilder(torch.device("cpu"), 12, 64)
