@@ -65,6 +65,7 @@ from lmpool.pool.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, Stat
 from lmpool.pool.transfer_policies import TransferPolicies
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.transfer.coordinator import Plan, PlanState, TransferCoordinator
+from lmpool.transfer.messages import CudaIpcExport
 from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
@@ -111,6 +112,10 @@ class ControlPlane:
                     continue
                 if isinstance(msg, ShortageReport):
                     self.policies.on_shortage(msg)
+                    continue
+                if isinstance(msg, CudaIpcExport):
+                    if 0 <= msg.peer < self.spec.world_size and msg.peer != rank:
+                        self.send_to(msg.peer, msg)  # relayed unopened to the one peer it serves
                     continue
                 try:
                     gap = self.apply(msg)

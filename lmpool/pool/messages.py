@@ -18,6 +18,7 @@ import msgspec
 
 from lmpool.engine.kv_events import KVDelta, KVSnapshot
 from lmpool.sampling_params import SamplingParams
+from lmpool.transfer.messages import CudaIpcExport
 
 
 
@@ -267,6 +268,7 @@ class TransferOrder(Message, tag="xfer"):
     parents: list[int] = []
     block_ids: list[int] = []
     token_ids: list[list[int]] = []
+    peer_block_ids: list[int] = []  # execute_recv: the source's blocks (a pull reads them directly)
 
 
 class TransferAck(Message, tag="xfer_ack"):
@@ -312,6 +314,7 @@ class DigestsReply(Message, tag="digests"):
 
 # ---- the unions each receiver decodes ---------------------------------------------------
 
-WorkerToControl = Heartbeat | WorkerSnapshot | WorkerDelta | TransferAck | ShortageReport
-ControlToWorker = ResyncRequest | Heartbeat | TransferOrder | ReleaseOutcome
+# ``CudaIpcExport`` (``lmpool.transfer.messages``) travels worker -> control -> the worker it names.
+WorkerToControl = Heartbeat | WorkerSnapshot | WorkerDelta | TransferAck | ShortageReport | CudaIpcExport
+ControlToWorker = ResyncRequest | Heartbeat | TransferOrder | ReleaseOutcome | CudaIpcExport
 ControlRequest = RouteQuery | RankDown | RankUp | WaitRanks | StatsQuery | TransferChain | BlockDigests

@@ -55,6 +55,7 @@ from lmpool.pool.process import read_spec
 from lmpool.pool.release import ForegroundRelease
 from lmpool.pool.spec import WorkerSpec
 from lmpool.pool.transfers import TransferExecutor
+from lmpool.transfer.messages import CudaIpcExport
 from lmpool_ipc import Channel, IpcError
 
 
@@ -111,6 +112,9 @@ class Worker:
                         # copied along as ancestors, and the source keeps them.
                         self.transfers.participant.limit_move(msg.plan_id, msg.num_blocks)
                     self.transfers.orders.append(msg)
+                    self.wakeup.set()
+                elif isinstance(msg, CudaIpcExport) and self.transfers is not None:
+                    self.transfers.orders.append(msg)  # a peer's export: set up the data path to it
                     self.wakeup.set()
                 elif isinstance(msg, ReleaseOutcome) and self.release is not None:
                     self.release.on_outcome(msg)

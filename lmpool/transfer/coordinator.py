@@ -154,7 +154,8 @@ class TransferCoordinator:
         if plan.state is PlanState.PREPARING:
             plan.state = PlanState.EXECUTING
             self.send(plan.src, PhaseMessage("execute_send", plan.plan_id, {"peer": plan.dst, "block_ids": plan.src_blocks}))
-            self.send(plan.dst, PhaseMessage("execute_recv", plan.plan_id, {"peer": plan.src, "block_ids": plan.dst_blocks}))
+            self.send(plan.dst, PhaseMessage("execute_recv", plan.plan_id, {
+                "peer": plan.src, "block_ids": plan.dst_blocks, "peer_block_ids": plan.src_blocks}))
         elif plan.state is PlanState.EXECUTING:
             plan.state = PlanState.PUBLISHING
             self.send(plan.dst, PhaseMessage("publish", plan.plan_id, {
