@@ -138,7 +138,7 @@ class ModelRunner:
             if not seqs:
                 return PendingTokens([], None)
         if inputs.sample_rows is not None:
-            hidden = hidden[inputs.sample_rows]
+            hidden = hidden.index_select(0, inputs.sample_rows)
         return PendingTokens(seqs, self.sample(hidden, seqs))
 
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -33,7 +33,7 @@ def write_kv(
 ) -> None:
     """Store ``key``/``value`` rows ``[T, kv_heads, head_dim]`` at their slots; skip slot -1."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
+    slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
