@@ -81,6 +81,12 @@ class ForegroundRelease:
         else:
             self._give_up(self.clock())
 
+    def disconnected(self) -> None:
+        """The control plane is gone: no outcome will come, so a pending release ends now."""
+        self.connected = False
+        if self.pending is not None:
+            self._give_up(self.clock())
+
     def _give_up(self, now: float) -> None:
         self.pending = None
         self.evict_next = True

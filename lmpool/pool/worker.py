@@ -123,7 +123,7 @@ class Worker:
             if self.control is channel:  # the control process died; the engine restarts it
                 self.control = None
                 if self.release is not None:
-                    self.release.connected = False
+                    self.release.disconnected()
 
     def attach_control(self, end: str) -> None:
         old, self.control = self.control, Channel(end, ControlToWorker)

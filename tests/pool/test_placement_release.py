@@ -104,7 +104,7 @@ class ReleaseMachine(RuleBasedStateMachine):
             assert waits == (now < r.deadline), "waits while pending, and only until the deadline"
             if not waits:
                 assert r.pending is None and not r.evict_next
-        elif evict_next_before or now < retry_before:
+        elif evict_next_before or now < retry_before or not r.connected:
             assert not waits and not r.evict_next, "after a refusal: evict once, then cool down"
         else:
             victims = self.bm.eviction_order(n)
@@ -134,6 +134,15 @@ class ReleaseMachine(RuleBasedStateMachine):
             assert r.pending == pending, "an answer to another release changes nothing"
         else:
             assert r.pending is None and r.evict_next == (state != "done")
+
+    @rule(lost=st.booleans())
+    def control_plane(self, lost):
+        r = self.release
+        if lost:
+            r.disconnected()
+            assert r.pending is None and not r.on_shortage([], 1), "nobody to ask: evict"
+        else:
+            r.connected = True  # a new control process attached
 
     @rule(dt=st.floats(0, 1.5))
     def time_passes(self, dt):
