@@ -75,7 +75,9 @@ class Reservation(NamedTuple):
 class HashStats(msgspec.Struct, gc=False):
     """Demand for one cached block: how often routed prompts contained it, how often a route
     used it, and its heat: those two decayed with the page table's half-life (an access
-    counts 1, a route hit ``route_hit_weight`` more), as of ``last_access``.
+    counts 1, a route hit ``route_hit_weight`` more). ``heat`` is kept scaled by
+    ``2 ** (t / half_life)`` from its ``epoch``'s base time, so that a route adds to it
+    without computing any decay (``GlobalBlockManager.heat`` reads it).
 
     Untracked by the garbage collector (it holds numbers only): hundreds of
     thousands of these would otherwise make every full collection pause the
@@ -86,6 +88,7 @@ class HashStats(msgspec.Struct, gc=False):
     route_hits: int = 0
     last_access: float = 0.0
     heat: float = 0.0
+    epoch: int = 0
 
 
 class RankInfo:
@@ -136,6 +139,9 @@ class GlobalBlockManager:
         self.block_size = block_size
         self.reservation_ttl_s = reservation_ttl_s
         self.heat_half_life_s = heat_half_life_s
+        # Heat scaling: times are measured in half-lives from a base that moves (a new epoch)
+        # before 2 ** x could overflow; an entry from an older epoch is rescaled when next met.
+        self._heat_bases = [clock()]
         self.route_hit_weight = route_hit_weight
         self.clock = clock
         self.ranks = [RankInfo(r) for r in range(world_size)]
@@ -396,31 +402,50 @@ class GlobalBlockManager:
         """Demand seen at ingress: the first ``held`` blocks are cached somewhere; the route used the first ``used``."""
         now = self.clock()
         stats = self._stats
-        half_life = self.heat_half_life_s
-        hit_weight = 1.0 + self.route_hit_weight
+        epoch, scale = self._heat_scale(now)
+        access, hit = scale, scale * (1.0 + self.route_hit_weight)
         for i in range(held):
             h = block_hashes[i]
             s = stats.get(h)
             if s is None:
-                s = stats[h] = HashStats()
+                s = stats[h] = HashStats(epoch=epoch)
+            elif s.epoch != epoch:
+                self._rebase(s, epoch)
             s.accesses += 1
-            decay = 0.5 ** ((now - s.last_access) / half_life)
             s.last_access = now
             if i < used:
                 s.route_hits += 1
-                s.heat = s.heat * decay + hit_weight
+                s.heat += hit
             else:
-                s.heat = s.heat * decay + 1.0
+                s.heat += access
+
+    def _heat_scale(self, now: float) -> tuple[int, float]:
+        """The current heat epoch and ``2 ** (half-lives since its base)``, starting a new epoch
+        when that grows large (a rare event: every few hundred half-lives)."""
+        bases = self._heat_bases
+        x = (now - bases[-1]) / self.heat_half_life_s
+        if x > 256:
+            bases.append(now)
+            x = 0.0
+        return len(bases) - 1, 2.0 ** x
+
+    def _rebase(self, s: HashStats, epoch: int) -> None:
+        s.heat *= 2.0 ** ((self._heat_bases[s.epoch] - self._heat_bases[epoch]) / self.heat_half_life_s)
+        s.epoch = epoch
 
     def hash_stats(self, block_hash: int) -> HashStats | None:
         return self._stats.get(block_hash)
 
     def heat(self, block_hash: int) -> float:
-        """The block's demand now: its heat decayed since its last access (0 if never routed)."""
+        """The block's demand now: its accesses and route hits decayed to this instant (0 if
+        never routed)."""
         s = self._stats.get(block_hash)
         if s is None:
             return 0.0
-        return s.heat * 0.5 ** ((self.clock() - s.last_access) / self.heat_half_life_s)
+        epoch, scale = self._heat_scale(self.clock())
+        if s.epoch != epoch:
+            self._rebase(s, epoch)
+        return s.heat / scale
 
     # ---- route reservations ----------------------------------------------------------------
 

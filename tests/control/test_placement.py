@@ -107,6 +107,21 @@ def test_heat_counts_accesses_weighs_route_hits_and_decays():
     assert w.gbm.heat(c[0]) == pytest.approx(1.25)
 
 
+def test_heat_stays_exact_across_scaling_epochs():
+    """Heat is stored scaled by 2 ** (half-lives since a base); the base moves before that
+    overflows, and older entries are rescaled when met."""
+    w = World()
+    c = chain(2, 1)
+    w.cache(0, c)
+    w.route(c)
+    for _ in range(4):  # 4 x 100 half-lives: past an epoch boundary
+        w.clock.now += 1000.0
+        w.route(c)
+    w.clock.now += 10.0
+    assert w.gbm.heat(c[0]) == pytest.approx(1.5 / 2, rel=1e-9), "only the latest access still counts"
+    assert len(w.gbm._heat_bases) > 1
+
+
 def test_hot_chains_give_the_deepest_hot_prefix_once_and_forget_cold_chains():
     heat = {1: 5.0, 2: 3.0, 3: 1.0, 7: 0.0}
     chains = HotChains(capacity=3)
