@@ -7,6 +7,10 @@ through ``transformers`` ``generate`` (greedy, left-padded batches) on the same
 weights in the same process, and the ratio is reported; HF is credited with every
 token it generates, including those past a request's own output length.
 
+LMPool's timed region is one ``LLM.generate`` call on all prompts (input checks,
+scheduling, every step, detokenisation), after a warm-up on other prompts; CUDA
+graph capture happens when the engine is built, before it.
+
     python benchmarks/benchmark_throughput.py --preset tiny --json out.json
     python benchmarks/benchmark_throughput.py --preset 0.6b --device cuda --num-seqs 256 \
         --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 --compare-hf
@@ -54,7 +58,20 @@ def run_lmpool(model: str, prompts, outputs, args) -> dict:
         enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops,
     )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
-    llm.generate(prompts[:2], params[:2])  # warm-up: kernels, allocator
+    # Warm-up (kernels, allocators) on prompts of its own: the workload's prompts would
+    # leave their prefixes cached and the timed run would skip part of their prefill.
+    vocab = llm.engine.model_config.vocab_size
+    warm, _ = workload(2, len(prompts[0]), len(prompts[0]), 1, 1, vocab, args.seed + 1)
+    llm.generate(warm, params[:2])
+    steps = 0
+    engine_step = llm.engine.step
+
+    def counted_step():
+        nonlocal steps
+        steps += 1
+        return engine_step()
+
+    llm.engine.step = counted_step
     sync(args.device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -66,6 +83,9 @@ def run_lmpool(model: str, prompts, outputs, args) -> dict:
         "elapsed_s": elapsed,
         "output_tokens": tokens,
         "output_tok_s": tokens / elapsed,
+        "engine_steps": steps,
+        "mean_step_ms": elapsed / steps * 1e3,
+        "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
         "num_kv_blocks": llm.engine.block_manager.num_blocks,
         "kv_ops": llm.engine.runner.ops.name,
         "cuda_graphs": llm.engine.runner.graphs is not None,
@@ -196,8 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
         )
         result = {"config": vars(args) | {"model": args.model, "json": None}, "environment": environment(args.device)}
         result["lmpool"] = run_lmpool(model, prompts, outputs, args)
-        print(f"lmpool: {result['lmpool']['output_tok_s']:.1f} output tok/s "
-              f"({result['lmpool']['output_tokens']} tokens in {result['lmpool']['elapsed_s']:.2f} s)")
+        lm = result["lmpool"]
+        print(f"lmpool: {lm['output_tok_s']:.1f} output tok/s ({lm['output_tokens']} tokens in "
+              f"{lm['elapsed_s']:.2f} s; {lm['engine_steps']} engine steps, {lm['mean_step_ms']:.2f} ms each)")
         roof = result["lmpool"]["decode_roofline"]
         if roof:
             print(f"lmpool: {roof['fraction_of_roofline']:.1%} of the HBM roofline "
