@@ -82,12 +82,12 @@ def plot_routing(data: dict, out: Path) -> list[Path]:
               lambda g, p, m=metric: summary.get(f"locality_{g}", {}).get(p, {}).get(m))
         ax.set_title(label)
         ax.set_xlabel("shared-prefix length")
-    axes.flat[0].legend(fontsize=8)
+    _legend(fig, axes.flat[0])
     profile = data["metadata"]["dataset_profile"]
     shares = ", ".join(f"{w.removeprefix('locality_')}: {100 * profile[w]['trace_req_share']:.2f}% req / "
                        f"{100 * profile[w]['trace_tok_share']:.2f}% tok" for w in levels if w in profile)
     fig.suptitle(_title(data) + f"\ntrace share {shares}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     path = out.with_suffix(".png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -114,10 +114,14 @@ def plot_e2e(data: dict, out: Path) -> list[Path]:
             _bars(ax, [""], policies, lambda g, p, m=metric: by_policy.get(p, {}).get(m))
             ax.set_xticks([])
             ax.set_title(label)
-        axes.flat[0].legend(fontsize=8)
+        _legend(fig, axes.flat[0])
         ax = axes.flat[len(panels)]
         _bars(ax, list(TRANSFERS), policies, lambda g, p: by_policy.get(p, {}).get(g))
-        ax.set_title("transfers per run (absent: not reported)")
+        counted = [by_policy.get(p, {}).get(g, {}).get("mean") for p in policies for g in TRANSFERS]
+        if not any(counted):
+            ax.text(0.5, 0.5, "none reported" if all(c is None for c in counted) else "all zero",
+                    transform=ax.transAxes, ha="center")
+        ax.set_title("transfers per run")
         ax.tick_params(axis="x", labelsize=7)
         ax = axes.flat[len(panels) + 1]
         _rank_load(ax, data, workload, policies)
@@ -126,12 +130,18 @@ def plot_e2e(data: dict, out: Path) -> list[Path]:
         share = (f"trace share {100 * profile['trace_req_share']:.2f}% req / {100 * profile['trace_tok_share']:.2f}% tok"
                  if profile else "")
         fig.suptitle(f"{workload} - {_title(data)}\n{share}", fontsize=10)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
         path = out.with_name(f"{out.stem}_{workload}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _legend(fig, ax) -> None:
+    """One legend for the whole figure, below the panels, where it hides no bar."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
 
 
 def _rank_load(ax, data: dict, workload: str, policies: list[str]) -> None:
