@@ -260,11 +260,10 @@ class TransferExecutor:
     def _execute_recv(self, order: TransferOrder) -> TransferAck | None:
         plan = self._open_plan(order)
         if self._path(order.peer) == "pull":
-            # The control plane names the source's blocks in the order (TransferOrder.peer_block_ids).
-            src_ids = getattr(order, "peer_block_ids", None)
-            if not src_ids:
-                raise ValueError(f"execute_recv of plan {order.plan_id} names no source blocks to pull")
-            handle = self.ipc.pull(order.peer, list(src_ids), plan.block_ids)
+            if len(order.peer_block_ids) != len(plan.block_ids):
+                raise ValueError(f"execute_recv of plan {order.plan_id} names {len(order.peer_block_ids)} source "
+                                 f"blocks for {len(plan.block_ids)} reserved ones")
+            handle = self.ipc.pull(order.peer, order.peer_block_ids, plan.block_ids)
             self.in_flight.append(_Pending(order, handle, lambda: self._executed(order)))
             return None
         cache = self.core.runner.kv_cache
