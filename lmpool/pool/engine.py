@@ -61,6 +61,7 @@ from lmpool.pool.spec import ControlSpec, EngineArgs, WorkerSpec
 from lmpool.pool.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
 from lmpool.transfer import Rendezvous
+from lmpool.transfer.cost_model import TransferCostModel
 from lmpool_ipc import Channel, IpcError, IpcPool, RemoteError, Requester
 
 ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
@@ -154,6 +155,12 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.block_size = config.engine.block_size
         self.max_model_len = config.engine.max_model_len or self.model_config.max_position_embeddings
+        profile = config.transfer_policy.transfer_profile
+        if profile is not None:  # refused here, with its reason, rather than in the control process
+            try:
+                TransferCostModel.from_profile(profile, self.kv_bytes_per_block())
+            except (OSError, KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"transfer_profile {profile!r} cannot be used: {e}") from None
         self.ipc: IpcPool | None = None
         self.rendezvous: Rendezvous | None = None  # the workers' transfer rendezvous, if enabled
         self.board: str | None = None  # the pool-state board (``state_board``)

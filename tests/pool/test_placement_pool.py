@@ -149,3 +149,18 @@ def test_foreground_moves_the_shortage_instead_of_evicting_and_falls_back_when_r
 def test_bad_transfer_mode_is_refused_before_anything_starts(tiny_model, mode):
     with pytest.raises(ValueError, match="transfer_mode must be one of none, background, foreground, both"):
         AsyncLMPool(tiny_model, transfer_mode=mode)
+
+
+def test_a_transfer_profile_for_another_model_is_refused_before_anything_starts(tiny_model, tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text('{"model": {"kv_bytes_per_block": 12}, "pairs": {"0->1": {"1": {"p95_s": 0.001}}}}')
+    with pytest.raises(ValueError, match="measured for 12 KV bytes per block"):
+        AsyncLMPool(tiny_model, transfer_mode="both", transfer_policy=TransferPolicyConfig(transfer_profile=str(profile)))
+    with pytest.raises(ValueError, match="cannot be used"):
+        AsyncLMPool(tiny_model, transfer_mode="both",
+                    transfer_policy=TransferPolicyConfig(transfer_profile=str(tmp_path / "missing.json")))
+    with pytest.raises(ValueError, match="hot_threshold must be > 0"):
+        AsyncLMPool(tiny_model, transfer_mode="background", transfer_policy=TransferPolicyConfig(hot_threshold=0))
+    with pytest.raises(ValueError, match="background_copy_batch_max_blocks"):
+        AsyncLMPool(tiny_model, transfer_mode="background", background_copy_max_blocks=16,
+                    background_copy_batch_max_blocks=8)
