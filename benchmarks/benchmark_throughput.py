@@ -63,15 +63,7 @@ def run_lmpool(model: str, prompts, outputs, args) -> dict:
     vocab = llm.engine.model_config.vocab_size
     warm, _ = workload(2, len(prompts[0]), len(prompts[0]), 1, 1, vocab, args.seed + 1)
     llm.generate(warm, params[:2])
-    steps = 0
-    engine_step = llm.engine.step
-
-    def counted_step():
-        nonlocal steps
-        steps += 1
-        return engine_step()
-
-    llm.engine.step = counted_step
+    records = StepRecorder(llm)
     sync(args.device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -83,8 +75,9 @@ def run_lmpool(model: str, prompts, outputs, args) -> dict:
         "elapsed_s": elapsed,
         "output_tokens": tokens,
         "output_tok_s": tokens / elapsed,
-        "engine_steps": steps,
-        "mean_step_ms": elapsed / steps * 1e3,
+        "engine_steps": len(records.steps),
+        "mean_step_ms": elapsed / len(records.steps) * 1e3,
+        "steps": records.summary(elapsed),
         "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
         "num_kv_blocks": llm.engine.block_manager.num_blocks,
         "kv_ops": llm.engine.runner.ops.name,
@@ -94,6 +87,51 @@ def run_lmpool(model: str, prompts, outputs, args) -> dict:
     result["decode_roofline"] = roofline(llm, prompts, outputs, elapsed)
     llm.shutdown()
     return result
+
+
+class StepRecorder:
+    """Wall time of every engine step with its shape (sequences, tokens).
+
+    A step ends by reading its tokens back, so its wall time is the device's time
+    for it plus the host time the device was left waiting; no synchronisation is
+    added. Time outside steps is ``generate``'s own (input checks, outputs).
+    """
+
+    def __init__(self, llm: LLM) -> None:
+        self.steps: list[tuple[int, int, float]] = []
+        shape = [0, 0]
+        engine, launch = llm.engine, llm.engine.runner.launch
+        step = engine.step
+
+        def recorded_launch(batch):
+            shape[:] = len(batch.seqs), sum(batch.num_tokens)
+            return launch(batch)
+
+        def timed_step():
+            t0 = time.perf_counter()
+            out = step()
+            self.steps.append((shape[0], shape[1], time.perf_counter() - t0))
+            return out
+
+        engine.runner.launch = recorded_launch
+        engine.step = timed_step
+
+    def summary(self, elapsed: float, bucket: int = 32) -> dict:
+        decode = [(n, t) for n, tokens, t in self.steps if n == tokens]
+        other = [t for n, tokens, t in self.steps if n != tokens]
+        by_batch: dict[str, list[float]] = {}
+        for n, t in decode:
+            lo = (n - 1) // bucket * bucket + 1
+            by_batch.setdefault(f"{lo}-{lo + bucket - 1}", []).append(t)
+        return {
+            "decode_steps": len(decode),
+            "decode_s": sum(t for _, t in decode),
+            "prefill_or_mixed_steps": len(other),
+            "prefill_or_mixed_s": sum(other),
+            "outside_steps_s": elapsed - sum(t for *_, t in self.steps),
+            "decode_ms_by_batch": {k: 1e3 * sum(v) / len(v) for k, v in by_batch.items()},
+            "decode_steps_by_batch": {k: len(v) for k, v in by_batch.items()},
+        }
 
 
 def roofline(llm: LLM, prompts, outputs, elapsed: float) -> dict | None:
@@ -217,8 +255,12 @@ def main(argv: list[str] | None = None) -> dict:
         result = {"config": vars(args) | {"model": args.model, "json": None}, "environment": environment(args.device)}
         result["lmpool"] = run_lmpool(model, prompts, outputs, args)
         lm = result["lmpool"]
+        st = lm["steps"]
         print(f"lmpool: {lm['output_tok_s']:.1f} output tok/s ({lm['output_tokens']} tokens in "
               f"{lm['elapsed_s']:.2f} s; {lm['engine_steps']} engine steps, {lm['mean_step_ms']:.2f} ms each)")
+        print(f"lmpool: {st['decode_steps']} decode steps {st['decode_s']:.2f} s, "
+              f"{st['prefill_or_mixed_steps']} prefill/mixed steps {st['prefill_or_mixed_s']:.2f} s, "
+              f"outside steps {st['outside_steps_s']:.2f} s")
         roof = result["lmpool"]["decode_roofline"]
         if roof:
             print(f"lmpool: {roof['fraction_of_roofline']:.1%} of the HBM roofline "
