@@ -83,20 +83,23 @@ PULL = dict(kind="cuda_ipc", device="cuda:0", share_cache=True)
 
 
 def pull_scripts(puller: int, sizes: list[int]) -> tuple[list, list]:
-    """The puller copies every size out of the other rank's cache, all started before any wait."""
-    pulls = [{"pull": 1 - puller, "blocks": n, "seed": 7 * n} for n in sizes]
+    """The puller copies every size out of the other rank's cache, one after the other (the
+    pulls write the cache itself: a later one may overwrite an earlier one's blocks)."""
+    pulls = [step for n in sizes for step in ({"pull": 1 - puller, "blocks": n, "seed": 7 * n}, {"wait": 30})]
     source = [{"export": None}, {"import": None}, {"say": "serving"}, {"hear": None}]
-    dest = [{"export": None}, {"import": None}, *pulls, {"wait": 30}]
+    dest = [{"export": None}, {"import": None}, *pulls]
     return (dest, source) if puller == 0 else (source, dest)
 
 
 def check_pulls(dest: Peer, source_rank: int, sizes: list[int], dtype: str) -> None:
+    """Each pull's blocks equal the source's, and the whole cache is what they make of it."""
+    transfers = []
     for n in sizes:
         line = dest.expect("pulled")
         src_ids, _ = block_ids(line["pulled"], n)
         assert line["digest"] == digest(pack_kv(make_cache(source_rank, dtype=dtype), src_ids)), n
-    transfers = [{"src": source_rank, "blocks": n, "seed": 7 * n} for n in sizes]
-    assert dest.expect("cache")["cache"] == expected_cache(dest.rank, transfers, dtype)
+        transfers.append({"src": source_rank, "blocks": n, "seed": 7 * n})
+        assert dest.expect("cache")["cache"] == expected_cache(dest.rank, transfers, dtype), n
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
