@@ -5,6 +5,7 @@
 #   OUT=dir bash benchmarks/run_eval_h200.sh PRESET BENCH [runner flags...]
 #     PRESET: 0.6b | 1.7b        BENCH: kv_routing | e2e | prep (model and kernels only)
 # Writes $OUT/eval_h200_<PRESET>_<BENCH>[<TAG>].json and .log (TAG: env, to name a part).
+# MPS=0 (env) runs without MPS, e.g. one replica per GPU on a several-GPU machine.
 # Extra flags go to the runner: --reps, --levels, --policies, --workloads, --first-rep,
 # --max-minutes, --scale ... (see benchmarks/PAPER_RUNBOOK.md).
 set -uo pipefail
@@ -30,6 +31,8 @@ fi
 python3 -c "from lmpool.ops.cuda import load_extension; load_extension()" || exit 1
 [ "$bench" = prep ] && exit 0
 name="eval_h200_${preset}_${bench}${TAG}"
+mps=--mps
+[ "${MPS:-1}" = 0 ] && mps=
 python3 "benchmarks/benchmark_${bench}.py" --device cuda --model "$model" --preset "$preset" \
-  --world-size 4 --dtype bfloat16 --block-size 256 --mps --run-timeout 120 \
+  --world-size 4 --dtype bfloat16 --block-size 256 $mps --run-timeout 120 \
   --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"
