@@ -10,8 +10,8 @@ so nothing but host work is measured. B sequences with contexts uniform in
 Two paths run side by side on identical engines: ``before`` is the engine's
 host path as it was before the step-input arena (a frozen copy below:
 ``LegacyStep``), ``after`` is ``EngineCore.step`` as it is now. The ratio is
-before / after per step. Each phase is timed by wrapping the method that does
-it; ``outputs`` is the rest of the step (appending tokens, stop checks, step
+before / after per step (medians over interleaved repeats). Each phase is
+timed by wrapping the method that does it; ``outputs`` is the rest of the step (appending tokens, stop checks, step
 outputs, and in ``after`` the token read-back).
 
 What a CPU run cannot show: on CUDA the ``before`` path also made seven
@@ -31,6 +31,7 @@ import json
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -269,12 +270,22 @@ def run_batch(model_dir: str, args, batch: int) -> dict:
     tokens = {name: [s.token_ids[-1] for s in core.scheduler.running] for name, (core, _, _) in paths.items()}
     assert tokens["before"] == tokens["after"], "both paths must produce the same tokens"
     result = {"batch": batch, "contexts": [min(contexts), max(contexts)]}
-    for name, rs in runs.items():
-        median = statistics.median(r["total_us"] for r in rs)
-        best = min(rs, key=lambda r: abs(r["total_us"] - median))
-        result[name] = best | {"repeats_total_us": [r["total_us"] for r in rs]}
+    for name, rs in runs.items():  # medians over repeats: the machine may be shared
+        result[name] = {
+            "total_us": statistics.median(r["total_us"] for r in rs),
+            "phases_us": {p: statistics.median(r["phases_us"][p] for r in rs) for p in PHASES},
+            "repeats_total_us": [r["total_us"] for r in rs],
+        }
     result["speedup"] = result["before"]["total_us"] / result["after"]["total_us"]
     return result
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -296,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": vars(args) | {"json": None},
         "environment": {
             "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-            "processor": platform.processor(),
+            "git_revision": git_revision(),
         },
         "results": [],
     }

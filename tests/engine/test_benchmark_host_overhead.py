@@ -1,0 +1,27 @@
+"""The host-overhead benchmark runs both paths on identical engines and writes its JSON
+(figures are not asserted; the benchmark itself checks both paths chose the same tokens)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import benchmark_host_overhead  # noqa: E402
+
+
+def test_host_overhead_benchmark_writes_json(tmp_path):
+    out = tmp_path / "host.json"
+    benchmark_host_overhead.main([
+        "--batches", "3,1", "--min-context", "20", "--max-context", "70", "--block-size", "16",
+        "--steps", "3", "--repeats", "2", "--warmup", "1", "--json", str(out),
+    ])
+    data = json.loads(out.read_text())
+    assert [r["batch"] for r in data["results"]] == [3, 1]
+    for r in data["results"]:
+        for path in ("before", "after"):
+            assert set(r[path]["phases_us"]) == set(benchmark_host_overhead.PHASES)
+            assert r[path]["total_us"] > 0 and len(r[path]["repeats_total_us"]) == 2
+        assert r["speedup"] > 0
