@@ -37,11 +37,17 @@ Invariants:
 
 Transport operations complete on their own threads or on the GPU; ``progress()`` polls
 them between engine steps, so the step loop never waits for bytes.
+
+Tests break plans at exact points through ``lmpool.transfer.faults`` (before an order is
+acted on, after it, or while its bytes are in flight), and with ``LMPOOL_CHECK_INVARIANTS=1``
+the executor checks the block manager's invariants, open plans' pins included, after
+every poll that handled something: a violation raises and so kills the worker loudly.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -53,6 +59,7 @@ from lmpool.engine.core import EngineCore
 from lmpool.pool.messages import TransferAck, TransferOrder
 from lmpool.pool.spec import WorkerSpec
 from lmpool.transfer import GlooTransport, TransportError, kind_for_devices, plan_tag
+from lmpool.transfer.faults import FaultPlan, InjectedFault
 from lmpool.transfer.messages import CudaIpcExport
 from lmpool.transfer.transactions import StalePlanError, TransferParticipant
 
@@ -86,6 +93,7 @@ class _Pending:
     order: TransferOrder
     handle: object  # a transport ``Handle``
     finish: Callable[[], TransferAck]  # the ack, once the handle is done without error
+    silent: bool = False  # an injected fault lost its ack
 
 
 class TransferExecutor:
@@ -110,6 +118,8 @@ class TransferExecutor:
         self.broken: dict[int, str] = {}  # peer -> why its data path could not be set up
         self.orders: list[TransferOrder | CudaIpcExport] = []
         self.in_flight: list[_Pending] = []
+        self.faults = FaultPlan.from_env(spec.rank, spec.epoch)
+        self.check = os.environ.get("LMPOOL_CHECK_INVARIANTS") == "1"
 
     @property
     def busy(self) -> bool:
@@ -132,12 +142,22 @@ class TransferExecutor:
         self._settle(self.in_flight[started:])
         still = []
         for pending in self.in_flight:
-            if pending.handle.done():
-                out.append(self._finish(pending))
-            else:
+            if not pending.handle.done():
                 still.append(pending)
+                continue
+            ack = self._finish(pending)
+            if ack is not None:
+                out.append(ack)
+        handled = orders or len(still) != len(self.in_flight)
         self.in_flight = still
+        if self.check and handled:
+            self.check_invariants()
         return out
+
+    def check_invariants(self) -> None:
+        """The block manager's invariants, counting every live sequence's and open plan's blocks."""
+        tables = [seq.block_table for seq in self.core.requests.values()]
+        self.core.block_manager.check_invariants(tables + self.participant.held_blocks())
 
     def _settle(self, new: list[_Pending]) -> None:
         """Give operations just started on the GPU a moment to complete (bounded)."""
@@ -156,8 +176,32 @@ class TransferExecutor:
         if isinstance(order, CudaIpcExport):
             self._accept(order)
             return None
+        msg = self._act(order)
+        return self._after(order, msg) if isinstance(msg, TransferAck) else msg
+
+    def _after(self, order: TransferOrder, ack: TransferAck) -> TransferAck | None:
+        """``ack``, unless a fault injected once the order was acted on loses or fails it."""
+        try:
+            if self.faults.hit(order.kind, "after") == "drop":
+                return None
+        except InjectedFault as e:
+            return self._ack(order, ok=False, error=f"{type(e).__name__}: {e}")
+        return ack
+
+    def _during(self, pending: _Pending) -> None:
+        """Injected faults while ``pending``'s bytes are in flight."""
+        try:
+            if self.faults.hit(pending.order.kind, "during") == "drop":
+                pending.silent = True
+        except InjectedFault:
+            self.in_flight.remove(pending)  # the bytes may still land; nobody acts on them
+            raise
+
+    def _act(self, order: TransferOrder) -> TransferAck | CudaIpcExport | None:
         p, bm = self.participant, self.core.block_manager
         try:
+            if self.faults.hit(order.kind, "before") == "drop":
+                return None
             if order.kind == "connect":
                 return self._connect(order)
             if order.kind == "prepare_source":
@@ -249,13 +293,19 @@ class TransferExecutor:
         plan = self._open_plan(order)
         if self._path(order.peer) == "pull":
             # The destination copies the blocks; they stay pinned here until finalize.
+            if self.faults.hit(order.kind, "during") == "drop":
+                return None
             self.participant.executed(order.plan_id)
             return self._ack(order)
         runner = self.core.runner
         payload = runner.ops.pack_kv(runner.kv_cache, torch.tensor(plan.block_ids, device=self.device))
         handle = self.packed.send(order.peer, payload, plan_tag(order.plan_id))
-        self.in_flight.append(_Pending(order, handle, lambda: self._executed(order)))
+        self._pend(_Pending(order, handle, lambda: self._executed(order)))
         return None
+
+    def _pend(self, pending: _Pending) -> None:
+        self.in_flight.append(pending)
+        self._during(pending)
 
     def _execute_recv(self, order: TransferOrder) -> TransferAck | None:
         plan = self._open_plan(order)
@@ -264,13 +314,13 @@ class TransferExecutor:
                 raise ValueError(f"execute_recv of plan {order.plan_id} names {len(order.peer_block_ids)} source "
                                  f"blocks for {len(plan.block_ids)} reserved ones")
             handle = self.ipc.pull(order.peer, order.peer_block_ids, plan.block_ids)
-            self.in_flight.append(_Pending(order, handle, lambda: self._executed(order)))
+            self._pend(_Pending(order, handle, lambda: self._executed(order)))
             return None
         cache = self.core.runner.kv_cache
         shape = (cache.shape[0], 2, len(plan.block_ids), *cache.shape[3:])
         buffer = torch.empty(shape, dtype=cache.dtype, device=self.device)
         handle = self.packed.recv(order.peer, buffer, plan_tag(order.plan_id))
-        self.in_flight.append(_Pending(order, handle, lambda: self._executed(order, buffer)))
+        self._pend(_Pending(order, handle, lambda: self._executed(order, buffer)))
         return None
 
     def _executed(self, order: TransferOrder, buffer: torch.Tensor | None = None) -> TransferAck:
@@ -283,12 +333,13 @@ class TransferExecutor:
         self.participant.executed(order.plan_id)
         return self._ack(order)
 
-    def _finish(self, pending: _Pending) -> TransferAck:
+    def _finish(self, pending: _Pending) -> TransferAck | None:
         try:
             pending.handle.wait(0)
-            return pending.finish()
+            ack = pending.finish()
         except FAILURES as e:
-            return self._ack(pending.order, ok=False, error=f"{type(e).__name__}: {e}")
+            ack = self._ack(pending.order, ok=False, error=f"{type(e).__name__}: {e}")
+        return None if pending.silent else self._after(pending.order, ack)
 
     def digest(self, block_hash: int) -> str:
         """SHA-256 of a cached block's KV bytes in every layer ("" if not cached here)."""
