@@ -57,6 +57,11 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler(self.device, config.seed)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        if self.num_blocks * self.block_size >= 2**31:  # step inputs hold slots as int32
+            raise ValueError(
+                f"{self.num_blocks} KV blocks of {self.block_size} slots exceed int32 slot indices; "
+                "lower num_kv_blocks or gpu_memory_utilization"
+            )
         c = model_config
         # Only written slots are ever read, so CPU memory can stay lazily mapped; on
         # CUDA the cache is zeroed so that padded graph rows read finite values.
@@ -66,11 +71,6 @@ class ModelRunner:
             c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device,
         )
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
-        if self.num_blocks * self.block_size >= 2**31:
-            raise ValueError(
-                f"{self.num_blocks} KV blocks of {self.block_size} slots exceed int32 slot indices; "
-                "lower num_kv_blocks or gpu_memory_utilization"
-            )
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
             arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq),
@@ -172,7 +172,7 @@ class PendingTokens:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             self._done = torch.cuda.Event()
-            self._done.record()
+            self._done.record(torch.cuda.current_stream(tokens.device))  # the copy's stream, whatever device is current
             self._tokens = host
         self._result: list[int] | None = None
 

@@ -178,7 +178,7 @@ class StepInputBuilder:
 
         if self.on_cuda:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))  # the copy's stream
         key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0)
         views = self._views.get(key)
         if views is None:

@@ -133,3 +133,10 @@ def test_empty_batch_and_bad_block_size_are_refused():
         builder.build(ScheduledBatch())
     with pytest.raises(ValueError, match="power of two"):
         StepInputBuilder(torch.device("cpu"), 12, 64)
+
+
+def test_runner_refuses_a_cache_beyond_int32_slots(tiny_model):
+    from lmpool import LLM
+
+    with pytest.raises(ValueError, match="int32 slot indices"):
+        LLM(tiny_model, block_size=16, num_kv_blocks=2**31 // 16)
