@@ -4,6 +4,12 @@
 requests, call ``step()`` until nothing is unfinished. A request that is
 invalid, or that could never fit in this replica's KV cache, is refused with a
 ``ValueError`` at ``add_request`` and never disturbs the requests already in.
+
+A step launches the model on the device, then does the block accounting of the
+batch (``Scheduler.complete_step``) while the device computes, and only then
+waits for the new tokens. That overlap is correct because the accounting reads
+only the batch and the tokens already known: sampled tokens are appended after
+it, as they always were.
 """
 
 from __future__ import annotations
