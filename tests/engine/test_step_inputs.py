@@ -63,7 +63,8 @@ def batches(draw, block_size: int):
         length = draw(st.integers(1, 5 * block_size))
         computed = draw(st.integers(max(0, length - 1) if decode else 0, length - 1))
         n = 1 if decode else draw(st.integers(1, length - computed))
-        seq = Sequence(f"s{i}", draw(st.lists(st.integers(0, 999), min_size=length, max_size=length)), PARAMS, block_size)
+        tokens = draw(st.lists(st.integers(0, 999), min_size=length, max_size=length))
+        seq = Sequence(f"s{i}", tokens, PARAMS, block_size)
         seq.num_computed_tokens = computed
         blocks = -(-(computed + n) // block_size) + draw(st.integers(0, 1))  # grow may have run ahead
         # Block ids scattered, so a wrong table entry shows up in the slots.
