@@ -7,11 +7,13 @@ Every index the model needs is int32 and lives in one flat arena, laid out as
 
 for B sequences and T token rows, W the longest block table of the batch, and R
 the sampled rows (R = 0 when the sampled rows are exactly every row: a decode
-step where every sequence samples). Without a decode graph P = T and C = B. A decode step that replays a CUDA
-graph of batch G >= B is padded on the host to P = C = G, so that ids .. context
-lengths form one ``[4, G]`` block the graph copies in one go; padding rows have
-token 0, position 0, slot -1 (nothing written) and context length 1 (one valid
-slot read), and are never sampled.
+step where every sequence samples). Without a decode graph P = T and C = B. A
+decode step that replays a CUDA graph of batch G >= B is padded on the host to
+P = C = G, so that ids .. context lengths form one ``[4, G]`` block the graph
+copies in one go; padding rows have token 0, position 0, slot -1 (nothing
+written) and context length 1 (one valid slot read), and are never sampled.
+Table rows shorter than W are padded with block 0 (never read). Slots are int32:
+the runner refuses a cache of 2**31 slots or more.
 
 Invariants:
 - On CUDA the host arena is pinned and reaches the device with a single
@@ -21,6 +23,7 @@ Invariants:
   waited for more).
 - The device tensors of a step stay valid until the next ``build``: its copy
   overwrites them, after the previous step's kernels have read them (stream order).
+  Views of the device arena are cached per layout and dropped when it grows.
 - On CPU the host arena is the device arena: no copy at all.
 - A sequence samples when the tokens it has computed plus this step's reach its
   length (``ScheduledBatch.samples``); its sample row is its last token row. Rows
