@@ -51,7 +51,9 @@ def comparisons(summary: dict) -> dict:
         top = levels[-1]
         vs_rr = out[top]["round_robin"]
         acceptance: dict = {"workload": top}
-        for key, metric, sign in (("throughput_gain", "throughput_tok_s", 1.0), ("ttft_reduction", "ttft_mean_ms", -1.0)):
+        # A TTFT reduction is the relative change with its sign flipped.
+        for key, metric, sign in (("throughput_gain", "throughput_tok_s", 1.0),
+                                  ("ttft_reduction", "ttft_mean_ms", -1.0)):
             change = vs_rr.get(metric)
             if change is None:
                 continue
@@ -73,7 +75,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--levels", default=",".join(map(str, LOCALITY_LEVELS)),
                     help="shared-prefix multiples to run (default 1,3,5)")
     args = finish_arguments(ap.parse_args(argv), POOL_BLOCKS, "kv_routing")
-    levels = [int(x) for x in args.levels.split(",")]
+    try:
+        levels = [int(x) for x in args.levels.split(",")]
+    except ValueError:
+        raise SystemExit(f"--levels takes comma-separated integers, got {args.levels!r}") from None
+    if any(lvl < 1 for lvl in levels):
+        raise SystemExit(f"--levels must be >= 1, got {args.levels!r}")
     if args.quick and not args.policies:
         args.policies = QUICK_POLICIES
     policies = select_policies(POLICIES, None if args.policies == "all" else args.policies)

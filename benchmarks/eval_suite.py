@@ -131,16 +131,21 @@ def finish_arguments(args: argparse.Namespace, pool_blocks: int, name: str) -> a
     args.preset_given = args.preset is not None
     args.preset = args.preset or "tiny"
     args.device = args.device or "cpu"
-    args.world_size = args.world_size or (4 if args.device == "cuda" else 2)
+    if args.world_size is None:
+        args.world_size = 4 if args.device == "cuda" else 2
     # Quick mode divides lengths and the block size alike, so prompts keep their block counts.
-    args.block_size = args.block_size or (8 if quick else 256)
-    args.reps = args.reps or (1 if quick else 5)
-    args.scale = args.scale or (1 / 32 if quick else 1.0)
-    args.max_tokens = args.max_tokens or (4 if quick else 32)
-    args.num_kv_blocks = args.num_kv_blocks or max(1, pool_blocks // args.world_size)
+    defaults = {"block_size": 8 if quick else 256, "reps": 1 if quick else 5,
+                "scale": 1 / 32 if quick else 1.0, "max_tokens": 4 if quick else 32}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.num_kv_blocks is None:
+        args.num_kv_blocks = max(1, pool_blocks // args.world_size)
     for flag in ("world_size", "block_size", "reps", "max_tokens", "num_kv_blocks", "max_num_seqs"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1")
+    if not args.scale > 0:
+        raise SystemExit("--scale must be > 0")
     if args.json is None:
         tag = "cpu_quick" if quick else f"{args.device}_{args.preset}"
         args.json = RESULTS_DIR / f"eval_{tag}_{name}.json"
@@ -304,7 +309,9 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, m
     from lmpool.pool.api import AsyncLMPool
 
     try:
+        # A start that hangs is bounded too (the pool's own default waits 300 s).
         pool = AsyncLMPool(model, world_size=args.world_size, device=args.device,
+                           ready_timeout=min(300.0, max(60.0, args.run_timeout)),
                            **policy.pool_kwargs(), **engine_args(args, max_model_len))
     except (TypeError, ValueError) as e:
         raise PolicyUnavailable(f"{type(e).__name__}: {e}") from e

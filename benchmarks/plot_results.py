@@ -127,8 +127,10 @@ def plot_e2e(data: dict, out: Path) -> list[Path]:
         _rank_load(ax, data, workload, policies)
         for extra in axes.flat[len(panels) + 2:]:
             extra.axis("off")
-        share = (f"trace share {100 * profile['trace_req_share']:.2f}% req / {100 * profile['trace_tok_share']:.2f}% tok"
-                 if profile else "")
+        share = ""
+        if profile:
+            share = (f"trace share {100 * profile['trace_req_share']:.2f}% req / "
+                     f"{100 * profile['trace_tok_share']:.2f}% tok")
         fig.suptitle(f"{workload} - {_title(data)}\n{share}", fontsize=10)
         fig.tight_layout(rect=(0, 0.05, 1, 1))
         path = out.with_name(f"{out.stem}_{workload}.png")
