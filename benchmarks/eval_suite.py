@@ -358,6 +358,38 @@ def write_json(path: Path, result: dict) -> None:
     os.replace(tmp, path)
 
 
+def _run_policy(args: argparse.Namespace, model: str, policy: Policy, workload: str, trace, rep: int,
+                max_model_len: int, state: dict, failures: dict[str, int], progress: Progress) -> dict:
+    """One run's record; updates the policy's ``state`` when it turns out unavailable or failed."""
+    run = {"workload": workload, "policy": policy.name, "rep": rep, "seed": trace.seed,
+           "status": "skipped", "error": None}
+    if state["status"] != "ok":
+        progress.skipped()
+        return run
+    bar = progress.run_bar(f"{workload} {policy.name} rep {rep}", len(trace.requests))
+    t = time.perf_counter()
+    try:
+        record = uvloop.run(run_one(model, args, policy, trace, max_model_len, bar))
+        run.update(record, status="ok")
+        run["metrics"] = run_metrics(record["requests"], record["transfers"], args.world_size)
+    except PolicyUnavailable as e:
+        state.update(status="unavailable", error=str(e))
+        run.update(status="unavailable", error=str(e))
+    except Exception as e:  # noqa: BLE001 - a failed run is recorded, the suite goes on
+        failures[policy.name] += 1
+        error = (f"the run exceeded --run-timeout {args.run_timeout:g} s" if isinstance(e, TimeoutError)
+                 else f"{type(e).__name__}: {e}")
+        run.update(status="failed", error=error)
+        if failures[policy.name] >= MAX_FAILURES:
+            state.update(status="failed", error=error)
+    finally:
+        if bar is not None:
+            bar.close()
+    run["wall_s"] = time.perf_counter() - t
+    progress.finished(_line(run))
+    return run
+
+
 def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[int, object]],
               policies: list[Policy], comparisons: Callable[[dict], dict]) -> dict:
     """Run ``traces[workload][rep]`` under every policy; write and return the result."""
@@ -401,33 +433,9 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
                     break
                 rep_start = time.perf_counter()
                 for workload, reps in traces.items():
-                    trace = reps[rep]
                     for policy in policies:
-                        state = result["policies"][policy.name]
-                        run = {"workload": workload, "policy": policy.name, "rep": rep, "seed": trace.seed,
-                               "status": "skipped", "error": None}
-                        if state["status"] == "ok":
-                            bar = progress.run_bar(f"{workload} {policy.name} rep {rep}", len(trace.requests))
-                            t = time.perf_counter()
-                            try:
-                                record = uvloop.run(run_one(model, args, policy, trace, max_model_len, bar))
-                                run.update(record, status="ok")
-                                run["metrics"] = run_metrics(record["requests"], record["transfers"], args.world_size)
-                            except PolicyUnavailable as e:
-                                state.update(status="unavailable", error=str(e))
-                                run.update(status="unavailable", error=str(e))
-                            except Exception as e:  # noqa: BLE001 - a failed run is recorded, the suite goes on
-                                failures[policy.name] += 1
-                                run.update(status="failed", error=f"{type(e).__name__}: {e}")
-                                if failures[policy.name] >= MAX_FAILURES:
-                                    state.update(status="failed", error=run["error"])
-                            finally:
-                                if bar is not None:
-                                    bar.close()
-                            run["wall_s"] = time.perf_counter() - t
-                            progress.finished(_line(run))
-                        else:
-                            progress.skipped()
+                        run = _run_policy(args, model, policy, workload, reps[rep], rep, max_model_len,
+                                          result["policies"][policy.name], failures, progress)
                         result["runs"].append(run)
                         result["summary"] = summarize(result["runs"])
                         result["comparisons"] = comparisons(result["summary"])
