@@ -86,6 +86,8 @@ def run_lmpool(model: str, prompts, outputs, args) -> dict:
     }
     result["decode_roofline"] = roofline(llm, prompts, outputs, elapsed)
     llm.shutdown()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # transformers runs next in this process
     return result
 
 

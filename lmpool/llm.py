@@ -110,7 +110,10 @@ class LLM:
         return [done[rid] for rid in request_ids]
 
     def shutdown(self) -> None:
-        self.engine = None  # drops the weights and the KV cache
+        """Free the weights and the KV cache now. Idempotent."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def __enter__(self) -> LLM:
         return self

@@ -91,6 +91,10 @@ class EngineCore:
         self.runner.sampler.release(request_id)
         return True
 
+    def close(self) -> None:
+        """Release the replica's device memory; the engine cannot step afterwards."""
+        self.runner.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

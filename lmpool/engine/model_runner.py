@@ -80,6 +80,17 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and self.ops.name == "cuda":
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs, 512))
 
+    def close(self) -> None:
+        """Free the device memory now (weights, KV cache, graphs, input buffers), whatever
+        still refers to this runner: its graphs refer back to it, and tools wrap its
+        methods, so waiting for the garbage collector could keep a whole GPU's KV cache."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing in flight may still use them
+        self.graphs = None
+        self.model = None
+        self.kv_cache = None
+        self.inputs = None
+
     @property
     def block_bytes(self) -> int:
         return self.model_config.kv_bytes_per_block(self.block_size, self.dtype)
