@@ -376,6 +376,16 @@ class GlobalBlockManager:
             remaining ^= low
         return lengths
 
+    def check_route(self, block_hashes: list[int], rank: int, matched: int) -> None:
+        """The invariant on a routing decision: every one of the ``matched`` leading blocks
+        counted for ``rank`` is published there (held and ready), never a block reserved
+        for, or still arriving through, an open transfer."""
+        info = self.ranks[rank]
+        for i, h in enumerate(block_hashes[:matched]):
+            assert h in info.blocks, f"route to rank {rank} counted block {i} ({h:#x}) it does not hold"
+            assert h not in info.in_flight, (
+                f"route to rank {rank} counted block {i} ({h:#x}), reserved for an unpublished transfer")
+
     def entries(self, block_hash: int) -> list[PageEntry]:
         """Every rank's entry for ``block_hash``, ready or not."""
         found = []

@@ -100,6 +100,9 @@ class ControlPlane:
         self.resyncs = 0
         self.stale_rejected = 0
         self.published = 0
+        # Tests: check the page table's invariants after every transfer ack, and every
+        # routing decision against it (``verify``).
+        self.check = os.environ.get("LMPOOL_CHECK_INVARIANTS") == "1"
 
     # ---- workers -----------------------------------------------------------------
 
@@ -122,6 +125,8 @@ class ControlPlane:
                 except StaleUpdateError:
                     self.stale_rejected += 1
                     continue
+                if self.check:
+                    self.verify(self.gbm.check_invariants)
                 if isinstance(msg, WorkerSnapshot):
                     self.resync_pending.discard(rank)
                     self.known[rank].set()
@@ -174,6 +179,16 @@ class ControlPlane:
             except IpcError:
                 return  # the reader sees the death and aborts the rank's plans
 
+    def verify(self, check, *args) -> None:
+        """Run an invariant check (``LMPOOL_CHECK_INVARIANTS=1``); a violation ends this process
+        at once, loudly, so that no test can miss it (the engine counts a control restart)."""
+        try:
+            check(*args)
+        except AssertionError as e:
+            log.critical("control-plane invariant violated: %s", e, exc_info=True)
+            logging.shutdown()
+            os._exit(70)
+
     def on_transfer_ack(self, ack: TransferAck) -> None:
         if ack.phase == "digest":
             waiter = self.digest_waiters.pop(ack.plan_id, None)
@@ -184,6 +199,8 @@ class ControlPlane:
             ack.plan_id, ack.rank, PlanState(ack.phase), ack.ok, ack.error,
             block_ids=ack.block_ids, token_ids=ack.token_ids, generations=ack.generations,
         )
+        if self.check:
+            self.verify(self.gbm.check_invariants)
 
     def _plan_ended(self, plan: Plan) -> None:
         self.policies.plan_ended(plan)
@@ -258,6 +275,8 @@ class ControlPlane:
             start = time.perf_counter_ns()
             decision = self.scheduler.route_sequence_meta(request)
             self.route_us[self.route_queries % ROUTE_SAMPLES] = (time.perf_counter_ns() - start) / 1e3
+            if self.check:
+                self.verify(self.gbm.check_route, request.block_hashes, decision.rank, decision.matched_blocks)
             self.route_queries += 1
             self.policies.observe_route(request)
             return decision

@@ -192,6 +192,21 @@ def test_in_flight_blocks_are_invisible_to_routing_until_published():
     assert not gbm.mark_in_flight(0, 1, block_id=9, generation=1)
 
 
+def test_route_check_refuses_a_decision_counting_reserved_or_absent_blocks():
+    """The invariant hook the pool's control plane runs on every routing decision in tests."""
+    gbm = make()
+    gbm.apply_snapshot(0, 1, KVSnapshot(2, chain_blocks([1, 2])))
+    gbm.apply_snapshot(1, 1, KVSnapshot(1, chain_blocks([1])))
+    gbm.mark_in_flight(1, 2, block_id=40, generation=3)
+    lengths = gbm.prefix_match([1, 2, 3])
+    for rank, matched in enumerate(lengths):
+        gbm.check_route([1, 2, 3], rank, matched)  # what routing counts always passes
+    with pytest.raises(AssertionError, match="reserved for an unpublished transfer"):
+        gbm.check_route([1, 2, 3], 1, 2)
+    with pytest.raises(AssertionError, match="does not hold"):
+        gbm.check_route([1, 2, 3], 0, 3)
+
+
 def test_aborted_transfer_drops_its_reserved_block_but_keeps_a_worker_copy():
     gbm = make()
     gbm.apply_snapshot(1, 1, KVSnapshot(0, []))

@@ -3,7 +3,9 @@ and while its bytes are in flight: an exception, a lost message (the watchdog's 
 or a SIGKILL, on the source or the destination (``lmpool/transfer/faults.py``).
 
 After each, in a running CPU pool over gloo, with every worker checking its block
-manager's invariants after each transfer poll (a violation kills it, which the test sees):
+manager's invariants after each transfer poll, and the control process its page table's
+after every report and ack and every routing decision against it (never a reserved or
+unpublished block): a violation ends the process, which the test sees.
 - the plan ends (done or aborted) and the pool keeps serving transfers and requests;
 - no pin or reservation outlives the plan on any live rank;
 - the source keeps its blocks on abort (unless it had already finalized), and nothing
@@ -91,3 +93,4 @@ def test_a_fault_at_each_point_leaves_consistent_ranks(tiny_model, monkeypatch, 
     assert retry.state == "done", retry.reason
     assert after.token_ids == expected and after.num_cached_tokens == 3 * BLOCK
     assert all(r["epoch"] == 1 for r in final["ranks"] if r["alive"])
+    assert final["control_restarts"] == 0, "the control plane's invariant checks held (a violation ends it)"
