@@ -12,6 +12,9 @@ and an action:
   ``drop``: the order or its acknowledgement is lost (the control plane's watchdog must
   end the plan); ``kill``: the worker SIGKILLs itself.
 
+A fault with ``mark`` set appends a line to that file as it fires, so a test can wait for
+the moment (say, to kill the control process while the plan is stalled right there).
+
 Invariants: a fault fires at most ``times`` times in a process, and only in the
 incarnation (``epoch``) it names, so a worker restarted after a ``kill`` runs clean;
 with the variable unset, ``FaultPlan.hit`` is one dict lookup returning ``None``.
@@ -42,6 +45,7 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True):
     action: str
     epoch: int = 1
     times: int = 1
+    mark: str = ""  # a file to append "<order> <point>" to as the fault fires
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("order", self.order, ORDERS), ("point", self.point, POINTS),
@@ -88,6 +92,9 @@ class FaultPlan:
         fault.times -= 1
         if fault.times == 0:
             due.pop(0)
+        if fault.mark:
+            with open(fault.mark, "a") as f:
+                f.write(f"{order} {point}\n")
         if fault.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.action == "raise":

@@ -11,9 +11,17 @@ unpublished block): a violation ends the process, which the test sees.
 - the source keeps its blocks on abort (unless it had already finalized), and nothing
   is ever lost that no live rank had published;
 - whatever the destination publishes is byte-equal to the source's blocks.
+
+And the control process SIGKILLed while a plan stalls right after each phase: the engine
+restarts it and retries the transfer under a new plan id; the stalled plan's pins and
+reservations end with the workers' lease.
 """
 
 from __future__ import annotations
+
+import asyncio
+import os
+import signal
 
 import pytest
 import torch
@@ -22,7 +30,7 @@ import uvloop
 from lmpool import SamplingParams
 from lmpool.pool.api import AsyncLMPool
 from lmpool.transfer.faults import ACTIONS, ENV, Fault, encode
-from pool_waits import no_blocks_held, settled
+from pool_waits import no_blocks_held, settled, until
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -94,3 +102,35 @@ def test_a_fault_at_each_point_leaves_consistent_ranks(tiny_model, monkeypatch, 
     assert after.token_ids == expected and after.num_cached_tokens == 3 * BLOCK
     assert all(r["epoch"] == 1 for r in final["ranks"] if r["alive"])
     assert final["control_restarts"] == 0, "the control plane's invariant checks held (a violation ends it)"
+
+
+@pytest.mark.parametrize("order", list(RANK_OF))
+def test_control_killed_while_a_plan_stalls_after_each_phase(tiny_model, monkeypatch, tmp_path, order):
+    fired = tmp_path / "fired"
+    stall = Fault(rank=RANK_OF[order], order=order, point="after", action="drop", mark=str(fired))
+    monkeypatch.setenv(ENV, encode([stall]))
+    monkeypatch.setenv("LMPOOL_CHECK_INVARIANTS", "1")
+    text = prompt(2)
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, enable_transfers=True,
+                               transfer_lease_s=2.0) as pool:
+            engine = pool.engine
+            expected = (await pool.generate(text, GREEDY, rank=SOURCE)).token_ids
+            source = await engine.block_digests(SOURCE, text)
+            plan = asyncio.create_task(pool.transfer(text, src=SOURCE, dst=DEST))
+            await until(fired.exists, f"the stall after {order}")
+            old_control = engine.control_proc.pid
+            os.kill(old_control, signal.SIGKILL)
+            result = await plan
+            stats = await settled(pool, no_blocks_held, "the end of the stalled plan's pins by lease")
+            held = [await engine.block_digests(r, text) for r in (SOURCE, DEST)]
+            after = await pool.generate(text, GREEDY, rank=DEST)
+            return result, source, held, after, expected, stats, old_control, engine.control_proc.pid
+
+    result, source, held, after, expected, stats, old_control, control = uvloop.run(main())
+    assert control != old_control and stats["control_restarts"] == 1
+    assert result.state == "done" or "already holds" in result.reason, result
+    assert held == [source, source], "the source kept its blocks and the destination got them once"
+    assert after.token_ids == expected and after.num_cached_tokens == 3 * BLOCK
+    assert all(r["alive"] and r["epoch"] == 1 for r in stats["ranks"])

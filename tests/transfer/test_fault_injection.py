@@ -47,3 +47,13 @@ def test_raise_raises_and_faults_at_one_point_fire_in_order():
 def test_bad_specs_are_refused_with_the_reason(raw, match):
     with pytest.raises(ValueError, match=match):
         FaultPlan.from_env(1, 1, {ENV: raw})
+
+
+def test_a_marked_fault_records_each_firing(tmp_path):
+    mark = tmp_path / "fired"
+    p = plan([Fault(rank=1, order="finalize", point="after", action="drop", times=2, mark=str(mark))])
+    assert not mark.exists()
+    p.hit("finalize", "after")
+    p.hit("finalize", "after")
+    p.hit("finalize", "after")
+    assert mark.read_text().splitlines() == ["finalize after", "finalize after"]
