@@ -5,10 +5,13 @@
 
 For each ``kv_routing`` JSON, ``<name>.png``: headline metrics per locality level, one bar
 per policy. For each ``e2e`` JSON, ``<name>_<workload>.png`` per workload: headline
-metrics, the last phase's TTFT, transfer counters and requests per rank, one bar per
-policy. Bars are means over completed repetitions; error bars are the two-sided 95%
-Student-t intervals stored in the JSON (none with a single repetition). Figures are
-written next to their JSON; the JSON is the only input, so they regenerate exactly.
+metrics, the last phase's TTFT, transfer counters (with the refusals: foreground
+requests refused, admission-gate refusals, background candidates refused by any gate)
+and requests per rank, one bar per policy. Bars are means over completed repetitions;
+error bars are the two-sided 95% Student-t intervals stored in the JSON, or computed
+the same way from the runs' counters (none with a single repetition). A suite that
+stopped early says so in the title. Figures are written next to their JSON; the JSON
+is the only input, so they regenerate exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from student_t import confidence_interval  # noqa: E402
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HEADLINE = (
     ("throughput_tok_s", "throughput (output tok/s)"),
@@ -32,7 +39,9 @@ HEADLINE = (
     ("tpot_mean_ms", "mean TPOT (ms)"),
     ("dp_tok_reuse", "DP tok reuse"),
 )
-TRANSFERS = ("plans_committed", "blocks_copied", "blocks_moved", "lease_routed")
+# The pool's ``transfers`` counters drawn per run; a dict counter (refusals per gate) is summed.
+TRANSFERS = ("plans_committed", "blocks_copied", "blocks_moved", "lease_routed", "foreground_refused",
+             "admission_refused", "placement_refused")
 
 
 def _policies(data: dict) -> list[str]:
@@ -69,6 +78,8 @@ def _title(data: dict) -> str:
             f"{cfg['num_kv_blocks']} blocks/worker, scale {cfg['scale']:g}, "
             + (f"{reps} reps, 95% t-CI" if reps > 1 else "1 rep (no CI)"))
     missing = [f"{p} ({s['status']})" for p, s in data["policies"].items() if s["status"] != "ok"]
+    if data.get("stopped_early"):
+        text += f"\nstopped early: {data['stopped_early']}"
     return text + (f"\nnot run: {', '.join(missing)}" if missing else "")
 
 
@@ -116,13 +127,14 @@ def plot_e2e(data: dict, out: Path) -> list[Path]:
             ax.set_title(label)
         _legend(fig, axes.flat[0])
         ax = axes.flat[len(panels)]
-        _bars(ax, list(TRANSFERS), policies, lambda g, p: by_policy.get(p, {}).get(g))
-        counted = [by_policy.get(p, {}).get(g, {}).get("mean") for p in policies for g in TRANSFERS]
+        _bars(ax, list(TRANSFERS), policies, lambda g, p: _counter(data, workload, p, g))
+        counted = [(_counter(data, workload, p, g) or {}).get("mean") for p in policies for g in TRANSFERS]
         if not any(counted):
             ax.text(0.5, 0.5, "none reported" if all(c is None for c in counted) else "all zero",
                     transform=ax.transAxes, ha="center")
-        ax.set_title("transfers per run")
-        ax.tick_params(axis="x", labelsize=7)
+        ax.set_title("transfers and refusals per run")
+        ax.set_xticks(range(len(TRANSFERS)), [t.replace("_", "\n", 1) for t in TRANSFERS])
+        ax.tick_params(axis="x", labelsize=6)
         ax = axes.flat[len(panels) + 1]
         _rank_load(ax, data, workload, policies)
         for extra in axes.flat[len(panels) + 2:]:
@@ -138,6 +150,19 @@ def plot_e2e(data: dict, out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _counter(data: dict, workload: str, policy: str, key: str) -> dict | None:
+    """A ``transfers`` counter over the policy's completed runs, as a summary entry; None
+    where no run reported it (never read as zero)."""
+    values = []
+    for run in data["runs"]:
+        if run["workload"] != workload or run["policy"] != policy or run["status"] != "ok":
+            continue
+        value = (run.get("transfers") or {}).get(key)
+        if value is not None:
+            values.append(sum(value.values()) if isinstance(value, dict) else value)
+    return confidence_interval(values) if values else None
 
 
 def _legend(fig, ax) -> None:
