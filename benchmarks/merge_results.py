@@ -7,6 +7,9 @@ Used when a suite is spread over several GPUs or several sessions: each part run
 subset (``--policies``, ``--levels``, ``--workloads``, ``--first-rep``) with otherwise
 identical settings. Parts must agree on the benchmark, the model and every setting that
 shapes a run; two parts may not both hold the same (workload, policy, repetition).
+Parts should also come from the same code; the revisions the parts recorded are listed
+in ``metadata.revisions``, with a warning when they differ (not an error: a copy of the
+tree without its own git history can record a wrong one, see ``eval_suite.environment``).
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ def merge(parts: list[dict]) -> dict:
             if merged["policies"].get(name, {}).get("status", "ok") == "ok":
                 merged["policies"][name] = state
     merged["runs"].sort(key=lambda r: (r["rep"], r["workload"], r["policy"]))
+    revisions = sorted({str((p["metadata"].get("git") or {}).get("revision")) for p in parts})
+    merged["metadata"]["revisions"] = revisions
+    if len(revisions) > 1:
+        print(f"warning: the parts recorded different revisions {revisions}: merge only parts run from "
+              f"the same code", file=sys.stderr)
     merged["summary"] = summarize(merged["runs"])
     merged["comparisons"] = comparisons_for(merged["benchmark"])(merged["summary"])
     stopped = [p["stopped_early"] for p in parts if p.get("stopped_early")]

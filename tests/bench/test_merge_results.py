@@ -41,3 +41,13 @@ def test_overlapping_or_mismatched_parts_are_refused():
 def test_a_failed_part_marks_its_policy():
     merged = merge([part("lmpool", [0], 1.0), part("lmpool", [1], 1.0, status="failed")])
     assert merged["policies"]["lmpool"]["status"] == "failed"
+
+
+def test_revisions_are_listed_and_a_mix_is_warned_about(capsys):
+    a, b = part("lmpool", [0], 1.0), part("round_robin", [0], 1.0)
+    a["metadata"]["git"] = b["metadata"]["git"] = {"revision": "abc", "dirty": False}
+    assert merge([a, b])["metadata"]["revisions"] == ["abc"]
+    assert capsys.readouterr().err == ""
+    b["metadata"]["git"] = {"revision": "def", "dirty": None, "source": "LMPOOL_GIT_REVISION"}
+    assert merge([a, b])["metadata"]["revisions"] == ["abc", "def"]
+    assert "different revisions ['abc', 'def']" in capsys.readouterr().err
