@@ -31,7 +31,6 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ from lmpool.engine.sequence import Sequence
 from lmpool.model.make_model import make_model
 from lmpool.model.qwen3 import AttentionMetadata
 from lmpool.sampling_params import SamplingParams
+from revision import git_revision
 
 PHASES = ("schedule", "prepare", "forward", "sample", "complete_step", "outputs")
 
@@ -278,14 +278,6 @@ def run_batch(model_dir: str, args, batch: int) -> dict:
         }
     result["speedup"] = result["before"]["total_us"] / result["after"]["total_us"]
     return result
-
-
-def git_revision() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
 
 
 def main(argv: list[str] | None = None) -> dict:

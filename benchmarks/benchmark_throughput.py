@@ -24,7 +24,6 @@ import argparse
 import json
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ import torch
 from lmpool import LLM, SamplingParams
 from lmpool.model.config import ModelConfig
 from lmpool.model.make_model import make_model
+from revision import git_revision
 
 
 def workload(num_seqs: int, lo_in: int, hi_in: int, lo_out: int, hi_out: int, vocab: int, seed: int):
@@ -217,12 +217,7 @@ def environment(device: str) -> dict:
     if device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
-    try:
-        env["git_revision"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except OSError:
-        pass
+    env["git_revision"] = git_revision()
     return env
 
 

@@ -189,12 +189,14 @@ def environment(device: str) -> dict:
         import torch
 
         versions["cuda"] = torch.version.cuda
-    revision = _run(["git", "rev-parse", "HEAD"])
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-    git = {"revision": revision, "dirty": bool(dirty) if dirty is not None else None}
-    if revision is None and os.environ.get("LMPOOL_GIT_REVISION"):
-        # A copy of the tree without .git (a remote GPU machine): the revision is passed in.
+    if os.environ.get("LMPOOL_GIT_REVISION"):
+        # A copy of the tree on another machine, whose git metadata may be absent or stale:
+        # the revision is passed in and wins.
         git = {"revision": os.environ["LMPOOL_GIT_REVISION"], "dirty": None, "source": "LMPOOL_GIT_REVISION"}
+    else:
+        revision = _run(["git", "rev-parse", "HEAD"])
+        dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+        git = {"revision": revision, "dirty": bool(dirty) if dirty is not None else None}
     return {"versions": versions, "hardware": hardware, "git": git}
 
 

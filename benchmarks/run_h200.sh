@@ -4,7 +4,8 @@
 # Usage (from the repository root, with msgspec/posix-ipc/pytest-asyncio wheels in .whl/):
 #   OUT=results_dir bash benchmarks/run_h200.sh [steps...]
 #   steps: tests transfer throughput (default: tests throughput). The CUDA extensions are
-#   built first, so no test or timed run pays for the compile.
+#   built first, so no test or timed run pays for the compile. Set LMPOOL_GIT_REVISION to
+#   the revision copied (the copy may carry no, or stale, git metadata).
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/h200}
 mkdir -p "$OUT"
