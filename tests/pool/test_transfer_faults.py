@@ -63,7 +63,11 @@ def test_a_fault_at_each_point_leaves_consistent_ranks(tiny_model, monkeypatch, 
             expected = (await pool.generate(text, GREEDY, rank=SOURCE)).token_ids
             source = await engine.block_digests(SOURCE, text)
             result = await pool.transfer(text, src=SOURCE, dst=DEST, move=move)
-            stats = await settled(pool, no_blocks_held, "the release of every pin and reservation")
+            def ended(stats) -> bool:  # the plan's holds released, a killed worker seen dead
+                gone = action != "kill" or not stats["ranks"][victim]["alive"]
+                return gone and no_blocks_held(stats)
+
+            stats = await settled(pool, ended, "the release of every pin and reservation")
             alive = {r["rank"] for r in stats["ranks"] if r["alive"]}
             held = {r: await engine.block_digests(r, text) for r in sorted(alive)}
 
