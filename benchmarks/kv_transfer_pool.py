@@ -1,5 +1,6 @@
-"""The pool path of a KV transfer, timed end to end with two replicas on one GPU: what
-``benchmark_kv_transfer.py --kind pool`` runs.
+"""The pool path of a KV transfer, timed end to end with two replicas on one GPU (or two
+CPU replicas over gloo with ``--device cpu``): what ``benchmark_kv_transfer.py --kind pool``
+runs.
 
 For each block count n, a prompt of n complete blocks is prefilled on rank 0, then moved
 back and forth between the ranks (0->1, 1->0, ...), ``--warmup`` untimed moves and then
@@ -42,7 +43,8 @@ async def measure(args, model: str) -> tuple[dict, dict]:
 
     times: dict[str, dict[str, list[float]]] = {}
     equal: dict[str, bool] = {}
-    async with AsyncLMPool(model, world_size=2, device="cuda", enable_transfers=True, block_size=args.block_size,
+    device = "cpu" if args.device == "cpu" else "cuda"
+    async with AsyncLMPool(model, world_size=2, device=device, enable_transfers=True, block_size=args.block_size,
                            dtype=args.dtype, num_kv_blocks=2 * max(args.sizes) + 8, max_num_seqs=8,
                            use_kernels=not args.reference_ops) as pool:
         engine = pool.engine
@@ -80,8 +82,8 @@ def pool_main(args, argv: list[str]) -> int:
     from benchmark_kv_transfer import environment, percentile, shape
     from lmpool.model.make_model import make_model
 
-    if not torch.cuda.is_available():
-        print("--kind pool needs a CUDA device", file=sys.stderr)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print("--kind pool needs a CUDA device (or --device cpu)", file=sys.stderr)
         return 2
     m = shape(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,7 +104,7 @@ def pool_main(args, argv: list[str]) -> int:
     out["pool"] = pool
     out["environment"] = {**environment(args), "command": "python benchmarks/benchmark_kv_transfer.py "
                           + shlex.join(argv)}
-    print(f"pool path, two replicas on {out['environment'].get('gpu', 'cuda')}, {m['preset']} "
+    print(f"pool path, two replicas on {out['environment'].get('gpu', args.device)}, {m['preset']} "
           f"({m['kv_bytes_per_block']} B per block): moves timed from the plan's request to its result")
     print(f"{'pair':>5} {'blocks':>6} {'MiB':>9} {'p50 ms':>9} {'p95 ms':>9} {'residual p95':>13} {'bytes':>6}")
     for pair, points in pool.items():

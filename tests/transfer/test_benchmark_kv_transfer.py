@@ -100,3 +100,16 @@ def test_gpu_modes_refuse_a_machine_without_the_gpus(kind):
         pytest.skip("this machine has the GPUs")
     run = subprocess.run([sys.executable, str(SCRIPT), "--kind", kind], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "needs" in run.stderr, run.stderr
+
+
+def test_pool_mode_on_cpu_replicas_times_byte_equal_moves(tmp_path):
+    out = tmp_path / "pool.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--kind", "pool", "--device", "cpu", "--preset", "tiny",
+                          "--block-size", "16", "--sizes", "1,2", "--reps", "3", "--warmup", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    pool = json.loads(out.read_text())["pool"]
+    assert set(pool) == {"0->1", "1->0"}
+    for points in pool.values():
+        assert set(points) == {"1", "2"}
+        assert all(p["bytes_equal"] and 0 < p["p50_s"] <= p["p95_s"] for p in points.values())
