@@ -111,6 +111,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rate", type=float, default=0.0, help="requests/s for --arrival poisson")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", help="comma-separated subset of the runner's policies, or 'all'")
+    ap.add_argument("--transfer-profile", type=Path,
+                    help="calibration profile for the transfer modes' cost model (benchmark_kv_transfer.py JSON "
+                         "of this machine and model shape; default: the pool's uncalibrated link model)")
     ap.add_argument("--mps", action="store_true",
                     help="start a private MPS daemon; each replica gets 100/replicas-per-GPU %% of the SMs")
     ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds before a run is abandoned")
@@ -312,9 +315,14 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, m
 
     try:
         # A start that hangs is bounded too (the pool's own default waits 300 s).
+        extra = {}
+        if policy.transfer_mode != "none" and args.transfer_profile is not None:
+            from lmpool.control.transfer_config import TransferPolicyConfig
+
+            extra["transfer_policy"] = TransferPolicyConfig(transfer_profile=str(args.transfer_profile))
         pool = AsyncLMPool(model, world_size=args.world_size, device=args.device,
                            ready_timeout=min(300.0, max(60.0, args.run_timeout)),
-                           **policy.pool_kwargs(), **engine_args(args, max_model_len))
+                           **policy.pool_kwargs(), **extra, **engine_args(args, max_model_len))
     except (TypeError, ValueError) as e:
         raise PolicyUnavailable(f"{type(e).__name__}: {e}") from e
     record: dict = {}

@@ -28,7 +28,7 @@ from eval_suite import write_json  # noqa: E402
 # repetition range, output path, progress, time limits) may differ between parts.
 MUST_MATCH = ("device", "world_size", "num_kv_blocks", "block_size", "dtype", "max_num_seqs",
               "max_num_batched_tokens", "enforce_eager", "scale", "max_tokens", "arrival", "window", "rate",
-              "seed", "mps")
+              "seed", "mps", "transfer_profile")
 
 
 def comparisons_for(benchmark: str):

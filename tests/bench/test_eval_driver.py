@@ -106,3 +106,26 @@ def test_a_policy_the_pool_refuses_is_unavailable(tiny_model, tmp_path, monkeypa
     assert state["status"] == "unavailable" and "teleport" in state["error"]
     assert [r["status"] for r in result["runs"]] == ["unavailable"]
     assert result["summary"] == {}
+
+
+def test_a_transfer_profile_reaches_the_transfer_modes_only(tiny_model, tmp_path, monkeypatch):
+    """``--transfer-profile`` is handed to the pools of the transfer modes: an unusable one
+    makes exactly those policies unavailable, naming the profile, and is kept in the config."""
+    import eval_suite
+    from benchmark_e2e import comparisons
+
+    ap = eval_suite.argparse.ArgumentParser()
+    eval_suite.add_arguments(ap)
+    out = tmp_path / "profiled.json"
+    missing = tmp_path / "no_such_profile.json"
+    args = eval_suite.finish_arguments(
+        ap.parse_args(["--quick", "--model", tiny_model, "--json", str(out), "--no-progress",
+                       "--transfer-profile", str(missing)]), 384, "e2e")
+    trace = workloads.load_skew(0, 1024, args.scale, args.max_tokens)
+    monkeypatch.setattr(eval_suite.sys, "argv", ["benchmark_e2e.py", "--quick"])
+    background = eval_suite.Policy("lmpool+background", "lmpool", "background")
+    eval_suite.run_suite(args, "e2e", {"load_skew": {0: trace}}, [background], comparisons)
+    saved = json.loads(out.read_text())
+    state = saved["policies"]["lmpool+background"]
+    assert state["status"] == "unavailable" and "transfer_profile" in state["error"], state
+    assert saved["metadata"]["config"]["transfer_profile"].endswith("no_such_profile.json")
