@@ -121,8 +121,12 @@ class TransferCostModel:
         return self._curve(self.pair_key(src, dst)).at(num_blocks)
 
     def residual_p95(self, src: int, dst: int, num_blocks: int) -> float:
-        """Dispatch-to-publish time beyond the data path, interpolated between measured buckets."""
+        """Dispatch-to-publish time beyond the data path, interpolated between measured buckets.
+        A pair the profile did not measure borrows the slowest measured pair's, as its data
+        path does (a calibration on two ranks serves a pool of more)."""
         curve = self.residuals.get(self.pair_key(src, dst))
+        if curve is None and self.residuals:
+            curve = max(self.residuals.values(), key=lambda c: c.at(BUCKETS[0]))
         return curve.at(bucket(num_blocks)) if curve is not None else 0.0
 
     def estimate(self, src: int, dst: int, num_blocks: int) -> float:

@@ -38,7 +38,10 @@ def test_estimates_interpolate_extrapolate_and_never_decrease():
     estimates = [model.estimate(0, 1, n) for n in range(1, 200)]
     assert all(b >= a for a, b in zip(estimates, estimates[1:]))
     assert model.estimate(0, 1, 1) == pytest.approx(5e-5 + 1e-4 + 1e-5)  # residual + data path
-    assert model.estimate(1, 0, 4) > 0  # an unmeasured pair borrows a measured curve
+    # An unmeasured pair (a pool larger than the calibration's two ranks) borrows the
+    # measured pair's data path and residual alike.
+    assert model.estimate(2, 3, 4) == pytest.approx(model.estimate(0, 1, 4))
+    assert model.residual_p95(3, 0, 1) == pytest.approx(5e-5)
     assert [bucket(n) for n in (1, 3, 64, 500)] == [1, 2, 64, 64]
 
 
