@@ -38,6 +38,7 @@ from dataset_profile import profile_trace
 from eval_driver import Arrival, replay
 from eval_metrics import run_metrics, summarize
 from mps import mps_daemon
+from revision import git_record
 from workloads import max_request_tokens
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -192,15 +193,7 @@ def environment(device: str) -> dict:
         import torch
 
         versions["cuda"] = torch.version.cuda
-    if os.environ.get("LMPOOL_GIT_REVISION"):
-        # A copy of the tree on another machine, whose git metadata may be absent or stale:
-        # the revision is passed in and wins.
-        git = {"revision": os.environ["LMPOOL_GIT_REVISION"], "dirty": None, "source": "LMPOOL_GIT_REVISION"}
-    else:
-        revision = _run(["git", "rev-parse", "HEAD"])
-        dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-        git = {"revision": revision, "dirty": bool(dirty) if dirty is not None else None}
-    return {"versions": versions, "hardware": hardware, "git": git}
+    return {"versions": versions, "hardware": hardware, "git": git_record()}
 
 
 def resolve_model(args: argparse.Namespace) -> str:
