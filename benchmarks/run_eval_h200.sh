@@ -14,15 +14,8 @@ preset=$1 bench=$2
 shift 2
 OUT=${OUT:-benchmarks/results}
 TAG=${TAG:-}
-mkdir -p "$OUT" /tmp/site
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
-fi
-# Without an install, the folders that install under other import names need links.
-ln -sfn "$PWD/ipc" /tmp/site/lmpool_ipc
-ln -sfn "$PWD/kernels" /tmp/site/lmpool_kernels
-export PYTHONPATH=/tmp/site:$PWD
-export PYTHONUNBUFFERED=1 LMPOOL_KERNEL_CACHE=/tmp/lmpool-kernels
+mkdir -p "$OUT"
+. benchmarks/device_setup.sh
 model=/tmp/qwen3-$preset
 if [ ! -f "$model/config.json" ]; then
   python3 -m lmpool.cli make-model "$model" --preset "$preset" >/dev/null || exit 1

@@ -9,15 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/h200}
 mkdir -p "$OUT"
-mkdir -p /tmp/site
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
-fi
-# Without an install, the folders that install under other import names need links.
-ln -sfn "$PWD/ipc" /tmp/site/lmpool_ipc
-ln -sfn "$PWD/kernels" /tmp/site/lmpool_kernels
-export PYTHONPATH=/tmp/site:$PWD
-export PYTHONUNBUFFERED=1 LMPOOL_KERNEL_CACHE=/tmp/lmpool-kernels
+. benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 timeout 300 python3 -c "from lmpool.ops.cuda import load_extension as a; from lmpool.transfer.block_copy import load_extension as b; a(); b()" \

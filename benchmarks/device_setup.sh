@@ -1,0 +1,13 @@
+# The set-up every device session shares; source it from the repository root
+# (`. benchmarks/device_setup.sh`): installs the wheels in .whl/ (msgspec, posix-ipc,
+# pytest-asyncio ...) into /tmp/site without touching the system, links the folders that
+# install under other import names, and points Python and the kernel cache there.
+mkdir -p /tmp/site
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
+fi
+# Without an install, the folders that install under other import names need links.
+ln -sfn "$PWD/ipc" /tmp/site/lmpool_ipc
+ln -sfn "$PWD/kernels" /tmp/site/lmpool_kernels
+export PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1 LMPOOL_KERNEL_CACHE=/tmp/lmpool-kernels
