@@ -3,6 +3,8 @@
 Owns: finding the kernel sources, compiling them once per (sources, torch, CUDA,
 GPU architecture) into a cached build directory, and the thin wrappers that give
 each kernel exactly the signature of its reference in ``lmpool.ops.reference``.
+``build_extension`` is the one loader of every extension under ``kernels/`` (the
+KV-transfer kernel's too).
 
 Invariants:
 - Importing this module never compiles anything and works without a GPU; the
@@ -116,9 +118,9 @@ def _require_toolchain() -> str:
     return str(nvcc)
 
 
-def _build_dir(source_dir: Path, flags: list[str], nvcc: str) -> tuple[Path, str]:
+def _build_dir(source_dir: Path, files: tuple[str, ...], flags: list[str], nvcc: str) -> tuple[Path, str]:
     digest = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
+    for name in files:
         digest.update(name.encode())
         digest.update((source_dir / name).read_bytes())
     nvcc_version = subprocess.run(
@@ -131,26 +133,39 @@ def _build_dir(source_dir: Path, flags: list[str], nvcc: str) -> tuple[Path, str
     return root / key, key
 
 
-@functools.cache
-def load_extension() -> ModuleType:
-    """Build (once per process, and once per cache key on disk) and import the extension."""
+def build_extension(tag: str, sources: tuple[str, ...], headers: tuple[str, ...]) -> ModuleType:
+    """Build (once per cache key on disk) and import the extension ``lmpool_{tag}_{key}`` made of
+    ``sources`` (and ``headers``) of ``kernel_source_dir()``.
+
+    The key hashes the files' names and contents, torch, CUDA, nvcc and the flags, so
+    distinct extensions never share a build directory. Callers cache the module.
+    """
     nvcc = _require_toolchain()
     from torch.utils import cpp_extension
 
     source_dir = kernel_source_dir()
+    missing = [n for n in sources + headers if not (source_dir / n).is_file()]
+    if missing:
+        raise RuntimeError(f"LMPool's {tag} kernel sources are missing from {source_dir}: {', '.join(missing)}")
     archs = arch_flags(torch.cuda.get_device_capability())
     cuda_flags = [*_CUDA_FLAGS, *archs]
-    build_dir, key = _build_dir(source_dir, cuda_flags + list(_CXX_FLAGS), nvcc)
+    build_dir, key = _build_dir(source_dir, sources + headers, cuda_flags + list(_CXX_FLAGS), nvcc)
     build_dir.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name=f"lmpool_cuda_{key}",
-        sources=[str(source_dir / name) for name in _SOURCES],
+        name=f"lmpool_{tag}_{key}",
+        sources=[str(source_dir / name) for name in sources],
         extra_cflags=list(_CXX_FLAGS),
         extra_cuda_cflags=cuda_flags,
         extra_include_paths=[str(source_dir)],
         build_directory=str(build_dir),
         verbose=os.environ.get("LMPOOL_KERNEL_VERBOSE") == "1",
     )
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """The engine's kernels, built once per process (every kernel call asks for it)."""
+    return build_extension("cuda", _SOURCES, _HEADERS)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -14,59 +14,28 @@ Invariants:
 - the copy is enqueued on the destination device's current stream and never waits for
   it, so whatever the caller does next on that stream (reusing the destination blocks
   included) is ordered after it.
-- the extension is built apart from the engine's kernels (``lmpool.ops.cuda``), on first
-  use, into a cache directory keyed by everything that changes the binary.
+- the extension is built apart from the engine's kernels, by the same loader
+  (``lmpool.ops.cuda.build_extension``), on first use, into a cache directory keyed by
+  everything that changes the binary.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import subprocess
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 _SOURCES = ("kv_transfer_bindings.cpp", "kv_transfer.cu")
 _HEADERS = ("kv_transfer.h",)
-_CUDA_FLAGS = ("-O3", "-lineinfo")
-_CXX_FLAGS = ("-O3",)
 
 
 @functools.cache
 def load_extension() -> ModuleType:
     """Build (once per cache key on disk) and import the transfer kernel's extension."""
-    from torch.utils import cpp_extension
+    from lmpool.ops.cuda import build_extension
 
-    from lmpool.ops.cuda import CACHE_ENV, _require_toolchain, arch_flags, kernel_source_dir
-
-    nvcc = _require_toolchain()
-    source_dir = kernel_source_dir()
-    missing = [n for n in _SOURCES + _HEADERS if not (source_dir / n).is_file()]
-    if missing:
-        raise RuntimeError(f"LMPool's KV-transfer kernel sources are missing from {source_dir}: {', '.join(missing)}")
-    cuda_flags = [*_CUDA_FLAGS, *arch_flags(torch.cuda.get_device_capability())]
-    digest = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        digest.update(name.encode() + (source_dir / name).read_bytes())
-    nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
-    for part in (torch.__version__, str(torch.version.cuda), nvcc_version, *cuda_flags, *_CXX_FLAGS):
-        digest.update(part.encode())
-    key = digest.hexdigest()[:16]
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lmpool" / "kernels")
-    build_dir = root / f"kv_transfer_{key}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=f"lmpool_kv_transfer_{key}",
-        sources=[str(source_dir / name) for name in _SOURCES],
-        extra_cflags=list(_CXX_FLAGS),
-        extra_cuda_cflags=cuda_flags,
-        extra_include_paths=[str(source_dir)],
-        build_directory=str(build_dir),
-        verbose=os.environ.get("LMPOOL_KERNEL_VERBOSE") == "1",
-    )
+    return build_extension("kv_transfer", _SOURCES, _HEADERS)
 
 
 def check_blocks(src_cache: torch.Tensor, src_ids: list[int], dst_cache: torch.Tensor, dst_ids: list[int]) -> None:
