@@ -106,12 +106,11 @@ def summarize(runs: list[dict]) -> dict:
     summary: dict = {}
     for workload, policies in grouped.items():
         for policy, prs in policies.items():
-            prs = sorted(prs, key=lambda r: r["rep"])
-            keys = sorted({k for r in prs for k in scalar_items(r["metrics"])})
+            flat = [(r["rep"], scalar_items(r["metrics"])) for r in sorted(prs, key=lambda r: r["rep"])]
+            keys = sorted({k for _, items in flat for k in items})
             out = {}
             for key in keys:
-                pairs = [(r["rep"], scalar_items(r["metrics"]).get(key)) for r in prs]
-                pairs = [(rep, v) for rep, v in pairs if v is not None]
+                pairs = [(rep, items[key]) for rep, items in flat if items.get(key) is not None]
                 if pairs:
                     out[key] = confidence_interval([v for _, v in pairs]) | {
                         "values": [v for _, v in pairs], "reps": [rep for rep, _ in pairs]}
