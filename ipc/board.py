@@ -27,13 +27,14 @@ import time
 import posix_ipc
 
 from .errors import IpcError, RingCorruptError
-from .ring import fence
+from .ring import fence, write_header
 
 MAGIC = b"LMPBOARD"
 VERSION = 1
 HEADER_SIZE = 64
 READ_ATTEMPTS = 1000
 
+# Word indices into the header; words 0-3 as in a ring (``ring.write_header`` fills them).
 _VERSION, _CAPACITY, _OWNER_PID, _SEQUENCE, _LENGTH = 1, 2, 3, 4, 5
 
 
@@ -48,13 +49,7 @@ def board_bytes(capacity: int) -> int:
 
 def format_board(buf, owner_pid: int) -> None:
     """Write a fresh header into ``buf`` (all of it becomes header + data)."""
-    with memoryview(buf) as view, view[:HEADER_SIZE].cast("Q") as words:
-        words[:] = memoryview(bytes(HEADER_SIZE)).cast("Q")
-        words[_VERSION] = VERSION
-        words[_CAPACITY] = len(buf) - HEADER_SIZE
-        words[_OWNER_PID] = owner_pid
-        fence()  # a reader that sees the magic sees the complete header
-        view[:8] = MAGIC
+    write_header(buf, HEADER_SIZE, MAGIC, VERSION, owner_pid)
 
 
 class _Mapped:

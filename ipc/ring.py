@@ -84,13 +84,20 @@ def format_ring(buf, owner_pid: int) -> None:
             f"ring capacity must be a multiple of {ALIGN} and at least {MIN_CAPACITY}, "
             f"got {capacity}"
         )
-    with memoryview(buf) as view, view[:HEADER_SIZE].cast("Q") as words:
-        words[:] = memoryview(bytes(HEADER_SIZE)).cast("Q")
-        words[_VERSION] = VERSION
-        words[_CAPACITY] = capacity
+    write_header(buf, HEADER_SIZE, MAGIC, VERSION, owner_pid)
+
+
+def write_header(buf, header_size: int, magic: bytes, version: int, owner_pid: int) -> None:
+    """Zero ``buf``'s header and fill its first line, which rings and boards share: magic,
+    format version, capacity (the bytes after the header), owner pid. The magic goes in
+    last, so that whoever sees it sees the rest."""
+    with memoryview(buf) as view, view[:header_size].cast("Q") as words:
+        words[:] = memoryview(bytes(header_size)).cast("Q")
+        words[_VERSION] = version
+        words[_CAPACITY] = len(buf) - header_size
         words[_OWNER_PID] = owner_pid
         fence()  # a reader that sees the magic sees the complete header
-        view[:8] = MAGIC
+        view[:8] = magic
 
 
 class Ring:
