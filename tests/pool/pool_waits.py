@@ -15,7 +15,7 @@ async def settled(pool, condition, what: str, limit: float = 30.0) -> dict:
         if condition(stats):
             return stats
         if loop.time() > deadline:
-            raise AssertionError(f"{what} never happened: {stats['ranks']}")
+            raise AssertionError(f"{what} never happened; last stats: {stats}")
         await asyncio.sleep(0.05)
 
 

@@ -8,7 +8,6 @@ flight, and the page table agrees with every worker."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import uvloop
 from lmpool import LLM, SamplingParams
 from lmpool.control.transfer_config import TransferPolicyConfig
 from lmpool.pool.api import AsyncLMPool
+import pool_waits
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -25,18 +25,6 @@ DEADLINE_S = 120.0
 
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-async def wait_for(pool: AsyncLMPool, condition, what: str) -> dict:
-    """Poll the pool's stats until ``condition(stats)`` holds (a condition, not a duration)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        stats = await pool.stats()
-        if condition(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never saw {what}; last stats: {stats}")
-        await asyncio.sleep(0.02)
 
 
 async def settled(pool: AsyncLMPool) -> dict:
@@ -49,7 +37,8 @@ async def settled(pool: AsyncLMPool) -> dict:
                 and all(r["num_running"] == r["num_waiting"] == r["blocks_used"] == 0 for r in stats["ranks"])
                 and all(r["cached_blocks"] == r["blocks_reclaimable"] for r in stats["ranks"]))
 
-    stats = await wait_for(pool, idle, "an idle pool whose page table matches every worker")
+    stats = await pool_waits.settled(pool, idle, "an idle pool whose page table matches every worker",
+                                     limit=DEADLINE_S)
     for r in stats["ranks"]:
         assert r["blocks_free"] + r["blocks_reclaimable"] == pool.engine.ranks[r["rank"]].num_blocks, r
     return stats
@@ -73,9 +62,11 @@ def test_background_copy_of_a_hot_prefix_is_lease_routed(tiny_model):
             # Load skew: long decodes on rank 0 only.
             long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
             loads = [asyncio.create_task(pool.generate(p, long, rank=0)) for p in load_prompts]
-            await wait_for(pool, lambda s: s["ranks"][0]["num_running"] == 3, "rank 0 loaded")
+            await pool_waits.settled(pool, lambda s: s["ranks"][0]["num_running"] == 3, "rank 0 loaded",
+                                     limit=DEADLINE_S)
             before = [await pool.generate(a, GREEDY) for a in asks[:2]]  # demand heats the prefix
-            copied = await wait_for(pool, lambda s: s["transfers"]["background_copies"] >= 1, "a background copy")
+            copied = await pool_waits.settled(pool, lambda s: s["transfers"]["background_copies"] >= 1,
+                                              "a background copy", limit=DEADLINE_S)
             after = await pool.generate(asks[-1], GREEDY)
             stats = await pool.stats()
             for task in loads:
