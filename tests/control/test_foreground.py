@@ -11,10 +11,11 @@ import pytest
 from lmpool.control.foreground import plan_release
 from lmpool.control.global_block_manager import GlobalBlockManager
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.engine.kv_events import BlockStored, KVSnapshot
+from lmpool.engine.kv_events import KVSnapshot
 from lmpool.pool.messages import LoadReport, ShortageReport
 from lmpool.transfer.admission import AdmissionGate, AdmissionPolicy
 from lmpool.transfer.cost_model import TransferCostModel
+from control_testkit import cache
 
 BLOCK = 16
 # Rank 0's cached chain 1-2-3-4, whose two leaves 3 and 4 are the victims; 1 and 2 travel as ancestors.
@@ -29,11 +30,6 @@ def world(n: int = 3, free: int = 50):
         gbm.apply_snapshot(r, 1, KVSnapshot(0, []))
         gbm.update_load(r, 1, LoadReport(blocks_free=free))
     return gbm
-
-
-def cache(gbm, rank, hashes):
-    blocks = [BlockStored(h, p, i, 1) for i, (h, p) in enumerate(zip(hashes, [ROOT_HASH] + hashes[:-1]))]
-    gbm.apply_snapshot(rank, 1, KVSnapshot(gbm.ranks[rank].version + 1, blocks))
 
 
 def gate(prefill: float = 1e-3) -> AdmissionGate:

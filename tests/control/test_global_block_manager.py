@@ -11,30 +11,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from lmpool.control.global_block_manager import GlobalBlockManager, PageEntry, StaleUpdateError
 from lmpool.engine.block_manager import BlockManager
-from lmpool.engine.hashing import ROOT_HASH
 from lmpool.engine.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 from lmpool.engine.sequence import Sequence
 from lmpool.pool.messages import LoadReport
 from lmpool.sampling_params import SamplingParams
+from control_testkit import ManualClock, chain_blocks
 
 BLOCK = 4
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def chain_blocks(hashes: list[int], first_id: int = 0, generation: int = 1) -> list[BlockStored]:
-    parents = [ROOT_HASH] + hashes[:-1]
-    return [BlockStored(h, p, first_id + i, generation) for i, (h, p) in enumerate(zip(hashes, parents))]
-
-
-def make(world: int = 3, clock: FakeClock | None = None) -> GlobalBlockManager:
-    gbm = GlobalBlockManager(world, BLOCK, reservation_ttl_s=5.0, clock=clock or FakeClock())
+def make(world: int = 3, clock: ManualClock | None = None) -> GlobalBlockManager:
+    gbm = GlobalBlockManager(world, BLOCK, reservation_ttl_s=5.0, clock=clock or ManualClock(100.0))
     for rank in range(world):
         gbm.register_rank(rank, epoch=1, num_blocks=64)
     return gbm
@@ -125,7 +112,7 @@ def test_removal_of_another_generation_is_ignored():
 
 
 def test_mark_dead_drops_entries_and_reservations_until_a_newer_epoch():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     gbm = make(clock=clock)
     for rank in (0, 1):
         gbm.apply_snapshot(rank, 1, KVSnapshot(2, chain_blocks([1, 2])))
@@ -223,7 +210,7 @@ def test_aborted_transfer_drops_its_reserved_block_but_keeps_a_worker_copy():
 
 
 def test_reservations_released_by_admission_explicitly_and_by_ttl():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     gbm = make(clock=clock)
     gbm.reserve("a", 0, blocks=3, tokens=30)
     gbm.reserve("b", 0, blocks=2, tokens=20)
@@ -251,7 +238,7 @@ def test_reservations_released_by_admission_explicitly_and_by_ttl():
 
 
 def test_demand_stats_follow_routes_and_vanish_with_the_last_copy():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     gbm = make(clock=clock)
     gbm.apply_snapshot(0, 1, KVSnapshot(3, chain_blocks([1, 2, 3])))
     gbm.record_route([1, 2, 3, 4], held=3, used=2)
@@ -267,7 +254,7 @@ def test_demand_stats_follow_routes_and_vanish_with_the_last_copy():
 
 
 def test_rank_state_reports_heartbeat_age_and_cached_blocks():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     gbm = make(clock=clock)
     gbm.apply_snapshot(1, 1, KVSnapshot(4, chain_blocks([1, 2])))
     clock.now += 2.5
@@ -328,7 +315,7 @@ class ModelRank:
 class PageTableMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.clock = FakeClock()
+        self.clock = ManualClock(100.0)
         self.gbm = GlobalBlockManager(WORLD, BLOCK, reservation_ttl_s=5.0, clock=self.clock)
         self.model = [ModelRank() for _ in range(WORLD)]
         self.reservations: dict[str, tuple[int, float]] = {}  # request id -> (rank, created)

@@ -9,23 +9,15 @@ from lmpool.control.global_block_manager import GlobalBlockManager
 from lmpool.control.global_scheduler import POLICIES, GlobalScheduler
 from lmpool.control.leases import PlacementLeases
 from lmpool.control.topology import Topology
-from lmpool.engine.hashing import ROOT_HASH
-from lmpool.engine.kv_events import BlockStored, KVSnapshot
+from lmpool.engine.kv_events import KVSnapshot
 from lmpool.pool.messages import LoadReport, RouteQuery
+from control_testkit import ManualClock, cache
 
 BLOCK = 16
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_find_returns_the_deepest_live_lease_of_a_prefix():
-    clock = Clock()
+    clock = ManualClock()
     leases = PlacementLeases(lease_s=10.0, clock=clock, max_leases=2)
     leases.grant(2, depth=2, src=0, dst=1)
     leases.grant(3, depth=3, src=0, dst=2)
@@ -46,7 +38,7 @@ CHAIN = [101, 102, 103]
 
 
 def make(policy: str = "lmpool", world: int = 2):
-    clock = Clock()
+    clock = ManualClock()
     gbm = GlobalBlockManager(world, BLOCK, clock=clock)
     for rank in range(world):
         gbm.register_rank(rank, 1, 100)
@@ -59,11 +51,6 @@ def make(policy: str = "lmpool", world: int = 2):
     cache(gbm, 1, CHAIN[:2])
     gbm.update_load(0, 1, LoadReport(blocks_free=100, waiting_prefill_tokens=500))
     return clock, gbm, sched
-
-
-def cache(gbm, rank, hashes, version=1):
-    blocks = [BlockStored(h, p, i, 1) for i, (h, p) in enumerate(zip(hashes, [ROOT_HASH] + hashes[:-1]))]
-    gbm.apply_snapshot(rank, 1, KVSnapshot(gbm.ranks[rank].version + version, blocks))
 
 
 _ids = iter(range(10**9))

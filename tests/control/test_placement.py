@@ -19,17 +19,10 @@ from lmpool.pool.messages import LoadReport, RouteQuery
 from lmpool.transfer.admission import AdmissionGate, AdmissionPolicy
 from lmpool.transfer.coordinator import TransferCoordinator
 from lmpool.transfer.cost_model import TransferCostModel
+from control_testkit import ManualClock
 
 BLOCK = 16
 NUM_BLOCKS = 100
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class World:
@@ -37,7 +30,7 @@ class World:
 
     def __init__(self, n: int = 2, max_blocks: int = 8, batch_max: int = 128, prefill: float = 1e-3,
                  skew: float = 100.0, topology: Topology | None = None) -> None:
-        self.clock = Clock()
+        self.clock = ManualClock(1000.0)
         self.gbm = GlobalBlockManager(n, BLOCK, clock=self.clock, heat_half_life_s=10.0, route_hit_weight=0.5)
         self.sent = []
         self.coord = TransferCoordinator(self.gbm, lambda r, m: self.sent.append((r, m)), clock=self.clock)

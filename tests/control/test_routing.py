@@ -11,24 +11,16 @@ import pytest
 from lmpool.control.global_block_manager import GlobalBlockManager
 from lmpool.control.global_scheduler import POLICIES, GlobalScheduler, NoAliveRankError, RoutingConfig
 from lmpool.control.topology import Topology
-from lmpool.engine.hashing import ROOT_HASH
-from lmpool.engine.kv_events import BlockStored, KVSnapshot
+from lmpool.engine.kv_events import KVSnapshot
 from lmpool.pool.messages import LoadReport, RouteQuery
+from control_testkit import ManualClock, cache
 
 BLOCK = 16
 NUM_BLOCKS = 1000
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make(world=4, policy="lmpool", topology=None, config=None, clock=None):
-    gbm = GlobalBlockManager(world, BLOCK, reservation_ttl_s=5.0, clock=clock or FakeClock())
+    gbm = GlobalBlockManager(world, BLOCK, reservation_ttl_s=5.0, clock=clock or ManualClock())
     for rank in range(world):
         gbm.register_rank(rank, 1, NUM_BLOCKS)
         gbm.apply_snapshot(rank, 1, KVSnapshot(0, []))
@@ -37,13 +29,6 @@ def make(world=4, policy="lmpool", topology=None, config=None, clock=None):
 
 def chain(n: int, family: int = 1) -> list[int]:
     return [family * 1000 + i + 1 for i in range(n)]
-
-
-def cache(gbm: GlobalBlockManager, rank: int, hashes: list[int]) -> None:
-    """Replace ``rank``'s cache with the chain ``hashes``."""
-    parents = [ROOT_HASH] + hashes[:-1]
-    blocks = [BlockStored(h, p, i, 1) for i, (h, p) in enumerate(zip(hashes, parents))]
-    gbm.apply_snapshot(rank, 1, KVSnapshot(gbm.ranks[rank].version + 1, blocks))
 
 
 def load(gbm: GlobalBlockManager, rank: int, **fields) -> None:
@@ -188,7 +173,7 @@ def test_concurrent_routes_never_overcommit_a_rank():
 
 
 def test_reservations_are_released_on_admission_and_by_ttl():
-    clock = FakeClock()
+    clock = ManualClock()
     gbm, scheduler = make(world=2, clock=clock)
     for rank in range(2):
         load(gbm, rank, blocks_free=8)
