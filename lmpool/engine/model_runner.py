@@ -24,7 +24,7 @@ from lmpool.engine.sequence import Sequence
 from lmpool.engine.step_inputs import StepInputBuilder, StepInputs, arena_capacity
 from lmpool.model.checkpoint import iter_safetensors
 from lmpool.model.config import ModelConfig
-from lmpool.model.qwen3 import AttentionMetadata, Qwen3ForCausalLM
+from lmpool.model.qwen3 import Qwen3ForCausalLM
 from lmpool.ops import get_backend
 
 
@@ -119,19 +119,16 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, StepInputs]:
-        """The step's device inputs (valid until the next ``prepare``): ids, positions, metadata, all of it."""
-        inputs = self.inputs.build(batch, self.graphs)
-        return inputs.ids, inputs.positions, inputs.meta, inputs
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's device inputs (ids, positions, metadata), valid until the next ``prepare``."""
+        return self.inputs.build(batch, self.graphs)
 
     @torch.inference_mode()
-    def forward_hidden(
-        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, inputs: StepInputs | None = None
-    ) -> torch.Tensor:
+    def forward_hidden(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of every token row; a decode step ``prepare`` padded for a graph replays it."""
-        if inputs is not None and inputs.graph_size is not None and self.graphs is not None:
+        if inputs.graph_size is not None and self.graphs is not None:
             return self.graphs.replay(inputs)
-        return self.model(ids, pos, meta, self.kv_cache, self.ops)
+        return self.model(inputs.ids, inputs.positions, inputs.meta, self.kv_cache, self.ops)
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> PendingTokens:
@@ -140,8 +137,8 @@ class ModelRunner:
         On CUDA nothing here waits for the device, so the caller can do host work
         that does not need the new tokens while the step runs.
         """
-        ids, pos, meta, inputs = self.prepare(batch)
-        hidden = self.forward_hidden(ids, pos, meta, inputs)
+        inputs = self.prepare(batch)
+        hidden = self.forward_hidden(inputs)
         if inputs.sample_index is None:
             seqs = batch.seqs
         else:

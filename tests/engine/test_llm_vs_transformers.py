@@ -62,9 +62,9 @@ def test_greedy_tokens_and_prefill_logits_equal_transformers(model_dir):
         bm.admit(s, [])
         bm.grow(s, len(s))
     batch = ScheduledBatch(seqs=seqs, num_tokens=[len(s) for s in seqs])
-    ids, pos, meta, _ = runner.prepare(batch)
+    inputs = runner.prepare(batch)
     with torch.inference_mode():
-        logits = runner.model.compute_logits(runner.forward_hidden(ids, pos, meta))
+        logits = runner.model.compute_logits(runner.forward_hidden(inputs))
     start = 0
     for prompt in prompts:
         with torch.no_grad():
