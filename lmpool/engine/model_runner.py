@@ -159,10 +159,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         return self.sampler.sample(logits, params, [s.request_id for s in seqs])
 
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Compute one step; returns the new token of every sequence that samples, in batch order."""
-        return self.launch(batch).result()
-
 
 class PendingTokens:
     """The tokens of a launched step: ``seqs`` in batch order, read back to the host once.
