@@ -103,7 +103,7 @@ class StubModel:
 # ---- the host path before the step-input arena, frozen for side-by-side ratios --------
 
 
-@dataclass
+@dataclass  # the former StepOutput, which had no slots: part of what ``before`` times
 class LegacyStepOutput:
     request_id: str
     new_token_id: int
