@@ -16,6 +16,7 @@ own clock. Fields are named on the wire, so a reader tolerates fields it does no
 from __future__ import annotations
 
 import os
+from typing import Self
 
 import msgspec
 
@@ -83,7 +84,22 @@ def board_capacity(world_size: int) -> int:
     return 4096 + 1024 * world_size
 
 
-class StateBoardWriter:
+class _BoardSide:
+    """What both sides do alike: close their mapping, also as a context manager."""
+
+    _board: BoardWriter | BoardReader
+
+    def close(self) -> None:
+        self._board.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StateBoardWriter(_BoardSide):
     """The control process's side: encode and publish. Never waits for readers."""
 
     def __init__(self, name: str) -> None:
@@ -93,17 +109,8 @@ class StateBoardWriter:
     def publish(self, state: PoolState) -> None:
         self._board.publish(self._encoder.encode(state))
 
-    def close(self) -> None:
-        self._board.close()
 
-    def __enter__(self) -> StateBoardWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class StateBoardReader:
+class StateBoardReader(_BoardSide):
     """A monitor's side: the latest ``PoolState`` of one pool, read-only."""
 
     def __init__(self, name: str) -> None:
@@ -125,15 +132,6 @@ class StateBoardReader:
         """True once the board's name is gone (the pool shut down, or was swept): the
         mapping still shows the last state, but nothing will publish on it again."""
         return not os.path.exists(SHM_DIR + self.name)
-
-    def close(self) -> None:
-        self._board.close()
-
-    def __enter__(self) -> StateBoardReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def pool_boards() -> dict[str, str]:
