@@ -159,16 +159,18 @@ class Worker:
             prefill_s_per_token=self.prefill.s_per_token,
         )
 
-    async def publish(self) -> None:
+    async def publish(self, load: LoadReport | None = None) -> None:
         """Tell the control plane what changed: cached blocks (or everything, if asked) and load.
 
         Routing costs a rank by its queue, so a changed load is reported at once
-        rather than at the next heartbeat.
+        rather than at the next heartbeat. ``load``: the report the step already built
+        (``load()`` walks every sequence; once per step is enough).
         """
         if self.control is None:
             return
         bm = self.core.block_manager
-        load = self.load()
+        if load is None:
+            load = self.load()
         if not (self.need_snapshot or bm.has_pending_events or self.admitted or load != self.last_load):
             return
         self.last_load = load
@@ -278,10 +280,12 @@ class Worker:
                         TokenDelta(out.request_id, out.new_token_id, out.finished, out.finish_reason,
                                    seq.num_cached_tokens)
                     )
+            load = None
             if deltas:
                 self.generated_tokens += len(deltas)  # one delta per new token
-                await self.engine.send(StepOutputs(deltas, self.load()))
-            await self.publish()
+                load = self.load()
+                await self.engine.send(StepOutputs(deltas, load))
+            await self.publish(load)
             if self.release is not None and self.release.outbox:
                 reports, self.release.outbox = self.release.outbox, []
                 for report in reports:  # after the deltas that announced its blocks
