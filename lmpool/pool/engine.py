@@ -413,9 +413,9 @@ class LLMEngine:
             self.metrics.inter_token(now - req.last_token_at)
         else:
             self.metrics.first_token(now - req.arrival)
+            if not req.reroutes:
+                req.num_cached_tokens = min(delta.num_cached_tokens, len(req.prompt_token_ids))
         req.last_token_at = now
-        if not req.output_token_ids and not req.reroutes:
-            req.num_cached_tokens = min(delta.num_cached_tokens, len(req.prompt_token_ids))
         req.output_token_ids.append(delta.token_id)
         req.queue.put_nowait(delta)
         if delta.finished:
