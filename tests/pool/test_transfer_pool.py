@@ -4,6 +4,8 @@ byte-equal to the source's, and generation there uses them with the same tokens.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import uvloop
 from lmpool import LLM, SamplingParams
 from lmpool.pool.api import AsyncLMPool
 from lmpool.pool.engine import PoolError
+from pool_waits import settled
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -61,9 +64,6 @@ def test_destination_killed_mid_plan_aborts_and_releases_the_source(tiny_model):
     """The destination is frozen (SIGSTOP) so the plan cannot pass prepare, then SIGKILLed:
     the plan aborts, the source's pins are released and its copy kept, and the pool goes on
     transferring between the live ranks."""
-    import os
-    import signal
-
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, enable_transfers=True) as pool:
             engine = pool.engine
@@ -73,12 +73,7 @@ def test_destination_killed_mid_plan_aborts_and_releases_the_source(tiny_model):
             os.kill(victim, signal.SIGSTOP)
             plan = asyncio.create_task(pool.transfer(prompt(), src=0, dst=1))
             # The plan is under way once the source has pinned the chain (its used blocks show it).
-            for _ in range(400):
-                if (await pool.stats())["ranks"][0]["blocks_used"] > 0:
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError("the source never pinned the chain")
+            await settled(pool, lambda s: s["ranks"][0]["blocks_used"] > 0, "the source pinning the chain")
             os.kill(victim, signal.SIGKILL)
             result = await plan
             after = await engine.block_digests(0, prompt())
@@ -98,12 +93,6 @@ def test_control_killed_mid_plan_the_retry_completes_and_leases_free_the_old_pin
     """The control process dies while a plan waits on a frozen destination: the engine restarts
     it and retries the transfer under a fresh plan id, which completes once the destination
     runs again; the dead plan's pins on the source end with the workers' lease."""
-    import os
-    import signal
-
-    async def used(pool, rank):
-        return (await pool.stats())["ranks"][rank]["blocks_used"]
-
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, enable_transfers=True,
                                transfer_lease_s=1.0) as pool:
@@ -113,22 +102,14 @@ def test_control_killed_mid_plan_the_retry_completes_and_leases_free_the_old_pin
             frozen = engine.ranks[1].proc.pid
             os.kill(frozen, signal.SIGSTOP)
             plan = asyncio.create_task(pool.transfer(prompt(), src=0, dst=1))
-            for _ in range(400):  # under way once the source has pinned the chain
-                if await used(pool, 0) > 0:
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError("the source never pinned the chain")
+            # Under way once the source has pinned the chain.
+            await settled(pool, lambda s: s["ranks"][0]["blocks_used"] > 0, "the source pinning the chain")
             old_control = engine.control_proc.pid
             os.kill(old_control, signal.SIGKILL)
             os.kill(frozen, signal.SIGCONT)
             result = await plan
-            for _ in range(500):  # the old plan's pins end with the lease (1 s here)
-                if await used(pool, 0) == 0:
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError("the dead plan's pins were never released")
+            # The old plan's pins end with the lease (1 s here).
+            await settled(pool, lambda s: s["ranks"][0]["blocks_used"] == 0, "the release of the dead plan's pins")
             return result, source, await engine.block_digests(1, prompt()), engine.control_proc.pid, old_control
 
     result, source, copied, control, old_control = uvloop.run(main())
