@@ -17,6 +17,15 @@ from lmpool_ipc.lifecycle import pid_alive
 DETECTION_BOUND_S = 2.0  # the acceptance bound: a SIGKILLed peer is reported within 2 s
 
 
+async def kill_and_expect_death(pid: int, blocked: asyncio.Task) -> None:
+    """SIGKILL ``pid``; ``blocked``, a channel wait on it, must fail within the bound."""
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(PeerDeadError):
+        await blocked
+    assert time.monotonic() - killed_at < DETECTION_BOUND_S
+
+
 def test_peer_killed_mid_stream_is_reported_within_2s(pool, run, spawn):
     """The peer streams until SIGKILLed; we drain what it sent, then recv() raises. The
     peer is not reaped before that: a zombie must count as dead."""
@@ -48,11 +57,7 @@ def test_peer_killed_while_we_sleep_in_recv(pool, run, spawn):
             assert await channel.recv() == Ready(peer.pid)
             waiting = asyncio.create_task(channel.recv())
             await asyncio.sleep(0)
-            os.kill(peer.pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            with pytest.raises(PeerDeadError):
-                await waiting
-            assert time.monotonic() - killed_at < DETECTION_BOUND_S
+            await kill_and_expect_death(peer.pid, waiting)
 
     run(main())
 
@@ -70,11 +75,7 @@ def test_peer_killed_while_we_wait_for_ring_space(pool, run, spawn):
                 if not sending.done():
                     break
                 await sending
-            os.kill(peer.pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            with pytest.raises(PeerDeadError):
-                await sending
-            assert time.monotonic() - killed_at < DETECTION_BOUND_S
+            await kill_and_expect_death(peer.pid, sending)
 
     run(main())
 
