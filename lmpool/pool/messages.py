@@ -21,7 +21,6 @@ from lmpool.sampling_params import SamplingParams
 from lmpool.transfer.messages import CudaIpcExport
 
 
-
 class Message(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Base of every message: positional arrays on the wire, defaults omitted, no GC tracking
     (messages hold no reference cycles)."""
@@ -128,8 +127,6 @@ class WorkerDelta(Message, tag="delta"):
     epoch: int
     delta: KVDelta
     load: LoadReport
-
-
 
 
 class ResyncRequest(Message, tag="resync"):
