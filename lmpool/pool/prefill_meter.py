@@ -19,7 +19,7 @@ class PrefillMeter:
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         total = sum(batch.num_tokens)
-        prefill = sum(n for n in batch.num_tokens if n > 1)
+        prefill = total - batch.num_tokens.count(1)  # tokens of sequences that ran more than one
         if total < self.min_tokens or 2 * prefill < total:
             return
         sample = seconds / total
