@@ -189,9 +189,7 @@ class BackgroundPlacement:
         batch = batches.get((src, dst))
         held = set(batch.hashes) if batch is not None else set()
         new = sum(1 for i in range(start, end) if chain[i] not in held)
-        info = gbm.ranks[dst]
-        free = info.load.blocks_free - info.reserved_blocks - self.coordinator.incoming(dst) - taken[dst]
-        if free < new:
+        if self.coordinator.free_blocks(dst) - taken[dst] < new:
             return "capacity"
         if batch is not None and len(batch.hashes) + new > self.batch_max_blocks:
             return "batch_full"  # not refused on its merits: no cooldown, look again next tick

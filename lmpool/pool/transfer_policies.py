@@ -93,11 +93,6 @@ class TransferPolicies:
         measured = [i.load.prefill_s_per_token for i in self.gbm.ranks if i.alive and i.load.prefill_s_per_token > 0]
         return min(measured) if measured else None
 
-    def free_blocks(self, rank: int) -> int:
-        """Free blocks a transfer may take on ``rank`` without evicting anything."""
-        info = self.gbm.ranks[rank]
-        return info.load.blocks_free - info.reserved_blocks - self.coordinator.incoming(rank)
-
     def observe_route(self, query: RouteQuery) -> None:
         if self.placement is not None:
             self.placement.chains.observe(query.block_hashes, self.scheduler.last_held)
@@ -124,7 +119,7 @@ class TransferPolicies:
             return
         try:
             plan, reason = plan_release(report, self.gbm, self.scheduler.topology.partners(report.rank),
-                                        self.free_blocks, self.gate, self.prefill_s_per_token)
+                                        self.coordinator.free_blocks, self.gate, self.prefill_s_per_token)
         except ValueError as e:
             plan, reason = None, str(e)
         if plan is None:

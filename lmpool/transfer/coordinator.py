@@ -208,6 +208,12 @@ class TransferCoordinator:
         never an underestimate."""
         return sum(len(p.hashes) for p in self.plans.values() if p.dst == rank)
 
+    def free_blocks(self, rank: int) -> int:
+        """Free blocks a transfer may take on ``rank`` without evicting anything: its reported
+        free blocks less those routing reserved and those open plans bring."""
+        info = self.gbm.ranks[rank]
+        return info.load.blocks_free - info.reserved_blocks - self.incoming(rank)
+
     def rank_died(self, rank: int) -> None:
         for plan in [p for p in self.plans.values() if rank in (p.src, p.dst)]:
             self.abort(plan.plan_id, f"rank {rank} died in {plan.state.value}")
