@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eval_metrics import paired_change  # noqa: E402
 from eval_suite import (  # noqa: E402
-    LMPOOL, PEERS, TRANSFER_MODES, add_arguments, finish_arguments, resolve_model, run_suite, select_policies,
+    LMPOOL, PEERS, TRANSFER_MODES, add_arguments, chosen_policies, finish_arguments, run_suite, vocab_size,
 )
 from workloads import load_skew, memory_skew  # noqa: E402
 
@@ -73,12 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     add_arguments(ap)
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="default load_skew,memory_skew")
     args = finish_arguments(ap.parse_args(argv), POOL_BLOCKS, "e2e")
-    if args.quick and not args.policies:
-        args.policies = QUICK_POLICIES
-    policies = select_policies(POLICIES, None if args.policies == "all" else args.policies)
-    from lmpool.model.config import ModelConfig
-
-    vocab = ModelConfig.from_pretrained(resolve_model(args)).vocab_size
+    policies = chosen_policies(args, POLICIES, QUICK_POLICIES)
+    vocab = vocab_size(args)
     makers = {
         "load_skew": lambda seed: load_skew(seed, vocab, args.scale, args.max_tokens),
         "memory_skew": lambda seed: memory_skew(seed, vocab, args.world_size, args.scale, args.max_tokens),

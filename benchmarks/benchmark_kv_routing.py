@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eval_metrics import paired_change  # noqa: E402
 from eval_suite import (  # noqa: E402
-    LMPOOL, PEERS, add_arguments, finish_arguments, resolve_model, run_suite, select_policies,
+    LMPOOL, PEERS, add_arguments, chosen_policies, finish_arguments, run_suite, vocab_size,
 )
 from workloads import LOCALITY_LEVELS, locality  # noqa: E402
 
@@ -81,12 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--levels takes comma-separated integers, got {args.levels!r}") from None
     if any(lvl < 1 for lvl in levels):
         raise SystemExit(f"--levels must be >= 1, got {args.levels!r}")
-    if args.quick and not args.policies:
-        args.policies = QUICK_POLICIES
-    policies = select_policies(POLICIES, None if args.policies == "all" else args.policies)
-    from lmpool.model.config import ModelConfig
-
-    vocab = ModelConfig.from_pretrained(resolve_model(args)).vocab_size
+    policies = chosen_policies(args, POLICIES, QUICK_POLICIES)
+    vocab = vocab_size(args)
     traces = {f"locality_{lvl}x": {r: locality(lvl, args.seed + r, vocab, args.scale, args.max_tokens)
                                    for r in args.rep_ids} for lvl in levels}
     return run_suite(args, "kv_routing", traces, policies, comparisons)

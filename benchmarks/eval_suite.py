@@ -85,6 +85,14 @@ def select_policies(available: tuple[Policy, ...], names: str | None) -> list[Po
     return [by_name[n] for n in names.split(",")]
 
 
+def chosen_policies(args: argparse.Namespace, available: tuple[Policy, ...], quick: str) -> list[Policy]:
+    """``--policies`` ('all' or none: every one); in quick mode without it, the runner's
+    ``quick`` set, which the recorded config then names."""
+    if args.quick and not args.policies:
+        args.policies = quick
+    return select_policies(available, None if args.policies == "all" else args.policies)
+
+
 # ---- command line ----------------------------------------------------------------------
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -202,6 +210,12 @@ def resolve_model(args: argparse.Namespace) -> str:
     from lmpool.cli import default_model
 
     return str(default_model(args.preset))
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    from lmpool.model.config import ModelConfig
+
+    return ModelConfig.from_pretrained(resolve_model(args)).vocab_size
 
 
 def model_record(model: str, preset: str | None) -> dict:
