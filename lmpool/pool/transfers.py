@@ -220,7 +220,7 @@ class TransferExecutor:
                 p.publish(order.plan_id, order.hashes, order.parents, order.token_ids)
                 return self._ack(order)
             if order.kind == "finalize":
-                p.finalize(order.plan_id, order.move)
+                p.finalize(order.plan_id, order.move, order.num_blocks)
                 return self._ack(order)
             if order.kind == "abort":
                 p.abort(order.plan_id)

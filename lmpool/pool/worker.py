@@ -107,10 +107,6 @@ class Worker:
                     self.need_snapshot = True
                     self.wakeup.set()
                 elif isinstance(msg, TransferOrder) and self.transfers is not None:
-                    if msg.kind == "finalize" and msg.move and msg.num_blocks:
-                        # A partial move (foreground release): its leading blocks were only
-                        # copied along as ancestors, and the source keeps them.
-                        self.transfers.participant.limit_move(msg.plan_id, msg.num_blocks)
                     self.transfers.orders.append(msg)
                     self.wakeup.set()
                 elif isinstance(msg, CudaIpcExport) and self.transfers is not None:

@@ -17,7 +17,7 @@ Invariants:
   cached copy: a source is only ever freed by a move's finalize, and then only
   its unreferenced suffix, and never the plan's first ``keep`` blocks (a
   partial move: ancestors copied so the destination can hold the moved blocks,
-  see ``limit_move``);
+  named by ``finalize``'s ``keep``);
 - a plan whose control plane falls silent (its messages lost, or the control
   process dead) is aborted here once ``lease_s`` passes without a phase message
   (``expire``), so no pin or reservation outlives its transaction;
@@ -69,7 +69,6 @@ class LocalPlan:
     pinned: list[int]  # every block the plan references here (a source also pins ancestors)
     token_ids: list[list[int]] = field(default_factory=list)  # source: each block's tokens
     touched: float = 0.0  # when the last phase message for it arrived
-    keep: int = 0  # source: leading blocks a move copies but never frees
 
 
 class TransferParticipant:
@@ -128,9 +127,10 @@ class TransferParticipant:
         self.bm.publish_received(plan.block_ids, block_hashes, parent_hashes, token_ids)
         self._close(plan, Phase.PUBLISHED)
 
-    def finalize(self, plan_id: int, move: bool) -> list[int]:
+    def finalize(self, plan_id: int, move: bool, keep: int = 0) -> list[int]:
         """Source, after the destination published: drop the pins; a move also frees the
-        chain's unreferenced suffix. Returns the freed block ids."""
+        chain's unreferenced suffix, never its first ``keep`` blocks (a partial move copied
+        them along only as the moved blocks' ancestors). Returns the freed block ids."""
         plan = self._active(plan_id)
         if plan is None:
             return []
@@ -138,16 +138,9 @@ class TransferParticipant:
             raise StalePlanError(f"plan {plan_id}: finalize needs a source that sent, not {plan.phase.value}")
         for block_id in plan.pinned:
             self.bm.release(block_id)
-        freed = self.bm.drop_unreferenced_suffix(plan.block_ids[plan.keep :]) if move else []
+        freed = self.bm.drop_unreferenced_suffix(plan.block_ids[max(0, keep):]) if move else []
         self._close(plan, Phase.FINALIZED)
         return freed
-
-    def limit_move(self, plan_id: int, keep: int) -> None:
-        """A move of this source plan frees none of its first ``keep`` blocks: they were only
-        copied along as the moved blocks' ancestors. A plan not open here is left alone."""
-        plan = self.plans.get(plan_id)
-        if plan is not None and plan.role is Role.SOURCE:
-            plan.keep = max(0, keep)
 
     def abort(self, plan_id: int) -> None:
         """Release whatever the plan holds here; the source's cached blocks stay cached."""

@@ -121,7 +121,7 @@ class Cluster:
                 part.publish(msg.plan_id, args["hashes"], args["parents"], args["token_ids"])
                 result = {}
             elif msg.kind == "finalize":
-                part.finalize(msg.plan_id, args["move"])
+                part.finalize(msg.plan_id, args["move"], args.get("num_blocks", 0))
                 result = {}
             else:
                 part.abort(msg.plan_id)
@@ -257,7 +257,6 @@ def test_a_partial_move_keeps_its_ancestors_and_counts_copied_and_moved_blocks()
         rank, msg = cluster.inbox[0]
         if msg.kind == "finalize":
             finalize.append(msg.args)
-            cluster.parts[rank].limit_move(msg.plan_id, msg.args.get("num_blocks", 0))  # as the worker does
         cluster.deliver(0)
     assert finalize == [{"move": True, "num_blocks": 1}]
     assert cluster.coord.completed == 1 and plan.kind == "foreground"

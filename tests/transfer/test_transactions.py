@@ -170,10 +170,9 @@ class TransferMachine(RuleBasedStateMachine):
     def finalize(self, data, move, keep):
         pid = self.open_plan(data, "published")
         chain = list(self.ps.plans[pid].block_ids)
-        self.ps.limit_move(pid, keep)  # a partial move: the first ``keep`` blocks were copied along
-        self.pd.limit_move(pid, keep)  # (a destination's plan is ended: nothing to limit)
-        freed = self.ps.finalize(pid, move)
-        assert self.ps.finalize(pid, move) == []  # duplicate: no-op
+        # A partial move: the first ``keep`` blocks were copied along.
+        freed = self.ps.finalize(pid, move, keep)
+        assert self.ps.finalize(pid, move, keep) == []  # duplicate: no-op
         if not move:
             assert freed == []
         movable = chain[keep:]
