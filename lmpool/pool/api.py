@@ -233,6 +233,10 @@ class LMPool:
     def stats(self) -> dict:
         return self._call(self._pool.stats())
 
+    def transfer(self, prompt: Prompt, src: int, dst: int, move: bool = False):
+        """``AsyncLMPool.transfer``: copy (or move) a prompt's cached blocks between ranks."""
+        return self._call(self._pool.transfer(prompt, src, dst, move))
+
     @property
     def engine(self) -> LLMEngine:
         return self._pool.engine

@@ -320,7 +320,8 @@ class ControlPlane:
             started_at=self.spec.started_at, published=self.published, published_at=time.time(),
             monotonic=time.monotonic(), world_size=self.spec.world_size,
             route_queries=stats.route_queries, route_p50_us=stats.route_p50_us,
-            route_p99_us=stats.route_p99_us,
+            route_p99_us=stats.route_p99_us, transfers_committed=stats.transfers.plans_committed,
+            blocks_transferred=stats.transfers.blocks_copied + stats.transfers.blocks_moved,
             ranks=[
                 RankRow.from_state(s, self.spec.worker_pids[s.rank], len(self.gbm.ranks[s.rank].in_flight))
                 for s in stats.ranks

@@ -119,8 +119,9 @@ def _pool_families(state: PoolState, counter, gauge):
                    lambda r: r.prompt_tokens)
     yield per_rank(counter("lmpool:generation_tokens", "Tokens generated.", labels=["rank"]),
                    lambda r: r.generated_tokens)
-    # No transfer has a counter yet: KV transfers are not wired into the pool.
-    yield counter("lmpool:kv_transfers", "KV block transfers between ranks.", value=0)
+    yield counter("lmpool:kv_transfers", "KV transfer plans completed between ranks.", value=state.transfers_committed)
+    yield counter("lmpool:kv_blocks_transferred", "KV blocks copied or moved by completed transfers.",
+                  value=state.blocks_transferred)
     yield per_rank(gauge("lmpool:rank_up", "1 while the rank is alive and routable.", labels=["rank"]),
                    lambda r: int(r.alive))
     yield per_rank(gauge("lmpool:heartbeat_age_seconds", "Time since the rank last reported.", labels=["rank"]),

@@ -47,7 +47,7 @@ class RankRow(msgspec.Struct, kw_only=True, gc=False):
     prefix_hit_tokens: int = 0  # cumulative, this worker incarnation
     generated_tokens: int = 0  # cumulative, this worker incarnation
     blocks_in_flight: int = 0  # blocks a transfer is bringing here, not yet published
-    leases: int = 0  # placement leases steering routes here (none until transfers land)
+    leases: int = 0  # placement leases steering routes here (not yet filled per rank)
 
     @classmethod
     def from_state(cls, state: RankState, pid: int, blocks_in_flight: int) -> RankRow:
@@ -75,6 +75,8 @@ class PoolState(msgspec.Struct, kw_only=True, gc=False):
     route_queries: int = 0  # cumulative, this control process
     route_p50_us: float = 0.0  # over the last few thousand route decisions
     route_p99_us: float = 0.0
+    transfers_committed: int = 0  # KV transfer plans that completed, cumulative, this control process
+    blocks_transferred: int = 0  # blocks those plans copied or moved
     ranks: list[RankRow] = []
 
 

@@ -83,6 +83,23 @@ def test_metrics_endpoint(tiny_model):
     }
 
 
+def test_completed_transfers_are_counted(tiny_model):
+    prompt = torch.randint(0, 1000, (3 * 16 + 1,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    with LMPool(tiny_model, world_size=2, block_size=16, metrics_port=0, enable_transfers=True) as pool:
+        [out] = pool.generate([prompt], params)
+        copied = pool.transfer(prompt, src=out.rank, dst=1 - out.rank)
+
+        def counted_the_copy():
+            families = scrape(pool.metrics_port)
+            return families if families["lmpool:kv_transfers"][("lmpool:kv_transfers_total", ())] else None
+
+        families = wait_until(counted_the_copy, "the transfer counter to count the copy")
+    assert copied.state == "done", copied.reason
+    assert families["lmpool:kv_transfers"] == {("lmpool:kv_transfers_total", ()): 1}
+    assert families["lmpool:kv_blocks_transferred"] == {("lmpool:kv_blocks_transferred_total", ()): 3}
+
+
 def test_metrics_are_off_by_default_and_need_no_prometheus_client():
     check = (
         "import sys; import lmpool.pool.api, lmpool.pool.engine, lmpool.pool.metrics; "
