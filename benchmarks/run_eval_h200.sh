@@ -5,7 +5,8 @@
 #   OUT=dir bash benchmarks/run_eval_h200.sh PRESET BENCH [runner flags...]
 #     PRESET: 0.6b | 1.7b        BENCH: kv_routing | e2e | prep (model and kernels only)
 # Writes $OUT/eval_h200_<PRESET>_<BENCH>[<TAG>].json and .log (TAG: env, to name a part).
-# MPS=0 (env) runs without MPS, e.g. one replica per GPU on a several-GPU machine.
+# MPS=0 (env) runs without MPS; WORLD (env, default 4) sets the replicas, e.g. MPS=0 WORLD=2
+# for one replica per GPU on a two-GPU machine (replica r runs on cuda:r % GPUs).
 # Extra flags go to the runner: --reps, --levels, --policies, --workloads, --first-rep,
 # --max-minutes, --scale ... (see benchmarks/PAPER_RUNBOOK.md).
 set -uo pipefail
@@ -27,5 +28,5 @@ name="eval_h200_${preset}_${bench}${TAG}"
 mps=--mps
 [ "${MPS:-1}" = 0 ] && mps=
 python3 "benchmarks/benchmark_${bench}.py" --device cuda --model "$model" --preset "$preset" \
-  --world-size 4 --dtype bfloat16 --block-size 256 $mps --run-timeout 120 \
+  --world-size "${WORLD:-4}" --dtype bfloat16 --block-size 256 $mps --run-timeout 120 \
   --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"

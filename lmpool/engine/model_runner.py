@@ -43,6 +43,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda":
+            # The runner's device becomes the process's current one: CUDA graph capture,
+            # streams, events and pinned copies made without a device all take the current
+            # device, and a graph captured on another device's stream is invalidated.
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config, model_config)
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)  # process-wide: see EngineConfig.cpu_threads

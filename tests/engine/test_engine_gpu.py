@@ -41,6 +41,19 @@ def test_gpu_fp32_greedy_equals_cpu(tiny_model, cpu_tokens, enforce_eager):
     assert any(o.num_cached_tokens > 0 for o in again)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_gpu_second_device_captures_graphs_and_equals_cpu(tiny_model, cpu_tokens):
+    """An engine on cuda:1 in a process whose current device was cuda:0 (a pool's rank 1)."""
+    torch.cuda.set_device(0)
+    try:
+        with LLM(tiny_model, device="cuda:1", dtype="float32", block_size=BLOCK) as llm:
+            assert llm.engine.runner.graphs is not None
+            assert next(llm.engine.runner.model.parameters()).device == torch.device("cuda:1")
+            assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == cpu_tokens
+    finally:
+        torch.cuda.set_device(0)
+
+
 def test_gpu_torch_reference_path_equals_kernels(tiny_model, cpu_tokens):
     with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, use_kernels=False) as llm:
         assert llm.engine.runner.ops.name == "torch"

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One several-GPU session (nvidia-h200-x2 or larger): the NCCL pair transport's two-rank
+# tests, the CUDA IPC pull across two GPUs, and the packed-NCCL vs raw torch.distributed vs
+# peer-pull transfer benchmark.
+# Usage (from the repository root, with the wheels in .whl/ as for run_h200.sh):
+#   OUT=results_dir bash benchmarks/run_h200x2.sh [steps...]
+#   steps: tests bench profile (default: tests bench). profile: where one pull's time goes.
+set -uo pipefail
+OUT=${OUT:-benchmarks/results/h200x2}
+mkdir -p "$OUT"
+. benchmarks/device_setup.sh
+# NVLink multicast (NVLS) stays off: the lent machines do not support it.
+export NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi topo -m | tee "$OUT/topo.txt"
+timeout 300 python3 -c "from lmpool.ops.cuda import load_extension as a; from lmpool.transfer.block_copy import load_extension as b; a(); b()" \
+  || { echo "kernel build failed" >&2; exit 1; }
+steps=${*:-tests bench}
+for step in $steps; do
+  case $step in
+    tests)
+      RUN_NCCL_INTEGRATION=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_nccl_gpu.py 2>&1 \
+        | tee "$OUT/nccl_tests.log" | tail -15
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_cuda_ipc_gpu.py -k two_gpus 2>&1 \
+        | tee "$OUT/cuda_ipc_two_gpus.log" | tail -8 ;;
+    bench)
+      timeout 240 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
+        --sizes 1,2,4,8,16,32,64 --reps 20 --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
+        | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
+    profile)
+      timeout 120 python3 benchmarks/profile_pull.py --preset 0.6b --sizes 1,8,64,128 \
+        --json "$OUT/pull_profile_h200.json" 2>&1 | tee "$OUT/pull_profile_h200.log" | tail -8 ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
