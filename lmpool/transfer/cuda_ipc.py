@@ -62,11 +62,10 @@ import math
 import os
 import secrets
 import time
-from pathlib import Path
 
 import torch
 
-from lmpool.transfer.block_copy import check_blocks, copy_blocks, load_extension
+from lmpool.transfer.block_copy import copy_blocks, load_extension
 from lmpool.transfer.messages import CudaIpcExport, IpcStorage
 from lmpool.transfer.transport import TransferTimeout, TransportError, as_bytes, check_args, open_store
 
@@ -112,12 +111,19 @@ def transfer_key(src: int, src_session: int, dst: int, dst_session: int, tag: in
 def process_start(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks after boot), or None if no live process
     has that pid. A zombie counts as gone: it has exited, and its GPU memory with it."""
+    # Raw os calls: every pull asks twice, and this is several times cheaper than a Path read.
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and ")"
-    if fields[0] in ("Z", "X"):
+    try:
+        stat = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    fields = stat.rsplit(b")", 1)[1].split()  # the command name may hold spaces and ")"
+    if fields[0] in (b"Z", b"X"):
         return None
     return int(fields[19])  # field 22 of proc(5); fields[0] is field 3
 
@@ -400,13 +406,20 @@ class CudaIpcTransport:
                 raise ValueError(f"rank {export.rank}'s cache {export.kv_shape} does not fit its "
                                  f"{export.kv_cache.nbytes}-byte storage")
         self.disconnect(export.rank)
+        # The peer's memory is mapped into this rank's own device, even when it lives on a
+        # peer GPU: a mapping opened in the owning device's context is not addressable by
+        # kernels on this device (enabling peer access afterwards does not cover IPC
+        # mappings), while one opened here lets the driver enable peer access for it.
+        # torch then sees the peer's cache as a tensor on this device, which is where the
+        # pull kernel runs.
+        here = self.device.index
         try:
-            staging = map_storage(export.device, export.staging) if export.staging is not None else None
+            staging = map_storage(here, export.staging) if export.staging is not None else None
             events = [torch.cuda.Event.from_ipc_handle(torch.device("cuda", export.device), h) for h in export.events]
             cache = None
             if dtype is not None:
                 nbytes = math.prod(export.kv_shape) * dtype.itemsize
-                cache = map_storage(export.device, export.kv_cache)[:nbytes].view(dtype).view(export.kv_shape)
+                cache = map_storage(here, export.kv_cache)[:nbytes].view(dtype).view(export.kv_shape)
         except RuntimeError as e:
             raise TransportError(f"rank {self.rank} could not map rank {export.rank}'s memory: {e}") from e
         self._peers[export.rank] = _Peer(export, staging, events, cache, torch.cuda.Stream(self.device))
@@ -437,10 +450,10 @@ class CudaIpcTransport:
             raise TransportError(f"rank {peer} shares no KV cache with rank {self.rank}: pulls need one")
         if self.kv_cache is None:
             raise TransportError(f"rank {self.rank} has no KV cache to pull into")
-        check_blocks(source.cache, src_ids, self.kv_cache, dst_ids)
         if not source.alive():  # a dead process's memory is never read
             raise TransportError(f"rank {peer} (pid {source.pid}) is gone")
         with torch.cuda.device(self.device):
+            # copy_blocks validates the ids (ValueError) before it launches anything.
             copy_blocks(source.cache, src_ids, self.kv_cache, dst_ids, use_kernel=self.use_kernels)
             copied = torch.cuda.Event()
             copied.record()
