@@ -18,10 +18,11 @@ turns within every repetition, the paths their kind offers:
   no payload); from the destination's synchronized start to the copy's completion seen
   by the host (polled without pauses, so the figure is the data path's, not a polling
   policy's);
-- ``pack``: the sender packs random block ids of its cache (``pack_kv``), sends the
-  payload, the receiver receives it and unpacks it into other block ids; from just before
-  the pack to just after the unpack has completed (cuda_ipc: through the staging buffer;
-  nccl: ``NcclTransport``);
+- ``pack``: the sender packs random block ids of its cache and sends them, the receiver
+  receives them and unpacks them into other block ids, in layer chunks that overlap
+  (``lmpool.transfer.chunked``, as the pool's executor does); from just before the first
+  pack to just after the last unpack has completed (cuda_ipc: through the staging
+  buffer; nccl: ``NcclTransport``);
 - ``raw``: the same bytes sent from a ready payload into a ready buffer, no pack, no
   unpack (nccl: a plain ``torch.distributed`` process group's send/recv).
 
@@ -71,6 +72,7 @@ import torch
 from lmpool.model.make_model import DEFAULT_DTYPE, PRESETS
 from lmpool.ops import get_backend
 from lmpool.transfer import Rendezvous, make_transport
+from lmpool.transfer.chunked import BlockReceiver, chunk_tag, send_blocks
 from lmpool.transfer.messages import CudaIpcExport
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -196,6 +198,9 @@ class Worker:
         self.paths = [p for p in ("pull", "pack", "raw") if p != "pull" or self.ipc is not None]
         self.tag = 0
         self.go = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # Per pull (warm-up included): [host seconds inside pull(), GPU seconds from its
+        # start until the copy completed], to tell host overhead from the copy itself.
+        self.pull_detail: dict[str, list[list[float]]] = {}
 
     def _exchange_exports(self) -> None:
         # The benchmark is its own control plane: exports travel through the rendezvous.
@@ -248,31 +253,41 @@ class Worker:
             if self.rank == src:  # the source takes no part: its blocks are simply there
                 return None, None, fingerprint(self.ops.pack_kv(self.cache, mine)) if check else None
             src_ids, dst_ids = theirs.tolist(), mine.tolist()  # the host lists a pull is given
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.sync()
+            began.record()  # the stream is idle: this fires at once, with t0
             t0 = time.monotonic()
-            spin(self.ipc.pull(self.peer, src_ids, dst_ids))
+            handle = self.ipc.pull(self.peer, src_ids, dst_ids)
+            launched = time.monotonic()
+            ended.record()  # after the copy
+            spin(handle)
             self.sync()
             t1 = time.monotonic()
+            self.pull_detail.setdefault(f"pull/{src}->{1 - src}/{len(dst_ids)}", []).append(
+                [launched - t0, began.elapsed_time(ended) / 1e3])
             return t0, t1, fingerprint(self.ops.pack_kv(self.cache, mine)) if check else None
         if self.kind == "nccl" and path == "raw":
             return self.one_raw_nccl(src, ready, check)
-        self.tag += 2
+        self.tag += 1
+        go_tag, plan = 2 * self.tag, 2 * self.tag + 1  # distinct from every chunk tag (chunk_tag)
         if self.rank == src:
-            self.wait(self.packed.recv(self.peer, self.go, self.tag))
+            self.wait(self.packed.recv(self.peer, self.go, chunk_tag(go_tag, 0)))
             self.sync()
             t0 = time.monotonic()
-            payload = self.ops.pack_kv(self.cache, mine) if path == "pack" else ready
-            self.wait(self.packed.send(self.peer, payload, self.tag + 1))
-            return t0, None, fingerprint(payload) if check else None
-        buf = out if path == "pack" else ready
-        receiving = self.packed.recv(self.peer, buf, self.tag + 1)
-        self.wait(self.packed.send(self.peer, self.go, self.tag))
-        self.wait(receiving)
+            if path == "pack":  # what the pool's executor does: chunks that overlap
+                self.wait(send_blocks(self.packed, self.peer, self.ops, self.cache, mine, plan))
+            else:
+                self.wait(self.packed.send(self.peer, ready, chunk_tag(plan, 0)))
+            return t0, None, fingerprint(self.ops.pack_kv(self.cache, mine) if path == "pack" else ready) if check else None
         if path == "pack":
-            self.ops.unpack_kv(self.cache, mine, buf)
+            receiving = BlockReceiver(self.packed, self.peer, self.ops, self.cache, mine, plan)
+        else:
+            receiving = self.packed.recv(self.peer, ready, chunk_tag(plan, 0))
+        self.wait(self.packed.send(self.peer, self.go, chunk_tag(go_tag, 0)))
+        self.wait(receiving)
         self.sync()
         t1 = time.monotonic()
-        return None, t1, fingerprint(self.ops.pack_kv(self.cache, mine) if path == "pack" else buf) if check else None
+        return None, t1, fingerprint(self.ops.pack_kv(self.cache, mine) if path == "pack" else ready) if check else None
 
     def one_raw_nccl(self, src: int, ready, check: bool):
         """``raw`` between two GPUs: a plain process group's send/recv. One communicator
@@ -325,6 +340,7 @@ def worker_main(args) -> None:
     worker = Worker(args)
     result = worker.run(args)
     result["paths"] = worker.paths
+    result["pull_detail"] = worker.pull_detail
     if worker.rank == 0:
         result["copy_s"] = worker.copy_seconds(args.sizes)
     worker.close()
@@ -384,6 +400,11 @@ def summarize(args, results: list[dict]) -> tuple[dict, list[str]]:
         point = {"p50_s": p50, "p95_s": percentile(latencies, 0.95), "bytes": nbytes,
                  "GBps_p50": round(nbytes / p50 / 1e9, 3), "copy_fraction_p50": round(copy_s[n] / p50, 4),
                  "bytes_equal": results[src]["checks"][key] == results[1 - src]["checks"][key]}
+        detail = results[1 - src].get("pull_detail", {}).get(key)
+        if detail:  # the pull's breakdown, over the timed repetitions
+            timed = detail[args.warmup:]
+            point["host_launch_p50_s"] = percentile(sorted(d[0] for d in timed), 0.5)
+            point["gpu_p50_s"] = percentile(sorted(d[1] for d in timed), 0.5)
         if not point["bytes_equal"]:
             wrong.append(key)
         profile["paths"].setdefault(path, {}).setdefault(pair, {})[n] = point
@@ -414,7 +435,9 @@ def report(profile: dict) -> None:
             for n, point in points.items():
                 print(f"{path:>5} {pair:>5} {n:>6} {point['bytes'] / 2**20:>9.2f} {point['p50_s'] * 1e3:>9.3f} "
                       f"{point['p95_s'] * 1e3:>9.3f} {point['GBps_p50']:>9.2f} {point['copy_fraction_p50']:>8.2%} "
-                      f"{'equal' if point['bytes_equal'] else 'DIFFER':>6}")
+                      f"{'equal' if point['bytes_equal'] else 'DIFFER':>6}"
+                      + (f"  (inside pull() {point['host_launch_p50_s'] * 1e3:.3f} ms, GPU "
+                         f"{point['gpu_p50_s'] * 1e3:.3f} ms)" if "gpu_p50_s" in point else ""))
     for pair, points in profile.get("nccl_ratios", {}).items():
         for n, ratios in points.items():
             print(f"nccl {pair} {n} blocks: " + ", ".join(f"{k} {v:.2%}" for k, v in ratios.items()))

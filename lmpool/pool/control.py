@@ -206,7 +206,8 @@ class ControlPlane:
         self.policies.plan_ended(plan)
         waiter = self.plan_waiters.pop(plan.plan_id, None)
         if waiter is not None and not waiter.done():
-            waiter.set_result(TransferResult(plan.plan_id, plan.state.value, plan.abort_reason))
+            waiter.set_result(TransferResult(plan.plan_id, plan.state.value, plan.abort_reason,
+                                             self.coordinator.clock() - plan.started))
 
     async def transfer_chain(self, request: TransferChain) -> TransferResult:
         for rank in (request.src, request.dst):

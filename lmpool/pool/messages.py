@@ -296,6 +296,7 @@ class TransferResult(Message, tag="transfer_result"):
     plan_id: int
     state: str  # "done" or "aborted"
     reason: str = ""
+    seconds: float = 0.0  # from the plan's prepare to its end, on the control process's clock
 
 
 class BlockDigests(Message, tag="block_digests"):

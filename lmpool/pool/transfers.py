@@ -9,9 +9,10 @@ each peer:
   straight out of the source's mapped cache into its reserved blocks, one kernel
   (``CudaIpcTransport.pull``). The source does nothing at execute time.
 - **packed** (CPU replicas over gloo; CUDA replicas without peer access over NCCL): the
-  source packs its blocks of every layer into one ``[layers, 2, B, block_size, kv_heads,
-  head_dim]`` payload and sends it once; the destination receives it into a buffer and
-  only then scatters it into its reserved blocks.
+  source packs its blocks into ``[layers, 2, B, block_size, kv_heads, head_dim]`` payloads
+  cut along layers (``lmpool.transfer.chunked``: packing, the wire and unpacking overlap);
+  the destination receives each chunk into a buffer and only then scatters it into its
+  reserved blocks.
 
 Setting up a pair: the control plane sends both ends ``TransferOrder(kind="connect",
 peer, session)``. CPU replicas connect gloo. A CUDA replica answers with its
@@ -58,7 +59,8 @@ from lmpool.engine.block_manager import StaleBlockError
 from lmpool.engine.core import EngineCore
 from lmpool.pool.messages import TransferAck, TransferOrder
 from lmpool.pool.spec import WorkerSpec
-from lmpool.transfer import GlooTransport, TransportError, kind_for_devices, plan_tag
+from lmpool.transfer import GlooTransport, TransportError, kind_for_devices
+from lmpool.transfer.chunked import BlockReceiver, send_blocks
 from lmpool.transfer.faults import FaultPlan, InjectedFault
 from lmpool.transfer.messages import CudaIpcExport
 from lmpool.transfer.transactions import StalePlanError, TransferParticipant
@@ -298,8 +300,8 @@ class TransferExecutor:
             self.participant.executed(order.plan_id)
             return self._ack(order)
         runner = self.core.runner
-        payload = runner.ops.pack_kv(runner.kv_cache, torch.tensor(plan.block_ids, device=self.device))
-        handle = self.packed.send(order.peer, payload, plan_tag(order.plan_id))
+        handle = send_blocks(self.packed, order.peer, runner.ops, runner.kv_cache,
+                             torch.tensor(plan.block_ids, device=self.device), order.plan_id)
         self._pend(_Pending(order, handle, lambda: self._executed(order)))
         return None
 
@@ -316,20 +318,18 @@ class TransferExecutor:
             handle = self.ipc.pull(order.peer, order.peer_block_ids, plan.block_ids)
             self._pend(_Pending(order, handle, lambda: self._executed(order)))
             return None
-        cache = self.core.runner.kv_cache
-        shape = (cache.shape[0], 2, len(plan.block_ids), *cache.shape[3:])
-        buffer = torch.empty(shape, dtype=cache.dtype, device=self.device)
-        handle = self.packed.recv(order.peer, buffer, plan_tag(order.plan_id))
-        self._pend(_Pending(order, handle, lambda: self._executed(order, buffer)))
+        runner = self.core.runner
+        # Chunks are unpacked as they arrive, only while the plan is open: bytes of a plan
+        # aborted meanwhile are dropped, never written into blocks it no longer reserves.
+        handle = BlockReceiver(self.packed, order.peer, runner.ops, runner.kv_cache,
+                               torch.tensor(plan.block_ids, device=self.device), order.plan_id,
+                               wanted=lambda: order.plan_id in self.participant.plans)
+        self._pend(_Pending(order, handle, lambda: self._executed(order)))
         return None
 
-    def _executed(self, order: TransferOrder, buffer: torch.Tensor | None = None) -> TransferAck:
-        plan = self.participant.plans.get(order.plan_id)
-        if plan is None:  # aborted while the bytes moved: leave the cache alone
+    def _executed(self, order: TransferOrder) -> TransferAck:
+        if order.plan_id not in self.participant.plans:  # aborted while the bytes moved
             return self._ack(order, ok=False, error=f"plan {order.plan_id} ended before its bytes arrived")
-        if buffer is not None:
-            runner = self.core.runner
-            runner.ops.unpack_kv(runner.kv_cache, torch.tensor(plan.block_ids, device=self.device), buffer)
         self.participant.executed(order.plan_id)
         return self._ack(order)
 

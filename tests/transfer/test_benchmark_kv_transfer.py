@@ -108,8 +108,11 @@ def test_pool_mode_on_cpu_replicas_times_byte_equal_moves(tmp_path):
                           "--block-size", "16", "--sizes", "1,2", "--reps", "3", "--warmup", "1", "--json", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    pool = json.loads(out.read_text())["pool"]
-    assert set(pool) == {"0->1", "1->0"}
-    for points in pool.values():
-        assert set(points) == {"1", "2"}
+    result = json.loads(out.read_text())
+    pool, plan = result["pool"], result["pool_plan"]
+    assert set(pool) == set(plan) == {"0->1", "1->0"}
+    for pair, points in pool.items():
+        assert set(points) == set(plan[pair]) == {"1", "2"}
         assert all(p["bytes_equal"] and 0 < p["p50_s"] <= p["p95_s"] for p in points.values())
+        # prepare -> finalize lies inside the request's span
+        assert all(0 < plan[pair][n]["p50_s"] < p["p50_s"] for n, p in points.items())

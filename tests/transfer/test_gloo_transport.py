@@ -148,18 +148,6 @@ def test_killed_peer_fails_the_survivor_fast_and_a_restarted_peer_reconnects(ren
 # ---- in one process ------------------------------------------------------------------
 
 
-@pytest.fixture
-def pair(rendezvous):
-    """Ranks 0 and 1 of a two-rank pool, connected under session 1."""
-    a = GlooTransport(rendezvous, 0, 2, timeout_s=10)
-    b = GlooTransport(rendezvous, 1, 2, timeout_s=10)
-    for h in (a.connect(1, 1), b.connect(0, 1)):
-        h.wait(10)
-    yield a, b
-    a.close()
-    b.close()
-
-
 def test_transfer_started_before_the_connection_is_up(rendezvous):
     a = GlooTransport(rendezvous, 0, 2)
     b = GlooTransport(rendezvous, 1, 2)

@@ -1,0 +1,140 @@
+"""A packed KV transfer in layer chunks, so that packing, the wire and unpacking overlap.
+
+A packed transfer of B blocks moves ``[layers, 2, B, block_size, kv_heads, head_dim]``.
+Sent whole, its time is pack + send + unpack, one after the other. Cut along layers
+into k chunks, the sender packs chunk i+1 while chunk i is on the wire and the receiver
+unpacks chunk i while chunk i+1 arrives, so the time approaches the wire's plus one
+chunk's pack and unpack.
+
+- ``layer_chunks`` cuts the layers the same way on both ends: from the payload's size
+  alone (chunks of at least ``CHUNK_BYTES``, at most ``MAX_CHUNKS``), so sender and
+  receiver always agree on the number and the sizes of the messages.
+- ``send_blocks`` packs and sends every chunk at once (all asynchronous: on a GPU each
+  pack is queued on the caller's current stream and each send waits for its pack).
+- ``BlockReceiver`` posts every chunk's receive at once, then, each time it is polled,
+  unpacks (on the caller's current stream) the chunks that have arrived, in order.
+
+Invariants:
+- chunk i of a plan carries tag ``chunk_tag(plan_id, i)``; transports that ignore tags
+  (NCCL) rely on the chunks of one plan being started back to back, in order, on both ends.
+- a chunk is unpacked only after its receive completed, as seen from the host, and only
+  while ``wanted()`` is true (the plan is still open): bytes of a plan that ended are
+  received and dropped, never written into blocks that may already be someone else's.
+- a failed chunk ends the whole transfer with that chunk's error; chunks already unpacked
+  stay written (into blocks the plan reserved: an abort frees them, stream-ordered after).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from lmpool.transfer.transport import TransferTimeout, TransportError, plan_tag
+
+# Below ~16 MiB a chunk's wire time (tens of microseconds over NVLink) is no longer than
+# the host's cost of queueing its pack and its send: smaller chunks would make the
+# transfer host-bound instead of overlapping it.
+CHUNK_BYTES = 16 << 20
+MAX_CHUNKS = 8
+
+
+def layer_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """``[(first_layer, end_layer), ...]`` covering ``range(layers)`` in near-equal parts."""
+    if layers < 1:
+        raise ValueError(f"a payload has at least one layer, got {layers}")
+    k = max(1, min(MAX_CHUNKS, layers, payload_bytes // max(1, chunk_bytes)))
+    bounds = [round(i * layers / k) for i in range(k + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(k)]
+
+
+def chunk_tag(plan_id: int, index: int) -> int:
+    """The tag of chunk ``index`` of a plan's payload (distinct for the plans in flight)."""
+    return plan_tag(plan_id * MAX_CHUNKS + index)
+
+
+def payload_bytes(cache: torch.Tensor, num_blocks: int) -> int:
+    return cache[:, :, :1].numel() * num_blocks * cache.element_size()
+
+
+class _Chunks:
+    """What the two ends share: every chunk's transport handle, polled in order."""
+
+    what: str
+    error: str | None
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pause = 50e-6
+        while not self.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"{self.what} did not complete within {timeout}s")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 2e-3)
+        if self.error is not None:
+            raise TransportError(f"{self.what} failed: {self.error}")
+
+    @staticmethod
+    def _failure(handle) -> str | None:
+        """The error of a handle that is done (None: it succeeded)."""
+        try:
+            handle.wait(0)
+        except (TransportError, TransferTimeout, RuntimeError) as e:
+            return str(e)
+        return None
+
+
+class BlockSender(_Chunks):
+    def __init__(self, handles: list, what: str) -> None:
+        self.what, self.error = what, None
+        self._handles = handles
+
+    def done(self) -> bool:
+        while self._handles and self.error is None:
+            if not self._handles[0].done():
+                return False
+            self.error = self._failure(self._handles.pop(0))
+        return True
+
+
+def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
+                chunk_bytes: int = CHUNK_BYTES) -> BlockSender:
+    """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks."""
+    handles = []
+    for i, (first, end) in enumerate(layer_chunks(cache.shape[0], payload_bytes(cache, len(block_ids)), chunk_bytes)):
+        payload = ops.pack_kv(cache[first:end], block_ids)
+        handles.append(transport.send(peer, payload, chunk_tag(plan_id, i)))
+    return BlockSender(handles, f"send of {len(block_ids)} blocks to rank {peer} (plan {plan_id})")
+
+
+class BlockReceiver(_Chunks):
+    """Receive ``block_ids``' blocks of every layer from ``peer`` into ``cache``, in chunks."""
+
+    def __init__(self, transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
+                 wanted: Callable[[], bool] = lambda: True, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
+        self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
+        self._pending: list[tuple[int, int, torch.Tensor, object]] = []
+        for i, (first, end) in enumerate(layer_chunks(cache.shape[0], payload_bytes(cache, len(block_ids)),
+                                                      chunk_bytes)):
+            buffer = torch.empty((end - first, 2, len(block_ids), *cache.shape[3:]), dtype=cache.dtype,
+                                 device=cache.device)
+            self._pending.append((first, end, buffer, transport.recv(peer, buffer, chunk_tag(plan_id, i))))
+        self.unpacked = 0  # chunks written into the cache
+
+    def done(self) -> bool:
+        while self._pending and self.error is None:
+            first, end, buffer, handle = self._pending[0]
+            if not handle.done():
+                return False
+            self._pending.pop(0)
+            self.error = self._failure(handle)
+            if self.error is None and self._wanted():
+                self._ops.unpack_kv(self._cache[first:end], self._ids, buffer)
+                self.unpacked += 1
+        return True

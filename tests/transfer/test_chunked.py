@@ -1,0 +1,84 @@
+"""Packed transfers in layer chunks (``lmpool/transfer/chunked.py``) over a gloo pair in one
+process: both ends cut alike, bytes arrive exact, a plan that ended drops its bytes, a
+failed chunk fails the transfer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmpool.ops import reference
+from lmpool.transfer import TransportError
+from lmpool.transfer.chunked import MAX_CHUNKS, BlockReceiver, chunk_tag, layer_chunks, payload_bytes, send_blocks
+from transfer_testkit import block_ids, make_cache
+
+WAIT_S = 10
+
+
+@given(layers=st.integers(1, 96), nbytes=st.integers(0, 1 << 30), chunk=st.integers(1, 1 << 26))
+def test_layer_chunks_cover_every_layer_once_in_near_equal_parts(layers, nbytes, chunk):
+    parts = layer_chunks(layers, nbytes, chunk)
+    assert parts[0][0] == 0 and parts[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    sizes = [end - first for first, end in parts]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    assert len(parts) <= MAX_CHUNKS
+    assert len(parts) == 1 or nbytes // len(parts) >= chunk  # no chunk under the floor
+
+
+def test_chunk_tags_differ_between_chunks_and_plans():
+    tags = {chunk_tag(plan, i) for plan in range(50) for i in range(MAX_CHUNKS)}
+    assert len(tags) == 50 * MAX_CHUNKS
+
+
+def test_layer_chunks_refuse_an_empty_payload():
+    with pytest.raises(ValueError, match="at least one layer"):
+        layer_chunks(0, 100)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 10**9], ids=["one-chunk-per-layer-group", "whole"])
+def test_chunked_blocks_arrive_byte_equal(pair, chunk_bytes):
+    a, b = pair
+    src, dst = make_cache(0), make_cache(1)
+    expected = dst.clone()
+    src_ids, dst_ids = block_ids(3, 5)
+    reference.unpack_kv(expected, dst_ids, reference.pack_kv(src, src_ids))
+    receiving = BlockReceiver(b, 0, reference, dst, dst_ids, plan_id=7, chunk_bytes=chunk_bytes)
+    sending = send_blocks(a, 1, reference, src, src_ids, plan_id=7, chunk_bytes=chunk_bytes)
+    receiving.wait(WAIT_S)
+    sending.wait(WAIT_S)
+    chunks = len(layer_chunks(src.shape[0], payload_bytes(src, 5), chunk_bytes))
+    assert receiving.unpacked == chunks and chunks == (1 if chunk_bytes > 1 else min(MAX_CHUNKS, src.shape[0]))
+    assert torch.equal(dst, expected)
+
+
+def test_bytes_of_a_plan_that_ended_are_dropped(pair):
+    a, b = pair
+    src, dst = make_cache(0), make_cache(1)
+    before = dst.clone()
+    src_ids, dst_ids = block_ids(4, 3)
+    open_plans = {9}
+    receiving = BlockReceiver(b, 0, reference, dst, dst_ids, plan_id=9, wanted=lambda: 9 in open_plans,
+                              chunk_bytes=1)
+    open_plans.clear()  # aborted while the bytes are on the wire
+    send_blocks(a, 1, reference, src, src_ids, plan_id=9, chunk_bytes=1).wait(WAIT_S)
+    receiving.wait(WAIT_S)
+    assert receiving.unpacked == 0 and torch.equal(dst, before)
+
+
+def test_a_failed_chunk_fails_the_transfer(pair):
+    """The sender's chunks are larger than the receiver expects: gloo's size check fails the
+    first chunk, and the receive reports it instead of unpacking."""
+    a, b = pair
+    src = make_cache(0)
+    small = make_cache(1)[:, :, :, :2].contiguous()  # blocks of 2 tokens instead of the sender's
+    src_ids, dst_ids = block_ids(5, 2)
+    receiving = BlockReceiver(b, 0, reference, small, dst_ids, plan_id=11)
+    sending = send_blocks(a, 1, reference, src, src_ids, plan_id=11)
+    with pytest.raises(TransportError, match="receive of 2 blocks from rank 0 \\(plan 11\\) failed"):
+        receiving.wait(WAIT_S)
+    assert receiving.unpacked == 0
+    with pytest.raises(TransportError):
+        sending.wait(WAIT_S)
