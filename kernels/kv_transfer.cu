@@ -4,7 +4,8 @@
 // written once into the destination cache; no packed payload is materialised.
 //
 // Invariants: dtype-agnostic and byte-exact (both caches share one dtype);
-// ids come from device tensors and are bounds-checked on the device, so a bad
+// ids come in the kernel's parameters (read through the constant cache, the
+// same id for the whole CTA) and are bounds-checked on the device too, so a bad
 // id skips its block instead of touching memory outside either cache.
 #include "kv_transfer.h"
 
@@ -19,19 +20,17 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int64_t kTile = kThreads * kUnroll;  // 16-byte vectors per CTA
 
-template <typename Idx>
 __global__ void __launch_bounds__(kThreads)
     copy_blocks_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
-                       const Idx* __restrict__ src_ids, const Idx* __restrict__ dst_ids,
-                       int64_t src_num_blocks, int64_t dst_num_blocks, int64_t num_ids,
-                       int64_t block_vecs, int64_t tiles) {
+                       const __grid_constant__ BlockPairs pairs, int64_t src_num_blocks,
+                       int64_t dst_num_blocks, int64_t num_ids, int64_t block_vecs, int64_t tiles) {
   const int64_t work = blockIdx.x;
   const int64_t tile = work % tiles;
   const int64_t pair = work / tiles;  // plane * num_ids + i
   const int64_t plane = pair / num_ids;
   const int64_t i = pair % num_ids;
-  const int64_t s = static_cast<int64_t>(src_ids[i]);
-  const int64_t d = static_cast<int64_t>(dst_ids[i]);
+  const int64_t s = pairs.src[i];
+  const int64_t d = pairs.dst[i];
   if (s < 0 || s >= src_num_blocks || d < 0 || d >= dst_num_blocks) return;
   const uint4* from = src + (plane * src_num_blocks + s) * block_vecs;
   uint4* to = dst + (plane * dst_num_blocks + d) * block_vecs;
@@ -58,23 +57,16 @@ int64_t copy_blocks_ctas(const CopyBlocksArgs& a) {
   return a.planes * a.num_ids * tiles;
 }
 
-cudaError_t launch_copy_blocks(const CopyBlocksArgs& a, cudaStream_t stream) {
+cudaError_t launch_copy_blocks(const CopyBlocksArgs& a, const BlockPairs& pairs, cudaStream_t stream) {
   if (a.num_ids == 0 || a.planes == 0) return cudaSuccess;
+  if (a.num_ids > kMaxPairs) return cudaErrorInvalidValue;  // the host splits larger copies
   const int64_t block_vecs = a.block_bytes / 16;
   const int64_t tiles = (block_vecs + kTile - 1) / kTile;
   const int64_t ctas = copy_blocks_ctas(a);
   if (ctas > 0x7fffffffLL) return cudaErrorInvalidConfiguration;  // the host checks this first
-  const uint4* src = static_cast<const uint4*>(a.src_cache);
-  uint4* dst = static_cast<uint4*>(a.dst_cache);
-  const unsigned grid = static_cast<unsigned>(ctas);
-  if (a.ids_int64)
-    copy_blocks_kernel<int64_t><<<grid, kThreads, 0, stream>>>(
-        src, dst, static_cast<const int64_t*>(a.src_ids), static_cast<const int64_t*>(a.dst_ids),
-        a.src_num_blocks, a.dst_num_blocks, a.num_ids, block_vecs, tiles);
-  else
-    copy_blocks_kernel<int32_t><<<grid, kThreads, 0, stream>>>(
-        src, dst, static_cast<const int32_t*>(a.src_ids), static_cast<const int32_t*>(a.dst_ids),
-        a.src_num_blocks, a.dst_num_blocks, a.num_ids, block_vecs, tiles);
+  copy_blocks_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
+      static_cast<const uint4*>(a.src_cache), static_cast<uint4*>(a.dst_cache), pairs,
+      a.src_num_blocks, a.dst_num_blocks, a.num_ids, block_vecs, tiles);
   return cudaGetLastError();
 }
 

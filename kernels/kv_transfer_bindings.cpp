@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <climits>
 #include <string>
 #include <vector>
@@ -42,25 +43,20 @@ void check_cache(const at::Tensor& cache, const char* name) {
               "'s data must be 16-byte aligned for vector access");
 }
 
-void check_ids(const at::Tensor& ids, const char* name, const at::Device& device) {
-  TORCH_CHECK(ids.is_cuda() && ids.device() == device, name, " must be on ", device.str(),
-              " (the destination cache's device), got ", ids.device().str());
-  TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, name,
-              " must be int32 or int64, got ", c10::toString(ids.scalar_type()));
-  TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous(), name,
-              " must be a contiguous 1-D tensor, got shape ", shape(ids.sizes()));
+void check_ids(const std::vector<int64_t>& ids, const char* name, int64_t num_blocks) {
+  for (const int64_t id : ids) {
+    TORCH_CHECK(id >= 0 && id < num_blocks, name, " holds block id ", num(id), ", outside [0, ",
+                num(num_blocks), ")");
+  }
 }
 
-void copy_blocks(const at::Tensor& src_cache, const at::Tensor& src_ids, const at::Tensor& dst_cache,
-                 const at::Tensor& dst_ids) {
+void copy_blocks(const at::Tensor& src_cache, const std::vector<int64_t>& src_ids, const at::Tensor& dst_cache,
+                 const std::vector<int64_t>& dst_ids) {
   check_cache(src_cache, "src_cache");
   check_cache(dst_cache, "dst_cache");
   const at::Device device = dst_cache.device();
-  check_ids(src_ids, "src_ids", device);
-  check_ids(dst_ids, "dst_ids", device);
-  TORCH_CHECK(src_ids.scalar_type() == dst_ids.scalar_type(), "src_ids and dst_ids must share a dtype");
-  TORCH_CHECK(src_ids.size(0) == dst_ids.size(0), "src_ids has ", num(src_ids.size(0)),
-              " ids but dst_ids has ", num(dst_ids.size(0)));
+  TORCH_CHECK(src_ids.size() == dst_ids.size(), "src_ids has ", num(src_ids.size()),
+              " ids but dst_ids has ", num(dst_ids.size()));
   TORCH_CHECK(src_cache.scalar_type() == dst_cache.scalar_type(), "src_cache is ",
               c10::toString(src_cache.scalar_type()), " but dst_cache is ",
               c10::toString(dst_cache.scalar_type()));
@@ -69,6 +65,8 @@ void copy_blocks(const at::Tensor& src_cache, const at::Tensor& src_ids, const a
                 "the caches differ in more than num_blocks: src_cache ", shape(src_cache.sizes()),
                 ", dst_cache ", shape(dst_cache.sizes()));
   }
+  check_ids(src_ids, "src_ids", src_cache.size(2));
+  check_ids(dst_ids, "dst_ids", dst_cache.size(2));
   const int64_t block_bytes =
       dst_cache.size(3) * dst_cache.size(4) * dst_cache.size(5) * dst_cache.element_size();
   TORCH_CHECK(block_bytes % 16 == 0, "copy_blocks copies 16-byte vectors, but one block of one layer is ",
@@ -82,19 +80,26 @@ void copy_blocks(const at::Tensor& src_cache, const at::Tensor& src_ids, const a
   CopyBlocksArgs a{};
   a.src_cache = src_cache.data_ptr();
   a.dst_cache = dst_cache.data_ptr();
-  a.src_ids = src_ids.data_ptr();
-  a.dst_ids = dst_ids.data_ptr();
-  a.ids_int64 = src_ids.scalar_type() == at::kLong;
   a.planes = dst_cache.size(0) * 2;
   a.src_num_blocks = src_cache.size(2);
   a.dst_num_blocks = dst_cache.size(2);
-  a.num_ids = dst_ids.size(0);
   a.block_bytes = block_bytes;
-  TORCH_CHECK(copy_blocks_ctas(a) < INT_MAX, "copy_blocks: too many blocks in one call (",
-              num(a.num_ids), ")");
   const c10::cuda::CUDAGuard guard(device);
-  const cudaError_t err = launch_copy_blocks(a, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "copy_blocks: kernel launch failed: ", cudaGetErrorString(err));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int64_t n = static_cast<int64_t>(dst_ids.size());
+  // Launches of at most kMaxPairs pairs, the ids in each launch's parameters.
+  for (int64_t first = 0; first < n; first += kMaxPairs) {
+    BlockPairs pairs{};
+    a.num_ids = std::min<int64_t>(kMaxPairs, n - first);
+    for (int64_t i = 0; i < a.num_ids; ++i) {
+      pairs.src[i] = static_cast<int32_t>(src_ids[first + i]);
+      pairs.dst[i] = static_cast<int32_t>(dst_ids[first + i]);
+    }
+    TORCH_CHECK(copy_blocks_ctas(a) < INT_MAX, "copy_blocks: a launch of ", num(a.num_ids),
+                " blocks needs too many CTAs");
+    const cudaError_t err = launch_copy_blocks(a, pairs, stream);
+    TORCH_CHECK(err == cudaSuccess, "copy_blocks: kernel launch failed: ", cudaGetErrorString(err));
+  }
 }
 
 }  // namespace
@@ -105,5 +110,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "LMPool KV-transfer kernel (layout: lmpool/ops/reference.py)";
   m.def("copy_blocks", &lmpool::copy_blocks, py::arg("src_cache"), py::arg("src_ids"),
         py::arg("dst_cache"), py::arg("dst_ids"),
-        "dst_cache[:, :, dst_ids] = src_cache[:, :, src_ids], one kernel on dst_cache's device.");
+        "dst_cache[:, :, dst_ids] = src_cache[:, :, src_ids] on dst_cache's device; the ids are host "
+        "lists, carried in the kernels' parameters.");
 }

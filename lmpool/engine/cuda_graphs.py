@@ -55,12 +55,15 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
+        # A capture stream of this device: torch's default one is made once per process, on
+        # whatever device was current then, and capturing on another device's stream fails.
+        capture_stream = torch.cuda.Stream(dev)
         for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             meta = self._meta(b)
             args = (self.header[0, :b], self.header[1, :b], meta, runner.kv_cache, runner.ops)
             runner.model(*args)  # warm-up outside capture (lazy initialisation, autotuning)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                 self.outputs[b] = runner.model(*args)
             pool = graph.pool()
             self.graphs[b] = graph

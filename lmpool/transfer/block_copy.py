@@ -10,7 +10,9 @@ may be another process's (mapped through CUDA IPC) or live on a peer GPU.
 Invariants:
 - both caches have the layout of ``lmpool.ops.reference`` and agree on everything but
   the number of blocks; ids are validated on the host (a clear ``ValueError``) before any
-  launch, and again on the device by the kernel.
+  launch, and again on the device by the kernel. They reach the kernel inside its launch
+  parameters (up to 480 pairs per launch), so a copy costs one launch per 480 blocks and
+  no host-to-device transfer of ids.
 - the copy is enqueued on the destination device's current stream and never waits for
   it, so whatever the caller does next on that stream (reusing the destination blocks
   included) is ordered after it.
@@ -68,11 +70,8 @@ def copy_blocks(src_cache: torch.Tensor, src_ids: list[int], dst_cache: torch.Te
     device = dst_cache.device
     block_bytes = dst_cache[0, 0, 0].nbytes
     if device.type == "cuda" and use_kernel and block_bytes % 16 == 0:  # the kernel moves 16-byte vectors
-        # Pinned, so the copy to the device is asynchronous: a plain one would wait for
-        # everything already queued on the stream (the caching host allocator keeps the
-        # page until the copy is done).
-        ids = torch.tensor([src_ids, dst_ids], dtype=torch.int32).pin_memory().to(device, non_blocking=True)
-        load_extension().copy_blocks(src_cache, ids[0], dst_cache, ids[1])
+        # The ids ride in the kernel's parameters: no id tensor, no copy to the device.
+        load_extension().copy_blocks(src_cache, src_ids, dst_cache, dst_ids)
         return
     # The reference: an index gather (materialised) then a scatter; correct on any device.
     gathered = src_cache[:, :, torch.tensor(src_ids, device=src_cache.device)]

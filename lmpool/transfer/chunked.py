@@ -37,7 +37,7 @@ from lmpool.transfer.transport import TransferTimeout, TransportError, plan_tag
 # the host's cost of queueing its pack and its send: smaller chunks would make the
 # transfer host-bound instead of overlapping it.
 CHUNK_BYTES = 16 << 20
-MAX_CHUNKS = 8
+MAX_CHUNKS = 16
 
 
 def layer_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
