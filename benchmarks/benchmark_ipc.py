@@ -19,7 +19,6 @@ event loop with their blocking calls.
 """
 
 import argparse
-import asyncio
 import json
 import statistics
 import multiprocessing as mp

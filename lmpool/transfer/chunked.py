@@ -26,12 +26,11 @@ Invariants:
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
 
-from lmpool.transfer.transport import TransferTimeout, TransportError, plan_tag
+from lmpool.transfer.transport import TransferTimeout, TransportError, plan_tag, poll_until
 
 # Below ~16 MiB a chunk's wire time (tens of microseconds over NVLink) is no longer than
 # the host's cost of queueing its pack and its send: smaller chunks would make the
@@ -68,14 +67,8 @@ class _Chunks:
         raise NotImplementedError
 
     def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pause = 50e-6
-        while not self.done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferTimeout(f"{self.what} did not complete within {timeout}s")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 2e-3)
+        if not poll_until(self.done, timeout):
+            raise TransferTimeout(f"{self.what} did not complete within {timeout}s")
         if self.error is not None:
             raise TransportError(f"{self.what} failed: {self.error}")
 

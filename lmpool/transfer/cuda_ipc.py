@@ -61,13 +61,12 @@ import bisect
 import math
 import os
 import secrets
-import time
 
 import torch
 
 from lmpool.transfer.block_copy import copy_blocks, load_extension
 from lmpool.transfer.messages import CudaIpcExport, IpcStorage
-from lmpool.transfer.transport import TransferTimeout, TransportError, as_bytes, check_args, open_store
+from lmpool.transfer.transport import TransferTimeout, TransportError, as_bytes, check_args, open_store, poll_until
 
 ALIGN = 256  # region starts, so that the copy kernels see aligned pointers
 _POLL_S = (20e-6, 1e-3)  # wait() polls from 20 us, backing off to 1 ms
@@ -192,18 +191,9 @@ class _Poller:
         return self._poll()
 
     def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pause = _POLL_S[0]
-        while True:
-            self._transport._progress()
-            if self._poll():
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._expire()
-                raise TransferTimeout(f"{self.what} did not complete within {timeout}s")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, _POLL_S[1])
+        if not poll_until(self.done, timeout, *_POLL_S):
+            self._expire()
+            raise TransferTimeout(f"{self.what} did not complete within {timeout}s")
         if self.error is not None:
             raise TransportError(f"{self.what} failed: {self.error}")
 

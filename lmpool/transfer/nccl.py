@@ -33,12 +33,18 @@ from __future__ import annotations
 import datetime
 import os
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 
-from lmpool.transfer.transport import TransferTimeout, TransportError, check_args, open_store, parse_address
+from lmpool.transfer.transport import (
+    TransferTimeout,
+    TransportError,
+    check_args,
+    open_store,
+    parse_address,
+    poll_until,
+)
 
 
 class NcclHandle:
@@ -64,15 +70,9 @@ class NcclHandle:
         return self._finished
 
     def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pause = 50e-6
-        while not self.done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._pair.abort(f"{self.what} did not complete within {timeout}s")
-                raise TransferTimeout(f"{self.what} did not complete within {timeout}s")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 2e-3)
+        if not poll_until(self.done, timeout):
+            self._pair.abort(f"{self.what} did not complete within {timeout}s")
+            raise TransferTimeout(f"{self.what} did not complete within {timeout}s")
         if self._error is not None:
             raise TransportError(f"{self.what} failed: {self._error}")
 

@@ -30,7 +30,8 @@ chose when the store bound it; workers receive its ``address`` in their spec.
 from __future__ import annotations
 
 import datetime
-from typing import Protocol
+import time
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,22 @@ class KVTransport(Protocol):
     def close(self) -> None:
         """Fail every pending operation and release connections, threads and buffers."""
         ...
+
+
+def poll_until(done: Callable[[], bool], timeout: float, first_pause: float = 50e-6,
+               max_pause: float = 2e-3) -> bool:
+    """Call ``done`` until it returns True (then True) or ``timeout`` seconds have passed
+    (then False), sleeping between calls from ``first_pause``, doubling up to ``max_pause``:
+    a handle that completes within microseconds is seen at once, a long one costs no CPU."""
+    deadline = time.monotonic() + timeout
+    pause = first_pause
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, max_pause)
+    return True
 
 
 def plan_tag(plan_id: int) -> int:
