@@ -9,6 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import benchmark_throughput  # noqa: E402
+import profile_plan_bookkeeping  # noqa: E402
 
 
 def test_throughput_benchmark_writes_json(tiny_model, tmp_path):
@@ -22,3 +23,8 @@ def test_throughput_benchmark_writes_json(tiny_model, tmp_path):
     assert data["transformers"]["output_tok_s"] > 0
     assert data["speedup_vs_transformers"] > 0
     assert data["environment"]["torch"]
+
+
+def test_plan_bookkeeping_moves_a_chain_back_and_forth():
+    """Every move completes (the script raises otherwise) and takes some time."""
+    assert profile_plan_bookkeeping.seconds_per_move(3, block_size=16, reps=4) > 0
