@@ -24,12 +24,9 @@ from lmpool.engine.hashing import ROOT_HASH, chain_hashes
 from lmpool.engine.sequence import Sequence
 from lmpool.pool.messages import TransferAck
 from lmpool.sampling_params import SamplingParams
-from lmpool.transfer.coordinator import PlanState, TransferCoordinator
+from lmpool.transfer.coordinator import ORDER_PHASE, PlanState, TransferCoordinator
 from lmpool.transfer.transactions import TransferParticipant
 
-PHASE = {"prepare_source": PlanState.PREPARING, "prepare_dest": PlanState.PREPARING,
-         "execute_send": PlanState.EXECUTING, "execute_recv": PlanState.EXECUTING,
-         "publish": PlanState.PUBLISHING, "finalize": PlanState.FINALIZING}
 
 
 def seconds_per_move(n: int, block_size: int, reps: int, seed: int = 0) -> float:
@@ -77,7 +74,7 @@ def seconds_per_move(n: int, block_size: int, reps: int, seed: int = 0) -> float
                 part.publish(msg.plan_id, args["hashes"], args["parents"], args["token_ids"])
             elif msg.kind == "finalize":
                 part.finalize(msg.plan_id, args["move"], args.get("num_blocks", 0))
-            coord.on_ack(msg.plan_id, rank, PHASE[msg.kind], True, **result)
+            coord.on_ack(msg.plan_id, rank, ORDER_PHASE[msg.kind], True, **result)
             for r, b in enumerate(bms):
                 gbm.apply_delta(r, 1, b.drain_delta())
         if plan.state is not PlanState.DONE:

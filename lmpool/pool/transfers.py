@@ -61,15 +61,11 @@ from lmpool.pool.messages import TransferAck, TransferOrder
 from lmpool.pool.spec import WorkerSpec
 from lmpool.transfer import GlooTransport, TransportError, kind_for_devices
 from lmpool.transfer.chunked import BlockReceiver, send_blocks
+from lmpool.transfer.coordinator import ORDER_PHASE
 from lmpool.transfer.faults import FaultPlan, InjectedFault
 from lmpool.transfer.messages import CudaIpcExport
 from lmpool.transfer.transactions import StalePlanError, TransferParticipant
 
-PHASE = {
-    "prepare_source": "preparing", "prepare_dest": "preparing",
-    "execute_send": "executing", "execute_recv": "executing",
-    "publish": "publishing", "finalize": "finalizing",
-}
 # A pull of a few blocks takes tens of microseconds: waiting that long right after
 # starting it saves the step loop's next poll (which comes after a pause while idle).
 SETTLE_S = 100e-6
@@ -170,7 +166,7 @@ class TransferExecutor:
             pass
 
     def _ack(self, order: TransferOrder, ok: bool = True, error: str = "", **fields) -> TransferAck:
-        return TransferAck(order.plan_id, self.rank, PHASE.get(order.kind, order.kind), ok, error, **fields)
+        return TransferAck(order.plan_id, self.rank, ORDER_PHASE[order.kind].value if order.kind in ORDER_PHASE else order.kind, ok, error, **fields)
 
     # ---- orders -----------------------------------------------------------------------
 

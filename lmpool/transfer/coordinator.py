@@ -40,6 +40,14 @@ class PlanState(enum.Enum):
     ABORTED = "aborted"
 
 
+# The phase each order belongs to: a worker acknowledges an order under this phase.
+ORDER_PHASE = {
+    "prepare_source": PlanState.PREPARING, "prepare_dest": PlanState.PREPARING,
+    "execute_send": PlanState.EXECUTING, "execute_recv": PlanState.EXECUTING,
+    "publish": PlanState.PUBLISHING, "finalize": PlanState.FINALIZING,
+}
+
+
 @dataclass(frozen=True)
 class PhaseMessage:
     """What a worker is asked to do for a plan (the control rings carry these as structs)."""

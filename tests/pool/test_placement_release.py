@@ -19,23 +19,11 @@ from lmpool.engine.sequence import Sequence
 from lmpool.pool.messages import ReleaseOutcome
 from lmpool.pool.release import ForegroundRelease
 from lmpool.sampling_params import SamplingParams
+from block_testkit import prefill
 
 BLOCK = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=1)
 STEMS = [[1] * 8, [1] * 4 + [2] * 8, [3, 1, 4, 1, 5, 9, 2, 6], [7] * 12]
-
-
-def run(bm: BlockManager, tokens: list[int], name: str) -> Sequence | None:
-    """Prefill ``tokens`` and keep the sequence (None if it does not fit)."""
-    seq = Sequence(name, tokens, PARAMS, BLOCK)
-    hit = bm.match_prefix(seq)
-    if not bm.can_admit(hit, bm.blocks_needed(len(seq)) - len(hit)):
-        return None
-    bm.admit(seq, hit)
-    bm.grow(seq, len(seq))
-    seq.num_computed_tokens = len(seq)
-    bm.commit(seq)
-    return seq
 
 
 class Clock:
@@ -62,7 +50,7 @@ class ReleaseMachine(RuleBasedStateMachine):
     @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(0, 2), max_size=6), keep=st.booleans())
     def sequence(self, stem, tail, keep):
         self.n += 1
-        seq = run(self.bm, stem + tail, f"s{self.n}")
+        seq = prefill(self.bm, stem + tail, f"s{self.n}")
         if seq is not None and keep:
             self.live.append(seq)
         elif seq is not None:
@@ -161,7 +149,7 @@ TestReleaseMachine.settings = settings(max_examples=150, stateful_step_count=50,
 def test_the_scheduler_asks_before_evicting_and_waits_while_told():
     bm = BlockManager(6, BLOCK)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
-    cold = run(bm, [5] * 12 + [6], "cold")
+    cold = prefill(bm, [5] * 12 + [6], "cold")
     bm.free(cold)  # 3 cached blocks, reclaimable
     asked = []
     answer = [True]

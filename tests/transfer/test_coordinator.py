@@ -12,19 +12,12 @@ import pytest
 from lmpool.control.global_block_manager import GlobalBlockManager
 from lmpool.engine.block_manager import BlockManager, StaleBlockError
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.engine.sequence import Sequence
 from lmpool.pool.messages import LoadReport
-from lmpool.sampling_params import SamplingParams
-from lmpool.transfer.coordinator import PhaseMessage, PlanState, TransferCoordinator
+from lmpool.transfer.coordinator import ORDER_PHASE, PhaseMessage, TransferCoordinator
 from lmpool.transfer.transactions import StalePlanError, TransferParticipant
+from block_testkit import prefill
 
 BLOCK = 4
-PARAMS = SamplingParams(temperature=0, max_tokens=1)
-PHASE_OF = {
-    "prepare_source": PlanState.PREPARING, "prepare_dest": PlanState.PREPARING,
-    "execute_send": PlanState.EXECUTING, "execute_recv": PlanState.EXECUTING,
-    "publish": PlanState.PUBLISHING, "finalize": PlanState.FINALIZING,
-}
 
 
 class Clock:
@@ -73,13 +66,8 @@ class Cluster:
     def cache_prefix(self, rank: int) -> None:
         bm = self.bms[rank]
         tokens = [self.rng.randrange(3) for _ in range(self.rng.choice((4, 8, 12)))] + [9]
-        seq = Sequence("s", tokens, PARAMS, BLOCK)
-        hit = bm.match_prefix(seq)
-        if bm.can_admit(hit, bm.blocks_needed(len(seq)) - len(hit)):
-            bm.admit(seq, hit)
-            bm.grow(seq, len(seq))
-            seq.num_computed_tokens = len(seq)
-            bm.commit(seq)
+        seq = prefill(bm, tokens, "s")
+        if seq is not None:
             bm.free(seq)
         self.sync(rank)
 
@@ -106,7 +94,7 @@ class Cluster:
         rank, msg = self.inbox.pop(index)
         part = self.parts[rank]
         args = msg.args
-        phase = PHASE_OF.get(msg.kind)
+        phase = ORDER_PHASE.get(msg.kind)
         try:
             if msg.kind == "prepare_source":
                 plan = part.prepare_source(msg.plan_id, args["hashes"], args["generations"])
@@ -241,11 +229,7 @@ def test_a_partial_move_keeps_its_ancestors_and_counts_copied_and_moved_blocks()
     rest is moved; the source keeps the ancestor and frees the rest."""
     cluster = Cluster(world=2, blocks=16, seed=3)
     bm = cluster.bms[0]
-    seq = Sequence("s", [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 0], PARAMS, BLOCK)
-    bm.admit(seq, [])
-    bm.grow(seq, len(seq))
-    seq.num_computed_tokens = len(seq)
-    bm.commit(seq)
+    seq = prefill(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 0], "s")
     bm.free(seq)
     cluster.sync(0)
     blocks = [bm.blocks[bm.hash_to_block[h]] for h in seq.block_hashes]

@@ -13,27 +13,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from lmpool.engine.block_manager import BlockManager, BlockState, StaleBlockError
 from lmpool.engine.hashing import ROOT_HASH, block_hash
-from lmpool.engine.sequence import Sequence
 from lmpool.sampling_params import SamplingParams
 from lmpool.transfer.transactions import Phase, StalePlanError, TransferParticipant
+from block_testkit import prefill
 
 BLOCK = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=1)
 STEMS = [[1] * 12, [1] * 4 + [2] * 8, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
-
-
-def cache(bm: BlockManager, tokens: list[int], name: str) -> Sequence | None:
-    """Prefill ``tokens`` on ``bm`` and keep the sequence running (None if it does not fit)."""
-    seq = Sequence(name, tokens, PARAMS, BLOCK)
-    hit = bm.match_prefix(seq)
-    fresh = bm.blocks_needed(len(seq)) - len(hit)
-    if not bm.can_admit(hit, fresh):
-        return None
-    bm.admit(seq, hit)
-    bm.grow(seq, len(seq))
-    seq.num_computed_tokens = len(seq)
-    bm.commit(seq)
-    return seq
 
 
 def chain_of(bm: BlockManager, block_id: int) -> list[int]:
@@ -63,7 +49,7 @@ class TransferMachine(RuleBasedStateMachine):
     def run_sequence(self, side, stem, tail, keep):
         self.n += 1
         bm = self.side(side)
-        seq = cache(bm, stem + tail, f"s{self.n}")
+        seq = prefill(bm, stem + tail, f"s{self.n}")
         if seq is None:
             return
         if keep:
