@@ -250,25 +250,25 @@ def test_gate_decisions_are_logged_with_both_figures(caplog):
 
 
 def test_chains_to_one_pair_coalesce_up_to_the_batch_cap_each_block_once():
-    w = World(max_blocks=2, batch_max=5)
     stem = chain(1, 1)
     chains = [stem + [2000 + 10 * k + i for i in range(3)] for k in range(3)]  # share their first block
-    w.cache(0, *chains)
-    w.load(0, waiting_prefill_tokens=1000)
-    for c in chains:
-        w.route(c, 2)
-    w.load(0, waiting_prefill_tokens=1000)
+
+    def hot_on_a_loaded_rank(max_blocks: int) -> World:
+        w = World(max_blocks=max_blocks, batch_max=5)
+        w.cache(0, *chains)
+        w.load(0, waiting_prefill_tokens=1000)
+        for c in chains:
+            w.route(c, 2)
+        w.load(0, waiting_prefill_tokens=1000)
+        return w
+
+    w = hot_on_a_loaded_rank(max_blocks=2)
     (batch,) = w.placement.tick()
     # Each chain's copy is its first 2 blocks; the shared root once: 2 + 1 + 1 blocks.
     assert len(batch.hashes) == len(set(batch.hashes)) == 4
     assert batch.hashes[0] == stem[0] and batch.parents == [ROOT_HASH, stem[0], stem[0], stem[0]]
     assert w.placement.refused == {} and len(batch.leases) == 3
-    w2 = World(max_blocks=3, batch_max=5)
-    w2.cache(0, *chains)
-    w2.load(0, waiting_prefill_tokens=1000)
-    for c in chains:
-        w2.route(c, 2)
-    w2.load(0, waiting_prefill_tokens=1000)
+    w2 = hot_on_a_loaded_rank(max_blocks=3)
     (batch,) = w2.placement.tick()
     assert len(batch.hashes) == 5 and w2.placement.refused == {"batch_full": 1}  # 3 + 2, then 2 more
     (rest,) = w2.placement.tick()  # (the first batch never ran: the root is still missing there)

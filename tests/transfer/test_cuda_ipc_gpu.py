@@ -31,6 +31,24 @@ def exchange_exports(a: Peer, b: Peer) -> None:
     assert b.expect("connected") == {"connected": b.rank}
 
 
+VICTIM = [{"export": None}, {"import": None}, {"say": "ready"}, {"hear": None}]
+
+
+def kill_the_victim_once_ready(rendezvous: str, peers: list[Peer], survivor: list[dict], **options) -> Peer:
+    """Rank 0 runs ``survivor`` (which says something, then waits to hear), rank 1 maps it and
+    is SIGKILLed once both are ready; rank 0 is then told to go on, and returned."""
+    peers.append(Peer(rendezvous, 0, 2, survivor, dtype="bfloat16", **options))
+    peers.append(Peer(rendezvous, 1, 2, VICTIM, dtype="bfloat16", **options))
+    exchange_exports(*peers)
+    peers[0].expect("say")
+    peers[1].expect("say")
+    pid = peers[1].proc.pid
+    peers[1].kill()
+    assert process_gone(pid)
+    peers[0].tell()
+    return peers[0]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_every_size_in_both_directions_at_once(rendezvous, peers, dtype):
     transfers = [{"src": s, "dst": 1 - s, "tag": 100 + n, "blocks": n, "seed": 10 * n + s}
@@ -61,22 +79,13 @@ def test_every_size_in_both_directions_at_once(rendezvous, peers, dtype):
 
 
 def test_killed_peer_fails_the_survivor_within_its_timeout(rendezvous, peers):
-    survivor = [{"export": None}, {"import": None}, {"recv": 1, "tag": 5, "blocks": 128, "seed": 1},
-                {"say": "posted"}, {"hear": None}, {"fail": 5}]
-    victim = [{"export": None}, {"import": None}, {"say": "ready"}, {"hear": None}]
-    peers.append(Peer(rendezvous, 0, 2, survivor, dtype="bfloat16", **CUDA))
-    peers.append(Peer(rendezvous, 1, 2, victim, dtype="bfloat16", **CUDA))
-    exchange_exports(*peers)
-    peers[0].expect("say")
-    peers[1].expect("say")
-    pid = peers[1].proc.pid
-    peers[1].kill()
-    assert process_gone(pid)
-    peers[0].tell()
-    failure = peers[0].expect("failed")
+    survivor = kill_the_victim_once_ready(rendezvous, peers, [
+        {"export": None}, {"import": None}, {"recv": 1, "tag": 5, "blocks": 128, "seed": 1},
+        {"say": "posted"}, {"hear": None}, {"fail": 5}], **CUDA)
+    failure = survivor.expect("failed")
     assert failure["error"] == "TransportError" and failure["elapsed"] < 2.0, failure
     assert "is gone" in failure["message"]
-    peers[0].finish()
+    survivor.finish()
 
 
 PULL = dict(kind="cuda_ipc", device="cuda:0", share_cache=True)
@@ -119,22 +128,13 @@ def test_pull_copies_blocks_out_of_the_peer_cache(rendezvous, peers, dtype, pull
 
 
 def test_pull_from_a_killed_peer_fails_without_reading(rendezvous, peers):
-    puller = [{"export": None}, {"import": None}, {"say": "mapped"}, {"hear": None},
-              {"pull": 1, "blocks": 4, "seed": 1}, {"wait": 5}]
-    victim = [{"export": None}, {"import": None}, {"say": "ready"}, {"hear": None}]
-    peers.append(Peer(rendezvous, 0, 2, puller, dtype="bfloat16", **PULL))
-    peers.append(Peer(rendezvous, 1, 2, victim, dtype="bfloat16", **PULL))
-    exchange_exports(*peers)
-    peers[0].expect("say")
-    peers[1].expect("say")
-    pid = peers[1].proc.pid
-    peers[1].kill()
-    assert process_gone(pid)
-    peers[0].tell()
-    refused = peers[0].expect("refused")
+    puller = kill_the_victim_once_ready(rendezvous, peers, [
+        {"export": None}, {"import": None}, {"say": "mapped"}, {"hear": None},
+        {"pull": 1, "blocks": 4, "seed": 1}, {"wait": 5}], **PULL)
+    refused = puller.expect("refused")
     assert refused["error"] == "TransportError" and "is gone" in refused["message"], refused
-    assert peers[0].expect("cache")["cache"] == expected_cache(0, [], "bfloat16"), "nothing was written"
-    peers[0].finish()
+    assert puller.expect("cache")["cache"] == expected_cache(0, [], "bfloat16"), "nothing was written"
+    puller.finish()
 
 
 @pytest.mark.nccl
