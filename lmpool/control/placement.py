@@ -9,7 +9,8 @@ from each the deepest hot block with all its ancestors, and looks for a copy
 worth making. A chain becomes a copy only when every gate passes, in this order
 (each refusal is counted under its name in ``refused``):
 
-- ``cooldown``: the chain was neither placed nor refused by the gate within ``cooldown_s``;
+- ``cooldown``: within ``cooldown_s`` the chain was neither refused by the gate nor copied
+  up to its leaf (a copy that stopped short at ``max_blocks`` goes on next tick);
 - ``no_source``: some rank holds the whole chain ready (all ancestors resident);
   the most loaded such rank is the source;
 - ``no_partner``: the source has a live topology partner;
@@ -24,7 +25,11 @@ worth making. A chain becomes a copy only when every gate passes, in this order
 - ``admission``: the saved prefill (one avoided cold prefill) beats the transfer cost.
 
 The copy is the first ``max_blocks`` blocks the destination lacks, starting where its
-own match ends, so the destination's chain stays contiguous from the root. Copies for
+own match ends, so the destination's chain stays contiguous from the root. ``max_blocks``
+bounds one tick's speculation, not the copy: a copy that stops short of the chain's leaf
+does not cool down, so once its plan has landed the next tick carries the next segment
+(while it is in flight, the destination counts as holding it). A chain copied only in
+part would attract no routes: the owner still holds more of it. Copies for
 one directed pair in one tick are coalesced into one plan (one payload) of at most
 ``batch_max_blocks`` blocks, each block once. When the plan completes, each chain
 gets a placement lease (``leases``) that steers routes to the copy.
@@ -196,9 +201,11 @@ class BackgroundPlacement:
         if new:
             decision = self.gate.background(src, dst, new, self.prefill_s_per_token(dst))
             self.decisions.append(decision)
-            self.cooling[leaf] = now + self.cooldown_s
             if not decision.admitted:
+                self.cooling[leaf] = now + self.cooldown_s
                 return "admission"
+            if end == len(chain):
+                self.cooling[leaf] = now + self.cooldown_s  # the copy reaches the leaf: rest
         generations = [gbm.generation(src, chain[i]) for i in range(start, end)]
         if batch is None:
             batch = batches[(src, dst)] = CopyBatch(src, dst)

@@ -46,7 +46,7 @@ class TransferPolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
     route_hit_weight: float = 0.5  # extra heat when a route used the block, not just asked for it
     recent_chains: int = 1024  # routed chains remembered as placement candidates
     min_load_skew_tokens: float = 512.0  # source load minus destination load, at least
-    cooldown_s: float = 10.0  # a chain placed (or refused) is not looked at again before this
+    cooldown_s: float = 10.0  # a chain copied to its leaf (or refused) is not looked at again before this
     lease_s: float = 30.0  # routes for a copied chain are steered to the copy this long
     # ---- foreground release (a worker short of blocks asks the control plane) ----
     foreground_wait_s: float = 1.0  # a worker waits this long for a move before evicting

@@ -154,6 +154,30 @@ def test_the_copy_continues_where_the_destination_match_ends():
     assert batch.hashes == c[2:4] and batch.parents == c[1:3]
 
 
+def test_a_copy_short_of_the_leaf_goes_on_next_tick_and_a_complete_one_cools_down():
+    w = World(max_blocks=2)
+    c = chain(5, 1)
+    hot_on_rank0(w, c)
+    (first,) = w.placement.tick()
+    assert first.hashes == c[:2] and not w.placement.cooling, "stopped short of the leaf: no cooldown"
+    for block_id, h in enumerate(first.hashes):  # the plan is on its way
+        w.gbm.mark_in_flight(1, h, block_id, 1)
+    assert w.placement.tick() == [] and w.placement.refused == {"destination_holds": 1}
+    w.cache(1, c[:2])  # ... and has landed
+    for h in first.hashes:
+        w.gbm.unmark_in_flight(1, h, published=True)
+    w.route(c, 2)
+    (second,) = w.placement.tick()
+    assert second.hashes == c[2:4] and second.leases == [(c[3], 4)]
+    w.cache(1, c[:4])
+    w.route(c, 2)
+    (last,) = w.placement.tick()
+    assert last.hashes == [c[4]] and c[4] in w.placement.cooling, "the copy reached the leaf"
+    w.cache(1, c)
+    w.route(c, 2)
+    assert w.placement.tick() == [] and w.placement.refused["cooldown"] == 1
+
+
 def refusal(setup) -> dict:
     w = World()
     c = chain(3, 1)
@@ -253,8 +277,8 @@ def test_chains_to_one_pair_coalesce_up_to_the_batch_cap_each_block_once():
     stem = chain(1, 1)
     chains = [stem + [2000 + 10 * k + i for i in range(3)] for k in range(3)]  # share their first block
 
-    def hot_on_a_loaded_rank(max_blocks: int) -> World:
-        w = World(max_blocks=max_blocks, batch_max=5)
+    def hot_on_a_loaded_rank(max_blocks: int, batch_max: int) -> World:
+        w = World(max_blocks=max_blocks, batch_max=batch_max)
         w.cache(0, *chains)
         w.load(0, waiting_prefill_tokens=1000)
         for c in chains:
@@ -262,17 +286,18 @@ def test_chains_to_one_pair_coalesce_up_to_the_batch_cap_each_block_once():
         w.load(0, waiting_prefill_tokens=1000)
         return w
 
-    w = hot_on_a_loaded_rank(max_blocks=2)
+    w = hot_on_a_loaded_rank(max_blocks=2, batch_max=5)
     (batch,) = w.placement.tick()
     # Each chain's copy is its first 2 blocks; the shared root once: 2 + 1 + 1 blocks.
     assert len(batch.hashes) == len(set(batch.hashes)) == 4
     assert batch.hashes[0] == stem[0] and batch.parents == [ROOT_HASH, stem[0], stem[0], stem[0]]
     assert w.placement.refused == {} and len(batch.leases) == 3
-    w2 = hot_on_a_loaded_rank(max_blocks=3)
+    # Whole chains (4 blocks each, so each cools down once placed): 4 + 3, then 3 more.
+    w2 = hot_on_a_loaded_rank(max_blocks=4, batch_max=7)
     (batch,) = w2.placement.tick()
-    assert len(batch.hashes) == 5 and w2.placement.refused == {"batch_full": 1}  # 3 + 2, then 2 more
+    assert len(batch.hashes) == 7 and w2.placement.refused == {"batch_full": 1}
     (rest,) = w2.placement.tick()  # (the first batch never ran: the root is still missing there)
-    assert rest.leases == [(chains[0][2], 3)], "a chain left out of a full batch is not cooled down"
+    assert rest.leases == [(chains[0][3], 4)], "a chain left out of a full batch is not cooled down"
 
 
 def test_one_batch_per_directed_pair_and_not_both_directions_at_once():

@@ -44,8 +44,8 @@ async def settled(pool: AsyncLMPool) -> dict:
     return stats
 
 
-def test_background_copy_of_a_hot_prefix_is_lease_routed(tiny_model):
-    hot = tokens(3 * BLOCK, 1)
+def test_background_copy_of_a_hot_prefix_draws_later_requests(tiny_model):
+    hot = tokens(2 * BLOCK, 1)  # one tick's copy (background_copy_max_blocks=2) carries it whole
     load_prompts = [tokens(40, 100 + i) for i in range(3)]
     asks = [hot + tokens(5, 10 + i) for i in range(3)]
     with LLM(tiny_model, block_size=BLOCK) as llm:
@@ -79,11 +79,13 @@ def test_background_copy_of_a_hot_prefix_is_lease_routed(tiny_model):
     before, copied, after, stats, final, digests = uvloop.run(main())
     assert all(out.rank == 0 for out in before), "the owner keeps the prefix's requests while it is cached alone"
     t = copied["transfers"]
-    assert t["blocks_copied"] == 2 and t["blocks_moved"] == 0, "at most background_copy_max_blocks per chain"
+    assert t["blocks_copied"] == 2 and t["blocks_moved"] == 0, "the whole prefix, once: then the chain cools"
     assert t["admission_admitted"] >= 1 and t["plans_committed"] == t["background_copies"] == 1
     assert after.rank == 1 and after.num_cached_tokens == 2 * BLOCK, after
     assert after.token_ids == expected, "tokens on the copy equal recomputation"
-    assert stats["transfers"]["lease_routed"] >= 1 and stats["transfers"]["leases"] >= 1
+    # The copy holds the whole prefix, so routing picks it on its own; the lease (granted, but
+    # only needed while a copy is partial) is exercised in tests/control/test_leases.py.
+    assert stats["transfers"]["leases"] >= 1
     assert digests[1][:2] == digests[0][:2] and all(digests[0]), "the copy is byte-equal to the source"
     assert final["transfers"]["plans_aborted"] == 0
 
