@@ -95,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="pool: a Qwen3 checkpoint (default: a random one of --preset)")
     p.add_argument("--profile", type=Path, default=None,
                    help="pool: a data-path profile of this machine; the output adds its curves and the residuals")
+    p.add_argument("--pack-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
+                   help="extra packed paths beside the default, comma-separated: K (K layer chunks), "
+                        "K:C (and pack/unpack grids capped at C CTAs), auto:C (the default chunks, capped)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
@@ -103,6 +106,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.dtype = args.dtype or DEFAULT_DTYPE[args.preset]
     args.device = args.device or {"gloo": "cpu", "nccl": "cuda"}.get(args.kind, "cuda:0")
     args.warmup = max(1, args.warmup)  # the bytes are checked in the first warm-up repetition
+    for v in args.pack_variants:
+        try:
+            variant = pack_variant(f"pack@{v}")
+            ok = (variant["chunks"] is None or variant["chunks"] >= 1) and variant["max_ctas"] >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            p.error(f"--pack-variants: {v!r} is not K, K:C or auto:C with K >= 1 and C >= 0")
     return args
 
 
@@ -147,6 +158,15 @@ def spin(handle, timeout: float = WAIT_S) -> None:
         if time.monotonic() > deadline:
             break
     handle.wait(0 if handle.done() else timeout)
+
+
+def pack_variant(path: str) -> dict:
+    """``send_blocks``/``BlockReceiver`` keywords of a packed path: ``pack`` (the pool's
+    default), ``pack@K`` (K layer chunks), ``pack@K:C`` or ``pack@auto:C`` (grids capped at C CTAs)."""
+    if "@" not in path:
+        return {}
+    chunks, _, ctas = path.split("@", 1)[1].partition(":")
+    return {"chunks": None if chunks == "auto" else int(chunks), "max_ctas": int(ctas or 0)}
 
 
 # ---- one worker ----------------------------------------------------------------------
@@ -196,6 +216,7 @@ class Worker:
         if self.ipc is not None:
             self._exchange_exports()
         self.paths = [p for p in ("pull", "pack", "raw") if p != "pull" or self.ipc is not None]
+        self.paths[self.paths.index("pack") + 1:1] = [f"pack@{v}" for v in args.pack_variants]
         self.tag = 0
         self.go = torch.zeros(1, dtype=torch.int32, device=self.device)
         # Per pull (warm-up included): [host seconds inside pull(), GPU seconds from its
@@ -270,24 +291,26 @@ class Worker:
             return self.one_raw_nccl(src, ready, check)
         self.tag += 1
         go_tag, plan = 2 * self.tag, 2 * self.tag + 1  # distinct from every chunk tag (chunk_tag)
+        packed = path.startswith("pack")
+        chunking = pack_variant(path) if packed else {}
         if self.rank == src:
             self.wait(self.packed.recv(self.peer, self.go, chunk_tag(go_tag, 0)))
             self.sync()
             t0 = time.monotonic()
-            if path == "pack":  # what the pool's executor does: chunks that overlap
-                self.wait(send_blocks(self.packed, self.peer, self.ops, self.cache, mine, plan))
+            if packed:  # what the pool's executor does: chunks that overlap
+                self.wait(send_blocks(self.packed, self.peer, self.ops, self.cache, mine, plan, **chunking))
             else:
                 self.wait(self.packed.send(self.peer, ready, chunk_tag(plan, 0)))
-            return t0, None, fingerprint(self.ops.pack_kv(self.cache, mine) if path == "pack" else ready) if check else None
-        if path == "pack":
-            receiving = BlockReceiver(self.packed, self.peer, self.ops, self.cache, mine, plan)
+            return t0, None, fingerprint(self.ops.pack_kv(self.cache, mine) if packed else ready) if check else None
+        if packed:
+            receiving = BlockReceiver(self.packed, self.peer, self.ops, self.cache, mine, plan, **chunking)
         else:
             receiving = self.packed.recv(self.peer, ready, chunk_tag(plan, 0))
         self.wait(self.packed.send(self.peer, self.go, chunk_tag(go_tag, 0)))
         self.wait(receiving)
         self.sync()
         t1 = time.monotonic()
-        return None, t1, fingerprint(self.ops.pack_kv(self.cache, mine) if path == "pack" else ready) if check else None
+        return None, t1, fingerprint(self.ops.pack_kv(self.cache, mine) if packed else ready) if check else None
 
     def one_raw_nccl(self, src: int, ready, check: bool):
         """``raw`` between two GPUs: a plain process group's send/recv. One communicator
@@ -419,6 +442,12 @@ def summarize(args, results: list[dict]) -> tuple[dict, list[str]]:
                    for n, point in points.items()}
             for pair, points in profile["paths"]["pack"].items()
         }
+        for path in profile["paths"]:  # the variants (--pack-variants), beside the default
+            if path.startswith("pack@"):
+                for pair, points in profile["paths"][path].items():
+                    for n, point in points.items():
+                        profile["nccl_ratios"][pair][n][f"{path}_over_raw"] = round(
+                            profile["paths"]["raw"][pair][n]["p50_s"] / point["p50_s"], 4)
     return profile, wrong
 
 

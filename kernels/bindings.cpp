@@ -347,7 +347,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 }
 
 BlockCopyArgs block_copy_args(const at::Tensor& kv_cache, const at::Tensor& block_ids,
-                              const char* what) {
+                              int64_t max_ctas, const char* what) {
+  TORCH_CHECK(max_ctas >= 0, what, ": max_ctas must be >= 0 (0: no cap), got ", num(max_ctas));
   check_device(kv_cache, "kv_cache", kv_cache.device());
   check_ids(block_ids, "block_ids", kv_cache.device());
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2,
@@ -367,14 +368,15 @@ BlockCopyArgs block_copy_args(const at::Tensor& kv_cache, const at::Tensor& bloc
   a.num_blocks = kv_cache.size(2);
   a.num_ids = block_ids.size(0);
   a.block_bytes = block_bytes;
+  a.max_ctas = max_ctas;
   const int64_t tiles = (block_bytes / 16 + 1023) / 1024;
   TORCH_CHECK(a.planes * a.num_ids * tiles < INT_MAX, what, ": too many blocks in one call (",
               num(a.num_ids), ")");
   return a;
 }
 
-at::Tensor pack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids) {
-  BlockCopyArgs a = block_copy_args(kv_cache, block_ids, "pack_kv");
+at::Tensor pack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids, int64_t max_ctas) {
+  BlockCopyArgs a = block_copy_args(kv_cache, block_ids, max_ctas, "pack_kv");
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   auto payload = at::empty({kv_cache.size(0), 2, block_ids.size(0), kv_cache.size(3),
                             kv_cache.size(4), kv_cache.size(5)},
@@ -384,8 +386,9 @@ at::Tensor pack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids) {
   return payload;
 }
 
-void unpack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids, const at::Tensor& payload) {
-  BlockCopyArgs a = block_copy_args(kv_cache, block_ids, "unpack_kv");
+void unpack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids, const at::Tensor& payload,
+               int64_t max_ctas) {
+  BlockCopyArgs a = block_copy_args(kv_cache, block_ids, max_ctas, "unpack_kv");
   check_device(payload, "payload", kv_cache.device());
   const std::vector<int64_t> expected{kv_cache.size(0), 2, block_ids.size(0), kv_cache.size(3),
                                       kv_cache.size(4), kv_cache.size(5)};
@@ -424,9 +427,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &lmpool::write_kv, py::arg("key"), py::arg("value"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), "Store K/V rows at their slots; -1 is skipped.");
   m.def("pack_kv", &lmpool::pack_kv, py::arg("kv_cache"), py::arg("block_ids"),
-        "Gather blocks of every layer into [layers, 2, B, block_size, kv_heads, head_dim].");
+        py::arg("max_ctas") = 0,
+        "Gather blocks of every layer into [layers, 2, B, block_size, kv_heads, head_dim]; "
+        "max_ctas > 0 caps the grid (SMs left free for concurrent kernels).");
   m.def("unpack_kv", &lmpool::unpack_kv, py::arg("kv_cache"), py::arg("block_ids"),
-        py::arg("payload"), "Scatter a packed payload into block_ids of every layer.");
+        py::arg("payload"), py::arg("max_ctas") = 0,
+        "Scatter a packed payload into block_ids of every layer; max_ctas as for pack_kv.");
   m.def("decode_splits", &lmpool::decode_splits, py::arg("rows"), py::arg("q_heads"),
         py::arg("kv_heads"), py::arg("max_tokens"), py::arg("device_index"),
         "The split-K factor paged_decode_attention picks for these shapes.");

@@ -62,9 +62,11 @@ cudaError_t launch_write_kv(const WriteKVArgs& a, cudaStream_t stream) {
 // ---------------------------------------------------------------------------
 // pack / unpack: the cache is viewed as [planes, num_blocks, block_vecs] and the
 // payload as [planes, num_ids, block_vecs] of 16-byte vectors (planes = layers
-// x {K, V}). One launch covers every plane and block: CTA `w` copies tile
-// w % tiles of (plane, id) pair w / tiles. Each thread issues all its loads
-// before its stores so kUnroll 16-byte loads are in flight per thread.
+// x {K, V}). One launch covers every plane and block: work item `w` is tile
+// w % tiles of (plane, id) pair w / tiles, and CTA b takes items b, b + grid, ...
+// (one item each unless `max_ctas` caps the grid, which leaves SMs free for a
+// transfer's NCCL kernels running beside a pack or unpack). Each thread issues
+// all its loads before its stores so kUnroll 16-byte loads are in flight per thread.
 
 constexpr int kCopyThreads = 256;
 constexpr int kCopyUnroll = 4;
@@ -74,42 +76,43 @@ template <typename Idx, bool kPack>
 __global__ void __launch_bounds__(kCopyThreads)
     block_copy_kernel(uint4* __restrict__ cache, uint4* __restrict__ payload,
                       const Idx* __restrict__ ids, int64_t num_blocks, int64_t num_ids,
-                      int64_t block_vecs, int64_t tiles) {
-  const int64_t work = blockIdx.x;
-  const int64_t tile = work % tiles;
-  const int64_t pair = work / tiles;  // plane * num_ids + i
-  const int64_t plane = pair / num_ids;
-  const int64_t id = static_cast<int64_t>(ids[pair % num_ids]);
-  const bool in_range = id >= 0 && id < num_blocks;
-  uint4* cache_block = cache + (plane * num_blocks + (in_range ? id : 0)) * block_vecs;
-  uint4* payload_block = payload + pair * block_vecs;
-  const int64_t first = tile * kCopyTile + threadIdx.x;
+                      int64_t block_vecs, int64_t tiles, int64_t items) {
+  for (int64_t work = blockIdx.x; work < items; work += gridDim.x) {
+    const int64_t tile = work % tiles;
+    const int64_t pair = work / tiles;  // plane * num_ids + i
+    const int64_t plane = pair / num_ids;
+    const int64_t id = static_cast<int64_t>(ids[pair % num_ids]);
+    const bool in_range = id >= 0 && id < num_blocks;
+    uint4* cache_block = cache + (plane * num_blocks + (in_range ? id : 0)) * block_vecs;
+    uint4* payload_block = payload + pair * block_vecs;
+    const int64_t first = tile * kCopyTile + threadIdx.x;
 
-  if (kPack) {
-    uint4 r[kCopyUnroll];
+    if (kPack) {
+      uint4 r[kCopyUnroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int64_t v = first + u * kCopyThreads;
-      // Streaming hints: the copied bytes are not reused, so keep them out of L2's way.
-      r[u] = (in_range && v < block_vecs) ? __ldcs(cache_block + v) : make_uint4(0, 0, 0, 0);
-    }
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t v = first + u * kCopyThreads;
+        // Streaming hints: the copied bytes are not reused, so keep them out of L2's way.
+        r[u] = (in_range && v < block_vecs) ? __ldcs(cache_block + v) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int64_t v = first + u * kCopyThreads;
-      if (v < block_vecs) __stcs(payload_block + v, r[u]);
-    }
-  } else {
-    if (!in_range) return;
-    uint4 r[kCopyUnroll];
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t v = first + u * kCopyThreads;
+        if (v < block_vecs) __stcs(payload_block + v, r[u]);
+      }
+    } else {
+      if (!in_range) continue;
+      uint4 r[kCopyUnroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int64_t v = first + u * kCopyThreads;
-      if (v < block_vecs) r[u] = __ldcs(payload_block + v);
-    }
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t v = first + u * kCopyThreads;
+        if (v < block_vecs) r[u] = __ldcs(payload_block + v);
+      }
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int64_t v = first + u * kCopyThreads;
-      if (v < block_vecs) __stcs(cache_block + v, r[u]);
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t v = first + u * kCopyThreads;
+        if (v < block_vecs) __stcs(cache_block + v, r[u]);
+      }
     }
   }
 }
@@ -119,18 +122,19 @@ cudaError_t launch_block_copy(const BlockCopyArgs& a, cudaStream_t stream) {
   if (a.num_ids == 0 || a.planes == 0) return cudaSuccess;
   const int64_t block_vecs = a.block_bytes / 16;
   const int64_t tiles = (block_vecs + kCopyTile - 1) / kCopyTile;
-  const int64_t ctas = a.planes * a.num_ids * tiles;
-  if (ctas > 0x7fffffffLL) return cudaErrorInvalidConfiguration;  // the host checks this first
+  const int64_t items = a.planes * a.num_ids * tiles;
+  if (items > 0x7fffffffLL) return cudaErrorInvalidConfiguration;  // the host checks this first
+  const int64_t ctas = a.max_ctas > 0 && a.max_ctas < items ? a.max_ctas : items;
   uint4* cache = static_cast<uint4*>(a.kv_cache);
   uint4* payload = static_cast<uint4*>(a.payload);
   if (a.ids_int64)
     block_copy_kernel<int64_t, kPack><<<static_cast<unsigned>(ctas), kCopyThreads, 0, stream>>>(
         cache, payload, static_cast<const int64_t*>(a.block_ids), a.num_blocks, a.num_ids,
-        block_vecs, tiles);
+        block_vecs, tiles, items);
   else
     block_copy_kernel<int32_t, kPack><<<static_cast<unsigned>(ctas), kCopyThreads, 0, stream>>>(
         cache, payload, static_cast<const int32_t*>(a.block_ids), a.num_blocks, a.num_ids,
-        block_vecs, tiles);
+        block_vecs, tiles, items);
   return cudaGetLastError();
 }
 

@@ -151,6 +151,7 @@ struct BlockCopyArgs {
   int64_t num_blocks;
   int64_t num_ids;
   int64_t block_bytes;  // multiple of 16
+  int64_t max_ctas;     // 0: one CTA per tile; else at most this many, each looping over tiles
 };
 
 // pack: cache -> payload (blocks with an id outside [0, num_blocks) read as zeros);

@@ -220,18 +220,19 @@ def paged_decode_attention(
     )
 
 
-def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Gather blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``."""
-    return load_extension().pack_kv(kv_cache, block_ids)
+def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, max_ctas: int = 0) -> torch.Tensor:
+    """Gather blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``.
+    ``max_ctas`` > 0 caps the kernel's grid, leaving SMs to kernels that run beside it."""
+    return load_extension().pack_kv(kv_cache, block_ids, max_ctas)
 
 
-def unpack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, payload: torch.Tensor) -> None:
+def unpack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, payload: torch.Tensor, max_ctas: int = 0) -> None:
     """Scatter a packed payload into ``block_ids`` of every layer (inverse of ``pack_kv``)."""
     if payload.shape[2] != block_ids.numel():
         raise ValueError(
             f"payload holds {payload.shape[2]} blocks but {block_ids.numel()} block ids were given"
         )
-    load_extension().unpack_kv(kv_cache, block_ids, payload.to(kv_cache.dtype))
+    load_extension().unpack_kv(kv_cache, block_ids, payload.to(kv_cache.dtype), max_ctas)
 
 
 CUDA_OPS = KVOps(

@@ -120,12 +120,13 @@ def paged_decode_attention(
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 
 
-def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Gather blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``."""
+def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, max_ctas: int = 0) -> torch.Tensor:
+    """Gather blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``.
+    (``max_ctas`` caps the CUDA kernel's grid; it means nothing here.)"""
     return kv_cache[:, :, block_ids.long()].contiguous()
 
 
-def unpack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, payload: torch.Tensor) -> None:
+def unpack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, payload: torch.Tensor, max_ctas: int = 0) -> None:
     """Scatter a packed payload into ``block_ids`` of every layer (inverse of ``pack_kv``)."""
     if payload.shape[2] != block_ids.numel():
         raise ValueError(

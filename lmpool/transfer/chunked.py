@@ -39,11 +39,17 @@ CHUNK_BYTES = 16 << 20
 MAX_CHUNKS = 16
 
 
-def layer_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
-    """``[(first_layer, end_layer), ...]`` covering ``range(layers)`` in near-equal parts."""
+def layer_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES,
+                 chunks: int | None = None) -> list[tuple[int, int]]:
+    """``[(first_layer, end_layer), ...]`` covering ``range(layers)`` in near-equal parts:
+    ``chunks`` of them if given, else one per ``chunk_bytes``; never more than the layers
+    or ``MAX_CHUNKS``."""
     if layers < 1:
         raise ValueError(f"a payload has at least one layer, got {layers}")
-    k = max(1, min(MAX_CHUNKS, layers, payload_bytes // max(1, chunk_bytes)))
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    wanted = chunks if chunks is not None else payload_bytes // max(1, chunk_bytes)
+    k = max(1, min(MAX_CHUNKS, layers, wanted))
     bounds = [round(i * layers / k) for i in range(k + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
 
@@ -96,11 +102,13 @@ class BlockSender(_Chunks):
 
 
 def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
-                chunk_bytes: int = CHUNK_BYTES) -> BlockSender:
-    """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks."""
+                chunk_bytes: int = CHUNK_BYTES, chunks: int | None = None, max_ctas: int = 0) -> BlockSender:
+    """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks
+    (``layer_chunks``); ``max_ctas`` caps each pack kernel's grid (``ops.pack_kv``)."""
     handles = []
-    for i, (first, end) in enumerate(layer_chunks(cache.shape[0], payload_bytes(cache, len(block_ids)), chunk_bytes)):
-        payload = ops.pack_kv(cache[first:end], block_ids)
+    cuts = layer_chunks(cache.shape[0], payload_bytes(cache, len(block_ids)), chunk_bytes, chunks)
+    for i, (first, end) in enumerate(cuts):
+        payload = ops.pack_kv(cache[first:end], block_ids, max_ctas)
         handles.append(transport.send(peer, payload, chunk_tag(plan_id, i)))
     return BlockSender(handles, f"send of {len(block_ids)} blocks to rank {peer} (plan {plan_id})")
 
@@ -109,12 +117,14 @@ class BlockReceiver(_Chunks):
     """Receive ``block_ids``' blocks of every layer from ``peer`` into ``cache``, in chunks."""
 
     def __init__(self, transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
-                 wanted: Callable[[], bool] = lambda: True, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 wanted: Callable[[], bool] = lambda: True, chunk_bytes: int = CHUNK_BYTES,
+                 chunks: int | None = None, max_ctas: int = 0) -> None:
         self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
+        self._max_ctas = max_ctas
         self._pending: list[tuple[int, int, torch.Tensor, object]] = []
-        for i, (first, end) in enumerate(layer_chunks(cache.shape[0], payload_bytes(cache, len(block_ids)),
-                                                      chunk_bytes)):
+        cuts = layer_chunks(cache.shape[0], payload_bytes(cache, len(block_ids)), chunk_bytes, chunks)
+        for i, (first, end) in enumerate(cuts):
             buffer = torch.empty((end - first, 2, len(block_ids), *cache.shape[3:]), dtype=cache.dtype,
                                  device=cache.device)
             self._pending.append((first, end, buffer, transport.recv(peer, buffer, chunk_tag(plan_id, i))))
@@ -128,6 +138,6 @@ class BlockReceiver(_Chunks):
             self._pending.pop(0)
             self.error = self._failure(handle)
             if self.error is None and self._wanted():
-                self._ops.unpack_kv(self._cache[first:end], self._ids, buffer)
+                self._ops.unpack_kv(self._cache[first:end], self._ids, buffer, self._max_ctas)
                 self.unpacked += 1
         return True

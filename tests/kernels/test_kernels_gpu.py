@@ -266,17 +266,18 @@ def test_write_kv_matches_reference_and_skips_padding(ext, dtype, aligned, slot_
 # --------------------------------------------------------------------------- pack / unpack
 
 
+@pytest.mark.parametrize("max_ctas", [0, 1, 7])  # 0: a CTA per tile; else each CTA loops over many
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_pack_unpack_round_trip(ext, block_size, dtype, ids_dtype):
+def test_pack_unpack_round_trip(ext, block_size, dtype, ids_dtype, max_ctas):
     gen = torch.Generator().manual_seed(block_size)
     layers, num_blocks, kv_heads, head_dim, count = 3, 24, 2, 64, 9
     shape = (layers, 2, num_blocks, block_size, kv_heads, head_dim)
     kv_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
     ids = torch.randperm(num_blocks, generator=gen)[:count]
     poison_allocator()
-    payload = ext.pack_kv(kv_cache, ids.to(ids_dtype).to(DEVICE))
+    payload = ext.pack_kv(kv_cache, ids.to(ids_dtype).to(DEVICE), max_ctas)
     assert torch.equal(payload.cpu(), reference.pack_kv(kv_cache.cpu(), ids))
 
     dest = torch.randn(shape, generator=gen).to(dtype)
@@ -284,7 +285,7 @@ def test_pack_unpack_round_trip(ext, block_size, dtype, ids_dtype):
     expected = dest.clone()
     reference.unpack_kv(expected, dest_ids, payload.cpu())
     dest_dev = dest.to(DEVICE)
-    ext.unpack_kv(dest_dev, dest_ids.to(ids_dtype).to(DEVICE), payload)
+    ext.unpack_kv(dest_dev, dest_ids.to(ids_dtype).to(DEVICE), payload, max_ctas)
     assert torch.equal(dest_dev.cpu(), expected)  # other blocks untouched
     assert torch.equal(ext.pack_kv(dest_dev, dest_ids.to(DEVICE)), payload)
 
@@ -301,6 +302,11 @@ def test_pack_unpack_qwen3_shape_through_cuda_ops():
     assert torch.equal(dest[:, :, ids.flip(0)], payload)
     with pytest.raises(ValueError, match="16 blocks but 15 block ids"):
         cuda.CUDA_OPS.unpack_kv(dest, ids[:15], payload)
+    capped = torch.zeros_like(kv_cache)
+    cuda.CUDA_OPS.unpack_kv(capped, ids.flip(0), cuda.CUDA_OPS.pack_kv(kv_cache, ids, max_ctas=132), max_ctas=132)
+    assert torch.equal(capped, dest), "a capped grid moves the same bytes"
+    with pytest.raises(RuntimeError, match="max_ctas must be >= 0"):
+        cuda.CUDA_OPS.pack_kv(kv_cache, ids, max_ctas=-1)
 
 
 def test_out_of_range_block_ids_are_not_copied(ext):

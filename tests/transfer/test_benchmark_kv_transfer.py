@@ -78,6 +78,20 @@ def test_nccl_summary_ratios_and_bandwidth():
     assert profile["nccl_ratios"]["1->0"]["2"] == {"packed_over_raw": 0.75, "pull_over_raw": 1.5}
 
 
+def test_pack_variants_parse_and_get_their_own_ratio():
+    assert bench.pack_variant("pack") == {}
+    assert bench.pack_variant("pack@4") == {"chunks": 4, "max_ctas": 0}
+    assert bench.pack_variant("pack@auto:132") == {"chunks": None, "max_ctas": 132}
+    for bad in ("0", "x", "2:-1", "2:y"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--pack-variants", bad])
+    args = bench.parse_args(["--kind", "nccl", "--preset", "tiny", "--sizes", "2", "--reps", "3",
+                             "--pack-variants", "4:132"])
+    profile, wrong = bench.summarize(args, synthetic({"pack": 0.004, "pack@4:132": 0.002, "raw": 0.003}))
+    assert wrong == [] and profile["pairs_path"] == "pack"
+    assert profile["nccl_ratios"]["0->1"]["2"] == {"packed_over_raw": 0.75, "pack@4:132_over_raw": 1.5}
+
+
 def test_summary_flags_bytes_that_differ_and_picks_pack_without_peer_access():
     args = bench.parse_args(["--kind", "nccl", "--preset", "tiny", "--sizes", "2", "--reps", "3"])
     profile, wrong = bench.summarize(args, synthetic({"pack": 0.004, "raw": 0.003},

@@ -33,9 +33,19 @@ def test_chunk_tags_differ_between_chunks_and_plans():
     assert len(tags) == 50 * MAX_CHUNKS
 
 
-def test_layer_chunks_refuse_an_empty_payload():
+@given(layers=st.integers(1, 96), chunks=st.integers(1, 40))
+def test_a_chunk_count_is_honoured_within_the_layers_and_the_cap(layers, chunks):
+    parts = layer_chunks(layers, 1 << 30, chunks=chunks)
+    assert len(parts) == min(chunks, layers, MAX_CHUNKS)
+    sizes = [end - first for first, end in parts]
+    assert sum(sizes) == layers and max(sizes) - min(sizes) <= 1
+
+
+def test_layer_chunks_refuse_an_empty_payload_and_no_chunks():
     with pytest.raises(ValueError, match="at least one layer"):
         layer_chunks(0, 100)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        layer_chunks(4, 100, chunks=0)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 10**9], ids=["one-chunk-per-layer-group", "whole"])
