@@ -4,7 +4,9 @@
 # peer-pull transfer benchmark.
 # Usage (from the repository root, with the wheels in .whl/ as for run_h200.sh):
 #   OUT=results_dir bash benchmarks/run_h200x2.sh [steps...]
-#   steps: tests bench profile (default: tests bench). profile: where one pull's time goes.
+#   steps: tests bench variants profile (default: tests bench). variants: the packed transfer
+#   with other chunk counts and pack/unpack grid caps (--pack-variants). profile: where one
+#   pull's time goes.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/h200x2}
 mkdir -p "$OUT"
@@ -27,6 +29,11 @@ for step in $steps; do
       timeout 240 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
         --sizes 1,2,4,8,16,32,64 --reps 20 --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
+    variants)
+      timeout 300 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,4,16,64 \
+        --reps 15 --pack-variants "${VARIANTS:-1,2,4,8,16,auto:66,auto:132,auto:264,2:132,4:132,8:132}" \
+        --json "$OUT/kv_transfer_h200x2_nccl_variants.json" 2>&1 \
+        | tee "$OUT/kv_transfer_h200x2_nccl_variants.log" | tail -60 ;;
     profile)
       timeout 120 python3 benchmarks/profile_pull.py --preset 0.6b --sizes 1,8,64,128 \
         --json "$OUT/pull_profile_h200.json" 2>&1 | tee "$OUT/pull_profile_h200.log" | tail -8 ;;
