@@ -97,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pool: a data-path profile of this machine; the output adds its curves and the residuals")
     p.add_argument("--pack-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="extra packed paths beside the default, comma-separated: K (K layer chunks), "
-                        "K:C (and pack/unpack grids capped at C CTAs), auto:C (the default chunks, capped)")
+                        "K:C (and pack/unpack grids capped at C CTAs, 0: uncapped), auto:C (the default "
+                        "chunks, capped)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
@@ -109,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for v in args.pack_variants:
         try:
             variant = pack_variant(f"pack@{v}")
-            ok = (variant["chunks"] is None or variant["chunks"] >= 1) and variant["max_ctas"] >= 0
+            ok = (variant["chunks"] is None or variant["chunks"] >= 1) and (variant["max_ctas"] or 0) >= 0
         except ValueError:
             ok = False
         if not ok:
@@ -162,11 +163,12 @@ def spin(handle, timeout: float = WAIT_S) -> None:
 
 def pack_variant(path: str) -> dict:
     """``send_blocks``/``BlockReceiver`` keywords of a packed path: ``pack`` (the pool's
-    default), ``pack@K`` (K layer chunks), ``pack@K:C`` or ``pack@auto:C`` (grids capped at C CTAs)."""
+    default), ``pack@K`` (K layer chunks, the default cap), ``pack@K:C`` or ``pack@auto:C`` (grids
+    capped at C CTAs; C = 0: uncapped)."""
     if "@" not in path:
         return {}
     chunks, _, ctas = path.split("@", 1)[1].partition(":")
-    return {"chunks": None if chunks == "auto" else int(chunks), "max_ctas": int(ctas or 0)}
+    return {"chunks": None if chunks == "auto" else int(chunks), "max_ctas": int(ctas) if ctas else None}
 
 
 # ---- one worker ----------------------------------------------------------------------

@@ -3,8 +3,10 @@
 # pytest-asyncio ...) into /tmp/site without touching the system, links the folders that
 # install under other import names, and points Python and the kernel cache there.
 mkdir -p /tmp/site
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
+# Installed once per set of wheels (a stamp lists them): parts of a run that start side by
+# side (run_eval_parts.sh) must not reinstall into /tmp/site while another part imports.
+if compgen -G ".whl/*.whl" >/dev/null && [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$(ls .whl/*.whl)" ]; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl && ls .whl/*.whl >/tmp/site/.wheels
 fi
 # Without an install, the folders that install under other import names need links.
 ln -sfn "$PWD/ipc" /tmp/site/lmpool_ipc

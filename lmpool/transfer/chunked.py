@@ -26,17 +26,35 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
 from lmpool.transfer.transport import TransferTimeout, TransportError, plan_tag, poll_until
 
-# Below ~16 MiB a chunk's wire time (tens of microseconds over NVLink) is no longer than
-# the host's cost of queueing its pack and its send: smaller chunks would make the
-# transfer host-bound instead of overlapping it.
-CHUNK_BYTES = 16 << 20
-MAX_CHUNKS = 16
+# Each chunk costs a fixed start-up on the wire (an NCCL operation's launch and handshake),
+# and only the first pack and the last unpack are exposed, so a few large chunks beat many
+# small ones. Measured over an NVLink pair of H200s (results/h200x2/
+# kv_transfer_h200x2_nccl_variants.json, 28 MiB blocks): 2 chunks were best at 112 MiB,
+# 4-8 at 448 MiB and 1.75 GiB, 16 chunks lost 3-8 points against 8.
+CHUNK_BYTES = 48 << 20
+MAX_CHUNKS = 8
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_max_ctas(device: torch.device) -> int:
+    """The pack/unpack grid cap for a chunked transfer on ``device``: one CTA per SM on a GPU
+    (0, no cap, elsewhere). NCCL's kernels copy beside the packs and unpacks; an uncapped
+    grid fills every SM and delays them, while one CTA per SM still nearly saturates HBM
+    (the same run: 8 chunks capped at 132 CTAs, 84-89 % of raw NCCL from 448 MiB on,
+    against 81-85 % uncapped)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 0
 
 
 def layer_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES,
@@ -102,9 +120,12 @@ class BlockSender(_Chunks):
 
 
 def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
-                chunk_bytes: int = CHUNK_BYTES, chunks: int | None = None, max_ctas: int = 0) -> BlockSender:
+                chunk_bytes: int = CHUNK_BYTES, chunks: int | None = None,
+                max_ctas: int | None = None) -> BlockSender:
     """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks
-    (``layer_chunks``); ``max_ctas`` caps each pack kernel's grid (``ops.pack_kv``)."""
+    (``layer_chunks``); ``max_ctas`` caps each pack kernel's grid (None: ``default_max_ctas``)."""
+    if max_ctas is None:
+        max_ctas = default_max_ctas(cache.device)
     handles = []
     cuts = layer_chunks(cache.shape[0], payload_bytes(cache, len(block_ids)), chunk_bytes, chunks)
     for i, (first, end) in enumerate(cuts):
@@ -118,10 +139,10 @@ class BlockReceiver(_Chunks):
 
     def __init__(self, transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
                  wanted: Callable[[], bool] = lambda: True, chunk_bytes: int = CHUNK_BYTES,
-                 chunks: int | None = None, max_ctas: int = 0) -> None:
+                 chunks: int | None = None, max_ctas: int | None = None) -> None:
         self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
-        self._max_ctas = max_ctas
+        self._max_ctas = default_max_ctas(cache.device) if max_ctas is None else max_ctas
         self._pending: list[tuple[int, int, torch.Tensor, object]] = []
         cuts = layer_chunks(cache.shape[0], payload_bytes(cache, len(block_ids)), chunk_bytes, chunks)
         for i, (first, end) in enumerate(cuts):

@@ -80,7 +80,8 @@ def test_nccl_summary_ratios_and_bandwidth():
 
 def test_pack_variants_parse_and_get_their_own_ratio():
     assert bench.pack_variant("pack") == {}
-    assert bench.pack_variant("pack@4") == {"chunks": 4, "max_ctas": 0}
+    assert bench.pack_variant("pack@4") == {"chunks": 4, "max_ctas": None}
+    assert bench.pack_variant("pack@4:0") == {"chunks": 4, "max_ctas": 0}
     assert bench.pack_variant("pack@auto:132") == {"chunks": None, "max_ctas": 132}
     for bad in ("0", "x", "2:-1", "2:y"):
         with pytest.raises(SystemExit):
