@@ -2,7 +2,9 @@
 
 Without MPS, processes on one GPU time-slice it; with MPS their kernels run side by
 side, and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` caps each client at its share of the SMs,
-so N replicas on one GPU each get 1/N of it, like N smaller GPUs. The daemon's pipe and
+so N replicas on one GPU each get 1/N of it, like N smaller GPUs. A daemon started with
+``CUDA_VISIBLE_DEVICES`` serves only those GPUs and its clients see them numbered from 0,
+so inside the block the variable is renumbered (``0,1,...``) and restored afterwards. The daemon's pipe and
 log directories are a fresh temporary directory, so it never meets another user's
 daemon; the variables are set in this process's environment, which the pool's worker
 processes inherit. On exit the environment is restored and the daemon is stopped.
@@ -87,6 +89,13 @@ def mps_daemon(replicas_per_gpu: int, quit_timeout_s: float | None = None) -> It
     os.environ.update(settings)
     info = {"enabled": True, "active_thread_percentage": int(settings["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]),
             "replicas_per_gpu": replicas_per_gpu}
+    pinned = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if pinned:
+        # The daemon serves only these GPUs, and its clients number them from 0: a client
+        # that kept CUDA_VISIBLE_DEVICES=1 would ask for a second GPU the server lacks.
+        saved["CUDA_VISIBLE_DEVICES"] = pinned
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i, d in enumerate(pinned.split(",")) if d.strip())
+        info["daemon_visible_devices"] = pinned
     try:
         yield info
     finally:

@@ -145,6 +145,15 @@ def test_clean_quit_sets_and_restores_the_environment(fake, tmp_path, monkeypatc
     assert_all_stopped(fake, tmp_path / "tmp")
 
 
+def test_a_daemon_pinned_to_gpus_gives_its_clients_them_numbered_from_zero(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS", "clean")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    with mps_daemon(4) as info:
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and info["daemon_visible_devices"] == "3,5"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"
+    assert info["shutdown"]["outcome"] == "quit"
+
+
 def test_a_quit_that_waits_on_this_process_is_cut_short(fake, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_MPS", "hang")
     with mps_daemon(2, quit_timeout_s=0.2) as info:
