@@ -26,6 +26,12 @@ P prompt tokens, B tokens per block, M max new tokens:
     load     = queue + decode
     cost     = load + missing + reclaim_weight * reclaim * B
 
+``prefix_match_r`` also counts the rank's pending prefix (``lmpool.control.pending``):
+blocks of prompts already routed there that it has not reported yet, which the request
+will find there once it has queued behind them. So a burst sharing a new prefix goes to
+one owner instead of one cold prefill per rank. The decision still reports (and the
+control plane checks) only the ready blocks.
+
 A rank is capacity-feasible when ``free + blocks_reclaimable >= need``; only
 feasible ranks compete unless none is (then all do, and the worker queues the
 request). The prefix owner is the competing rank with the longest match (ties:
@@ -63,6 +69,7 @@ from typing import NamedTuple
 
 from lmpool.control.global_block_manager import GlobalBlockManager
 from lmpool.control.leases import PlacementLeases
+from lmpool.control.pending import PendingPrefixes
 from lmpool.control.topology import Topology
 from lmpool.pool.messages import RouteDecision, RouteQuery
 
@@ -84,6 +91,9 @@ class RoutingConfig:
     reclaim_weight: float = 0.25
     spill_load_gap_tokens: int = 2048
     spill_max_extra_tokens: int = 4096
+    # Blocks of prompts routed to a rank count as held there this long, until it reports
+    # them (``lmpool.control.pending``); 0 turns that off.
+    pending_ttl_s: float = 10.0
     # SGLang cache-aware router (sgl-router CacheAwareConfig::default).
     sglang_cache_threshold: float = 0.5
     sglang_balance_abs_threshold: int = 32
@@ -100,6 +110,8 @@ class RoutingConfig:
             raise ValueError(f"decode_work must be 'tokens' or 'running', got {self.decode_work!r}")
         if self.sglang_tree not in ("approximate", "page_table"):
             raise ValueError(f"sglang_tree must be 'approximate' or 'page_table', got {self.sglang_tree!r}")
+        if not self.pending_ttl_s >= 0:
+            raise ValueError(f"pending_ttl_s must be >= 0 (0: off), got {self.pending_ttl_s!r}")
 
 
 class RankCost(NamedTuple):
@@ -135,6 +147,9 @@ class GlobalScheduler:
         self.last_held = 0  # blocks of the latest routed prompt cached on some candidate rank
         self.leases: PlacementLeases | None = None  # set when background placement runs
         self.lease_routed = 0
+        self.pending: PendingPrefixes | None = None  # the LMPool policy's blocks routed, not yet reported
+        if policy == "lmpool" and self.config.pending_ttl_s > 0:
+            self.pending = PendingPrefixes(gbm.world_size, self.config.pending_ttl_s, gbm.clock)
         self._route = getattr(self, "_route_" + policy)
         self._rr_next = 0
         self._rng = random.Random(self.config.seed)
@@ -154,19 +169,31 @@ class GlobalScheduler:
             if not candidates:
                 raise NoAliveRankError(f"no alive rank to route request {query.request_id!r} to")
         ranks = [r for r in range(gbm.world_size) if candidates >> r & 1]
-        lengths = gbm.prefix_match(query.block_hashes, candidates)
-        rank, reason = self._route(query, ranks, lengths, seed_rank)
+        lengths = gbm.prefix_match(query.block_hashes, candidates)  # ready blocks: what the decision reports
+        expected = lengths  # ... and, with pending prefixes, what each rank will hold when the request runs
+        if self.pending is not None:
+            expected = [self.pending.extend(r, query.block_hashes, n) if candidates >> r & 1 else n
+                        for r, n in enumerate(lengths)]
+        rank, reason = self._route(query, ranks, expected, seed_rank)
         if self.leases:
-            rank, reason = self._steer(query, candidates, lengths, seed_rank, rank, reason)
-        self._reserve(query, rank, lengths[rank])
+            rank, reason = self._steer(query, candidates, lengths, expected, seed_rank, rank, reason)
+        self._reserve(query, rank, expected[rank])
+        if self.pending is not None:
+            self.pending.add(rank, query.block_hashes[lengths[rank]:])
         self.last_held = max(lengths)
         gbm.record_route(query.block_hashes, self.last_held, lengths[rank])
         if self.policy == "sglang_cache_aware" and self.config.sglang_tree == "approximate":
             self._sgl_insert(rank, query.block_hashes)
         return RouteDecision(rank, lengths[rank], reason)
 
-    def _steer(self, query: RouteQuery, candidates: int, lengths: list[int], seed: int | None,
-               rank: int, reason: str) -> tuple[int, str]:
+    def rank_down(self, rank: int) -> None:
+        """``rank`` died: the page table forgets it, and nothing routed there will be computed."""
+        self.gbm.mark_dead(rank)
+        if self.pending is not None:
+            self.pending.drop_rank(rank)
+
+    def _steer(self, query: RouteQuery, candidates: int, lengths: list[int], expected: list[int],
+               seed: int | None, rank: int, reason: str) -> tuple[int, str]:
         """Send the request to a placement lease's copy when that is cheaper (module docstring)."""
         lease = self.leases.find(query.block_hashes)
         if lease is None or lease.dst == rank or not candidates >> lease.dst & 1:
@@ -174,7 +201,7 @@ class GlobalScheduler:
         if lengths[lease.dst] < lease.depth:  # the copy is gone: so is the lease's point
             self.leases.drop(lease.leaf)
             return rank, reason
-        chosen, copy = self.project(query, [rank, lease.dst], lengths, seed)
+        chosen, copy = self.project(query, [rank, lease.dst], expected, seed)
         if copy.available < copy.need or copy.cost >= chosen.cost:
             return rank, reason
         self.lease_routed += 1

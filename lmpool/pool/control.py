@@ -136,7 +136,7 @@ class ControlPlane:
                     await channel.send(ResyncRequest(rank))
         except IpcError:
             self.coordinator.rank_died(rank)
-            self.gbm.mark_dead(rank)
+            self.scheduler.rank_down(rank)
             self.workers.pop(rank, None)
             self.outbox.pop(rank, None)  # orders for a dead rank have nowhere to go
             self.known[rank].set()
@@ -282,7 +282,7 @@ class ControlPlane:
             self.policies.observe_route(request)
             return decision
         if isinstance(request, RankDown):
-            self.gbm.mark_dead(request.rank)
+            self.scheduler.rank_down(request.rank)
             self.known[request.rank].set()
             return None
         if isinstance(request, WaitRanks):

@@ -219,7 +219,36 @@ def test_topology_affinity_breaks_cost_ties_toward_the_seed():
     # Ranks 0 and 1 tie on cost: from seed 2, rank 1 (same GPU) beats rank 0 (NVLink only).
     assert scheduler.route_sequence_meta(query(chain(3)), seed_rank=2).rank == 1
     release_all(gbm)
-    assert scheduler.route_sequence_meta(query(chain(3))).rank == 0  # no seed: the lower rank
+    assert scheduler.route_sequence_meta(query(chain(3, family=2))).rank == 0  # no seed: the lower rank
+
+
+def test_a_burst_sharing_a_new_prefix_goes_to_one_owner_until_the_pending_prefix_expires():
+    clock = ManualClock()
+    gbm, scheduler = make(clock=clock, config=RoutingConfig(pending_ttl_s=5.0))
+    prefix = chain(20)
+    first = scheduler.route_sequence_meta(query(prefix + chain(1, family=7)))
+    second = scheduler.route_sequence_meta(query(prefix + chain(1, family=8)))
+    assert first.rank == second.rank, "the second request queues behind the first and reuses its prefill"
+    assert second.matched_blocks == 0 and second.reason.startswith(f"owner_kept r{first.rank} m20")
+    own = {c.rank: c for c in scheduler.last_costs}[first.rank]
+    assert own.missing == 1 * BLOCK + 5, "only its own block and tail are left to compute there"
+    clock.now += 5.0
+    release_all(gbm)
+    load(gbm, first.rank, waiting_prefill_tokens=10_000)  # the producer is still prefilling
+    third = scheduler.route_sequence_meta(query(prefix + chain(1, family=9)))
+    assert third.rank != first.rank, "an expired pending prefix counts for nothing"
+
+
+def test_pending_prefixes_are_off_at_zero_ttl_and_forgotten_when_a_rank_goes_down():
+    gbm, scheduler = make(config=RoutingConfig(pending_ttl_s=0))
+    a = scheduler.route_sequence_meta(query(chain(20)))
+    assert scheduler.route_sequence_meta(query(chain(20))).rank != a.rank, "by load alone"
+    gbm, scheduler = make()
+    a = scheduler.route_sequence_meta(query(chain(20)))
+    scheduler.rank_down(a.rank)
+    assert not gbm.ranks[a.rank].alive and len(scheduler.pending) == 0
+    with pytest.raises(ValueError, match="pending_ttl_s"):
+        RoutingConfig(pending_ttl_s=-1)
 
 
 def test_unpublished_blocks_never_count():

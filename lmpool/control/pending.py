@@ -1,0 +1,81 @@
+"""Pending prefixes: blocks a rank will hold once the requests already routed to it have prefilled.
+
+The page table learns of a block only when its rank reports it, after the prefill
+that computed it. A burst of requests sharing a prefix that no rank holds yet would
+each see no match anywhere, spread over the ranks by load, and each compute the
+prefix: one cold prefill per rank instead of one for the pool, and the prefix then
+takes KV space on every rank. So the LMPool policy also counts, per rank, the
+complete prompt blocks of the requests it sent there (``add``) as if they were
+cached (``extend``): a later request queues behind its producer on that rank and
+reuses the blocks, and the producer's own prefill already counts as queued work.
+
+An entry lives ``ttl_s`` from its latest ``add``: long enough for a queued prefill
+to finish and be reported, after which the page table knows the block (it counts as
+ready, the entry is moot) or the producer failed or was evicted (the entry misleads
+at most that long, and the cost is one cold prefill).
+
+Invariants: ``extend`` never returns less than the match it was given, and counts
+only a contiguous run of live entries right after it; an expired entry is never
+counted; a rank holds at most ``max_entries`` entries (the oldest go first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+MAX_ENTRIES = 1 << 16
+
+
+class PendingPrefixes:
+    def __init__(self, world_size: int, ttl_s: float, clock: Callable[[], float],
+                 max_entries: int = MAX_ENTRIES) -> None:
+        if world_size < 1 or not ttl_s > 0 or max_entries < 1:
+            raise ValueError(f"need world_size >= 1, ttl_s > 0 and max_entries >= 1, got "
+                             f"{world_size}, {ttl_s}, {max_entries}")
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.max_entries = max_entries
+        # Per rank, hash -> expiry, oldest first: one ttl for all, so expiries are in order.
+        self._ranks: list[OrderedDict[int, float]] = [OrderedDict() for _ in range(world_size)]
+
+    def __len__(self) -> int:
+        return sum(len(entries) for entries in self._ranks)
+
+    def add(self, rank: int, block_hashes: list[int]) -> None:
+        """Requests routed to ``rank`` will compute ``block_hashes`` there."""
+        entries = self._ranks[rank]
+        now = self.clock()
+        self._expire(entries, now)
+        expires = now + self.ttl_s
+        for h in block_hashes:
+            entries.pop(h, None)
+            entries[h] = expires
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
+
+    def extend(self, rank: int, block_hashes: list[int], matched: int) -> int:
+        """``matched`` plus the pending blocks of ``rank`` that continue it, in order."""
+        entries = self._ranks[rank]
+        if not entries:
+            return matched
+        now = self.clock()
+        n = matched
+        while n < len(block_hashes):
+            expires = entries.get(block_hashes[n])
+            if expires is None or expires <= now:
+                break
+            n += 1
+        return n
+
+    def drop_rank(self, rank: int) -> None:
+        """The rank died or restarted: what was queued there will not be computed."""
+        self._ranks[rank].clear()
+
+    @staticmethod
+    def _expire(entries: OrderedDict[int, float], now: float) -> None:
+        while entries:
+            h, expires = next(iter(entries.items()))
+            if expires > now:
+                return
+            del entries[h]

@@ -1,0 +1,77 @@
+"""PendingPrefixes: a rank's routed-but-unreported blocks extend its match while they live; checked
+against a plain model (per rank, hash -> expiry in insertion order) after every step."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from lmpool.control.pending import PendingPrefixes
+from control_testkit import ManualClock
+
+TTL = 3.0
+CAP = 6
+hashes = st.lists(st.integers(1, 9), max_size=5)
+
+
+def test_extend_counts_only_a_live_contiguous_run_after_the_match():
+    clock = ManualClock()
+    p = PendingPrefixes(2, TTL, clock)
+    p.add(0, [3, 4, 5])
+    assert p.extend(0, [1, 2, 3, 4, 5, 6], matched=2) == 5
+    assert p.extend(0, [1, 2, 3, 4, 5, 6], matched=1) == 1, "block 2 is neither held nor pending"
+    assert p.extend(1, [1, 2, 3, 4, 5, 6], matched=2) == 2, "another rank's pending blocks"
+    clock.now += TTL
+    assert p.extend(0, [1, 2, 3, 4, 5, 6], matched=2) == 2, "expired"
+    with pytest.raises(ValueError):
+        PendingPrefixes(0, TTL, clock)
+    with pytest.raises(ValueError):
+        PendingPrefixes(1, 0, clock)
+
+
+class PendingMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = ManualClock()
+        self.pending = PendingPrefixes(2, TTL, self.clock, max_entries=CAP)
+        self.model: list[dict[int, float]] = [{}, {}]  # insertion-ordered, like the real thing
+
+    @rule(rank=st.integers(0, 1), block_hashes=hashes)
+    def add(self, rank, block_hashes):
+        self.pending.add(rank, block_hashes)
+        entries = self.model[rank]
+        for h in list(entries):
+            if entries[h] <= self.clock.now:
+                del entries[h]
+        for h in block_hashes:
+            entries.pop(h, None)
+            entries[h] = self.clock.now + TTL
+        while len(entries) > CAP:
+            del entries[next(iter(entries))]
+
+    @rule(dt=st.sampled_from([0.5, 1.0, TTL]))
+    def advance(self, dt):
+        self.clock.now += dt
+
+    @rule(rank=st.integers(0, 1))
+    def drop(self, rank):
+        self.pending.drop_rank(rank)
+        self.model[rank].clear()
+
+    @rule(rank=st.integers(0, 1), block_hashes=hashes, matched=st.integers(0, 3))
+    def extend(self, rank, block_hashes, matched):
+        matched = min(matched, len(block_hashes))
+        n = matched
+        while n < len(block_hashes) and self.model[rank].get(block_hashes[n], -1.0) > self.clock.now:
+            n += 1
+        assert self.pending.extend(rank, block_hashes, matched) == n >= matched
+
+    @invariant()
+    def bounded(self):
+        assert all(len(entries) <= CAP for entries in self.pending._ranks)
+
+
+TestPendingMachine = PendingMachine.TestCase
+TestPendingMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
