@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eval_metrics import paired_change  # noqa: E402
 from eval_suite import (  # noqa: E402
-    LMPOOL, PEERS, add_arguments, chosen_policies, finish_arguments, run_suite, vocab_size,
+    LMPOOL, LMPOOL_VARIANTS, PEERS, add_arguments, chosen_policies, finish_arguments, run_suite, vocab_size,
 )
 from workloads import LOCALITY_LEVELS, locality  # noqa: E402
 
-POLICIES = (LMPOOL, *PEERS)
+POLICIES = (LMPOOL, *PEERS, *LMPOOL_VARIANTS)
 QUICK_POLICIES = "lmpool,round_robin,least_loaded"
 POOL_BLOCKS = 768  # whole-pool KV budget: 192 blocks per worker at 4 replicas
 COMPARED = ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "e2e_mean_ms", "tpot_mean_ms", "dp_tok_reuse")
@@ -62,9 +62,9 @@ def comparisons(summary: dict) -> dict:
             acceptance[key] = {"mean": sign * ci["mean"], "low": min(bounds) if bounds else None,
                                "high": max(bounds) if bounds else None, "n": ci["n"], "goal": GOALS[key],
                                "goal_met": sign * ci["mean"] >= GOALS[key]}
-        acceptance["peers_better_beyond_ci"] = sorted(
+        acceptance["peers_better_beyond_ci"] = sorted(  # LMPool's own variants are not peers
             f"{peer}:{m}" for peer, row in out[top].items() for m in ("throughput_tok_s", "ttft_mean_ms", "e2e_mean_ms")
-            if row.get(m) and row[m]["separation"] == "worse")
+            if not peer.startswith("lmpool") and row.get(m) and row[m]["separation"] == "worse")
         out["acceptance"] = acceptance
     return out
 

@@ -51,13 +51,18 @@ class Policy:
     name: str
     routing: str
     transfer_mode: str = "none"
+    routing_config: tuple[tuple[str, float], ...] = ()  # RoutingConfig fields that differ from the defaults
 
     def pool_kwargs(self) -> dict:
-        # Routing-only policies do not pass the keyword at all: they must run on builds
-        # that have no transfer modes.
-        kw = {"routing": self.routing}
+        # Keywords are passed only when they differ from the defaults: a policy must run on
+        # builds that lack a feature it does not use.
+        kw: dict = {"routing": self.routing}
         if self.transfer_mode != "none":
             kw["transfer_mode"] = self.transfer_mode
+        if self.routing_config:
+            from lmpool.control.global_scheduler import RoutingConfig
+
+            kw["routing_config"] = RoutingConfig(**dict(self.routing_config))
         return kw
 
 
@@ -68,6 +73,10 @@ PEERS = (
     Policy("dynamo_kv", "dynamo_kv"),
 )
 LMPOOL = Policy("lmpool", "lmpool")
+# LMPool routing with a setting still off by default, measured beside it before it may become one.
+LMPOOL_VARIANTS = (
+    Policy("lmpool+pending", "lmpool", routing_config=(("pending_ttl_s", 10.0),)),
+)
 TRANSFER_MODES = (
     Policy("lmpool+background", "lmpool", "background"),
     Policy("lmpool+foreground", "lmpool", "foreground"),
@@ -430,7 +439,9 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
             # The profile does not depend on the seed (``workloads``): the first repetition's.
             "dataset_profile": {wl: profile_trace(ts[args.rep_ids[0]], args.block_size) for wl, ts in traces.items()},
         },
-        "policies": {p.name: {"routing": p.routing, "transfer_mode": p.transfer_mode, "status": "ok", "error": None}
+        "policies": {p.name: {"routing": p.routing, "transfer_mode": p.transfer_mode,
+                              **({"routing_config": dict(p.routing_config)} if p.routing_config else {}),
+                              "status": "ok", "error": None}
                      for p in policies},
         "runs": [],
     }

@@ -152,6 +152,9 @@ class GlobalBlockManager:
         # Reservations in creation order, for TTL expiry without a scan; released ones are
         # skipped when they reach the front.
         self._expiry: deque[tuple[float, str]] = deque()
+        # Told (rank, hash) whenever a rank reports a block: routing's pending prefixes end
+        # there (``lmpool.control.pending``), the page table knowing better from then on.
+        self.on_stored: Callable[[int, int], None] | None = None
         self.snapshots_applied = 0
         self.deltas_applied = 0
         self.gaps = 0
@@ -281,6 +284,8 @@ class GlobalBlockManager:
         blocks[h] = stored.generation << 32 | stored.block_id
         if not known and h not in info.in_flight:
             self._set_ready(info, h, True)
+        if self.on_stored is not None:
+            self.on_stored(info.rank, h)
 
     def _remove(self, info: RankInfo, h: int, block_id: int, generation: int) -> None:
         # A removal of another copy (an older generation, or a transfer's reserved block) is not this entry's.

@@ -26,7 +26,8 @@ P prompt tokens, B tokens per block, M max new tokens:
     load     = queue + decode
     cost     = load + missing + reclaim_weight * reclaim * B
 
-``prefix_match_r`` also counts the rank's pending prefix (``lmpool.control.pending``):
+With ``pending_ttl_s`` > 0, ``prefix_match_r`` also counts the rank's pending prefix
+(``lmpool.control.pending``):
 blocks of prompts already routed there that it has not reported yet, which the request
 will find there once it has queued behind them. So a burst sharing a new prefix goes to
 one owner instead of one cold prefill per rank. The decision still reports (and the
@@ -92,8 +93,9 @@ class RoutingConfig:
     spill_load_gap_tokens: int = 2048
     spill_max_extra_tokens: int = 4096
     # Blocks of prompts routed to a rank count as held there this long, until it reports
-    # them (``lmpool.control.pending``); 0 turns that off.
-    pending_ttl_s: float = 10.0
+    # them (``lmpool.control.pending``); 0 (the default until the H200 suite has measured
+    # it against routing without it: the "lmpool+pending" evaluation policy) turns that off.
+    pending_ttl_s: float = 0.0
     # SGLang cache-aware router (sgl-router CacheAwareConfig::default).
     sglang_cache_threshold: float = 0.5
     sglang_balance_abs_threshold: int = 32
@@ -150,6 +152,7 @@ class GlobalScheduler:
         self.pending: PendingPrefixes | None = None  # the LMPool policy's blocks routed, not yet reported
         if policy == "lmpool" and self.config.pending_ttl_s > 0:
             self.pending = PendingPrefixes(gbm.world_size, self.config.pending_ttl_s, gbm.clock)
+            gbm.on_stored = self.pending.confirm
         self._route = getattr(self, "_route_" + policy)
         self._rr_next = 0
         self._rng = random.Random(self.config.seed)

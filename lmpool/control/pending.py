@@ -9,10 +9,12 @@ complete prompt blocks of the requests it sent there (``add``) as if they were
 cached (``extend``): a later request queues behind its producer on that rank and
 reuses the blocks, and the producer's own prefill already counts as queued work.
 
-An entry lives ``ttl_s`` from its latest ``add``: long enough for a queued prefill
-to finish and be reported, after which the page table knows the block (it counts as
-ready, the entry is moot) or the producer failed or was evicted (the entry misleads
-at most that long, and the cost is one cold prefill).
+An entry ends when its rank reports the block (``confirm``, called by the page table
+for every stored block): from then on the page table knows better, and a block that
+is evicted later must stop counting. Otherwise it lives ``ttl_s`` from its latest
+``add``, long enough for a queued prefill to finish and be reported; past that the
+producer failed or was cancelled, and a stale entry misleads at most that long (the
+cost of being misled is one cold prefill).
 
 Invariants: ``extend`` never returns less than the match it was given, and counts
 only a contiguous run of live entries right after it; an expired entry is never
@@ -67,6 +69,10 @@ class PendingPrefixes:
                 break
             n += 1
         return n
+
+    def confirm(self, rank: int, block_hash: int) -> None:
+        """``rank`` reported ``block_hash``: the page table counts it from now on."""
+        self._ranks[rank].pop(block_hash, None)
 
     def drop_rank(self, rank: int) -> None:
         """The rank died or restarted: what was queued there will not be computed."""

@@ -9,6 +9,9 @@ shaped like ``LLM.generate``.
 ``metrics_port`` (an int; 0 picks a free port) turns on Prometheus metrics, served
 from this process at ``http://<metrics_host>:<port>/metrics`` (see ``lmpool.pool.metrics``).
 
+``routing`` names the policy (``lmpool.control.global_scheduler.POLICIES``) and
+``routing_config`` (``RoutingConfig``) its thresholds.
+
 KV transfers: ``enable_transfers=True`` allows explicit ones (``transfer``);
 ``transfer_mode`` ("background", "foreground" or "both"; implies transfers) runs the
 automatic policies, with copies capped per chain and tick (``background_copy_max_blocks``;
@@ -27,6 +30,7 @@ from collections.abc import Sequence as SequenceABC
 
 import uvloop
 
+from lmpool.control.global_scheduler import RoutingConfig
 from lmpool.control.transfer_config import TransferPolicyConfig
 from lmpool.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
@@ -52,6 +56,7 @@ class AsyncLMPool:
         world_size: int = 2,
         device: str = "cpu",
         routing: str = "lmpool",
+        routing_config: RoutingConfig | None = None,
         topology: list[tuple[int, int]] | None = None,
         ready_timeout: float = 300.0,
         metrics_port: int | None = None,
@@ -67,7 +72,7 @@ class AsyncLMPool:
         engine = EngineArgs(model=str(model), **engine_args)
         self.config = PoolConfig(
             model=str(model), world_size=world_size, device=device, routing=routing,
-            topology=topology, engine=engine, ready_timeout=ready_timeout,
+            routing_config=routing_config, topology=topology, engine=engine, ready_timeout=ready_timeout,
             enable_transfers=enable_transfers, transfer_lease_s=transfer_lease_s,
             transfer_mode=transfer_mode, background_copy_max_blocks=background_copy_max_blocks,
             background_copy_batch_max_blocks=background_copy_batch_max_blocks, transfer_policy=transfer_policy,

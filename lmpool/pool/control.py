@@ -82,7 +82,7 @@ class ControlPlane:
         policy = spec.transfer_policy
         self.gbm = GlobalBlockManager(spec.world_size, spec.block_size, heat_half_life_s=policy.heat_half_life_s,
                                       route_hit_weight=policy.route_hit_weight)
-        self.scheduler = GlobalScheduler(self.gbm, topology, policy=spec.routing)
+        self.scheduler = GlobalScheduler(self.gbm, topology, policy=spec.routing, config=spec.routing_config)
         self.workers: dict[int, Channel] = {}
         self.resync_pending: set[int] = set()
         # Set once a rank's first snapshot is applied, or once it is known dead.

@@ -28,6 +28,7 @@ import msgspec
 import torch
 
 from lmpool.config import EngineConfig
+from lmpool.control.global_scheduler import RoutingConfig
 from lmpool.control.transfer_config import TransferPolicyConfig, check_mode
 from lmpool.engine.hashing import chain_hashes
 from lmpool.engine.model_runner import resolve_dtype
@@ -77,6 +78,7 @@ class PoolConfig:
     world_size: int = 2
     device: str = "cpu"
     routing: str = "lmpool"
+    routing_config: RoutingConfig | None = None  # the routing policies' thresholds; None: the defaults
     topology: list[tuple[int, int]] | None = None  # logical NVLink pairs; None: all partners
     engine: EngineArgs | None = None
     ready_timeout: float = 300.0
@@ -102,6 +104,10 @@ class PoolConfig:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}; got {self.routing!r}")
+        if self.routing_config is None:
+            self.routing_config = RoutingConfig()
+        elif not isinstance(self.routing_config, RoutingConfig):
+            raise ValueError(f"routing_config must be a RoutingConfig, got {type(self.routing_config).__name__}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -238,7 +244,7 @@ class LLMEngine:
         link = self.ipc.create_link()
         spec = ControlSpec(
             world_size=cfg.world_size, device=cfg.device, block_size=self.block_size, routing=cfg.routing,
-            pairs=cfg.topology, gpu_of_rank=cfg.gpu_of_rank(), engine_end=link.b,
+            routing_config=cfg.routing_config, pairs=cfg.topology, gpu_of_rank=cfg.gpu_of_rank(), engine_end=link.b,
             worker_ends=worker_ends, heartbeat_interval=cfg.heartbeat_interval,
             pool_id=self.ipc.pool_id, owner_pid=self.ipc.owner_pid, started_at=self.started_at,
             board=self.board, worker_pids=[r.proc.pid for r in self.ranks],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from lmpool.control.global_scheduler import RoutingConfig
 from lmpool.control.transfer_config import TransferPolicyConfig
 
 
@@ -57,6 +58,7 @@ class ControlSpec(msgspec.Struct, kw_only=True):
     started_at: float = 0.0  # wall-clock time the pool started
     board: str | None = None  # the pool-state board to publish on (``state_board``)
     worker_pids: list[int] = []
+    routing_config: RoutingConfig = msgspec.field(default_factory=RoutingConfig)  # the policies' thresholds
     transfer_mode: str = "none"  # which automatic transfer policies run (``transfer_config``)
     background_copy_max_blocks: int = 8
     background_copy_batch_max_blocks: int = 128

@@ -55,6 +55,11 @@ class PendingMachine(RuleBasedStateMachine):
     def advance(self, dt):
         self.clock.now += dt
 
+    @rule(rank=st.integers(0, 1), h=st.integers(1, 9))
+    def confirm(self, rank, h):
+        self.pending.confirm(rank, h)
+        self.model[rank].pop(h, None)
+
     @rule(rank=st.integers(0, 1))
     def drop(self, rank):
         self.pending.drop_rank(rank)

@@ -239,11 +239,21 @@ def test_a_burst_sharing_a_new_prefix_goes_to_one_owner_until_the_pending_prefix
     assert third.rank != first.rank, "an expired pending prefix counts for nothing"
 
 
-def test_pending_prefixes_are_off_at_zero_ttl_and_forgotten_when_a_rank_goes_down():
-    gbm, scheduler = make(config=RoutingConfig(pending_ttl_s=0))
+def test_a_reported_block_ends_its_pending_entry_so_a_later_eviction_counts():
+    gbm, scheduler = make(config=RoutingConfig(pending_ttl_s=5.0))
+    prefix = chain(20)
+    a = scheduler.route_sequence_meta(query(prefix)).rank
+    cache(gbm, a, prefix[:5])  # the producer's first blocks are reported ...
+    assert scheduler.pending.extend(a, prefix, 5) == 20
+    cache(gbm, a, [])  # ... and evicted again: only the 15 never reported still pend
+    assert gbm.prefix_match(prefix)[a] == 0 and scheduler.pending.extend(a, prefix, 0) == 0
+
+
+def test_pending_prefixes_are_off_by_default_and_forgotten_when_a_rank_goes_down():
+    gbm, scheduler = make()  # off by default
     a = scheduler.route_sequence_meta(query(chain(20)))
-    assert scheduler.route_sequence_meta(query(chain(20))).rank != a.rank, "by load alone"
-    gbm, scheduler = make()
+    assert scheduler.pending is None and scheduler.route_sequence_meta(query(chain(20))).rank != a.rank
+    gbm, scheduler = make(config=RoutingConfig(pending_ttl_s=5.0))
     a = scheduler.route_sequence_meta(query(chain(20)))
     scheduler.rank_down(a.rank)
     assert not gbm.ranks[a.rank].alive and len(scheduler.pending) == 0

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lmpool import LLM, SamplingParams
+from lmpool.control.global_scheduler import RoutingConfig
 from lmpool.pool.api import LMPool
 from lmpool.pool.engine import ROUTINGS, PoolError
 
@@ -82,6 +83,18 @@ def test_bad_input_rejected_at_ingress(tiny_model):
                 pool.generate([[1, 2, 3], prompt], GREEDY)
         assert pool.engine.requests == {}
         assert len(pool.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 8
+
+
+def test_routing_config_reaches_the_control_process(tiny_model):
+    """With pending prefixes on, a burst sharing a prefix nobody holds yet lands on one rank,
+    whether or not the first request's blocks have been reported when the second is routed."""
+    prefix = [(7 * i) % 500 + 1 for i in range(6 * BLOCK)]
+    burst = [prefix + [900 + i] for i in range(4)]
+    with LMPool(tiny_model, world_size=2, block_size=BLOCK, routing_config=RoutingConfig(pending_ttl_s=600)) as pool:
+        outs = pool.generate(burst, GREEDY)
+    assert len({o.rank for o in outs}) == 1, [o.rank for o in outs]
+    with pytest.raises(ValueError, match="routing_config must be a RoutingConfig"):
+        LMPool(tiny_model, world_size=2, block_size=BLOCK, routing_config={"pending_ttl_s": 1})
 
 
 def test_model_that_fails_to_load_names_rank_and_cause(tiny_model, tmp_path):
