@@ -27,11 +27,10 @@ P prompt tokens, B tokens per block, M max new tokens:
     cost     = load + missing + reclaim_weight * reclaim * B
 
 With ``pending_ttl_s`` > 0, ``prefix_match_r`` also counts the rank's pending prefix
-(``lmpool.control.pending``):
-blocks of prompts already routed there that it has not reported yet, which the request
-will find there once it has queued behind them. So a burst sharing a new prefix goes to
-one owner instead of one cold prefill per rank. The decision still reports (and the
-control plane checks) only the ready blocks.
+(``lmpool.control.pending``): blocks of prompts already routed there that it has not
+reported yet, which the request will find there once it has queued behind them. So a
+burst sharing a new prefix goes to one owner instead of one cold prefill per rank. The
+decision still reports (and the control plane checks) only the ready blocks.
 
 A rank is capacity-feasible when ``free + blocks_reclaimable >= need``; only
 feasible ranks compete unless none is (then all do, and the worker queues the

@@ -50,9 +50,10 @@ def _sm_count(device_index: int) -> int:
 def default_max_ctas(device: torch.device) -> int:
     """The pack/unpack grid cap for a chunked transfer on ``device``: one CTA per SM on a GPU
     (0, no cap, elsewhere). NCCL's kernels copy beside the packs and unpacks; an uncapped
-    grid fills every SM and delays them, while one CTA per SM still nearly saturates HBM
-    (the same run: 8 chunks capped at 132 CTAs, 84-89 % of raw NCCL from 448 MiB on,
-    against 81-85 % uncapped)."""
+    grid fills every SM and delays them, while one CTA per SM still nearly saturates HBM.
+    On the H200 pair from 448 MiB on: 8 chunks capped at 132 CTAs reached 84-89 % of raw
+    NCCL against 81-85 % uncapped (the variants run), then 78-88 % against 76-85 % in the
+    run of the final setting (``kv_transfer_h200x2_nccl.json``)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 0
 
