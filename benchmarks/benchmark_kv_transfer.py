@@ -380,8 +380,10 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def environment(args) -> dict:
+    from revision import git_record
+
     env = {"python": platform.python_version(), "torch": torch.__version__, "os": platform.platform(),
-           "cpus": os.cpu_count(), "device": args.device}
+           "cpus": os.cpu_count(), "device": args.device, "git": git_record()}
     try:
         model = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
         env["cpu"] = model.split(":", 1)[1].strip()

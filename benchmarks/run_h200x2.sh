@@ -32,7 +32,7 @@ for step in $steps; do
         | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
     variants)
       timeout 300 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,4,16,64 \
-        --reps 15 --pack-variants "${VARIANTS:-1,2,4,8,16,auto:66,auto:132,auto:264,2:132,4:132,8:132}" \
+        --reps 15 --pack-variants "${VARIANTS:-auto:0,auto:264,2,4,4:0,8:0}" \
         --json "$OUT/kv_transfer_h200x2_nccl_variants.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl_variants.log" | tail -60 ;;
     profile)
