@@ -32,6 +32,7 @@ def test_profile_is_written_checked_and_readable_by_the_cost_model(tmp_path):
     profile = json.loads(out.read_text())
     per_block = 4 * 2 * 16 * 2 * 64 * 4  # tiny preset, float32
     assert profile["kind"] == "gloo" and profile["pairs_path"] == "pack"
+    assert profile["environment"]["git"]["revision"], "the revision that ran is recorded"
     assert profile["model"] == {"preset": "tiny", "layers": 4, "kv_heads": 2, "head_dim": 64, "block_size": 16,
                                 "dtype": "float32", "kv_bytes_per_block": per_block}
     assert set(profile["paths"]) == {"pack", "raw"}
