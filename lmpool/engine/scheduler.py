@@ -10,6 +10,14 @@ and it waits at the head of the queue to be recomputed (its complete blocks are
 usually still in the prefix cache). No sequence is admitted in a step that
 preempted, so the pool does not thrash.
 
+A waiting sequence whose next uncached block is being computed right now by a running
+sequence (one still prefilling the same prefix, or admitted earlier in this step) is
+passed over for this step: admitted now, it would compute the same blocks a second
+time; a step or a few later it finds them in the prefix cache. Only such sequences
+are passed over (the next waiting one is looked at); any other that does not fit ends
+admission for the step, first come first served. A passed-over sequence waits only
+while its producer runs, so it cannot starve.
+
 Admitting a waiting sequence may need more fresh blocks than are free; the rest
 are then reclaimed from the prefix cache (evicted). Before that happens the
 optional ``on_shortage(hit, num_blocks)`` hook is asked: True means "keep the
@@ -97,9 +105,15 @@ class Scheduler:
                 i += 1
         if batch.num_preempted:
             return batch
+        # Without a prefix cache nothing computed now could be reused later: no one is passed over.
+        computing = self._blocks_in_progress() if bm.enable_prefix_caching and self.waiting else None
+        passed: list[Sequence] = []  # waiting sequences whose prefix another one is computing
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = bm.match_prefix(seq)
+            if computing and len(hit) < len(seq.block_hashes) and seq.block_hashes[len(hit)] in computing:
+                passed.append(self.waiting.popleft())
+                continue
             n = min(len(seq) - len(hit) * bm.block_size, budget)
             fresh = bm.blocks_needed(len(hit) * bm.block_size + n) - len(hit)
             if not bm.can_admit(hit, fresh):
@@ -118,7 +132,14 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+            if computing is not None:
+                computing.update(seq.block_hashes[len(hit):])
+        self.waiting.extendleft(reversed(passed))  # back at the front, in their order
         return batch
+
+    def _blocks_in_progress(self) -> set[int]:
+        """Hashes of the complete blocks running sequences hold but have not finished computing."""
+        return {h for seq in self.running for h in seq.block_hashes[seq.num_ready_blocks:]}
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
