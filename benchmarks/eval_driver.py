@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from eval_metrics import RECORD_FIELDS
+from eval_metrics import OPTIONAL_FIELDS, RECORD_FIELDS
 from lmpool.sampling_params import SamplingParams
 
 
@@ -64,6 +64,8 @@ async def replay(pool, trace, arrival: Arrival, on_done: Callable[[], None] = la
             records[req.index] = {
                 "index": req.index, "phase": req.phase, "group": req.group, "prompt_len": len(req.prompt),
                 "max_tokens": req.max_tokens, "pinned_rank": req.rank, "rank": last.rank,
+                # The rule that chose the rank, without its cost figures: "owner", "spill", ...
+                "route": (getattr(last, "route", None) or "").split(" ", 1)[0] or None,
                 "num_cached_tokens": last.num_cached_tokens, "output_len": len(last.token_ids),
                 # Microseconds are far below any latency measured here, and keep the JSON small.
                 "arrival_s": round(arrived - t0, 6), "first_token_s": round(first - t0, 6),
@@ -86,4 +88,4 @@ async def replay(pool, trace, arrival: Arrival, on_done: Callable[[], None] = la
     missing = [i for i, r in enumerate(records) if r is None]
     if missing:
         raise RuntimeError(f"requests {missing[:5]} left no record")
-    return {f: [r[f] for r in records] for f in RECORD_FIELDS}
+    return {f: [r[f] for r in records] for f in (*RECORD_FIELDS, *OPTIONAL_FIELDS)}

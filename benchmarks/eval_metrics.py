@@ -26,6 +26,8 @@ RECORD_FIELDS = (
     "index", "phase", "group", "prompt_len", "max_tokens", "pinned_rank", "rank",
     "num_cached_tokens", "output_len", "arrival_s", "first_token_s", "completion_s",
 )
+# Recorded since a later revision; older results lack them, and no metric needs them.
+OPTIONAL_FIELDS = ("route",)
 TRANSFER_COUNTERS = (
     "plans_started", "plans_committed", "plans_aborted", "blocks_copied", "blocks_moved", "lease_routed",
 )

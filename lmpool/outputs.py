@@ -13,3 +13,4 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_reason: str | None = None  # "stop", "length" or "abort"
     rank: int | None = None  # the replica that served it, in a pool
+    route: str | None = None  # in a pool: the routing rule that chose the rank ("pinned" when asked for)

@@ -140,6 +140,7 @@ class AsyncLMPool:
             num_cached_tokens=req.num_cached_tokens,
             finish_reason=finish_reason,
             rank=req.rank,
+            route=req.route or None,
         )
 
     async def submit(

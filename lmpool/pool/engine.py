@@ -142,6 +142,7 @@ class TrackedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     rank: int = -1
+    route: str = ""  # the latest routing decision's reason (``RouteDecision.reason``), or "pinned"
     # The id the worker knows this dispatch by: new for every dispatch, so tokens still in
     # flight from an aborted request, or from a rank the request left, never match it.
     wire_id: str = ""
@@ -337,6 +338,7 @@ class LLMEngine:
                 raise PoolError("no rank is alive")
             if pinned is not None and self.ranks[pinned].alive:
                 rank = self.ranks[pinned]
+                req.route = "pinned"
             else:
                 tokens = req.prompt_token_ids + req.output_token_ids
                 query = RouteQuery(
@@ -345,6 +347,7 @@ class LLMEngine:
                 )
                 decision = await self.control_request(query)
                 rank = self.ranks[decision.rank]
+                req.route = decision.reason
             if not rank.alive:
                 continue  # the control plane had not yet heard of its death
             self._by_wire.pop(req.wire_id, None)

@@ -17,6 +17,7 @@ class Out:
         self.token_ids = list(range(n))
         self.rank, self.num_cached_tokens = rank, cached
         self.finish_reason = "length" if last else None
+        self.route = f"spill r{rank} m0 cost=12 from owner r0 m3 cost=40" if rank else "pinned"
 
 
 class FakePool:
@@ -65,6 +66,7 @@ def test_trace_order_window_and_phase_barriers():
     assert cols["index"] == list(range(72))
     assert cols["output_len"] == [3] * 72
     assert cols["pinned_rank"][:36] == cols["rank"][:36]  # warm-up and pressure are pinned
+    assert cols["route"] == ["spill" if rank else "pinned" for rank in cols["rank"]], "the rule, not its figures"
     assert cols["phase"] == [r.phase for r in trace.requests]
     assert all(a <= f <= c for a, f, c in zip(cols["arrival_s"], cols["first_token_s"], cols["completion_s"]))
 

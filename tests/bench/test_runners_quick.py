@@ -83,6 +83,11 @@ def test_routing_runner_quick_mode(tiny_model, tmp_path):
     assert data["benchmark"] == "kv_routing"
     check_common(data, {"locality_1x", "locality_3x", "locality_5x"}, {"lmpool", "round_robin", "least_loaded"})
     assert all(r["status"] == "ok" for r in data["runs"])
+    for record in data["runs"]:  # every request names the rule that routed it, without its figures
+        routes = record["requests"]["route"]
+        assert len(routes) == 192 and all(r and " " not in r for r in routes)
+        if record["policy"] == "round_robin":
+            assert set(routes) == {"round_robin"}
     profile = data["metadata"]["dataset_profile"]
     assert all(f"{100 * p['trace_req_share']:.2f}" == "91.67" for p in profile.values())
     acceptance = data["comparisons"]["acceptance"]

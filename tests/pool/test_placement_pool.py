@@ -58,7 +58,8 @@ def test_background_copy_of_a_hot_prefix_draws_later_requests(tiny_model):
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="background",
                                background_copy_max_blocks=2, transfer_policy=policy) as pool:
-            await pool.generate(hot + tokens(5, 9), GREEDY, rank=0)  # rank 0 caches the prefix
+            seeded = await pool.generate(hot + tokens(5, 9), GREEDY, rank=0)  # rank 0 caches the prefix
+            assert (seeded.rank, seeded.route) == (0, "pinned")
             # Load skew: long decodes on rank 0 only.
             long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
             loads = [asyncio.create_task(pool.generate(p, long, rank=0)) for p in load_prompts]

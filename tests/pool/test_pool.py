@@ -93,6 +93,8 @@ def test_routing_config_reaches_the_control_process(tiny_model):
     with LMPool(tiny_model, world_size=2, block_size=BLOCK, routing_config=RoutingConfig(pending_ttl_s=600)) as pool:
         outs = pool.generate(burst, GREEDY)
     assert len({o.rank for o in outs}) == 1, [o.rank for o in outs]
+    routes = [o.route.split()[0] for o in outs]  # each output names the rule that placed it
+    assert routes[0] == "min_cost" and set(routes[1:]) <= {"owner", "owner_kept"}, [o.route for o in outs]
     with pytest.raises(ValueError, match="routing_config must be a RoutingConfig"):
         LMPool(tiny_model, world_size=2, block_size=BLOCK, routing_config={"pending_ttl_s": 1})
 
