@@ -73,9 +73,9 @@ PEERS = (
     Policy("dynamo_kv", "dynamo_kv"),
 )
 LMPOOL = Policy("lmpool", "lmpool")
-# LMPool routing with a setting still off by default, measured beside it before it may become one.
+# LMPool routing without one of its parts, to measure what that part is worth.
 LMPOOL_VARIANTS = (
-    Policy("lmpool+pending", "lmpool", routing_config=(("pending_ttl_s", 10.0),)),
+    Policy("lmpool-pending", "lmpool", routing_config=(("pending_ttl_s", 0.0),)),
 )
 TRANSFER_MODES = (
     Policy("lmpool+background", "lmpool", "background"),

@@ -26,7 +26,7 @@ P prompt tokens, B tokens per block, M max new tokens:
     load     = queue + decode
     cost     = load + missing + reclaim_weight * reclaim * B
 
-With ``pending_ttl_s`` > 0, ``prefix_match_r`` also counts the rank's pending prefix
+With ``pending_ttl_s`` > 0 (the default), ``prefix_match_r`` also counts the rank's pending prefix
 (``lmpool.control.pending``): blocks of prompts already routed there that it has not
 reported yet, which the request will find there once it has queued behind them. So a
 burst sharing a new prefix goes to one owner instead of one cold prefill per rank. The
@@ -91,10 +91,12 @@ class RoutingConfig:
     reclaim_weight: float = 0.25
     spill_load_gap_tokens: int = 2048
     spill_max_extra_tokens: int = 4096
+    # A route reservation counts until its rank reports the request admitted, or this long
+    # (a request that never reached its rank).
+    reservation_ttl_s: float = 10.0
     # Blocks of prompts routed to a rank count as held there this long, until it reports
-    # them (``lmpool.control.pending``); 0 (the default until the H200 suite has measured
-    # it against routing without it: the "lmpool+pending" evaluation policy) turns that off.
-    pending_ttl_s: float = 0.0
+    # them (``lmpool.control.pending``); 0 turns that off (the "lmpool-pending" evaluation policy).
+    pending_ttl_s: float = 10.0
     # SGLang cache-aware router (sgl-router CacheAwareConfig::default).
     sglang_cache_threshold: float = 0.5
     sglang_balance_abs_threshold: int = 32
@@ -111,6 +113,8 @@ class RoutingConfig:
             raise ValueError(f"decode_work must be 'tokens' or 'running', got {self.decode_work!r}")
         if self.sglang_tree not in ("approximate", "page_table"):
             raise ValueError(f"sglang_tree must be 'approximate' or 'page_table', got {self.sglang_tree!r}")
+        if not self.reservation_ttl_s > 0:
+            raise ValueError(f"reservation_ttl_s must be > 0, got {self.reservation_ttl_s!r}")
         if not self.pending_ttl_s >= 0:
             raise ValueError(f"pending_ttl_s must be >= 0 (0: off), got {self.pending_ttl_s!r}")
 

@@ -81,7 +81,8 @@ class ControlPlane:
             topology = Topology.from_pairs(spec.world_size, [tuple(p) for p in spec.pairs], spec.gpu_of_rank)
         policy = spec.transfer_policy
         self.gbm = GlobalBlockManager(spec.world_size, spec.block_size, heat_half_life_s=policy.heat_half_life_s,
-                                      route_hit_weight=policy.route_hit_weight)
+                                      route_hit_weight=policy.route_hit_weight,
+                                      reservation_ttl_s=spec.routing_config.reservation_ttl_s)
         self.scheduler = GlobalScheduler(self.gbm, topology, policy=spec.routing, config=spec.routing_config)
         self.workers: dict[int, Channel] = {}
         self.resync_pending: set[int] = set()

@@ -336,13 +336,16 @@ class LLMEngine:
         while True:
             if not any(r.alive for r in self.ranks):
                 raise PoolError("no rank is alive")
+            # The route's reservation is keyed by this dispatch's wire id: the worker reports
+            # admissions by the id it was given, and the control plane releases on that.
+            wire_id = str(next(self._wire_ids))
             if pinned is not None and self.ranks[pinned].alive:
                 rank = self.ranks[pinned]
                 req.route = "pinned"
             else:
                 tokens = req.prompt_token_ids + req.output_token_ids
                 query = RouteQuery(
-                    req.request_id, chain_hashes(tokens, self.block_size), len(tokens),
+                    wire_id, chain_hashes(tokens, self.block_size), len(tokens),
                     req.params.max_tokens - len(req.output_token_ids),
                 )
                 decision = await self.control_request(query)
@@ -351,7 +354,7 @@ class LLMEngine:
             if not rank.alive:
                 continue  # the control plane had not yet heard of its death
             self._by_wire.pop(req.wire_id, None)
-            req.rank, req.wire_id = rank.rank, str(next(self._wire_ids))
+            req.rank, req.wire_id = rank.rank, wire_id
             self._by_wire[req.wire_id] = req
             msg = AddRequest(req.wire_id, req.prompt_token_ids, req.params, list(req.output_token_ids))
             if await self._send_to_rank(rank, msg):

@@ -249,11 +249,11 @@ def test_a_reported_block_ends_its_pending_entry_so_a_later_eviction_counts():
     assert gbm.prefix_match(prefix)[a] == 0 and scheduler.pending.extend(a, prefix, 0) == 0
 
 
-def test_pending_prefixes_are_off_by_default_and_forgotten_when_a_rank_goes_down():
-    gbm, scheduler = make()  # off by default
+def test_pending_prefixes_are_off_at_zero_ttl_and_forgotten_when_a_rank_goes_down():
+    gbm, scheduler = make(config=RoutingConfig(pending_ttl_s=0))
     a = scheduler.route_sequence_meta(query(chain(20)))
     assert scheduler.pending is None and scheduler.route_sequence_meta(query(chain(20))).rank != a.rank
-    gbm, scheduler = make(config=RoutingConfig(pending_ttl_s=5.0))
+    gbm, scheduler = make()  # on by default
     a = scheduler.route_sequence_meta(query(chain(20)))
     scheduler.rank_down(a.rank)
     assert not gbm.ranks[a.rank].alive and len(scheduler.pending) == 0
@@ -311,6 +311,8 @@ def test_bad_policy_config_and_topology_are_rejected():
         RoutingConfig(decode_work="steps")
     with pytest.raises(ValueError, match="sglang_tree"):
         RoutingConfig(sglang_tree="radix")
+    with pytest.raises(ValueError, match="reservation_ttl_s"):
+        RoutingConfig(reservation_ttl_s=0)
 
 
 # ---- baselines ----------------------------------------------------------------------------

@@ -107,3 +107,23 @@ def test_thousand_concurrent_streams_all_finish(tiny_model):
     assert len(outs) == 1000 and all(len(o.token_ids) == 3 for o in outs)
     lags.sort()
     print(f"timer lag p50 {lags[len(lags) // 2] * 1e3:.1f} ms, p99 {lags[int(len(lags) * 0.99)] * 1e3:.1f} ms")
+
+
+def test_route_reservations_end_when_their_rank_reports_the_admission(tiny_model):
+    """A reservation is keyed by the dispatch the worker reports admitted: it ends with that
+    report, not with its time-to-live (600 s here, far beyond the wait)."""
+    from lmpool.control.global_scheduler import RoutingConfig
+
+    import pool_waits
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK,
+                               routing_config=RoutingConfig(reservation_ttl_s=600)) as pool:
+            outs = await asyncio.gather(*(pool.generate([3 + i] * 40, GREEDY) for i in range(6)))
+            stats = await pool_waits.settled(pool, lambda s: s["transfers"]["reservations"] == 0,
+                                             "every reservation released by its admission")
+            return outs, stats
+
+    outs, stats = uvloop.run(main())
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert stats["transfers"]["reservations"] == 0
