@@ -22,7 +22,7 @@ if [ ! -f "$model/config.json" ]; then
   python3 -m lmpool.cli make-model "$model" --preset "$preset" >/dev/null || exit 1
 fi
 # Build the CUDA kernels once here, so no timed pool start pays for the compile.
-python3 -c "from lmpool.ops.cuda import load_extension as a; from lmpool.transfer.block_copy import load_extension as b; a(); b()" || exit 1
+build_kernels || exit 1
 [ "$bench" = prep ] && exit 0
 name="eval_h200_${preset}_${bench}${TAG}"
 mps=--mps

@@ -12,8 +12,7 @@ mkdir -p "$OUT"
 . benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
-timeout 300 python3 -c "from lmpool.ops.cuda import load_extension as a; from lmpool.transfer.block_copy import load_extension as b; a(); b()" \
-  || { echo "kernel build failed" >&2; exit 1; }
+build_kernels || { echo "kernel build failed" >&2; exit 1; }
 steps=${*:-tests throughput}
 for step in $steps; do
   case $step in

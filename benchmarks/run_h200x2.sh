@@ -15,8 +15,7 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 nvidia-smi topo -m | tee "$OUT/topo.txt"
-timeout 300 python3 -c "from lmpool.ops.cuda import load_extension as a; from lmpool.transfer.block_copy import load_extension as b; a(); b()" \
-  || { echo "kernel build failed" >&2; exit 1; }
+build_kernels || { echo "kernel build failed" >&2; exit 1; }
 steps=${*:-tests bench}
 for step in $steps; do
   case $step in

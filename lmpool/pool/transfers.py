@@ -166,7 +166,8 @@ class TransferExecutor:
             pass
 
     def _ack(self, order: TransferOrder, ok: bool = True, error: str = "", **fields) -> TransferAck:
-        return TransferAck(order.plan_id, self.rank, ORDER_PHASE[order.kind].value if order.kind in ORDER_PHASE else order.kind, ok, error, **fields)
+        phase = ORDER_PHASE.get(order.kind)  # "abort" and "connect" have no phase: their own name
+        return TransferAck(order.plan_id, self.rank, phase.value if phase else order.kind, ok, error, **fields)
 
     # ---- orders -----------------------------------------------------------------------
 
