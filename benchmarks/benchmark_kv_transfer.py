@@ -96,9 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, default=None,
                    help="pool: a data-path profile of this machine; the output adds its curves and the residuals")
     p.add_argument("--pack-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
-                   help="extra packed paths beside the default, comma-separated: K (K layer chunks), "
-                        "K:C (and pack/unpack grids capped at C CTAs, 0: uncapped), auto:C (the default "
-                        "chunks, capped)")
+                   help="extra packed paths beside the default, comma-separated, each S or S:C: S is "
+                        "auto (the default chunks), even (near-equal chunks of >= 48 MiB), K (K near-equal "
+                        "chunks) or tK (K tapered chunks); C caps the pack/unpack grids at C CTAs (0: uncapped)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
@@ -110,11 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for v in args.pack_variants:
         try:
             variant = pack_variant(f"pack@{v}")
-            ok = (variant["chunks"] is None or variant["chunks"] >= 1) and (variant["max_ctas"] or 0) >= 0
+            ok = variant.get("chunks", 1) >= 1 and (variant["max_ctas"] or 0) >= 0
         except ValueError:
             ok = False
         if not ok:
-            p.error(f"--pack-variants: {v!r} is not K, K:C or auto:C with K >= 1 and C >= 0")
+            p.error(f"--pack-variants: {v!r} is not S or S:C, S one of auto, even, K, tK with K >= 1, C >= 0")
     return args
 
 
@@ -163,12 +163,21 @@ def spin(handle, timeout: float = WAIT_S) -> None:
 
 def pack_variant(path: str) -> dict:
     """``send_blocks``/``BlockReceiver`` keywords of a packed path: ``pack`` (the pool's
-    default), ``pack@K`` (K layer chunks, the default cap), ``pack@K:C`` or ``pack@auto:C`` (grids
-    capped at C CTAs; C = 0: uncapped)."""
+    default: tapered chunks, grids capped), ``pack@S`` or ``pack@S:C`` where S is the chunking,
+    ``auto`` (the default's), ``even`` (near-equal chunks of at least 48 MiB), ``K`` (K
+    near-equal chunks) or ``tK`` (K tapered chunks), and C caps the pack/unpack grids at C
+    CTAs (0: uncapped; absent: the default cap)."""
     if "@" not in path:
         return {}
-    chunks, _, ctas = path.split("@", 1)[1].partition(":")
-    return {"chunks": None if chunks == "auto" else int(chunks), "max_ctas": int(ctas) if ctas else None}
+    spec, _, ctas = path.split("@", 1)[1].partition(":")
+    variant: dict = {"max_ctas": int(ctas) if ctas else None}
+    if spec == "even":
+        variant["shape"] = "even"
+    elif spec.startswith("t"):
+        variant.update(shape="taper", chunks=int(spec[1:]))
+    elif spec != "auto":
+        variant.update(shape="even", chunks=int(spec))
+    return variant
 
 
 # ---- one worker ----------------------------------------------------------------------

@@ -25,13 +25,13 @@ for step in $steps; do
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_cuda_ipc_gpu.py -k two_gpus 2>&1 \
         | tee "$OUT/cuda_ipc_two_gpus.log" | tail -8 ;;
     bench)
-      # auto:0 is the default chunking with uncapped pack/unpack grids, for the side-by-side.
+      # even: the near-equal chunks (>= 48 MiB, at most 8) the tapered default replaced, same cap.
       timeout 240 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
-        --sizes 1,2,4,8,16,32,64 --reps 20 --pack-variants auto:0 --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
+        --sizes 1,2,4,8,16,32,64 --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-even}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
     variants)
       timeout 300 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,4,16,64 \
-        --reps 15 --pack-variants "${VARIANTS:-auto:0,auto:264,2,4,4:0,8:0}" \
+        --reps 15 --pack-variants "${VARIANTS:-even,auto:0,t3,t5,4}" \
         --json "$OUT/kv_transfer_h200x2_nccl_variants.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl_variants.log" | tail -60 ;;
     profile)

@@ -3,12 +3,17 @@
 A packed transfer of B blocks moves ``[layers, 2, B, block_size, kv_heads, head_dim]``.
 Sent whole, its time is pack + send + unpack, one after the other. Cut along layers
 into k chunks, the sender packs chunk i+1 while chunk i is on the wire and the receiver
-unpacks chunk i while chunk i+1 arrives, so the time approaches the wire's plus one
-chunk's pack and unpack.
+unpacks chunk i while chunk i+1 arrives, so the time approaches the wire's plus the first
+chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
 
-- ``layer_chunks`` cuts the layers the same way on both ends: from the payload's size
-  alone (chunks of at least ``CHUNK_BYTES``, at most ``MAX_CHUNKS``), so sender and
-  receiver always agree on the number and the sizes of the messages.
+- ``tapered_chunks`` (the default) makes the ends small and the middle large: packing is
+  several times faster than the wire, so each chunk can outgrow its predecessor by that
+  factor and still be packed in time, while only the small first pack and last unpack are
+  exposed. It picks the chunk count whose modelled overhead is least.
+- ``layer_chunks`` cuts near-equal chunks of at least ``CHUNK_BYTES`` (the earlier rule,
+  kept for comparison and for tests that want many chunks).
+- Both cut from the layer count and the payload's size alone, so sender and receiver
+  always agree on the number and the sizes of the messages.
 - ``send_blocks`` packs and sends every chunk at once (all asynchronous: on a GPU each
   pack is queued on the caller's current stream and each send waits for its pack).
 - ``BlockReceiver`` posts every chunk's receive at once, then, each time it is polled,
@@ -73,6 +78,75 @@ def layer_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
 
 
+# The tapered plan's model, in bytes of wire time. Over an NVLink pair of H200s the pack and
+# unpack kernels move 1.8 GB/ms (results/kernels_NOTES.md) against NCCL's 0.35-0.37 GB/ms, a
+# factor of 5, taken as 4 for the kernels' share of HBM and SMs beside NCCL's. A linear fit of
+# raw NCCL send/recv times (results/h200x2/kv_transfer_h200x2_nccl.json) leaves 70-90 us
+# per operation; the even chunking's measured ratios fit a marginal cost near 45 us, 16 MiB
+# of wire time, per chunk beyond the first.
+PACK_OVER_WIRE = 4.0
+CHUNK_START_BYTES = 16 << 20
+
+
+def taper(layers: int, chunks: int) -> list[int]:
+    """Layer counts of ``chunks`` chunks whose sizes grow by ``PACK_OVER_WIRE`` from both ends
+    towards the middle (each at least one layer, summing to ``layers``)."""
+    if not 1 <= chunks <= layers:
+        raise ValueError(f"chunks must be in [1, {layers}] for {layers} layers, got {chunks}")
+    ideal = [PACK_OVER_WIRE ** min(j, chunks - 1 - j) for j in range(chunks)]
+    ideal = [layers * w / sum(ideal) for w in ideal]
+    counts = [max(1, int(x)) for x in ideal]
+    while sum(counts) > layers:  # the floor of one layer overshot: take from the largest
+        counts[counts.index(max(counts))] -= 1
+    while sum(counts) < layers:  # the rounding remainder goes where the count falls shortest
+        short = [x - n for x, n in zip(ideal, counts)]
+        counts[short.index(max(short))] += 1
+    return counts
+
+
+def modelled_overhead(counts: list[int], layer_bytes: float) -> float:
+    """Wire-time bytes that cutting a payload into chunks of ``counts`` layers adds to its own:
+    the first pack and the last unpack, a start-up per extra chunk, and any pack (unpack)
+    that outlasts the previous (next) chunk's time on the wire."""
+    size = [n * layer_bytes for n in counts]
+    r = PACK_OVER_WIRE
+    cost = (size[0] + size[-1]) / r + (len(size) - 1) * CHUNK_START_BYTES
+    cost += sum(max(0.0, size[j] / r - size[j - 1]) for j in range(1, len(size)))
+    cost += sum(max(0.0, size[j] / r - size[j + 1]) for j in range(len(size) - 1))
+    return cost
+
+
+def tapered_chunks(layers: int, payload_bytes: int, chunks: int | None = None) -> list[tuple[int, int]]:
+    """``[(first_layer, end_layer), ...]`` covering ``range(layers)`` in tapered chunks
+    (``taper``): ``chunks`` of them if given, else the count, at most ``MAX_CHUNKS``, whose
+    ``modelled_overhead`` is least (the fewer chunks on a tie)."""
+    if layers < 1:
+        raise ValueError(f"a payload has at least one layer, got {layers}")
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    most = min(MAX_CHUNKS, layers)
+    if chunks is not None:
+        counts = taper(layers, min(chunks, most))
+    else:
+        plans = [taper(layers, k) for k in range(1, most + 1)]
+        counts = min(plans, key=lambda c: (modelled_overhead(c, payload_bytes / layers), len(c)))
+    bounds = [0]
+    for n in counts:
+        bounds.append(bounds[-1] + n)
+    return list(zip(bounds, bounds[1:]))
+
+
+def cut(layers: int, payload_bytes: int, shape: str = "taper", chunks: int | None = None,
+        chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """The chunks of a payload: ``shape`` "taper" (``tapered_chunks``) or "even"
+    (``layer_chunks``, whose floor is ``chunk_bytes``)."""
+    if shape == "taper":
+        return tapered_chunks(layers, payload_bytes, chunks)
+    if shape == "even":
+        return layer_chunks(layers, payload_bytes, chunk_bytes, chunks)
+    raise ValueError(f"a chunk shape is 'taper' or 'even', got {shape!r}")
+
+
 def chunk_tag(plan_id: int, index: int) -> int:
     """The tag of chunk ``index`` of a plan's payload (distinct for the plans in flight)."""
     return plan_tag(plan_id * MAX_CHUNKS + index)
@@ -121,14 +195,15 @@ class BlockSender(_Chunks):
 
 
 def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
-                chunk_bytes: int = CHUNK_BYTES, chunks: int | None = None,
+                shape: str = "taper", chunks: int | None = None, chunk_bytes: int = CHUNK_BYTES,
                 max_ctas: int | None = None) -> BlockSender:
     """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks
-    (``layer_chunks``); ``max_ctas`` caps each pack kernel's grid (None: ``default_max_ctas``)."""
+    (``cut``; the receiver must cut alike); ``max_ctas`` caps each pack kernel's grid (None:
+    ``default_max_ctas``)."""
     if max_ctas is None:
         max_ctas = default_max_ctas(cache.device)
     handles = []
-    cuts = layer_chunks(cache.shape[0], payload_bytes(cache, len(block_ids)), chunk_bytes, chunks)
+    cuts = cut(cache.shape[0], payload_bytes(cache, len(block_ids)), shape, chunks, chunk_bytes)
     for i, (first, end) in enumerate(cuts):
         payload = ops.pack_kv(cache[first:end], block_ids, max_ctas)
         handles.append(transport.send(peer, payload, chunk_tag(plan_id, i)))
@@ -139,13 +214,13 @@ class BlockReceiver(_Chunks):
     """Receive ``block_ids``' blocks of every layer from ``peer`` into ``cache``, in chunks."""
 
     def __init__(self, transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
-                 wanted: Callable[[], bool] = lambda: True, chunk_bytes: int = CHUNK_BYTES,
-                 chunks: int | None = None, max_ctas: int | None = None) -> None:
+                 wanted: Callable[[], bool] = lambda: True, shape: str = "taper", chunks: int | None = None,
+                 chunk_bytes: int = CHUNK_BYTES, max_ctas: int | None = None) -> None:
         self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
         self._max_ctas = default_max_ctas(cache.device) if max_ctas is None else max_ctas
         self._pending: list[tuple[int, int, torch.Tensor, object]] = []
-        cuts = layer_chunks(cache.shape[0], payload_bytes(cache, len(block_ids)), chunk_bytes, chunks)
+        cuts = cut(cache.shape[0], payload_bytes(cache, len(block_ids)), shape, chunks, chunk_bytes)
         for i, (first, end) in enumerate(cuts):
             buffer = torch.empty((end - first, 2, len(block_ids), *cache.shape[3:]), dtype=cache.dtype,
                                  device=cache.device)

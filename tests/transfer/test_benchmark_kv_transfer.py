@@ -81,10 +81,12 @@ def test_nccl_summary_ratios_and_bandwidth():
 
 def test_pack_variants_parse_and_get_their_own_ratio():
     assert bench.pack_variant("pack") == {}
-    assert bench.pack_variant("pack@4") == {"chunks": 4, "max_ctas": None}
-    assert bench.pack_variant("pack@4:0") == {"chunks": 4, "max_ctas": 0}
-    assert bench.pack_variant("pack@auto:132") == {"chunks": None, "max_ctas": 132}
-    for bad in ("0", "x", "2:-1", "2:y"):
+    assert bench.pack_variant("pack@4") == {"shape": "even", "chunks": 4, "max_ctas": None}
+    assert bench.pack_variant("pack@4:0") == {"shape": "even", "chunks": 4, "max_ctas": 0}
+    assert bench.pack_variant("pack@t3:0") == {"shape": "taper", "chunks": 3, "max_ctas": 0}
+    assert bench.pack_variant("pack@even:132") == {"shape": "even", "max_ctas": 132}
+    assert bench.pack_variant("pack@auto:132") == {"max_ctas": 132}
+    for bad in ("0", "x", "t0", "t", "2:-1", "2:y"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--pack-variants", bad])
     args = bench.parse_args(["--kind", "nccl", "--preset", "tiny", "--sizes", "2", "--reps", "3",

@@ -1,6 +1,7 @@
 """Packed transfers in layer chunks (``lmpool/transfer/chunked.py``) over a gloo pair in one
-process: both ends cut alike, bytes arrive exact, a plan that ended drops its bytes, a
-failed chunk fails the transfer."""
+process: both ends cut alike, tapered chunks are small at the ends and never modelled worse
+than near-equal ones, bytes arrive exact, a plan that ended drops its bytes, a failed chunk
+fails the transfer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ from hypothesis import strategies as st
 
 from lmpool.ops import reference
 from lmpool.transfer import TransportError
-from lmpool.transfer.chunked import MAX_CHUNKS, BlockReceiver, chunk_tag, layer_chunks, payload_bytes, send_blocks
+from lmpool.transfer.chunked import (
+    MAX_CHUNKS,
+    BlockReceiver,
+    chunk_tag,
+    cut,
+    layer_chunks,
+    modelled_overhead,
+    payload_bytes,
+    send_blocks,
+    tapered_chunks,
+)
 from transfer_testkit import block_ids, make_cache
 
 WAIT_S = 10
@@ -41,26 +52,77 @@ def test_a_chunk_count_is_honoured_within_the_layers_and_the_cap(layers, chunks)
     assert sum(sizes) == layers and max(sizes) - min(sizes) <= 1
 
 
+def sizes_of(parts: list[tuple[int, int]]) -> list[int]:
+    return [end - first for first, end in parts]
+
+
+@given(layers=st.integers(1, 128), nbytes=st.integers(1, 1 << 36), chunks=st.none() | st.integers(1, 40))
+def test_tapered_chunks_cover_every_layer_once_rising_then_falling(layers, nbytes, chunks):
+    parts = tapered_chunks(layers, nbytes, chunks)
+    assert parts[0][0] == 0 and parts[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    sizes = sizes_of(parts)
+    assert min(sizes) >= 1 and len(parts) <= MAX_CHUNKS
+    if chunks is not None:
+        assert len(parts) == min(chunks, layers, MAX_CHUNKS)
+    peak = sizes.index(max(sizes))
+    assert sizes[:peak + 1] == sorted(sizes[:peak + 1])  # rising to the largest chunk
+    assert sizes[peak:] == sorted(sizes[peak:], reverse=True)  # and falling after it
+    assert all(abs(a - b) <= 1 for a, b in zip(sizes, reversed(sizes)))  # mirrored, within a layer
+
+
+@given(layers=st.integers(1, 128), nbytes=st.integers(1, 1 << 36))
+def test_the_tapered_plan_is_never_modelled_worse_than_near_equal_chunks(layers, nbytes):
+    layer_bytes = nbytes / layers
+    chosen = modelled_overhead(sizes_of(tapered_chunks(layers, nbytes)), layer_bytes)
+    for k in range(1, min(layers, MAX_CHUNKS) + 1):
+        assert chosen <= modelled_overhead(sizes_of(layer_chunks(layers, nbytes, chunks=k)), layer_bytes) + 1e-6
+
+
+def test_a_small_payload_goes_whole_and_a_large_one_has_small_ends():
+    block = 28 << 20  # a Qwen3-0.6B block in bf16: 28 layers of 1 MiB
+    assert tapered_chunks(28, block) == [(0, 28)]  # one chunk's start-up outweighs its whole pack
+    sizes = sizes_of(tapered_chunks(28, 64 * block))
+    assert len(sizes) > 2 and max(sizes[0], sizes[-1]) < max(sizes) / 2
+
+
+def test_cut_names_its_shapes():
+    assert cut(28, 1 << 30, "even", chunks=4) == layer_chunks(28, 1 << 30, chunks=4)
+    assert cut(28, 1 << 30) == tapered_chunks(28, 1 << 30)
+    with pytest.raises(ValueError, match="'taper' or 'even'"):
+        cut(28, 1 << 30, "spiral")
+
+
 def test_layer_chunks_refuse_an_empty_payload_and_no_chunks():
     with pytest.raises(ValueError, match="at least one layer"):
         layer_chunks(0, 100)
     with pytest.raises(ValueError, match="chunks must be >= 1"):
         layer_chunks(4, 100, chunks=0)
+    with pytest.raises(ValueError, match="at least one layer"):
+        tapered_chunks(0, 100)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        tapered_chunks(4, 100, chunks=0)
 
 
-@pytest.mark.parametrize("chunk_bytes", [1, 10**9], ids=["one-chunk-per-layer-group", "whole"])
-def test_chunked_blocks_arrive_byte_equal(pair, chunk_bytes):
+@pytest.mark.parametrize("chunking, expected_chunks", [
+    ({"shape": "even", "chunk_bytes": 1}, "most"),
+    ({"shape": "even", "chunk_bytes": 10**9}, 1),
+    ({"shape": "taper", "chunks": 3}, 3),
+    ({}, 1),  # the default: a payload this small goes whole
+], ids=["even-most", "even-whole", "taper-3", "default"])
+def test_chunked_blocks_arrive_byte_equal(pair, chunking, expected_chunks):
     a, b = pair
     src, dst = make_cache(0), make_cache(1)
     expected = dst.clone()
     src_ids, dst_ids = block_ids(3, 5)
     reference.unpack_kv(expected, dst_ids, reference.pack_kv(src, src_ids))
-    receiving = BlockReceiver(b, 0, reference, dst, dst_ids, plan_id=7, chunk_bytes=chunk_bytes)
-    sending = send_blocks(a, 1, reference, src, src_ids, plan_id=7, chunk_bytes=chunk_bytes)
+    receiving = BlockReceiver(b, 0, reference, dst, dst_ids, plan_id=7, **chunking)
+    sending = send_blocks(a, 1, reference, src, src_ids, plan_id=7, **chunking)
     receiving.wait(WAIT_S)
     sending.wait(WAIT_S)
-    chunks = len(layer_chunks(src.shape[0], payload_bytes(src, 5), chunk_bytes))
-    assert receiving.unpacked == chunks and chunks == (1 if chunk_bytes > 1 else min(MAX_CHUNKS, src.shape[0]))
+    most = min(MAX_CHUNKS, src.shape[0])
+    assert receiving.unpacked == (most if expected_chunks == "most" else expected_chunks)
+    assert len(cut(src.shape[0], payload_bytes(src, 5), **chunking)) == receiving.unpacked
     assert torch.equal(dst, expected)
 
 
@@ -71,9 +133,9 @@ def test_bytes_of_a_plan_that_ended_are_dropped(pair):
     src_ids, dst_ids = block_ids(4, 3)
     open_plans = {9}
     receiving = BlockReceiver(b, 0, reference, dst, dst_ids, plan_id=9, wanted=lambda: 9 in open_plans,
-                              chunk_bytes=1)
+                              shape="even", chunk_bytes=1)
     open_plans.clear()  # aborted while the bytes are on the wire
-    send_blocks(a, 1, reference, src, src_ids, plan_id=9, chunk_bytes=1).wait(WAIT_S)
+    send_blocks(a, 1, reference, src, src_ids, plan_id=9, shape="even", chunk_bytes=1).wait(WAIT_S)
     receiving.wait(WAIT_S)
     assert receiving.unpacked == 0 and torch.equal(dst, before)
 
