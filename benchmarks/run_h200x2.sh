@@ -27,7 +27,7 @@ for step in $steps; do
     bench)
       # even: the near-equal chunks (>= 48 MiB, at most 8) the tapered default replaced, same cap.
       timeout 240 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
-        --sizes 1,2,4,8,16,32,64 --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-even}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
+        --sizes "${SIZES:-1,2,4,8,10,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-even}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
     variants)
       timeout 300 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,4,16,64 \
