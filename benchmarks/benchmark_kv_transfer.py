@@ -97,8 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pool: a data-path profile of this machine; the output adds its curves and the residuals")
     p.add_argument("--pack-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="extra packed paths beside the default, comma-separated, each S or S:C: S is "
-                        "auto (the default chunks), even (near-equal chunks of >= 48 MiB), K (K near-equal "
-                        "chunks) or tK (K tapered chunks); C caps the pack/unpack grids at C CTAs (0: uncapped)")
+                        "auto (the default chunks), even (near-equal chunks of >= 48 MiB), taper (tapered chunks), "
+                        "K (K near-equal chunks) or tK (K tapered chunks); C caps the pack/unpack grids at C CTAs (0: uncapped)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
@@ -114,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError:
             ok = False
         if not ok:
-            p.error(f"--pack-variants: {v!r} is not S or S:C, S one of auto, even, K, tK with K >= 1, C >= 0")
+            p.error(f"--pack-variants: {v!r} is not S or S:C, S one of auto, even, taper, K, tK with K >= 1, C >= 0")
     return args
 
 
@@ -171,8 +171,8 @@ def pack_variant(path: str) -> dict:
         return {}
     spec, _, ctas = path.split("@", 1)[1].partition(":")
     variant: dict = {"max_ctas": int(ctas) if ctas else None}
-    if spec == "even":
-        variant["shape"] = "even"
+    if spec in ("even", "taper"):
+        variant["shape"] = spec
     elif spec.startswith("t"):
         variant.update(shape="taper", chunks=int(spec[1:]))
     elif spec != "auto":

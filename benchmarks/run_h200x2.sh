@@ -25,13 +25,13 @@ for step in $steps; do
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_cuda_ipc_gpu.py -k two_gpus 2>&1 \
         | tee "$OUT/cuda_ipc_two_gpus.log" | tail -8 ;;
     bench)
-      # even: the near-equal chunks (>= 48 MiB, at most 8) the tapered default replaced, same cap.
+      # auto:0: the default chunks with uncapped grids; taper: the opt-in tapered chunks.
       timeout 240 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
-        --sizes "${SIZES:-1,2,4,8,10,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-even}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
+        --sizes "${SIZES:-1,2,4,8,10,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-auto:0,taper}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
     variants)
       timeout 300 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,4,16,64 \
-        --reps 15 --pack-variants "${VARIANTS:-even,auto:0,t3,t5,4}" \
+        --reps 15 --pack-variants "${VARIANTS:-auto:0,taper,t3,t5,4}" \
         --json "$OUT/kv_transfer_h200x2_nccl_variants.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl_variants.log" | tail -60 ;;
     profile)

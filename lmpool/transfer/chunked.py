@@ -6,14 +6,15 @@ into k chunks, the sender packs chunk i+1 while chunk i is on the wire and the r
 unpacks chunk i while chunk i+1 arrives, so the time approaches the wire's plus the first
 chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
 
-- ``tapered_chunks`` (the default) makes the ends small and the middle large: packing is
-  several times faster than the wire, so each chunk can outgrow its predecessor by that
-  factor and still be packed in time, while only the small first pack and last unpack are
-  exposed. It picks the chunk count whose modelled overhead is least.
-- ``layer_chunks`` cuts near-equal chunks of at least ``CHUNK_BYTES`` (the earlier rule,
-  kept for comparison and for tests that want many chunks).
+- ``layer_chunks`` (the default) cuts near-equal chunks of at least ``CHUNK_BYTES``.
+- ``tapered_chunks`` (opt-in, ``shape="taper"``) makes the ends small and the middle large:
+  packing is faster than the wire, so each chunk may outgrow its predecessor and still be
+  packed in time, while only the small first pack and last unpack are exposed. Measured on
+  the H200 pair it lost to the near-equal rule from 8 to 32 blocks and drew level at 64
+  (results/multi_gpu_NOTES.md): beside NCCL the kernels pack slower than its model assumes.
 - Both cut from the layer count and the payload's size alone, so sender and receiver
-  always agree on the number and the sizes of the messages.
+  always agree on the number and the sizes of the messages. ``cut`` caches its plans: a
+  plan is computed on the sender's timed path, and the tapered one cost ~0.1 ms of Python.
 - ``send_blocks`` packs and sends every chunk at once (all asynchronous: on a GPU each
   pack is queued on the caller's current stream and each send waits for its pack).
 - ``BlockReceiver`` posts every chunk's receive at once, then, each time it is polled,
@@ -78,12 +79,13 @@ def layer_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
 
 
-# The tapered plan's model, in bytes of wire time. Over an NVLink pair of H200s the pack and
-# unpack kernels move 1.8 GB/ms (results/kernels_NOTES.md) against NCCL's 0.35-0.37 GB/ms, a
-# factor of 5, taken as 4 for the kernels' share of HBM and SMs beside NCCL's. A linear fit of
-# raw NCCL send/recv times (results/h200x2/kv_transfer_h200x2_nccl.json) leaves 70-90 us
-# per operation; the even chunking's measured ratios fit a marginal cost near 45 us, 16 MiB
-# of wire time, per chunk beyond the first.
+# The tapered plan's model, in bytes of wire time. Alone, the pack and unpack kernels move
+# 1.8 GB/ms on an H200 (results/kernels_NOTES.md) against NCCL's 0.35-0.37 GB/ms over the
+# NVLink pair, a factor of 5, taken as 4. A linear fit of raw NCCL send/recv times leaves
+# 70-90 us per operation; the near-equal chunking's ratios fit a marginal cost near 45 us,
+# 16 MiB of wire time, per chunk beyond the first. Beside NCCL's kernels the packs proved
+# slower than the factor says: the tapered plans lost from 8 to 32 blocks, so the shape is
+# opt-in until the factor is measured under that contention.
 PACK_OVER_WIRE = 4.0
 CHUNK_START_BYTES = 16 << 20
 
@@ -136,14 +138,15 @@ def tapered_chunks(layers: int, payload_bytes: int, chunks: int | None = None) -
     return list(zip(bounds, bounds[1:]))
 
 
-def cut(layers: int, payload_bytes: int, shape: str = "taper", chunks: int | None = None,
-        chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
-    """The chunks of a payload: ``shape`` "taper" (``tapered_chunks``) or "even"
-    (``layer_chunks``, whose floor is ``chunk_bytes``)."""
+@functools.lru_cache(maxsize=4096)
+def cut(layers: int, payload_bytes: int, shape: str = "even", chunks: int | None = None,
+        chunk_bytes: int = CHUNK_BYTES) -> tuple[tuple[int, int], ...]:
+    """The chunks of a payload: ``shape`` "even" (``layer_chunks``, whose floor is
+    ``chunk_bytes``) or "taper" (``tapered_chunks``). Cached: one plan per payload size."""
     if shape == "taper":
-        return tapered_chunks(layers, payload_bytes, chunks)
+        return tuple(tapered_chunks(layers, payload_bytes, chunks))
     if shape == "even":
-        return layer_chunks(layers, payload_bytes, chunk_bytes, chunks)
+        return tuple(layer_chunks(layers, payload_bytes, chunk_bytes, chunks))
     raise ValueError(f"a chunk shape is 'taper' or 'even', got {shape!r}")
 
 
@@ -195,7 +198,7 @@ class BlockSender(_Chunks):
 
 
 def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
-                shape: str = "taper", chunks: int | None = None, chunk_bytes: int = CHUNK_BYTES,
+                shape: str = "even", chunks: int | None = None, chunk_bytes: int = CHUNK_BYTES,
                 max_ctas: int | None = None) -> BlockSender:
     """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks
     (``cut``; the receiver must cut alike); ``max_ctas`` caps each pack kernel's grid (None:
@@ -214,7 +217,7 @@ class BlockReceiver(_Chunks):
     """Receive ``block_ids``' blocks of every layer from ``peer`` into ``cache``, in chunks."""
 
     def __init__(self, transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
-                 wanted: Callable[[], bool] = lambda: True, shape: str = "taper", chunks: int | None = None,
+                 wanted: Callable[[], bool] = lambda: True, shape: str = "even", chunks: int | None = None,
                  chunk_bytes: int = CHUNK_BYTES, max_ctas: int | None = None) -> None:
         self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted

@@ -85,6 +85,7 @@ def test_pack_variants_parse_and_get_their_own_ratio():
     assert bench.pack_variant("pack@4:0") == {"shape": "even", "chunks": 4, "max_ctas": 0}
     assert bench.pack_variant("pack@t3:0") == {"shape": "taper", "chunks": 3, "max_ctas": 0}
     assert bench.pack_variant("pack@even:132") == {"shape": "even", "max_ctas": 132}
+    assert bench.pack_variant("pack@taper") == {"shape": "taper", "max_ctas": None}
     assert bench.pack_variant("pack@auto:132") == {"max_ctas": 132}
     for bad in ("0", "x", "t0", "t", "2:-1", "2:y"):
         with pytest.raises(SystemExit):

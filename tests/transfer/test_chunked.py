@@ -86,9 +86,11 @@ def test_a_small_payload_goes_whole_and_a_large_one_has_small_ends():
     assert len(sizes) > 2 and max(sizes[0], sizes[-1]) < max(sizes) / 2
 
 
-def test_cut_names_its_shapes():
-    assert cut(28, 1 << 30, "even", chunks=4) == layer_chunks(28, 1 << 30, chunks=4)
-    assert cut(28, 1 << 30) == tapered_chunks(28, 1 << 30)
+def test_cut_names_its_shapes_and_defaults_to_near_equal_chunks():
+    assert list(cut(28, 1 << 30)) == layer_chunks(28, 1 << 30)
+    assert list(cut(28, 1 << 30, "even", chunks=4)) == layer_chunks(28, 1 << 30, chunks=4)
+    assert list(cut(28, 1 << 30, "taper")) == tapered_chunks(28, 1 << 30)
+    assert cut(28, 3 << 30, "taper") is cut(28, 3 << 30, "taper")  # computed once per payload size
     with pytest.raises(ValueError, match="'taper' or 'even'"):
         cut(28, 1 << 30, "spiral")
 
