@@ -266,9 +266,8 @@ class Worker:
                 ready.copy_(self.ops.pack_kv(self.cache, mine))
                 out = self.payload(n)
                 for rep in range(-args.warmup, args.reps):
-                    # Each repetition starts at the next path: the first packed transfer after
-                    # the pull measured ~0.14 ms slower than the same plan right after it (the
-                    # H200 pair), so a fixed order would charge that to one path every time.
+                    # Each repetition starts at the next path, so that no path always runs in
+                    # one position (after the pull, say) and carries whatever that costs.
                     turn = rep % len(self.paths)
                     for path in self.paths[turn:] + self.paths[:turn]:
                         key = f"{path}/{src}->{1 - src}/{n}"

@@ -14,7 +14,8 @@ chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
   (results/multi_gpu_NOTES.md): beside NCCL the kernels pack slower than its model assumes.
 - Both cut from the layer count and the payload's size alone, so sender and receiver
   always agree on the number and the sizes of the messages. ``cut`` caches its plans: a
-  plan is computed on the sender's timed path, and the tapered one cost ~0.1 ms of Python.
+  plan is computed on the sender's path before its first pack, and a tapered one takes tens
+  of microseconds of Python.
 - ``send_blocks`` packs and sends every chunk at once (all asynchronous: on a GPU each
   pack is queued on the caller's current stream and each send waits for its pack).
 - ``BlockReceiver`` posts every chunk's receive at once, then, each time it is polled,
