@@ -29,7 +29,8 @@ turns within every repetition, the paths their kind offers:
 Timestamps come from ``time.monotonic()``, one clock for every process of a host, so a
 one-way latency needs no round trip. Before each repetition of ``pack`` and ``raw`` the
 receiver has started its receive (nccl raw: is about to) and tells the sender to go, with
-a 4-byte message outside the timed span. ``pairs`` in the output is the path the pool's
+a 4-byte message outside the timed span. The paths take turns within every repetition,
+each repetition starting one path later. ``pairs`` in the output is the path the pool's
 transfer executor uses for the kind (gloo and GPUs without peer access: ``pack``; one GPU
 and peer-accessible GPUs: ``pull``), so the cost model reads the curve the pool will see.
 
@@ -163,10 +164,11 @@ def spin(handle, timeout: float = WAIT_S) -> None:
 
 def pack_variant(path: str) -> dict:
     """``send_blocks``/``BlockReceiver`` keywords of a packed path: ``pack`` (the pool's
-    default: tapered chunks, grids capped), ``pack@S`` or ``pack@S:C`` where S is the chunking,
-    ``auto`` (the default's), ``even`` (near-equal chunks of at least 48 MiB), ``K`` (K
-    near-equal chunks) or ``tK`` (K tapered chunks), and C caps the pack/unpack grids at C
-    CTAs (0: uncapped; absent: the default cap)."""
+    default: near-equal chunks, grids capped), ``pack@S`` or ``pack@S:C`` where S is the
+    chunking, ``auto`` (the default's), ``even`` (near-equal chunks of at least 48 MiB),
+    ``taper`` (tapered chunks, their modelled count), ``K`` (K near-equal chunks) or ``tK``
+    (K tapered chunks), and C caps the pack/unpack grids at C CTAs (0: uncapped; absent:
+    the default cap)."""
     if "@" not in path:
         return {}
     spec, _, ctas = path.split("@", 1)[1].partition(":")
