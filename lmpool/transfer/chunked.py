@@ -34,6 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Callable
 
 import torch
@@ -70,14 +71,22 @@ def layer_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES
     """``[(first_layer, end_layer), ...]`` covering ``range(layers)`` in near-equal parts:
     ``chunks`` of them if given, else one per ``chunk_bytes``; never more than the layers
     or ``MAX_CHUNKS``."""
+    _check_cut(layers, chunks)
+    wanted = chunks if chunks is not None else payload_bytes // max(1, chunk_bytes)
+    k = max(1, min(MAX_CHUNKS, layers, wanted))
+    return _spans([round(i * layers / k) for i in range(k + 1)])
+
+
+def _check_cut(layers: int, chunks: int | None) -> None:
     if layers < 1:
         raise ValueError(f"a payload has at least one layer, got {layers}")
     if chunks is not None and chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    wanted = chunks if chunks is not None else payload_bytes // max(1, chunk_bytes)
-    k = max(1, min(MAX_CHUNKS, layers, wanted))
-    bounds = [round(i * layers / k) for i in range(k + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(k)]
+
+
+def _spans(bounds: list[int]) -> list[tuple[int, int]]:
+    """``[(bounds[0], bounds[1]), (bounds[1], bounds[2]), ...]``."""
+    return list(zip(bounds, bounds[1:]))
 
 
 # The tapered plan's model, in bytes of wire time. Alone, the pack and unpack kernels move
@@ -123,20 +132,14 @@ def tapered_chunks(layers: int, payload_bytes: int, chunks: int | None = None) -
     """``[(first_layer, end_layer), ...]`` covering ``range(layers)`` in tapered chunks
     (``taper``): ``chunks`` of them if given, else the count, at most ``MAX_CHUNKS``, whose
     ``modelled_overhead`` is least (the fewer chunks on a tie)."""
-    if layers < 1:
-        raise ValueError(f"a payload has at least one layer, got {layers}")
-    if chunks is not None and chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    _check_cut(layers, chunks)
     most = min(MAX_CHUNKS, layers)
     if chunks is not None:
         counts = taper(layers, min(chunks, most))
     else:
         plans = [taper(layers, k) for k in range(1, most + 1)]
         counts = min(plans, key=lambda c: (modelled_overhead(c, payload_bytes / layers), len(c)))
-    bounds = [0]
-    for n in counts:
-        bounds.append(bounds[-1] + n)
-    return list(zip(bounds, bounds[1:]))
+    return _spans([0, *itertools.accumulate(counts)])
 
 
 @functools.lru_cache(maxsize=4096)
