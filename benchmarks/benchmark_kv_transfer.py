@@ -97,9 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, default=None,
                    help="pool: a data-path profile of this machine; the output adds its curves and the residuals")
     p.add_argument("--pack-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
-                   help="extra packed paths beside the default, comma-separated, each S or S:C: S is "
+                   help="extra packed paths beside the default, comma-separated, each S, S:C, S/L or S:C/L: S is "
                         "auto (the default chunks), even (near-equal chunks of >= 48 MiB), taper (tapered chunks), "
-                        "K (K near-equal chunks) or tK (K tapered chunks); C caps the pack/unpack grids at C CTAs (0: uncapped)")
+                        "K (K near-equal chunks) or tK (K tapered chunks); C caps the pack/unpack grids at C CTAs "
+                        "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
@@ -111,11 +112,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     for v in args.pack_variants:
         try:
             variant = pack_variant(f"pack@{v}")
-            ok = variant.get("chunks", 1) >= 1 and (variant["max_ctas"] or 0) >= 0
+            ok = variant.get("chunks", 1) >= 1 and (variant["max_ctas"] or 0) >= 0 and variant.get("lanes", 1) >= 1
         except ValueError:
             ok = False
+        if ok and "lanes" in variant and args.kind != "nccl":
+            p.error(f"--pack-variants: {v!r} names lanes, which only --kind nccl has")
         if not ok:
-            p.error(f"--pack-variants: {v!r} is not S or S:C, S one of auto, even, taper, K, tK with K >= 1, C >= 0")
+            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L, S one of auto, even, taper, K, tK "
+                    "with K >= 1, C >= 0, L >= 1")
     return args
 
 
@@ -164,15 +168,19 @@ def spin(handle, timeout: float = WAIT_S) -> None:
 
 def pack_variant(path: str) -> dict:
     """``send_blocks``/``BlockReceiver`` keywords of a packed path: ``pack`` (the pool's
-    default: near-equal chunks, grids capped), ``pack@S`` or ``pack@S:C`` where S is the
-    chunking, ``auto`` (the default's), ``even`` (near-equal chunks of at least 48 MiB),
-    ``taper`` (tapered chunks, their modelled count), ``K`` (K near-equal chunks) or ``tK``
-    (K tapered chunks), and C caps the pack/unpack grids at C CTAs (0: uncapped; absent:
-    the default cap)."""
+    default: near-equal chunks, grids capped), ``pack@S``, ``pack@S:C``, ``pack@S/L`` or
+    ``pack@S:C/L`` where S is the chunking, ``auto`` (the default's), ``even`` (near-equal
+    chunks of at least 48 MiB), ``taper`` (tapered chunks, their modelled count), ``K`` (K
+    near-equal chunks) or ``tK`` (K tapered chunks), C caps the pack/unpack grids at C CTAs
+    (0: uncapped; absent: the default cap), and L (nccl) sends over a transport of L lanes
+    (``lanes``, which the worker takes out; absent: the default transport's)."""
     if "@" not in path:
         return {}
-    spec, _, ctas = path.split("@", 1)[1].partition(":")
+    spec, slash, lanes = path.split("@", 1)[1].partition("/")
+    spec, _, ctas = spec.partition(":")
     variant: dict = {"max_ctas": int(ctas) if ctas else None}
+    if slash:
+        variant["lanes"] = int(lanes)
     if spec in ("even", "taper"):
         variant["shape"] = spec
     elif spec.startswith("t"):
@@ -205,6 +213,7 @@ class Worker:
         self.store = open_store(args.rendezvous, WAIT_S)
         payload_bytes = max(args.sizes) * self.m["kv_bytes_per_block"]
         self.ipc = None  # the pull path
+        self.laned: dict = {}  # nccl: lanes -> a transport of that many lanes (pack@S/L)
         if args.kind == "gloo":
             self.packed = make_transport("gloo", self.rank, 2, rendezvous=args.rendezvous, timeout_s=WAIT_S)
             self.packed.connect(self.peer, session=1).wait(WAIT_S)
@@ -213,11 +222,12 @@ class Worker:
                 "cuda_ipc", self.rank, 2, rendezvous=args.rendezvous, device=str(self.device), timeout_s=WAIT_S,
                 staging_bytes=2 * payload_bytes + (1 << 20), kv_cache=self.cache, use_kernels=not args.reference_ops)
         else:
-            self.packed = make_transport("nccl", self.rank, 2, rendezvous=args.rendezvous, device=str(self.device),
-                                         timeout_s=WAIT_S)
-            # An event (False on expiry) or a handle (raises on expiry or failure).
-            if self.packed.connect(self.peer, session=1).wait(WAIT_S) is False:
-                raise RuntimeError(f"rank {self.rank}: the NCCL pair connection is not up after {WAIT_S}s")
+            self.packed = self._nccl(args, session=1)
+            # The lane counts the variants ask for beside the default transport's, each its
+            # own transport under its own session.
+            for lanes in sorted({pack_variant(f"pack@{v}").get("lanes") for v in args.pack_variants} - {None}):
+                if lanes != self.packed.lanes:
+                    self.laned[lanes] = self._nccl(args, session=1 + lanes, lanes=lanes)
             import torch.distributed as dist
 
             dist.init_process_group("nccl", store=dist.PrefixStore("bench/raw", self.store), rank=self.rank,
@@ -235,6 +245,13 @@ class Worker:
         # Per pull (warm-up included): [host seconds inside pull(), GPU seconds from its
         # start until the copy completed], to tell host overhead from the copy itself.
         self.pull_detail: dict[str, list[list[float]]] = {}
+
+    def _nccl(self, args, session: int, lanes: int | None = None):
+        transport = make_transport("nccl", self.rank, 2, rendezvous=args.rendezvous, device=str(self.device),
+                                   timeout_s=WAIT_S, lanes=lanes)
+        if not transport.connect(self.peer, session=session).wait(WAIT_S):
+            raise RuntimeError(f"rank {self.rank}: the NCCL pair connection is not up after {WAIT_S}s")
+        return transport
 
     def _exchange_exports(self) -> None:
         # The benchmark is its own control plane: exports travel through the rendezvous.
@@ -309,17 +326,18 @@ class Worker:
         go_tag, plan = 2 * self.tag, 2 * self.tag + 1  # distinct from every chunk tag (chunk_tag)
         packed = path.startswith("pack")
         chunking = pack_variant(path) if packed else {}
+        wire = self.laned.get(chunking.pop("lanes", None), self.packed)
         if self.rank == src:
             self.wait(self.packed.recv(self.peer, self.go, chunk_tag(go_tag, 0)))
             self.sync()
             t0 = time.monotonic()
             if packed:  # what the pool's executor does: chunks that overlap
-                self.wait(send_blocks(self.packed, self.peer, self.ops, self.cache, mine, plan, **chunking))
+                self.wait(send_blocks(wire, self.peer, self.ops, self.cache, mine, plan, **chunking))
             else:
                 self.wait(self.packed.send(self.peer, ready, chunk_tag(plan, 0)))
             return t0, None, fingerprint(self.ops.pack_kv(self.cache, mine) if packed else ready) if check else None
         if packed:
-            receiving = BlockReceiver(self.packed, self.peer, self.ops, self.cache, mine, plan, **chunking)
+            receiving = BlockReceiver(wire, self.peer, self.ops, self.cache, mine, plan, **chunking)
         else:
             receiving = self.packed.recv(self.peer, ready, chunk_tag(plan, 0))
         self.wait(self.packed.send(self.peer, self.go, chunk_tag(go_tag, 0)))
@@ -367,7 +385,7 @@ class Worker:
         return result
 
     def close(self) -> None:
-        for transport in {id(t): t for t in (self.packed, self.ipc) if t is not None}.values():
+        for transport in {id(t): t for t in (self.packed, self.ipc, *self.laned.values()) if t is not None}.values():
             transport.close()
         if self.kind == "nccl":
             import torch.distributed as dist

@@ -4,9 +4,10 @@
 # peer-pull transfer benchmark.
 # Usage (from the repository root, with the wheels in .whl/ as for run_h200.sh):
 #   OUT=results_dir bash benchmarks/run_h200x2.sh [steps...]
-#   steps: tests bench variants profile (default: tests bench). variants: the packed transfer
-#   with other chunk counts and pack/unpack grid caps (--pack-variants). profile: where one
-#   pull's time goes.
+#   steps: tests bench variants profile pool (default: tests bench). variants: the packed
+#   transfer with other chunk counts and pack/unpack grid caps (--pack-variants). profile:
+#   where one pull's time goes. pool: the pool path across the two GPUs, calibrated by the
+#   bench step's JSON (run bench first): the transfer profile of one replica per GPU.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/h200x2}
 mkdir -p "$OUT"
@@ -25,9 +26,9 @@ for step in $steps; do
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_cuda_ipc_gpu.py -k two_gpus 2>&1 \
         | tee "$OUT/cuda_ipc_two_gpus.log" | tail -8 ;;
     bench)
-      # auto:0: the default chunks with uncapped grids; taper: the opt-in tapered chunks.
-      timeout 240 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
-        --sizes "${SIZES:-1,2,4,8,10,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-auto:0,taper}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
+      # auto/L: the default chunks over L communicators per direction; 8/2: 8 chunks over 2.
+      timeout 260 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
+        --sizes "${SIZES:-1,2,4,8,10,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-auto/2,auto/3,8/2,4/2}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
     variants)
       timeout 300 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,4,16,64 \
@@ -37,6 +38,10 @@ for step in $steps; do
     profile)
       timeout 120 python3 benchmarks/profile_pull.py --preset 0.6b --sizes 1,8,64,128 \
         --json "$OUT/pull_profile_h200.json" 2>&1 | tee "$OUT/pull_profile_h200.log" | tail -8 ;;
+    pool)
+      timeout 150 python3 benchmarks/benchmark_kv_transfer.py --kind pool --preset 0.6b --sizes 1,2,4,8,16,32,64 \
+        --reps 30 --profile "$OUT/kv_transfer_h200x2_nccl.json" --json "$OUT/kv_transfer_h200x2_pool.json" 2>&1 \
+        | tee "$OUT/kv_transfer_h200x2_pool.log" | tail -12 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -1,7 +1,8 @@
 """KV payloads between replicas on different GPUs: NCCL point-to-point over pair
 communicators.
 
-Owns two two-rank ``ProcessGroupNCCL`` per connected peer, one per direction.
+Owns two sets of two-rank ``ProcessGroupNCCL`` per connected peer, one set per direction,
+each set of ``lanes`` communicators.
 
 Why one communicator per direction: NCCL runs one communicator's operations in issue
 order on one stream, so a send to a peer followed by a receive from it would wait for
@@ -9,10 +10,19 @@ the peer's matching receive, while the peer, doing the same, waits for ours: opp
 transfers of one pair deadlock on a shared communicator. With one per direction they
 run on separate streams.
 
+Why lanes: one communicator runs its operations one after another, and each NCCL operation
+pays a start-up (kernel launch, handshake, pipeline fill) before it moves bytes at full
+rate; a chunked transfer (``lmpool.transfer.chunked``) pays it once per chunk. With two or
+more lanes, consecutive operations of a direction go to different communicators, on
+different streams, so the next chunk starts up while the previous one is still on the wire.
+
 Invariants:
 - NCCL ignores tags: on one directed pair, both ends must start their transfers in the
   same order (the control plane sends a pair's execute messages in plan order), with
   the same sizes. The tag is only checked for range, and kept in error messages.
+- the n-th operation of a direction (counted from ``connect``) runs on lane ``n % lanes``
+  on both ends, so order is kept within each lane; both ends must use the same ``lanes``
+  (``connect`` checks it through the rendezvous and fails the pair on a mismatch).
 - connections are made on a thread (communicator set-up blocks until the peer joins)
   under a session the caller picks and never reuses for the pair, as for gloo.
 - both ends set a pair up in one canonical order: the lower rank's outgoing direction
@@ -22,7 +32,7 @@ Invariants:
   order: torch may create the point-to-point NCCL communicator lazily at the first
   send/recv, which is collective too, and must not first happen inside transfers that
   the two ends start in different orders.
-- a wait that expires aborts the pair's communicators (both directions): the pair is
+- a wait that expires aborts the pair's communicators (both directions, every lane): the pair is
   broken until ``connect`` with a new session.
 - a completed receive orders the caller's current stream after it (``Work.wait``), so
   unpacking ``out`` on that stream needs no further synchronization.
@@ -45,6 +55,23 @@ from lmpool.transfer.transport import (
     parse_address,
     poll_until,
 )
+
+
+# Communicators per direction of a pair. 1 until the H200 pair measures more as faster
+# (results/multi_gpu_NOTES.md); every lane costs its own NCCL buffers and stream.
+DEFAULT_LANES = 1
+MAX_LANES = 4
+
+
+def check_lanes(store: dist.Store, rank: int, peer: int, lanes: int) -> None:
+    """Publish this end's ``lanes`` and raise ``TransportError``, saying why, if the peer's
+    differ: each end would otherwise wait in a communicator the other never creates.
+    Blocks (up to the store's timeout) until the peer has published its own."""
+    store.set(f"{rank}>{peer}", str(lanes))
+    theirs = int(store.get(f"{peer}>{rank}"))
+    if theirs != lanes:
+        raise TransportError(f"rank {rank} uses {lanes} NCCL lanes per direction but rank {peer} uses {theirs}: "
+                             "both ends of a pair need the same number")
 
 
 class NcclHandle:
@@ -80,28 +107,42 @@ class NcclHandle:
 class _NcclPair:
     def __init__(self, peer: int, session: int) -> None:
         self.peer, self.session = peer, session
-        self.outgoing: dist.ProcessGroup | None = None  # this rank is rank 0 (the sender)
-        self.incoming: dist.ProcessGroup | None = None  # this rank is rank 1 (the receiver)
+        self.outgoing: list[dist.ProcessGroup] = []  # per lane; this rank is rank 0 (the sender)
+        self.incoming: list[dist.ProcessGroup] = []  # per lane; this rank is rank 1 (the receiver)
+        self.sent = self.received = 0  # operations started per direction: the next one's lane
         self.ready = threading.Event()
         self.broken: str | None = None
+
+    def next_outgoing(self) -> dist.ProcessGroup:
+        group = self.outgoing[self.sent % len(self.outgoing)]
+        self.sent += 1
+        return group
+
+    def next_incoming(self) -> dist.ProcessGroup:
+        group = self.incoming[self.received % len(self.incoming)]
+        self.received += 1
+        return group
 
     def abort(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
-            for group in (self.outgoing, self.incoming):
-                if group is not None:
-                    try:
-                        group.abort()  # fails pending operations instead of leaving them hung
-                    except (AttributeError, RuntimeError):
-                        pass  # an older torch without abort, or a communicator already torn down
+            for group in (*self.outgoing, *self.incoming):
+                try:
+                    group.abort()  # fails pending operations instead of leaving them hung
+                except (AttributeError, RuntimeError):
+                    pass  # an older torch without abort, or a communicator already torn down
 
 
 class NcclTransport:
     """This rank's end of every NCCL connection of the pool (see the module docstring)."""
 
-    def __init__(self, rendezvous: str, rank: int, world_size: int, device: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, rendezvous: str, rank: int, world_size: int, device: str, timeout_s: float = 30.0,
+                 lanes: int = DEFAULT_LANES) -> None:
+        if not 1 <= lanes <= MAX_LANES:
+            raise ValueError(f"lanes must be in [1, {MAX_LANES}], got {lanes}")
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise TransportError("this torch build has no NCCL")
+        self.lanes = lanes
         self.device = torch.device(device)
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"nccl needs a CUDA device with an index (cuda:N), got {device!r}")
@@ -125,26 +166,28 @@ class NcclTransport:
     def _connect(self, pair: _NcclPair) -> None:
         try:
             torch.cuda.set_device(self.device)
+            store = dist.PrefixStore(f"lmpool/nccl/lanes/{pair.session}",
+                                     open_store(self._rendezvous, self.timeout_s))
+            check_lanes(store, self.rank, pair.peer, self.lanes)
             low, high = sorted((self.rank, pair.peer))
             directions = ((low, high), (high, low))  # the same order on both ends
             for src, dst in directions:
-                store = dist.PrefixStore(f"lmpool/nccl/{src}>{dst}/{pair.session}",
-                                         open_store(self._rendezvous, self.timeout_s))
-                options = dist.ProcessGroupNCCL.Options()
-                options._timeout = datetime.timedelta(seconds=self.timeout_s)
-                group = dist.ProcessGroupNCCL(store, 0 if src == self.rank else 1, 2, options)
-                group.eager_connect_single_device(self.device)  # set up now, not in the first transfer
-                if src == self.rank:
-                    pair.outgoing = group
-                else:
-                    pair.incoming = group
+                for lane in range(self.lanes):
+                    store = dist.PrefixStore(f"lmpool/nccl/{src}>{dst}/{pair.session}/{lane}",
+                                             open_store(self._rendezvous, self.timeout_s))
+                    options = dist.ProcessGroupNCCL.Options()
+                    options._timeout = datetime.timedelta(seconds=self.timeout_s)
+                    group = dist.ProcessGroupNCCL(store, 0 if src == self.rank else 1, 2, options)
+                    group.eager_connect_single_device(self.device)  # set up now, not in the first transfer
+                    (pair.outgoing if src == self.rank else pair.incoming).append(group)
             probe = torch.zeros(1, dtype=torch.int32, device=self.device)
             for src, _ in directions:
-                if src == self.rank:
-                    work = pair.outgoing.send([probe], 1, 0)
-                else:
-                    work = pair.incoming.recv([probe], 0, 0)
-                work.wait()
+                for lane in range(self.lanes):
+                    if src == self.rank:
+                        work = pair.outgoing[lane].send([probe], 1, 0)
+                    else:
+                        work = pair.incoming[lane].recv([probe], 0, 0)
+                    work.wait()
             torch.cuda.synchronize(self.device)
         except (RuntimeError, TransportError) as e:
             pair.abort(f"could not connect to rank {pair.peer} (session {pair.session}): {e}")
@@ -166,14 +209,14 @@ class NcclTransport:
     def send(self, peer: int, payload: torch.Tensor, tag: int) -> NcclHandle:
         check_args(self, peer, payload, tag, self.device)
         pair = self._pair(peer, self.timeout_s)
-        work = pair.outgoing.send([payload], 1, 0)
+        work = pair.next_outgoing().send([payload], 1, 0)
         return NcclHandle(f"send of {payload.nbytes} bytes from rank {self.rank} to rank {peer} (tag {tag})",
                           work, payload, pair)
 
     def recv(self, peer: int, out: torch.Tensor, tag: int) -> NcclHandle:
         check_args(self, peer, out, tag, self.device)
         pair = self._pair(peer, self.timeout_s)
-        work = pair.incoming.recv([out], 0, 0)
+        work = pair.next_incoming().recv([out], 0, 0)
         return NcclHandle(f"receive of {out.nbytes} bytes by rank {self.rank} from rank {peer} (tag {tag})",
                           work, out, pair)
 

@@ -177,12 +177,13 @@ def open_store(address: str, timeout_s: float) -> dist.Store:
 
 def make_transport(kind: str, rank: int, world_size: int, *, rendezvous: str, device: str = "cpu",
                    timeout_s: float = 30.0, staging_bytes: int = 0, kv_cache: torch.Tensor | None = None,
-                   use_kernels: bool = True) -> KVTransport:
+                   use_kernels: bool = True, lanes: int | None = None) -> KVTransport:
     """The transport of ``kind`` for this rank. Connections are made afterwards, per peer:
     ``connect(peer, session)`` for gloo and nccl, ``export``/``connect`` for cuda_ipc.
 
     cuda_ipc only: ``staging_bytes`` bounds the packed payloads this rank sends at once
-    (0: it sends none), ``kv_cache`` is shared so that peers can pull from it."""
+    (0: it sends none), ``kv_cache`` is shared so that peers can pull from it.
+    nccl only: ``lanes`` communicators per direction (None: ``nccl.DEFAULT_LANES``)."""
     if kind == "gloo":
         from lmpool.transfer.gloo import GlooTransport
 
@@ -195,5 +196,6 @@ def make_transport(kind: str, rank: int, world_size: int, *, rendezvous: str, de
     if kind == "nccl":
         from lmpool.transfer.nccl import NcclTransport
 
-        return NcclTransport(rendezvous, rank, world_size, device=device, timeout_s=timeout_s)
+        return NcclTransport(rendezvous, rank, world_size, device=device, timeout_s=timeout_s,
+                             **({} if lanes is None else {"lanes": lanes}))
     raise ValueError(f"transport kind must be one of {KINDS}, got {kind!r}")

@@ -87,9 +87,13 @@ def test_pack_variants_parse_and_get_their_own_ratio():
     assert bench.pack_variant("pack@even:132") == {"shape": "even", "max_ctas": 132}
     assert bench.pack_variant("pack@taper") == {"shape": "taper", "max_ctas": None}
     assert bench.pack_variant("pack@auto:132") == {"max_ctas": 132}
-    for bad in ("0", "x", "t0", "t", "2:-1", "2:y"):
+    assert bench.pack_variant("pack@auto/2") == {"max_ctas": None, "lanes": 2}
+    assert bench.pack_variant("pack@8:0/3") == {"shape": "even", "chunks": 8, "max_ctas": 0, "lanes": 3}
+    for bad in ("0", "x", "t0", "t", "2:-1", "2:y", "auto/0", "auto/x", "4:132/"):
         with pytest.raises(SystemExit):
-            bench.parse_args(["--pack-variants", bad])
+            bench.parse_args(["--kind", "nccl", "--pack-variants", bad])
+    with pytest.raises(SystemExit):  # lanes are the NCCL transport's
+        bench.parse_args(["--kind", "gloo", "--pack-variants", "auto/2"])
     args = bench.parse_args(["--kind", "nccl", "--preset", "tiny", "--sizes", "2", "--reps", "3",
                              "--pack-variants", "4:132"])
     profile, wrong = bench.summarize(args, synthetic({"pack": 0.004, "pack@4:132": 0.002, "raw": 0.003}))

@@ -2,7 +2,7 @@
 (**nccl**: needs two CUDA devices and ``RUN_NCCL_INTEGRATION=1``).
 
 NCCL matches by order, not by tag, so both ends start a direction's transfers in the same
-order; each direction has its own communicator, so opposite transfers run at once.
+order; each direction has its own communicators (lanes), so opposite transfers run at once.
 """
 
 from __future__ import annotations
@@ -24,16 +24,36 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_every_size_in_both_directions_at_once(rendezvous, peers, dtype):
-    """Data equality and no deadlock: 1..128 blocks each way, all started before any wait."""
+@pytest.mark.parametrize(("dtype", "lanes"), [("bfloat16", 1), ("float32", 1), ("bfloat16", 2), ("float32", 3)])
+def test_every_size_in_both_directions_at_once(rendezvous, peers, dtype, lanes):
+    """Data equality and no deadlock: 1..128 blocks each way, all started before any wait,
+    over one communicator per direction or several (lanes take operations in turn)."""
     transfers = [{"src": s, "dst": 1 - s, "tag": 100 + n, "blocks": n, "seed": 10 * n + s}
                  for n in SIZES for s in (0, 1)]
     ops = [ops_of(rank, transfers) for rank in (0, 1)]
     for rank in (0, 1):
         peers.append(Peer(rendezvous, rank, 2, script_for(rank, 2, ops[rank]), dtype=dtype, kind="nccl",
-                          timeout_s=60.0))
+                          timeout_s=60.0, lanes=lanes))
     for p in peers:
         p.expect("connected")
         check_received(p, ops[p.rank], dtype)
         assert p.finish()["exit"] == p.rank
+
+
+def test_ends_with_different_lanes_fail_the_pair_saying_why(rendezvous):
+    """A pair whose ends disagree on lanes fails at connect, before any communicator, and
+    says so at the first transfer on either end (instead of hanging in set-up)."""
+    from lmpool.transfer import TransportError
+    from lmpool.transfer.nccl import NcclTransport
+
+    ends = [NcclTransport(rendezvous, r, 2, device=f"cuda:{r}", timeout_s=10.0, lanes=r + 1) for r in (0, 1)]
+    try:
+        ready = [ends[0].connect(1, 7), ends[1].connect(0, 7)]
+        assert all(r.wait(30) for r in ready)
+        for r, end in enumerate(ends):
+            with pytest.raises(TransportError, match=f"rank {r} uses {r + 1} NCCL lanes per direction but "
+                                                     f"rank {1 - r} uses {2 - r}"):
+                end.send(1 - r, torch.zeros(4, device=f"cuda:{r}"), 0)
+    finally:
+        for end in ends:
+            end.close()

@@ -2,7 +2,8 @@
 HEADER SCRIPT``.
 
 It runs SCRIPT (a JSON list of steps) against the transport HEADER names (``kind``: gloo,
-nccl, or cuda_ipc on ``device``, or on cuda:RANK with ``device_per_rank``; ``share_cache``:
+nccl (``lanes``: communicators per direction), or cuda_ipc on ``device``, or on cuda:RANK
+with ``device_per_rank``; ``share_cache``:
 cuda_ipc exports the cache for pulls) and prints one JSON line per result. Steps (one key names each):
   {"connect": peer, "session": s}           gloo: start connecting
   {"connected": timeout}                    gloo: wait for every connection started so far
@@ -55,7 +56,8 @@ def main() -> None:
 
         device = torch.device(f"cuda:{rank}")  # one GPU per rank: NCCL refuses two ranks on one
         torch.cuda.set_device(device)
-        transport = NcclTransport(address, rank, world, device=str(device), timeout_s=timeout_s)
+        transport = NcclTransport(address, rank, world, device=str(device), timeout_s=timeout_s,
+                                  **({"lanes": header["lanes"]} if "lanes" in header else {}))
     else:
         from lmpool.transfer.cuda_ipc import CudaIpcTransport
 
