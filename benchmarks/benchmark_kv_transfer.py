@@ -449,7 +449,7 @@ def summarize(args, results: list[dict]) -> tuple[dict, list[str]]:
                                             / 1e9, 3)}
     wrong = []
     for key in results[0]["checks"]:
-        path, pair, n = key.split("/")
+        path, pair, n = key.rsplit("/", 2)  # a path may hold a slash itself (pack@S/L)
         src = int(pair[0])
         starts = results[src]["starts"].get(key) or results[1 - src]["starts"][key]
         ends = results[1 - src]["ends"][key]

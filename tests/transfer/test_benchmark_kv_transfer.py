@@ -95,10 +95,12 @@ def test_pack_variants_parse_and_get_their_own_ratio():
     with pytest.raises(SystemExit):  # lanes are the NCCL transport's
         bench.parse_args(["--kind", "gloo", "--pack-variants", "auto/2"])
     args = bench.parse_args(["--kind", "nccl", "--preset", "tiny", "--sizes", "2", "--reps", "3",
-                             "--pack-variants", "4:132"])
-    profile, wrong = bench.summarize(args, synthetic({"pack": 0.004, "pack@4:132": 0.002, "raw": 0.003}))
+                             "--pack-variants", "4:132,auto/2"])
+    profile, wrong = bench.summarize(args, synthetic({"pack": 0.004, "pack@4:132": 0.002, "pack@auto/2": 0.003,
+                                                      "raw": 0.003}))
     assert wrong == [] and profile["pairs_path"] == "pack"
-    assert profile["nccl_ratios"]["0->1"]["2"] == {"packed_over_raw": 0.75, "pack@4:132_over_raw": 1.5}
+    assert profile["nccl_ratios"]["0->1"]["2"] == {"packed_over_raw": 0.75, "pack@4:132_over_raw": 1.5,
+                                                   "pack@auto/2_over_raw": 1.0}
 
 
 def test_summary_flags_bytes_that_differ_and_picks_pack_without_peer_access():
