@@ -6,7 +6,9 @@ into k chunks, the sender packs chunk i+1 while chunk i is on the wire and the r
 unpacks chunk i while chunk i+1 arrives, so the time approaches the wire's plus the first
 chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
 
-- ``layer_chunks`` (the default) cuts near-equal chunks of at least ``CHUNK_BYTES``.
+- ``layer_chunks`` (the default) cuts near-equal chunks of at least the transport's
+  ``chunk_bytes`` (``CHUNK_BYTES`` for a transport without one; NCCL over several lanes
+  names ``LANED_CHUNK_BYTES``).
 - ``tapered_chunks`` (opt-in, ``shape="taper"``) makes the ends small and the middle large:
   packing is faster than the wire, so each chunk may outgrow its predecessor and still be
   packed in time, while only the small first pack and last unpack are exposed. Measured on
@@ -48,6 +50,12 @@ from lmpool.transfer.transport import TransferTimeout, TransportError, plan_tag,
 # 4-8 at 448 MiB and 1.75 GiB, 16 chunks lost 3-8 points against 8.
 CHUNK_BYTES = 48 << 20
 MAX_CHUNKS = 8
+# The floor where the transport hides the start-up: NCCL with several lanes starts a chunk
+# while the previous one is still on the wire (``lmpool.transfer.nccl``), so smaller chunks
+# pay less exposed pack and unpack for little start-up. Over 3 lanes on the H200 pair
+# (results/h200x2/lanes/), chunks of 28 MiB were best or level at every size measured: 2
+# chunks at 56 MiB, 4 at 112 MiB, 8 from 224 MiB on.
+LANED_CHUNK_BYTES = 28 << 20
 
 
 @functools.cache
@@ -201,16 +209,24 @@ class BlockSender(_Chunks):
         return True
 
 
+def chunk_floor(transport, chunk_bytes: int | None = None) -> int:
+    """``chunk_bytes`` if given, else the transport's own floor (its ``chunk_bytes``
+    attribute), else ``CHUNK_BYTES``. Both ends of a pair get one value: they are given the
+    same argument, and their transports are alike (NCCL checks its lanes at connect)."""
+    return chunk_bytes if chunk_bytes is not None else getattr(transport, "chunk_bytes", CHUNK_BYTES)
+
+
 def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
-                shape: str = "even", chunks: int | None = None, chunk_bytes: int = CHUNK_BYTES,
+                shape: str = "even", chunks: int | None = None, chunk_bytes: int | None = None,
                 max_ctas: int | None = None) -> BlockSender:
     """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks
-    (``cut``; the receiver must cut alike); ``max_ctas`` caps each pack kernel's grid (None:
-    ``default_max_ctas``)."""
+    (``cut`` with ``chunk_floor``; the receiver must cut alike); ``max_ctas`` caps each pack
+    kernel's grid (None: ``default_max_ctas``)."""
     if max_ctas is None:
         max_ctas = default_max_ctas(cache.device)
     handles = []
-    cuts = cut(cache.shape[0], payload_bytes(cache, len(block_ids)), shape, chunks, chunk_bytes)
+    cuts = cut(cache.shape[0], payload_bytes(cache, len(block_ids)), shape, chunks,
+               chunk_floor(transport, chunk_bytes))
     for i, (first, end) in enumerate(cuts):
         payload = ops.pack_kv(cache[first:end], block_ids, max_ctas)
         handles.append(transport.send(peer, payload, chunk_tag(plan_id, i)))
@@ -222,12 +238,13 @@ class BlockReceiver(_Chunks):
 
     def __init__(self, transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
                  wanted: Callable[[], bool] = lambda: True, shape: str = "even", chunks: int | None = None,
-                 chunk_bytes: int = CHUNK_BYTES, max_ctas: int | None = None) -> None:
+                 chunk_bytes: int | None = None, max_ctas: int | None = None) -> None:
         self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
         self._max_ctas = default_max_ctas(cache.device) if max_ctas is None else max_ctas
         self._pending: list[tuple[int, int, torch.Tensor, object]] = []
-        cuts = cut(cache.shape[0], payload_bytes(cache, len(block_ids)), shape, chunks, chunk_bytes)
+        cuts = cut(cache.shape[0], payload_bytes(cache, len(block_ids)), shape, chunks,
+                   chunk_floor(transport, chunk_bytes))
         for i, (first, end) in enumerate(cuts):
             buffer = torch.empty((end - first, 2, len(block_ids), *cache.shape[3:]), dtype=cache.dtype,
                                  device=cache.device)

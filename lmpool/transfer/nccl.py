@@ -47,6 +47,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from lmpool.transfer.chunked import CHUNK_BYTES, LANED_CHUNK_BYTES
 from lmpool.transfer.transport import (
     TransferTimeout,
     TransportError,
@@ -57,9 +58,11 @@ from lmpool.transfer.transport import (
 )
 
 
-# Communicators per direction of a pair. 1 until the H200 pair measures more as faster
-# (results/multi_gpu_NOTES.md); every lane costs its own NCCL buffers and stream.
-DEFAULT_LANES = 1
+# Communicators per direction of a pair; every lane costs its own NCCL buffers and stream.
+# On the H200 pair, 8 chunks over 3 lanes reached 83-90 % of raw NCCL from 224 MiB on
+# against 74-88 % over one; 2 lanes were 1-2 points behind 3, and 4 no better than 3
+# (results/multi_gpu_NOTES.md).
+DEFAULT_LANES = 3
 MAX_LANES = 4
 
 
@@ -143,6 +146,9 @@ class NcclTransport:
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise TransportError("this torch build has no NCCL")
         self.lanes = lanes
+        # The chunk floor of transfers over this transport (chunked.chunk_floor): with
+        # several lanes a chunk's start-up hides behind the previous chunk, so chunks shrink.
+        self.chunk_bytes = LANED_CHUNK_BYTES if lanes > 1 else CHUNK_BYTES
         self.device = torch.device(device)
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"nccl needs a CUDA device with an index (cuda:N), got {device!r}")

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from lmpool.ops import reference
 from lmpool.transfer import TransportError
 from lmpool.transfer.chunked import (
+    CHUNK_BYTES,
     MAX_CHUNKS,
     BlockReceiver,
+    chunk_floor,
     chunk_tag,
     cut,
     layer_chunks,
@@ -126,6 +128,28 @@ def test_chunked_blocks_arrive_byte_equal(pair, chunking, expected_chunks):
     assert receiving.unpacked == (most if expected_chunks == "most" else expected_chunks)
     assert len(cut(src.shape[0], payload_bytes(src, 5), **chunking)) == receiving.unpacked
     assert torch.equal(dst, expected)
+
+
+def test_the_transports_own_floor_cuts_both_ends_unless_an_argument_overrides_it(pair):
+    """A transport naming its ``chunk_bytes`` (NCCL over several lanes) sets the floor of
+    both ends' plans; an explicit ``chunk_bytes`` still wins."""
+    a, b = pair
+    assert chunk_floor(a) == CHUNK_BYTES and chunk_floor(a, 5) == 5
+    a.chunk_bytes = b.chunk_bytes = 1
+    try:
+        assert chunk_floor(a) == 1 and chunk_floor(a, 10**9) == 10**9
+        src, dst = make_cache(0), make_cache(1)
+        expected = dst.clone()
+        src_ids, dst_ids = block_ids(3, 5)
+        reference.unpack_kv(expected, dst_ids, reference.pack_kv(src, src_ids))
+        receiving = BlockReceiver(b, 0, reference, dst, dst_ids, plan_id=8)
+        sending = send_blocks(a, 1, reference, src, src_ids, plan_id=8)
+        receiving.wait(WAIT_S)
+        sending.wait(WAIT_S)
+        assert receiving.unpacked == min(MAX_CHUNKS, src.shape[0])  # a 1-byte floor: the most chunks
+        assert torch.equal(dst, expected)
+    finally:
+        del a.chunk_bytes, b.chunk_bytes
 
 
 def test_bytes_of_a_plan_that_ended_are_dropped(pair):
