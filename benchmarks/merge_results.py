@@ -78,11 +78,32 @@ def merge(parts: list[dict]) -> dict:
               f"the same code", file=sys.stderr)
     merged["summary"] = summarize(merged["runs"])
     merged["comparisons"] = comparisons_for(merged["benchmark"])(merged["summary"])
-    stopped = [p["stopped_early"] for p in parts if p.get("stopped_early")]
+    stopped = _uncovered_stops(parts, merged["runs"])
     merged.pop("stopped_early", None)
     if stopped:
         merged["stopped_early"] = "; ".join(stopped)
     return merged
+
+
+def _uncovered_stops(parts: list[dict], runs: list[dict]) -> list[str]:
+    """The early stops of parts whose missing repetitions no other part ran: a part that
+    stopped after N repetitions and was continued by another (``--first-rep``) leaves the
+    merged suite whole, and saying it stopped early would misread it."""
+    held = {(r["workload"], r["policy"], r["rep"]) for r in runs}
+    notes = []
+    for part in parts:
+        if not part.get("stopped_early"):
+            continue
+        config = part["metadata"]["config"]
+        if "reps" not in config:  # what it asked for is unknown: keep its note
+            notes.append(part["stopped_early"])
+            continue
+        asked = range(config.get("first_rep", 0), config.get("first_rep", 0) + config["reps"])
+        cells = {(r["workload"], r["policy"]) for r in part["runs"]}
+        missing = sorted({rep for rep in asked for w, p in cells if (w, p, rep) not in held})
+        if missing:
+            notes.append(f"{part['stopped_early']} (repetitions {missing} not run)")
+    return notes
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -51,3 +51,15 @@ def test_revisions_are_listed_and_a_mix_is_warned_about(capsys):
     b["metadata"]["git"] = {"revision": "def", "dirty": None, "source": "LMPOOL_GIT_REVISION"}
     assert merge([a, b])["metadata"]["revisions"] == ["abc", "def"]
     assert "different revisions ['abc', 'def']" in capsys.readouterr().err
+
+
+def test_an_early_stop_shows_only_while_another_part_has_not_run_the_rest():
+    def asked(p: dict, first: int, count: int) -> dict:
+        p["metadata"]["config"].update(first_rep=first, reps=count)
+        return p
+
+    first = asked(part("lmpool", [0], 1.0), 0, 3)
+    first["stopped_early"] = "after 1 repetitions: another would end past --max-minutes 3.0"
+    assert "stopped_early" not in merge([first, asked(part("lmpool", [1, 2], 1.0), 1, 2)])
+    assert merge([first, asked(part("lmpool", [1], 1.0), 1, 1)])["stopped_early"] == (
+        "after 1 repetitions: another would end past --max-minutes 3.0 (repetitions [2] not run)")
