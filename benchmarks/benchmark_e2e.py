@@ -29,11 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eval_metrics import paired_change  # noqa: E402
 from eval_suite import (  # noqa: E402
-    LMPOOL, PEERS, TRANSFER_MODES, add_arguments, chosen_policies, finish_arguments, run_suite, vocab_size,
+    LMPOOL, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, add_arguments, chosen_policies, finish_arguments, run_suite,
+    vocab_size,
 )
 from workloads import load_skew, memory_skew  # noqa: E402
 
-POLICIES = (*PEERS, LMPOOL, *TRANSFER_MODES)
+POLICIES = (*PEERS, LMPOOL, *TRANSFER_MODES, TRANSFERS_IDLE)
+MODE_NAMES = {p.name for p in TRANSFER_MODES}
 QUICK_POLICIES = "round_robin,least_loaded,lmpool,lmpool+background,lmpool+foreground"
 WORKLOADS = ("load_skew", "memory_skew")
 POOL_BLOCKS = 384  # whole-pool KV budget: 96 blocks per worker at 4 replicas
@@ -57,7 +59,7 @@ def comparisons(summary: dict) -> dict:
         out[workload] = rows
         wins = []
         for mode, row in rows.get("vs_lmpool", {}).items():
-            if not mode.startswith("lmpool+"):
+            if mode not in MODE_NAMES:  # routing-only variants, the idle-transfers control
                 continue
             sep = {m: (row.get(m) or {}).get("separation") for m in ("ttft_mean_ms", "throughput_tok_s", "e2e_mean_ms")}
             if sep["ttft_mean_ms"] == "better" and "better" in (sep["throughput_tok_s"], sep["e2e_mean_ms"]):

@@ -52,6 +52,7 @@ class Policy:
     routing: str
     transfer_mode: str = "none"
     routing_config: tuple[tuple[str, float], ...] = ()  # RoutingConfig fields that differ from the defaults
+    enable_transfers: bool = False  # transfers set up without a mode that plans any (a control)
 
     def pool_kwargs(self) -> dict:
         # Keywords are passed only when they differ from the defaults: a policy must run on
@@ -59,6 +60,8 @@ class Policy:
         kw: dict = {"routing": self.routing}
         if self.transfer_mode != "none":
             kw["transfer_mode"] = self.transfer_mode
+        if self.enable_transfers:
+            kw["enable_transfers"] = True
         if self.routing_config:
             from lmpool.control.global_scheduler import RoutingConfig
 
@@ -82,6 +85,18 @@ TRANSFER_MODES = (
     Policy("lmpool+foreground", "lmpool", "foreground"),
     Policy("lmpool+both", "lmpool", "both"),
 )
+# Routing only, in a pool whose transfer paths are set up (workers connected, caches
+# exported) but which plans no transfer: what a transfer mode's run owes to the set-up
+# alone, apart from the transfers it makes.
+TRANSFERS_IDLE = Policy("lmpool+idle", "lmpool", enable_transfers=True)
+
+
+def run_order(policies: list[Policy], rep: int) -> list[Policy]:
+    """The order of ``policies`` in repetition ``rep``: rotated by one per repetition, so
+    that over the repetitions no policy always runs in one position (first after the
+    previous workload, say) and carries whatever that position costs."""
+    turn = rep % len(policies) if policies else 0
+    return policies[turn:] + policies[:turn]
 
 
 def select_policies(available: tuple[Policy, ...], names: str | None) -> list[Policy]:
@@ -461,7 +476,7 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
                     break
                 rep_start = time.perf_counter()
                 for workload, reps in traces.items():
-                    for policy in policies:
+                    for policy in run_order(policies, rep):
                         run = _run_policy(args, model, policy, workload, reps[rep], rep, max_model_len,
                                           result["policies"][policy.name], failures, progress)
                         result["runs"].append(run)

@@ -33,3 +33,27 @@ def test_lmpool_variants_are_not_peers_in_the_acceptance(monkeypatch):
     acceptance = benchmark_kv_routing.comparisons(summary)["acceptance"]
     assert acceptance["peers_better_beyond_ci"] == [
         "sglang_cache_aware:e2e_mean_ms", "sglang_cache_aware:throughput_tok_s", "sglang_cache_aware:ttft_mean_ms"]
+
+
+def test_the_idle_transfers_control_sets_transfers_up_and_never_counts_as_a_transfer_mode(monkeypatch):
+    """``lmpool+idle`` starts its pool with transfers enabled and no mode; a win of it over
+    routing only would be the set-up's, so the e2e acceptance leaves it out."""
+    import benchmark_e2e
+    from eval_suite import TRANSFERS_IDLE
+
+    assert TRANSFERS_IDLE.pool_kwargs() == {"routing": "lmpool", "enable_transfers": True}
+    monkeypatch.setattr(benchmark_e2e, "paired_change", lambda *a: change("better"))
+    summary = {"load_skew": {p: {} for p in ("lmpool", "round_robin", "lmpool+idle", "lmpool+background")}}
+    acceptance = benchmark_e2e.comparisons(summary)["acceptance"]
+    assert acceptance["transfer_beats_routing_only"] == {"load_skew": ["lmpool+background"]}
+
+
+def test_every_policy_takes_every_position_once_over_as_many_repetitions():
+    from eval_suite import run_order
+
+    policies = [Policy(n, "lmpool") for n in ("a", "b", "c", "d")]
+    orders = [[p.name for p in run_order(policies, rep)] for rep in range(7, 11)]
+    assert all(sorted(order) == ["a", "b", "c", "d"] for order in orders)
+    for position in range(4):
+        assert sorted(order[position] for order in orders) == ["a", "b", "c", "d"]
+    assert run_order([], 3) == []
