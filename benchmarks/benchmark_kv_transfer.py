@@ -98,7 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pool: a data-path profile of this machine; the output adds its curves and the residuals")
     p.add_argument("--pack-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="extra packed paths beside the default, comma-separated, each S, S:C, S/L or S:C/L: S is "
-                        "auto (the default chunks), even (near-equal chunks of >= 48 MiB), taper (tapered chunks), "
+                        "auto (the default chunks), even (near-equal chunks of >= the transport's floor), "
+                        "taper (tapered chunks), "
                         "K (K near-equal chunks) or tK (K tapered chunks); C caps the pack/unpack grids at C CTAs "
                         "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn")
     p.add_argument("--json", type=Path, default=None)
@@ -170,10 +171,11 @@ def pack_variant(path: str) -> dict:
     """``send_blocks``/``BlockReceiver`` keywords of a packed path: ``pack`` (the pool's
     default: near-equal chunks, grids capped), ``pack@S``, ``pack@S:C``, ``pack@S/L`` or
     ``pack@S:C/L`` where S is the chunking, ``auto`` (the default's), ``even`` (near-equal
-    chunks of at least 48 MiB), ``taper`` (tapered chunks, their modelled count), ``K`` (K
-    near-equal chunks) or ``tK`` (K tapered chunks), C caps the pack/unpack grids at C CTAs
-    (0: uncapped; absent: the default cap), and L (nccl) sends over a transport of L lanes
-    (``lanes``, which the worker takes out; absent: the default transport's)."""
+    chunks of at least the transport's floor, as auto), ``taper`` (tapered chunks, their
+    modelled count), ``K`` (K near-equal chunks) or ``tK`` (K tapered chunks), C caps the
+    pack/unpack grids at C CTAs (0: uncapped; absent: the default cap), and L (nccl) sends
+    over a transport of L lanes (``lanes``, which the worker takes out; absent: the default
+    transport's)."""
     if "@" not in path:
         return {}
     spec, slash, lanes = path.split("@", 1)[1].partition("/")

@@ -60,7 +60,7 @@ from lmpool.transfer.transport import (
 
 # Communicators per direction of a pair; every lane costs its own NCCL buffers and stream.
 # On the H200 pair, 8 chunks over 3 lanes reached 83-90 % of raw NCCL from 224 MiB on
-# against 74-88 % over one; 2 lanes were 1-2 points behind 3, and 4 no better than 3
+# against 74-88 % over one; 2 lanes were about a point behind 3, and 4 no better than 3
 # (results/multi_gpu_NOTES.md).
 DEFAULT_LANES = 3
 MAX_LANES = 4
