@@ -173,7 +173,9 @@ class GlobalScheduler:
             # The seed's whole NVLink group is down: serving elsewhere beats failing the request.
             candidates = gbm.alive_mask
             if not candidates:
-                raise NoAliveRankError(f"no alive rank to route request {query.request_id!r} to")
+                # The query's id is the pool's internal dispatch id: the pool names the
+                # caller's request when it passes this on.
+                raise NoAliveRankError("no alive rank to route the request to")
         ranks = [r for r in range(gbm.world_size) if candidates >> r & 1]
         lengths = gbm.prefix_match(query.block_hashes, candidates)  # ready blocks: what the decision reports
         expected = lengths  # ... and, with pending prefixes, what each rank will hold when the request runs

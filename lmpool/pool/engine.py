@@ -348,7 +348,10 @@ class LLMEngine:
                     wire_id, chain_hashes(tokens, self.block_size), len(tokens),
                     req.params.max_tokens - len(req.output_token_ids),
                 )
-                decision = await self.control_request(query)
+                try:
+                    decision = await self.control_request(query)
+                except PoolError as e:  # the control plane's words name no caller's id
+                    raise PoolError(f"request {req.request_id!r} could not be routed: {e}") from None
                 rank = self.ranks[decision.rank]
                 req.route = decision.reason
             if not rank.alive:

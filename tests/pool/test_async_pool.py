@@ -127,3 +127,33 @@ def test_route_reservations_end_when_their_rank_reports_the_admission(tiny_model
     outs, stats = uvloop.run(main())
     assert all(len(o.token_ids) == 6 for o in outs)
     assert stats["transfers"]["reservations"] == 0
+
+
+def test_a_routing_failure_names_the_callers_request_and_forgets_it(tiny_model):
+    """The control plane routes by the pool's internal dispatch id; when it cannot route
+    (here: it answers as if it believed every rank dead), the error names the caller's id,
+    and the request leaves no trace, so its id can be used again."""
+    from lmpool.pool.engine import PoolError
+    from lmpool.pool.messages import RouteQuery
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            engine = pool.engine
+            real = engine.control_request
+
+            async def refuse_routes(msg):
+                if isinstance(msg, RouteQuery):
+                    raise PoolError("control plane: NoAliveRankError: no alive rank to route the request to")
+                return await real(msg)
+
+            engine.control_request = refuse_routes
+            with pytest.raises(PoolError) as failure:
+                await pool.generate(PROMPT, GREEDY, request_id="caller-7")
+            left = dict(engine.requests)
+            engine.control_request = real
+            again = await pool.generate(PROMPT, GREEDY, request_id="caller-7")
+            return str(failure.value), left, again
+
+    message, left, again = run(main())
+    assert message.startswith("request 'caller-7' could not be routed: ") and "no alive rank" in message
+    assert left == {} and len(again.token_ids) == 6
