@@ -30,6 +30,7 @@ from eval_suite import (  # noqa: E402
 from workloads import LOCALITY_LEVELS, locality  # noqa: E402
 
 POLICIES = (LMPOOL, *PEERS, *LMPOOL_VARIANTS)
+PEER_NAMES = {p.name for p in PEERS}
 QUICK_POLICIES = "lmpool,round_robin,least_loaded"
 POOL_BLOCKS = 768  # whole-pool KV budget: 192 blocks per worker at 4 replicas
 COMPARED = ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "e2e_mean_ms", "tpot_mean_ms", "dp_tok_reuse")
@@ -64,7 +65,7 @@ def comparisons(summary: dict) -> dict:
                                "goal_met": sign * ci["mean"] >= GOALS[key]}
         acceptance["peers_better_beyond_ci"] = sorted(  # LMPool's own variants are not peers
             f"{peer}:{m}" for peer, row in out[top].items() for m in ("throughput_tok_s", "ttft_mean_ms", "e2e_mean_ms")
-            if not peer.startswith("lmpool") and row.get(m) and row[m]["separation"] == "worse")
+            if peer in PEER_NAMES and row.get(m) and row[m]["separation"] == "worse")
         out["acceptance"] = acceptance
     return out
 

@@ -5,9 +5,10 @@ side, and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` caps each client at its share of
 so N replicas on one GPU each get 1/N of it, like N smaller GPUs. A daemon started with
 ``CUDA_VISIBLE_DEVICES`` serves only those GPUs and its clients see them numbered from 0,
 so inside the block the variable is renumbered (``0,1,...``) and restored afterwards.
-The daemon's pipe and log directories are a fresh temporary directory, so it never meets another user's
-daemon; the variables are set in this process's environment, which the pool's worker
-processes inherit. On exit the environment is restored and the daemon is stopped.
+The daemon's pipe and log directories are a fresh temporary directory, so it never meets
+another user's daemon; the variables are set in this process's environment, which the
+pool's worker processes inherit. On exit the environment is restored and the daemon is
+stopped.
 
 Stopping is bounded and never raises (the caller writes its results after the block).
 ``quit`` is synchronous: the control front-end returns only when the daemon has exited,

@@ -7,8 +7,8 @@ unpacks chunk i while chunk i+1 arrives, so the time approaches the wire's plus 
 chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
 
 - ``layer_chunks`` (the default) cuts near-equal chunks of at least the transport's
-  ``chunk_bytes`` (``CHUNK_BYTES`` for a transport without one; NCCL over several lanes
-  names ``LANED_CHUNK_BYTES``).
+  ``chunk_bytes`` (``CHUNK_BYTES`` for a transport without one; NCCL over several lanes,
+  which hides the start-up, names a smaller one).
 - ``tapered_chunks`` (opt-in, ``shape="taper"``) makes the ends small and the middle large:
   packing is faster than the wire, so each chunk may outgrow its predecessor and still be
   packed in time, while only the small first pack and last unpack are exposed. Measured on
@@ -50,12 +50,6 @@ from lmpool.transfer.transport import TransferTimeout, TransportError, plan_tag,
 # 4-8 at 448 MiB and 1.75 GiB, 16 chunks lost 3-8 points against 8.
 CHUNK_BYTES = 48 << 20
 MAX_CHUNKS = 8
-# The floor where the transport hides the start-up: NCCL with several lanes starts a chunk
-# while the previous one is still on the wire (``lmpool.transfer.nccl``), so smaller chunks
-# pay less exposed pack and unpack for little start-up. Over 3 lanes on the H200 pair
-# (results/h200x2/lanes/), chunks of 28 MiB were best or level at every size measured: 2
-# chunks at 56 MiB, 4 at 112 MiB, 8 from 224 MiB on.
-LANED_CHUNK_BYTES = 28 << 20
 
 
 @functools.cache
@@ -103,7 +97,8 @@ def _spans(bounds: list[int]) -> list[tuple[int, int]]:
 # 70-90 us per operation; the near-equal chunking's ratios fit a marginal cost near 45 us,
 # 16 MiB of wire time, per chunk beyond the first. Beside NCCL's kernels the packs proved
 # slower than the factor says: the tapered plans lost from 8 to 32 blocks, so the shape is
-# opt-in until the factor is measured under that contention.
+# opt-in until the factor is measured under that contention. The start-up term models one
+# NCCL lane; over several the start-up hides behind the previous chunk.
 PACK_OVER_WIRE = 4.0
 CHUNK_START_BYTES = 16 << 20
 
@@ -211,9 +206,17 @@ class BlockSender(_Chunks):
 
 def chunk_floor(transport, chunk_bytes: int | None = None) -> int:
     """``chunk_bytes`` if given, else the transport's own floor (its ``chunk_bytes``
-    attribute), else ``CHUNK_BYTES``. Both ends of a pair get one value: they are given the
+    attribute, when set), else ``CHUNK_BYTES``. Both ends of a pair get one value: they are given the
     same argument, and their transports are alike (NCCL checks its lanes at connect)."""
-    return chunk_bytes if chunk_bytes is not None else getattr(transport, "chunk_bytes", CHUNK_BYTES)
+    if chunk_bytes is not None:
+        return chunk_bytes
+    return getattr(transport, "chunk_bytes", None) or CHUNK_BYTES
+
+
+def _plan(transport, cache: torch.Tensor, num_blocks: int, shape: str, chunks: int | None,
+          chunk_bytes: int | None) -> tuple[tuple[int, int], ...]:
+    """The one plan both ends of a transfer cut: sender and receiver call this alike."""
+    return cut(cache.shape[0], payload_bytes(cache, num_blocks), shape, chunks, chunk_floor(transport, chunk_bytes))
 
 
 def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
@@ -225,8 +228,7 @@ def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch
     if max_ctas is None:
         max_ctas = default_max_ctas(cache.device)
     handles = []
-    cuts = cut(cache.shape[0], payload_bytes(cache, len(block_ids)), shape, chunks,
-               chunk_floor(transport, chunk_bytes))
+    cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)
     for i, (first, end) in enumerate(cuts):
         payload = ops.pack_kv(cache[first:end], block_ids, max_ctas)
         handles.append(transport.send(peer, payload, chunk_tag(plan_id, i)))
@@ -243,8 +245,7 @@ class BlockReceiver(_Chunks):
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
         self._max_ctas = default_max_ctas(cache.device) if max_ctas is None else max_ctas
         self._pending: list[tuple[int, int, torch.Tensor, object]] = []
-        cuts = cut(cache.shape[0], payload_bytes(cache, len(block_ids)), shape, chunks,
-                   chunk_floor(transport, chunk_bytes))
+        cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)
         for i, (first, end) in enumerate(cuts):
             buffer = torch.empty((end - first, 2, len(block_ids), *cache.shape[3:]), dtype=cache.dtype,
                                  device=cache.device)

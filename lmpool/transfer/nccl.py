@@ -47,7 +47,6 @@ import threading
 import torch
 import torch.distributed as dist
 
-from lmpool.transfer.chunked import CHUNK_BYTES, LANED_CHUNK_BYTES
 from lmpool.transfer.transport import (
     TransferTimeout,
     TransportError,
@@ -64,6 +63,12 @@ from lmpool.transfer.transport import (
 # (results/multi_gpu_NOTES.md).
 DEFAULT_LANES = 3
 MAX_LANES = 4
+# The chunk floor of transfers over several lanes (``chunked.chunk_floor``). With the
+# start-up hidden, smaller chunks expose less pack and unpack at the ends: over 3 lanes on
+# the H200 pair (results/h200x2/lanes/), chunks of 28 MiB were best or level at every size
+# measured (2 chunks at 56 MiB, 4 at 112 MiB, 8 from 224 MiB on). One lane keeps the
+# chunk layer's default.
+LANED_CHUNK_BYTES = 28 << 20
 
 
 def check_lanes(store: dist.Store, rank: int, peer: int, lanes: int) -> None:
@@ -146,9 +151,7 @@ class NcclTransport:
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise TransportError("this torch build has no NCCL")
         self.lanes = lanes
-        # The chunk floor of transfers over this transport (chunked.chunk_floor): with
-        # several lanes a chunk's start-up hides behind the previous chunk, so chunks shrink.
-        self.chunk_bytes = LANED_CHUNK_BYTES if lanes > 1 else CHUNK_BYTES
+        self.chunk_bytes = LANED_CHUNK_BYTES if lanes > 1 else None  # None: chunked.CHUNK_BYTES
         self.device = torch.device(device)
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"nccl needs a CUDA device with an index (cuda:N), got {device!r}")
