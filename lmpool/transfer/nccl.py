@@ -66,8 +66,9 @@ MAX_LANES = 4
 # The chunk floor of transfers over several lanes (``chunked.chunk_floor``). With the
 # start-up hidden, smaller chunks expose less pack and unpack at the ends: over 3 lanes on
 # the H200 pair (results/h200x2/lanes/), chunks of 28 MiB were best or level at every size
-# measured (2 chunks at 56 MiB, 4 at 112 MiB, 8 from 224 MiB on). One lane keeps the
-# chunk layer's default.
+# measured (2 chunks at 56 MiB, 4 at 112 MiB, 8 from 224 MiB on). Over lanes the chunks
+# share the wire, so their shape is a ramp (``chunked.ramp_chunks``): small at both ends.
+# One lane keeps the chunk layer's defaults.
 LANED_CHUNK_BYTES = 28 << 20
 
 
@@ -151,7 +152,9 @@ class NcclTransport:
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise TransportError("this torch build has no NCCL")
         self.lanes = lanes
-        self.chunk_bytes = LANED_CHUNK_BYTES if lanes > 1 else None  # None: chunked.CHUNK_BYTES
+        # What the chunk layer cuts over this transport (None: its defaults, CHUNK_BYTES and "even").
+        self.chunk_bytes = LANED_CHUNK_BYTES if lanes > 1 else None
+        self.chunk_shape = "ramp" if lanes > 1 else None
         self.device = torch.device(device)
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"nccl needs a CUDA device with an index (cuda:N), got {device!r}")
