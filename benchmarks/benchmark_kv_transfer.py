@@ -104,6 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "growth per chunk); C caps the pack/unpack grids at C CTAs "
                         "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--trace", type=Path, default=None,
+                   help="nccl, cuda_ipc: each worker writes a kernel trace of the run (torch.profiler) to "
+                        "TRACE/trace_rank{r}.json, every transfer a range named PATH/SRC->DST/BLOCKS#REP; "
+                        "transfer_trace.py tells where a transfer's time goes")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -301,7 +305,8 @@ class Worker:
                     turn = rep % len(self.paths)
                     for path in self.paths[turn:] + self.paths[:turn]:
                         key = f"{path}/{src}->{1 - src}/{n}"
-                        t0, t1, check = self.one(src, path, mine, theirs, ready, out, check=rep == -args.warmup)
+                        with torch.profiler.record_function(f"{key}#{rep}"):  # a no-op unless --trace
+                            t0, t1, check = self.one(src, path, mine, theirs, ready, out, check=rep == -args.warmup)
                         if check is not None:
                             checks[key] = check
                         if rep >= 0:
@@ -406,7 +411,14 @@ class Worker:
 
 def worker_main(args) -> None:
     worker = Worker(args)
-    result = worker.run(args)
+    if args.trace is not None and worker.device.type == "cuda":
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as trace:
+            result = worker.run(args)
+        args.trace.mkdir(parents=True, exist_ok=True)
+        trace.export_chrome_trace(str(args.trace / f"trace_rank{worker.rank}.json"))
+    else:
+        result = worker.run(args)
     result["paths"] = worker.paths
     result["pull_detail"] = worker.pull_detail
     if worker.rank == 0:
