@@ -1,0 +1,141 @@
+"""What the host pays to start one chunk of a packed NCCL transfer (diagnostic, two GPUs):
+the median host seconds of each call on the sender's path, the GPU idle before each call,
+so that a figure is the call's own cost, not a wait on queued work.
+
+    python benchmarks/profile_nccl_launch.py --preset 0.6b --json launch.json
+
+- ``pack``: ``ops.pack_kv`` of one 28 MiB chunk (allocation, launch);
+- ``transport_send``: ``NcclTransport.send`` of a ready 28 MiB payload (our wrapper and
+  torch's ``ProcessGroupNCCL.send``);
+- ``group_send``: ``ProcessGroupNCCL.send`` alone, on the lane the wrapper would take;
+- ``handle_done``: one ``NcclHandle.done()`` poll of a send still in flight;
+- ``send_blocks``: the whole ``send_blocks`` call of an 8-block transfer (its default chunks).
+
+torch's NCCL settings come from the environment (e.g. ``TORCH_FR_BUFFER_SIZE`` for its flight
+recorder): run the script once per setting to compare them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lmpool.model.make_model import PRESETS
+from lmpool.ops import get_backend
+from lmpool.transfer import Rendezvous, make_transport
+from lmpool.transfer.chunked import BlockReceiver, send_blocks
+from lmpool.transfer.transport import open_store
+
+REPS = 200
+WAIT_S = 60.0
+
+
+def spin(handle) -> None:
+    while not handle.done():
+        pass
+    handle.wait(0)
+
+
+def worker(args) -> dict:
+    rank, peer = args.worker, 1 - args.worker
+    device = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(device)
+    cfg = PRESETS[args.preset]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    cache = torch.randn(cfg["num_hidden_layers"], 2, 16, args.block_size, cfg["num_key_value_heads"], head_dim,
+                        device=device).to(torch.bfloat16)
+    ops = get_backend(device, use_kernels=True)
+    transport = make_transport("nccl", rank, 2, rendezvous=args.rendezvous, device=str(device), timeout_s=WAIT_S)
+    if not transport.connect(peer, session=1).wait(WAIT_S):
+        raise RuntimeError("the NCCL pair is not up")
+    store = open_store(args.rendezvous, WAIT_S)
+    ids = torch.arange(8, device=device)
+    layer_bytes = cache[0, :, :1].numel() * cache.element_size()
+    layers = max(1, (28 << 20) // (layer_bytes * len(ids)))  # a 28 MiB chunk of the 8 blocks
+    payload = ops.pack_kv(cache[:layers], ids)
+    out: dict[str, list[float]] = {}
+
+    def barrier(name: str) -> None:
+        store.set(f"{name}/{rank}", "1")
+        store.get(f"{name}/{peer}")
+
+    def timed(name: str, call) -> None:
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        result = call()
+        out.setdefault(name, []).append(time.perf_counter() - t0)
+        return result
+
+    if rank == 0:
+        for _ in range(REPS):
+            timed("pack", lambda: ops.pack_kv(cache[:layers], ids))
+    for name in ("transport_send", "group_send"):
+        barrier(name)
+        if rank == 0:
+            for _ in range(REPS):
+                if name == "transport_send":
+                    handle = timed(name, lambda: transport.send(peer, payload, 1))
+                    t0 = time.perf_counter()
+                    handle.done()
+                    out.setdefault("handle_done", []).append(time.perf_counter() - t0)
+                    spin(handle)
+                else:
+                    group = transport._pair(peer, WAIT_S).next_outgoing()
+                    work = timed(name, lambda: group.send([payload], 1, 0))
+                    while not work.is_completed():
+                        pass
+        else:
+            for _ in range(REPS):
+                spin(transport.recv(peer, torch.empty_like(payload), 1))
+    barrier("send_blocks")
+    for plan in range(REPS // 4):
+        if rank == 0:
+            sending = timed("send_blocks", lambda: send_blocks(transport, peer, ops, cache, ids, plan))
+            spin(sending)
+        else:
+            spin(BlockReceiver(transport, peer, ops, cache, ids + 8, plan))
+    barrier("end")
+    torch.cuda.synchronize(device)
+    transport.close()
+    return {name: statistics.median(samples[5:]) for name, samples in out.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="0.6b", choices=sorted(PRESETS))
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker is not None:
+        print(json.dumps(worker(args)), flush=True)
+        return 0
+    rendezvous = Rendezvous.create()
+    command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--rendezvous", rendezvous.address]
+    workers = [subprocess.Popen([*command, "--worker", str(r)], stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+    rendezvous.close()
+    if any(w.returncode for w in workers):
+        print(f"a worker failed: {[w.returncode for w in workers]}", file=sys.stderr)
+        return 1
+    result = {"sender_host_s": json.loads(outputs[0].strip().splitlines()[-1]),
+              "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL", "TORCH_FR", "NCCL_"))},
+              "torch": torch.__version__}
+    for name, seconds in result["sender_host_s"].items():
+        print(f"{name:>15}: {seconds * 1e6:8.1f} us")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
