@@ -99,9 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pack-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="extra packed paths beside the default, comma-separated, each S, S:C, S/L or S:C/L: S is "
                         "auto (the default chunks), even (near-equal chunks of >= the transport's floor), "
-                        "ramp (as many, growing from the ends), taper (tapered chunks), K (K near-equal chunks), "
-                        "rK (K ramped chunks) or tK (K tapered chunks), a ramp optionally followed by *G (its "
-                        "growth per chunk); C caps the pack/unpack grids at C CTAs "
+                        "taper (tapered chunks), "
+                        "K (K near-equal chunks) or tK (K tapered chunks); C caps the pack/unpack grids at C CTAs "
                         "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None,
@@ -118,15 +117,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     for v in args.pack_variants:
         try:
             variant = pack_variant(f"pack@{v}")
-            ok = variant.get("chunks", 1) >= 1 and (variant["max_ctas"] or 0) >= 0 and variant.get("lanes", 1) >= 1 \
-                and variant.get("growth", 1) >= 1
+            ok = variant.get("chunks", 1) >= 1 and (variant["max_ctas"] or 0) >= 0 and variant.get("lanes", 1) >= 1
         except ValueError:
             ok = False
         if ok and "lanes" in variant and args.kind != "nccl":
             p.error(f"--pack-variants: {v!r} names lanes, which only --kind nccl has")
         if not ok:
-            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L, S one of auto, even, ramp, taper, K, rK, "
-                    "tK, a ramp optionally followed by *G, with K >= 1, G >= 1, C >= 0, L >= 1")
+            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L, S one of auto, even, taper, K, tK "
+                    "with K >= 1, C >= 0, L >= 1")
     return args
 
 
@@ -175,12 +173,10 @@ def spin(handle, timeout: float = WAIT_S) -> None:
 
 def pack_variant(path: str) -> dict:
     """``send_blocks``/``BlockReceiver`` keywords of a packed path: ``pack`` (the pool's
-    default: the transport's chunking, grids capped), ``pack@S``, ``pack@S:C``, ``pack@S/L`` or
+    default: near-equal chunks, grids capped), ``pack@S``, ``pack@S:C``, ``pack@S/L`` or
     ``pack@S:C/L`` where S is the chunking, ``auto`` (the default's), ``even`` (near-equal
-    chunks of at least the transport's floor), ``ramp`` (as many, growing from the ends),
-    ``taper`` (tapered chunks, their modelled count), ``K`` (K near-equal chunks), ``rK`` (K
-    ramped chunks) or ``tK`` (K tapered chunks), a ramp optionally followed by ``*G`` (its
-    growth per chunk, else ``chunked.RAMP_GROWTH``), C caps the
+    chunks of at least the transport's floor, as auto), ``taper`` (tapered chunks, their
+    modelled count), ``K`` (K near-equal chunks) or ``tK`` (K tapered chunks), C caps the
     pack/unpack grids at C CTAs (0: uncapped; absent: the default cap), and L (nccl) sends
     over a transport of L lanes (``lanes``, which the worker takes out; absent: the default
     transport's)."""
@@ -188,20 +184,15 @@ def pack_variant(path: str) -> dict:
         return {}
     spec, slash, lanes = path.split("@", 1)[1].partition("/")
     spec, _, ctas = spec.partition(":")
-    spec, star, growth = spec.partition("*")
     variant: dict = {"max_ctas": int(ctas) if ctas else None}
     if slash:
         variant["lanes"] = int(lanes)
-    if spec in ("even", "ramp", "taper"):
+    if spec in ("even", "taper"):
         variant["shape"] = spec
-    elif spec[:1] in ("t", "r"):
-        variant.update(shape={"t": "taper", "r": "ramp"}[spec[0]], chunks=int(spec[1:]))
+    elif spec.startswith("t"):
+        variant.update(shape="taper", chunks=int(spec[1:]))
     elif spec != "auto":
         variant.update(shape="even", chunks=int(spec))
-    if star:
-        if variant.get("shape") != "ramp":
-            raise ValueError(f"a growth (*{growth}) is a ramp's")
-        variant["growth"] = float(growth)
     return variant
 
 

@@ -6,20 +6,15 @@ into k chunks, the sender packs chunk i+1 while chunk i is on the wire and the r
 unpacks chunk i while chunk i+1 arrives, so the time approaches the wire's plus the first
 chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
 
-- ``layer_chunks`` (the default shape, "even") cuts near-equal chunks of at least the transport's
+- ``layer_chunks`` (the default) cuts near-equal chunks of at least the transport's
   ``chunk_bytes`` (``CHUNK_BYTES`` for a transport without one; NCCL over several lanes,
   which hides the start-up, names a smaller one).
-- ``ramp_chunks`` (``shape="ramp"``, the shape NCCL over several lanes names) cuts as many
-  chunks as ``layer_chunks`` but lets them grow gently (``RAMP_GROWTH`` per chunk) from both
-  ends towards the middle. Over lanes, chunks share the wire instead of taking turns, so the
-  last chunk of every lane arrives near the end and their unpacks queue up there; small end
-  chunks shorten that queue and the first pack.
 - ``tapered_chunks`` (opt-in, ``shape="taper"``) makes the ends small and the middle large:
   packing is faster than the wire, so each chunk may outgrow its predecessor and still be
   packed in time, while only the small first pack and last unpack are exposed. Measured on
   the H200 pair it lost to the near-equal rule from 8 to 32 blocks and drew level at 64
   (results/multi_gpu_NOTES.md): beside NCCL the kernels pack slower than its model assumes.
-- All cut from the layer count and the payload's size alone, so sender and receiver
+- Both cut from the layer count and the payload's size alone, so sender and receiver
   always agree on the number and the sizes of the messages. ``cut`` caches its plans: a
   plan is computed on the sender's path before its first pack, and a tapered one takes tens
   of microseconds of Python.
@@ -108,14 +103,12 @@ PACK_OVER_WIRE = 4.0
 CHUNK_START_BYTES = 16 << 20
 
 
-def taper(layers: int, chunks: int, growth: float = PACK_OVER_WIRE) -> list[int]:
-    """Layer counts of ``chunks`` chunks whose sizes grow by ``growth`` per chunk from both ends
-    towards the middle (each at least one layer, summing to ``layers``; ``growth`` 1: near-equal)."""
+def taper(layers: int, chunks: int) -> list[int]:
+    """Layer counts of ``chunks`` chunks whose sizes grow by ``PACK_OVER_WIRE`` from both ends
+    towards the middle (each at least one layer, summing to ``layers``)."""
     if not 1 <= chunks <= layers:
         raise ValueError(f"chunks must be in [1, {layers}] for {layers} layers, got {chunks}")
-    if not growth >= 1:
-        raise ValueError(f"growth must be >= 1, got {growth}")
-    ideal = [growth ** min(j, chunks - 1 - j) for j in range(chunks)]
+    ideal = [PACK_OVER_WIRE ** min(j, chunks - 1 - j) for j in range(chunks)]
     ideal = [layers * w / sum(ideal) for w in ideal]
     counts = [max(1, int(x)) for x in ideal]
     while sum(counts) > layers:  # the floor of one layer overshot: take from the largest
@@ -152,40 +145,16 @@ def tapered_chunks(layers: int, payload_bytes: int, chunks: int | None = None) -
     return _spans([0, *itertools.accumulate(counts)])
 
 
-# How much each chunk of a ramp outgrows its outer neighbour. A model of the H200 pair over
-# 3 lanes (the wire shared by the chunks in flight, packs and unpacks at about 1 GB/ms beside
-# NCCL, which puts near-equal chunks where they were measured, 84-90 % of raw) gave gentle
-# growth the best ratio from 4 to 64 blocks: 1.25 beat 1 by 2-4 points, 2 and 4 lost.
-RAMP_GROWTH = 1.25
-
-
-def ramp_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES, chunks: int | None = None,
-                growth: float = RAMP_GROWTH) -> list[tuple[int, int]]:
-    """``[(first_layer, end_layer), ...]``: as many chunks as ``layer_chunks`` cuts, their layer
-    counts growing by ``growth`` from both ends towards the middle (``taper``)."""
-    k = len(layer_chunks(layers, payload_bytes, chunk_bytes, chunks))
-    return _spans([0, *itertools.accumulate(taper(layers, k, growth))])
-
-
-SHAPES = ("even", "ramp", "taper")
-
-
 @functools.lru_cache(maxsize=4096)
 def cut(layers: int, payload_bytes: int, shape: str = "even", chunks: int | None = None,
-        chunk_bytes: int = CHUNK_BYTES, growth: float | None = None) -> tuple[tuple[int, int], ...]:
+        chunk_bytes: int = CHUNK_BYTES) -> tuple[tuple[int, int], ...]:
     """The chunks of a payload: ``shape`` "even" (``layer_chunks``, whose floor is
-    ``chunk_bytes``), "ramp" (``ramp_chunks``, the same floor; ``growth``, if given, replaces
-    ``RAMP_GROWTH``) or "taper" (``tapered_chunks``). Cached: one plan per payload size."""
-    if growth is not None and shape != "ramp":
-        raise ValueError(f"growth is a ramp's, not a {shape!r} shape's")
+    ``chunk_bytes``) or "taper" (``tapered_chunks``). Cached: one plan per payload size."""
     if shape == "taper":
         return tuple(tapered_chunks(layers, payload_bytes, chunks))
     if shape == "even":
         return tuple(layer_chunks(layers, payload_bytes, chunk_bytes, chunks))
-    if shape == "ramp":
-        return tuple(ramp_chunks(layers, payload_bytes, chunk_bytes, chunks,
-                                 RAMP_GROWTH if growth is None else growth))
-    raise ValueError(f"a chunk shape is one of {', '.join(map(repr, SHAPES))}, got {shape!r}")
+    raise ValueError(f"a chunk shape is 'taper' or 'even', got {shape!r}")
 
 
 def chunk_tag(plan_id: int, index: int) -> int:
@@ -244,29 +213,22 @@ def chunk_floor(transport, chunk_bytes: int | None = None) -> int:
     return getattr(transport, "chunk_bytes", None) or CHUNK_BYTES
 
 
-def chunk_shape(transport, shape: str | None = None) -> str:
-    """``shape`` if given, else the transport's own (its ``chunk_shape`` attribute, when set),
-    else "even"; both ends get one value, as for ``chunk_floor``."""
-    return shape or getattr(transport, "chunk_shape", None) or "even"
-
-
-def _plan(transport, cache: torch.Tensor, num_blocks: int, shape: str | None, chunks: int | None,
-          chunk_bytes: int | None, growth: float | None) -> tuple[tuple[int, int], ...]:
+def _plan(transport, cache: torch.Tensor, num_blocks: int, shape: str, chunks: int | None,
+          chunk_bytes: int | None) -> tuple[tuple[int, int], ...]:
     """The one plan both ends of a transfer cut: sender and receiver call this alike."""
-    return cut(cache.shape[0], payload_bytes(cache, num_blocks), chunk_shape(transport, shape), chunks,
-               chunk_floor(transport, chunk_bytes), growth)
+    return cut(cache.shape[0], payload_bytes(cache, num_blocks), shape, chunks, chunk_floor(transport, chunk_bytes))
 
 
 def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
-                shape: str | None = None, chunks: int | None = None, chunk_bytes: int | None = None,
-                max_ctas: int | None = None, growth: float | None = None) -> BlockSender:
+                shape: str = "even", chunks: int | None = None, chunk_bytes: int | None = None,
+                max_ctas: int | None = None) -> BlockSender:
     """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks
-    (``cut`` with ``chunk_shape`` and ``chunk_floor``; the receiver must cut alike); ``max_ctas``
-    caps each pack kernel's grid (None: ``default_max_ctas``)."""
+    (``cut`` with ``chunk_floor``; the receiver must cut alike); ``max_ctas`` caps each pack
+    kernel's grid (None: ``default_max_ctas``)."""
     if max_ctas is None:
         max_ctas = default_max_ctas(cache.device)
     handles = []
-    cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes, growth)
+    cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)
     for i, (first, end) in enumerate(cuts):
         payload = ops.pack_kv(cache[first:end], block_ids, max_ctas)
         handles.append(transport.send(peer, payload, chunk_tag(plan_id, i)))
@@ -277,13 +239,13 @@ class BlockReceiver(_Chunks):
     """Receive ``block_ids``' blocks of every layer from ``peer`` into ``cache``, in chunks."""
 
     def __init__(self, transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
-                 wanted: Callable[[], bool] = lambda: True, shape: str | None = None, chunks: int | None = None,
-                 chunk_bytes: int | None = None, max_ctas: int | None = None, growth: float | None = None) -> None:
+                 wanted: Callable[[], bool] = lambda: True, shape: str = "even", chunks: int | None = None,
+                 chunk_bytes: int | None = None, max_ctas: int | None = None) -> None:
         self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
         self._max_ctas = default_max_ctas(cache.device) if max_ctas is None else max_ctas
         self._pending: list[tuple[int, int, torch.Tensor, object]] = []
-        cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes, growth)
+        cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)
         for i, (first, end) in enumerate(cuts):
             buffer = torch.empty((end - first, 2, len(block_ids), *cache.shape[3:]), dtype=cache.dtype,
                                  device=cache.device)

@@ -1,7 +1,6 @@
 """Packed transfers in layer chunks (``lmpool/transfer/chunked.py``) over a gloo pair in one
-process: both ends cut alike, ramped chunks keep the near-equal count and grow from the ends,
-tapered chunks are small at the ends and never modelled worse than near-equal ones, the
-transport's own floor and shape cut both ends, bytes arrive exact, a plan that ended drops its bytes, a failed chunk
+process: both ends cut alike, tapered chunks are small at the ends and never modelled worse
+than near-equal ones, bytes arrive exact, a plan that ended drops its bytes, a failed chunk
 fails the transfer."""
 
 from __future__ import annotations
@@ -16,18 +15,14 @@ from lmpool.transfer import TransportError
 from lmpool.transfer.chunked import (
     CHUNK_BYTES,
     MAX_CHUNKS,
-    RAMP_GROWTH,
     BlockReceiver,
     chunk_floor,
-    chunk_shape,
     chunk_tag,
     cut,
     layer_chunks,
     modelled_overhead,
     payload_bytes,
-    ramp_chunks,
     send_blocks,
-    taper,
     tapered_chunks,
 )
 from transfer_testkit import block_ids, make_cache
@@ -86,28 +81,6 @@ def test_the_tapered_plan_is_never_modelled_worse_than_near_equal_chunks(layers,
         assert chosen <= modelled_overhead(sizes_of(layer_chunks(layers, nbytes, chunks=k)), layer_bytes) + 1e-6
 
 
-@given(layers=st.integers(1, 128), nbytes=st.integers(0, 1 << 36), chunk=st.integers(1, 1 << 28),
-       chunks=st.none() | st.integers(1, 40), growth=st.floats(1, 8))
-def test_ramped_chunks_keep_the_near_equal_count_and_grow_from_both_ends(layers, nbytes, chunk, chunks, growth):
-    parts = ramp_chunks(layers, nbytes, chunk, chunks, growth)
-    assert parts[0][0] == 0 and parts[-1][1] == layers
-    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
-    assert len(parts) == len(layer_chunks(layers, nbytes, chunk, chunks))  # the floor and cap still rule
-    sizes = sizes_of(parts)
-    assert min(sizes) >= 1
-    peak = sizes.index(max(sizes))
-    assert sizes[:peak + 1] == sorted(sizes[:peak + 1]) and sizes[peak:] == sorted(sizes[peak:], reverse=True)
-    assert all(abs(a - b) <= 1 for a, b in zip(sizes, reversed(sizes)))
-
-
-def test_a_ramp_of_growth_one_is_near_equal_and_the_default_ramp_has_smaller_ends():
-    assert sorted(taper(28, 8, 1.0)) == sorted(sizes_of(layer_chunks(28, 1 << 30, chunks=8)))
-    assert sizes_of(ramp_chunks(28, 280 << 20, 28 << 20)) == [2, 3, 4, 5, 5, 4, 3, 2]  # RAMP_GROWTH 1.25
-    assert RAMP_GROWTH == 1.25
-    with pytest.raises(ValueError, match="growth must be >= 1"):
-        taper(28, 8, 0.5)
-
-
 def test_a_small_payload_goes_whole_and_a_large_one_has_small_ends():
     block = 28 << 20  # a Qwen3-0.6B block in bf16: 28 layers of 1 MiB
     assert tapered_chunks(28, block) == [(0, 28)]  # one chunk's start-up outweighs its whole pack
@@ -120,12 +93,8 @@ def test_cut_names_its_shapes_and_defaults_to_near_equal_chunks():
     assert list(cut(28, 1 << 30, "even", chunks=4)) == layer_chunks(28, 1 << 30, chunks=4)
     assert list(cut(28, 1 << 30, "taper")) == tapered_chunks(28, 1 << 30)
     assert cut(28, 3 << 30, "taper") is cut(28, 3 << 30, "taper")  # computed once per payload size
-    assert list(cut(28, 1 << 30, "ramp", chunk_bytes=1 << 20)) == ramp_chunks(28, 1 << 30, 1 << 20)
-    assert list(cut(28, 1 << 30, "ramp", chunks=6, growth=2.0)) == ramp_chunks(28, 1 << 30, chunks=6, growth=2.0)
-    with pytest.raises(ValueError, match="'even', 'ramp', 'taper'"):
+    with pytest.raises(ValueError, match="'taper' or 'even'"):
         cut(28, 1 << 30, "spiral")
-    with pytest.raises(ValueError, match="growth is a ramp's"):
-        cut(28, 1 << 30, "even", growth=2.0)
 
 
 def test_layer_chunks_refuse_an_empty_payload_and_no_chunks():
@@ -143,9 +112,8 @@ def test_layer_chunks_refuse_an_empty_payload_and_no_chunks():
     ({"shape": "even", "chunk_bytes": 1}, "most"),
     ({"shape": "even", "chunk_bytes": 10**9}, 1),
     ({"shape": "taper", "chunks": 3}, 3),
-    ({"shape": "ramp", "chunk_bytes": 1, "growth": 2.0}, "most"),
     ({}, 1),  # the default: a payload this small goes whole
-], ids=["even-most", "even-whole", "taper-3", "ramp-most", "default"])
+], ids=["even-most", "even-whole", "taper-3", "default"])
 def test_chunked_blocks_arrive_byte_equal(pair, chunking, expected_chunks):
     a, b = pair
     src, dst = make_cache(0), make_cache(1)
@@ -162,17 +130,14 @@ def test_chunked_blocks_arrive_byte_equal(pair, chunking, expected_chunks):
     assert torch.equal(dst, expected)
 
 
-def test_the_transports_own_floor_and_shape_cut_both_ends_unless_an_argument_overrides_them(pair):
-    """A transport naming its ``chunk_bytes`` and ``chunk_shape`` (NCCL over several lanes)
-    sets the floor and the shape of both ends' plans; explicit arguments still win."""
+def test_the_transports_own_floor_cuts_both_ends_unless_an_argument_overrides_it(pair):
+    """A transport naming its ``chunk_bytes`` (NCCL over several lanes) sets the floor of
+    both ends' plans; an explicit ``chunk_bytes`` still wins."""
     a, b = pair
     assert chunk_floor(a) == CHUNK_BYTES and chunk_floor(a, 5) == 5
-    assert chunk_shape(a) == "even" and chunk_shape(a, "taper") == "taper"
     a.chunk_bytes = b.chunk_bytes = 1
-    a.chunk_shape = b.chunk_shape = "ramp"
     try:
         assert chunk_floor(a) == 1 and chunk_floor(a, 10**9) == 10**9
-        assert chunk_shape(a) == "ramp" and chunk_shape(a, "even") == "even"
         src, dst = make_cache(0), make_cache(1)
         expected = dst.clone()
         src_ids, dst_ids = block_ids(3, 5)
@@ -184,7 +149,7 @@ def test_the_transports_own_floor_and_shape_cut_both_ends_unless_an_argument_ove
         assert receiving.unpacked == min(MAX_CHUNKS, src.shape[0])  # a 1-byte floor: the most chunks
         assert torch.equal(dst, expected)
     finally:
-        del a.chunk_bytes, b.chunk_bytes, a.chunk_shape, b.chunk_shape
+        del a.chunk_bytes, b.chunk_bytes
 
 
 def test_bytes_of_a_plan_that_ended_are_dropped(pair):
