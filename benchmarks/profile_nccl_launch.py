@@ -5,14 +5,15 @@ so that a figure is the call's own cost, not a wait on queued work.
     python benchmarks/profile_nccl_launch.py --preset 0.6b --json launch.json
 
 - ``pack``: ``ops.pack_kv`` of one 28 MiB chunk (allocation, launch);
-- ``transport_send``: ``NcclTransport.send`` of a ready 28 MiB payload (our wrapper and
-  torch's ``ProcessGroupNCCL.send``);
-- ``group_send``: ``ProcessGroupNCCL.send`` alone, on the lane the wrapper would take;
+- ``transport_send``: ``NcclTransport.send`` of a ready 28 MiB payload (argument checks,
+  lane choice, the enqueue, the handle);
+- ``lane_send``: the lane's own enqueue alone (stream ordering, ``ncclSend``, completion
+  event), on the lane the wrapper would take;
 - ``handle_done``: one ``NcclHandle.done()`` poll of a send still in flight;
 - ``send_blocks``: the whole ``send_blocks`` call of an 8-block transfer (its default chunks).
 
-torch's NCCL settings come from the environment (e.g. ``TORCH_FR_BUFFER_SIZE`` for its flight
-recorder): run the script once per setting to compare them.
+Run it on each revision to compare: ``NcclTransport`` went through torch's
+``ProcessGroupNCCL`` (about 40 us per send on the H200 pair) before ``nccl_lib``.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def worker(args) -> dict:
     if rank == 0:
         for _ in range(REPS):
             timed("pack", lambda: ops.pack_kv(cache[:layers], ids))
-    for name in ("transport_send", "group_send"):
+    for name in ("transport_send", "lane_send"):
         barrier(name)
         if rank == 0:
             for _ in range(REPS):
@@ -88,10 +89,9 @@ def worker(args) -> dict:
                     out.setdefault("handle_done", []).append(time.perf_counter() - t0)
                     spin(handle)
                 else:
-                    group = transport._pair(peer, WAIT_S).next_outgoing()
-                    work = timed(name, lambda: group.send([payload], 1, 0))
-                    while not work.is_completed():
-                        pass
+                    lane = transport._pair(peer, WAIT_S).next_outgoing()
+                    done = timed(name, lambda: lane.start("send", payload, 1))
+                    done.synchronize()
         else:
             for _ in range(REPS):
                 spin(transport.recv(peer, torch.empty_like(payload), 1))
@@ -127,9 +127,11 @@ def main() -> int:
     if any(w.returncode for w in workers):
         print(f"a worker failed: {[w.returncode for w in workers]}", file=sys.stderr)
         return 1
+    from revision import git_record
+
     result = {"sender_host_s": json.loads(outputs[0].strip().splitlines()[-1]),
               "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL", "TORCH_FR", "NCCL_"))},
-              "torch": torch.__version__}
+              "torch": torch.__version__, "git": git_record()}
     for name, seconds in result["sender_host_s"].items():
         print(f"{name:>15}: {seconds * 1e6:8.1f} us")
     if args.json:

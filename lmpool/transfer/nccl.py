@@ -1,14 +1,16 @@
 """KV payloads between replicas on different GPUs: NCCL point-to-point over pair
 communicators.
 
-Owns two sets of two-rank ``ProcessGroupNCCL`` per connected peer, one set per direction,
-each set of ``lanes`` communicators.
+Owns two sets of two-rank NCCL communicators per connected peer, one set per direction,
+each set of ``lanes`` communicators, each with its own CUDA stream. The communicators are
+NCCL's own, through ``nccl_lib`` (a ctypes binding): torch's ``ProcessGroupNCCL`` costs
+about 40 us of host time per operation, which set the pace of chunked transfers.
 
 Why one communicator per direction: NCCL runs one communicator's operations in issue
-order on one stream, so a send to a peer followed by a receive from it would wait for
-the peer's matching receive, while the peer, doing the same, waits for ours: opposite
-transfers of one pair deadlock on a shared communicator. With one per direction they
-run on separate streams.
+order, so a send to a peer followed by a receive from it would wait for the peer's
+matching receive, while the peer, doing the same, waits for ours: opposite transfers of
+one pair deadlock on a shared communicator. With one per direction they run on separate
+streams.
 
 Why lanes: one communicator runs its operations one after another, and each NCCL operation
 pays a start-up (kernel launch, handshake, pipeline fill) before it moves bytes at full
@@ -23,30 +25,33 @@ Invariants:
 - the n-th operation of a direction (counted from ``connect``) runs on lane ``n % lanes``
   on both ends, so order is kept within each lane; both ends must use the same ``lanes``
   (``connect`` checks it through the rendezvous and fails the pair on a mismatch).
+- an operation starts on its lane's stream after everything already queued on the caller's
+  current stream (the pack that made a payload), and the caching allocator keeps its tensor
+  until the lane is past it, even if the caller drops it.
 - connections are made on a thread (communicator set-up blocks until the peer joins)
-  under a session the caller picks and never reuses for the pair, as for gloo.
+  under a session the caller picks and never reuses for the pair, as for gloo; the
+  sending end of each communicator makes its id and hands it over through the rendezvous.
 - both ends set a pair up in one canonical order: the lower rank's outgoing direction
   first. Creating a communicator is collective, so if each end started with its own
   outgoing direction, each would wait in a different communicator for the other.
-- set-up ends with a one-element exchange on each direction, in the same canonical
-  order: torch may create the point-to-point NCCL communicator lazily at the first
-  send/recv, which is collective too, and must not first happen inside transfers that
-  the two ends start in different orders.
-- a wait that expires aborts the pair's communicators (both directions, every lane): the pair is
-  broken until ``connect`` with a new session.
-- a completed receive orders the caller's current stream after it (``Work.wait``), so
-  unpacking ``out`` on that stream needs no further synchronization.
+- set-up ends with a one-element exchange on every lane, in the same canonical order:
+  NCCL connects a pair's point-to-point channels at their first operation, which must not
+  first happen inside transfers that the two ends start in different orders.
+- a wait that expires, or a communicator error, aborts the pair's communicators (both
+  directions, every lane): the pair is broken until ``connect`` with a new session.
+- a completed receive orders the caller's current stream after it, so unpacking ``out`` on
+  that stream needs no further synchronization.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import threading
 
 import torch
 import torch.distributed as dist
 
+from lmpool.transfer import nccl_lib
 from lmpool.transfer.transport import (
     TransferTimeout,
     TransportError,
@@ -66,9 +71,8 @@ MAX_LANES = 4
 # The chunk floor of transfers over several lanes (``chunked.chunk_floor``). With the
 # start-up hidden, smaller chunks expose less pack and unpack at the ends: over 3 lanes on
 # the H200 pair (results/h200x2/lanes/), chunks of 28 MiB were best or level at every size
-# measured (2 chunks at 56 MiB, 4 at 112 MiB, 8 from 224 MiB on). Over lanes the chunks
-# share the wire, so their shape is a ramp (``chunked.ramp_chunks``): small at both ends.
-# One lane keeps the chunk layer's defaults.
+# measured (2 chunks at 56 MiB, 4 at 112 MiB, 8 from 224 MiB on). One lane keeps the
+# chunk layer's default.
 LANED_CHUNK_BYTES = 28 << 20
 
 
@@ -83,24 +87,44 @@ def check_lanes(store: dist.Store, rank: int, peer: int, lanes: int) -> None:
                              "both ends of a pair need the same number")
 
 
+class _Lane:
+    """One communicator of a direction and the stream its operations run on."""
+
+    def __init__(self, comm: nccl_lib.Communicator, device: torch.device) -> None:
+        self.comm = comm
+        self.stream = torch.cuda.Stream(device)
+
+    def start(self, op: str, tensor: torch.Tensor, peer: int) -> torch.cuda.Event:
+        """Enqueue ``op`` ("send"/"recv") of ``tensor`` with the communicator's ``peer`` after the
+        caller's queued work; the returned event fires when it has completed."""
+        self.stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        getattr(self.comm, op)(tensor.data_ptr(), tensor.nbytes, peer, self.stream.cuda_stream)
+        tensor.record_stream(self.stream)  # not reused before the lane is past it
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+
 class NcclHandle:
-    def __init__(self, what: str, work: dist.Work | None, tensor: torch.Tensor | None, pair: "_NcclPair") -> None:
+    def __init__(self, what: str, done: torch.cuda.Event, tensor: torch.Tensor, lane: _Lane,
+                 pair: "_NcclPair") -> None:
         self.what = what
-        self._work, self._tensor, self._pair = work, tensor, pair
+        self._done, self._tensor, self._lane, self._pair = done, tensor, lane, pair
         self._error: str | None = None
         self._finished = False
 
     def done(self) -> bool:
         if not self._finished:
-            try:
-                if self._work.is_completed():
-                    self._work.wait()  # orders the caller's current stream after NCCL's
-                    self._finished = True
-            except RuntimeError as e:
-                self._error = str(e).splitlines()[0]
-                self._finished = True
-            if self._pair.broken is not None and not self._finished:
+            if self._pair.broken is not None:
                 self._error, self._finished = self._pair.broken, True
+            elif self._done.query():
+                torch.cuda.current_stream(self._tensor.device).wait_event(self._done)  # order the caller after
+                self._finished = True
+            else:
+                error = self._lane.comm.async_error()
+                if error is not None:
+                    self._pair.abort(f"{self.what} failed: {error}")
+                    self._error, self._finished = self._pair.broken, True
             if self._finished:
                 self._tensor = None
         return self._finished
@@ -116,30 +140,30 @@ class NcclHandle:
 class _NcclPair:
     def __init__(self, peer: int, session: int) -> None:
         self.peer, self.session = peer, session
-        self.outgoing: list[dist.ProcessGroup] = []  # per lane; this rank is rank 0 (the sender)
-        self.incoming: list[dist.ProcessGroup] = []  # per lane; this rank is rank 1 (the receiver)
+        self.outgoing: list[_Lane] = []  # per lane; this rank is rank 0 (the sender)
+        self.incoming: list[_Lane] = []  # per lane; this rank is rank 1 (the receiver)
         self.sent = self.received = 0  # operations started per direction: the next one's lane
         self.ready = threading.Event()
         self.broken: str | None = None
 
-    def next_outgoing(self) -> dist.ProcessGroup:
-        group = self.outgoing[self.sent % len(self.outgoing)]
+    def next_outgoing(self) -> _Lane:
+        lane = self.outgoing[self.sent % len(self.outgoing)]
         self.sent += 1
-        return group
+        return lane
 
-    def next_incoming(self) -> dist.ProcessGroup:
-        group = self.incoming[self.received % len(self.incoming)]
+    def next_incoming(self) -> _Lane:
+        lane = self.incoming[self.received % len(self.incoming)]
         self.received += 1
-        return group
+        return lane
 
     def abort(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
-            for group in (*self.outgoing, *self.incoming):
+            for lane in (*self.outgoing, *self.incoming):
                 try:
-                    group.abort()  # fails pending operations instead of leaving them hung
-                except (AttributeError, RuntimeError):
-                    pass  # an older torch without abort, or a communicator already torn down
+                    lane.comm.abort()  # fails pending operations instead of leaving them hung
+                except nccl_lib.NcclError:
+                    pass  # already failing: the pair is broken either way
 
 
 class NcclTransport:
@@ -149,19 +173,21 @@ class NcclTransport:
                  lanes: int = DEFAULT_LANES) -> None:
         if not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"lanes must be in [1, {MAX_LANES}], got {lanes}")
-        if not hasattr(dist, "ProcessGroupNCCL"):
-            raise TransportError("this torch build has no NCCL")
+        if not torch.cuda.is_available():
+            raise TransportError("nccl needs CUDA, which this torch build or machine lacks")
+        # Point-to-point needs no NVLink multicast; its buffers would cost memory per communicator.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        try:
+            nccl_lib.library()
+        except nccl_lib.NcclError as e:
+            raise TransportError(str(e)) from None
         self.lanes = lanes
-        # What the chunk layer cuts over this transport (None: its defaults, CHUNK_BYTES and "even").
-        self.chunk_bytes = LANED_CHUNK_BYTES if lanes > 1 else None
-        self.chunk_shape = "ramp" if lanes > 1 else None
+        self.chunk_bytes = LANED_CHUNK_BYTES if lanes > 1 else None  # None: chunked.CHUNK_BYTES
         self.device = torch.device(device)
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"nccl needs a CUDA device with an index (cuda:N), got {device!r}")
         parse_address(rendezvous)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        # Point-to-point needs no NVLink multicast; its buffers would cost memory per communicator.
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         self._rendezvous = rendezvous
         self._pairs: dict[int, _NcclPair] = {}
 
@@ -178,30 +204,30 @@ class NcclTransport:
     def _connect(self, pair: _NcclPair) -> None:
         try:
             torch.cuda.set_device(self.device)
-            store = dist.PrefixStore(f"lmpool/nccl/lanes/{pair.session}",
-                                     open_store(self._rendezvous, self.timeout_s))
-            check_lanes(store, self.rank, pair.peer, self.lanes)
+            store = open_store(self._rendezvous, self.timeout_s)
+            check_lanes(dist.PrefixStore(f"lmpool/nccl/lanes/{pair.session}", store), self.rank, pair.peer,
+                        self.lanes)
             low, high = sorted((self.rank, pair.peer))
             directions = ((low, high), (high, low))  # the same order on both ends
             for src, dst in directions:
                 for lane in range(self.lanes):
-                    store = dist.PrefixStore(f"lmpool/nccl/{src}>{dst}/{pair.session}/{lane}",
-                                             open_store(self._rendezvous, self.timeout_s))
-                    options = dist.ProcessGroupNCCL.Options()
-                    options._timeout = datetime.timedelta(seconds=self.timeout_s)
-                    group = dist.ProcessGroupNCCL(store, 0 if src == self.rank else 1, 2, options)
-                    group.eager_connect_single_device(self.device)  # set up now, not in the first transfer
-                    (pair.outgoing if src == self.rank else pair.incoming).append(group)
-            probe = torch.zeros(1, dtype=torch.int32, device=self.device)
+                    key = f"lmpool/nccl/{src}>{dst}/{pair.session}/{lane}"
+                    if src == self.rank:  # the sender makes the id, the receiver waits for it
+                        uid = nccl_lib.unique_id()
+                        store.set(key, uid)
+                    else:
+                        uid = store.get(key)
+                    comm = nccl_lib.Communicator(uid, 2, 0 if src == self.rank else 1)
+                    (pair.outgoing if src == self.rank else pair.incoming).append(_Lane(comm, self.device))
+            probes = torch.zeros(2, dtype=torch.int32, device=self.device)  # one to send, one to receive into
             for src, _ in directions:
                 for lane in range(self.lanes):
                     if src == self.rank:
-                        work = pair.outgoing[lane].send([probe], 1, 0)
+                        pair.outgoing[lane].start("send", probes[0:1], 1)
                     else:
-                        work = pair.incoming[lane].recv([probe], 0, 0)
-                    work.wait()
+                        pair.incoming[lane].start("recv", probes[1:2], 0)
             torch.cuda.synchronize(self.device)
-        except (RuntimeError, TransportError) as e:
+        except (RuntimeError, TransportError) as e:  # NcclError, a store timeout, a CUDA error
             pair.abort(f"could not connect to rank {pair.peer} (session {pair.session}): {e}")
         pair.ready.set()
 
@@ -219,18 +245,24 @@ class NcclTransport:
         return pair
 
     def send(self, peer: int, payload: torch.Tensor, tag: int) -> NcclHandle:
-        check_args(self, peer, payload, tag, self.device)
-        pair = self._pair(peer, self.timeout_s)
-        work = pair.next_outgoing().send([payload], 1, 0)
-        return NcclHandle(f"send of {payload.nbytes} bytes from rank {self.rank} to rank {peer} (tag {tag})",
-                          work, payload, pair)
+        return self._start("send", peer, payload, tag)
 
     def recv(self, peer: int, out: torch.Tensor, tag: int) -> NcclHandle:
-        check_args(self, peer, out, tag, self.device)
+        return self._start("recv", peer, out, tag)
+
+    def _start(self, op: str, peer: int, tensor: torch.Tensor, tag: int) -> NcclHandle:
+        check_args(self, peer, tensor, tag, self.device)
         pair = self._pair(peer, self.timeout_s)
-        work = pair.next_incoming().recv([out], 0, 0)
-        return NcclHandle(f"receive of {out.nbytes} bytes by rank {self.rank} from rank {peer} (tag {tag})",
-                          work, out, pair)
+        # In a direction's communicators this rank is rank 0 when it sends, rank 1 when it receives.
+        lane, other = (pair.next_outgoing(), 1) if op == "send" else (pair.next_incoming(), 0)
+        what = (f"send of {tensor.nbytes} bytes from rank {self.rank} to rank {peer} (tag {tag})" if op == "send"
+                else f"receive of {tensor.nbytes} bytes by rank {self.rank} from rank {peer} (tag {tag})")
+        try:
+            done = lane.start(op, tensor, other)
+        except nccl_lib.NcclError as e:
+            pair.abort(str(e))
+            raise TransportError(f"{what} failed: {e}") from None
+        return NcclHandle(what, done, tensor, lane, pair)
 
     def close(self) -> None:
         for pair in self._pairs.values():
