@@ -24,7 +24,10 @@ turns within every repetition, the paths their kind offers:
   pack to just after the last unpack has completed (cuda_ipc: through the staging
   buffer; nccl: ``NcclTransport``);
 - ``raw``: the same bytes sent from a ready payload into a ready buffer, no pack, no
-  unpack (nccl: a plain ``torch.distributed`` process group's send/recv).
+  unpack (nccl: a plain ``torch.distributed`` process group's send/recv);
+- ``send`` and ``chunks`` (nccl): the same ready bytes over ``NcclTransport``, whole (one
+  operation) and in the packed path's chunks over its lanes. Beside ``raw`` and ``pack`` they
+  tell what the transport's wire costs from what packing and unpacking cost.
 
 Timestamps come from ``time.monotonic()``, one clock for every process of a host, so a
 one-way latency needs no round trip. Before each repetition of ``pack`` and ``raw`` the
@@ -73,7 +76,7 @@ import torch
 from lmpool.model.make_model import DEFAULT_DTYPE, PRESETS
 from lmpool.ops import get_backend
 from lmpool.transfer import Rendezvous, make_transport
-from lmpool.transfer.chunked import BlockReceiver, chunk_tag, send_blocks
+from lmpool.transfer.chunked import BlockReceiver, chunk_floor, chunk_tag, cut, send_blocks
 from lmpool.transfer.messages import CudaIpcExport
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -245,6 +248,8 @@ class Worker:
         if self.ipc is not None:
             self._exchange_exports()
         self.paths = [p for p in ("pull", "pack", "raw") if p != "pull" or self.ipc is not None]
+        if self.kind == "nccl":  # the transport's own wire, unpacked: whole and in the default chunks
+            self.paths += ["send", "chunks"]
         self.paths[self.paths.index("pack") + 1:1] = [f"pack@{v}" for v in args.pack_variants]
         self.tag = 0
         self.go = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -334,6 +339,10 @@ class Worker:
         packed = path.startswith("pack")
         chunking = pack_variant(path) if packed else {}
         wire = self.laned.get(chunking.pop("lanes", None), self.packed)
+        # Unpacked paths move ``ready`` as it is: whole (``raw`` but nccl's, ``send``) or in the
+        # default chunks (``chunks``), over the transport.
+        spans = cut(ready.shape[0], ready.nbytes, chunk_bytes=chunk_floor(wire)) if path == "chunks" \
+            else ((0, ready.shape[0]),)
         if self.rank == src:
             self.wait(self.packed.recv(self.peer, self.go, chunk_tag(go_tag, 0)))
             self.sync()
@@ -341,14 +350,16 @@ class Worker:
             if packed:  # what the pool's executor does: chunks that overlap
                 self.wait(send_blocks(wire, self.peer, self.ops, self.cache, mine, plan, **chunking))
             else:
-                self.wait(self.packed.send(self.peer, ready, chunk_tag(plan, 0)))
+                for handle in [wire.send(self.peer, ready[a:b], chunk_tag(plan, i)) for i, (a, b) in enumerate(spans)]:
+                    self.wait(handle)
             return t0, None, fingerprint(self.ops.pack_kv(self.cache, mine) if packed else ready) if check else None
         if packed:
-            receiving = BlockReceiver(wire, self.peer, self.ops, self.cache, mine, plan, **chunking)
+            receiving = [BlockReceiver(wire, self.peer, self.ops, self.cache, mine, plan, **chunking)]
         else:
-            receiving = self.packed.recv(self.peer, ready, chunk_tag(plan, 0))
+            receiving = [wire.recv(self.peer, ready[a:b], chunk_tag(plan, i)) for i, (a, b) in enumerate(spans)]
         self.wait(self.packed.send(self.peer, self.go, chunk_tag(go_tag, 0)))
-        self.wait(receiving)
+        for handle in receiving:
+            self.wait(handle)
         self.sync()
         t1 = time.monotonic()
         return None, t1, fingerprint(self.ops.pack_kv(self.cache, mine) if packed else ready) if check else None
@@ -493,7 +504,7 @@ def summarize(args, results: list[dict]) -> tuple[dict, list[str]]:
             for pair, points in profile["paths"]["pack"].items()
         }
         for path in profile["paths"]:  # the variants (--pack-variants), beside the default
-            if path.startswith("pack@"):
+            if path.startswith("pack@") or path in ("send", "chunks"):
                 for pair, points in profile["paths"][path].items():
                     for n, point in points.items():
                         profile["nccl_ratios"][pair][n][f"{path}_over_raw"] = round(
