@@ -103,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra packed paths beside the default, comma-separated, each S, S:C, S/L or S:C/L: S is "
                         "auto (the default chunks), even (near-equal chunks of >= the transport's floor), "
                         "taper (tapered chunks), "
-                        "K (K near-equal chunks) or tK (K tapered chunks); C caps the pack/unpack grids at C CTAs "
+                        "K (K near-equal chunks) or tK (K tapered chunks); C caps the pack/unpack grids at C CTAs, "
+                        "C+E those of the end chunks (the first pack, the last unpack) at E "
                         "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None,
@@ -120,14 +121,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for v in args.pack_variants:
         try:
             variant = pack_variant(f"pack@{v}")
-            ok = variant.get("chunks", 1) >= 1 and (variant["max_ctas"] or 0) >= 0 and variant.get("lanes", 1) >= 1
+            ok = variant.get("chunks", 1) >= 1 and (variant["max_ctas"] or 0) >= 0 and variant.get("lanes", 1) >= 1 \
+                and variant.get("edge_ctas", 0) >= 0
         except ValueError:
             ok = False
         if ok and "lanes" in variant and args.kind != "nccl":
             p.error(f"--pack-variants: {v!r} names lanes, which only --kind nccl has")
         if not ok:
-            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L, S one of auto, even, taper, K, tK "
-                    "with K >= 1, C >= 0, L >= 1")
+            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L, S one of auto, even, taper, K, tK, "
+                    "C a cap or C+E, with K >= 1, C, E >= 0, L >= 1")
     return args
 
 
@@ -180,14 +182,18 @@ def pack_variant(path: str) -> dict:
     ``pack@S:C/L`` where S is the chunking, ``auto`` (the default's), ``even`` (near-equal
     chunks of at least the transport's floor, as auto), ``taper`` (tapered chunks, their
     modelled count), ``K`` (K near-equal chunks) or ``tK`` (K tapered chunks), C caps the
-    pack/unpack grids at C CTAs (0: uncapped; absent: the default cap), and L (nccl) sends
-    over a transport of L lanes (``lanes``, which the worker takes out; absent: the default
+    pack/unpack grids at C CTAs (0: uncapped; absent: the default cap), C+E also caps the end
+    chunks' (the first pack's, the last unpack's) at E, and L (nccl) sends over a transport
+    of L lanes (``lanes``, which the worker takes out; absent: the default
     transport's)."""
     if "@" not in path:
         return {}
     spec, slash, lanes = path.split("@", 1)[1].partition("/")
     spec, _, ctas = spec.partition(":")
+    ctas, plus, edge = ctas.partition("+")
     variant: dict = {"max_ctas": int(ctas) if ctas else None}
+    if plus:
+        variant["edge_ctas"] = int(edge)
     if slash:
         variant["lanes"] = int(lanes)
     if spec in ("even", "taper"):

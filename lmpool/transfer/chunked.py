@@ -219,18 +219,24 @@ def _plan(transport, cache: torch.Tensor, num_blocks: int, shape: str, chunks: i
     return cut(cache.shape[0], payload_bytes(cache, num_blocks), shape, chunks, chunk_floor(transport, chunk_bytes))
 
 
+def _grids(cache: torch.Tensor, max_ctas: int | None, edge_ctas: int | None) -> tuple[int, int]:
+    """The grid caps of the chunks between the ends and of the end chunks (the first pack, the
+    last unpack): ``max_ctas`` (None: ``default_max_ctas``) and ``edge_ctas`` (None: the same)."""
+    middle = default_max_ctas(cache.device) if max_ctas is None else max_ctas
+    return middle, middle if edge_ctas is None else edge_ctas
+
+
 def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
                 shape: str = "even", chunks: int | None = None, chunk_bytes: int | None = None,
-                max_ctas: int | None = None) -> BlockSender:
+                max_ctas: int | None = None, edge_ctas: int | None = None) -> BlockSender:
     """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks
     (``cut`` with ``chunk_floor``; the receiver must cut alike); ``max_ctas`` caps each pack
-    kernel's grid (None: ``default_max_ctas``)."""
-    if max_ctas is None:
-        max_ctas = default_max_ctas(cache.device)
+    kernel's grid (None: ``default_max_ctas``), ``edge_ctas`` the first one's (None: the same)."""
+    middle, edge = _grids(cache, max_ctas, edge_ctas)
     handles = []
     cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)
     for i, (first, end) in enumerate(cuts):
-        payload = ops.pack_kv(cache[first:end], block_ids, max_ctas)
+        payload = ops.pack_kv(cache[first:end], block_ids, edge if i == 0 else middle)
         handles.append(transport.send(peer, payload, chunk_tag(plan_id, i)))
     return BlockSender(handles, f"send of {len(block_ids)} blocks to rank {peer} (plan {plan_id})")
 
@@ -240,10 +246,10 @@ class BlockReceiver(_Chunks):
 
     def __init__(self, transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
                  wanted: Callable[[], bool] = lambda: True, shape: str = "even", chunks: int | None = None,
-                 chunk_bytes: int | None = None, max_ctas: int | None = None) -> None:
+                 chunk_bytes: int | None = None, max_ctas: int | None = None, edge_ctas: int | None = None) -> None:
         self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
-        self._max_ctas = default_max_ctas(cache.device) if max_ctas is None else max_ctas
+        self._grids = _grids(cache, max_ctas, edge_ctas)  # (middle, the last chunk's)
         self._pending: list[tuple[int, int, torch.Tensor, object]] = []
         cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)
         for i, (first, end) in enumerate(cuts):
@@ -260,6 +266,7 @@ class BlockReceiver(_Chunks):
             self._pending.pop(0)
             self.error = self._failure(handle)
             if self.error is None and self._wanted():
-                self._ops.unpack_kv(self._cache[first:end], self._ids, buffer, self._max_ctas)
+                ctas = self._grids[1] if not self._pending else self._grids[0]
+                self._ops.unpack_kv(self._cache[first:end], self._ids, buffer, ctas)
                 self.unpacked += 1
         return True

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,12 @@ class _Lane:
         return done
 
 
+# How often a pending operation asks its communicator for a background error. The question
+# is not free (ncclCommGetAsyncError), and a caller spinning on ``done`` would otherwise ask
+# it on every poll; an error is rare and seen this late at worst.
+ERROR_CHECK_S = 0.01
+
+
 class NcclHandle:
     def __init__(self, what: str, done: torch.cuda.Event, tensor: torch.Tensor, lane: _Lane,
                  pair: "_NcclPair") -> None:
@@ -112,6 +119,7 @@ class NcclHandle:
         self._done, self._tensor, self._lane, self._pair = done, tensor, lane, pair
         self._error: str | None = None
         self._finished = False
+        self._checked = time.monotonic()  # when the communicator was last asked for an error
 
     def done(self) -> bool:
         if not self._finished:
@@ -120,7 +128,8 @@ class NcclHandle:
             elif self._done.query():
                 torch.cuda.current_stream(self._tensor.device).wait_event(self._done)  # order the caller after
                 self._finished = True
-            else:
+            elif time.monotonic() - self._checked >= ERROR_CHECK_S:
+                self._checked = time.monotonic()
                 error = self._lane.comm.async_error()
                 if error is not None:
                     self._pair.abort(f"{self.what} failed: {error}")

@@ -112,8 +112,9 @@ def test_layer_chunks_refuse_an_empty_payload_and_no_chunks():
     ({"shape": "even", "chunk_bytes": 1}, "most"),
     ({"shape": "even", "chunk_bytes": 10**9}, 1),
     ({"shape": "taper", "chunks": 3}, 3),
+    ({"shape": "even", "chunk_bytes": 1, "max_ctas": 4, "edge_ctas": 0}, "most"),
     ({}, 1),  # the default: a payload this small goes whole
-], ids=["even-most", "even-whole", "taper-3", "default"])
+], ids=["even-most", "even-whole", "taper-3", "even-most-edge-grids", "default"])
 def test_chunked_blocks_arrive_byte_equal(pair, chunking, expected_chunks):
     a, b = pair
     src, dst = make_cache(0), make_cache(1)
@@ -126,7 +127,8 @@ def test_chunked_blocks_arrive_byte_equal(pair, chunking, expected_chunks):
     sending.wait(WAIT_S)
     most = min(MAX_CHUNKS, src.shape[0])
     assert receiving.unpacked == (most if expected_chunks == "most" else expected_chunks)
-    assert len(cut(src.shape[0], payload_bytes(src, 5), **chunking)) == receiving.unpacked
+    plan = {k: v for k, v in chunking.items() if k not in ("max_ctas", "edge_ctas")}  # grids do not cut
+    assert len(cut(src.shape[0], payload_bytes(src, 5), **plan)) == receiving.unpacked
     assert torch.equal(dst, expected)
 
 
