@@ -21,15 +21,17 @@ steps=${*:-tests bench}
 for step in $steps; do
   case $step in
     tests)
-      RUN_NCCL_INTEGRATION=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_nccl_gpu.py 2>&1 \
+      RUN_NCCL_INTEGRATION=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_nccl_gpu.py \
+        tests/transfer/test_nccl_lib.py 2>&1 \
         | tee "$OUT/nccl_tests.log" | tail -15
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_cuda_ipc_gpu.py -k two_gpus 2>&1 \
         | tee "$OUT/cuda_ipc_two_gpus.log" | tail -8 ;;
     bench)
-      # auto/1: the default chunking over one communicator per direction (its floor 48 MiB)
-      # beside the default of 3 lanes (floor 28 MiB); 8/2: 8 chunks over 2 lanes.
+      # auto:132: the earlier grids (one CTA per SM for every chunk, ends included); auto/1:
+      # the default chunking over one communicator per direction (its floor 48 MiB), beside
+      # the default of 3 lanes (floor 28 MiB).
       timeout 260 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
-        --sizes "${SIZES:-1,2,4,8,10,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-auto/1,8/2}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
+        --sizes "${SIZES:-1,2,4,8,10,12,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-auto:132,auto/1}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
     variants)
       timeout 300 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,4,16,64 \
