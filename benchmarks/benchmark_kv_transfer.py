@@ -33,7 +33,8 @@ Timestamps come from ``time.monotonic()``, one clock for every process of a host
 one-way latency needs no round trip. Before each repetition of ``pack`` and ``raw`` the
 receiver has started its receive (nccl raw: is about to) and tells the sender to go, with
 a 4-byte message outside the timed span. The paths take turns within every repetition,
-each repetition starting one path later. ``pairs`` in the output is the path the pool's
+in an order shuffled afresh for each (``path_order``), so that no path always follows the
+same one and carries what that one leaves behind. ``pairs`` in the output is the path the pool's
 transfer executor uses for the kind (gloo and GPUs without peer access: ``pack``; one GPU
 and peer-accessible GPUs: ``pull``), so the cost model reads the curve the pool will see.
 
@@ -64,6 +65,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shlex
 import subprocess
 import sys
@@ -174,6 +176,14 @@ def spin(handle, timeout: float = WAIT_S) -> None:
         if time.monotonic() > deadline:
             break
     handle.wait(0 if handle.done() else timeout)
+
+
+def path_order(paths: list[str], src: int, n: int, rep: int) -> list[str]:
+    """The order the paths take in one repetition: a shuffle seeded by the repetition, so both
+    workers compute the same one. A rotation would keep each path behind the same neighbour
+    (the default ``pack`` always after ``pull``), and on the H200 pair the path after the
+    pull read 1-3 points of raw NCCL slower in run after run."""
+    return random.Random(f"{src}/{n}/{rep}").sample(paths, k=len(paths))
 
 
 def pack_variant(path: str) -> dict:
@@ -302,10 +312,7 @@ class Worker:
                 ready.copy_(self.ops.pack_kv(self.cache, mine))
                 out = self.payload(n)
                 for rep in range(-args.warmup, args.reps):
-                    # Each repetition starts at the next path, so that no path always runs in
-                    # one position (after the pull, say) and carries whatever that costs.
-                    turn = rep % len(self.paths)
-                    for path in self.paths[turn:] + self.paths[:turn]:
+                    for path in path_order(self.paths, src, n, rep):
                         key = f"{path}/{src}->{1 - src}/{n}"
                         with torch.profiler.record_function(f"{key}#{rep}"):  # a no-op unless --trace
                             t0, t1, check = self.one(src, path, mine, theirs, ready, out, check=rep == -args.warmup)

@@ -142,3 +142,14 @@ def test_pool_mode_on_cpu_replicas_times_byte_equal_moves(tmp_path):
         assert all(p["bytes_equal"] and 0 < p["p50_s"] <= p["p95_s"] for p in points.values())
         # prepare -> finalize lies inside the request's span
         assert all(0 < plan[pair][n]["p50_s"] < p["p50_s"] for n, p in points.items())
+
+
+def test_paths_are_shuffled_alike_on_both_ends_and_follow_varying_neighbours():
+    """Both workers compute one order per repetition, and no path is always preceded by the
+    same one (a rotation kept ``pack`` behind ``pull`` in every repetition)."""
+    paths = ["pull", "pack", "pack@auto:132", "raw", "send", "chunks"]
+    orders = [bench.path_order(paths, 0, 8, rep) for rep in range(40)]
+    assert orders == [bench.path_order(list(paths), 0, 8, rep) for rep in range(40)]
+    assert all(sorted(order) == sorted(paths) for order in orders)
+    before_pack = {order[order.index("pack") - 1] for order in orders if order.index("pack") > 0}
+    assert len(before_pack) > 2
