@@ -58,14 +58,22 @@ def _sm_count(device_index: int) -> int:
 
 
 def default_max_ctas(device: torch.device) -> int:
-    """The pack/unpack grid cap for a chunked transfer on ``device``: one CTA per SM on a GPU
-    (0, no cap, elsewhere). NCCL's kernels copy beside the packs and unpacks; an uncapped
-    grid fills every SM and delays them, while one CTA per SM still nearly saturates HBM.
-    On the H200 pair from 448 MiB on: 8 chunks capped at 132 CTAs reached 84-89 % of raw
-    NCCL against 81-85 % uncapped (the variants run), then 78-88 % against 76-85 % in the
-    run of the final setting (``kv_transfer_h200x2_nccl.json``)."""
+    """The pack/unpack grid cap for the chunks a transfer overlaps with the wire, on
+    ``device``: one CTA per SM on a GPU (0, no cap, elsewhere). NCCL's kernels copy beside
+    these packs and unpacks; an uncapped grid fills every SM and delays them, while one CTA
+    per SM still nearly saturates HBM. On the H200 pair from 448 MiB on: 8 chunks capped at
+    132 CTAs reached 84-89 % of raw NCCL against 81-85 % uncapped (the variants run), then
+    78-88 % against 76-85 % in the run of the final setting (``kv_transfer_h200x2_nccl.json``).
+    The end chunks overlap nothing and go uncapped (``EDGE_CTAS``)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 0
+
+
+# The grid of the end chunks (the first pack, which the wire waits for, and the last unpack,
+# which the transfer's end waits for): uncapped, as nothing runs beside them. Side by side
+# on the H200 pair over nccl_lib (results/h200x2/direct/), uncapped ends beat ends capped at
+# 132 CTAs at every size from 224 to 896 MiB, by 1.2-4.4 points of raw NCCL.
+EDGE_CTAS = 0
 
 
 def layer_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES,
@@ -221,17 +229,20 @@ def _plan(transport, cache: torch.Tensor, num_blocks: int, shape: str, chunks: i
 
 def _grids(cache: torch.Tensor, max_ctas: int | None, edge_ctas: int | None) -> tuple[int, int]:
     """The grid caps of the chunks between the ends and of the end chunks (the first pack, the
-    last unpack): ``max_ctas`` (None: ``default_max_ctas``) and ``edge_ctas`` (None: the same)."""
-    middle = default_max_ctas(cache.device) if max_ctas is None else max_ctas
-    return middle, middle if edge_ctas is None else edge_ctas
+    last unpack): ``max_ctas`` (None: ``default_max_ctas``) and ``edge_ctas`` (None:
+    ``EDGE_CTAS`` where ``max_ctas`` is None too, else ``max_ctas``: a caller who caps the
+    grids caps them all unless it says otherwise)."""
+    if max_ctas is None:
+        return default_max_ctas(cache.device), EDGE_CTAS if edge_ctas is None else edge_ctas
+    return max_ctas, max_ctas if edge_ctas is None else edge_ctas
 
 
 def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
                 shape: str = "even", chunks: int | None = None, chunk_bytes: int | None = None,
                 max_ctas: int | None = None, edge_ctas: int | None = None) -> BlockSender:
     """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks
-    (``cut`` with ``chunk_floor``; the receiver must cut alike); ``max_ctas`` caps each pack
-    kernel's grid (None: ``default_max_ctas``), ``edge_ctas`` the first one's (None: the same)."""
+    (``cut`` with ``chunk_floor``; the receiver must cut alike); ``max_ctas`` and ``edge_ctas``
+    cap the pack kernels' grids (``_grids``: the first pack's is the edge's)."""
     middle, edge = _grids(cache, max_ctas, edge_ctas)
     handles = []
     cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)

@@ -14,11 +14,14 @@ from lmpool.ops import reference
 from lmpool.transfer import TransportError
 from lmpool.transfer.chunked import (
     CHUNK_BYTES,
+    EDGE_CTAS,
     MAX_CHUNKS,
     BlockReceiver,
+    _grids,
     chunk_floor,
     chunk_tag,
     cut,
+    default_max_ctas,
     layer_chunks,
     modelled_overhead,
     payload_bytes,
@@ -182,3 +185,14 @@ def test_a_failed_chunk_fails_the_transfer(pair):
     assert receiving.unpacked == 0
     with pytest.raises(TransportError):
         sending.wait(WAIT_S)
+
+
+def test_grid_caps_the_ends_apart_only_by_default_or_when_asked():
+    """The default caps the chunks that overlap the wire and leaves the end chunks uncapped
+    (``EDGE_CTAS``); a caller's cap covers every chunk unless it names the ends' own."""
+    cache = make_cache(0)
+    assert _grids(cache, None, None) == (default_max_ctas(cache.device), EDGE_CTAS)
+    assert _grids(cache, 8, None) == (8, 8)
+    assert _grids(cache, 8, 0) == (8, 0)
+    assert _grids(cache, None, 5) == (default_max_ctas(cache.device), 5)
+    assert default_max_ctas(torch.device("cpu")) == 0  # no grid to cap
