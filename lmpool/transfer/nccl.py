@@ -123,6 +123,8 @@ class NcclHandle:
 
     def done(self) -> bool:
         if not self._finished:
+            # A broken pair first: an abort ends NCCL's kernels early, so the event of an
+            # operation it cut short fires too, over bytes that never fully arrived.
             if self._pair.broken is not None:
                 self._error, self._finished = self._pair.broken, True
             elif self._done.query():
