@@ -72,8 +72,8 @@ def default_max_ctas(device: torch.device) -> int:
 # The grid of the end chunks (the first pack, which the wire waits for, and the last unpack,
 # which the transfer's end waits for): uncapped, as nothing runs beside them. Side by side
 # on the H200 pair over nccl_lib, paths in shuffled order (results/h200x2/direct/), uncapped
-# ends beat ends capped at 132 CTAs at 11 of 12 points from 224 MiB to 1.75 GiB, by 0.5-1.4
-# points of raw NCCL, where two paths of identical settings differed by 0.5 at most.
+# ends beat ends capped at 132 CTAs at 11 of 12 points from 224 MiB to 1.75 GiB, by 0.6-1.4
+# points of raw NCCL, where two paths of identical settings differed by 0.8 at most.
 EDGE_CTAS = 0
 
 
