@@ -181,8 +181,9 @@ def spin(handle, timeout: float = WAIT_S) -> None:
 def path_order(paths: list[str], src: int, n: int, rep: int) -> list[str]:
     """The order the paths take in one repetition: a shuffle seeded by the repetition, so both
     workers compute the same one. A rotation would keep each path behind the same neighbour
-    (the default ``pack`` always after ``pull``), and on the H200 pair the path after the
-    pull read 1-3 points of raw NCCL slower in run after run."""
+    (the default ``pack`` always after ``pull``): on the H200 pair, variants then mostly read
+    1-4 points of raw NCCL above ``pack``, whichever setting ran as which
+    (results/h200x2/direct/NOTES.md)."""
     return random.Random(f"{src}/{n}/{rep}").sample(paths, k=len(paths))
 
 
