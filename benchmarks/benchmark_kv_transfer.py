@@ -189,7 +189,7 @@ def path_order(paths: list[str], src: int, n: int, rep: int) -> list[str]:
 
 def pack_variant(path: str) -> dict:
     """``send_blocks``/``BlockReceiver`` keywords of a packed path: ``pack`` (the pool's
-    default: near-equal chunks, grids capped), ``pack@S``, ``pack@S:C``, ``pack@S/L`` or
+    default: near-equal chunks, grids capped but the end chunks'), ``pack@S``, ``pack@S:C``, ``pack@S/L`` or
     ``pack@S:C/L`` where S is the chunking, ``auto`` (the default's), ``even`` (near-equal
     chunks of at least the transport's floor, as auto), ``taper`` (tapered chunks, their
     modelled count), ``K`` (K near-equal chunks) or ``tK`` (K tapered chunks), C caps the

@@ -73,13 +73,13 @@ def library() -> ctypes.CDLL:
     for candidate in _candidates():
         try:
             lib = ctypes.CDLL(candidate)
-        except OSError as e:
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [ctypes.c_int], ctypes.c_char_p
+        except (OSError, AttributeError) as e:  # not there, or not an NCCL of these calls
             tried.append(f"{candidate} ({e})")
             continue
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [ctypes.c_int], ctypes.c_char_p
         return lib
     raise NcclError("the NCCL library could not be loaded (set LMPOOL_NCCL_LIBRARY to its path); tried: "
                     + "; ".join(tried))

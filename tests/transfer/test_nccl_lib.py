@@ -43,3 +43,10 @@ def test_the_library_torch_loads_answers_its_version_and_makes_distinct_ids():
     assert nccl_lib.version().startswith("2.")
     a, b = nccl_lib.unique_id(), nccl_lib.unique_id()
     assert len(a) == len(b) == nccl_lib.UNIQUE_ID_BYTES and a != b
+
+
+def test_a_library_without_the_nccl_calls_is_passed_over(monkeypatch, fresh_library):
+    """Something else answering to the name (here the C library) is not taken for NCCL."""
+    monkeypatch.setattr(nccl_lib, "_candidates", lambda: ["libc.so.6"])
+    with pytest.raises(nccl_lib.NcclError, match="libc.so.6 .*ncclGetVersion"):
+        nccl_lib.library()
