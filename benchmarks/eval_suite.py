@@ -92,11 +92,23 @@ TRANSFERS_IDLE = Policy("lmpool+idle", "lmpool", enable_transfers=True)
 
 
 def run_order(policies: list[Policy], rep: int) -> list[Policy]:
-    """The order of ``policies`` in repetition ``rep``: rotated by one per repetition, so
-    that over the repetitions no policy always runs in one position (first after the
-    previous workload, say) and carries whatever that position costs."""
-    turn = rep % len(policies) if policies else 0
-    return policies[turn:] + policies[:turn]
+    """The order of ``policies`` in repetition ``rep``: a row of a Williams design. With n
+    policies, each block of n repetitions (from a multiple of n) runs every policy once in
+    every position; for even n it also runs every policy right after every other one once,
+    for odd n two blocks do (one of shifted rows, one mirrored: each ordered pair twice).
+    A plain rotation balanced positions but kept every policy behind the same neighbour in
+    every repetition, so whatever one run leaves behind (a hot GPU, a busy host) always
+    fell on the same next policy; the transfer benchmark's rotation biased its default
+    path so (results/h200x2/direct/NOTES.md)."""
+    n = len(policies)
+    if n == 0:
+        return []
+    first = [0]  # 0, 1, n-1, 2, n-2, ...: consecutive steps take every nonzero shift
+    for j in range(1, n):
+        first.append((j + 1) // 2 if j % 2 else n - j // 2)
+    if n % 2 and (rep // n) % 2:
+        first.reverse()
+    return [policies[(k + rep) % n] for k in first]
 
 
 def select_policies(available: tuple[Policy, ...], names: str | None) -> list[Policy]:

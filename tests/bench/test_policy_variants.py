@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -52,8 +55,26 @@ def test_every_policy_takes_every_position_once_over_as_many_repetitions():
     from eval_suite import run_order
 
     policies = [Policy(n, "lmpool") for n in ("a", "b", "c", "d")]
-    orders = [[p.name for p in run_order(policies, rep)] for rep in range(7, 11)]
+    orders = [[p.name for p in run_order(policies, rep)] for rep in range(8, 12)]
     assert all(sorted(order) == ["a", "b", "c", "d"] for order in orders)
     for position in range(4):
         assert sorted(order[position] for order in orders) == ["a", "b", "c", "d"]
     assert run_order([], 3) == []
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
+def test_every_policy_follows_every_other_equally_often(n):
+    """Over a block of n repetitions (even n) or two (odd n), each ordered pair of policies
+    runs back to back equally often, and each block puts every policy in every position."""
+    from eval_suite import run_order
+
+    policies = [Policy(str(i), "lmpool") for i in range(n)]
+    blocks = 1 if n % 2 == 0 else 2
+    orders = [[p.name for p in run_order(policies, rep)] for rep in range(n, n + blocks * n)]
+    pairs = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert set(pairs) == {(a.name, b.name) for a in policies for b in policies if a is not b}
+    assert set(pairs.values()) == {blocks}
+    for block in range(blocks):
+        rows = orders[block * n:(block + 1) * n]
+        for position in range(n):
+            assert sorted(order[position] for order in rows) == sorted(p.name for p in policies)
