@@ -53,6 +53,10 @@ pull does; device notes that quote read plus write (4.24 TB/s on an H200) count 
 what this benchmark calls copy bandwidth. Across two GPUs the baseline is still the
 source device's local copy: the fraction then says how close the link gets to HBM.
 
+**Against raw NCCL** (nccl): ``nccl_ratios`` holds raw's p50 over each other path's, per
+direction and size; ``nccl_ratio_ci95`` its 95 % interval from resampling the repetitions
+(both paths ran in each, so a resample takes both), to tell a goal met from one straddled.
+
     python benchmarks/benchmark_kv_transfer.py --kind gloo --json profile.json
     python benchmarks/benchmark_kv_transfer.py --kind cuda_ipc --preset 0.6b --json profile.json      # one GPU
     python benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,2,4,8,16 --json nccl.json  # two GPUs
@@ -73,6 +77,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import torch
 
 from lmpool.model.make_model import DEFAULT_DTYPE, PRESETS
@@ -487,12 +492,14 @@ def summarize(args, results: list[dict]) -> tuple[dict, list[str]]:
                "copy_bandwidth_GBps": round(max(args.sizes) * m["kv_bytes_per_block"] / copy_s[str(max(args.sizes))]
                                             / 1e9, 3)}
     wrong = []
+    samples: dict[str, list[float]] = {}  # per key, the latencies in repetition order
     for key in results[0]["checks"]:
         path, pair, n = key.rsplit("/", 2)  # a path may hold a slash itself (pack@S/L)
         src = int(pair[0])
         starts = results[src]["starts"].get(key) or results[1 - src]["starts"][key]
         ends = results[1 - src]["ends"][key]
-        latencies = sorted(e - s for s, e in zip(starts, ends))
+        samples[key] = [e - s for s, e in zip(starts, ends)]
+        latencies = sorted(samples[key])
         nbytes = int(n) * m["kv_bytes_per_block"]
         p50 = percentile(latencies, 0.5)
         point = {"p50_s": p50, "p95_s": percentile(latencies, 0.95), "bytes": nbytes,
@@ -509,21 +516,32 @@ def summarize(args, results: list[dict]) -> tuple[dict, list[str]]:
     profile["pairs"] = profile["paths"][profile["pairs_path"]]
     profile["raw"] = profile["paths"]["raw"]
     if args.kind == "nccl":
-        profile["nccl_ratios"] = {
-            pair: {n: {"packed_over_raw": round(profile["paths"]["raw"][pair][n]["p50_s"] / point["p50_s"], 4),
-                       **({"pull_over_raw": round(profile["paths"]["raw"][pair][n]["p50_s"]
-                                                  / profile["paths"]["pull"][pair][n]["p50_s"], 4)}
-                          if "pull" in profile["paths"] else {})}
-                   for n, point in points.items()}
-            for pair, points in profile["paths"]["pack"].items()
-        }
-        for path in profile["paths"]:  # the variants (--pack-variants), beside the default
-            if path.startswith("pack@") or path in ("send", "chunks"):
-                for pair, points in profile["paths"][path].items():
-                    for n, point in points.items():
-                        profile["nccl_ratios"][pair][n][f"{path}_over_raw"] = round(
-                            profile["paths"]["raw"][pair][n]["p50_s"] / point["p50_s"], 4)
+        # Every other path against raw NCCL: the ratio of the medians, and its 95 % interval
+        # from resampling the repetitions (both paths ran in each, so they are resampled together).
+        profile["nccl_ratios"], profile["nccl_ratio_ci95"] = {}, {}
+        for path, pairs in profile["paths"].items():
+            if path == "raw":
+                continue
+            name = "packed_over_raw" if path == "pack" else f"{path}_over_raw"
+            for pair, points in pairs.items():
+                for n, point in points.items():
+                    ratio = round(profile["paths"]["raw"][pair][n]["p50_s"] / point["p50_s"], 4)
+                    profile["nccl_ratios"].setdefault(pair, {}).setdefault(n, {})[name] = ratio
+                    profile["nccl_ratio_ci95"].setdefault(pair, {}).setdefault(n, {})[name] = ratio_interval(
+                        samples[f"raw/{pair}/{n}"], samples[f"{path}/{pair}/{n}"])
     return profile, wrong
+
+
+def ratio_interval(raw: list[float], path: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
+    """The 95 % percentile-bootstrap interval of ``median(raw) / median(path)``, resampling
+    repetitions: the i-th latency of each list comes from the same repetition, so a draw
+    takes both or neither (pairs beyond the shorter list are left out)."""
+    pairs = np.array(list(zip(raw, path)), dtype=float)
+    if len(pairs) == 0:
+        return [float("nan"), float("nan")]
+    picks = np.random.default_rng(seed).integers(0, len(pairs), size=(draws, len(pairs)))
+    ratios = np.median(pairs[picks, 0], axis=1) / np.median(pairs[picks, 1], axis=1)
+    return [round(float(q), 4) for q in np.percentile(ratios, [2.5, 97.5])]
 
 
 def report(profile: dict) -> None:
@@ -544,7 +562,9 @@ def report(profile: dict) -> None:
                          f"{point['gpu_p50_s'] * 1e3:.3f} ms)" if "gpu_p50_s" in point else ""))
     for pair, points in profile.get("nccl_ratios", {}).items():
         for n, ratios in points.items():
-            print(f"nccl {pair} {n} blocks: " + ", ".join(f"{k} {v:.2%}" for k, v in ratios.items()))
+            ci = profile["nccl_ratio_ci95"][pair][n]
+            print(f"nccl {pair} {n} blocks: " + ", ".join(
+                f"{k} {v:.2%} [{ci[k][0]:.1%}, {ci[k][1]:.1%}]" for k, v in ratios.items()))
 
 
 def main(argv=None) -> int:

@@ -77,6 +77,22 @@ def test_nccl_summary_ratios_and_bandwidth():
     assert point["GBps_p50"] == round(2 * bench.shape(args)["kv_bytes_per_block"] / 0.004 / 1e9, 3)
     assert point["copy_fraction_p50"] == 0.25  # a 1 ms copy against a 4 ms transfer
     assert profile["nccl_ratios"]["1->0"]["2"] == {"packed_over_raw": 0.75, "pull_over_raw": 1.5}
+    # Every repetition's ratio is 0.75 here (synthetic latencies scale alike), so is every resample's.
+    assert profile["nccl_ratio_ci95"]["1->0"]["2"]["packed_over_raw"] == [0.75, 0.75]
+    bench.report(profile)
+
+
+def test_the_ratio_interval_resamples_repetitions_in_pairs():
+    """Raw and packed move together from repetition to repetition (a slow repetition is slow
+    for both): resampled in pairs the ratio stays put; an interval holds the point estimate."""
+    raw = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    packed = [x / 0.8 for x in raw]
+    assert bench.ratio_interval(raw, packed) == [0.8, 0.8]
+    noisy = [x * (1 + 0.05 * ((-1) ** i)) for i, x in enumerate(packed)]
+    lo, hi = bench.ratio_interval(raw, noisy)
+    ratio = sorted(raw)[4] / sorted(noisy)[4]
+    assert lo <= ratio <= hi and lo < hi
+    assert bench.ratio_interval(raw, packed) == bench.ratio_interval(raw, packed)  # seeded
 
 
 def test_pack_variants_parse_and_get_their_own_ratio():
