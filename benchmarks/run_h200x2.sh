@@ -25,7 +25,10 @@ for step in $steps; do
         tests/transfer/test_nccl_lib.py 2>&1 \
         | tee "$OUT/nccl_tests.log" | tail -15
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_cuda_ipc_gpu.py -k two_gpus 2>&1 \
-        | tee "$OUT/cuda_ipc_two_gpus.log" | tail -8 ;;
+        | tee "$OUT/cuda_ipc_two_gpus.log" | tail -8
+      # The pool's own transfers across the two GPUs: pulled (auto) and packed over NCCL.
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/pool/test_transfer_gpu.py 2>&1 \
+        | tee "$OUT/pool_transfer_two_gpus.log" | tail -8 ;;
     bench)
       # auto:132: the earlier grids (one CTA per SM for every chunk, ends included); auto/1:
       # the default chunking over one communicator per direction (its floor 48 MiB), beside

@@ -17,7 +17,10 @@ KV transfers: ``enable_transfers=True`` allows explicit ones (``transfer``);
 automatic policies, with copies capped per chain and tick (``background_copy_max_blocks``;
 a longer chain goes on in the next tick) and per pair and tick
 (``background_copy_batch_max_blocks``), and their thresholds in ``transfer_policy``
-(``TransferPolicyConfig``). ``stats()["transfers"]`` counts them.
+(``TransferPolicyConfig``). ``stats()["transfers"]`` counts them. Between replicas on two
+GPUs the blocks are pulled through CUDA IPC where the GPUs can address each other's memory
+and packed over NCCL elsewhere; ``gpu_transfer_path="nccl"`` packs over NCCL between any two
+GPUs (for peer access that is reported but slow or broken).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class AsyncLMPool:
         background_copy_max_blocks: int = 8,
         background_copy_batch_max_blocks: int = 128,
         transfer_policy: TransferPolicyConfig | None = None,
+        gpu_transfer_path: str = "auto",
         **engine_args,
     ) -> None:
         engine = EngineArgs(model=str(model), **engine_args)
@@ -77,6 +81,7 @@ class AsyncLMPool:
             enable_transfers=enable_transfers, transfer_lease_s=transfer_lease_s,
             transfer_mode=transfer_mode, background_copy_max_blocks=background_copy_max_blocks,
             background_copy_batch_max_blocks=background_copy_batch_max_blocks, transfer_policy=transfer_policy,
+            gpu_transfer_path=gpu_transfer_path,
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = LLMEngine(self.config)

@@ -66,6 +66,7 @@ from lmpool.transfer.cost_model import TransferCostModel
 from lmpool_ipc import Channel, IpcError, IpcPool, RemoteError, Requester
 
 ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
+GPU_TRANSFER_PATHS = ("auto", "nccl")
 
 
 class PoolError(RuntimeError):
@@ -90,6 +91,11 @@ class PoolConfig:
     background_copy_max_blocks: int = 8
     background_copy_batch_max_blocks: int = 128
     transfer_policy: TransferPolicyConfig | None = None  # thresholds; None: the defaults
+    # The data path between replicas on two different GPUs: "auto" pulls through CUDA IPC
+    # where the GPUs can address each other's memory and packs over NCCL elsewhere; "nccl"
+    # packs over NCCL between any two GPUs (for peer access that is reported but slow or
+    # broken). Replicas sharing a GPU always pull: NCCL refuses two ranks on one device.
+    gpu_transfer_path: str = "auto"
 
     def __post_init__(self) -> None:
         check_mode(self.transfer_mode, self.background_copy_max_blocks, self.background_copy_batch_max_blocks)
@@ -100,6 +106,9 @@ class PoolConfig:
         self.transfer_policy.check()
         if self.transfer_mode != "none":
             self.enable_transfers = True
+        if self.gpu_transfer_path not in GPU_TRANSFER_PATHS:
+            raise ValueError(f"gpu_transfer_path must be one of {', '.join(GPU_TRANSFER_PATHS)}; "
+                             f"got {self.gpu_transfer_path!r}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.routing not in ROUTINGS:
@@ -210,7 +219,7 @@ class LLMEngine:
                 control_end=control_links[r].b, engine_args=cfg.engine,
                 heartbeat_interval=cfg.heartbeat_interval, world_size=cfg.world_size,
                 transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
-                transfer_lease_s=cfg.transfer_lease_s,
+                gpu_transfer_path=cfg.gpu_transfer_path, transfer_lease_s=cfg.transfer_lease_s,
                 foreground_release=cfg.transfer_mode in ("foreground", "both"),
                 foreground_wait_s=cfg.transfer_policy.foreground_wait_s,
                 foreground_retry_s=cfg.transfer_policy.foreground_retry_s,

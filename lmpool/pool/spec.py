@@ -36,6 +36,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     heartbeat_interval: float = 0.5
     world_size: int = 1
     transfer_rendezvous: str | None = None  # KV transfers between workers, when set
+    gpu_transfer_path: str = "auto"  # between two GPUs: "auto" (pull where reachable) or "nccl"
     transfer_lease_s: float = 10.0  # a plan silent this long is aborted on the worker
     foreground_release: bool = False  # ask the control plane to move blocks before evicting them
     foreground_wait_s: float = 1.0  # how long admission waits for such a move

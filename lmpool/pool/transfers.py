@@ -8,7 +8,8 @@ each peer:
   peer access such as NVLink): the destination copies the source's pinned blocks
   straight out of the source's mapped cache into its reserved blocks, one kernel
   (``CudaIpcTransport.pull``). The source does nothing at execute time.
-- **packed** (CPU replicas over gloo; CUDA replicas without peer access over NCCL): the
+- **packed** (CPU replicas over gloo; CUDA replicas on GPUs without peer access, or on any
+  two GPUs with ``gpu_transfer_path="nccl"``, over NCCL): the
   source packs its blocks into ``[layers, 2, B, block_size, kv_heads, head_dim]`` payloads
   cut along layers (``lmpool.transfer.chunked``: packing, the wire and unpacking overlap);
   the destination receives each chunk into a buffer and only then scatters it into its
@@ -102,6 +103,7 @@ class TransferExecutor:
         self.core = core
         self.device = runner.device
         self.rendezvous = spec.transfer_rendezvous
+        self.gpu_transfer_path = spec.gpu_transfer_path
         self.participant = TransferParticipant(core.block_manager, lease_s=spec.transfer_lease_s)
         self.ipc = None
         self.packed = None  # gloo (CPU), or NCCL once a peer cannot be pulled from
@@ -248,8 +250,9 @@ class TransferExecutor:
         from lmpool.transfer.cuda_ipc import can_reach
 
         try:
-            kind = kind_for_devices(str(self.device), f"cuda:{export.device}",
-                                    peer_access=can_reach(self.device.index, export.device))
+            # Both ends have the same setting and see the same pair, so they pick the same path.
+            reach = self.gpu_transfer_path == "auto" and can_reach(self.device.index, export.device)
+            kind = kind_for_devices(str(self.device), f"cuda:{export.device}", peer_access=reach)
             if kind == "cuda_ipc":
                 self.ipc.connect(export)
                 self.paths[peer] = "pull"

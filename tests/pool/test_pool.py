@@ -99,6 +99,11 @@ def test_routing_config_reaches_the_control_process(tiny_model):
         LMPool(tiny_model, world_size=2, block_size=BLOCK, routing_config={"pending_ttl_s": 1})
 
 
+def test_an_unknown_gpu_transfer_path_is_refused_before_anything_starts(tiny_model):
+    with pytest.raises(ValueError, match="gpu_transfer_path must be one of auto, nccl; got 'pcie'"):
+        LMPool(tiny_model, world_size=2, block_size=BLOCK, enable_transfers=True, gpu_transfer_path="pcie")
+
+
 def test_model_that_fails_to_load_names_rank_and_cause(tiny_model, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model, broken)

@@ -1,8 +1,9 @@
-"""KV transfers between two CUDA replicas sharing one GPU (**GPU**): the destination pulls
-the blocks out of the source's cache through CUDA IPC. A copy and a move are byte-equal to
-the source (SHA-256 of every layer's KV), a copy keeps and a move frees the source, and
-generation on the destination starts from the transferred prefix with the tokens that
-recomputing it gives."""
+"""KV transfers between two CUDA replicas (**GPU**): on one GPU (or two that can address
+each other) the destination pulls the blocks out of the source's cache through CUDA IPC;
+with ``gpu_transfer_path="nccl"`` on two GPUs they are packed over NCCL (**NCCL**). A copy
+and a move are byte-equal to the source (SHA-256 of every layer's KV), a copy keeps and a
+move frees the source, and generation on the destination starts from the transferred
+prefix with the tokens that recomputing it gives."""
 
 from __future__ import annotations
 
@@ -96,3 +97,34 @@ def test_transfer_of_many_blocks_and_of_one(tiny_model):
         assert result.state == "done", result.reason
         assert len(source) == blocks and all(source)
         assert copied == source
+
+
+@pytest.mark.nccl
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_copy_and_move_over_nccl_between_two_gpus(tiny_model):
+    """The packed path inside a pool: replicas on cuda:0 and cuda:1 told to use NCCL even
+    though the GPUs could pull from each other."""
+    engine_args = dict(device="cuda", dtype="float32", block_size=BLOCK, num_kv_blocks=BLOCKS)
+    with LLM(tiny_model, **engine_args) as llm:
+        expected = llm.generate(prompt(5, 12), GREEDY)[0].token_ids
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, enable_transfers=True, gpu_transfer_path="nccl",
+                               **engine_args) as pool:
+            engine = pool.engine
+            p, q = prompt(5, 12), prompt(6, 12)
+            for x in (p, q):
+                await pool.generate(x, GREEDY, rank=0)
+            sources = [await engine.block_digests(0, x) for x in (p, q)]
+            copied = await pool.transfer(p, src=0, dst=1)
+            moved = await pool.transfer(q, src=0, dst=1, move=True)
+            back = await pool.transfer(q, src=1, dst=0)  # the other direction
+            digests = [await engine.block_digests(r, x) for r, x in ((1, p), (0, p), (1, q), (0, q))]
+            on_copy = await pool.generate(p, GREEDY, rank=1)
+            return sources, [copied, moved, back], digests, on_copy
+
+    sources, results, digests, on_copy = uvloop.run(main())
+    assert [r.state for r in results] == ["done"] * 3, [r.reason for r in results]
+    assert all(all(d) for d in sources)
+    assert digests == [sources[0], sources[0], sources[1], sources[1]], "byte-equal, the copy's source kept"
+    assert on_copy.num_cached_tokens == 12 * BLOCK and on_copy.token_ids == expected
