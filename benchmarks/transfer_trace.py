@@ -14,14 +14,16 @@ Each end is read on its own clock (no figure compares timestamps of two processe
 - receiver (a packed path): from the last receive's end to the last unpack's start
   (``tail_wait_us``: the host seeing the chunk and launching its unpack, or the unpack
   queued behind earlier ones) and to its end (``tail_us``);
-- raw: the one send kernel's time (``send_us``).
+- an unpacked path (raw, and nccl's ``send`` and ``chunks``): from the first send kernel's
+  start to the last one's end on the sender (``send_us``), and how many there were (``ops``).
 
 ``sender_us + tail_us`` estimates a packed transfer's GPU time, to set beside raw's
 ``send_us``; NCCL's send kernel ends when the peer has the bytes, within microseconds of the
 receive's end. A transfer's kernels are those its range (``PATH/SRC->DST/BLOCKS#REP``)
 launched on that end, found by time within the range; NCCL kernels of the go message
-(outside the timed span) are left out: on the sender they end before the first pack, on the
-receiver they are not among the last-ending receives.
+(outside the timed span) are left out: on the sender the go's receive is its first NCCL
+kernel and ends before the first pack, on the receiver it is not among the last-ending
+receives.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def end(k: dict) -> float:
 def sender_figures(kernels: list[dict], packed: bool) -> dict[str, float] | None:
     nccl = [k for k in kernels if kind(k) == "nccl"]
     if not packed:
-        return {"send_us": max(nccl, key=end)["dur"]} if nccl else None
+        sends = nccl[1:]  # the first is the go's receive
+        return {"send_us": max(map(end, sends)) - sends[0]["ts"], "ops": len(sends)} if sends else None
     packs = [k for k in kernels if kind(k) == "pack"]
     if not packs:
         return None

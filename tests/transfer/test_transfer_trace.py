@@ -40,6 +40,8 @@ def test_a_packed_transfer_and_raw_send_are_broken_down_per_end(tmp_path):
         kernel(PACK, 100, 20), kernel(NCCL, 125, 300),
         kernel(PACK, 120, 30), kernel(NCCL, 155, 300),
         span("raw/0->1/10#0", 2000, 1000), kernel(NCCL, 2010, 5), kernel(NCCL, 2100, 800),
+        span("chunks/0->1/10#0", 3000, 1000), kernel(NCCL, 3010, 5),  # the go, then two chunks at once
+        kernel(NCCL, 3100, 400), kernel(NCCL, 3120, 450),
         span("pack@8/3/0->1/10#-1", 4000, 1000), kernel(PACK, 4100, 999),  # a warm-up: skipped
     ]
     receiver = [
@@ -58,5 +60,6 @@ def test_a_packed_transfer_and_raw_send_are_broken_down_per_end(tmp_path):
     assert packed["tail_wait_us"] == 18 and packed["tail_us"] == 38  # from the receive ending at +462
     assert packed["last_unpack_us"] == 20 and packed["unpacks_us"] == 45
     assert packed["estimate_us"] == 355 + 38
-    assert result["raw"]["0->1"]["10"] == {"send_us": 800}
-    assert set(result) == {"pack@8/3", "raw"}
+    assert result["raw"]["0->1"]["10"] == {"send_us": 800, "ops": 1}
+    assert result["chunks"]["0->1"]["10"] == {"send_us": 470, "ops": 2}
+    assert set(result) == {"pack@8/3", "raw", "chunks"}
