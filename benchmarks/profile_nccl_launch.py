@@ -32,17 +32,13 @@ import torch
 from lmpool.model.make_model import PRESETS
 from lmpool.ops import get_backend
 from lmpool.transfer import Rendezvous, make_transport
-from lmpool.transfer.chunked import BlockReceiver, send_blocks
+from lmpool.transfer.chunked import BlockReceiver, payload_bytes, send_blocks
 from lmpool.transfer.transport import open_store
+
+from benchmark_kv_transfer import spin  # the same wait as the benchmark's: polling without pauses
 
 REPS = 200
 WAIT_S = 60.0
-
-
-def spin(handle) -> None:
-    while not handle.done():
-        pass
-    handle.wait(0)
 
 
 def worker(args) -> dict:
@@ -59,8 +55,7 @@ def worker(args) -> dict:
         raise RuntimeError("the NCCL pair is not up")
     store = open_store(args.rendezvous, WAIT_S)
     ids = torch.arange(8, device=device)
-    layer_bytes = cache[0, :, :1].numel() * cache.element_size()
-    layers = max(1, (28 << 20) // (layer_bytes * len(ids)))  # a 28 MiB chunk of the 8 blocks
+    layers = max(1, (28 << 20) * cache.shape[0] // payload_bytes(cache, len(ids)))  # a 28 MiB chunk of the 8 blocks
     payload = ops.pack_kv(cache[:layers], ids)
     out: dict[str, list[float]] = {}
 
@@ -68,7 +63,7 @@ def worker(args) -> dict:
         store.set(f"{name}/{rank}", "1")
         store.get(f"{name}/{peer}")
 
-    def timed(name: str, call) -> None:
+    def timed(name: str, call):
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         result = call()

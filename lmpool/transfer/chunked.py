@@ -261,7 +261,7 @@ class BlockReceiver(_Chunks):
                  chunk_bytes: int | None = None, max_ctas: int | None = None, edge_ctas: int | None = None) -> None:
         self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
-        self._grids = _grids(cache, max_ctas, edge_ctas)  # (middle, the last chunk's)
+        self._ctas, self._last_ctas = _grids(cache, max_ctas, edge_ctas)
         self._pending: list[tuple[int, int, torch.Tensor, object]] = []
         cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)
         for i, (first, end) in enumerate(cuts):
@@ -278,7 +278,7 @@ class BlockReceiver(_Chunks):
             self._pending.pop(0)
             self.error = self._failure(handle)
             if self.error is None and self._wanted():
-                ctas = self._grids[1] if not self._pending else self._grids[0]
+                ctas = self._ctas if self._pending else self._last_ctas
                 self._ops.unpack_kv(self._cache[first:end], self._ids, buffer, ctas)
                 self.unpacked += 1
         return True
