@@ -9,10 +9,11 @@ chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
 - ``layer_chunks`` (the default) cuts near-equal chunks of at least the transport's
   ``chunk_bytes`` (``CHUNK_BYTES`` for a transport without one; NCCL over several lanes,
   which hides the start-up, names a smaller one).
-- ``tapered_chunks`` (opt-in, ``shape="taper"``) makes the ends small and the middle large:
-  packing is faster than the wire, so each chunk may outgrow its predecessor and still be
-  packed in time, while only the small first pack and last unpack are exposed. Measured on
-  the H200 pair it lost to the near-equal rule from 8 to 32 blocks and drew level at 64
+- ``tapered_chunks`` (opt-in, ``shape="taper"``, or ``"taper^F"`` for a growth factor F
+  other than ``PACK_OVER_WIRE``) makes the ends small and the middle large: packing is
+  faster than the wire, so each chunk may outgrow its predecessor and still be packed in
+  time, while only the small first pack and last unpack are exposed. Measured on the H200
+  pair it lost to the near-equal rule from 8 to 32 blocks and drew level at 64
   (results/multi_gpu_NOTES.md): beside NCCL the kernels pack slower than its model assumes.
 - Both cut from the layer count and the payload's size alone, so sender and receiver
   always agree on the number and the sizes of the messages. ``cut`` caches its plans: a
@@ -112,12 +113,14 @@ PACK_OVER_WIRE = 4.0
 CHUNK_START_BYTES = 16 << 20
 
 
-def taper(layers: int, chunks: int) -> list[int]:
-    """Layer counts of ``chunks`` chunks whose sizes grow by ``PACK_OVER_WIRE`` from both ends
+def taper(layers: int, chunks: int, factor: float = PACK_OVER_WIRE) -> list[int]:
+    """Layer counts of ``chunks`` chunks whose sizes grow by ``factor`` from both ends
     towards the middle (each at least one layer, summing to ``layers``)."""
     if not 1 <= chunks <= layers:
         raise ValueError(f"chunks must be in [1, {layers}] for {layers} layers, got {chunks}")
-    ideal = [PACK_OVER_WIRE ** min(j, chunks - 1 - j) for j in range(chunks)]
+    if not factor >= 1:
+        raise ValueError(f"a taper's growth factor is at least 1, got {factor}")
+    ideal = [factor ** min(j, chunks - 1 - j) for j in range(chunks)]
     ideal = [layers * w / sum(ideal) for w in ideal]
     counts = [max(1, int(x)) for x in ideal]
     while sum(counts) > layers:  # the floor of one layer overshot: take from the largest
@@ -128,29 +131,31 @@ def taper(layers: int, chunks: int) -> list[int]:
     return counts
 
 
-def modelled_overhead(counts: list[int], layer_bytes: float) -> float:
-    """Wire-time bytes that cutting a payload into chunks of ``counts`` layers adds to its own:
-    the first pack and the last unpack, a start-up per extra chunk, and any pack (unpack)
-    that outlasts the previous (next) chunk's time on the wire."""
+def modelled_overhead(counts: list[int], layer_bytes: float, r: float = PACK_OVER_WIRE) -> float:
+    """Wire-time bytes that cutting a payload into chunks of ``counts`` layers adds to its own,
+    packing ``r`` times as fast as the wire: the first pack and the last unpack, a start-up
+    per extra chunk, and any pack (unpack) that outlasts the previous (next) chunk's time on
+    the wire."""
     size = [n * layer_bytes for n in counts]
-    r = PACK_OVER_WIRE
     cost = (size[0] + size[-1]) / r + (len(size) - 1) * CHUNK_START_BYTES
     cost += sum(max(0.0, size[j] / r - size[j - 1]) for j in range(1, len(size)))
     cost += sum(max(0.0, size[j] / r - size[j + 1]) for j in range(len(size) - 1))
     return cost
 
 
-def tapered_chunks(layers: int, payload_bytes: int, chunks: int | None = None) -> list[tuple[int, int]]:
-    """``[(first_layer, end_layer), ...]`` covering ``range(layers)`` in tapered chunks
-    (``taper``): ``chunks`` of them if given, else the count, at most ``MAX_CHUNKS``, whose
-    ``modelled_overhead`` is least (the fewer chunks on a tie)."""
+def tapered_chunks(layers: int, payload_bytes: int, chunks: int | None = None,
+                   factor: float = PACK_OVER_WIRE) -> list[tuple[int, int]]:
+    """``[(first_layer, end_layer), ...]`` covering ``range(layers)`` in chunks tapered by
+    ``factor`` (``taper``): ``chunks`` of them if given, else the count, at most
+    ``MAX_CHUNKS``, whose ``modelled_overhead`` (packing ``factor`` times as fast as the
+    wire) is least (the fewer chunks on a tie)."""
     _check_cut(layers, chunks)
     most = min(MAX_CHUNKS, layers)
     if chunks is not None:
-        counts = taper(layers, min(chunks, most))
+        counts = taper(layers, min(chunks, most), factor)
     else:
-        plans = [taper(layers, k) for k in range(1, most + 1)]
-        counts = min(plans, key=lambda c: (modelled_overhead(c, payload_bytes / layers), len(c)))
+        plans = [taper(layers, k, factor) for k in range(1, most + 1)]
+        counts = min(plans, key=lambda c: (modelled_overhead(c, payload_bytes / layers, factor), len(c)))
     return _spans([0, *itertools.accumulate(counts)])
 
 
@@ -158,12 +163,21 @@ def tapered_chunks(layers: int, payload_bytes: int, chunks: int | None = None) -
 def cut(layers: int, payload_bytes: int, shape: str = "even", chunks: int | None = None,
         chunk_bytes: int = CHUNK_BYTES) -> tuple[tuple[int, int], ...]:
     """The chunks of a payload: ``shape`` "even" (``layer_chunks``, whose floor is
-    ``chunk_bytes``) or "taper" (``tapered_chunks``). Cached: one plan per payload size."""
-    if shape == "taper":
-        return tuple(tapered_chunks(layers, payload_bytes, chunks))
+    ``chunk_bytes``), "taper" (``tapered_chunks``) or "taper^F" (tapered by a factor F).
+    Cached: one plan per payload size."""
     if shape == "even":
         return tuple(layer_chunks(layers, payload_bytes, chunk_bytes, chunks))
-    raise ValueError(f"a chunk shape is 'taper' or 'even', got {shape!r}")
+    name, caret, factor = shape.partition("^")
+    if name == "taper":
+        return tuple(tapered_chunks(layers, payload_bytes, chunks, _factor(factor) if caret else PACK_OVER_WIRE))
+    raise ValueError(f"a chunk shape is 'even', 'taper' or 'taper^F', got {shape!r}")
+
+
+def _factor(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"a taper's factor is a number, got {text!r}") from None
 
 
 def chunk_tag(plan_id: int, index: int) -> int:

@@ -61,9 +61,10 @@ def sizes_of(parts: list[tuple[int, int]]) -> list[int]:
     return [end - first for first, end in parts]
 
 
-@given(layers=st.integers(1, 128), nbytes=st.integers(1, 1 << 36), chunks=st.none() | st.integers(1, 40))
-def test_tapered_chunks_cover_every_layer_once_rising_then_falling(layers, nbytes, chunks):
-    parts = tapered_chunks(layers, nbytes, chunks)
+@given(layers=st.integers(1, 128), nbytes=st.integers(1, 1 << 36), chunks=st.none() | st.integers(1, 40),
+       factor=st.sampled_from([1.0, 1.25, 2.0, 4.0, 10.0]))
+def test_tapered_chunks_cover_every_layer_once_rising_then_falling(layers, nbytes, chunks, factor):
+    parts = tapered_chunks(layers, nbytes, chunks, factor)
     assert parts[0][0] == 0 and parts[-1][1] == layers
     assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
     sizes = sizes_of(parts)
@@ -96,8 +97,13 @@ def test_cut_names_its_shapes_and_defaults_to_near_equal_chunks():
     assert list(cut(28, 1 << 30, "even", chunks=4)) == layer_chunks(28, 1 << 30, chunks=4)
     assert list(cut(28, 1 << 30, "taper")) == tapered_chunks(28, 1 << 30)
     assert cut(28, 3 << 30, "taper") is cut(28, 3 << 30, "taper")  # computed once per payload size
-    with pytest.raises(ValueError, match="'taper' or 'even'"):
-        cut(28, 1 << 30, "spiral")
+    assert list(cut(28, 1 << 30, "taper^2", chunks=8)) == tapered_chunks(28, 1 << 30, 8, factor=2)
+    assert sizes_of(cut(28, 1 << 30, "taper^2", chunks=8)) == [1, 2, 4, 7, 7, 4, 2, 1]
+    assert sizes_of(cut(28, 1 << 30, "taper^1", chunks=4)) == [7, 7, 7, 7]  # a factor of 1 is no taper
+    for bad, match in (("spiral", "'even', 'taper' or 'taper\\^F'"), ("taper^x", "a number"),
+                       ("taper^0.5", "at least 1")):
+        with pytest.raises(ValueError, match=match):
+            cut(28, 1 << 30, bad, chunks=4)
 
 
 def test_layer_chunks_refuse_an_empty_payload_and_no_chunks():
