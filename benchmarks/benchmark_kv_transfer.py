@@ -110,8 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra packed paths beside the default, comma-separated, each S, S:C, S/L or S:C/L: S is "
                         "auto (the default chunks), even (near-equal chunks of >= the transport's floor), "
                         "taper (tapered chunks), "
-                        "K (K near-equal chunks) or tK (K tapered chunks), a taper followed by ^F growing by "
-                        "F instead of the default; C caps the pack/unpack grids at C CTAs, "
+                        "K (K near-equal chunks) or tK (K tapered chunks), any but auto followed by ^F growing "
+                        "by F from the ends (even^1: near-equal); C caps the pack/unpack grids at C CTAs, "
                         "C+E those of the end chunks (the first pack, the last unpack) at E "
                         "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn")
     p.add_argument("--json", type=Path, default=None)
@@ -137,7 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--pack-variants: {v!r} names lanes, which only --kind nccl has")
         if not ok:
             p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L, S one of auto, even, taper, K, tK, "
-                    "either taper with ^F (F >= 1), "
+                    "any but auto with ^F (F >= 1), "
                     "C a cap or C+E, with K >= 1, C, E >= 0, L >= 1")
     return args
 
@@ -196,11 +196,11 @@ def path_order(paths: list[str], src: int, n: int, rep: int) -> list[str]:
 
 def pack_variant(path: str) -> dict:
     """``send_blocks``/``BlockReceiver`` keywords of a packed path: ``pack`` (the pool's
-    default: near-equal chunks, grids capped but the end chunks'), ``pack@S``, ``pack@S:C``, ``pack@S/L`` or
+    default: ``chunked.SHAPE``, grids capped but the end chunks'), ``pack@S``, ``pack@S:C``, ``pack@S/L`` or
     ``pack@S:C/L`` where S is the chunking, ``auto`` (the default's), ``even`` (near-equal
     chunks of at least the transport's floor, as auto), ``taper`` (tapered chunks, their
-    modelled count), ``K`` (K near-equal chunks) or ``tK`` (K tapered chunks), either taper
-    followed by ``^F`` to grow by F (``chunked.taper``) instead of the default, C caps the
+    modelled count), ``K`` (K near-equal chunks) or ``tK`` (K tapered chunks), any but auto
+    followed by ``^F`` to grow by F from the ends (``chunked.taper``; ``even^1``: near-equal), C caps the
     pack/unpack grids at C CTAs (0: uncapped; absent: the default cap), C+E also caps the end
     chunks' (the first pack's, the last unpack's) at E, and L (nccl) sends over a transport
     of L lanes (``lanes``, which the worker takes out; absent: the default
@@ -216,15 +216,15 @@ def pack_variant(path: str) -> dict:
     if slash:
         variant["lanes"] = int(lanes)
     spec, caret, factor = spec.partition("^")
-    if caret and not (spec.startswith("t") and float(factor) >= 1):  # a factor tapers, and is >= 1
-        raise ValueError(f"{path!r}: only a taper takes a factor >= 1")
-    taper = f"taper^{factor}" if caret else "taper"
+    if caret and (spec == "auto" or not float(factor) >= 1):
+        raise ValueError(f"{path!r}: a growth factor is >= 1 and follows a shape other than auto")
+    grown = f"^{factor}" if caret else ""
     if spec in ("even", "taper"):
-        variant["shape"] = taper if spec == "taper" else spec
+        variant["shape"] = spec + grown
     elif spec.startswith("t"):
-        variant.update(shape=taper, chunks=int(spec[1:]))
+        variant.update(shape="taper" + grown, chunks=int(spec[1:]))
     elif spec != "auto":
-        variant.update(shape="even", chunks=int(spec))
+        variant.update(shape="even" + grown, chunks=int(spec))
     return variant
 
 

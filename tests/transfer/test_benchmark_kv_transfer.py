@@ -105,12 +105,14 @@ def test_pack_variants_parse_and_get_their_own_ratio():
     assert bench.pack_variant("pack@taper^2") == {"shape": "taper^2", "max_ctas": None}
     assert bench.pack_variant("pack@t8^1.5:132+0") == {"shape": "taper^1.5", "chunks": 8, "max_ctas": 132,
                                                         "edge_ctas": 0}
+    assert bench.pack_variant("pack@even^1") == {"shape": "even^1", "max_ctas": None}
+    assert bench.pack_variant("pack@8^1.25") == {"shape": "even^1.25", "chunks": 8, "max_ctas": None}
     assert bench.pack_variant("pack@auto:132") == {"max_ctas": 132}
     assert bench.pack_variant("pack@auto/2") == {"max_ctas": None, "lanes": 2}
     assert bench.pack_variant("pack@8:0/3") == {"shape": "even", "chunks": 8, "max_ctas": 0, "lanes": 3}
     assert bench.pack_variant("pack@auto:32+0") == {"max_ctas": 32, "edge_ctas": 0}
     for bad in ("0", "x", "t0", "t", "2:-1", "2:y", "auto/0", "auto/x", "4:132/", "auto:32+", "auto:32+-1",
-                "8^2", "t8^", "t8^0.5", "taper^x"):
+                "auto^2", "t8^", "t8^0.5", "taper^x", "8^x"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--kind", "nccl", "--pack-variants", bad])
     with pytest.raises(SystemExit):  # lanes are the NCCL transport's
