@@ -110,8 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra packed paths beside the default, comma-separated, each S, S:C, S/L or S:C/L: S is "
                         "auto (the default chunks), even (near-equal chunks of >= the transport's floor), "
                         "taper (tapered chunks), "
-                        "K (K near-equal chunks) or tK (K tapered chunks), any but auto followed by ^F growing "
-                        "by F from the ends (even^1: near-equal); C caps the pack/unpack grids at C CTAs, "
+                        "K (K near-equal chunks), tK (K tapered chunks) or ends^F (as many as even, the two ends "
+                        "F times smaller), any but auto and ends followed by ^F growing by F from the ends; C caps the pack/unpack grids at C CTAs, "
                         "C+E those of the end chunks (the first pack, the last unpack) at E "
                         "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn")
     p.add_argument("--json", type=Path, default=None)
@@ -137,7 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--pack-variants: {v!r} names lanes, which only --kind nccl has")
         if not ok:
             p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L, S one of auto, even, taper, K, tK, "
-                    "any but auto with ^F (F >= 1), "
+                    "ends^F, any but auto with ^F (F >= 1), "
                     "C a cap or C+E, with K >= 1, C, E >= 0, L >= 1")
     return args
 
@@ -194,13 +194,22 @@ def path_order(paths: list[str], src: int, n: int, rep: int) -> list[str]:
     return random.Random(f"{src}/{n}/{rep}").sample(paths, k=len(paths))
 
 
+def size_order(sizes: list[int], src: int, rep: int) -> list[int]:
+    """The order the sizes take in one repetition, shuffled alike on both workers: a drift in
+    the machine's speed (on one H200 pair the first minute ran 2-5 % slow, and the packed paths
+    more so: results/h200x2/direct/NOTES.md) then spreads over every size instead of
+    falling on the sizes that run first."""
+    return random.Random(f"{src}/sizes/{rep}").sample(sizes, k=len(sizes))
+
+
 def pack_variant(path: str) -> dict:
     """``send_blocks``/``BlockReceiver`` keywords of a packed path: ``pack`` (the pool's
     default: ``chunked.SHAPE``, grids capped but the end chunks'), ``pack@S``, ``pack@S:C``, ``pack@S/L`` or
     ``pack@S:C/L`` where S is the chunking, ``auto`` (the default's), ``even`` (near-equal
     chunks of at least the transport's floor, as auto), ``taper`` (tapered chunks, their
-    modelled count), ``K`` (K near-equal chunks) or ``tK`` (K tapered chunks), any but auto
-    followed by ``^F`` to grow by F from the ends (``chunked.taper``; ``even^1``: near-equal), C caps the
+    modelled count), ``K`` (K near-equal chunks), ``tK`` (K tapered chunks) or ``ends^F`` (as
+    many chunks as even, the two ends F times smaller: ``chunked.small_ends``), any but auto
+    and ends followed by ``^F`` to grow by F from the ends (``chunked.growing``), C caps the
     pack/unpack grids at C CTAs (0: uncapped; absent: the default cap), C+E also caps the end
     chunks' (the first pack's, the last unpack's) at E, and L (nccl) sends over a transport
     of L lanes (``lanes``, which the worker takes out; absent: the default
@@ -216,10 +225,10 @@ def pack_variant(path: str) -> dict:
     if slash:
         variant["lanes"] = int(lanes)
     spec, caret, factor = spec.partition("^")
-    if caret and (spec == "auto" or not float(factor) >= 1):
-        raise ValueError(f"{path!r}: a growth factor is >= 1 and follows a shape other than auto")
+    if caret and (spec == "auto" or not float(factor) >= 1) or spec == "ends" and not caret:
+        raise ValueError(f"{path!r}: a factor is >= 1 and follows a shape other than auto; ends takes one")
     grown = f"^{factor}" if caret else ""
-    if spec in ("even", "taper"):
+    if spec in ("even", "taper", "ends"):
         variant["shape"] = spec + grown
     elif spec.startswith("t"):
         variant.update(shape="taper" + grown, chunks=int(spec[1:]))
@@ -318,17 +327,18 @@ class Worker:
         ends: dict[str, list[float]] = {}
         checks: dict[str, int] = {}
         for src in (0, 1):
+            blocks = {}  # size -> (this end's block ids, the peer's, raw's payload or buffer, spare)
             for n in args.sizes:
                 mine = block_ids(self.rank, n, self.num_blocks, self.device)  # src ids, or dst ids
-                theirs = block_ids(self.peer, n, self.num_blocks, self.device)
                 ready = self.payload(n)  # the raw path's payload (sender) / buffer (receiver)
                 ready.copy_(self.ops.pack_kv(self.cache, mine))
-                out = self.payload(n)
-                for rep in range(-args.warmup, args.reps):
+                blocks[n] = mine, block_ids(self.peer, n, self.num_blocks, self.device), ready, self.payload(n)
+            for rep in range(-args.warmup, args.reps):
+                for n in size_order(args.sizes, src, rep):
                     for path in path_order(self.paths, src, n, rep):
                         key = f"{path}/{src}->{1 - src}/{n}"
                         with torch.profiler.record_function(f"{key}#{rep}"):  # a no-op unless --trace
-                            t0, t1, check = self.one(src, path, mine, theirs, ready, out, check=rep == -args.warmup)
+                            t0, t1, check = self.one(src, path, *blocks[n], check=rep == -args.warmup)
                         if check is not None:
                             checks[key] = check
                         if rep >= 0:

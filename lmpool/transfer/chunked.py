@@ -8,9 +8,12 @@ chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
 
 - ``layer_chunks`` (shape "even") cuts one chunk per transport's ``chunk_bytes``
   (``CHUNK_BYTES`` for a transport without one; NCCL over several lanes, which hides the
-  start-up, names a smaller one), near-equal, or, as "even^F", growing by a factor F from
-  both ends towards the middle (``taper``): the ends are what is exposed. The default,
-  ``SHAPE``, grows by ``EDGE_TAPER``.
+  start-up, names a smaller one), near-equal (the default, ``SHAPE``), or, as "even^F",
+  growing by a factor F from both ends towards the middle, or, as "ends^F", alike but the
+  two ends, F times smaller: only the ends' pack and unpack are exposed. Side by side on
+  the H200 pair (results/h200x2/direct/NOTES.md) growing by 1.25 read up to 2.5 points of
+  raw NCCL above near-equal chunks in one run and up to 4.8 below in another, where the
+  packs ran slow; near-equal chunks stay the default.
 - ``tapered_chunks`` (opt-in, ``shape="taper"``, or ``"taper^F"`` for a growth factor F
   other than ``PACK_OVER_WIRE``) makes the ends small and the middle large: packing is
   faster than the wire, so each chunk may outgrow its predecessor and still be packed in
@@ -80,28 +83,47 @@ def default_max_ctas(device: torch.device) -> int:
 EDGE_CTAS = 0
 
 
-# The default chunks' growth from the ends to the middle. Side by side on the H200 pair
-# (results/h200x2/direct/14_*, 8 chunks over 3 lanes, shuffled paths, 40 repetitions),
-# sizes growing by 1.25 (2, 3, 4, 5, 5, 4, 3, 2 of 28 layers) read 0.8-2.5 points of raw
-# NCCL above near-equal chunks from 336 MiB to 896 MiB, level (within 0.4) at 252-280 MiB;
-# by 1.5 about as well, by 2 (1, 2, 4, 7, 7, 4, 2, 1) 3-6 points below: the large middle
-# chunks' packs then outlast the small chunks' time on the wire.
-EDGE_TAPER = 1.25
-SHAPE = f"even^{EDGE_TAPER}"
+SHAPE = "even"  # the default: near-equal chunks (shapes of small ends lost on some runs: see "ends")
 
 
 def layer_chunks(layers: int, payload_bytes: int, chunk_bytes: int = CHUNK_BYTES,
-                 chunks: int | None = None, factor: float = 1.0) -> list[tuple[int, int]]:
+                 chunks: int | None = None, weights: Callable[[int], list[float]] | None = None
+                 ) -> list[tuple[int, int]]:
     """``[(first_layer, end_layer), ...]`` covering ``range(layers)``: ``chunks`` parts if
     given, else one per ``chunk_bytes``, never more than the layers or ``MAX_CHUNKS``;
-    near-equal for a ``factor`` of 1, else growing by ``factor`` towards the middle
-    (``taper``)."""
+    near-equal, or in proportion to ``weights(k)`` for k parts (``apportion``)."""
     _check_cut(layers, chunks)
     wanted = chunks if chunks is not None else payload_bytes // max(1, chunk_bytes)
     k = max(1, min(MAX_CHUNKS, layers, wanted))
-    if factor != 1:
-        return _spans([0, *itertools.accumulate(taper(layers, k, factor))])
+    if weights is not None:
+        return _spans([0, *itertools.accumulate(apportion(layers, weights(k)))])
     return _spans([round(i * layers / k) for i in range(k + 1)])
+
+
+def growing(factor: float) -> Callable[[int], list[float]]:
+    """Weights of k chunks growing by ``factor`` from both ends towards the middle."""
+    return lambda k: [factor ** min(j, k - 1 - j) for j in range(k)]
+
+
+def small_ends(factor: float) -> Callable[[int], list[float]]:
+    """Weights of k chunks alike but the two at the ends, ``factor`` times smaller: only the
+    first pack and the last unpack are exposed, while the middle chunks, whose packs overlap
+    the wire, keep their near-equal size. With two chunks or fewer every chunk is an end."""
+    return lambda k: [1.0 if j in (0, k - 1) else float(factor) for j in range(k)] if k > 2 else [1.0] * k
+
+
+def apportion(layers: int, weights: list[float]) -> list[int]:
+    """Layer counts in proportion to ``weights``: each at least one, summing to ``layers``
+    (``len(weights) <= layers``); of equal weights, the larger counts are the middle ones."""
+    ideal = [layers * w / sum(weights) for w in weights]
+    counts = [max(1, int(x)) for x in ideal]
+    while sum(counts) > layers:  # the floor of one layer overshot: take from the largest
+        counts[counts.index(max(counts))] -= 1
+    middle = (len(counts) - 1) / 2
+    while sum(counts) < layers:  # the remainder goes where the count falls shortest, the middle first on a tie
+        short = [x - n for x, n in zip(ideal, counts)]
+        counts[max(range(len(counts)), key=lambda j: (short[j], -abs(j - middle)))] += 1
+    return counts
 
 
 def _check_cut(layers: int, chunks: int | None) -> None:
@@ -135,15 +157,7 @@ def taper(layers: int, chunks: int, factor: float = PACK_OVER_WIRE) -> list[int]
         raise ValueError(f"chunks must be in [1, {layers}] for {layers} layers, got {chunks}")
     if not factor >= 1:
         raise ValueError(f"a taper's growth factor is at least 1, got {factor}")
-    ideal = [factor ** min(j, chunks - 1 - j) for j in range(chunks)]
-    ideal = [layers * w / sum(ideal) for w in ideal]
-    counts = [max(1, int(x)) for x in ideal]
-    while sum(counts) > layers:  # the floor of one layer overshot: take from the largest
-        counts[counts.index(max(counts))] -= 1
-    while sum(counts) < layers:  # the rounding remainder goes where the count falls shortest
-        short = [x - n for x, n in zip(ideal, counts)]
-        counts[short.index(max(short))] += 1
-    return counts
+    return apportion(layers, growing(factor)(chunks))
 
 
 def modelled_overhead(counts: list[int], layer_bytes: float, r: float = PACK_OVER_WIRE) -> float:
@@ -178,14 +192,18 @@ def tapered_chunks(layers: int, payload_bytes: int, chunks: int | None = None,
 def cut(layers: int, payload_bytes: int, shape: str = SHAPE, chunks: int | None = None,
         chunk_bytes: int = CHUNK_BYTES) -> tuple[tuple[int, int], ...]:
     """The chunks of a payload: ``shape`` "even" (``layer_chunks``, whose floor is
-    ``chunk_bytes``), "even^F" (as many, growing by F), "taper" (``tapered_chunks``) or
-    "taper^F" (tapered by F, counted by the model). Cached: one plan per payload size."""
+    ``chunk_bytes``), "even^F" (as many, ``growing`` by F), "ends^F" (as many, the two ends F
+    times smaller: ``small_ends``), "taper" (``tapered_chunks``) or "taper^F" (tapered by F,
+    counted by the model). Cached: one plan per payload size."""
     name, caret, factor = shape.partition("^")
-    if name == "even":
-        return tuple(layer_chunks(layers, payload_bytes, chunk_bytes, chunks, _factor(factor) if caret else 1.0))
+    if name == "even" and not caret:
+        return tuple(layer_chunks(layers, payload_bytes, chunk_bytes, chunks))
+    if name in ("even", "ends") and caret:
+        weights = (growing if name == "even" else small_ends)(_factor(factor))
+        return tuple(layer_chunks(layers, payload_bytes, chunk_bytes, chunks, weights))
     if name == "taper":
         return tuple(tapered_chunks(layers, payload_bytes, chunks, _factor(factor) if caret else PACK_OVER_WIRE))
-    raise ValueError(f"a chunk shape is 'even', 'taper', 'even^F' or 'taper^F', got {shape!r}")
+    raise ValueError(f"a chunk shape is 'even', 'taper', 'even^F', 'ends^F' or 'taper^F', got {shape!r}")
 
 
 def _factor(text: str) -> float:

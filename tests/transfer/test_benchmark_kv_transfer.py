@@ -107,12 +107,13 @@ def test_pack_variants_parse_and_get_their_own_ratio():
                                                         "edge_ctas": 0}
     assert bench.pack_variant("pack@even^1") == {"shape": "even^1", "max_ctas": None}
     assert bench.pack_variant("pack@8^1.25") == {"shape": "even^1.25", "chunks": 8, "max_ctas": None}
+    assert bench.pack_variant("pack@ends^2:132") == {"shape": "ends^2", "max_ctas": 132}
     assert bench.pack_variant("pack@auto:132") == {"max_ctas": 132}
     assert bench.pack_variant("pack@auto/2") == {"max_ctas": None, "lanes": 2}
     assert bench.pack_variant("pack@8:0/3") == {"shape": "even", "chunks": 8, "max_ctas": 0, "lanes": 3}
     assert bench.pack_variant("pack@auto:32+0") == {"max_ctas": 32, "edge_ctas": 0}
     for bad in ("0", "x", "t0", "t", "2:-1", "2:y", "auto/0", "auto/x", "4:132/", "auto:32+", "auto:32+-1",
-                "auto^2", "t8^", "t8^0.5", "taper^x", "8^x"):
+                "auto^2", "t8^", "t8^0.5", "taper^x", "8^x", "ends", "ends^0"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--kind", "nccl", "--pack-variants", bad])
     with pytest.raises(SystemExit):  # lanes are the NCCL transport's
@@ -175,3 +176,12 @@ def test_paths_are_shuffled_alike_on_both_ends_and_follow_varying_neighbours():
     assert all(sorted(order) == sorted(paths) for order in orders)
     before_pack = {order[order.index("pack") - 1] for order in orders if order.index("pack") > 0}
     assert len(before_pack) > 2
+
+
+def test_sizes_are_shuffled_alike_on_both_ends_and_each_runs_first_in_some_repetition():
+    """A slow spell early in a run then falls on every size, not on the sizes listed first."""
+    sizes = [2, 4, 8, 16, 32]
+    orders = [bench.size_order(sizes, 1, rep) for rep in range(-1, 40)]
+    assert orders == [bench.size_order(list(sizes), 1, rep) for rep in range(-1, 40)]
+    assert all(sorted(order) == sizes for order in orders)
+    assert {order[0] for order in orders} == set(sizes)

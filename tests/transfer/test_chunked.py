@@ -15,8 +15,8 @@ from lmpool.transfer import TransportError
 from lmpool.transfer.chunked import (
     CHUNK_BYTES,
     EDGE_CTAS,
-    EDGE_TAPER,
     MAX_CHUNKS,
+    SHAPE,
     BlockReceiver,
     _grids,
     chunk_floor,
@@ -46,15 +46,18 @@ def test_layer_chunks_cover_every_layer_once_in_near_equal_parts(layers, nbytes,
 
 
 @given(layers=st.integers(1, 96), nbytes=st.integers(0, 1 << 30), chunk=st.integers(1, 1 << 26),
-       factor=st.sampled_from([1.25, 1.5, 2.0]))
-def test_grown_chunks_are_as_many_as_near_equal_ones_and_smallest_at_the_ends(layers, nbytes, chunk, factor):
-    even, grown = layer_chunks(layers, nbytes, chunk), layer_chunks(layers, nbytes, chunk, factor=factor)
-    assert len(grown) == len(even) and grown[0][0] == 0 and grown[-1][1] == layers
-    assert all(a[1] == b[0] for a, b in zip(grown, grown[1:]))
-    sizes = sizes_of(grown)
+       shape=st.sampled_from(["even^1.25", "even^2", "ends^1", "ends^1.5", "ends^3"]))
+def test_shaped_chunks_are_as_many_as_near_equal_ones_and_smallest_at_the_ends(layers, nbytes, chunk, shape):
+    even, shaped = cut(layers, nbytes, "even", chunk_bytes=chunk), cut(layers, nbytes, shape, chunk_bytes=chunk)
+    assert len(shaped) == len(even) and shaped[0][0] == 0 and shaped[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(shaped, shaped[1:]))
+    sizes = sizes_of(shaped)
     assert min(sizes) >= 1
     peak = sizes.index(max(sizes))
     assert sizes[:peak + 1] == sorted(sizes[:peak + 1]) and sizes[peak:] == sorted(sizes[peak:], reverse=True)
+    assert all(abs(a - b) <= 1 for a, b in zip(sizes, reversed(sizes)))  # mirrored, within a layer
+    if shape.startswith("ends") and len(sizes) > 2:  # the middle chunks near-equal
+        assert max(sizes[1:-1]) - min(sizes[1:-1]) <= 1
 
 
 def test_chunk_tags_differ_between_chunks_and_plans():
@@ -105,17 +108,19 @@ def test_a_small_payload_goes_whole_and_a_large_one_has_small_ends():
     assert len(sizes) > 2 and max(sizes[0], sizes[-1]) < max(sizes) / 2
 
 
-def test_cut_names_its_shapes_and_defaults_to_chunks_grown_from_the_ends():
-    assert list(cut(28, 1 << 30)) == layer_chunks(28, 1 << 30, factor=EDGE_TAPER)
-    assert sizes_of(cut(28, 8 * 28 << 20, chunk_bytes=28 << 20)) == [2, 3, 4, 5, 5, 4, 3, 2]
-    assert list(cut(28, 1 << 30, "even")) == list(cut(28, 1 << 30, "even^1")) == layer_chunks(28, 1 << 30)
+def test_cut_names_its_shapes_and_defaults_to_near_equal_chunks():
+    assert list(cut(28, 1 << 30)) == list(cut(28, 1 << 30, SHAPE)) == layer_chunks(28, 1 << 30)
+    eight = 8 * 28 << 20  # 8 chunks of a 28-layer payload
+    assert sizes_of(cut(28, eight, "even^1.25", chunk_bytes=28 << 20)) == [2, 3, 4, 5, 5, 4, 3, 2]
+    assert sizes_of(cut(28, eight, "ends^2", chunk_bytes=28 << 20)) == [2, 4, 4, 4, 4, 4, 4, 2]
+    assert sizes_of(cut(28, eight, "ends^1", chunk_bytes=28 << 20)) == [3, 3, 4, 4, 4, 4, 3, 3]
     assert list(cut(28, 1 << 30, "even", chunks=4)) == layer_chunks(28, 1 << 30, chunks=4)
     assert list(cut(28, 1 << 30, "taper")) == tapered_chunks(28, 1 << 30)
     assert cut(28, 3 << 30, "taper") is cut(28, 3 << 30, "taper")  # computed once per payload size
     assert list(cut(28, 1 << 30, "taper^2", chunks=8)) == tapered_chunks(28, 1 << 30, 8, factor=2)
     assert sizes_of(cut(28, 1 << 30, "taper^2", chunks=8)) == [1, 2, 4, 7, 7, 4, 2, 1]
     assert sizes_of(cut(28, 1 << 30, "taper^1", chunks=4)) == [7, 7, 7, 7]  # a factor of 1 is no taper
-    for bad, match in (("spiral", "'even', 'taper', 'even\\^F' or 'taper\\^F'"), ("taper^x", "a number"),
+    for bad, match in (("spiral", "'even', 'taper', 'even\\^F', 'ends\\^F' or 'taper\\^F'"), ("ends", "'ends\\^F'"), ("taper^x", "a number"),
                        ("taper^0.5", "at least 1"), ("even^0", "at least 1")):
         with pytest.raises(ValueError, match=match):
             cut(28, 1 << 30, bad, chunks=4)
