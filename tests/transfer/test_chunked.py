@@ -113,7 +113,8 @@ def test_cut_names_its_shapes_and_defaults_to_near_equal_chunks():
     eight = 8 * 28 << 20  # 8 chunks of a 28-layer payload
     assert sizes_of(cut(28, eight, "even^1.25", chunk_bytes=28 << 20)) == [2, 3, 4, 5, 5, 4, 3, 2]
     assert sizes_of(cut(28, eight, "ends^2", chunk_bytes=28 << 20)) == [2, 4, 4, 4, 4, 4, 4, 2]
-    assert sizes_of(cut(28, eight, "ends^1", chunk_bytes=28 << 20)) == [3, 3, 4, 4, 4, 4, 3, 3]
+    assert sizes_of(cut(28, eight, chunk_bytes=28 << 20)) == [3, 3, 4, 4, 4, 4, 3, 3]  # the larger in the middle
+    assert cut(28, eight, "ends^1", chunk_bytes=28 << 20) == cut(28, eight, "even", chunk_bytes=28 << 20)
     assert list(cut(28, 1 << 30, "even", chunks=4)) == layer_chunks(28, 1 << 30, chunks=4)
     assert list(cut(28, 1 << 30, "taper")) == tapered_chunks(28, 1 << 30)
     assert cut(28, 3 << 30, "taper") is cut(28, 3 << 30, "taper")  # computed once per payload size
