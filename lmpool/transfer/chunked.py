@@ -85,9 +85,10 @@ EDGE_CTAS = 0
 
 # The default: near-equal chunks, the larger in the middle. Side by side on the H200 pair
 # (results/h200x2/direct/16_*, 8 chunks of 28 layers over 3 lanes), 3, 3, 4, 4, 4, 4, 3, 3
-# layers read 0.2-2.4 points of raw NCCL above 4, 3, 3, 4, 4, 3, 3, 4 at 12 of 14 sizes and
-# directions from 224 MiB to 896 MiB; ends twice smaller still (2, 4, ..., 4, 2) read 0.5-2.1
-# below, and growing by 1.25 mostly level.
+# layers read 0.2-2.4 points of raw NCCL above 4, 3, 3, 4, 4, 3, 3, 4 at 11 of 14 sizes and
+# directions from 224 MiB to 896 MiB (0.2-2.0 below at the other 3); ends twice smaller still
+# (2, 4, ..., 4, 2) read 2.1 below to 0.8 above the latter, growing by 1.25 1.2 below to 1.5
+# above.
 SHAPE = "even"
 
 
