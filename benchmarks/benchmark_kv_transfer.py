@@ -492,6 +492,22 @@ def environment(args) -> dict:
     return env
 
 
+GPU_STATE = "index,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu," \
+            "clocks_throttle_reasons.active"
+
+
+def gpu_state() -> list[str] | None:
+    """Each GPU's clocks, power, temperature and active throttle reasons, as ``nvidia-smi``
+    reports them (None without it): taken before and after a run, since the same kind of
+    machine has run the packed paths several points slower on some loans than on others."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={GPU_STATE}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
 def executor_path(kind: str, paths: list[str]) -> str:
     """The path the pool's transfer executor takes for this kind of pair (see
     ``lmpool.transfer.transport.kind_for_devices``): pull where the GPUs can address each
@@ -597,6 +613,7 @@ def main(argv=None) -> int:
     if args.kind == "nccl" and torch.cuda.device_count() < 2:
         print("--kind nccl needs two CUDA devices", file=sys.stderr)
         return 2
+    state_before = gpu_state() if args.kind != "gloo" else None
     rendezvous = Rendezvous.create()
     command = [sys.executable, str(Path(__file__).resolve()), *argv, "--rendezvous", rendezvous.address]
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
@@ -616,6 +633,8 @@ def main(argv=None) -> int:
     profile, wrong = summarize(args, [json.loads(o.strip().splitlines()[-1]) for o in outputs])
     profile["environment"] = environment(args)
     profile["environment"]["command"] = "python benchmarks/benchmark_kv_transfer.py " + shlex.join(argv)
+    if state_before is not None:
+        profile["environment"]["gpu_state"] = {"fields": GPU_STATE, "before": state_before, "after": gpu_state()}
     report(profile)
     if args.json:
         args.json.write_text(json.dumps(profile, indent=1) + "\n")

@@ -185,3 +185,14 @@ def test_sizes_are_shuffled_alike_on_both_ends_and_each_runs_first_in_some_repet
     assert orders == [bench.size_order(list(sizes), 1, rep) for rep in range(-1, 40)]
     assert all(sorted(order) == sizes for order in orders)
     assert {order[0] for order in orders} == set(sizes)
+
+
+def test_gpu_state_reads_one_line_per_gpu_and_is_none_without_nvidia_smi(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert bench.gpu_state() is None
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '0, 1980 MHz, 1980 MHz, 3201 MHz, 120.5 W, 700.0 W, 41, 0x0'\n"
+                    "echo '1, 1500 MHz, 1980 MHz, 3201 MHz, 650.0 W, 700.0 W, 78, 0x4'\n\n")
+    fake.chmod(0o755)
+    assert bench.gpu_state() == ["0, 1980 MHz, 1980 MHz, 3201 MHz, 120.5 W, 700.0 W, 41, 0x0",
+                                 "1, 1500 MHz, 1980 MHz, 3201 MHz, 650.0 W, 700.0 W, 78, 0x4"]
