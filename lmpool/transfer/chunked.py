@@ -13,7 +13,7 @@ chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
   middle, "ends^F" as many alike but the two ends, F times smaller. Only the ends' pack and
   unpack are exposed, but on the H200 pair neither beat near-equal chunks in every run
   (results/h200x2/direct/NOTES.md): growing by 1.25 read up to 2.5 points of raw NCCL above
-  them in one run and up to 4.8 below in another, where the packs ran slow.
+  them in one run and up to 5.1 below in another, where the packs ran slow.
 - ``tapered_chunks`` (opt-in, ``shape="taper"``, or ``"taper^F"`` for a growth factor F
   other than ``PACK_OVER_WIRE``) makes the ends small and the middle large: packing is
   faster than the wire, so each chunk may outgrow its predecessor and still be packed in
@@ -85,9 +85,9 @@ EDGE_CTAS = 0
 
 # The default: near-equal chunks, the larger in the middle. Side by side on the H200 pair
 # (results/h200x2/direct/16_*, 8 chunks of 28 layers over 3 lanes), 3, 3, 4, 4, 4, 4, 3, 3
-# layers read 0.2-2.4 points of raw NCCL above 4, 3, 3, 4, 4, 3, 3, 4 at 11 of 14 sizes and
-# directions from 224 MiB to 896 MiB (0.2-2.0 below at the other 3); ends twice smaller still
-# (2, 4, ..., 4, 2) read 2.1 below to 0.8 above the latter, growing by 1.25 1.2 below to 1.5
+# layers read 0.2-2.3 points of raw NCCL above 4, 3, 3, 4, 4, 3, 3, 4 at 11 of 14 sizes and
+# directions from 224 MiB to 896 MiB (0.2-1.9 below at the other 3); ends twice smaller still
+# (2, 4, ..., 4, 2) read 2.1 below to 0.9 above the latter, growing by 1.25 1.2 below to 1.5
 # above.
 SHAPE = "even"
 
