@@ -116,6 +116,7 @@ class NcclHandle:
     def __init__(self, what: str, done: torch.cuda.Event, tensor: torch.Tensor, lane: _Lane,
                  pair: "_NcclPair") -> None:
         self.what = what
+        self.event = done  # fires when the operation completed (or an abort cut it short)
         self._done, self._tensor, self._lane, self._pair = done, tensor, lane, pair
         self._error: str | None = None
         self._finished = False
@@ -179,6 +180,8 @@ class _NcclPair:
 
 class NcclTransport:
     """This rank's end of every NCCL connection of the pool (see the module docstring)."""
+
+    handles_carry_events = True  # each handle's ``event`` fires on the GPU when it completed
 
     def __init__(self, rendezvous: str, rank: int, world_size: int, device: str, timeout_s: float = 30.0,
                  lanes: int = DEFAULT_LANES) -> None:

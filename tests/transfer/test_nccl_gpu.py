@@ -57,3 +57,44 @@ def test_ends_with_different_lanes_fail_the_pair_saying_why(rendezvous):
     finally:
         for end in ends:
             end.close()
+
+
+@pytest.mark.parametrize("gpu_order", [False, True], ids=["host-ordered", "gpu-ordered"])
+def test_chunked_blocks_cross_both_ways_at_once_byte_equal(rendezvous, gpu_order):
+    """``send_blocks`` and ``BlockReceiver`` over the pair, one plan each way started before
+    either waits, in the most chunks; the receiver unpacks as the host sees each chunk, or
+    queues its unpacks on the GPU behind the receives (``gpu_order``)."""
+    from lmpool.ops import get_backend
+    from lmpool.transfer.chunked import BlockReceiver, send_blocks
+    from lmpool.transfer.nccl import NcclTransport
+    from transfer_testkit import NUM_BLOCKS, make_cache
+
+    devices = [torch.device(f"cuda:{r}") for r in (0, 1)]
+    ends = [NcclTransport(rendezvous, r, 2, device=str(devices[r]), timeout_s=30.0) for r in (0, 1)]
+    try:
+        assert all(ready.wait(60) for ready in [ends[0].connect(1, 3), ends[1].connect(0, 3)])
+        ops = [get_backend(d) for d in devices]
+        caches = [make_cache(r).to(devices[r]) for r in (0, 1)]
+        expected = [c.clone() for c in caches]
+        # On each cache the blocks sent and the blocks received are apart: both directions run at once.
+        order = [torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(20 + r)).to(devices[r])
+                 for r in (0, 1)]
+        work = []
+        for src in (0, 1):
+            dst = 1 - src
+            src_ids, dst_ids = order[src][:6], order[dst][6:12]
+            expected[dst][:, :, dst_ids] = caches[src][:, :, src_ids].to(devices[dst])
+            with torch.cuda.device(devices[dst]):
+                work.append(BlockReceiver(ends[dst], src, ops[dst], caches[dst], dst_ids, plan_id=40 + src,
+                                          chunk_bytes=1, gpu_order=gpu_order))
+            with torch.cuda.device(devices[src]):
+                work.append(send_blocks(ends[src], dst, ops[src], caches[src], src_ids, plan_id=40 + src,
+                                        chunk_bytes=1))
+        for handle in work:
+            handle.wait(60)
+        for r in (0, 1):
+            torch.cuda.synchronize(devices[r])
+            assert torch.equal(caches[r], expected[r])
+    finally:
+        for end in ends:
+            end.close()
