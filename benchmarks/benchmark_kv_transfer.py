@@ -138,8 +138,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if ok and ("lanes" in variant or "gpu_order" in variant) and args.kind != "nccl":
             p.error(f"--pack-variants: {v!r} names lanes or -g, which only --kind nccl has")
         if not ok:
-            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L (each maybe followed by -g), S one of auto, even, taper, K, tK, "
-                    "ends^F, any but auto with ^F (F >= 1), "
+            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L (each maybe followed by -g), "
+                    "S one of auto, even, taper, K, tK, ends^F, any but auto with ^F (F >= 1), "
                     "C a cap or C+E, with K >= 1, C, E >= 0, L >= 1")
     return args
 

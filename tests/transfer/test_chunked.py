@@ -121,8 +121,8 @@ def test_cut_names_its_shapes_and_defaults_to_near_equal_chunks():
     assert list(cut(28, 1 << 30, "taper^2", chunks=8)) == tapered_chunks(28, 1 << 30, 8, factor=2)
     assert sizes_of(cut(28, 1 << 30, "taper^2", chunks=8)) == [1, 2, 4, 7, 7, 4, 2, 1]
     assert sizes_of(cut(28, 1 << 30, "taper^1", chunks=4)) == [7, 7, 7, 7]  # a factor of 1 is no taper
-    for bad, match in (("spiral", "'even', 'taper', 'even\\^F', 'ends\\^F' or 'taper\\^F'"), ("ends", "'ends\\^F'"), ("taper^x", "a number"),
-                       ("taper^0.5", "at least 1"), ("even^0", "at least 1")):
+    for bad, match in (("spiral", "'even', 'taper', 'even\\^F', 'ends\\^F' or 'taper\\^F'"), ("ends", "'ends\\^F'"),
+                       ("taper^x", "a number"), ("taper^0.5", "at least 1"), ("even^0", "at least 1")):
         with pytest.raises(ValueError, match=match):
             cut(28, 1 << 30, bad, chunks=4)
 
