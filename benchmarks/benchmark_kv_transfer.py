@@ -75,6 +75,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import numpy as np
@@ -83,7 +84,7 @@ import torch
 from lmpool.model.make_model import DEFAULT_DTYPE, PRESETS
 from lmpool.ops import get_backend
 from lmpool.transfer import Rendezvous, make_transport
-from lmpool.transfer.chunked import BlockReceiver, chunk_floor, chunk_tag, cut, send_blocks
+from lmpool.transfer.chunked import BlockReceiver, chunk_floor, chunk_tag, cut, default_max_ctas, send_blocks
 from lmpool.transfer.messages import CudaIpcExport
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -427,6 +428,19 @@ class Worker:
         t1 = time.monotonic()
         return None, t1, fingerprint(ready) if check else None
 
+    def median_seconds(self, work: Callable[[], object]) -> float:
+        """Median seconds of ``work`` over ``COPY_SAMPLES`` runs after 3 unmeasured ones, each
+        from a synchronized start until its device work has completed."""
+        samples = []
+        for i in range(COPY_SAMPLES + 3):
+            self.sync()
+            t0 = time.monotonic()
+            work()
+            self.sync()
+            if i >= 3:
+                samples.append(time.monotonic() - t0)
+        return sorted(samples)[len(samples) // 2]
+
     def copy_seconds(self, sizes: list[int]) -> dict[str, float]:
         """Median seconds of a plain copy of each size's bytes on this device (the baseline)."""
         result = {}
@@ -434,16 +448,28 @@ class Worker:
             nbytes = n * self.m["kv_bytes_per_block"]
             src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=self.device)
             dst = torch.empty_like(src)
-            samples = []
-            for i in range(COPY_SAMPLES + 3):
-                self.sync()
-                t0 = time.monotonic()
-                dst.copy_(src)
-                self.sync()
-                if i >= 3:
-                    samples.append(time.monotonic() - t0)
-            result[str(n)] = sorted(samples)[len(samples) // 2]
+            result[str(n)] = self.median_seconds(lambda: dst.copy_(src))
             del src, dst
+        return result
+
+    def kernel_seconds(self, sizes: list[int]) -> dict[str, dict[str, float]]:
+        """Median seconds of packing and of unpacking each size's blocks of every layer alone on
+        this device, the grid capped as a transfer's middle chunks are (``default_max_ctas``) and
+        uncapped: set beside a packed transfer's excess over raw, they tell slow kernels from a
+        slow host (the same kind of machine has run the packed paths several points slower on
+        some loans than on others)."""
+        cap = default_max_ctas(self.device)
+        result = {}
+        for n in sizes:
+            ids = block_ids(self.rank, n, self.num_blocks, self.device)
+            payload = self.ops.pack_kv(self.cache, ids)  # unpacked back where it came from: the cache stays
+            result[str(n)] = {
+                "pack_capped": self.median_seconds(lambda: self.ops.pack_kv(self.cache, ids, cap)),
+                "pack_uncapped": self.median_seconds(lambda: self.ops.pack_kv(self.cache, ids, 0)),
+                "unpack_capped": self.median_seconds(lambda: self.ops.unpack_kv(self.cache, ids, payload, cap)),
+                "unpack_uncapped": self.median_seconds(lambda: self.ops.unpack_kv(self.cache, ids, payload, 0)),
+            }
+            del payload
         return result
 
     def close(self) -> None:
@@ -469,6 +495,7 @@ def worker_main(args) -> None:
     result["pull_detail"] = worker.pull_detail
     if worker.rank == 0:
         result["copy_s"] = worker.copy_seconds(args.sizes)
+        result["kernel_s"] = worker.kernel_seconds(args.sizes)
     worker.close()
     print(json.dumps(result), flush=True)
 
@@ -529,7 +556,7 @@ def summarize(args, results: list[dict]) -> tuple[dict, list[str]]:
     paths = results[0]["paths"]
     profile = {"kind": args.kind, "model": m, "sizes": args.sizes, "repetitions": args.reps,
                "pairs_path": executor_path(args.kind, paths), "paths": {},
-               "copy_seconds": copy_s,
+               "copy_seconds": copy_s, "kernel_seconds": results[0].get("kernel_s", {}),
                "copy_bandwidth_GBps": round(max(args.sizes) * m["kv_bytes_per_block"] / copy_s[str(max(args.sizes))]
                                             / 1e9, 3)}
     wrong = []
@@ -601,6 +628,8 @@ def report(profile: dict) -> None:
                       f"{'equal' if point['bytes_equal'] else 'DIFFER':>6}"
                       + (f"  (inside pull() {point['host_launch_p50_s'] * 1e3:.3f} ms, GPU "
                          f"{point['gpu_p50_s'] * 1e3:.3f} ms)" if "gpu_p50_s" in point else ""))
+    for n, kernels in profile.get("kernel_seconds", {}).items():
+        print(f"alone on rank 0, {n} blocks: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in kernels.items()))
     for pair, points in profile.get("nccl_ratios", {}).items():
         for n, ratios in points.items():
             ci = profile["nccl_ratio_ci95"][pair][n]

@@ -38,6 +38,9 @@ def test_profile_is_written_checked_and_readable_by_the_cost_model(tmp_path):
     assert set(profile["paths"]) == {"pack", "raw"}
     assert profile["pairs"] == profile["paths"]["pack"] and profile["raw"] == profile["paths"]["raw"]
     assert set(profile["copy_seconds"]) == {"1", "4"}
+    assert set(profile["kernel_seconds"]) == {"1", "4"}  # the kernels alone, capped and not
+    assert all(set(k) == {"pack_capped", "pack_uncapped", "unpack_capped", "unpack_uncapped"}
+               and all(0 < s < 10 for s in k.values()) for k in profile["kernel_seconds"].values())
     for table in ("pairs", "raw"):
         assert set(profile[table]) == {"0->1", "1->0"}
         for points in profile[table].values():
