@@ -63,4 +63,21 @@ def no_leaks():
     shm_before, pids_before = lmpool_shm(), child_pids()
     yield
     assert child_pids() - pids_before == set(), "a pool process outlived its test"
-    assert lmpool_shm() - shm_before == set(), "a pool left shared memory behind"
+    left = lmpool_shm() - shm_before
+    assert left == set(), f"a pool left shared memory behind: {_describe(left)}"
+
+
+def _describe(names: set[str]) -> str:
+    """How many objects each owner left, and whether that owner is this process or still
+    alive: a leak is the owner's, and an owner that died during the test may be another
+    test's process that outlived its own test."""
+    owners: dict[int, int] = {}
+    for name in names:
+        parsed = parse_object(name.removeprefix(SEM_FILE_PREFIX))
+        pid = parsed.owner_pid if parsed else -1
+        owners[pid] = owners.get(pid, 0) + 1
+    def whose(pid: int) -> str:
+        return "this process" if pid == os.getpid() else "alive" if pid_alive(pid) else "dead"
+
+    return "; ".join(f"{count} of owner {pid} ({whose(pid)})" for pid, count in sorted(owners.items())) \
+        + f": {sorted(names)}"
