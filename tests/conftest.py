@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -71,13 +72,13 @@ def _describe(names: set[str]) -> str:
     """How many objects each owner left, and whether that owner is this process or still
     alive: a leak is the owner's, and an owner that died during the test may be another
     test's process that outlived its own test."""
-    owners: dict[int, int] = {}
-    for name in names:
+    def owner(name: str) -> int:
         parsed = parse_object(name.removeprefix(SEM_FILE_PREFIX))
-        pid = parsed.owner_pid if parsed else -1
-        owners[pid] = owners.get(pid, 0) + 1
+        return parsed.owner_pid if parsed else -1
+
     def whose(pid: int) -> str:
         return "this process" if pid == os.getpid() else "alive" if pid_alive(pid) else "dead"
 
+    owners = Counter(owner(name) for name in names)
     return "; ".join(f"{count} of owner {pid} ({whose(pid)})" for pid, count in sorted(owners.items())) \
         + f": {sorted(names)}"

@@ -27,6 +27,7 @@ from pathlib import Path
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 _UINT8 = 1  # ncclUint8: payloads go as bytes, so any dtype's count is its byte count
 _SUCCESS = 0
+_IN_PROGRESS = 7  # ncclInProgress: a non-blocking call still under way, not an error
 
 
 class NcclError(RuntimeError):
@@ -137,7 +138,7 @@ class Communicator:
             return "the communicator was aborted"
         result = ctypes.c_int()
         _check(self._lib.ncclCommGetAsyncError(self._comm, ctypes.byref(result)), "ncclCommGetAsyncError")
-        if result.value in (_SUCCESS, 7):  # 7: ncclInProgress, not an error
+        if result.value in (_SUCCESS, _IN_PROGRESS):
             return None
         return self._lib.ncclGetErrorString(result.value).decode(errors="replace")
 
