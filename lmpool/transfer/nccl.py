@@ -25,6 +25,9 @@ Invariants:
 - the n-th operation of a direction (counted from ``connect``) runs on lane ``n % lanes``
   on both ends, so order is kept within each lane; both ends must use the same ``lanes``
   (``connect`` checks it through the rendezvous and fails the pair on a mismatch).
+- each lane's stream is its own (``streams.acquire``): nothing but that lane's operations,
+  and work a caller queues behind them on purpose, runs there. A stream of torch's pool
+  could also be another lane's, of the opposite direction, and the two would deadlock.
 - an operation starts on its lane's stream after everything already queued on the caller's
   current stream (the pack that made a payload), and the caching allocator keeps its tensor
   until the lane is past it, even if the caller drops it.
@@ -52,7 +55,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lmpool.transfer import nccl_lib
+from lmpool.transfer import nccl_lib, streams
 from lmpool.transfer.transport import (
     TransferTimeout,
     TransportError,
@@ -89,11 +92,12 @@ def check_lanes(store: dist.Store, rank: int, peer: int, lanes: int) -> None:
 
 
 class _Lane:
-    """One communicator of a direction and the stream its operations run on."""
+    """One communicator of a direction and the stream its operations run on: a stream of its
+    own (``streams``), never one of torch's pool, which would hand it to someone else too."""
 
     def __init__(self, comm: nccl_lib.Communicator, device: torch.device) -> None:
         self.comm = comm
-        self.stream = torch.cuda.Stream(device)
+        self.stream = streams.acquire(device)
 
     def start(self, op: str, tensor: torch.Tensor, peer: int) -> torch.cuda.Event:
         """Enqueue ``op`` ("send"/"recv") of ``tensor`` with the communicator's ``peer`` after the
@@ -117,6 +121,7 @@ class NcclHandle:
                  pair: "_NcclPair") -> None:
         self.what = what
         self.event = done  # fires when the operation completed (or an abort cut it short)
+        self.stream = lane.stream  # where it runs: work queued there after it runs after it
         self._tensor, self._lane, self._pair = tensor, lane, pair
         self._error: str | None = None
         self._finished = False
@@ -176,12 +181,15 @@ class _NcclPair:
                     lane.comm.abort()  # fails pending operations instead of leaving them hung
                 except nccl_lib.NcclError:
                     pass  # already failing: the pair is broken either way
+                streams.release(lane.stream)
 
 
 class NcclTransport:
     """This rank's end of every NCCL connection of the pool (see the module docstring)."""
 
-    handles_carry_events = True  # each handle's ``event`` fires on the GPU when it completed
+    # Each handle names the ``stream`` its operation runs on (of this transport's own, used by
+    # no one else) and carries an ``event`` that fires on the GPU when it has completed.
+    handles_carry_streams = True
 
     def __init__(self, rendezvous: str, rank: int, world_size: int, device: str, timeout_s: float = 30.0,
                  lanes: int = DEFAULT_LANES) -> None:

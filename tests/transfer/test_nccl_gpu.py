@@ -98,3 +98,45 @@ def test_chunked_blocks_cross_both_ways_at_once_byte_equal(rendezvous, gpu_order
     finally:
         for end in ends:
             end.close()
+
+
+def test_gpu_ordered_receives_outlast_a_turn_of_torchs_stream_pool(rendezvous):
+    """As the benchmark and the pool do it: the receiver posts a plan's receives, GPU-ordered,
+    then tells the sender to go over the opposite direction, and only then do the chunks
+    leave. Run for more plans than torch's pool has streams (32), with pool streams taken
+    in between: the go and the unpacks never share a stream (``streams``), which would hang
+    the go behind unpacks waiting for chunks sent only after it."""
+    from lmpool.ops import get_backend
+    from lmpool.transfer.chunked import BlockReceiver, chunk_tag, send_blocks
+    from lmpool.transfer.nccl import NcclTransport
+    from transfer_testkit import NUM_BLOCKS, make_cache
+
+    devices = [torch.device(f"cuda:{r}") for r in (0, 1)]
+    ends = [NcclTransport(rendezvous, r, 2, device=str(devices[r]), timeout_s=30.0) for r in (0, 1)]
+    try:
+        assert all(ready.wait(60) for ready in [ends[0].connect(1, 5), ends[1].connect(0, 5)])
+        ops = [get_backend(d) for d in devices]
+        caches = [make_cache(r).to(devices[r]) for r in (0, 1)]
+        go = [torch.zeros(1, device=d) for d in devices]
+        pool = {torch.cuda.Stream(devices[1]).cuda_stream for _ in range(40)}
+        for plan in range(40):
+            torch.cuda.Stream(devices[1])  # another turn of the pool for every plan
+            src_ids = torch.tensor([plan % NUM_BLOCKS, (plan + 3) % NUM_BLOCKS], device=devices[0])
+            dst_ids = torch.tensor([(plan + 1) % NUM_BLOCKS, (plan + 5) % NUM_BLOCKS], device=devices[1])
+            with torch.cuda.device(devices[0]):
+                asked = ends[0].recv(1, go[0], chunk_tag(1000 + plan, 0))
+            with torch.cuda.device(devices[1]):
+                receiving = BlockReceiver(ends[1], 0, ops[1], caches[1], dst_ids, plan, chunk_bytes=1, gpu_order=True)
+                told = ends[1].send(0, go[1], chunk_tag(1000 + plan, 0))
+            assert not {h.stream.cuda_stream for h in (asked, told)} & pool
+            told.wait(30)
+            asked.wait(30)
+            with torch.cuda.device(devices[0]):
+                sending = send_blocks(ends[0], 1, ops[0], caches[0], src_ids, plan, chunk_bytes=1)
+            sending.wait(30)
+            receiving.wait(30)
+            torch.cuda.synchronize(devices[1])
+            assert torch.equal(caches[1][:, :, dst_ids], caches[0][:, :, src_ids].to(devices[1]))
+    finally:
+        for end in ends:
+            end.close()

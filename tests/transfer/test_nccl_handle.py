@@ -3,7 +3,7 @@ through its event orders the caller's stream after it; a broken pair fails every
 not yet seen complete, even one whose event fired (an abort ends NCCL's kernels early); a
 communicator's background error aborts the whole pair, asked at most once per
 ``ERROR_CHECK_S``; a wait that expires aborts the pair. Fakes stand in for CUDA events,
-streams and NCCL communicators."""
+streams and NCCL communicators. An abort gives every lane's stream back (``streams``), once."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ class FakeComm:
 class FakeLane:
     def __init__(self) -> None:
         self.comm = FakeComm()
+        self.stream = object()  # the lane's own stream: only given back
 
 
 class FakeStream:
@@ -57,9 +58,12 @@ def world(monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(nccl.torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(nccl.time, "monotonic", lambda: clock[0])
+    released = []
+    monkeypatch.setattr(nccl.streams, "release", released.append)
     pair = _NcclPair(peer=1, session=1)
     pair.outgoing = [FakeLane(), FakeLane()]
     pair.incoming = [FakeLane(), FakeLane()]
+    pair.released = released
     return pair, stream, clock
 
 
@@ -87,7 +91,11 @@ def test_a_broken_pair_fails_an_operation_even_if_its_event_fired(world):
     with pytest.raises(TransportError, match="peer gone"):
         h.wait(0)
     assert stream.waited == []
-    assert all(lane.comm.aborted for lane in (*pair.outgoing, *pair.incoming))
+    lanes = (*pair.outgoing, *pair.incoming)
+    assert all(lane.comm.aborted for lane in lanes)
+    assert pair.released == [lane.stream for lane in lanes]  # each lane's stream given back, once
+    pair.abort("again")
+    assert len(pair.released) == len(lanes)
 
 
 def test_a_background_error_aborts_the_pair_asked_at_most_once_per_interval(world):
