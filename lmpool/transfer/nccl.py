@@ -187,9 +187,9 @@ class _NcclPair:
 class NcclTransport:
     """This rank's end of every NCCL connection of the pool (see the module docstring)."""
 
-    # Each handle names the ``stream`` its operation runs on (of this transport's own, used by
-    # no one else) and carries an ``event`` that fires on the GPU when it has completed.
-    handles_carry_streams = True
+    # Each handle carries an ``event`` that fires on the GPU when its operation has completed
+    # (and names the ``stream`` it runs on: the lane's own).
+    handles_carry_events = True
 
     def __init__(self, rendezvous: str, rank: int, world_size: int, device: str, timeout_s: float = 30.0,
                  lanes: int = DEFAULT_LANES) -> None:
