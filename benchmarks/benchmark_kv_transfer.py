@@ -115,8 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "F times smaller), any but auto and ends followed by ^F growing by F from the ends; "
                         "C caps the pack/unpack grids at C CTAs, "
                         "C+E those of the end chunks (the first pack, the last unpack) at E "
-                        "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn; a "
-                        "trailing -g (nccl) queues the receiver's unpacks on the GPU behind the receives")
+                        "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None,
                    help="nccl, cuda_ipc: each worker writes a kernel trace of the run (torch.profiler) to "
@@ -136,10 +135,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                 and variant.get("edge_ctas", 0) >= 0
         except ValueError:
             ok = False
-        if ok and ("lanes" in variant or "gpu_order" in variant) and args.kind != "nccl":
-            p.error(f"--pack-variants: {v!r} names lanes or -g, which only --kind nccl has")
+        if ok and "lanes" in variant and args.kind != "nccl":
+            p.error(f"--pack-variants: {v!r} names lanes, which only --kind nccl has")
         if not ok:
-            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L (each maybe followed by -g), "
+            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L, "
                     "S one of auto, even, taper, K, tK, ends^F, any but auto with ^F (F >= 1), "
                     "C a cap or C+E, with K >= 1, C, E >= 0, L >= 1")
     return args
@@ -216,13 +215,10 @@ def pack_variant(path: str) -> dict:
     pack/unpack grids at C CTAs (0: uncapped; absent: the default cap), C+E also caps the end
     chunks' (the first pack's, the last unpack's) at E, and L (nccl) sends over a transport
     of L lanes (``lanes``, which the worker takes out; absent: the default
-    transport's); a trailing ``-g`` (nccl) has the receiver queue its unpacks on the GPU behind
-    the receives (``BlockReceiver``'s ``gpu_order``, which the sender does without)."""
+    transport's)."""
     if "@" not in path:
         return {}
-    spec = path.split("@", 1)[1]
-    gpu_order = spec.endswith("-g")
-    spec, slash, lanes = spec.removesuffix("-g").partition("/")
+    spec, slash, lanes = path.split("@", 1)[1].partition("/")
     spec, _, ctas = spec.partition(":")
     ctas, plus, edge = ctas.partition("+")
     variant: dict = {"max_ctas": int(ctas) if ctas else None}
@@ -240,8 +236,6 @@ def pack_variant(path: str) -> dict:
         variant.update(shape="taper" + grown, chunks=int(spec[1:]))
     elif spec != "auto":
         variant.update(shape="even" + grown, chunks=int(spec))
-    if gpu_order:
-        variant["gpu_order"] = True
     return variant
 
 
@@ -392,7 +386,6 @@ class Worker:
             self.sync()
             t0 = time.monotonic()
             if packed:  # what the pool's executor does: chunks that overlap
-                chunking.pop("gpu_order", None)  # the receiver's alone
                 self.wait(send_blocks(wire, self.peer, self.ops, self.cache, mine, plan, **chunking))
             else:
                 for handle in [wire.send(self.peer, ready[a:b], chunk_tag(plan, i)) for i, (a, b) in enumerate(spans)]:

@@ -27,13 +27,12 @@ chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
 - ``send_blocks`` packs and sends every chunk at once (all asynchronous: on a GPU each
   pack is queued on the caller's current stream and each send waits for its pack).
 - ``BlockReceiver`` posts every chunk's receive at once, then, each time it is polled,
-  unpacks (on the caller's current stream) the chunks that have arrived, in order. With
-  ``gpu_order`` (opt-in; a transport whose handles carry a CUDA ``event``, as NCCL's do)
-  it instead queues every unpack at once on a stream of its own (``streams``), each behind
-  its receive's event, so no unpack waits for the host to notice its chunk; the caller
-  gives up the ``wanted`` check for it (below). Unpacks queued on the receives' own streams
-  instead, behind each receive, held up the lanes' next receives: 57-68 % of raw NCCL
-  against 75-86 % host-ordered on the H200 pair (results/h200x2/direct/21_*).
+  unpacks (on the caller's current stream) the chunks that have arrived, in order. Queuing
+  every unpack on the GPU at once instead, each behind its receive, so that none waits for
+  the host to see its chunk, lost on the H200 pair: on a stream of its own, 1.2-2.2 points
+  of raw NCCL below host-ordered unpacks at every size and direction from 252 MiB; on the
+  receives' lanes, behind each receive, 17-20 points below, as each unpack held up its
+  lane's next receive (results/h200x2/direct/NOTES.md, runs 21-22).
 
 Invariants:
 - chunk i of a plan carries tag ``chunk_tag(plan_id, i)``; transports that ignore tags
@@ -41,9 +40,6 @@ Invariants:
 - a chunk is unpacked only after its receive completed, as seen from the host, and only
   while ``wanted()`` is true (the plan is still open): bytes of a plan that ended are
   received and dropped, never written into blocks that may already be someone else's.
-  With ``gpu_order`` a chunk is unpacked once its receive completed as seen from the GPU,
-  whatever the plan's state, and a failed receive's garbage is unpacked too: the caller
-  must keep the blocks out of any other use until ``done()``, even after an error.
 - a failed chunk ends the whole transfer with that chunk's error; chunks already unpacked
   stay written (into blocks the plan reserved: an abort frees them, stream-ordered after).
 """
@@ -56,7 +52,6 @@ from typing import Callable
 
 import torch
 
-from lmpool.transfer import streams
 from lmpool.transfer.transport import TransferTimeout, TransportError, plan_tag, poll_until
 
 # Each chunk costs a fixed start-up on the wire (an NCCL operation's launch and handshake),
@@ -319,19 +314,14 @@ def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch
 
 
 class BlockReceiver(_Chunks):
-    """Receive ``block_ids``' blocks of every layer from ``peer`` into ``cache``, in chunks;
-    ``gpu_order`` queues the unpacks on the GPU behind the receives (see the module's
-    invariants for what the caller then owes)."""
+    """Receive ``block_ids``' blocks of every layer from ``peer`` into ``cache``, in chunks."""
 
     def __init__(self, transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
                  wanted: Callable[[], bool] = lambda: True, shape: str = SHAPE, chunks: int | None = None,
-                 chunk_bytes: int | None = None, max_ctas: int | None = None, edge_ctas: int | None = None,
-                 gpu_order: bool = False) -> None:
+                 chunk_bytes: int | None = None, max_ctas: int | None = None, edge_ctas: int | None = None) -> None:
         self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
         self._ctas, self._last_ctas = _grids(cache, max_ctas, edge_ctas)
-        if gpu_order and (cache.device.type != "cuda" or not getattr(transport, "handles_carry_events", False)):
-            raise ValueError("gpu_order needs a CUDA cache and a transport whose handles carry a CUDA event (NCCL)")
         self._pending: list[tuple[int, int, torch.Tensor, object]] = []
         cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)
         for i, (first, end) in enumerate(cuts):
@@ -339,31 +329,8 @@ class BlockReceiver(_Chunks):
                                  device=cache.device)
             self._pending.append((first, end, buffer, transport.recv(peer, buffer, chunk_tag(plan_id, i))))
         self.unpacked = 0  # chunks written into the cache
-        self._unpacked_on_gpu: torch.cuda.Event | None = None
-        self._stream = None  # gpu_order's, from ``streams``, given back once its unpacks have run
-        if gpu_order:
-            self._queue_unpacks()
-
-    def _queue_unpacks(self) -> None:
-        """Queue every chunk's unpack on a stream of this receiver's own (never one of torch's
-        pool, which may also be a lane's: the lane's next operation would wait behind these
-        unpacks, and they for it), behind the caller's queued work and its receive's event;
-        ``done`` then waits for the last."""
-        self._stream = stream = streams.acquire(self._cache.device)
-        stream.wait_stream(torch.cuda.current_stream(self._cache.device))
-        with torch.cuda.stream(stream):
-            for i, (first, end, buffer, handle) in enumerate(self._pending):
-                stream.wait_event(handle.event)
-                last = i == len(self._pending) - 1
-                self._ops.unpack_kv(self._cache[first:end], self._ids, buffer, self._last_ctas if last else self._ctas)
-                buffer.record_stream(stream)  # not reused before the unpack has read it
-            self._ids.record_stream(stream)
-        self._unpacked_on_gpu = torch.cuda.Event()
-        self._unpacked_on_gpu.record(stream)
 
     def done(self) -> bool:
-        if self._unpacked_on_gpu is not None:
-            return self._done_on_gpu()
         while self._pending and self.error is None:
             first, end, buffer, handle = self._pending[0]
             if not handle.done():
@@ -374,21 +341,4 @@ class BlockReceiver(_Chunks):
                 ctas = self._ctas if self._pending else self._last_ctas
                 self._ops.unpack_kv(self._cache[first:end], self._ids, buffer, ctas)
                 self.unpacked += 1
-        return True
-
-    def _done_on_gpu(self) -> bool:
-        """Every receive settled (the first failure kept as the error: an abort ends the
-        others early too) and the queued unpacks past on the GPU; the caller's stream is then
-        ordered after them."""
-        while self._pending:
-            if not self._pending[0][3].done():
-                return False
-            self.error = self.error or self._failure(self._pending.pop(0)[3])
-            self.unpacked += 1  # queued: it runs whatever arrived
-        if not self._unpacked_on_gpu.query():
-            return False
-        torch.cuda.current_stream(self._cache.device).wait_event(self._unpacked_on_gpu)
-        if self._stream is not None:
-            streams.release(self._stream)
-            self._stream = None
         return True

@@ -25,9 +25,10 @@ Invariants:
 - the n-th operation of a direction (counted from ``connect``) runs on lane ``n % lanes``
   on both ends, so order is kept within each lane; both ends must use the same ``lanes``
   (``connect`` checks it through the rendezvous and fails the pair on a mismatch).
-- each lane's stream is its own (``streams.acquire``): nothing but that lane's operations,
-  and work a caller queues behind them on purpose, runs there. A stream of torch's pool
-  could also be another lane's, of the opposite direction, and the two would deadlock.
+- each lane's stream is its own (``streams.acquire``): nothing but that lane's operations
+  runs there. Torch's pool hands out its 32 streams in turn, so with six peers (36 lanes)
+  or other users in the process, a lane's stream from it would also be another lane's,
+  maybe of the opposite direction, and the two would deadlock.
 - an operation starts on its lane's stream after everything already queued on the caller's
   current stream (the pack that made a payload), and the caching allocator keeps its tensor
   until the lane is past it, even if the caller drops it.
@@ -121,7 +122,6 @@ class NcclHandle:
                  pair: "_NcclPair") -> None:
         self.what = what
         self.event = done  # fires when the operation completed (or an abort cut it short)
-        self.stream = lane.stream  # where it runs: work queued there after it runs after it
         self._tensor, self._lane, self._pair = tensor, lane, pair
         self._error: str | None = None
         self._finished = False
@@ -186,10 +186,6 @@ class _NcclPair:
 
 class NcclTransport:
     """This rank's end of every NCCL connection of the pool (see the module docstring)."""
-
-    # Each handle carries an ``event`` that fires on the GPU when its operation has completed
-    # (and names the ``stream`` it runs on: the lane's own).
-    handles_carry_events = True
 
     def __init__(self, rendezvous: str, rank: int, world_size: int, device: str, timeout_s: float = 30.0,
                  lanes: int = DEFAULT_LANES) -> None:

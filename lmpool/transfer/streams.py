@@ -4,9 +4,10 @@
 c10) in turn, so the 33rd stream a process asks for is the first one again. Two users who
 each believe they hold a stream of their own then share one, and their work runs in one
 queue. For independent kernels that only costs overlap; for work that waits on a peer it
-is a deadlock: an NCCL send queued behind an unpack that waits for a chunk the peer sends
-only after that send has arrived never completes. The NCCL lanes and the work queued on
-them (``chunked.BlockReceiver``'s GPU-ordered unpacks) therefore run on streams from here.
+is a deadlock: an NCCL send queued behind a receive from the same peer, which the peer
+queued behind its own send, never completes; nor does one queued behind work that waits
+for a chunk the peer sends only after that send has arrived. The NCCL lanes therefore run
+on streams from here.
 
 Invariants:
 - a stream from ``acquire`` is handed to no one else, torch's pool included, until

@@ -111,20 +111,16 @@ def test_pack_variants_parse_and_get_their_own_ratio():
     assert bench.pack_variant("pack@even^1") == {"shape": "even^1", "max_ctas": None}
     assert bench.pack_variant("pack@8^1.25") == {"shape": "even^1.25", "chunks": 8, "max_ctas": None}
     assert bench.pack_variant("pack@ends^2:132") == {"shape": "ends^2", "max_ctas": 132}
-    assert bench.pack_variant("pack@auto-g") == {"max_ctas": None, "gpu_order": True}
-    assert bench.pack_variant("pack@8:132/3-g") == {"shape": "even", "chunks": 8, "max_ctas": 132, "lanes": 3,
-                                                     "gpu_order": True}
     assert bench.pack_variant("pack@auto:132") == {"max_ctas": 132}
     assert bench.pack_variant("pack@auto/2") == {"max_ctas": None, "lanes": 2}
     assert bench.pack_variant("pack@8:0/3") == {"shape": "even", "chunks": 8, "max_ctas": 0, "lanes": 3}
     assert bench.pack_variant("pack@auto:32+0") == {"max_ctas": 32, "edge_ctas": 0}
     for bad in ("0", "x", "t0", "t", "2:-1", "2:y", "auto/0", "auto/x", "4:132/", "auto:32+", "auto:32+-1",
-                "auto^2", "t8^", "t8^0.5", "taper^x", "8^x", "ends", "ends^0", "auto-x", "-g"):
+                "auto^2", "t8^", "t8^0.5", "taper^x", "8^x", "ends", "ends^0", "auto-g"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--kind", "nccl", "--pack-variants", bad])
-    for nccl_only in ("auto/2", "auto-g"):  # lanes and GPU-ordered unpacks are the NCCL transport's
-        with pytest.raises(SystemExit):
-            bench.parse_args(["--kind", "gloo", "--pack-variants", nccl_only])
+    with pytest.raises(SystemExit):  # lanes are the NCCL transport's
+        bench.parse_args(["--kind", "gloo", "--pack-variants", "auto/2"])
     args = bench.parse_args(["--kind", "nccl", "--preset", "tiny", "--sizes", "2", "--reps", "3",
                              "--pack-variants", "4:132,auto/2"])
     profile, wrong = bench.summarize(args, synthetic({"pack": 0.004, "pack@4:132": 0.002, "pack@auto/2": 0.003,

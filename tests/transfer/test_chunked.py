@@ -224,18 +224,3 @@ def test_grid_caps_the_ends_apart_only_by_default_or_when_asked():
     assert _grids(cache, None, 5) == (default_max_ctas(cache.device), 5)
     assert default_max_ctas(torch.device("cpu")) == 0  # no grid to cap
 
-
-def test_gpu_ordered_unpacks_are_refused_before_any_receive_where_they_cannot_run(pair):
-    """``gpu_order`` needs a CUDA cache and a transport whose handles carry a CUDA event: a
-    gloo pair on CPU is refused before a receive is posted (a posted one would take the
-    next plan's bytes)."""
-    _, b = pair
-    posted = []
-    real_recv = b.recv
-    b.recv = lambda *args: posted.append(args) or real_recv(*args)
-    try:
-        with pytest.raises(ValueError, match="gpu_order needs a CUDA cache"):
-            BlockReceiver(b, 0, reference, make_cache(1), block_ids(4, 3)[1], plan_id=12, gpu_order=True)
-        assert posted == []
-    finally:
-        del b.recv

@@ -59,11 +59,9 @@ def test_ends_with_different_lanes_fail_the_pair_saying_why(rendezvous):
             end.close()
 
 
-@pytest.mark.parametrize("gpu_order", [False, True], ids=["host-ordered", "gpu-ordered"])
-def test_chunked_blocks_cross_both_ways_at_once_byte_equal(rendezvous, gpu_order):
+def test_chunked_blocks_cross_both_ways_at_once_byte_equal(rendezvous):
     """``send_blocks`` and ``BlockReceiver`` over the pair, one plan each way started before
-    either waits, in the most chunks; the receiver unpacks as the host sees each chunk, or
-    queues its unpacks on the GPU behind the receives (``gpu_order``)."""
+    either waits, in the most chunks."""
     from lmpool.ops import get_backend
     from lmpool.transfer.chunked import BlockReceiver, send_blocks
     from lmpool.transfer.nccl import NcclTransport
@@ -86,7 +84,7 @@ def test_chunked_blocks_cross_both_ways_at_once_byte_equal(rendezvous, gpu_order
             expected[dst][:, :, dst_ids] = caches[src][:, :, src_ids].to(devices[dst])
             with torch.cuda.device(devices[dst]):
                 work.append(BlockReceiver(ends[dst], src, ops[dst], caches[dst], dst_ids, plan_id=40 + src,
-                                          chunk_bytes=1, gpu_order=gpu_order))
+                                          chunk_bytes=1))
             with torch.cuda.device(devices[src]):
                 work.append(send_blocks(ends[src], dst, ops[src], caches[src], src_ids, plan_id=40 + src,
                                         chunk_bytes=1))
@@ -100,43 +98,25 @@ def test_chunked_blocks_cross_both_ways_at_once_byte_equal(rendezvous, gpu_order
             end.close()
 
 
-def test_gpu_ordered_receives_outlast_a_turn_of_torchs_stream_pool(rendezvous):
-    """As the benchmark and the pool do it: the receiver posts a plan's receives, GPU-ordered,
-    then tells the sender to go over the opposite direction, and only then do the chunks
-    leave. Run for more plans than torch's pool has streams (32), with pool streams taken
-    in between: the go and the unpacks never share a stream (``streams``), which would hang
-    the go behind unpacks waiting for chunks sent only after it."""
-    from lmpool.ops import get_backend
-    from lmpool.transfer.chunked import BlockReceiver, chunk_tag, send_blocks
+def test_lanes_run_on_streams_of_their_own(rendezvous):
+    """Every lane's stream is apart from torch's pool, however many pool streams the process
+    takes (the pool hands its 32 out in turn), and the lanes still carry both directions."""
     from lmpool.transfer.nccl import NcclTransport
-    from transfer_testkit import NUM_BLOCKS, make_cache
 
-    devices = [torch.device(f"cuda:{r}") for r in (0, 1)]
-    ends = [NcclTransport(rendezvous, r, 2, device=str(devices[r]), timeout_s=30.0) for r in (0, 1)]
+    ends = [NcclTransport(rendezvous, r, 2, device=f"cuda:{r}", timeout_s=30.0) for r in (0, 1)]
     try:
-        assert all(ready.wait(60) for ready in [ends[0].connect(1, 5), ends[1].connect(0, 5)])
-        ops = [get_backend(d) for d in devices]
-        caches = [make_cache(r).to(devices[r]) for r in (0, 1)]
-        go = [torch.zeros(1, device=d) for d in devices]
-        pool = {torch.cuda.Stream(devices[1]).cuda_stream for _ in range(40)}
-        for plan in range(40):
-            torch.cuda.Stream(devices[1])  # another turn of the pool for every plan
-            src_ids = torch.tensor([plan % NUM_BLOCKS, (plan + 3) % NUM_BLOCKS], device=devices[0])
-            dst_ids = torch.tensor([(plan + 1) % NUM_BLOCKS, (plan + 5) % NUM_BLOCKS], device=devices[1])
-            with torch.cuda.device(devices[0]):
-                asked = ends[0].recv(1, go[0], chunk_tag(1000 + plan, 0))
-            with torch.cuda.device(devices[1]):
-                receiving = BlockReceiver(ends[1], 0, ops[1], caches[1], dst_ids, plan, chunk_bytes=1, gpu_order=True)
-                told = ends[1].send(0, go[1], chunk_tag(1000 + plan, 0))
-            assert not {h.stream.cuda_stream for h in (asked, told)} & pool
-            told.wait(30)
-            asked.wait(30)
-            with torch.cuda.device(devices[0]):
-                sending = send_blocks(ends[0], 1, ops[0], caches[0], src_ids, plan, chunk_bytes=1)
-            sending.wait(30)
-            receiving.wait(30)
-            torch.cuda.synchronize(devices[1])
-            assert torch.equal(caches[1][:, :, dst_ids], caches[0][:, :, src_ids].to(devices[1]))
+        assert all(ready.wait(60) for ready in [ends[0].connect(1, 9), ends[1].connect(0, 9)])
+        for r, end in enumerate(ends):
+            pair = end._pairs[1 - r]
+            lanes = {lane.stream.cuda_stream for lane in (*pair.outgoing, *pair.incoming)}
+            assert len(lanes) == 2 * end.lanes
+            assert not lanes & {torch.cuda.Stream(f"cuda:{r}").cuda_stream for _ in range(64)}
+        data = [torch.arange(1000, dtype=torch.float32, device=f"cuda:{r}") + r for r in (0, 1)]
+        out = [torch.zeros(1000, device=f"cuda:{r}") for r in (0, 1)]
+        handles = [ends[r].recv(1 - r, out[r], 5) for r in (0, 1)] + [ends[r].send(1 - r, data[r], 5) for r in (0, 1)]
+        for h in handles:
+            h.wait(30)
+        assert all(torch.equal(out[r].cpu(), data[1 - r].cpu()) for r in (0, 1))
     finally:
         for end in ends:
             end.close()
