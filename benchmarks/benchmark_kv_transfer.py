@@ -28,6 +28,10 @@ turns within every repetition, the paths their kind offers:
 - ``send`` and ``chunks`` (nccl): the same ready bytes over ``NcclTransport``, whole (one
   operation) and in the packed path's chunks over its lanes. Beside ``raw`` and ``pack`` they
   tell what the transport's wire costs from what packing and unpacking cost.
+- ``only-pack`` and ``only-unpack`` (``--split``): ``pack`` with one end bare: the
+  sender packs and the receiver lands the chunks in a ready buffer, or the sender sends
+  ready chunks and the receiver unpacks them. Beside ``chunks`` and ``pack`` they split
+  packing's cost between the two ends.
 
 Timestamps come from ``time.monotonic()``, one clock for every process of a host, so a
 one-way latency needs no round trip. Before each repetition of ``pack`` and ``raw`` the
@@ -116,6 +120,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "C caps the pack/unpack grids at C CTAs, "
                         "C+E those of the end chunks (the first pack, the last unpack) at E "
                         "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn")
+    p.add_argument("--split", action="store_true",
+                   help="also the packed path's halves, only-pack (the receiver lands the chunks as "
+                        "they are) and only-unpack (the sender sends ready chunks), to tell the sender's "
+                        "share of packing's cost from the receiver's")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None,
                    help="nccl, cuda_ipc: each worker writes a kernel trace of the run (torch.profiler) to "
@@ -128,6 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.dtype = args.dtype or DEFAULT_DTYPE[args.preset]
     args.device = args.device or {"gloo": "cpu", "nccl": "cuda"}.get(args.kind, "cuda:0")
     args.warmup = max(1, args.warmup)  # the bytes are checked in the first warm-up repetition
+    if args.split and args.kind == "pool":
+        p.error("--split times the two halves of a transfer between two workers; --kind pool has none")
     for v in args.pack_variants:
         try:
             variant = pack_variant(f"pack@{v}")
@@ -290,6 +300,8 @@ class Worker:
         self.paths = [p for p in ("pull", "pack", "raw") if p != "pull" or self.ipc is not None]
         if self.kind == "nccl":  # the transport's own wire, unpacked: whole and in the default chunks
             self.paths += ["send", "chunks"]
+        if args.split:
+            self.paths += ["only-pack", "only-unpack"]
         self.paths[self.paths.index("pack") + 1:1] = [f"pack@{v}" for v in args.pack_variants]
         self.tag = 0
         self.go = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -375,23 +387,25 @@ class Worker:
         self.tag += 1
         go_tag, plan = 2 * self.tag, 2 * self.tag + 1  # distinct from every chunk tag (chunk_tag)
         packed = path.startswith("pack")
+        packs, unpacks = packed or path == "only-pack", packed or path == "only-unpack"
         chunking = pack_variant(path) if packed else {}
         wire = self.laned.get(chunking.pop("lanes", None), self.packed)
-        # Unpacked paths move ``ready`` as it is: whole (``raw`` but nccl's, ``send``) or in the
-        # default chunks (``chunks``), over the transport.
-        spans = cut(ready.shape[0], ready.nbytes, chunk_bytes=chunk_floor(wire)) if path == "chunks" \
-            else ((0, ready.shape[0]),)
+        # Unpacked ends move ``ready`` as it is: whole (``raw`` but nccl's, ``send``) or in the
+        # default chunks (``chunks``, and the bare end of ``only-pack`` and ``only-unpack``).
+        spans = ((0, ready.shape[0]),) if path in ("raw", "send") \
+            else cut(ready.shape[0], ready.nbytes, chunk_bytes=chunk_floor(wire))
         if self.rank == src:
             self.wait(self.packed.recv(self.peer, self.go, chunk_tag(go_tag, 0)))
             self.sync()
             t0 = time.monotonic()
-            if packed:  # what the pool's executor does: chunks that overlap
+            if packs:  # what the pool's executor does: chunks that overlap
                 self.wait(send_blocks(wire, self.peer, self.ops, self.cache, mine, plan, **chunking))
             else:
                 for handle in [wire.send(self.peer, ready[a:b], chunk_tag(plan, i)) for i, (a, b) in enumerate(spans)]:
                     self.wait(handle)
-            return t0, None, fingerprint(self.ops.pack_kv(self.cache, mine) if packed else ready) if check else None
-        if packed:
+            # ``ready`` holds these very blocks packed: either fingerprint is the payload's
+            return t0, None, fingerprint(self.ops.pack_kv(self.cache, mine) if packs else ready) if check else None
+        if unpacks:
             receiving = [BlockReceiver(wire, self.peer, self.ops, self.cache, mine, plan, **chunking)]
         else:
             receiving = [wire.recv(self.peer, ready[a:b], chunk_tag(plan, i)) for i, (a, b) in enumerate(spans)]
@@ -400,7 +414,7 @@ class Worker:
             self.wait(handle)
         self.sync()
         t1 = time.monotonic()
-        return None, t1, fingerprint(self.ops.pack_kv(self.cache, mine) if packed else ready) if check else None
+        return None, t1, fingerprint(self.ops.pack_kv(self.cache, mine) if unpacks else ready) if check else None
 
     def one_raw_nccl(self, src: int, ready, check: bool):
         """``raw`` between two GPUs: a plain process group's send/recv. One communicator

@@ -55,6 +55,24 @@ def test_profile_is_written_checked_and_readable_by_the_cost_model(tmp_path):
     assert model.data_path_p95(0, 1, 4) == max(curve["1"]["p95_s"], curve["4"]["p95_s"])  # made monotonic
 
 
+def test_the_packed_paths_halves_move_the_same_bytes(tmp_path):
+    """``--split``: packing at one end only (the other bare) still lands every byte where the
+    full packed path would: the receiver's blocks or ready buffer match the sender's."""
+    out = tmp_path / "split.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kind", "gloo", "--split", "--block-size", "16", "--sizes", "3",
+         "--reps", "2", "--warmup", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    paths = json.loads(out.read_text())["paths"]
+    assert set(paths) == {"pack", "raw", "only-pack", "only-unpack"}
+    assert all(paths[p][pair]["3"]["bytes_equal"] for p in paths for pair in ("0->1", "1->0"))
+    refused = subprocess.run([sys.executable, str(SCRIPT), "--kind", "pool", "--split"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "--kind pool has none" in refused.stderr
+
+
 def synthetic(paths: dict[str, float], check_differs: str = "") -> list[dict]:
     """Two workers' results for one size (2 blocks), each path taking the given seconds."""
     results = [{"starts": {}, "ends": {}, "checks": {}, "paths": list(paths)} for _ in (0, 1)]
