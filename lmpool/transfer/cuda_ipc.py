@@ -64,6 +64,7 @@ import secrets
 
 import torch
 
+from lmpool.transfer import streams
 from lmpool.transfer.block_copy import copy_blocks, load_extension
 from lmpool.transfer.messages import CudaIpcExport, IpcStorage
 from lmpool.transfer.transport import TransferTimeout, TransportError, as_bytes, check_args, open_store, poll_until
@@ -154,9 +155,10 @@ class _Peer:
         self.staging = staging  # the peer's staging buffer, as uint8 (None: it exports none)
         self.events = events
         self.cache = cache  # the peer's KV cache, typed and shaped (None: it shares none)
-        # Receives from this peer wait on its events on a stream of their own: if the peer
-        # dies between recording an event and the event firing, only this stream can be
-        # stuck, never the stream the worker computes on.
+        # Receives from this peer wait on its events on a stream of their own (``streams``:
+        # torch's pool would share it with others): if the peer dies between recording an
+        # event and the event firing, only this stream can be stuck, never the stream the
+        # worker computes on, nor another peer's.
         self.stream = stream
         self.pulls = 0  # pulls in flight that read ``cache``
 
@@ -412,7 +414,8 @@ class CudaIpcTransport:
                 cache = map_storage(here, export.kv_cache)[:nbytes].view(dtype).view(export.kv_shape)
         except RuntimeError as e:
             raise TransportError(f"rank {self.rank} could not map rank {export.rank}'s memory: {e}") from e
-        self._peers[export.rank] = _Peer(export, staging, events, cache, torch.cuda.Stream(self.device))
+        # Never given back: a stream left waiting on a dead peer's event must not serve anyone else.
+        self._peers[export.rank] = _Peer(export, staging, events, cache, streams.acquire(self.device))
 
     def connected(self, peer: int) -> bool:
         return peer in self._peers

@@ -6,8 +6,9 @@ each believe they hold a stream of their own then share one, and their work runs
 queue. For independent kernels that only costs overlap; for work that waits on a peer it
 is a deadlock: an NCCL send queued behind a receive from the same peer, which the peer
 queued behind its own send, never completes; nor does one queued behind work that waits
-for a chunk the peer sends only after that send has arrived. The NCCL lanes therefore run
-on streams from here.
+for a chunk the peer sends only after that send has arrived. The NCCL lanes, and the CUDA
+IPC transport's per-peer receive streams (each of which a dead peer may leave stuck),
+therefore run on streams from here.
 
 Invariants:
 - a stream from ``acquire`` is handed to no one else, torch's pool included, until
