@@ -29,9 +29,9 @@ chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
 - ``BlockReceiver`` posts every chunk's receive at once, then, each time it is polled,
   unpacks (on the caller's current stream) the chunks that have arrived, in order. Queuing
   every unpack on the GPU at once instead, each behind its receive, so that none waits for
-  the host to see its chunk, lost on the H200 pair: on a stream of its own, 1.2-2.2 points
+  the host to see its chunk, lost on the H200 pair: on a stream of its own, 0.5-2.2 points
   of raw NCCL below host-ordered unpacks at every size and direction from 252 MiB; on the
-  receives' lanes, behind each receive, 17-20 points below, as each unpack held up its
+  receives' lanes, behind each receive, 16-19 points below, as each unpack held up its
   lane's next receive (results/h200x2/direct/NOTES.md, runs 21-22).
 
 Invariants:
