@@ -42,7 +42,8 @@ Invariants:
   NCCL connects a pair's point-to-point channels at their first operation, which must not
   first happen inside transfers that the two ends start in different orders.
 - a wait that expires, or a communicator error, aborts the pair's communicators (both
-  directions, every lane): the pair is broken until ``connect`` with a new session.
+  directions, every lane, and any lane the connect thread completes afterwards, which then
+  makes no more): the pair is broken until ``connect`` with a new session.
 - a completed receive orders the caller's current stream after it, so unpacking ``out`` on
   that stream needs no further synchronization.
 """
@@ -162,6 +163,17 @@ class _NcclPair:
         self.sent = self.received = 0  # operations started per direction: the next one's lane
         self.ready = threading.Event()
         self.broken: str | None = None
+        self._lock = threading.Lock()  # lanes are added on the connect thread, aborted on any
+
+    def add(self, lane: _Lane, outgoing: bool) -> None:
+        """Take a lane the connect thread made. One made after the pair was aborted (replaced
+        by a new session, or a wait expired meanwhile) is ended at once: the abort has already
+        passed the lanes it saw."""
+        with self._lock:
+            (self.outgoing if outgoing else self.incoming).append(lane)
+            if self.broken is None:
+                return
+        _end(lane)
 
     def next_outgoing(self) -> _Lane:
         lane = self.outgoing[self.sent % len(self.outgoing)]
@@ -174,14 +186,22 @@ class _NcclPair:
         return lane
 
     def abort(self, reason: str) -> None:
-        if self.broken is None:
+        """Break the pair: every lane's communicator is aborted and its stream given back, once."""
+        with self._lock:
+            if self.broken is not None:
+                return
             self.broken = reason
-            for lane in (*self.outgoing, *self.incoming):
-                try:
-                    lane.comm.abort()  # fails pending operations instead of leaving them hung
-                except nccl_lib.NcclError:
-                    pass  # already failing: the pair is broken either way
-                streams.release(lane.stream)
+            lanes = (*self.outgoing, *self.incoming)
+        for lane in lanes:
+            _end(lane)
+
+
+def _end(lane: _Lane) -> None:
+    try:
+        lane.comm.abort()  # fails pending operations instead of leaving them hung
+    except nccl_lib.NcclError:
+        pass  # already failing: the pair is broken either way
+    streams.release(lane.stream)
 
 
 class NcclTransport:
@@ -236,7 +256,9 @@ class NcclTransport:
                     else:
                         uid = store.get(key)
                     comm = nccl_lib.Communicator(uid, 2, 0 if src == self.rank else 1)
-                    (pair.outgoing if src == self.rank else pair.incoming).append(_Lane(comm, self.device))
+                    pair.add(_Lane(comm, self.device), outgoing=src == self.rank)
+                    if pair.broken is not None:  # replaced or failed meanwhile: make no more
+                        raise TransportError(pair.broken)
             probes = torch.zeros(2, dtype=torch.int32, device=self.device)  # one to send, one to receive into
             for src, _ in directions:
                 for lane in range(self.lanes):

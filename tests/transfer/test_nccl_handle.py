@@ -3,7 +3,8 @@ through its event orders the caller's stream after it; a broken pair fails every
 not yet seen complete, even one whose event fired (an abort ends NCCL's kernels early); a
 communicator's background error aborts the whole pair, asked at most once per
 ``ERROR_CHECK_S``; a wait that expires aborts the pair. Fakes stand in for CUDA events,
-streams and NCCL communicators. An abort gives every lane's stream back (``streams``), once."""
+streams and NCCL communicators. An abort gives every lane's stream back (``streams``), once, and ends a lane the connect
+thread adds after it."""
 
 from __future__ import annotations
 
@@ -125,3 +126,20 @@ def test_a_wait_that_expires_aborts_the_pair(world):
         h.wait(0)
     assert pair.broken is not None and "did not complete" in pair.broken
     assert all(lane.comm.aborted for lane in (*pair.outgoing, *pair.incoming))
+
+
+def test_a_lane_made_after_the_pair_broke_is_ended_at_once(world):
+    """The connect thread may finish a communicator after the pair was aborted (a new session
+    replaced it): that lane is aborted and its stream given back when added, and the lanes
+    added before are ended by the abort itself, each once."""
+    pair, _, _ = world
+    before = len(pair.outgoing) + len(pair.incoming)
+    pair.abort("replaced by session 2")
+    assert len(pair.released) == before
+    late = FakeLane()
+    pair.add(late, outgoing=True)
+    assert late.comm.aborted and pair.released[-1] is late.stream and len(pair.released) == before + 1
+    fresh = _NcclPair(peer=1, session=2)
+    early = FakeLane()
+    fresh.add(early, outgoing=False)
+    assert not early.comm.aborted and fresh.incoming == [early]
