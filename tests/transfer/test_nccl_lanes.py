@@ -69,3 +69,40 @@ def test_different_lanes_fail_both_ends_naming_both_counts():
 def test_a_lane_count_out_of_range_is_refused_before_anything_is_set_up(lanes):
     with pytest.raises(ValueError, match=f"lanes must be in \\[1, {MAX_LANES}\\], got {lanes}"):
         NcclTransport("127.0.0.1:1", 0, 2, device="cuda:0", lanes=lanes)
+
+
+def test_a_pair_replaced_while_connecting_ends_every_lane_and_makes_no_more(monkeypatch):
+    """``connect`` runs on a thread, and a new session may abort the pair while that thread
+    is still making communicators: the one it finishes then is ended when added (its
+    communicator aborted, its stream given back) and it makes no further one. Fakes stand
+    in for CUDA, the store and NCCL; the real thing is ``test_nccl_gpu.py``."""
+    from lmpool.transfer import nccl
+
+    made, released = [], []
+    pair = _NcclPair(peer=1, session=1)
+
+    class FakeComm:
+        def __init__(self, uid, nranks, rank):
+            made.append(self)
+            self.aborted = False
+            if len(made) == 2:  # the caller replaces the pair while this one is being made
+                pair.abort("replaced by session 2")
+
+        def abort(self):
+            self.aborted = True
+
+    monkeypatch.setattr(nccl.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(nccl, "open_store", lambda address, timeout: dist.HashStore())
+    monkeypatch.setattr(nccl, "check_lanes", lambda *args: None)
+    monkeypatch.setattr(nccl.nccl_lib, "unique_id", lambda: b"\0" * 128)
+    monkeypatch.setattr(nccl.nccl_lib, "Communicator", FakeComm)
+    monkeypatch.setattr(nccl.streams, "acquire", lambda device: object())
+    monkeypatch.setattr(nccl.streams, "release", released.append)
+    transport = object.__new__(NcclTransport)  # its constructor needs CUDA; _connect needs only these
+    transport.rank, transport.lanes, transport.device, transport.timeout_s = 0, 3, "cuda:0", 5.0
+    transport._rendezvous = "127.0.0.1:1"
+    transport._connect(pair)
+    assert pair.ready.is_set() and pair.broken == "replaced by session 2"
+    assert len(made) == 2 and all(comm.aborted for comm in made)  # no third: the thread stopped
+    lanes = [*pair.outgoing, *pair.incoming]
+    assert [lane.comm for lane in lanes] == made and released == [lane.stream for lane in lanes]
