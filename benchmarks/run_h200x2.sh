@@ -21,7 +21,7 @@ steps=${*:-tests bench}
 for step in $steps; do
   case $step in
     tests)
-      RUN_NCCL_INTEGRATION=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_nccl_gpu.py \
+      RUN_NCCL_INTEGRATION=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_nccl_gpu.py tests/transfer/test_streams.py \
         tests/transfer/test_nccl_lib.py 2>&1 \
         | tee "$OUT/nccl_tests.log" | tail -15
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_cuda_ipc_gpu.py -k two_gpus 2>&1 \
