@@ -119,7 +119,7 @@ def small_ends(factor: float) -> Callable[[int], list[float]]:
     """Weights of k chunks alike but the two at the ends, ``factor`` times smaller: only the
     first pack and the last unpack are exposed, while the middle chunks, whose packs overlap
     the wire, keep their near-equal size. With two chunks or fewer every chunk is an end."""
-    return lambda k: [1.0 if j in (0, k - 1) else float(factor) for j in range(k)] if k > 2 else [1.0] * k
+    return lambda k: [1.0 if j in (0, k - 1) else float(factor) for j in range(k)]
 
 
 def apportion(layers: int, weights: list[float]) -> list[int]:

@@ -122,8 +122,7 @@ class NcclHandle:
     def __init__(self, what: str, done: torch.cuda.Event, tensor: torch.Tensor, lane: _Lane,
                  pair: "_NcclPair") -> None:
         self.what = what
-        self.event = done  # fires when the operation completed (or an abort cut it short)
-        self._tensor, self._lane, self._pair = tensor, lane, pair
+        self._done, self._tensor, self._lane, self._pair = done, tensor, lane, pair
         self._error: str | None = None
         self._finished = False
         self._checked = time.monotonic()  # when the communicator was last asked for an error
@@ -134,8 +133,8 @@ class NcclHandle:
             # operation it cut short fires too, over bytes that never fully arrived.
             if self._pair.broken is not None:
                 self._error, self._finished = self._pair.broken, True
-            elif self.event.query():
-                torch.cuda.current_stream(self._tensor.device).wait_event(self.event)  # order the caller after
+            elif self._done.query():
+                torch.cuda.current_stream(self._tensor.device).wait_event(self._done)  # order the caller after
                 self._finished = True
             elif time.monotonic() - self._checked >= ERROR_CHECK_S:
                 self._checked = time.monotonic()
