@@ -193,7 +193,9 @@ class AsyncLMPool:
 
     async def transfer(self, prompt: Prompt, src: int, dst: int, move: bool = False):
         """Copy (or move) the KV of ``prompt``'s complete blocks from rank ``src`` to ``dst``
-        (a pool started with ``enable_transfers=True``); returns the plan's ``TransferResult``."""
+        (a pool started with ``enable_transfers=True``); returns the plan's ``TransferResult``.
+        Blocks cached by a request whose output was returned count as held, even if
+        the source's report of them has not reached the control plane yet."""
         return await self.engine.transfer(self.encode(prompt), src, dst, move)
 
     async def abort(self, request_id: str) -> None:

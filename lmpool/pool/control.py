@@ -42,6 +42,7 @@ from lmpool.pool.messages import (
     ControlRequest,
     ControlStats,
     Heartbeat,
+    QUERY_KINDS,
     RankDown,
     RankUp,
     ResyncRequest,
@@ -69,7 +70,12 @@ from lmpool.transfer.messages import CudaIpcExport
 from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
+QUERY_TIMEOUT_S = 30.0  # a live worker answers a query at its next step boundary
 log = logging.getLogger("lmpool.control")
+
+
+class RankGoneError(RuntimeError):
+    """A worker went down, or fell silent, before answering a question (``ControlPlane.ask``)."""
 
 
 class ControlPlane:
@@ -94,8 +100,9 @@ class ControlPlane:
         self.outbox: dict[int, asyncio.Queue] = {}
         self.policies = TransferPolicies(spec, self.gbm, self.scheduler, self.coordinator, self.send_to)
         self.plan_waiters: dict[int, asyncio.Future] = {}
-        self.digest_waiters: dict[int, asyncio.Future] = {}
-        self._digest_ids = 0
+        # Round trips to one worker ("digest", "sync"): (rank, waiter) by the id their order carries.
+        self.worker_queries: dict[int, tuple[int, asyncio.Future]] = {}
+        self._query_ids = 0
         self.route_us = np.zeros(ROUTE_SAMPLES)
         self.route_queries = 0
         self.resyncs = 0
@@ -126,6 +133,12 @@ class ControlPlane:
                 except StaleUpdateError:
                     self.stale_rejected += 1
                     continue
+                except ValueError:
+                    # A report the page table cannot take (a worker's bug) must not end this
+                    # reader, which would leave the rank routable on a view that never
+                    # changes again: its snapshot replaces whatever was applied of it.
+                    log.exception("rank %d sent a report that cannot be applied; asking for a snapshot", rank)
+                    gap = True
                 if self.check:
                     self.verify(self.gbm.check_invariants)
                 if isinstance(msg, WorkerSnapshot):
@@ -141,6 +154,9 @@ class ControlPlane:
             self.workers.pop(rank, None)
             self.outbox.pop(rank, None)  # orders for a dead rank have nowhere to go
             self.known[rank].set()
+            for asked, waiter in self.worker_queries.values():
+                if asked == rank and not waiter.done():
+                    waiter.set_exception(RankGoneError(f"rank {rank} went down before it answered"))
 
     def apply(self, msg: WorkerToControl) -> bool:
         """Apply one worker report; True when a gap means the rank must resend a snapshot."""
@@ -191,10 +207,10 @@ class ControlPlane:
             os._exit(70)
 
     def on_transfer_ack(self, ack: TransferAck) -> None:
-        if ack.phase == "digest":
-            waiter = self.digest_waiters.pop(ack.plan_id, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(ack.digests)
+        if ack.phase in QUERY_KINDS:
+            rank, waiter = self.worker_queries.get(ack.plan_id, (None, None))
+            if rank == ack.rank and not waiter.done():  # ``ask`` forgets the question
+                waiter.set_result(ack)
             return
         self.coordinator.on_ack(
             ack.plan_id, ack.rank, PlanState(ack.phase), ack.ok, ack.error,
@@ -216,12 +232,19 @@ class ControlPlane:
                 raise ValueError(f"rank {rank} is not a live rank of this pool")
         if request.src == request.dst:
             raise ValueError(f"a transfer needs two ranks, got {request.src} twice")
-        generations = []
-        for h in request.block_hashes:
-            entry = next((e for e in self.gbm.entries(h) if e.rank == request.src and e.ready), None)
-            if entry is None:
-                return TransferResult(0, PlanState.ABORTED.value, f"rank {request.src} does not hold block {h:#x}")
-            generations.append(entry.generation)
+        generations = self._generations(request.src, request.block_hashes)
+        if isinstance(generations, int):
+            # The caller may have seen the request that cached these blocks finish before
+            # the source's delta announcing them reached this process: once the source has
+            # answered a round trip, every delta it sent before is applied.
+            try:
+                await self.ask(request.src, "sync")
+            except RankGoneError as e:
+                return TransferResult(0, PlanState.ABORTED.value, str(e))
+            generations = self._generations(request.src, request.block_hashes)
+        if isinstance(generations, int):
+            reason = f"rank {request.src} does not hold block {generations:#x}"
+            return TransferResult(0, PlanState.ABORTED.value, reason)
         parents = [ROOT_HASH] + request.block_hashes[:-1]
         plan = self.coordinator.start(request.src, request.dst, request.block_hashes, generations, parents,
                                       move=request.move)
@@ -229,14 +252,39 @@ class ControlPlane:
         self.plan_waiters[plan.plan_id] = waiter
         return await waiter
 
+    def _generations(self, rank: int, block_hashes: list[int]) -> list[int] | int:
+        """The generation of each block at ``rank``, or the first hash it does not hold ready."""
+        generations = []
+        for h in block_hashes:
+            entry = next((e for e in self.gbm.entries(h) if e.rank == rank and e.ready), None)
+            if entry is None:
+                return h
+            generations.append(entry.generation)
+        return generations
+
+    async def ask(self, rank: int, kind: str, hashes: list[int] | None = None) -> TransferAck:
+        """Ask ``rank`` a question (``kind`` in ``QUERY_KINDS``); its answer. The answer
+        follows on the worker's one FIFO link everything it sent before taking the question."""
+        outbox = self.outbox.get(rank)
+        if outbox is None:
+            raise RankGoneError(f"rank {rank} is not a live rank of this pool")
+        self._query_ids += 1
+        query_id = self._query_ids
+        waiter = asyncio.get_running_loop().create_future()
+        self.worker_queries[query_id] = (rank, waiter)
+        outbox.put_nowait(TransferOrder(query_id, kind, hashes=hashes or []))
+        try:
+            return await asyncio.wait_for(waiter, QUERY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RankGoneError(f"rank {rank} did not answer a {kind!r} within {QUERY_TIMEOUT_S}s") from None
+        finally:
+            self.worker_queries.pop(query_id, None)
+
     async def block_digests(self, request: BlockDigests) -> DigestsReply:
         if request.rank not in self.outbox:
             raise ValueError(f"rank {request.rank} is not a live rank of this pool")
-        self._digest_ids += 1
-        waiter = asyncio.get_running_loop().create_future()
-        self.digest_waiters[self._digest_ids] = waiter
-        self.outbox[request.rank].put_nowait(TransferOrder(self._digest_ids, "digest", hashes=request.block_hashes))
-        return DigestsReply(await asyncio.wait_for(waiter, 30.0))
+        ack = await self.ask(request.rank, "digest", request.block_hashes)
+        return DigestsReply(ack.digests)
 
     async def watchdog(self) -> None:
         while True:

@@ -250,9 +250,16 @@ class ControlStats(Message, tag="control_stats", kw_only=True):
 # ---- KV transfers (control <-> worker; engine -> control) ------------------------------
 
 
+# Orders that are questions, answered by a ``TransferAck`` of the same ``phase`` and id:
+# "digest" (of the KV bytes of ``hashes``) and "sync" (nothing: a barrier, since the answer
+# follows on the worker's link everything it sent before taking the order).
+QUERY_KINDS = ("digest", "sync")
+
+
 class TransferOrder(Message, tag="xfer"):
-    """One phase of a transfer plan for one worker (see ``lmpool.transfer.coordinator``), or
-    ``kind="connect"``: open the data path to ``peer`` under a fresh ``session``."""
+    """One phase of a transfer plan for one worker (see ``lmpool.transfer.coordinator``),
+    ``kind="connect"``: open the data path to ``peer`` under a fresh ``session``, or a
+    question (``QUERY_KINDS``; ``plan_id`` is then the question's id)."""
 
     plan_id: int
     kind: str
@@ -273,7 +280,7 @@ class TransferAck(Message, tag="xfer_ack"):
 
     plan_id: int
     rank: int
-    phase: str  # a ``PlanState`` value, or "digest"
+    phase: str  # a ``PlanState`` value, or one of ``QUERY_KINDS``
     ok: bool
     error: str = ""
     block_ids: list[int] = []

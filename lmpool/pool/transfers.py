@@ -228,6 +228,8 @@ class TransferExecutor:
                 return None
             if order.kind == "digest":
                 return self._ack(order, digests=[self.digest(h) for h in order.hashes])
+            if order.kind == "sync":
+                return self._ack(order)
             raise ValueError(f"unknown transfer order {order.kind!r}")
         except FAILURES as e:
             return self._ack(order, ok=False, error=f"{type(e).__name__}: {e}")

@@ -61,6 +61,19 @@ def test_gap_triggers_one_resync_and_snapshot_recovers():
     assert plane.gbm.rank_state(0).alive is False
 
 
+def test_a_report_that_cannot_be_applied_is_answered_with_a_resync():
+    plane = control()
+    reports = [
+        WorkerSnapshot(0, 1, 16, KVSnapshot(1, [stored(11, 0, 0)]), LOAD),
+        WorkerDelta(0, 1, KVDelta(1, 3, [stored(12, 11, 1)]), LOAD),  # two versions, one event
+        WorkerSnapshot(0, 1, 16, KVSnapshot(3, [stored(11, 0, 0), stored(12, 11, 1)]), LOAD),
+    ]
+    channel = FakeWorkerChannel(reports)
+    asyncio.run(plane.read_worker(0, channel))  # the reader outlives the bad report
+    assert channel.sent == [ResyncRequest(0)]
+    assert plane.gbm.snapshots_applied == 2
+
+
 def test_routing_sees_the_resynced_chain():
     plane = control()
     reports = [

@@ -89,13 +89,13 @@ def test_completed_transfers_are_counted(tiny_model):
     with LMPool(tiny_model, world_size=2, block_size=16, metrics_port=0, enable_transfers=True) as pool:
         [out] = pool.generate([prompt], params)
         copied = pool.transfer(prompt, src=out.rank, dst=1 - out.rank)
+        assert copied.state == "done", copied.reason
 
         def counted_the_copy():
             families = scrape(pool.metrics_port)
             return families if families["lmpool:kv_transfers"][("lmpool:kv_transfers_total", ())] else None
 
         families = wait_until(counted_the_copy, "the transfer counter to count the copy")
-    assert copied.state == "done", copied.reason
     assert families["lmpool:kv_transfers"] == {("lmpool:kv_transfers_total", ()): 1}
     assert families["lmpool:kv_blocks_transferred"] == {("lmpool:kv_blocks_transferred_total", ()): 3}
 

@@ -1,0 +1,121 @@
+"""The control plane's questions to one worker (``ControlPlane.ask``): an explicit transfer of
+blocks whose announcing delta has not reached the control plane yet asks the source for a
+barrier first, and plans with what the answer brought; a source that holds nothing, or dies
+before answering, ends the request with a reason instead of hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from lmpool.engine.kv_events import BlockStored, KVDelta, KVSnapshot
+from lmpool.pool.control import ControlPlane
+from lmpool.pool.messages import (
+    LoadReport,
+    TransferAck,
+    TransferChain,
+    TransferOrder,
+    WorkerDelta,
+    WorkerSnapshot,
+)
+from lmpool.pool.spec import ControlSpec
+from lmpool_ipc import PeerDeadError
+
+LOAD = LoadReport(blocks_free=10)
+CHAIN = [11, 12]
+DELTA = WorkerDelta(0, 1, KVDelta(0, 2, [BlockStored(11, 0, 0, 1), BlockStored(12, 11, 1, 1)]), LOAD)
+
+
+class ScriptedWorker:
+    """A worker's link as the control plane sees it: ``answer(order)`` lists the reports the
+    worker sends back for each order; a report that is an exception ends the link with it."""
+
+    def __init__(self, rank: int, answer) -> None:
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.inbox.put_nowait(WorkerSnapshot(rank, 1, 16, KVSnapshot(0, []), LOAD))
+        self.orders: list[TransferOrder] = []
+        self.answer = answer
+
+    async def recv(self):
+        msg = await self.inbox.get()
+        if isinstance(msg, Exception):
+            raise msg
+        return msg
+
+    async def send(self, msg) -> None:
+        if isinstance(msg, TransferOrder):
+            self.orders.append(msg)
+            for report in self.answer(msg):
+                self.inbox.put_nowait(report)
+
+
+def refuse_plans(rank: int, order: TransferOrder) -> list:
+    """Fail every plan phase at once, so that a started plan ends promptly."""
+    if order.kind in ("prepare_source", "prepare_dest"):
+        return [TransferAck(order.plan_id, rank, "preparing", False, "stopped by the test")]
+    return []
+
+
+async def transfer(source_answer) -> tuple[object, list[TransferOrder]]:
+    spec = ControlSpec(world_size=2, device="cpu", block_size=4, routing="lmpool", pairs=None,
+                       gpu_of_rank=None, engine_end="unused", worker_ends=["unused", "unused"])
+    plane = ControlPlane(spec)
+    workers = [ScriptedWorker(0, source_answer), ScriptedWorker(1, lambda order: refuse_plans(1, order))]
+    tasks = []
+    for rank, worker in enumerate(workers):
+        plane.workers[rank] = worker
+        plane.outbox[rank] = asyncio.Queue()
+        tasks += [asyncio.create_task(plane.read_worker(rank, worker)),
+                  asyncio.create_task(plane.send_orders(rank, worker))]
+    await asyncio.gather(*(plane.known[r].wait() for r in range(2)))
+    try:
+        result = await asyncio.wait_for(plane.handle(TransferChain(0, 1, CHAIN)), 10)
+    finally:
+        for task in tasks:
+            task.cancel()
+    assert not plane.worker_queries  # every question is forgotten once answered
+    return result, workers[0].orders
+
+
+def test_a_transfer_waits_for_the_delta_the_source_sent_before_it():
+    def source(order: TransferOrder) -> list:
+        if order.kind == "sync":  # the delta was on its way: it arrives before the answer
+            return [DELTA, TransferAck(order.plan_id, 0, "sync", True)]
+        return refuse_plans(0, order)
+
+    result, orders = asyncio.run(transfer(source))
+    assert [o.kind for o in orders[:2]] == ["sync", "prepare_source"]
+    assert orders[1].hashes == CHAIN and orders[1].generations == [1, 1]
+    assert result.state == "aborted" and "stopped by the test" in result.reason
+
+
+def test_blocks_the_source_does_not_hold_end_the_transfer_after_one_question():
+    def source(order: TransferOrder) -> list:
+        if order.kind == "sync":
+            return [TransferAck(order.plan_id, 0, "sync", True)]
+        return refuse_plans(0, order)
+
+    result, orders = asyncio.run(transfer(source))
+    assert [o.kind for o in orders] == ["sync"]
+    assert result.state == "aborted" and result.reason == f"rank 0 does not hold block {CHAIN[0]:#x}"
+
+
+def test_a_source_that_dies_before_answering_ends_the_transfer():
+    def source(order: TransferOrder) -> list:
+        return [PeerDeadError("killed")] if order.kind == "sync" else []
+
+    result, orders = asyncio.run(transfer(source))
+    assert [o.kind for o in orders] == ["sync"]
+    assert result.state == "aborted" and result.reason == "rank 0 went down before it answered"
+
+
+def test_an_answer_from_another_rank_or_a_late_one_is_ignored():
+    def source(order: TransferOrder) -> list:
+        if order.kind == "sync":
+            return [TransferAck(order.plan_id + 1, 0, "sync", True),  # no such question
+                    TransferAck(order.plan_id, 1, "sync", True),  # not from the rank asked
+                    DELTA, TransferAck(order.plan_id, 0, "sync", True)]
+        return refuse_plans(0, order)
+
+    result, orders = asyncio.run(transfer(source))
+    assert [o.kind for o in orders[:2]] == ["sync", "prepare_source"]
+    assert "stopped by the test" in result.reason
