@@ -119,7 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "F times smaller), any but auto and ends followed by ^F growing by F from the ends; "
                         "C caps the pack/unpack grids at C CTAs, "
                         "C+E those of the end chunks (the first pack, the last unpack) at E "
-                        "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn")
+                        "(0: uncapped); L (nccl) sends over L communicators per direction, taken in turn; "
+                        "a final ~keep stores the packs' payload without evict-first hints")
     p.add_argument("--split", action="store_true",
                    help="also the packed path's halves, only-pack (the receiver lands the chunks as "
                         "they are) and only-unpack (the sender sends ready chunks), to tell the sender's "
@@ -148,7 +149,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if ok and "lanes" in variant and args.kind != "nccl":
             p.error(f"--pack-variants: {v!r} names lanes, which only --kind nccl has")
         if not ok:
-            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L, "
+            p.error(f"--pack-variants: {v!r} is not S, S:C, S/L or S:C/L (each with ~keep or not), "
                     "S one of auto, even, taper, K, tK, ends^F, any but auto with ^F (F >= 1), "
                     "C a cap or C+E, with K >= 1, C, E >= 0, L >= 1")
     return args
@@ -223,12 +224,15 @@ def pack_variant(path: str) -> dict:
     many chunks as even, the two ends F times smaller: ``chunked.small_ends``), any but auto
     and ends followed by ``^F`` to grow by F from the ends (``chunked.growing``), C caps the
     pack/unpack grids at C CTAs (0: uncapped; absent: the default cap), C+E also caps the end
-    chunks' (the first pack's, the last unpack's) at E, and L (nccl) sends over a transport
+    chunks' (the first pack's, the last unpack's) at E, L (nccl) sends over a transport
     of L lanes (``lanes``, which the worker takes out; absent: the default
-    transport's)."""
+    transport's), and a final ``~keep`` stores the packs' payload without evict-first hints
+    (``keep_payload``, the sender's alone)."""
     if "@" not in path:
         return {}
-    spec, slash, lanes = path.split("@", 1)[1].partition("/")
+    spec = path.split("@", 1)[1]
+    keep = spec.endswith("~keep")
+    spec, slash, lanes = spec.removesuffix("~keep").partition("/")
     spec, _, ctas = spec.partition(":")
     ctas, plus, edge = ctas.partition("+")
     variant: dict = {"max_ctas": int(ctas) if ctas else None}
@@ -236,6 +240,8 @@ def pack_variant(path: str) -> dict:
         variant["edge_ctas"] = int(edge)
     if slash:
         variant["lanes"] = int(lanes)
+    if keep:
+        variant["keep_payload"] = True
     spec, caret, factor = spec.partition("^")
     if caret and (spec == "auto" or not float(factor) >= 1) or spec == "ends" and not caret:
         raise ValueError(f"{path!r}: a factor is >= 1 and follows a shape other than auto; ends takes one")
@@ -406,6 +412,7 @@ class Worker:
             # ``ready`` holds these very blocks packed: either fingerprint is the payload's
             return t0, None, fingerprint(self.ops.pack_kv(self.cache, mine) if packs else ready) if check else None
         if unpacks:
+            chunking.pop("keep_payload", None)  # the sender's store hint
             receiving = [BlockReceiver(wire, self.peer, self.ops, self.cache, mine, plan, **chunking)]
         else:
             receiving = [wire.recv(self.peer, ready[a:b], chunk_tag(plan, i)) for i, (a, b) in enumerate(spans)]

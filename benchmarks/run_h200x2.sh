@@ -22,7 +22,7 @@ for step in $steps; do
   case $step in
     tests)
       RUN_NCCL_INTEGRATION=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_nccl_gpu.py tests/transfer/test_streams.py \
-        tests/transfer/test_nccl_lib.py 2>&1 \
+        tests/transfer/test_nccl_lib.py "tests/kernels/test_kernels_gpu.py::test_pack_unpack_round_trip" 2>&1 \
         | tee "$OUT/nccl_tests.log" | tail -15
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_cuda_ipc_gpu.py -k two_gpus 2>&1 \
         | tee "$OUT/cuda_ipc_two_gpus.log" | tail -8
@@ -31,7 +31,7 @@ for step in $steps; do
         | tee "$OUT/pool_transfer_two_gpus.log" | tail -8 ;;
     bench)
       timeout 260 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
-        --sizes "${SIZES:-1,2,4,8,10,12,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-auto:132,auto/1}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
+        --sizes "${SIZES:-1,2,4,8,10,12,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-auto:132,auto/1,auto~keep}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
     variants)
       timeout 300 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,4,16,64 \

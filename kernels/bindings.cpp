@@ -375,8 +375,10 @@ BlockCopyArgs block_copy_args(const at::Tensor& kv_cache, const at::Tensor& bloc
   return a;
 }
 
-at::Tensor pack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids, int64_t max_ctas) {
+at::Tensor pack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids, int64_t max_ctas,
+                   bool keep_payload) {
   BlockCopyArgs a = block_copy_args(kv_cache, block_ids, max_ctas, "pack_kv");
+  a.keep_payload = keep_payload;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   auto payload = at::empty({kv_cache.size(0), 2, block_ids.size(0), kv_cache.size(3),
                             kv_cache.size(4), kv_cache.size(5)},
@@ -427,9 +429,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &lmpool::write_kv, py::arg("key"), py::arg("value"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), "Store K/V rows at their slots; -1 is skipped.");
   m.def("pack_kv", &lmpool::pack_kv, py::arg("kv_cache"), py::arg("block_ids"),
-        py::arg("max_ctas") = 0,
+        py::arg("max_ctas") = 0, py::arg("keep_payload") = false,
         "Gather blocks of every layer into [layers, 2, B, block_size, kv_heads, head_dim]; "
-        "max_ctas > 0 caps the grid (SMs left free for concurrent kernels).");
+        "max_ctas > 0 caps the grid (SMs left free for concurrent kernels); keep_payload "
+        "stores without the evict-first hint, for a reader right after.");
   m.def("unpack_kv", &lmpool::unpack_kv, py::arg("kv_cache"), py::arg("block_ids"),
         py::arg("payload"), py::arg("max_ctas") = 0,
         "Scatter a packed payload into block_ids of every layer; max_ctas as for pack_kv.");

@@ -72,7 +72,8 @@ constexpr int kCopyThreads = 256;
 constexpr int kCopyUnroll = 4;
 constexpr int kCopyTile = kCopyThreads * kCopyUnroll;  // vectors per CTA
 
-template <typename Idx, bool kPack>
+// kKeep (pack only): the payload is stored without the evict-first hint (keep_payload).
+template <typename Idx, bool kPack, bool kKeep>
 __global__ void __launch_bounds__(kCopyThreads)
     block_copy_kernel(uint4* __restrict__ cache, uint4* __restrict__ payload,
                       const Idx* __restrict__ ids, int64_t num_blocks, int64_t num_ids,
@@ -98,7 +99,10 @@ __global__ void __launch_bounds__(kCopyThreads)
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
         const int64_t v = first + u * kCopyThreads;
-        if (v < block_vecs) __stcs(payload_block + v, r[u]);
+        if (v < block_vecs) {
+          if (kKeep) payload_block[v] = r[u];
+          else __stcs(payload_block + v, r[u]);
+        }
       }
     } else {
       if (!in_range) continue;
@@ -117,7 +121,7 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
-template <bool kPack>
+template <bool kPack, bool kKeep>
 cudaError_t launch_block_copy(const BlockCopyArgs& a, cudaStream_t stream) {
   if (a.num_ids == 0 || a.planes == 0) return cudaSuccess;
   const int64_t block_vecs = a.block_bytes / 16;
@@ -128,22 +132,22 @@ cudaError_t launch_block_copy(const BlockCopyArgs& a, cudaStream_t stream) {
   uint4* cache = static_cast<uint4*>(a.kv_cache);
   uint4* payload = static_cast<uint4*>(a.payload);
   if (a.ids_int64)
-    block_copy_kernel<int64_t, kPack><<<static_cast<unsigned>(ctas), kCopyThreads, 0, stream>>>(
+    block_copy_kernel<int64_t, kPack, kKeep><<<static_cast<unsigned>(ctas), kCopyThreads, 0, stream>>>(
         cache, payload, static_cast<const int64_t*>(a.block_ids), a.num_blocks, a.num_ids,
         block_vecs, tiles, items);
   else
-    block_copy_kernel<int32_t, kPack><<<static_cast<unsigned>(ctas), kCopyThreads, 0, stream>>>(
+    block_copy_kernel<int32_t, kPack, kKeep><<<static_cast<unsigned>(ctas), kCopyThreads, 0, stream>>>(
         cache, payload, static_cast<const int32_t*>(a.block_ids), a.num_blocks, a.num_ids,
         block_vecs, tiles, items);
   return cudaGetLastError();
 }
 
 cudaError_t launch_pack_kv(const BlockCopyArgs& a, cudaStream_t stream) {
-  return launch_block_copy<true>(a, stream);
+  return a.keep_payload ? launch_block_copy<true, true>(a, stream) : launch_block_copy<true, false>(a, stream);
 }
 
 cudaError_t launch_unpack_kv(const BlockCopyArgs& a, cudaStream_t stream) {
-  return launch_block_copy<false>(a, stream);
+  return launch_block_copy<false, false>(a, stream);
 }
 
 }  // namespace lmpool

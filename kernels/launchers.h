@@ -152,6 +152,8 @@ struct BlockCopyArgs {
   int64_t num_ids;
   int64_t block_bytes;  // multiple of 16
   int64_t max_ctas;     // 0: one CTA per tile; else at most this many, each looping over tiles
+  bool keep_payload;    // pack: plain stores, so a reader right after (a send) may find the
+                        // payload in L2; false: evict-first stores (read once, later)
 };
 
 // pack: cache -> payload (blocks with an id outside [0, num_blocks) read as zeros);

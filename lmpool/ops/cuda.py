@@ -220,10 +220,13 @@ def paged_decode_attention(
     )
 
 
-def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, max_ctas: int = 0) -> torch.Tensor:
+def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, max_ctas: int = 0,
+            keep_payload: bool = False) -> torch.Tensor:
     """Gather blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``.
-    ``max_ctas`` > 0 caps the kernel's grid, leaving SMs to kernels that run beside it."""
-    return load_extension().pack_kv(kv_cache, block_ids, max_ctas)
+    ``max_ctas`` > 0 caps the kernel's grid, leaving SMs to kernels that run beside it. The
+    payload is stored with evict-first hints (it is read once, later) unless ``keep_payload``:
+    plain stores, so that a reader right after (a send) may find it in L2."""
+    return load_extension().pack_kv(kv_cache, block_ids, max_ctas, keep_payload)
 
 
 def unpack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, payload: torch.Tensor, max_ctas: int = 0) -> None:

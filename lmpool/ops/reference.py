@@ -120,9 +120,11 @@ def paged_decode_attention(
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 
 
-def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, max_ctas: int = 0) -> torch.Tensor:
+def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, max_ctas: int = 0,
+            keep_payload: bool = False) -> torch.Tensor:
     """Gather blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``.
-    (``max_ctas`` caps the CUDA kernel's grid; it means nothing here.)"""
+    (``max_ctas`` and ``keep_payload`` steer the CUDA kernel's grid and stores; they mean
+    nothing here.)"""
     return kv_cache[:, :, block_ids.long()].contiguous()
 
 

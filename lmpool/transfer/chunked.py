@@ -300,15 +300,16 @@ def _grids(cache: torch.Tensor, max_ctas: int | None, edge_ctas: int | None) -> 
 
 def send_blocks(transport, peer: int, ops, cache: torch.Tensor, block_ids: torch.Tensor, plan_id: int,
                 shape: str = SHAPE, chunks: int | None = None, chunk_bytes: int | None = None,
-                max_ctas: int | None = None, edge_ctas: int | None = None) -> BlockSender:
+                max_ctas: int | None = None, edge_ctas: int | None = None, keep_payload: bool = False) -> BlockSender:
     """Pack blocks ``block_ids`` of every layer of ``cache`` and send them to ``peer``, in chunks
     (``cut`` with ``chunk_floor``; the receiver must cut alike); ``max_ctas`` and ``edge_ctas``
-    cap the pack kernels' grids (``_grids``: the first pack's is the edge's)."""
+    cap the pack kernels' grids (``_grids``: the first pack's is the edge's), and
+    ``keep_payload`` drops their evict-first store hints (``pack_kv``)."""
     middle, edge = _grids(cache, max_ctas, edge_ctas)
     handles = []
     cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)
     for i, (first, end) in enumerate(cuts):
-        payload = ops.pack_kv(cache[first:end], block_ids, edge if i == 0 else middle)
+        payload = ops.pack_kv(cache[first:end], block_ids, edge if i == 0 else middle, keep_payload)
         handles.append(transport.send(peer, payload, chunk_tag(plan_id, i)))
     return BlockSender(handles, f"send of {len(block_ids)} blocks to rank {peer} (plan {plan_id})")
 

@@ -279,6 +279,8 @@ def test_pack_unpack_round_trip(ext, block_size, dtype, ids_dtype, max_ctas):
     poison_allocator()
     payload = ext.pack_kv(kv_cache, ids.to(ids_dtype).to(DEVICE), max_ctas)
     assert torch.equal(payload.cpu(), reference.pack_kv(kv_cache.cpu(), ids))
+    kept = ext.pack_kv(kv_cache, ids.to(ids_dtype).to(DEVICE), max_ctas, keep_payload=True)
+    assert torch.equal(kept, payload)  # the store hint changes where the bytes linger, not them
 
     dest = torch.randn(shape, generator=gen).to(dtype)
     dest_ids = torch.randperm(num_blocks, generator=gen)[:count]

@@ -57,16 +57,17 @@ def test_profile_is_written_checked_and_readable_by_the_cost_model(tmp_path):
 
 def test_the_packed_paths_halves_move_the_same_bytes(tmp_path):
     """``--split``: packing at one end only (the other bare) still lands every byte where the
-    full packed path would: the receiver's blocks or ready buffer match the sender's."""
+    full packed path would: the receiver's blocks or ready buffer match the sender's. So does
+    a variant whose packs keep their payload (``~keep``, a hint to the sender's kernel)."""
     out = tmp_path / "split.json"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--kind", "gloo", "--split", "--block-size", "16", "--sizes", "3",
-         "--reps", "2", "--warmup", "1", "--json", str(out)],
+         "--reps", "2", "--warmup", "1", "--pack-variants", "auto~keep", "--json", str(out)],
         capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 0, run.stderr
     paths = json.loads(out.read_text())["paths"]
-    assert set(paths) == {"pack", "raw", "only-pack", "only-unpack"}
+    assert set(paths) == {"pack", "pack@auto~keep", "raw", "only-pack", "only-unpack"}
     assert all(paths[p][pair]["3"]["bytes_equal"] for p in paths for pair in ("0->1", "1->0"))
     refused = subprocess.run([sys.executable, str(SCRIPT), "--kind", "pool", "--split"], capture_output=True,
                              text=True, timeout=60)
@@ -133,8 +134,12 @@ def test_pack_variants_parse_and_get_their_own_ratio():
     assert bench.pack_variant("pack@auto/2") == {"max_ctas": None, "lanes": 2}
     assert bench.pack_variant("pack@8:0/3") == {"shape": "even", "chunks": 8, "max_ctas": 0, "lanes": 3}
     assert bench.pack_variant("pack@auto:32+0") == {"max_ctas": 32, "edge_ctas": 0}
+    assert bench.pack_variant("pack@auto~keep") == {"max_ctas": None, "keep_payload": True}
+    assert bench.pack_variant("pack@8:0/3~keep") == {"shape": "even", "chunks": 8, "max_ctas": 0, "lanes": 3,
+                                                     "keep_payload": True}
     for bad in ("0", "x", "t0", "t", "2:-1", "2:y", "auto/0", "auto/x", "4:132/", "auto:32+", "auto:32+-1",
-                "auto^2", "t8^", "t8^0.5", "taper^x", "8^x", "ends", "ends^0", "auto-g"):
+                "auto^2", "t8^", "t8^0.5", "taper^x", "8^x", "ends", "ends^0", "auto-g", "~keep", "auto~kep",
+                "auto~keep/2"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--kind", "nccl", "--pack-variants", bad])
     with pytest.raises(SystemExit):  # lanes are the NCCL transport's
