@@ -8,18 +8,24 @@ import sys
 import time
 from pathlib import Path
 
-# A shared preamble, so the demo shows prefix-cache hits across requests.
-PREAMBLE = (
+# Two instructions, each shared by half of the prompts: the pool routes each half to the
+# replica that holds its instruction's blocks, so the demo shows prefix-cache hits and both
+# replicas at work.
+STORYTELLER = (
     "You are a careful storyteller. Continue the text below in the same voice, keep the "
     "sentences short, and never repeat yourself. Text: "
 )
+TEACHER = (
+    "You are a patient teacher. Explain the idea below to a curious student in plain words, "
+    "one step at a time, with one small example. Idea: "
+)
 DEMO_PROMPTS = [
-    "The harbour town woke slowly on winter mornings.",
-    "A library is a quiet machine for remembering.",
-    "Engineers like to say that a system is only as fast as",
-    "In the mountains the weather changes faster than any forecast.",
-    "Good soup begins with patience.",
-    "The history of numbers is a history of people trying to count",
+    (STORYTELLER, "The harbour town woke slowly on winter mornings."),
+    (TEACHER, "A library is a quiet machine for remembering."),
+    (STORYTELLER, "In the mountains the weather changes faster than any forecast."),
+    (TEACHER, "A system is only as fast as its slowest part."),
+    (STORYTELLER, "Good soup begins with patience."),
+    (TEACHER, "The history of numbers is a history of people trying to count."),
 ]
 
 
@@ -60,14 +66,14 @@ def demo(argv: list[str]) -> int:
     with LMPool(model, world_size=world_size, device=args.device, block_size=16) as pool:
         print(f"pool: {pool.pool_id} (watch it with: lmpool top {pool.pool_id[:8]})")
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=0)
-        prompts = [PREAMBLE + p for p in DEMO_PROMPTS]
+        prompts = [instruction + text for instruction, text in DEMO_PROMPTS]
         start = time.perf_counter()
         # The second round finds the prompts' blocks cached where the first round put them.
         outs = pool.generate(prompts, params) + pool.generate(prompts, params)
         elapsed = time.perf_counter() - start
         stats = pool.stats()
-    for prompt, out in zip(DEMO_PROMPTS, outs):
-        print(f"\n> {prompt}\n  {out.text!r}")
+    for (_, text), out in zip(DEMO_PROMPTS, outs):
+        print(f"\n> {text}\n  {out.text!r}")
     print(summary(outs, stats, elapsed))
     return 0
 
