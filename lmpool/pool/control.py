@@ -232,6 +232,8 @@ class ControlPlane:
                 raise ValueError(f"rank {rank} is not a live rank of this pool")
         if request.src == request.dst:
             raise ValueError(f"a transfer needs two ranks, got {request.src} twice")
+        if not request.block_hashes:
+            raise ValueError(f"nothing to transfer: the prompt holds no complete block of {self.spec.block_size} tokens")
         generations = self._generations(request.src, request.block_hashes)
         if isinstance(generations, int):
             # The caller may have seen the request that cached these blocks finish before

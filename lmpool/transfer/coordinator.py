@@ -117,6 +117,9 @@ class TransferCoordinator:
         """Open a plan for the chain(s) ``hashes`` (parents before children; ``parents[i]`` is
         block i's parent hash) from ``src`` to ``dst``; a move frees the source's copies of all
         but the first ``keep`` blocks."""
+        if not hashes or len(parents) != len(hashes) or len(generations) != len(hashes):
+            raise ValueError(f"a plan needs one or more blocks, each with a parent and a generation; got "
+                             f"{len(hashes)} hashes, {len(parents)} parents, {len(generations)} generations")
         if not 0 <= keep <= len(hashes):
             raise ValueError(f"keep={keep} for a plan of {len(hashes)} blocks")
         now = self.clock()

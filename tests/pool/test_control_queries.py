@@ -1,11 +1,14 @@
 """The control plane's questions to one worker (``ControlPlane.ask``): an explicit transfer of
 blocks whose announcing delta has not reached the control plane yet asks the source for a
 barrier first, and plans with what the answer brought; a source that holds nothing, or dies
-before answering, ends the request with a reason instead of hanging it."""
+before answering, ends the request with a reason instead of hanging it. A prompt without a
+complete block is refused before anything is asked."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from lmpool.engine.kv_events import BlockStored, KVDelta, KVSnapshot
 from lmpool.pool.control import ControlPlane
@@ -55,7 +58,7 @@ def refuse_plans(rank: int, order: TransferOrder) -> list:
     return []
 
 
-async def transfer(source_answer) -> tuple[object, list[TransferOrder]]:
+async def transfer(source_answer, chain: list[int] = CHAIN) -> tuple[object, list[TransferOrder]]:
     spec = ControlSpec(world_size=2, device="cpu", block_size=4, routing="lmpool", pairs=None,
                        gpu_of_rank=None, engine_end="unused", worker_ends=["unused", "unused"])
     plane = ControlPlane(spec)
@@ -68,7 +71,7 @@ async def transfer(source_answer) -> tuple[object, list[TransferOrder]]:
                   asyncio.create_task(plane.send_orders(rank, worker))]
     await asyncio.gather(*(plane.known[r].wait() for r in range(2)))
     try:
-        result = await asyncio.wait_for(plane.handle(TransferChain(0, 1, CHAIN)), 10)
+        result = await asyncio.wait_for(plane.handle(TransferChain(0, 1, chain)), 10)
     finally:
         for task in tasks:
             task.cancel()
@@ -119,3 +122,11 @@ def test_an_answer_from_another_rank_or_a_late_one_is_ignored():
     result, orders = asyncio.run(transfer(source))
     assert [o.kind for o in orders[:2]] == ["sync", "prepare_source"]
     assert "stopped by the test" in result.reason
+
+
+def test_a_prompt_without_a_complete_block_is_refused_with_the_reason():
+    def source(order: TransferOrder) -> list:
+        raise AssertionError(f"nothing should be asked of the source, got {order.kind!r}")
+
+    with pytest.raises(ValueError, match="no complete block of 4 tokens"):
+        asyncio.run(transfer(source, chain=[]))

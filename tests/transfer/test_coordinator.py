@@ -249,3 +249,8 @@ def test_a_partial_move_keeps_its_ancestors_and_counts_copied_and_moved_blocks()
     assert all(h in cluster.bms[1].hash_to_block for h in hashes)
     with pytest.raises(ValueError, match="keep=4"):
         cluster.coord.start(0, 1, hashes, [1, 1, 1], [ROOT_HASH] + hashes[:-1], move=True, keep=4)
+    with pytest.raises(ValueError, match="one or more blocks"):
+        cluster.coord.start(0, 1, [], [], [ROOT_HASH])  # a plan of nothing would fail at publish
+    with pytest.raises(ValueError, match="2 generations"):
+        cluster.coord.start(0, 1, hashes, [1, 1], [ROOT_HASH] + hashes[:-1])
+    assert not cluster.coord.plans and not cluster.inbox, "a refused plan sends no order"
