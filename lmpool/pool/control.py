@@ -17,7 +17,10 @@ With transfers enabled it runs transfer plans (``TransferCoordinator``): those t
 engine asks for (``TransferChain``) and, per ``transfer_mode``, those of the
 automatic policies (``lmpool.pool.transfer_policies``): a background placement
 task every ``transfer_policy.interval_s``, and a foreground move for each
-worker's ``ShortageReport``. Neither ever makes routing wait.
+worker's ``ShortageReport``. Neither ever makes routing wait. It can also ask one worker a
+question (``ask``): the digest of cached blocks, or a barrier after which every report the
+worker sent before it is applied, which an explicit transfer uses when the page table does
+not show the source's blocks yet. A question to a rank that dies is answered with an error.
 
 Run as ``python -m lmpool.pool.control SPEC_JSON`` (see ``lmpool.pool.spec``).
 """
