@@ -73,7 +73,7 @@ from lmpool.transfer.messages import CudaIpcExport
 from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
-QUERY_TIMEOUT_S = 30.0  # a live worker answers a query at its next step boundary
+QUERY_TIMEOUT_S = 30.0  # a live worker answers at its next step boundary; a digest hashes blocks
 log = logging.getLogger("lmpool.control")
 
 
@@ -243,7 +243,7 @@ class ControlPlane:
             # the source's delta announcing them reached this process: once the source has
             # answered a round trip, every delta it sent before is applied.
             try:
-                await self.ask(request.src, "sync")
+                await self.ask(request.src, "sync", timeout_s=self.coordinator.phase_timeout_s)
             except RankGoneError as e:
                 return TransferResult(0, PlanState.ABORTED.value, str(e))
             generations = self._generations(request.src, request.block_hashes)
@@ -267,7 +267,8 @@ class ControlPlane:
             generations.append(entry.generation)
         return generations
 
-    async def ask(self, rank: int, kind: str, hashes: list[int] | None = None) -> TransferAck:
+    async def ask(self, rank: int, kind: str, hashes: list[int] | None = None,
+                  timeout_s: float = QUERY_TIMEOUT_S) -> TransferAck:
         """Ask ``rank`` a question (``kind`` in ``QUERY_KINDS``); its answer. The answer
         follows on the worker's one FIFO link everything it sent before taking the question."""
         outbox = self.outbox.get(rank)
@@ -279,9 +280,9 @@ class ControlPlane:
         self.worker_queries[query_id] = (rank, waiter)
         outbox.put_nowait(TransferOrder(query_id, kind, hashes=hashes or []))
         try:
-            return await asyncio.wait_for(waiter, QUERY_TIMEOUT_S)
+            return await asyncio.wait_for(waiter, timeout_s)
         except asyncio.TimeoutError:
-            raise RankGoneError(f"rank {rank} did not answer a {kind!r} within {QUERY_TIMEOUT_S}s") from None
+            raise RankGoneError(f"rank {rank} did not answer a {kind!r} within {timeout_s}s") from None
         finally:
             self.worker_queries.pop(query_id, None)
 

@@ -1,8 +1,9 @@
 """The control plane's questions to one worker (``ControlPlane.ask``): an explicit transfer of
 blocks whose announcing delta has not reached the control plane yet asks the source for a
-barrier first, and plans with what the answer brought; a source that holds nothing, or dies
-before answering, ends the request with a reason instead of hanging it. A prompt without a
-complete block is refused before anything is asked."""
+barrier first, and plans with what the answer brought. A source that holds nothing, dies
+before answering or does not answer within a plan's phase timeout ends the request with a
+reason instead of hanging it. A prompt without a complete block is refused before anything
+is asked."""
 
 from __future__ import annotations
 
@@ -58,10 +59,13 @@ def refuse_plans(rank: int, order: TransferOrder) -> list:
     return []
 
 
-async def transfer(source_answer, chain: list[int] = CHAIN) -> tuple[object, list[TransferOrder]]:
+async def transfer(source_answer, chain: list[int] = CHAIN,
+                   phase_timeout_s: float | None = None) -> tuple[object, list[TransferOrder]]:
     spec = ControlSpec(world_size=2, device="cpu", block_size=4, routing="lmpool", pairs=None,
                        gpu_of_rank=None, engine_end="unused", worker_ends=["unused", "unused"])
     plane = ControlPlane(spec)
+    if phase_timeout_s is not None:
+        plane.coordinator.phase_timeout_s = phase_timeout_s
     workers = [ScriptedWorker(0, source_answer), ScriptedWorker(1, lambda order: refuse_plans(1, order))]
     tasks = []
     for rank, worker in enumerate(workers):
@@ -130,3 +134,12 @@ def test_a_prompt_without_a_complete_block_is_refused_with_the_reason():
 
     with pytest.raises(ValueError, match="no complete block of 4 tokens"):
         asyncio.run(transfer(source, chain=[]))
+
+
+def test_a_source_that_never_answers_ends_the_transfer_within_a_phase_timeout():
+    def source(order: TransferOrder) -> list:
+        return []  # frozen: takes the question, never answers
+
+    result, orders = asyncio.run(transfer(source, phase_timeout_s=0.2))  # the bound is the plans' own
+    assert [o.kind for o in orders] == ["sync"]
+    assert result.state == "aborted" and result.reason == "rank 0 did not answer a 'sync' within 0.2s"
