@@ -4,7 +4,9 @@
 # peer-pull transfer benchmark.
 # Usage (from the repository root, with the wheels in .whl/ as for run_h200.sh):
 #   OUT=results_dir bash benchmarks/run_h200x2.sh [steps...]
-#   steps: tests bench variants profile pool (default: tests bench). variants: the packed
+#   steps: tests bench variants profile pool gpu demo (default: tests bench). gpu: every GPU
+#   and NCCL test of the suite, the two-GPU ones included. demo: the README's demo on both
+#   GPUs, then on one (two replicas sharing it). variants: the packed
 #   transfer with other chunk counts and pack/unpack grid caps (--pack-variants). profile:
 #   where one pull's time goes. pool: the pool path across the two GPUs, calibrated by the
 #   bench step's JSON (run bench first): the transfer profile of one replica per GPU.
@@ -45,6 +47,14 @@ for step in $steps; do
       timeout 150 python3 benchmarks/benchmark_kv_transfer.py --kind pool --preset 0.6b --sizes 1,2,4,8,16,32,64 \
         --reps 30 --profile "$OUT/kv_transfer_h200x2_nccl.json" --json "$OUT/kv_transfer_h200x2_pool.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_pool.log" | tail -12 ;;
+    gpu)
+      RUN_NCCL_INTEGRATION=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -m "gpu or nccl" tests 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    demo)
+      for visible in 0,1 0; do
+        CUDA_VISIBLE_DEVICES=$visible LMPOOL_CACHE=/tmp/lmpool-demo timeout 240 python3 -m lmpool.cli demo 2>&1 \
+          | tee "$OUT/demo_gpus_${visible/,/}.log" | tail -12
+      done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
