@@ -12,6 +12,7 @@ fi
 # Without an install, the folders that install under other import names need links.
 ln -sfn "$PWD/ipc" /tmp/site/lmpool_ipc
 ln -sfn "$PWD/kernels" /tmp/site/lmpool_kernels
+ln -sfn "$PWD/tools" /tmp/site/lmpool_tools
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 LMPOOL_KERNEL_CACHE=/tmp/lmpool-kernels
 # Builds the engine's and the transfer's CUDA kernels into the kernel cache (once per cache

@@ -134,6 +134,19 @@ class PoolConfig:
             return list(range(self.world_size))
         return [r % torch.cuda.device_count() for r in range(self.world_size)]
 
+    def engine_of(self, rank: int) -> EngineArgs:
+        """Rank ``rank``'s engine arguments. ``gpu_memory_utilization`` is the share of each GPU
+        that the pool's replicas on it fill together: replicas sharing a GPU split it evenly.
+        Each worker sizes its KV cache from its own share, as it sees only its own process's
+        allocations; given the whole share, the second replica on a GPU would ask for
+        memory the first already holds. An explicit ``num_kv_blocks`` is taken as given."""
+        gpus = self.gpu_of_rank()
+        sharing = gpus.count(gpus[rank]) if self.device == "cuda" else 1
+        if sharing == 1 or self.engine.num_kv_blocks is not None:
+            return self.engine
+        return msgspec.structs.replace(self.engine,
+                                       gpu_memory_utilization=self.engine.gpu_memory_utilization / sharing)
+
 
 @dataclass
 class Rank:
@@ -216,7 +229,7 @@ class LLMEngine:
             control_links.append(self.ipc.create_link())
             spec = WorkerSpec(
                 rank=r, epoch=1, device=cfg.device_of(r), engine_end=link.b,
-                control_end=control_links[r].b, engine_args=cfg.engine,
+                control_end=control_links[r].b, engine_args=cfg.engine_of(r),
                 heartbeat_interval=cfg.heartbeat_interval, world_size=cfg.world_size,
                 transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
                 gpu_transfer_path=cfg.gpu_transfer_path, transfer_lease_s=cfg.transfer_lease_s,

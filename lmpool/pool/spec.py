@@ -21,7 +21,7 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     use_kernels: bool = True
     enforce_eager: bool = False
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9  # of each GPU, for all its replicas (``PoolConfig.engine_of``)
     cpu_kv_cache_bytes: int = 256 << 20
     seed: int = 0
 

@@ -1,0 +1,55 @@
+"""``PoolConfig``: where each rank runs and what engine arguments it gets. Replicas that share
+a GPU split its ``gpu_memory_utilization`` (each worker sizes its KV cache from its own
+share: given the whole, the second on a GPU asks for memory the first holds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpool.pool.engine import PoolConfig
+from lmpool.pool.spec import EngineArgs
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend torch sees ``n`` CUDA devices (the config reads only their count)."""
+
+    def see(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return see
+
+
+def config(world_size: int, device: str = "cuda", **engine) -> PoolConfig:
+    return PoolConfig(model="m", world_size=world_size, device=device, engine=EngineArgs(model="m", **engine))
+
+
+def test_replicas_sharing_a_gpu_split_its_memory_share(gpus):
+    gpus(2)
+    cfg = config(5, gpu_memory_utilization=0.9)
+    assert [cfg.device_of(r) for r in range(5)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    shares = [cfg.engine_of(r).gpu_memory_utilization for r in range(5)]
+    assert shares == pytest.approx([0.3, 0.45, 0.3, 0.45, 0.3])
+    for gpu in (0, 1):  # the replicas of one GPU fill together what it was given
+        assert sum(s for r, s in enumerate(shares) if r % 2 == gpu) == pytest.approx(0.9)
+    assert cfg.engine.gpu_memory_utilization == 0.9, "the pool's own arguments are left as given"
+
+
+def test_a_replica_alone_on_its_gpu_takes_the_whole_share(gpus):
+    gpus(4)
+    cfg = config(3, gpu_memory_utilization=0.8)
+    assert all(cfg.engine_of(r) is cfg.engine for r in range(3))
+
+
+def test_a_fixed_block_count_is_taken_as_given(gpus):
+    gpus(1)
+    cfg = config(2, num_kv_blocks=64)
+    assert all(cfg.engine_of(r) is cfg.engine for r in range(2))
+
+
+def test_cpu_replicas_keep_their_arguments():
+    cfg = config(3, device="cpu")
+    assert [cfg.device_of(r) for r in range(3)] == ["cpu"] * 3
+    assert all(cfg.engine_of(r) is cfg.engine for r in range(3))
