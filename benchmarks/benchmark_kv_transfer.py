@@ -97,6 +97,22 @@ WAIT_S = 120.0
 COPY_SAMPLES = 10
 
 
+def cpu_sets(text: str) -> list[set[int]]:
+    """``"0-3/16,18"`` -> ``[{0, 1, 2, 3}, {16, 18}]``: each worker's CPUs, ranges and lists."""
+    sets = []
+    for part in text.split("/"):
+        cpus: set[int] = set()
+        for item in filter(None, part.split(",")):
+            first, _, last = item.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+        if not cpus:
+            raise argparse.ArgumentTypeError(f"no CPU in {part!r} of {text!r}")
+        sets.append(cpus)
+    if len(sets) != 2:
+        raise argparse.ArgumentTypeError(f"two CPU sets (rank 0's/rank 1's) are needed, got {len(sets)} in {text!r}")
+    return sets
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", choices=("gloo", "cuda_ipc", "nccl", "pool"), default="gloo")
@@ -130,6 +146,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="nccl, cuda_ipc: each worker writes a kernel trace of the run (torch.profiler) to "
                         "TRACE/trace_rank{r}.json, every transfer a range named PATH/SRC->DST/BLOCKS#REP; "
                         "transfer_trace.py tells where a transfer's time goes")
+    p.add_argument("--cpus", type=cpu_sets, default=None,
+                   help="CPUs of each worker, rank 0's then rank 1's, split by a slash (e.g. 0-3/16-19), "
+                        "set before CUDA and NCCL start their threads: where the two workers' host "
+                        "threads run, apart or not")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -496,6 +516,8 @@ class Worker:
 
 
 def worker_main(args) -> None:
+    if args.cpus is not None:  # before any thread starts: CUDA's and NCCL's inherit it
+        os.sched_setaffinity(0, args.cpus[args.worker])
     worker = Worker(args)
     if args.trace is not None and worker.device.type == "cuda":
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -525,7 +547,8 @@ def environment(args) -> dict:
     from revision import git_record
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "os": platform.platform(),
-           "cpus": os.cpu_count(), "device": args.device, "git": git_record()}
+           "cpus": os.cpu_count(), "device": args.device, "git": git_record(),
+           "worker_cpus": [sorted(c) for c in args.cpus] if args.cpus else None}
     try:
         model = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
         env["cpu"] = model.split(":", 1)[1].strip()
