@@ -33,7 +33,7 @@ for step in $steps; do
         | tee "$OUT/pool_transfer_two_gpus.log" | tail -8 ;;
     bench)
       timeout 260 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
-        --sizes "${SIZES:-1,2,4,8,10,12,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-auto:132,auto/1,auto~keep}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
+        --sizes "${SIZES:-1,2,4,8,10,12,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-auto:132,auto/1}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
     variants)
       timeout 300 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,4,16,64 \
