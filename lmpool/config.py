@@ -22,7 +22,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from memory
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's context (``ModelConfig.max_context``)
     enable_prefix_caching: bool = True
     use_kernels: bool = True  # CUDA kernels on GPU; False forces the torch reference
     enforce_eager: bool = False  # no CUDA graphs

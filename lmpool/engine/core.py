@@ -40,11 +40,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
-        limit = self.model_config.max_position_embeddings
+        limit = self.model_config.max_context
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}"
+                f"max_model_len {self.max_model_len} exceeds the model's context of {limit} positions "
+                "(max_position_embeddings, or YaRN's factor times its original positions)"
             )
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         self.block_manager = BlockManager(

@@ -13,8 +13,9 @@ Invariants:
   family sometimes omit are derived the conventional way: ``head_dim = hidden_size //
   num_attention_heads`` and ``num_key_value_heads = num_attention_heads``. (Published
   Qwen3 configs give both explicitly.)
-- features that would silently change the math (rope scaling, sliding window, an
-  activation other than SiLU) are rejected rather than ignored.
+- features that would silently change the math (rope scaling other than YaRN, sliding
+  window, an activation other than SiLU) are rejected rather than ignored. YaRN is kept
+  (``lmpool.model.rope``) and lengthens ``max_context`` to its scaled context.
 - every constructed ``ModelConfig`` has positive shapes and
   ``num_attention_heads % num_key_value_heads == 0``.
 """
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lmpool.model.rope import YarnScaling
 
 _REQUIRED = (
     "vocab_size",
@@ -55,6 +58,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
+    rope_scaling: YarnScaling | None = None
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the model is meant for: its positions, or YaRN's scaled context."""
+        scaled = self.rope_scaling.context if self.rope_scaling is not None else 0
+        return max(self.max_position_embeddings, scaled)
 
     def __post_init__(self) -> None:
         for key in (*_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings"):
@@ -111,6 +121,7 @@ class ModelConfig:
             bos = generation_config.get("bos_token_id")
 
         heads = config["num_attention_heads"]
+        theta, scaling = _rope(config)
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -120,13 +131,14 @@ class ModelConfig:
             num_key_value_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(config),
+            rope_theta=theta,
             max_position_embeddings=config.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", False)),
             eos_token_ids=tuple(eos),
             bos_token_id=bos,
             torch_dtype=config.get("torch_dtype") or config.get("dtype") or "bfloat16",
+            rope_scaling=scaling,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -147,7 +159,7 @@ class ModelConfig:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            "rope_scaling": self.rope_scaling.to_hf() if self.rope_scaling is not None else None,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
@@ -171,16 +183,19 @@ class ModelConfig:
         )
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
-    """rope_theta from a top-level key or the ``rope_parameters``/``rope_scaling`` dict newer
-    transformers versions write; any rope type but the default one is rejected."""
-    theta = config.get("rope_theta")
+def _rope(config: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+    """rope_theta, from a top-level key or the ``rope_parameters``/``rope_scaling`` dict newer
+    transformers versions write, and the YaRN scaling if that dict asks for it; any other rope
+    type but the default one is rejected."""
+    theta, scaling = config.get("rope_theta"), None
     for key in ("rope_parameters", "rope_scaling"):
         params = config.get(key)
         if not params:
             continue
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported {key} rope_type {rope_type!r}; only 'default'")
+        if rope_type == "yarn":
+            scaling = YarnScaling.from_hf(params)
+        elif rope_type != "default":
+            raise ValueError(f"unsupported {key} rope_type {rope_type!r}; only 'default' and 'yarn'")
         theta = params.get("rope_theta", theta)
-    return float(theta if theta is not None else 10000.0)
+    return float(theta if theta is not None else 10000.0), scaling

@@ -2,7 +2,8 @@
 
 Numerics follow ``transformers``' Qwen3 so that the two agree on the same
 weights: RMSNorm in fp32 then cast back, q/k RMSNorm per head before rotary
-embedding (rotate-half form, ``rope_theta`` from the config), grouped-query
+embedding (rotate-half form, ``rope_theta`` from the config, YaRN-scaled when the config
+asks: ``lmpool.model.rope``), grouped-query
 attention with scale ``head_dim ** -0.5``, SwiGLU MLP, residual adds in the
 model dtype. q/k/v and gate/up projections are fused at load time so a layer
 runs two matmuls where the checkpoint has five.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmpool.model.config import ModelConfig
+from lmpool.model.rope import YarnScaling, inv_freq
 from lmpool.ops import KVOps
 
 
@@ -49,12 +51,12 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: YarnScaling | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        freq, scale = inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), freq)
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x[T, heads, head_dim]`` by each token's position."""
@@ -136,7 +138,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.lm_head = (
             None
             if config.tie_word_embeddings

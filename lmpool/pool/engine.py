@@ -183,7 +183,7 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.block_size = config.engine.block_size
-        self.max_model_len = config.engine.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = config.engine.max_model_len or self.model_config.max_context
         profile = config.transfer_policy.transfer_profile
         if profile is not None:  # refused here, with its reason, rather than in the control process
             try:

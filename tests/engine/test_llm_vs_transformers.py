@@ -10,6 +10,7 @@ from lmpool import LLM, SamplingParams
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.engine.sequence import Sequence
 from lmpool.model.make_model import make_model
+from lmpool.model.rope import YarnScaling
 
 BLOCK = 16
 CONFIGS = {
@@ -20,6 +21,11 @@ CONFIGS = {
     # GQA ratio 2, head_dim 128, tied, three layers, a different rope_theta
     "gqa2-d128-tied": dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=128, num_hidden_layers=3, rope_theta=10000.0
+    ),
+    # YaRN past a short original context: prompts and outputs reach 3x its 32 positions
+    "gqa2-d64-yarn": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=32),
     ),
 }
 # Mixed lengths that start, end and cross block boundaries.

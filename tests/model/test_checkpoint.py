@@ -126,7 +126,9 @@ def test_missing_required_key_is_named(tmp_path, key):
     [
         ({"num_key_value_heads": 6}, "multiple of num_key_value_heads"),
         ({"hidden_size": 0}, "hidden_size must be a positive integer"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "linear"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 32768}},
+         "factor must be >= 1"),
         ({"hidden_act": "gelu"}, "gelu"),
         ({"use_sliding_window": True}, "sliding"),
     ],
