@@ -4,7 +4,9 @@ bandwidth, NCCL ratios, pool residuals) is checked on synthetic measurements."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,20 +60,33 @@ def test_profile_is_written_checked_and_readable_by_the_cost_model(tmp_path):
 def test_the_packed_paths_halves_move_the_same_bytes(tmp_path):
     """``--split``: packing at one end only (the other bare) still lands every byte where the
     full packed path would: the receiver's blocks or ready buffer match the sender's. So does
-    a variant whose packs keep their payload (``~keep``, a hint to the sender's kernel)."""
+    a variant whose packs keep their payload (``~keep``, a hint to the sender's kernel), with
+    each worker pinned to CPUs of its own (``--cpus``)."""
     out = tmp_path / "split.json"
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = f"{cpus[0]}/{cpus[-1]}"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--kind", "gloo", "--split", "--block-size", "16", "--sizes", "3",
-         "--reps", "2", "--warmup", "1", "--pack-variants", "auto~keep", "--json", str(out)],
+         "--reps", "2", "--warmup", "1", "--pack-variants", "auto~keep", "--cpus", pinned, "--json", str(out)],
         capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 0, run.stderr
-    paths = json.loads(out.read_text())["paths"]
+    result = json.loads(out.read_text())
+    assert result["environment"]["worker_cpus"] == [[cpus[0]], [cpus[-1]]]
+    paths = result["paths"]
     assert set(paths) == {"pack", "pack@auto~keep", "raw", "only-pack", "only-unpack"}
     assert all(paths[p][pair]["3"]["bytes_equal"] for p in paths for pair in ("0->1", "1->0"))
     refused = subprocess.run([sys.executable, str(SCRIPT), "--kind", "pool", "--split"], capture_output=True,
                              text=True, timeout=60)
     assert refused.returncode == 2 and "--kind pool has none" in refused.stderr
+
+
+def test_cpu_sets_parse_ranges_and_lists_and_refuse_anything_but_two():
+    assert bench.cpu_sets("0-3/16,18") == [{0, 1, 2, 3}, {16, 18}]
+    assert bench.cpu_sets("5/5") == [{5}, {5}]
+    for bad in ("0-3", "0/1/2", "0/", "a/1"):
+        with pytest.raises((argparse.ArgumentTypeError, ValueError)):
+            bench.cpu_sets(bad)
 
 
 def synthetic(paths: dict[str, float], check_differs: str = "") -> list[dict]:
