@@ -36,6 +36,27 @@ def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtyp
     return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
 
 
+def check_cache_fits(num_blocks: int, block_bytes: int, device: torch.device, utilization: float) -> None:
+    """Refuse, saying why and what to change, a KV cache the device cannot hold: what it has
+    free plus what torch keeps cached for reuse. ``gpu_memory_utilization`` is a share of the
+    whole device, so another process on it (another pool, a training job) can leave less free
+    than the share; the allocation would then fail with a bare out-of-memory error."""
+    free, _ = torch.cuda.mem_get_info(device)
+    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    message = cache_shortfall(num_blocks * block_bytes, free + reusable, str(device), num_blocks, utilization)
+    if message is not None:
+        raise ValueError(message)
+
+
+def cache_shortfall(needed: int, available: int, device: str, num_blocks: int, utilization: float) -> str | None:
+    """Why a KV cache of ``needed`` bytes cannot be had from ``available`` (None: it can)."""
+    if needed <= available:
+        return None
+    return (f"the KV cache of {num_blocks} blocks needs {needed / 2**30:.2f} GiB but only "
+            f"{available / 2**30:.2f} GiB is free on {device} (other processes hold the rest); "
+            f"lower gpu_memory_utilization (now {utilization}) or set num_kv_blocks")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
         self.config = config
@@ -68,6 +89,8 @@ class ModelRunner:
                 "lower num_kv_blocks or gpu_memory_utilization"
             )
         c = model_config
+        if self.device.type == "cuda":
+            check_cache_fits(self.num_blocks, self.block_bytes, self.device, config.gpu_memory_utilization)
         # Only written slots are ever read, so CPU memory can stay lazily mapped; on
         # CUDA the cache is zeroed so that padded graph rows read finite values.
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty

@@ -160,3 +160,15 @@ def test_gpu_draining_batch_replays_padded_graphs_like_cpu(tiny_model):
         with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, enforce_eager=enforce_eager) as llm:
             assert (llm.engine.runner.graphs is None) == enforce_eager
             assert [o.token_ids for o in llm.generate(ps, params)] == want
+
+
+def test_gpu_a_cache_larger_than_the_free_memory_is_refused_with_the_reason(tiny_model):
+    from lmpool.model.config import ModelConfig
+
+    block_bytes = ModelConfig.from_pretrained(tiny_model).kv_bytes_per_block(16, torch.float32)
+    free, _ = torch.cuda.mem_get_info(0)
+    too_many = free // block_bytes + 1024
+    with pytest.raises(ValueError, match=r"needs .* GiB but only .* GiB is free on cuda:0"):
+        LLM(tiny_model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=too_many)
+    with LLM(tiny_model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=64) as llm:  # still serves
+        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
