@@ -18,7 +18,9 @@ Two timings of each: ``wall``, the receiver's host seconds from a barrier until 
 is done (the Python loop that issues one call per segment included), and ``gpu``, the
 receiver's CUDA-event seconds from the moment its stream is let go (it sleeps on the GPU
 while both hosts issue their calls, so the sender's kernel is already waiting) until its
-receives are done: what the wire and NCCL's kernels take, whoever issues the calls. A
+receives are done: what the wire and NCCL's kernels take, whoever issues the calls. The
+sender may already have pushed the first bytes into NCCL's buffers by then, so ``gpu``
+figures are lower bounds, raw's most of all (it has one operation to start). A
 ``gpu`` ratio near 1 says the per-segment sends cost the wire little, so issuing them from
 compiled code instead of Python would make the path worth building. Every segment path is
 checked byte-equal once per size and direction.

@@ -55,7 +55,7 @@ class YarnScaling:
         if missing:
             raise ValueError(f"YaRN rope scaling needs {' and '.join(missing)}")
         original, factor = params["original_max_position_embeddings"], params["factor"]
-        optional = {k: params[k] for k in ("attention_factor", "mscale", "mscale_all_dim") if params.get(k)}
+        optional = {k: params[k] for k in ("attention_factor", "mscale", "mscale_all_dim") if params.get(k) is not None}
         return cls(factor=float(factor), original_max_position_embeddings=int(original),
                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
                    truncate=bool(params.get("truncate", True)), **{k: float(v) for k, v in optional.items()})
