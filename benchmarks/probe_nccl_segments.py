@@ -32,7 +32,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,8 +39,10 @@ from pathlib import Path
 import torch
 
 from lmpool.model.make_model import PRESETS
-from lmpool.transfer import Rendezvous, nccl_lib
+from lmpool.transfer import nccl_lib
 from lmpool.transfer.transport import open_store
+
+from pair_workers import kv_shape, run_pair, this_end
 
 WAIT_S = 60.0
 LANES = 3
@@ -50,13 +51,9 @@ PATHS = ("raw", "segments", f"segments-x{LANES}")
 
 
 def worker(args) -> dict:
-    rank, peer = args.worker, 1 - args.worker
-    device = torch.device(f"cuda:{rank}")
-    torch.cuda.set_device(device)
-    cfg = PRESETS[args.preset]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    layers = cfg["num_hidden_layers"]
-    segment = args.block_size * cfg["num_key_value_heads"] * head_dim * 2  # bf16 bytes
+    rank, peer, device = this_end(args.worker)
+    layers, kv_heads, head_dim = kv_shape(args.preset)
+    segment = args.block_size * kv_heads * head_dim * 2  # bf16 bytes
     blocks = 2 * max(args.sizes) + 8
     # Each rank's cache is a function of its rank, so the receiver can check what it got.
     caches = [torch.randint(0, 256, (layers, 2, blocks, segment), dtype=torch.uint8, device=device,
@@ -168,17 +165,12 @@ def main() -> int:
     if torch.cuda.device_count() < 2:
         print("this probe needs two CUDA devices", file=sys.stderr)
         return 2
-    rendezvous = Rendezvous.create()
-    command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--rendezvous", rendezvous.address]
-    workers = [subprocess.Popen([*command, "--worker", str(r)], stdout=subprocess.PIPE, text=True) for r in (0, 1)]
-    outputs = [w.communicate(timeout=600)[0] for w in workers]
-    rendezvous.close()
-    if any(w.returncode for w in workers):
-        print(f"a worker failed: {[w.returncode for w in workers]}", file=sys.stderr)
+    outputs = run_pair(str(Path(__file__).resolve()), sys.argv[1:])
+    if outputs is None:
         return 1
     from revision import git_record
 
-    ends = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
+    ends = [json.loads(line) for line in outputs]
     p50 = {**ends[0]["p50_s"], **ends[1]["p50_s"]}  # each end reports the transfers it received
     ratios = {}
     for key, seconds in sorted(p50.items()):

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,24 +30,21 @@ import torch
 
 from lmpool.model.make_model import PRESETS
 from lmpool.ops import get_backend
-from lmpool.transfer import Rendezvous, make_transport
+from lmpool.transfer import make_transport
 from lmpool.transfer.chunked import BlockReceiver, payload_bytes, send_blocks
 from lmpool.transfer.transport import open_store
 
 from benchmark_kv_transfer import spin  # the same wait as the benchmark's: polling without pauses
+from pair_workers import kv_shape, run_pair, this_end
 
 REPS = 200
 WAIT_S = 60.0
 
 
 def worker(args) -> dict:
-    rank, peer = args.worker, 1 - args.worker
-    device = torch.device(f"cuda:{rank}")
-    torch.cuda.set_device(device)
-    cfg = PRESETS[args.preset]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    cache = torch.randn(cfg["num_hidden_layers"], 2, 16, args.block_size, cfg["num_key_value_heads"], head_dim,
-                        device=device).to(torch.bfloat16)
+    rank, peer, device = this_end(args.worker)
+    num_layers, kv_heads, head_dim = kv_shape(args.preset)
+    cache = torch.randn(num_layers, 2, 16, args.block_size, kv_heads, head_dim, device=device).to(torch.bfloat16)
     ops = get_backend(device, use_kernels=True)
     transport = make_transport("nccl", rank, 2, rendezvous=args.rendezvous, device=str(device), timeout_s=WAIT_S)
     if not transport.connect(peer, session=1).wait(WAIT_S):
@@ -114,17 +110,12 @@ def main() -> int:
     if args.worker is not None:
         print(json.dumps(worker(args)), flush=True)
         return 0
-    rendezvous = Rendezvous.create()
-    command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--rendezvous", rendezvous.address]
-    workers = [subprocess.Popen([*command, "--worker", str(r)], stdout=subprocess.PIPE, text=True) for r in (0, 1)]
-    outputs = [w.communicate(timeout=600)[0] for w in workers]
-    rendezvous.close()
-    if any(w.returncode for w in workers):
-        print(f"a worker failed: {[w.returncode for w in workers]}", file=sys.stderr)
+    outputs = run_pair(str(Path(__file__).resolve()), sys.argv[1:])
+    if outputs is None:
         return 1
     from revision import git_record
 
-    result = {"sender_host_s": json.loads(outputs[0].strip().splitlines()[-1]),
+    result = {"sender_host_s": json.loads(outputs[0]),
               "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL", "TORCH_FR", "NCCL_"))},
               "torch": torch.__version__, "git": git_record()}
     for name, seconds in result["sender_host_s"].items():
