@@ -232,15 +232,18 @@ class LMPool:
         self,
         prompts: Prompt | SequenceABC[Prompt],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        rank: int | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``; every prompt is checked before any is sent."""
+        """Outputs in the order of ``prompts``; every prompt is checked before any is sent.
+        ``rank`` runs them all there, bypassing routing (as ``AsyncLMPool.generate``'s)."""
         pool = self._pool
         token_lists, params = prepare_batch(
             prompts, sampling_params, pool.encode, lambda ids, p: pool.engine.validate("", ids, p)
         )
 
         async def run_all() -> list[RequestOutput]:
-            return list(await asyncio.gather(*(pool.generate(ids, p) for ids, p in zip(token_lists, params))))
+            runs = (pool.generate(ids, p, rank=rank) for ids, p in zip(token_lists, params))
+            return list(await asyncio.gather(*runs))
 
         return self._call(run_all())
 

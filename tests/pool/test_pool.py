@@ -81,8 +81,12 @@ def test_bad_input_rejected_at_ingress(tiny_model):
         for prompt, match in (([], "empty"), ([5, 10**7], "outside the vocabulary"), ([1] * 5000, "max_model_len")):
             with pytest.raises(ValueError, match=match):
                 pool.generate([[1, 2, 3], prompt], GREEDY)
+        with pytest.raises(ValueError, match="rank 2 is not a live rank"):
+            pool.generate([[1, 2, 3], [4, 5, 6]], GREEDY, rank=2)
         assert pool.engine.requests == {}
         assert len(pool.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 8
+        pinned = pool.generate([[1, 2, 3], [4, 5, 6], [7, 8, 9]], GREEDY, rank=1)
+        assert [o.rank for o in pinned] == [1, 1, 1] and {o.route for o in pinned} == {"pinned"}
 
 
 def test_routing_config_reaches_the_control_process(tiny_model):
