@@ -10,6 +10,7 @@ from lmpool.config import EngineConfig
 from lmpool.engine.core import EngineCore
 from lmpool.outputs import RequestOutput
 from lmpool.sampling_params import SamplingParams
+from lmpool.stop_strings import StopStrings, check_usable
 from lmpool.tokenizer import encode_prompt, load_tokenizer
 
 Prompt = str | SequenceABC[int]
@@ -85,23 +86,35 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. Every prompt is checked before any runs."""
-        token_lists, params = prepare_batch(prompts, sampling_params, self.encode, self.engine.validate)
+
+        def validate(ids: list[int], p: SamplingParams) -> None:
+            check_usable(p.stop, self.tokenizer)
+            self.engine.validate(ids, p)
+
+        token_lists, params = prepare_batch(prompts, sampling_params, self.encode, validate)
         request_ids = [f"llm-{next(self._ids)}" for _ in token_lists]
+        stops = {rid: StopStrings(p.stop) for rid, p in zip(request_ids, params) if p.stop}
         for rid, ids, p in zip(request_ids, token_lists, params):
             self.engine.add_request(rid, ids, p)
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(request_ids):
                 for out in self.engine.step():
-                    if out.finished:
-                        seq = out.seq
+                    seq, finish_reason = out.seq, out.finish_reason if out.finished else None
+                    text = self.decode(seq.output_token_ids) if finish_reason or out.request_id in stops else None
+                    hit = stops[out.request_id].find(text) if out.request_id in stops else None
+                    if hit is not None:  # the text names a stop string: end the request there
+                        if not out.finished:
+                            self.engine.abort_request(out.request_id)
+                        text, finish_reason = text[:hit], "stop"
+                    if finish_reason is not None:
                         done[out.request_id] = RequestOutput(
                             request_id=out.request_id,
                             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
                             token_ids=seq.output_token_ids,
-                            text=self.decode(seq.output_token_ids),
+                            text=text,
                             num_cached_tokens=seq.num_cached_tokens,
-                            finish_reason=out.finish_reason,
+                            finish_reason=finish_reason,
                         )
         finally:
             for rid in request_ids:  # an interrupted call leaves nothing behind

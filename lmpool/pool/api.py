@@ -42,6 +42,7 @@ from lmpool.pool.engine import LLMEngine, PoolConfig, TrackedRequest
 from lmpool.pool.metrics import NO_METRICS, MetricsServer
 from lmpool.pool.spec import EngineArgs
 from lmpool.sampling_params import SamplingParams
+from lmpool.stop_strings import StopStrings, check_usable
 from lmpool.tokenizer import encode_prompt, load_tokenizer
 
 
@@ -155,7 +156,9 @@ class AsyncLMPool:
         """Validate and route one request (or send it to ``rank``); its tokens arrive on the
         returned request's queue."""
         rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
-        return await self.engine.add_request(rid, self.encode(prompt), params or SamplingParams(), rank)
+        params = params or SamplingParams()
+        check_usable(params.stop, self.tokenizer)
+        return await self.engine.add_request(rid, self.encode(prompt), params, rank)
 
     async def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -163,8 +166,10 @@ class AsyncLMPool:
     ) -> AsyncIterator[RequestOutput]:
         """One ``RequestOutput`` per new token (cumulative); the last has ``finish_reason`` set.
         Leaving the loop early, or cancelling the consuming task, aborts the request.
-        ``rank`` bypasses routing (for experiments and benchmarks)."""
+        ``rank`` bypasses routing (for experiments and benchmarks). With stop strings, the
+        request ends at the first one its text shows (``lmpool.stop_strings``)."""
         req = await self.submit(prompt, params, request_id, rank)
+        stops = StopStrings(req.params.stop) if req.params.stop else None
         seen = 0
         try:
             while True:
@@ -176,7 +181,16 @@ class AsyncLMPool:
                 if isinstance(item, BaseException):
                     raise item
                 seen += 1
-                yield self._output(req, seen, item.finish_reason if item.finished else None)
+                out = self._output(req, seen, item.finish_reason if item.finished else None)
+                if stops is not None:
+                    hit = stops.find(out.text)
+                    if hit is not None:  # ends here; leaving the loop aborts it on its rank
+                        out.text, out.finish_reason = out.text[:hit], "stop"
+                        yield out
+                        return
+                    if out.finish_reason is None:
+                        out.text = stops.held_back(out.text)
+                yield out
         finally:
             if req.finish_reason is None:
                 await self.engine.abort(req.request_id)
@@ -237,9 +251,12 @@ class LMPool:
         """Outputs in the order of ``prompts``; every prompt is checked before any is sent.
         ``rank`` runs them all there, bypassing routing (as ``AsyncLMPool.generate``'s)."""
         pool = self._pool
-        token_lists, params = prepare_batch(
-            prompts, sampling_params, pool.encode, lambda ids, p: pool.engine.validate("", ids, p)
-        )
+
+        def validate(ids: list[int], p: SamplingParams) -> None:
+            check_usable(p.stop, pool.tokenizer)
+            pool.engine.validate("", ids, p)
+
+        token_lists, params = prepare_batch(prompts, sampling_params, pool.encode, validate)
 
         async def run_all() -> list[RequestOutput]:
             runs = (pool.generate(ids, p, rank=rank) for ids, p in zip(token_lists, params))

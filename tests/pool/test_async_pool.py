@@ -157,3 +157,36 @@ def test_a_routing_failure_names_the_callers_request_and_forgets_it(tiny_model):
     message, left, again = run(main())
     assert message.startswith("request 'caller-7' could not be routed: ") and "no alive rank" in message
     assert left == {} and len(again.token_ids) == 6
+
+
+def test_a_stop_string_ends_a_stream_and_partial_texts_never_show_it(tiny_model):
+    """The pool ends a request at its first stop string, as ``LLM`` does: the last output's
+    text stops before it, every earlier output's text leads up to that one, and the request
+    is gone from its rank. The synchronous API honours stop strings too."""
+    prompt = "The harbour town woke slowly"
+    free = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        full = llm.generate(prompt, free)[0]
+    start = next(i for i in range(4, len(full.text) - 3) if full.text[i:i + 3].strip()
+                 and full.text.find(full.text[i:i + 3]) == i)
+    stop = full.text[start:start + 3]
+    stopping = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=stop)
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            seen = [out async for out in pool.stream(prompt, stopping, request_id="stops")]
+            assert "stops" not in pool.engine.requests
+            return seen, await pool.generate(prompt, free)
+
+    seen, after = run(main())
+    last = seen[-1]
+    assert last.finish_reason == "stop" and last.text == full.text[:start]
+    assert len(last.token_ids) < len(full.token_ids) and last.token_ids == full.token_ids[:len(last.token_ids)]
+    assert all(last.text.startswith(o.text) for o in seen[:-1])
+    assert after.token_ids == full.token_ids, "the pool still serves whole requests"
+    from lmpool.pool.api import LMPool
+
+    with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+        outs = pool.generate([prompt, prompt], [stopping, free])
+    assert (outs[0].finish_reason, outs[0].text) == ("stop", full.text[:start])
+    assert outs[1].text == full.text
