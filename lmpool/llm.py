@@ -11,7 +11,7 @@ from lmpool.engine.core import EngineCore
 from lmpool.outputs import RequestOutput
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import StopStrings, check_usable
-from lmpool.tokenizer import encode_prompt, load_tokenizer
+from lmpool.tokenizer import encode_chats, encode_prompt, load_tokenizer
 
 Prompt = str | SequenceABC[int]
 
@@ -121,6 +121,17 @@ class LLM:
                 if rid not in done:
                     self.engine.abort_request(rid)
         return [done[rid] for rid in request_ids]
+
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        """``generate`` for one conversation (a list of ``{"role", "content"}`` dicts) or a list
+        of them, each rendered by the tokenizer's chat template with the assistant's turn
+        opened; ``template_kwargs`` reach the template (Qwen3's takes ``enable_thinking``)."""
+        return self.generate(encode_chats(self.tokenizer, conversations, template_kwargs), sampling_params)
 
     def shutdown(self) -> None:
         """Free the weights and the KV cache now. Idempotent."""

@@ -1,4 +1,5 @@
-"""Loading a model directory's tokenizer, when it has one, and turning prompts into token ids."""
+"""Loading a model directory's tokenizer, when it has one, and turning prompts into token ids:
+text, token ids as they are, or a chat conversation through the tokenizer's chat template."""
 
 from __future__ import annotations
 
@@ -24,3 +25,42 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
             raise ValueError("this model directory has no tokenizer: pass token ids instead of text")
         return tokenizer.encode(prompt, add_special_tokens=False)
     return list(prompt)
+
+
+def is_conversation(value) -> bool:
+    """A conversation is a list of messages, each a dict (``{"role": ..., "content": ...}``)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+def encode_chat(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
+    """Token ids of a conversation rendered by the tokenizer's chat template, ending with the
+    assistant's turn opened (``add_generation_prompt``). ``template_kwargs`` reach the
+    template (Qwen3's takes ``enable_thinking``)."""
+    if tokenizer is None:
+        raise ValueError("this model directory has no tokenizer, so it has no chat template: pass token ids")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template: pass text or token ids")
+    if not is_conversation(messages):
+        raise ValueError(f"a conversation is a non-empty list of message dicts, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise ValueError(f"message {i} needs a 'role' and a 'content' string, got {message!r}")
+    # Rendered to text, then encoded: the text form returns the same type in every
+    # transformers version (the tokenized one became a dict in 5).
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_chats(tokenizer, conversations, template_kwargs: dict) -> list[list[int]]:
+    """Token ids of one conversation or of a list of them; an error names the conversation."""
+    if is_conversation(conversations):
+        conversations = [conversations]
+    if not isinstance(conversations, list) or not conversations:
+        raise ValueError("chat takes a conversation (a list of message dicts) or a non-empty list of them")
+    out = []
+    for i, messages in enumerate(conversations):
+        try:
+            out.append(encode_chat(tokenizer, messages, **template_kwargs))
+        except ValueError as e:
+            raise ValueError(f"conversation {i}: {e}") from None
+    return out

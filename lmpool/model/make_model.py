@@ -2,7 +2,8 @@
 
 Owns the presets and everything ``lmpool make-model DIR`` writes: ``config.json``,
 ``generation_config.json``, the weights (``model.safetensors``, or 2 GB shards plus an
-index) and a byte-level BPE tokenizer that transformers loads without a network.
+index) and a byte-level BPE tokenizer that transformers loads without a network, with
+Qwen3's ChatML chat template.
 
 Invariants:
 - the same (preset, seed, dtype, overrides) always produces the same files.
@@ -65,6 +66,12 @@ DEFAULT_DTYPE = {"tiny": "float32", "0.6b": "bfloat16", "1.7b": "bfloat16"}
 MAX_SHARD_BYTES = 2 * 10**9
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen3's chat format (ChatML) without its tool and thinking branches: enough for
+# ``chat()`` on a generated model to build the prompts a real checkpoint's template would.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # Qwen3's tokenizer has this many regular tokens; its special tokens start here.
 _QWEN3_REGULAR_TOKENS = 151643
 
@@ -278,6 +285,7 @@ def _save_tokenizer(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
         "pad_token": "<|endoftext|>",
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 

@@ -43,7 +43,7 @@ from lmpool.pool.metrics import NO_METRICS, MetricsServer
 from lmpool.pool.spec import EngineArgs
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import StopStrings, check_usable
-from lmpool.tokenizer import encode_prompt, load_tokenizer
+from lmpool.tokenizer import encode_chat, encode_chats, encode_prompt, load_tokenizer
 
 
 class AsyncLMPool:
@@ -205,6 +205,18 @@ class AsyncLMPool:
             pass
         return last
 
+    async def chat(
+        self, messages: list[dict], params: SamplingParams | None = None, request_id: str | None = None,
+        rank: int | None = None, **template_kwargs,
+    ) -> RequestOutput:
+        """``generate`` for a conversation (a list of ``{"role", "content"}`` dicts), rendered by
+        the tokenizer's chat template with the assistant's turn opened. To stream one, pass
+        ``encode_chat(messages)`` to ``stream``."""
+        return await self.generate(self.encode_chat(messages, **template_kwargs), params, request_id, rank)
+
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        return encode_chat(self.tokenizer, messages, **template_kwargs)
+
     async def transfer(self, prompt: Prompt, src: int, dst: int, move: bool = False):
         """Copy (or move) the KV of ``prompt``'s complete blocks from rank ``src`` to ``dst``
         (a pool started with ``enable_transfers=True``); returns the plan's ``TransferResult``.
@@ -263,6 +275,17 @@ class LMPool:
             return list(await asyncio.gather(*runs))
 
         return self._call(run_all())
+
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        rank: int | None = None,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        """``generate`` for one conversation or a list of them (as ``LLM.chat``)."""
+        return self.generate(encode_chats(self._pool.tokenizer, conversations, template_kwargs), sampling_params,
+                             rank)
 
     def stats(self) -> dict:
         return self._call(self._pool.stats())

@@ -190,3 +190,26 @@ def test_a_stop_string_ends_a_stream_and_partial_texts_never_show_it(tiny_model)
         outs = pool.generate([prompt, prompt], [stopping, free])
     assert (outs[0].finish_reason, outs[0].text) == ("stop", full.text[:start])
     assert outs[1].text == full.text
+
+
+def test_chat_in_a_pool_gives_what_one_engine_gives(tiny_model):
+    talk = [{"role": "user", "content": "Name a harbour town."}]
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        expected = llm.chat(talk, GREEDY)[0]
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            one = await pool.chat(talk, GREEDY, rank=1)
+            streamed = [o async for o in pool.stream(pool.encode_chat(talk), GREEDY)]
+            return one, streamed[-1]
+
+    one, streamed = run(main())
+    assert one.prompt_token_ids == expected.prompt_token_ids and one.token_ids == expected.token_ids
+    assert one.rank == 1 and streamed.token_ids == expected.token_ids
+    from lmpool.pool.api import LMPool
+
+    with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+        both = pool.chat([talk, talk], GREEDY)
+        with pytest.raises(ValueError, match="conversation 1: a conversation is a non-empty list"):
+            pool.chat([talk, []], GREEDY)
+    assert [o.token_ids for o in both] == [expected.token_ids] * 2
