@@ -237,8 +237,8 @@ class ControlPlane:
             raise ValueError(f"a transfer needs two ranks, got {request.src} twice")
         if not request.block_hashes:
             raise ValueError(f"nothing to transfer: the prompt holds no complete block of {self.spec.block_size} tokens")
-        generations = self._generations(request.src, request.block_hashes)
-        if isinstance(generations, int):
+        generations, missing = self._generations(request.src, request.block_hashes)
+        if missing is not None:
             # The caller may have seen the request that cached these blocks finish before
             # the source's delta announcing them reached this process: once the source has
             # answered a round trip, every delta it sent before is applied.
@@ -246,10 +246,9 @@ class ControlPlane:
                 await self.ask(request.src, "sync", timeout_s=self.coordinator.phase_timeout_s)
             except RankGoneError as e:
                 return TransferResult(0, PlanState.ABORTED.value, str(e))
-            generations = self._generations(request.src, request.block_hashes)
-        if isinstance(generations, int):
-            reason = f"rank {request.src} does not hold block {generations:#x}"
-            return TransferResult(0, PlanState.ABORTED.value, reason)
+            generations, missing = self._generations(request.src, request.block_hashes)
+        if missing is not None:
+            return TransferResult(0, PlanState.ABORTED.value, f"rank {request.src} does not hold block {missing:#x}")
         parents = [ROOT_HASH] + request.block_hashes[:-1]
         plan = self.coordinator.start(request.src, request.dst, request.block_hashes, generations, parents,
                                       move=request.move)
@@ -257,15 +256,16 @@ class ControlPlane:
         self.plan_waiters[plan.plan_id] = waiter
         return await waiter
 
-    def _generations(self, rank: int, block_hashes: list[int]) -> list[int] | int:
-        """The generation of each block at ``rank``, or the first hash it does not hold ready."""
+    def _generations(self, rank: int, block_hashes: list[int]) -> tuple[list[int], int | None]:
+        """The generation of each block at ``rank`` up to the first hash it does not hold
+        ready, and that hash (None: it holds them all)."""
         generations = []
         for h in block_hashes:
             entry = next((e for e in self.gbm.entries(h) if e.rank == rank and e.ready), None)
             if entry is None:
-                return h
+                return generations, h
             generations.append(entry.generation)
-        return generations
+        return generations, None
 
     async def ask(self, rank: int, kind: str, hashes: list[int] | None = None,
                   timeout_s: float = QUERY_TIMEOUT_S) -> TransferAck:
