@@ -7,6 +7,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
 from lmpool.config import EngineConfig
+from lmpool.detokenizer import Detokenizer
 from lmpool.engine.core import EngineCore
 from lmpool.outputs import RequestOutput
 from lmpool.sampling_params import SamplingParams
@@ -80,6 +81,14 @@ class LLM:
             return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def _text(self, token_ids: list[int], detok: Detokenizer | None, final: bool) -> str | None:
+        """The output's text so far: incrementally where it is needed at every step, else
+        decoded once when the output is final (None before that, or without a tokenizer)."""
+        if detok is None:
+            return self.decode(token_ids) if final else None
+        detok.extend(token_ids[detok.num_tokens:])
+        return detok.finish() if final else detok.text
+
     def generate(
         self,
         prompts: Prompt | SequenceABC[Prompt],
@@ -94,6 +103,8 @@ class LLM:
         token_lists, params = prepare_batch(prompts, sampling_params, self.encode, validate)
         request_ids = [f"llm-{next(self._ids)}" for _ in token_lists]
         stops = {rid: StopStrings(p.stop) for rid, p in zip(request_ids, params) if p.stop}
+        # Requests with stop strings need their text at every step; the others only at the end.
+        detoks = {rid: Detokenizer(self.tokenizer) for rid in stops}
         for rid, ids, p in zip(request_ids, token_lists, params):
             self.engine.add_request(rid, ids, p)
         done: dict[str, RequestOutput] = {}
@@ -101,7 +112,7 @@ class LLM:
             while len(done) < len(request_ids):
                 for out in self.engine.step():
                     seq, finish_reason = out.seq, out.finish_reason if out.finished else None
-                    text = self.decode(seq.output_token_ids) if finish_reason or out.request_id in stops else None
+                    text = self._text(seq.output_token_ids, detoks.get(out.request_id), finish_reason is not None)
                     hit = stops[out.request_id].find(text) if out.request_id in stops else None
                     if hit is not None:  # the text names a stop string: end the request there
                         if not out.finished:

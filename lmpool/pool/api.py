@@ -36,6 +36,7 @@ import uvloop
 
 from lmpool.control.global_scheduler import RoutingConfig
 from lmpool.control.transfer_config import TransferPolicyConfig
+from lmpool.detokenizer import Detokenizer
 from lmpool.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
 from lmpool.pool.engine import LLMEngine, PoolConfig, TrackedRequest
@@ -132,16 +133,13 @@ class AsyncLMPool:
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
-    def _output(self, req: TrackedRequest, num_tokens: int, finish_reason: str | None) -> RequestOutput:
+    @staticmethod
+    def _output(req: TrackedRequest, num_tokens: int, text: str | None, finish_reason: str | None) -> RequestOutput:
         """The request as of its first ``num_tokens`` output tokens (later ones may have arrived)."""
-        tokens = req.output_token_ids[:num_tokens]
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=tokens,
+            token_ids=req.output_token_ids[:num_tokens],
             text=text,
             num_cached_tokens=req.num_cached_tokens,
             finish_reason=finish_reason,
@@ -170,18 +168,24 @@ class AsyncLMPool:
         request ends at the first one its text shows (``lmpool.stop_strings``)."""
         req = await self.submit(prompt, params, request_id, rank)
         stops = StopStrings(req.params.stop) if req.params.stop else None
+        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         seen = 0
         try:
             while True:
                 item = await req.queue.get()
                 if item is None:
                     if req.finish_reason == "abort":
-                        yield self._output(req, seen, "abort")
+                        yield self._output(req, seen, detok.finish() if detok else None, "abort")
                     return
                 if isinstance(item, BaseException):
                     raise item
                 seen += 1
-                out = self._output(req, seen, item.finish_reason if item.finished else None)
+                text = None
+                if detok is not None:
+                    text = detok.extend(req.output_token_ids[seen - 1:seen])
+                    if item.finished:
+                        text = detok.finish()
+                out = self._output(req, seen, text, item.finish_reason if item.finished else None)
                 if stops is not None:
                     hit = stops.find(out.text)
                     if hit is not None:  # ends here; leaving the loop aborts it on its rank
