@@ -35,7 +35,8 @@ def tokenizer(tmp_path_factory):
     source = os.environ.get("LMPOOL_BENCH_TOKENIZER")
     if source is None:
         source = make_model(tmp_path_factory.mktemp("tok") / "model", preset="tiny", seed=0)
-    return load_tokenizer(source), str(source) if "LMPOOL_BENCH_TOKENIZER" in os.environ else "generated tiny"
+    # Named by its directory alone: a result names no machine path.
+    return load_tokenizer(source), Path(source).name if "LMPOOL_BENCH_TOKENIZER" in os.environ else "generated tiny"
 
 
 def full_redecode(tokenizer, ids: list[int]) -> str:

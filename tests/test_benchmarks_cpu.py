@@ -8,6 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import benchmark_stream  # noqa: E402
 import benchmark_throughput  # noqa: E402
 import profile_plan_bookkeeping  # noqa: E402
 
@@ -28,3 +29,15 @@ def test_throughput_benchmark_writes_json(tiny_model, tmp_path):
 def test_plan_bookkeeping_moves_a_chain_back_and_forth():
     """Every move completes (the script raises otherwise) and takes some time."""
     assert profile_plan_bookkeeping.seconds_per_move(3, block_size=16, reps=4) > 0
+
+
+def test_stream_benchmark_compares_both_ways_on_the_same_texts(tiny_model, tmp_path):
+    """The script raises if the two ways' texts differ; the JSON holds every round of both."""
+    out = tmp_path / "stream.json"
+    benchmark_stream.main(["--model", tiny_model, "--streams", "3", "--max-tokens", "24", "--rounds", "2",
+                           "--json", str(out)])
+    data = json.loads(out.read_text())
+    for way in benchmark_stream.WAYS:
+        assert [r["tokens"] for r in data["rounds"][way]] == [3 * 24] * 2
+    assert data["summary"]["ratio"]["tokens_per_s"] > 0
+    assert data["config"]["model"] == "model" and data["git"]["revision"]
