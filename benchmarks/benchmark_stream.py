@@ -5,7 +5,7 @@ against one pool; timed rounds alternate how each partial output's text is produ
 ``incremental`` is the pool's ``Detokenizer`` (``lmpool.detokenizer``), ``whole`` stands in
 for what LMPool did before it: decode the whole output again for every token. Every round
 streams the same prompts after an untimed warm-up round, so both see the same cached
-prefixes, and the texts both ways must agree. Reported per way (medians over rounds): wall
+prefixes, and every stream's final text must be the whole decode of its tokens. Reported per way (medians over rounds): wall
 seconds, output tokens/s, and the CPU seconds of this process (the event loop that consumes
 the streams; workers and the control plane are other processes) per 1,000 output tokens.
 
@@ -58,19 +58,20 @@ class WholeDecode:
         return self.text
 
 
-async def one_round(pool: AsyncLMPool, prompts: list[list[int]], params: SamplingParams) -> tuple[dict, list[str]]:
-    async def one(prompt: list[int]) -> tuple[int, str]:
+async def one_round(pool: AsyncLMPool, prompts: list[list[int]], params: SamplingParams) -> tuple[dict, list]:
+    """The round's figures and each stream's final ``(token_ids, text)``."""
+    async def one(prompt: list[int]) -> tuple[list[int], str]:
         last = None
         async for last in pool.stream(prompt, params):
             pass
-        return len(last.token_ids), last.text
+        return last.token_ids, last.text
 
     cpu, wall = time.process_time(), time.perf_counter()
     outs = await asyncio.gather(*(one(p) for p in prompts))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    tokens = sum(n for n, _ in outs)
+    tokens = sum(len(ids) for ids, _ in outs)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "cpu_s": cpu, "cpu_ms_per_1k_tokens": cpu / tokens * 1e6}, [text for _, text in outs]
+            "cpu_s": cpu, "cpu_ms_per_1k_tokens": cpu / tokens * 1e6}, outs
 
 
 async def run(args: argparse.Namespace, model: str) -> dict:
@@ -79,29 +80,35 @@ async def run(args: argparse.Namespace, model: str) -> dict:
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.streams)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rounds: dict[str, list[dict]] = {way: [] for way in WAYS}
-    texts: dict[str, list[str]] = {}
+    same_tokens = []  # per timed round pair: streams whose tokens matched the other way's
     original = pool_api.Detokenizer
     async with AsyncLMPool(model, world_size=args.world_size, device=args.device, dtype=args.dtype,
                            max_num_seqs=max(args.streams, 1)) as pool:
         await one_round(pool, prompts, params)  # warm-up: caches, graphs, allocator
         try:
             for r in range(args.rounds):
+                outs_by_way = {}
                 for way in WAYS if r % 2 == 0 else WAYS[::-1]:  # ABBA: drift hits both alike
                     pool_api.Detokenizer = WholeDecode if way == "whole" else original
-                    figures, texts[way] = await one_round(pool, prompts, params)
+                    figures, outs = await one_round(pool, prompts, params)
                     rounds[way].append(figures)
+                    for ids, text in outs:  # each way's text is its own tokens' whole decode
+                        if text != pool.tokenizer.decode(ids, skip_special_tokens=True):
+                            raise AssertionError(f"{way}: a stream's text is not the decode of its tokens")
+                    outs_by_way[way] = outs
                     print(f"round {r} {way:>11}: {figures['wall_s']:7.2f} s, {figures['tokens_per_s']:8.0f} tok/s, "
                           f"{figures['cpu_ms_per_1k_tokens']:7.1f} ms CPU per 1k tokens", flush=True)
+                same_tokens.append(sum(a[0] == b[0] for a, b in zip(outs_by_way["whole"], outs_by_way["incremental"])))
         finally:
             pool_api.Detokenizer = original
-    if texts["whole"] != texts["incremental"]:
-        raise AssertionError("the two ways gave different texts")
     summary = {way: {key: statistics.median(r[key] for r in rounds[way]) for key in rounds[way][0]} for way in WAYS}
     summary["ratio"] = {
         "tokens_per_s": summary["incremental"]["tokens_per_s"] / summary["whole"]["tokens_per_s"],
         "cpu_per_token": summary["whole"]["cpu_ms_per_1k_tokens"] / summary["incremental"]["cpu_ms_per_1k_tokens"],
     }
-    return {"rounds": rounds, "summary": summary}
+    # Greedy tokens can differ between rounds where batches form differently (bf16 sums in
+    # another order break near-ties), which is why texts are checked against their own tokens.
+    return {"rounds": rounds, "summary": summary, "streams_with_the_same_tokens_both_ways": same_tokens}
 
 
 def main(argv: list[str] | None = None) -> int:
