@@ -39,6 +39,10 @@ _REQUIRED = (
     "num_attention_heads",
 )
 _SUPPORTED = 'model_type "qwen3" / architecture "Qwen3ForCausalLM"'
+# The config format written is that of the first transformers release with Qwen3, as
+# published Qwen3 checkpoints state it. Some transformers 5 releases take a local config
+# without this key for a Mistral one and warn that its tokenizer's regex is wrong.
+_WRITTEN_AS = "4.51.0"
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,7 @@ class ModelConfig:
             "eos_token_id": eos,
             "torch_dtype": self.torch_dtype,
             "use_cache": True,
+            "transformers_version": _WRITTEN_AS,
         }
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | str) -> int:

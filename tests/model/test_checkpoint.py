@@ -70,6 +70,9 @@ def test_round_trips_through_config_json(tmp_path):
     single = ModelConfig(**PRESETS["tiny"], eos_token_ids=(5,))
     assert single.to_hf_dict()["eos_token_id"] == 5
     assert ModelConfig.from_hf_dict(single.to_hf_dict()) == single
+    # Real checkpoints name the transformers version of their format; without it some
+    # transformers 5 releases warn that a local tokenizer's regex is Mistral's broken one.
+    assert single.to_hf_dict()["transformers_version"] == "4.51.0"
 
 
 def test_reads_what_transformers_itself_writes():
