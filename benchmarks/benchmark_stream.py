@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"incremental / whole: x{s['ratio']['tokens_per_s']:.2f} tokens/s, "
           f"x{s['ratio']['cpu_per_token']:.1f} less CPU per token in this process")
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("json", "model")}
+        config = {k: v for k, v in vars(args).items() if k not in ("json", "model", "preset")}
         config["model"] = Path(args.model).name if args.model else f"generated {args.preset}"
         args.json.write_text(json.dumps({
             "benchmark": "stream", "config": config, "git": git_record(),
