@@ -74,7 +74,7 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)  # process-wide: see EngineConfig.cpu_threads
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.ops = get_backend(self.device, config.use_kernels)
+        self.ops = get_backend(self.device, config.use_kernels, model_config.head_dim)
         with torch.device(self.device):
             self.model = Qwen3ForCausalLM(model_config, max_model_len)
         for p in self.model.parameters():  # rotary tables stay fp32

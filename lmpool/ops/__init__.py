@@ -8,6 +8,7 @@ caller asks for the reference explicitly.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,9 +37,22 @@ TORCH_OPS = KVOps(
 )
 
 
-def get_backend(device: torch.device | str, use_kernels: bool = True) -> KVOps:
-    """The ops for tensors on ``device``: CUDA kernels on a GPU unless ``use_kernels`` is False."""
+# The head sizes the attention kernels are compiled for: Qwen3's 128, and 64.
+KERNEL_HEAD_DIMS = (64, 128)
+
+
+def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: int | None = None) -> KVOps:
+    """The ops for tensors on ``device``: CUDA kernels on a GPU unless ``use_kernels`` is False,
+    or unless the model's ``head_dim`` is one the kernels are not compiled for: such a model
+    still runs, on the torch reference, with a warning that says so."""
     if torch.device(device).type != "cuda" or not use_kernels:
+        return TORCH_OPS
+    if head_dim is not None and head_dim not in KERNEL_HEAD_DIMS:
+        warnings.warn(
+            f"LMPool's CUDA attention kernels take head_dim {' or '.join(map(str, KERNEL_HEAD_DIMS))}, this "
+            f"model has {head_dim}: it runs on the torch reference ops instead (same results, slower, "
+            "no CUDA graphs)", RuntimeWarning, stacklevel=2,
+        )
         return TORCH_OPS
     from lmpool.ops import cuda  # builds the extension on first use
 

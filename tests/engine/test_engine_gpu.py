@@ -1,5 +1,6 @@
 """The engine on CUDA: same greedy tokens as the CPU path (fp32), CUDA graphs equal eager; step
-inputs through the pinned arena equal the CPU builder's; a step's launch never synchronises."""
+inputs through the pinned arena equal the CPU builder's; a step's launch never synchronises; a
+model whose head_dim the kernels lack runs on the torch ops."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from lmpool.engine.cuda_graphs import batch_sizes
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.engine.sequence import Sequence
 from lmpool.engine.step_inputs import StepInputBuilder
+from lmpool.model.make_model import make_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -175,3 +177,14 @@ def test_gpu_a_cache_larger_than_the_free_memory_is_refused_with_the_reason(tiny
         LLM(tiny_model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=too_many)
     with LLM(tiny_model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=64) as llm:  # still serves
         assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+
+
+def test_gpu_a_head_dim_the_kernels_lack_runs_on_the_torch_ops_and_equals_cpu(tmp_path):
+    model = str(make_model(tmp_path / "hd32", preset="tiny", seed=3, overrides={"head_dim": 32}))
+    with LLM(model, block_size=BLOCK) as llm:
+        want = [o.token_ids for o in llm.generate(prompts(4), GREEDY)]
+    with pytest.warns(RuntimeWarning, match="this model has 32"):
+        llm = LLM(model, device="cuda", dtype="float32", block_size=BLOCK)
+    with llm:
+        assert llm.engine.runner.ops.name == "torch" and llm.engine.runner.graphs is None
+        assert [o.token_ids for o in llm.generate(prompts(4), GREEDY)] == want

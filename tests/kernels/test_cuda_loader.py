@@ -36,6 +36,13 @@ def test_cpu_devices_get_the_torch_ops():
     assert get_backend("cpu").name == "torch"
 
 
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_a_head_dim_the_kernels_lack_falls_back_to_the_torch_ops_saying_so(head_dim):
+    """Decided before the extension is touched, so this holds with or without CUDA."""
+    with pytest.warns(RuntimeWarning, match=f"head_dim 64 or 128, this model has {head_dim}"):
+        assert get_backend("cuda", head_dim=head_dim).name == "torch"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_loading_without_cuda_raises_a_clear_error():
     with pytest.raises(RuntimeError, match="CUDA") as info:
