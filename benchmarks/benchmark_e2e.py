@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eval_metrics import paired_change  # noqa: E402
 from eval_suite import (  # noqa: E402
-    LMPOOL, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, add_arguments, chosen_policies, finish_arguments, run_suite,
-    vocab_size,
+    LMPOOL, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, add_arguments, chosen_policies, file_traces, finish_arguments,
+    run_suite, vocab_size,
 )
 from workloads import load_skew, memory_skew  # noqa: E402
 
@@ -73,7 +73,7 @@ def comparisons(summary: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="default load_skew,memory_skew")
+    ap.add_argument("--workloads", help="default load_skew,memory_skew (none with --trace)")
     args = finish_arguments(ap.parse_args(argv), POOL_BLOCKS, "e2e")
     policies = chosen_policies(args, POLICIES, QUICK_POLICIES)
     vocab = vocab_size(args)
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> dict:
         "load_skew": lambda seed: load_skew(seed, vocab, args.scale, args.max_tokens),
         "memory_skew": lambda seed: memory_skew(seed, vocab, args.world_size, args.scale, args.max_tokens),
     }
-    names = args.workloads.split(",")
+    names = args.workloads.split(",") if args.workloads else [] if args.trace else list(WORKLOADS)
     unknown = [n for n in names if n not in makers]
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; choose from {list(makers)}")
-    traces = {n: {r: makers[n](args.seed + r) for r in args.rep_ids} for n in names}
+    traces = {n: {r: makers[n](args.seed + r) for r in args.rep_ids} for n in names} | file_traces(args)
     return run_suite(args, "e2e", traces, policies, comparisons)
 
 

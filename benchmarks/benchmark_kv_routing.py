@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eval_metrics import paired_change  # noqa: E402
 from eval_suite import (  # noqa: E402
-    LMPOOL, LMPOOL_VARIANTS, PEERS, add_arguments, chosen_policies, finish_arguments, run_suite, vocab_size,
+    LMPOOL, LMPOOL_VARIANTS, PEERS, add_arguments, chosen_policies, file_traces, finish_arguments, run_suite,
+    vocab_size,
 )
 from workloads import LOCALITY_LEVELS, locality  # noqa: E402
 
@@ -73,11 +74,12 @@ def comparisons(summary: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
-    ap.add_argument("--levels", default=",".join(map(str, LOCALITY_LEVELS)),
-                    help="shared-prefix multiples to run (default 1,3,5)")
+    ap.add_argument("--levels", help="shared-prefix multiples to run (default 1,3,5; none with --trace)")
     args = finish_arguments(ap.parse_args(argv), POOL_BLOCKS, "kv_routing")
+    if args.levels is None:
+        args.levels = "" if args.trace else ",".join(map(str, LOCALITY_LEVELS))
     try:
-        levels = [int(x) for x in args.levels.split(",")]
+        levels = [int(x) for x in args.levels.split(",") if x]
     except ValueError:
         raise SystemExit(f"--levels takes comma-separated integers, got {args.levels!r}") from None
     if any(lvl < 1 for lvl in levels):
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     policies = chosen_policies(args, POLICIES, QUICK_POLICIES)
     vocab = vocab_size(args)
     traces = {f"locality_{lvl}x": {r: locality(lvl, args.seed + r, vocab, args.scale, args.max_tokens)
-                                   for r in args.rep_ids} for lvl in levels}
+                                   for r in args.rep_ids} for lvl in levels} | file_traces(args)
     return run_suite(args, "kv_routing", traces, policies, comparisons)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import importlib.metadata
 import json
@@ -29,7 +30,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import uvloop
@@ -39,6 +39,7 @@ from eval_driver import Arrival, replay
 from eval_metrics import run_metrics, summarize
 from mps import mps_daemon
 from revision import git_record
+from trace_file import load_trace, trace_name
 from workloads import max_request_tokens
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -46,7 +47,7 @@ SCHEMA = "lmpool-eval/1"
 MAX_FAILURES = 2
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Policy:
     name: str
     routing: str
@@ -163,6 +164,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="start a private MPS daemon; each replica gets 100/replicas-per-GPU %% of the SMs")
     ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds before a run is abandoned")
     ap.add_argument("--max-minutes", type=float, help="start no repetition that would end past this")
+    ap.add_argument("--trace", type=Path, action="append", default=[],
+                    help="a JSON Lines trace of one's own (trace_file.py says the format), run as workload "
+                         "trace_<stem>; repeatable. With --trace, the built-in workloads run only if named")
     ap.add_argument("--json", type=Path, help="output file (default under benchmarks/results/)")
     ap.add_argument("--no-progress", action="store_true",
                     help="plain lines instead of progress bars (always so when stderr is not a terminal)")
@@ -252,6 +256,36 @@ def vocab_size(args: argparse.Namespace) -> int:
     from lmpool.model.config import ModelConfig
 
     return ModelConfig.from_pretrained(resolve_model(args)).vocab_size
+
+
+def file_traces(args: argparse.Namespace) -> dict[str, dict[int, object]]:
+    """The ``--trace`` files as workloads: one trace per file, the same for every repetition
+    (the file fixes its ids and order), text prompts encoded with the model's tokenizer."""
+    if not args.trace:
+        return {}
+    from lmpool.tokenizer import encode_prompt, load_tokenizer
+
+    from lmpool.model.config import ModelConfig
+
+    model = resolve_model(args)
+    tokenizer = load_tokenizer(model)
+    encode = None if tokenizer is None else (lambda text: encode_prompt(tokenizer, text))
+    config = ModelConfig.from_pretrained(model)
+    vocab, longest = config.vocab_size, config.max_context
+    out: dict[str, dict[int, object]] = {}
+    for path in args.trace:
+        name = trace_name(path)
+        if name in out:
+            raise SystemExit(f"two --trace files would both run as {name}: rename one")
+        try:
+            trace = load_trace(path, args.seed, vocab, encode, args.max_tokens, args.world_size)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--trace {_portable(str(path))}: {e}") from None
+        if max_request_tokens([trace]) > longest:
+            raise SystemExit(f"--trace {_portable(str(path))}: a request needs {max_request_tokens([trace])} "
+                             f"tokens (prompt and output), more than the model's {longest}")
+        out[name] = {r: dataclasses.replace(trace, seed=args.seed + r) for r in args.rep_ids}
+    return out
 
 
 def model_record(model: str, preset: str | None) -> dict:
@@ -446,12 +480,15 @@ def _run_policy(args: argparse.Namespace, model: str, policy: Policy, workload: 
 def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[int, object]],
               policies: list[Policy], comparisons: Callable[[dict], dict]) -> dict:
     """Run ``traces[workload][rep]`` under every policy; write and return the result."""
+    if not traces:
+        raise SystemExit("no workload to run: name built-in ones or give --trace files")
     model = resolve_model(args)
     every = [t for ts in traces.values() for t in ts.values()]
     max_model_len = -(-max_request_tokens(every) // args.block_size) * args.block_size
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
               if k not in ("arrival_process", "rep_ids", "preset_given")}
     config["json"] = _portable(str(args.json))
+    config["trace"] = [_portable(str(path)) for path in args.trace]
     if config.get("model"):
         config["model"] = _portable(config["model"])
     result = {

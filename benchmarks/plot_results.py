@@ -88,11 +88,12 @@ def plot_routing(data: dict, out: Path) -> list[Path]:
     levels = sorted(summary, key=lambda w: int(w.split("_")[1][:-1]) if w.startswith("locality_") else 0)
     policies = [p for p in _policies(data) if any(p in summary[w] for w in levels)]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    # Locality levels by their length ("3x"); a --trace file's workload by its own name.
+    groups = {w.removeprefix("locality_"): w for w in levels}
     for ax, (metric, label) in zip(axes.flat, HEADLINE):
-        _bars(ax, [w.removeprefix("locality_") for w in levels], policies,
-              lambda g, p, m=metric: summary.get(f"locality_{g}", {}).get(p, {}).get(m))
+        _bars(ax, list(groups), policies, lambda g, p, m=metric: summary.get(groups[g], {}).get(p, {}).get(m))
         ax.set_title(label)
-        ax.set_xlabel("shared-prefix length")
+        ax.set_xlabel("shared-prefix length" if all(w.startswith("locality_") for w in levels) else "workload")
     _legend(fig, axes.flat[0])
     profile = data["metadata"]["dataset_profile"]
     shares = ", ".join(f"{w.removeprefix('locality_')}: {100 * profile[w]['trace_req_share']:.2f}% req / "

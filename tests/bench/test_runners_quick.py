@@ -112,3 +112,36 @@ def test_e2e_runner_quick_mode(tiny_model, tmp_path):
     assert set(mem["metrics"]["phases"]) == {"warmup", "pressure", "reuse"}
     assert "met" in data["comparisons"]["acceptance"]
     assert plots(out) == [str(tmp_path / "eval_e2e_load_skew.png"), str(tmp_path / "eval_e2e_memory_skew.png")]
+
+
+TRACE = "\n".join([
+    "# two groups: one shares a spoken system prompt, the other a run of token ids",
+    '{"prompt": "You are a careful assistant who answers questions about tides. Why two a day?", "phase": "warmup",'
+    ' "group": "ocean"}',
+    '{"prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], "phase": "warmup", "rank": 1}',
+    "",
+    '{"prompt": "You are a careful assistant who answers questions about tides. What is a neap tide?",'
+    ' "phase": "revisit", "group": "ocean"}',
+    '{"prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 99], "phase": "revisit"}',
+]) + "\n"
+
+
+@pytest.mark.parametrize("runner", ["benchmark_e2e.py", "benchmark_kv_routing.py"])
+def test_a_trace_file_runs_alone_as_its_own_workload(tiny_model, tmp_path, runner):
+    trace = tmp_path / "faq.jsonl"
+    trace.write_text(TRACE)
+    out = tmp_path / "eval_trace.json"
+    run(runner, "--model", tiny_model, "--trace", str(trace), "--policies", "round_robin,lmpool", "--json", str(out))
+    data = json.loads(out.read_text())
+    check_common(data, {"trace_faq"}, {"round_robin", "lmpool"})
+    profile = data["metadata"]["dataset_profile"]["trace_faq"]
+    assert profile["params"]["file"] == "faq.jsonl" and profile["params"]["phases"] == ["warmup", "revisit"]
+    assert profile["requests"] == 4 and profile["phases"]["revisit"]["requests_sharing"] == 2
+    assert data["metadata"]["config"]["trace"] == ["<faq.jsonl>"]
+    for record in data["runs"]:
+        assert record["status"] == "ok"
+        assert record["requests"]["pinned_rank"] == [None, 1, None, None]
+    lmpool = next(r for r in data["runs"] if r["policy"] == "lmpool")
+    assert lmpool["metrics"]["phases"]["revisit"]["dp_tok_reuse"] > 0  # the revisits found their prefixes
+    assert plots(out) == [str(tmp_path / ("eval_trace_trace_faq.png" if runner == "benchmark_e2e.py"
+                                           else "eval_trace.png"))]
