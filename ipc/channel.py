@@ -98,6 +98,7 @@ class Channel(Generic[T]):
         self._heartbeat_timeout_ns = (
             None if heartbeat_timeout is None else int(heartbeat_timeout * 1e9)
         )
+        self._watched_since_ns = time.monotonic_ns()
         self._expected_peer = 0
         self._send_lock = asyncio.Lock()
         self._waiters: set[asyncio.Future] = set()
@@ -269,12 +270,22 @@ class Channel(Generic[T]):
             return PeerDeadError(f"peer process {pid} has exited (or was killed)")
         beat = self._rx.producer_beat_ns
         timeout = self._heartbeat_timeout_ns
-        if timeout is not None and beat and time.monotonic_ns() - beat > timeout:
+        # Silence counts from the later of the last beat and the start of watching.
+        if timeout is not None and beat and time.monotonic_ns() - max(beat, self._watched_since_ns) > timeout:
             return PeerDeadError(
                 f"peer process {pid} missed its heartbeat: last beat "
                 f"{(time.monotonic_ns() - beat) / 1e9:.2f} s ago, timeout {timeout / 1e9:g} s"
             )
         return None
+
+    def watch_heartbeat(self, timeout: float | None) -> None:
+        """From now on, a peer silent for more than ``timeout`` seconds is dead (None: stop
+        watching). Silence before this call is not held against it, so a peer whose loop was
+        blocked while it started (loading a model, say) is watched only once it is up."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"heartbeat timeout must be > 0 seconds or None, got {timeout!r}")
+        self._heartbeat_timeout_ns = None if timeout is None else int(timeout * 1e9)
+        self._watched_since_ns = time.monotonic_ns()
 
     def _forward_bells(self) -> None:
         """Helper thread: turn each post of this end's semaphore into a loop wake-up."""

@@ -65,6 +65,7 @@ class AsyncLMPool:
         routing_config: RoutingConfig | None = None,
         topology: list[tuple[int, int]] | None = None,
         ready_timeout: float = 300.0,
+        hang_timeout: float | str | None = "auto",
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         enable_transfers: bool = False,
@@ -80,6 +81,7 @@ class AsyncLMPool:
         self.config = PoolConfig(
             model=str(model), world_size=world_size, device=device, routing=routing,
             routing_config=routing_config, topology=topology, engine=engine, ready_timeout=ready_timeout,
+            hang_timeout=hang_timeout,
             enable_transfers=enable_transfers, transfer_lease_s=transfer_lease_s,
             transfer_mode=transfer_mode, background_copy_max_blocks=background_copy_max_blocks,
             background_copy_batch_max_blocks=background_copy_batch_max_blocks, transfer_policy=transfer_policy,

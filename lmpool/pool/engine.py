@@ -6,7 +6,8 @@ hashes -> ask the control plane for a rank -> send the sequence to that
 worker -> collect its tokens as they stream back.
 
 Supervision: every link watches its peer's pid, so a dead process surfaces as
-an ``IpcError`` on its channel. A dead worker's unfinished requests are routed
+an ``IpcError`` on its channel; with ``hang_timeout`` it also watches the peer's
+heartbeat, so a hung one (alive but silent) is killed and surfaces the same way. A dead worker's unfinished requests are routed
 to live ranks and recomputed from prompt + tokens generated so far; the caller
 sees no error while one rank lives. A dead control process is restarted on
 fresh links, and every live worker re-attaches and sends a full snapshot.
@@ -84,6 +85,14 @@ class PoolConfig:
     engine: EngineArgs | None = None
     ready_timeout: float = 300.0
     heartbeat_interval: float = 0.5
+    # Seconds a worker or the control process may stay silent, once up, before it is taken
+    # for hung (stopped, deadlocked, stuck in the GPU), killed and replaced: a worker's
+    # requests are recomputed on live ranks, the control process is restarted. Their event
+    # loops beat four times a second even when idle, but a worker's loop is silent while
+    # one engine step runs, so this must outlast the longest step. "auto": 60 s on CUDA,
+    # where a step takes milliseconds; off (None) on CPU, where one step of a large model
+    # may take minutes.
+    hang_timeout: float | str | None = "auto"
     enable_transfers: bool = False  # workers can copy and move KV blocks between them
     transfer_lease_s: float = 10.0  # a worker aborts a plan its control plane left silent this long
     # Automatic transfers (``lmpool.control.transfer_config``); any mode but "none" enables transfers.
@@ -111,6 +120,13 @@ class PoolConfig:
                              f"got {self.gpu_transfer_path!r}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.hang_timeout == "auto":
+            self.hang_timeout = 60.0 if self.device == "cuda" else None
+        if self.hang_timeout is not None and (
+            isinstance(self.hang_timeout, (bool, str)) or not self.hang_timeout > 0
+        ):
+            raise ValueError(f"hang_timeout must be a positive number of seconds, None or 'auto'; "
+                             f"got {self.hang_timeout!r}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}; got {self.routing!r}")
         if self.routing_config is None:
@@ -261,6 +277,8 @@ class LLMEngine:
             raise PoolError(f"rank {rank.rank} failed to start: {msg.error}")
         assert isinstance(msg, WorkerReady)
         rank.num_blocks = msg.num_blocks
+        # Watched only from now: while it loaded the model its loop could not beat.
+        rank.channel.watch_heartbeat(self.config.hang_timeout)
 
     async def _spawn_control(self, worker_ends: list[str | None]) -> None:
         cfg = self.config
@@ -279,6 +297,7 @@ class LLMEngine:
         self.control_proc = process.spawn("lmpool.pool.control", spec)
         self._control_channel = Channel(link.a, object)
         self._control_channel.expect_peer(self.control_proc.pid)
+        self._control_channel.watch_heartbeat(self.config.hang_timeout)
         self.control = Requester(
             self._control_channel, RouteDecision | ControlStats | TransferResult | DigestsReply | None
         )
@@ -297,7 +316,7 @@ class LLMEngine:
             self.control_restarts += 1
             failed.close()
             self._control_channel.close()
-            process.stop(self.control_proc, timeout=1.0)
+            await asyncio.get_running_loop().run_in_executor(None, process.stop, self.control_proc, 1.0)
             live = [r for r in self.ranks if r.alive]
             links = {r.rank: self.ipc.create_link() for r in live}
             ends = [links[r].a if r in links else None for r in range(self.config.world_size)]
@@ -465,7 +484,8 @@ class LLMEngine:
             return
         rank.alive = False
         rank.channel.close()
-        process.stop(rank.proc, timeout=1.0)
+        # Off the event loop: a hung worker is only killed once the wait runs out.
+        await asyncio.get_running_loop().run_in_executor(None, process.stop, rank.proc, 1.0)
         try:
             await self.control_request(RankDown(rank.rank))
         except PoolError:

@@ -95,6 +95,39 @@ def test_missed_heartbeat_is_reported(pool, run, spawn):
     run(main())
 
 
+def test_silence_before_watching_starts_is_not_held_against_the_peer(pool, run, spawn, monkeypatch):
+    """A clock ten seconds ahead makes every beat of a live peer look ten seconds old: only
+    silence after ``watch_heartbeat`` counts, and then it does."""
+    import lmpool_ipc.channel as channel_module
+
+    link = pool.create_link()
+    ahead = [10_000_000_000]
+    real = time.monotonic_ns
+
+    class Clock:
+        @staticmethod
+        def monotonic_ns() -> int:
+            return real() + ahead[0]
+
+    async def main():
+        async with Channel(link.a, Message) as channel:
+            peer = spawn("idle", link.b)
+            assert await channel.recv() == Ready(peer.pid)
+            monkeypatch.setattr(channel_module, "time", Clock)
+            assert channel._peer_failure(sending=False) is None  # not watched
+            channel.watch_heartbeat(0.5)
+            assert channel._peer_failure(sending=False) is None  # old silence: not counted
+            ahead[0] += 1_000_000_000
+            failure = channel._peer_failure(sending=False)
+            assert isinstance(failure, PeerDeadError) and "missed its heartbeat" in str(failure)
+            channel.watch_heartbeat(None)
+            assert channel._peer_failure(sending=False) is None
+            with pytest.raises(ValueError, match="> 0 seconds"):
+                channel.watch_heartbeat(0)
+
+    run(main())
+
+
 def test_a_peer_that_dies_before_opening_its_end(pool, run):
     link = pool.create_link()
 

@@ -1,4 +1,5 @@
-"""Killing a worker or the control process mid-run loses no request and changes no token."""
+"""Killing a worker or the control process mid-run, or stopping one (hung: alive but silent),
+loses no request and changes no token."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def reference(tiny_model):
         return [o.token_ids for o in llm.generate(prompts(), PARAMS)]
 
 
-async def run_with_kill(pool: AsyncLMPool, victim_pid) -> list:
-    """Start all requests; once 20 tokens have streamed, SIGKILL ``victim_pid()``."""
+async def run_with_kill(pool: AsyncLMPool, victim_pid, sig: int = signal.SIGKILL) -> list:
+    """Start all requests; once 20 tokens have streamed, send ``sig`` to ``victim_pid()``."""
     streamed = 0
     killed = asyncio.Event()
 
@@ -41,7 +42,7 @@ async def run_with_kill(pool: AsyncLMPool, victim_pid) -> list:
         async for last in pool.stream(prompt, PARAMS):
             streamed += 1
             if streamed == 20:
-                os.kill(victim_pid(), signal.SIGKILL)
+                os.kill(victim_pid(), sig)
                 killed.set()
         return last
 
@@ -92,3 +93,38 @@ def test_control_sigkill_mid_run(tiny_model, reference):
     assert stats["control_pid"] != old and stats["control_restarts"] >= 1
     assert all(r["alive"] for r in stats["ranks"])
     assert again.num_cached_tokens >= 48
+
+
+HANG_TIMEOUT = 3.0  # far above a tiny-model step on CPU, which takes milliseconds
+GUARD_S = 120.0  # a pool that never notices the hang fails here instead of hanging the suite
+
+
+def test_a_stopped_worker_is_taken_for_hung_killed_and_its_requests_finish_elsewhere(tiny_model, reference):
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, hang_timeout=HANG_TIMEOUT) as pool:
+            victim = pool.engine.ranks[1].proc
+            async with asyncio.timeout(GUARD_S):
+                outs = await run_with_kill(pool, lambda: victim.pid, signal.SIGSTOP)
+                stats = await pool.stats()
+            return outs, stats, victim.poll()
+
+    outs, stats, exit_code = uvloop.run(main())
+    assert [o.token_ids for o in outs] == reference
+    assert not stats["ranks"][1]["alive"] and {o.rank for o in outs} <= {0, 2}
+    assert exit_code == -signal.SIGKILL  # killed, not left stopped behind the pool
+
+
+def test_a_stopped_control_process_is_replaced(tiny_model, reference):
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, hang_timeout=HANG_TIMEOUT) as pool:
+            old = pool.engine.control_proc
+            async with asyncio.timeout(GUARD_S):
+                outs = await run_with_kill(pool, lambda: old.pid, signal.SIGSTOP)
+                again = await pool.generate(prompts()[3], PARAMS)  # routes through the new control process
+                stats = await pool.stats()
+            return outs, again, stats, old.poll()
+
+    outs, again, stats, exit_code = uvloop.run(main())
+    assert [o.token_ids for o in outs] == reference
+    assert again.token_ids == reference[3]
+    assert stats["control_restarts"] >= 1 and exit_code == -signal.SIGKILL

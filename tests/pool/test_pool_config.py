@@ -1,6 +1,7 @@
-"""``PoolConfig``: where each rank runs and what engine arguments it gets. Replicas that share
-a GPU split its ``gpu_memory_utilization`` (each worker sizes its KV cache from its own
-share: given the whole, the second on a GPU asks for memory the first holds)."""
+"""``PoolConfig``: where each rank runs, what engine arguments it gets, and when a silent process
+is taken for hung. Replicas that share a GPU split its ``gpu_memory_utilization`` (each worker
+sizes its KV cache from its own share: given the whole, the second on a GPU asks for memory
+the first holds)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,14 @@ def test_cpu_replicas_keep_their_arguments():
     cfg = config(3, device="cpu")
     assert [cfg.device_of(r) for r in range(3)] == ["cpu"] * 3
     assert all(cfg.engine_of(r) is cfg.engine for r in range(3))
+
+
+def test_hang_detection_is_on_by_default_on_gpus_only_and_takes_positive_seconds(gpus):
+    gpus(1)
+    assert config(1).hang_timeout == 60.0  # a GPU step takes milliseconds
+    assert config(1, device="cpu").hang_timeout is None  # a CPU step of a large model may take minutes
+    assert PoolConfig(model="m", device="cpu", hang_timeout=2.5).hang_timeout == 2.5
+    assert PoolConfig(model="m", device="cuda", hang_timeout=None).hang_timeout is None
+    for bad in (0, -1.0, "soon", True):
+        with pytest.raises(ValueError, match="hang_timeout must be a positive number of seconds"):
+            PoolConfig(model="m", device="cpu", hang_timeout=bad)
