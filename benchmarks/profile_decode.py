@@ -1,0 +1,110 @@
+"""Where one decode step's time goes (diagnostic): wall time per step against the device's
+busy time, and the kernels that fill it, for batches of sequences at a given context.
+
+B sequences of a C-token random prompt are prefilled, then S decode steps are timed by the
+wall clock (each step ends with its token read-back, so it covers the device's work) and
+again under ``torch.profiler``, whose kernel records give the device time per step and by
+kernel name. Wall minus device time is what the host and launch gaps cost. On a CPU the
+profiler sees operators, not kernels: use it there only to check the script runs.
+
+    python benchmarks/profile_decode.py --preset 0.6b --device cuda --dtype bfloat16 \\
+        --batches 1,8,32,64 --context 2048 --json decode_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lmpool import LLM, SamplingParams
+from lmpool.model.make_model import PRESETS, make_model
+from revision import git_record
+
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of device time
+
+
+def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int) -> tuple[list[float], dict]:
+    """Wall seconds of ``steps`` decode steps, then the profiler's kernel totals over as many."""
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{batch}-{i}", [rng.randrange(vocab) for _ in range(context)], params)
+    while any(not s.num_output_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill (chunked) until every sequence decodes
+    engine.step()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    cuda = torch.cuda.is_available() and llm.engine.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+    kernels: dict[str, float] = collections.defaultdict(float)
+    with tempfile.TemporaryDirectory() as tmp:  # the exported trace names kernels in every torch version
+        prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
+        events = json.loads((Path(tmp) / "trace.json").read_text())["traceEvents"]
+    for event in events:
+        if event.get("cat") in DEVICE_WORK:
+            kernels[event["name"]] += event["dur"] / 1e3 / steps  # ms per step
+    while engine.has_unfinished():
+        engine.step()
+    return walls, dict(kernels)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a Qwen3 directory (default: generate --preset)")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--top", type=int, default=8, help="kernels listed per batch")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(make_model(Path(tmp) / "model", preset=args.preset, seed=0))
+        with LLM(model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                 max_model_len=args.context + 2 * args.steps + 16, max_num_seqs=max(batches),
+                 enforce_eager=args.enforce_eager) as llm:
+            for batch in batches:
+                walls, kernels = decode_steps(llm, batch, args.context, args.steps, seed=batch)
+                wall_ms = statistics.median(walls) * 1e3
+                device_ms = sum(kernels.values())
+                top = sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]
+                rows.append({"batch": batch, "wall_ms_per_step": wall_ms, "device_ms_per_step": device_ms,
+                             "top_kernels_ms_per_step": dict(top)})
+                print(f"B={batch:4d} context {args.context}: wall {wall_ms:7.3f} ms/step, device busy "
+                      f"{device_ms:7.3f} ms/step")
+                for name, ms in top:
+                    print(f"      {ms:7.3f} ms  {name[:110]}")
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k not in ("json", "model")}
+        config["model"] = Path(args.model).name if args.model else f"generated {args.preset}"
+        args.json.write_text(json.dumps({"benchmark": "profile_decode", "config": config, "git": git_record(),
+                                         "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
