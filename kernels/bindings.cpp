@@ -406,6 +406,80 @@ void unpack_kv(const at::Tensor& kv_cache, const at::Tensor& block_ids, const at
   check_launch(launch_unpack_kv(a, current_stream()), "unpack_kv");
 }
 
+void check_norm_weight(const at::Tensor& weight, const at::Tensor& x, int64_t dim) {
+  check_device(weight, "weight", x.device());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(),
+              "weight must be a contiguous [", num(dim), "] tensor, got shape ", shape(weight.sizes()));
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype ", dtype_name(weight),
+              " differs from the input's ", dtype_name(x));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got a tensor on ", dev(x.device()));
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, dim] with a contiguous last dimension, got shape ",
+              shape(x.sizes()), " strides ", shape(x.strides()));
+  check_norm_weight(weight, x, x.size(1));
+  const DType dtype = dtype_of(x, "x");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  RmsNormArgs a{};
+  a.x = x.data_ptr();
+  a.x_row_stride = x.stride(0);
+  a.weight = weight.data_ptr();
+  a.out = out.data_ptr();
+  a.rows = x.size(0);
+  a.dim = static_cast<int>(x.size(1));
+  a.eps = static_cast<float>(eps);
+  check_launch(launch_rms_norm(dtype, a, current_stream()), "rms_norm");
+  return out;
+}
+
+at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& positions) {
+  TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got a tensor on ", dev(x.device()));
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1,
+              "x must be [tokens, heads, head_dim] with a contiguous last dimension, got shape ",
+              shape(x.sizes()), " strides ", shape(x.strides()));
+  const int64_t dim = x.size(2);
+  TORCH_CHECK(dim % 2 == 0 && dim <= kMaxRopeHeadDim, "head_dim must be even and at most ",
+              num(kMaxRopeHeadDim), ", got ", num(dim));
+  check_norm_weight(weight, x, dim);
+  for (const auto& [table, name] : {std::pair{cos, "cos"}, std::pair{sin, "sin"}}) {
+    check_device(table, name, x.device());
+    TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.size(1) == dim / 2 &&
+                    table.is_contiguous(),
+                name, " must be a contiguous float32 [positions, ", num(dim / 2), "] table, got ",
+                dtype_name(table), " shape ", shape(table.sizes()));
+  }
+  TORCH_CHECK(cos.size(0) == sin.size(0) && cos.size(0) > 0, "cos and sin must have the same, non-zero, rows");
+  check_ids(positions, "positions", x.device());
+  TORCH_CHECK(positions.size(0) == x.size(0), "positions has ", num(positions.size(0)), " entries for ",
+              num(x.size(0)), " tokens");
+  const DType dtype = dtype_of(x, "x");
+  auto out = at::empty({x.size(0), x.size(1), dim}, x.options());
+  if (x.numel() == 0) return out;
+  TORCH_CHECK(x.size(0) <= INT_MAX && x.size(1) <= INT_MAX, "qk_norm_rope: too many tokens or heads");
+  const c10::cuda::CUDAGuard guard(x.device());
+  QkNormRopeArgs a{};
+  a.x = x.data_ptr();
+  a.x_token_stride = x.stride(0);
+  a.x_head_stride = x.stride(1);
+  a.weight = weight.data_ptr();
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  a.positions = positions.data_ptr();
+  a.positions_int64 = positions.scalar_type() == at::kLong;
+  a.num_positions = cos.size(0);
+  a.out = out.data_ptr();
+  a.tokens = static_cast<int>(x.size(0));
+  a.heads = static_cast<int>(x.size(1));
+  a.dim = static_cast<int>(dim);
+  a.eps = static_cast<float>(eps);
+  check_launch(launch_qk_norm_rope(dtype, a, current_stream()), "qk_norm_rope");
+  return out;
+}
+
 int64_t decode_splits(int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t max_tokens,
                       int64_t device_index) {
   TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "q_heads must be a multiple of kv_heads");
@@ -436,6 +510,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_kv", &lmpool::unpack_kv, py::arg("kv_cache"), py::arg("block_ids"),
         py::arg("payload"), py::arg("max_ctas") = 0,
         "Scatter a packed payload into block_ids of every layer; max_ctas as for pack_kv.");
+  m.def("rms_norm", &lmpool::rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        "RMSNorm of [rows, dim] (transformers' Qwen3 roundings), into a new contiguous tensor.");
+  m.def("qk_norm_rope", &lmpool::qk_norm_rope, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::arg("cos"), py::arg("sin"), py::arg("positions"),
+        "Per-head RMSNorm of [tokens, heads, head_dim], then rotary embedding at each token's position.");
   m.def("decode_splits", &lmpool::decode_splits, py::arg("rows"), py::arg("q_heads"),
         py::arg("kv_heads"), py::arg("max_tokens"), py::arg("device_index"),
         "The split-K factor paged_decode_attention picks for these shapes.");

@@ -161,4 +161,38 @@ struct BlockCopyArgs {
 cudaError_t launch_pack_kv(const BlockCopyArgs& args, cudaStream_t stream);
 cudaError_t launch_unpack_kv(const BlockCopyArgs& args, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------
+// RMSNorm of rows, and RMSNorm then rotary embedding of q/k heads (norm_rope.cu).
+
+constexpr int kMaxRopeHeadDim = 512;  // a head's row is staged in shared memory
+
+struct RmsNormArgs {
+  const void* x;  // [rows, dim], last dimension contiguous
+  int64_t x_row_stride;
+  const void* weight;  // [dim], the dtype of x
+  void* out;           // [rows, dim], contiguous
+  int64_t rows;
+  int dim;
+  float eps;
+};
+
+struct QkNormRopeArgs {
+  const void* x;  // [tokens, heads, dim], last dimension contiguous
+  int64_t x_token_stride, x_head_stride;
+  const void* weight;  // [dim], the dtype of x
+  const float* cos;    // [num_positions, dim / 2], contiguous
+  const float* sin;
+  const void* positions;  // [tokens], int32 or int64
+  bool positions_int64;
+  int64_t num_positions;
+  void* out;  // [tokens, heads, dim], contiguous
+  int tokens;
+  int heads;
+  int dim;  // even, at most kMaxRopeHeadDim
+  float eps;
+};
+
+cudaError_t launch_rms_norm(DType dtype, const RmsNormArgs& args, cudaStream_t stream);
+cudaError_t launch_qk_norm_rope(DType dtype, const QkNormRopeArgs& args, cudaStream_t stream);
+
 }  // namespace lmpool

@@ -9,7 +9,9 @@ model dtype. q/k/v and gate/up projections are fused at load time so a layer
 runs two matmuls where the checkpoint has five.
 
 Attention is delegated to a ``KVOps`` backend; every forward first writes this
-step's keys and values into the cache, then attends over the cache only.
+step's keys and values into the cache, then attends over the cache only. The norms and
+the q/k norm-then-rotate go through the backend too: on CUDA each is one kernel where
+plain torch launches eight to twenty (``kernels/norm_rope.cu``, same roundings).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 from lmpool.model.config import ModelConfig
 from lmpool.model.rope import YarnScaling, inv_freq
-from lmpool.ops import KVOps
+from lmpool.ops import TORCH_OPS, KVOps
 
 
 @dataclass
@@ -43,11 +45,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, ops: KVOps = TORCH_OPS) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -55,17 +54,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         freq, scale = inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), freq)
+        # fp32 [max_positions, head_dim / 2] tables, applied by ``ops.qk_norm_rope``.
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x[T, heads, head_dim]`` by each token's position."""
-        # index_select takes int32 positions as they are (advanced indexing would widen them first).
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+    def norm_and_rotate(self, x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, ops: KVOps) -> torch.Tensor:
+        """``norm`` each head of ``x[T, heads, head_dim]``, then rotate it by its token's position."""
+        return ops.qk_norm_rope(x, norm.weight, norm.eps, self.cos, self.sin, positions)
 
 
 class Attention(nn.Module):
@@ -93,8 +88,8 @@ class Attention(nn.Module):
         ops: KVOps,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(positions, self.q_norm(q.view(-1, self.num_heads, self.head_dim)))
-        k = rotary(positions, self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)))
+        q = rotary.norm_and_rotate(q.view(-1, self.num_heads, self.head_dim), self.q_norm, positions, ops)
+        k = rotary.norm_and_rotate(k.view(-1, self.num_kv_heads, self.head_dim), self.k_norm, positions, ops)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -157,10 +152,10 @@ class Qwen3ForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             h = h + layer.self_attn(
-                layer.input_layernorm(h), positions, self.rotary, meta, kv_cache[i], ops
+                layer.input_layernorm(h, ops), positions, self.rotary, meta, kv_cache[i], ops
             )
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            h = h + layer.mlp(layer.post_attention_layernorm(h, ops))
+        return self.norm(h, ops)
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Logits of ``hidden[R, hidden]``, cast to fp32 unless ``fp32`` is False.

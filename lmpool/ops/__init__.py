@@ -1,4 +1,5 @@
-"""KV-cache operations behind one interface, backed by torch or by LMPool's CUDA kernels.
+"""KV-cache operations (and the model's fused norms) behind one interface, backed by torch or
+by LMPool's CUDA kernels.
 
 ``get_backend(device)`` returns a ``KVOps`` whose functions all follow the layouts
 documented in ``lmpool.ops.reference``. The torch reference is the CPU path and the
@@ -25,6 +26,8 @@ class KVOps:
     paged_decode_attention: Callable[..., torch.Tensor]
     pack_kv: Callable[..., torch.Tensor]
     unpack_kv: Callable[..., None]
+    rms_norm: Callable[..., torch.Tensor]
+    qk_norm_rope: Callable[..., torch.Tensor]
 
 
 TORCH_OPS = KVOps(
@@ -34,6 +37,8 @@ TORCH_OPS = KVOps(
     paged_decode_attention=reference.paged_decode_attention,
     pack_kv=reference.pack_kv,
     unpack_kv=reference.unpack_kv,
+    rms_norm=reference.rms_norm,
+    qk_norm_rope=reference.qk_norm_rope,
 )
 
 

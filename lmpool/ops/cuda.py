@@ -41,6 +41,7 @@ _SOURCES = (
     "prefill_mma_f16.cu",
     "prefill_mma_bf16.cu",
     "kv_cache.cu",
+    "norm_rope.cu",
 )
 _HEADERS = ("launchers.h", "common.cuh", "attention_rows.cuh", "prefill_mma.cuh")
 _CUDA_FLAGS = ("-O3", "-lineinfo")
@@ -241,6 +242,18 @@ def unpack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, payload: torch.Te
     load_extension().unpack_kv(kv_cache, block_ids, payload.to(kv_cache.dtype), max_ctas)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x[..., dim]`` in one kernel (``reference.rms_norm``'s roundings)."""
+    flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return load_extension().rms_norm(flat, weight, float(eps)).view(x.shape)
+
+
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm then rotary embedding of ``x[tokens, heads, head_dim]`` in one kernel."""
+    return load_extension().qk_norm_rope(x, weight, float(eps), cos, sin, positions)
+
+
 CUDA_OPS = KVOps(
     name="cuda",
     write_kv=write_kv,
@@ -248,4 +261,6 @@ CUDA_OPS = KVOps(
     paged_decode_attention=paged_decode_attention,
     pack_kv=pack_kv,
     unpack_kv=unpack_kv,
+    rms_norm=rms_norm,
+    qk_norm_rope=qk_norm_rope,
 )

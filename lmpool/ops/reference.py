@@ -1,4 +1,5 @@
-"""Plain-torch reference implementations of LMPool's KV-cache operations.
+"""Plain-torch reference implementations of LMPool's KV-cache operations, and of the model's
+norms and rotary embedding that LMPool fuses on CUDA.
 
 These are the CPU path of the engine and the oracle every CUDA kernel is tested
 against, so they favour obvious correctness over speed.
@@ -135,3 +136,27 @@ def unpack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, payload: torch.Te
             f"payload holds {payload.shape[2]} blocks but {block_ids.numel()} block ids were given"
         )
     kv_cache[:, :, block_ids.long()] = payload.to(kv_cache.dtype)
+
+
+# ---- the model's elementwise work: one op here, one kernel on CUDA (kernels/norm_rope.cu) ----
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension as transformers' Qwen3 computes it: in fp32, rounded to
+    the model dtype, then scaled by ``weight`` (in the model dtype)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm of ``x[tokens, heads, head_dim]``, then the rotate-half rotary embedding
+    at each token's position; ``cos``/``sin`` are fp32 ``[positions, head_dim / 2]`` tables."""
+    x = rms_norm(x, weight, eps)
+    # index_select takes int32 positions as they are (advanced indexing would widen them first).
+    c = cos.index_select(0, positions).unsqueeze(1)
+    s = sin.index_select(0, positions).unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

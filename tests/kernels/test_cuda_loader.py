@@ -26,7 +26,8 @@ def test_cuda_ops_keep_the_reference_signatures():
 
     from lmpool.ops import TORCH_OPS
 
-    for name in ("write_kv", "paged_attention", "paged_decode_attention", "pack_kv", "unpack_kv"):
+    for name in ("write_kv", "paged_attention", "paged_decode_attention", "pack_kv", "unpack_kv", "rms_norm",
+                 "qk_norm_rope"):
         ours = inspect.signature(getattr(cuda.CUDA_OPS, name))
         theirs = inspect.signature(getattr(TORCH_OPS, name))
         assert list(ours.parameters) == list(theirs.parameters), name

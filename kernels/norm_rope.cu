@@ -1,0 +1,129 @@
+// RMSNorm, and RMSNorm followed by rotary embedding for the per-head q/k norms of Qwen3,
+// each one kernel where torch runs eight to twenty small ones (at small batches a decode
+// step was mostly the launch floor of those: results/h200/runs/NOTES.md, run 41).
+//
+// Numerics follow lmpool/ops/reference.py (transformers' Qwen3) rounding for rounding:
+// the sum of squares and the scaling in fp32, the result rounded to the model dtype, then
+// multiplied by the weight in fp32 and rounded again; the rotation in fp32 from those
+// rounded values, each product and sum rounded on its own (the _rn intrinsics keep the
+// compiler from fusing them into FMAs, which torch's separate kernels never do), and the
+// result rounded to the model dtype. Only the order of the sum of squares differs.
+//
+// Layout: one warp per row (a token's hidden state, or one head of one token); rows are
+// read through strides, outputs are contiguous.
+#include "common.cuh"
+#include "launchers.h"
+
+namespace lmpool {
+namespace {
+
+constexpr int kNormWarps = 4;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ float rounded(float x) {
+  return scalar_to_float<T>(float_to<T>(x));
+}
+
+// 1 / sqrt(mean of squares + eps), as torch computes it from the row's sum of squares.
+__device__ __forceinline__ float inverse_rms(float sum_squares, int dim, float eps) {
+  return rsqrtf(__fadd_rn(__fmul_rn(sum_squares, 1.0f / static_cast<float>(dim)), eps));
+}
+
+template <typename T>
+__global__ void rms_norm_kernel(RmsNormArgs a) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + threadIdx.x / 32;
+  if (row >= a.rows) return;  // warp-uniform: the whole warp leaves together
+  const T* x = static_cast<const T*>(a.x) + row * a.x_row_stride;
+  const T* weight = static_cast<const T*>(a.weight);
+  T* out = static_cast<T*>(a.out) + row * a.dim;
+  float sum = 0.f;
+  for (int i = lane; i < a.dim; i += 32) {
+    const float v = scalar_to_float<T>(x[i]);
+    sum = __fadd_rn(sum, __fmul_rn(v, v));
+  }
+  const float inv = inverse_rms(warp_sum(sum), a.dim, a.eps);
+  for (int i = lane; i < a.dim; i += 32) {  // the second read of the row comes from L1
+    const float normed = rounded<T>(__fmul_rn(scalar_to_float<T>(x[i]), inv));
+    out[i] = float_to<T>(__fmul_rn(scalar_to_float<T>(weight[i]), normed));
+  }
+}
+
+template <typename T, typename Pos>
+__global__ void qk_norm_rope_kernel(QkNormRopeArgs a) {
+  __shared__ float rows[kNormWarps][kMaxRopeHeadDim];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + warp;
+  if (row >= static_cast<int64_t>(a.tokens) * a.heads) return;  // warp-uniform
+  const int64_t token = row / a.heads;
+  const int head = static_cast<int>(row % a.heads);
+  const T* x = static_cast<const T*>(a.x) + token * a.x_token_stride + head * a.x_head_stride;
+  const T* weight = static_cast<const T*>(a.weight);
+  float* values = rows[warp];
+  float sum = 0.f;
+  for (int i = lane; i < a.dim; i += 32) {
+    const float v = scalar_to_float<T>(x[i]);
+    values[i] = v;
+    sum = __fadd_rn(sum, __fmul_rn(v, v));
+  }
+  const float inv = inverse_rms(warp_sum(sum), a.dim, a.eps);
+  for (int i = lane; i < a.dim; i += 32) {  // each lane rewrites only the elements it read
+    const float normed = rounded<T>(__fmul_rn(values[i], inv));
+    values[i] = rounded<T>(__fmul_rn(scalar_to_float<T>(weight[i]), normed));
+  }
+  __syncwarp();  // the rotation pairs element i with i + dim / 2, written by another lane
+  // The engine's positions lie below the table's length (max_model_len); clamping keeps
+  // every read in bounds whatever a caller passes.
+  int64_t pos = static_cast<int64_t>(static_cast<const Pos*>(a.positions)[token]);
+  pos = pos < 0 ? 0 : (pos >= a.num_positions ? a.num_positions - 1 : pos);
+  const int half = a.dim / 2;
+  const float* cos = a.cos + pos * half;
+  const float* sin = a.sin + pos * half;
+  T* out = static_cast<T*>(a.out) + row * a.dim;
+  for (int i = lane; i < half; i += 32) {
+    const float x1 = values[i], x2 = values[i + half], c = cos[i], s = sin[i];
+    out[i] = float_to<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+    out[i + half] = float_to<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+  }
+}
+
+int norm_blocks(int64_t rows) { return static_cast<int>((rows + kNormWarps - 1) / kNormWarps); }
+
+template <typename T>
+cudaError_t launch_qk_for(const QkNormRopeArgs& a, cudaStream_t stream) {
+  const int blocks = norm_blocks(static_cast<int64_t>(a.tokens) * a.heads);
+  if (a.positions_int64) {
+    qk_norm_rope_kernel<T, int64_t><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+  } else {
+    qk_norm_rope_kernel<T, int><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_rms_norm(DType dtype, const RmsNormArgs& a, cudaStream_t stream) {
+  const int blocks = norm_blocks(a.rows);
+  switch (dtype) {
+    case DType::kF32: rms_norm_kernel<float><<<blocks, kNormWarps * 32, 0, stream>>>(a); break;
+    case DType::kF16: rms_norm_kernel<__half><<<blocks, kNormWarps * 32, 0, stream>>>(a); break;
+    default: rms_norm_kernel<__nv_bfloat16><<<blocks, kNormWarps * 32, 0, stream>>>(a); break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_qk_norm_rope(DType dtype, const QkNormRopeArgs& a, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF32: return launch_qk_for<float>(a, stream);
+    case DType::kF16: return launch_qk_for<__half>(a, stream);
+    default: return launch_qk_for<__nv_bfloat16>(a, stream);
+  }
+}
+
+}  // namespace lmpool

@@ -1,0 +1,118 @@
+"""The fused RMSNorm and q/k norm-then-rotate kernels (``kernels/norm_rope.cu``) against the
+torch reference in the same dtype, whose roundings they follow (needs a GPU).
+
+Inputs are strided views, as the model passes them (q and k are slices of the fused qkv
+projection); freed allocator memory is NaN before each call, so an output element the
+kernel forgets to write shows. Only the order of the sum of squares differs from torch, so
+fp32 agrees to rounding and fp16/bf16 results are the reference's bits but for rare
+one-unit differences.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpool.model.qwen3 import RotaryEmbedding
+from lmpool.model.rope import YarnScaling
+from lmpool.ops import cuda, reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def poisoned() -> None:
+    torch.cuda.empty_cache()
+    junk = torch.full((16 << 20,), float("nan"), device="cuda")
+    del junk
+
+
+def check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
+    assert not torch.isnan(out).any(), "an output element was never written"
+    o, r = out.double(), ref.double()
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-6)
+        return
+    # A normed value one unit apart moves a rotated one by about a unit of the normed values
+    # (order 1), however small the rotated value is: the bound is relative to both.
+    ulp = 2.0 ** -(7 if out.dtype == torch.bfloat16 else 10)
+    assert ((o - r).abs() <= 2 * ulp * (r.abs() + 1)).all(), "more than a unit of rounding apart"
+    assert (out == ref).float().mean().item() > 0.99, "too many elements differ from the reference's bits"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128, 1024, 200])
+@pytest.mark.parametrize("rows", [1, 7, 333])
+def test_rms_norm_equals_the_reference_on_a_strided_input(dtype, dim, rows):
+    g = torch.Generator(device="cuda").manual_seed(dim * 1000 + rows)
+    wide = torch.randn(rows, dim + 24, device="cuda", generator=g).to(dtype)
+    x = wide[:, 8 : 8 + dim]  # rows strided, as a slice of a wider tensor
+    weight = (1 + 0.3 * torch.randn(dim, device="cuda", generator=g)).to(dtype)
+    poisoned()
+    check(cuda.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+@pytest.mark.parametrize("positions_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("yarn", [False, True], ids=["plain", "yarn"])
+def test_qk_norm_rope_equals_the_reference_on_a_qkv_slice(dtype, head_dim, positions_dtype, yarn):
+    tokens, heads, kv_heads, max_pos = 37, 8, 2, 4096
+    g = torch.Generator(device="cuda").manual_seed(head_dim + yarn)
+    scaling = YarnScaling(factor=4.0, original_max_position_embeddings=1024) if yarn else None
+    rotary = RotaryEmbedding(head_dim, max_pos, 1_000_000.0, scaling).to("cuda")
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=g).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, max_pos, (tokens,), device="cuda", generator=g).to(positions_dtype)
+    for x in (q, k):
+        weight = (1 + 0.3 * torch.randn(head_dim, device="cuda", generator=g)).to(dtype)
+        args = (x, weight, 1e-6, rotary.cos, rotary.sin, positions)
+        poisoned()
+        check(cuda.qk_norm_rope(*args), reference.qk_norm_rope(*args))
+
+
+def test_both_replay_in_a_cuda_graph_on_new_inputs():
+    dim, heads, tokens = 128, 4, 16
+    rotary = RotaryEmbedding(dim, 512, 10000.0).to("cuda")
+    x = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    w, wh = torch.rand(dim, device="cuda", dtype=torch.bfloat16), torch.rand(1024, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(tokens, device="cuda", dtype=torch.int32)
+    cuda.qk_norm_rope(x, w, 1e-6, rotary.cos, rotary.sin, pos)  # warm up outside the capture
+    cuda.rms_norm(h, wh, 1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_q = cuda.qk_norm_rope(x, w, 1e-6, rotary.cos, rotary.sin, pos)
+        out_h = cuda.rms_norm(h, wh, 1e-6)
+    x.copy_(torch.randn_like(x))
+    h.copy_(torch.randn_like(h))
+    pos.copy_(torch.randint(0, 512, (tokens,), device="cuda", dtype=torch.int32))
+    graph.replay()
+    check(out_q, reference.qk_norm_rope(x, w, 1e-6, rotary.cos, rotary.sin, pos))
+    check(out_h, reference.rms_norm(h, wh, 1e-6))
+
+
+def test_bad_inputs_are_refused_naming_the_problem():
+    ext = cuda.load_extension()
+    x = torch.zeros(3, 2, 8, device="cuda")
+    w = torch.ones(8, device="cuda")
+    table = torch.zeros(16, 4, device="cuda")
+    pos = torch.zeros(3, dtype=torch.int32, device="cuda")
+    cases = {
+        "head_dim must be even": lambda: ext.qk_norm_rope(torch.zeros(3, 2, 7, device="cuda"), torch.ones(7, device="cuda"),
+                                                          1e-6, torch.zeros(16, 3, device="cuda"),
+                                                          torch.zeros(16, 3, device="cuda"), pos),
+        "weight dtype": lambda: ext.qk_norm_rope(x, w.half(), 1e-6, table, table, pos),
+        r"cos must be a contiguous float32 \[positions, 4\]": lambda: ext.qk_norm_rope(x, w, 1e-6, table[:, :2],
+                                                                                      table, pos),
+        "positions has 2 entries for 3 tokens": lambda: ext.qk_norm_rope(x, w, 1e-6, table, table, pos[:2]),
+        r"x must be \[rows, dim\]": lambda: ext.rms_norm(x, w, 1e-6),
+        r"weight must be a contiguous \[8\]": lambda: ext.rms_norm(x[:, 0], torch.ones(4, device="cuda"), 1e-6),
+    }
+    for message, call in cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    assert ext.rms_norm(torch.zeros(0, 8, device="cuda"), w, 1e-6).shape == (0, 8)
