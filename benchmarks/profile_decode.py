@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import dataclasses
 import json
 import random
 import statistics
@@ -66,6 +68,23 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int) -> t
     return walls, dict(kernels)
 
 
+@contextlib.contextmanager
+def torch_norms(active: bool):
+    """While active, engines built take the norms and rotary from the torch reference even on
+    CUDA (the graphs they capture hold those ops): the path before the fused kernels."""
+    if not active:
+        yield
+        return
+    from lmpool.ops import cuda, reference
+
+    fused = cuda.CUDA_OPS
+    cuda.CUDA_OPS = dataclasses.replace(fused, rms_norm=reference.rms_norm, qk_norm_rope=reference.qk_norm_rope)
+    try:
+        yield
+    finally:
+        cuda.CUDA_OPS = fused
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a Qwen3 directory (default: generate --preset)")
@@ -78,26 +97,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per batch")
+    ap.add_argument("--norms", default="fused",
+                    help="comma-separated, run in turn: 'fused' (the norm kernels) and/or 'torch' (the norms "
+                         "and rotary as plain torch ops on the GPU, as before kernels/norm_rope.cu)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_model(Path(tmp) / "model", preset=args.preset, seed=0))
-        with LLM(model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                 max_model_len=args.context + 2 * args.steps + 16, max_num_seqs=max(batches),
-                 enforce_eager=args.enforce_eager) as llm:
-            for batch in batches:
-                walls, kernels = decode_steps(llm, batch, args.context, args.steps, seed=batch)
-                wall_ms = statistics.median(walls) * 1e3
-                device_ms = sum(kernels.values())
-                top = sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]
-                rows.append({"batch": batch, "wall_ms_per_step": wall_ms, "device_ms_per_step": device_ms,
-                             "top_kernels_ms_per_step": dict(top)})
-                print(f"B={batch:4d} context {args.context}: wall {wall_ms:7.3f} ms/step, device busy "
-                      f"{device_ms:7.3f} ms/step")
-                for name, ms in top:
-                    print(f"      {ms:7.3f} ms  {name[:110]}")
+        for norms in args.norms.split(","):
+            with torch_norms(norms == "torch"), LLM(
+                    model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                    max_model_len=args.context + 2 * args.steps + 16, max_num_seqs=max(batches),
+                    enforce_eager=args.enforce_eager) as llm:
+                for batch in batches:
+                    walls, kernels = decode_steps(llm, batch, args.context, args.steps, seed=batch)
+                    wall_ms = statistics.median(walls) * 1e3
+                    device_ms = sum(kernels.values())
+                    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]
+                    rows.append({"norms": norms, "batch": batch, "wall_ms_per_step": wall_ms,
+                                 "device_ms_per_step": device_ms, "top_kernels_ms_per_step": dict(top)})
+                    print(f"{norms:>5} B={batch:4d} context {args.context}: wall {wall_ms:7.3f} ms/step, "
+                          f"device busy {device_ms:7.3f} ms/step")
+                    for name, ms in top:
+                        print(f"      {ms:7.3f} ms  {name[:110]}")
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "model")}
         config["model"] = Path(args.model).name if args.model else f"generated {args.preset}"
