@@ -38,12 +38,14 @@ def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtyp
 
 def check_cache_fits(num_blocks: int, block_bytes: int, device: torch.device, utilization: float) -> None:
     """Refuse, saying why and what to change, a KV cache the device cannot hold: what it has
-    free plus what torch keeps cached for reuse. ``gpu_memory_utilization`` is a share of the
-    whole device, so another process on it (another pool, a training job) can leave less free
-    than the share; the allocation would then fail with a bare out-of-memory error."""
+    free once torch has handed back what it keeps cached. ``gpu_memory_utilization`` is a
+    share of the whole device, so another process on it (another pool, a training job) can
+    leave less free than the share; the allocation would then fail with a bare out-of-memory
+    error. Cached memory is released rather than counted: an earlier engine's cache sits in
+    segments (some in CUDA graph pools) that one cache-sized allocation cannot reuse."""
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
-    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    message = cache_shortfall(num_blocks * block_bytes, free + reusable, str(device), num_blocks, utilization)
+    message = cache_shortfall(num_blocks * block_bytes, free, str(device), num_blocks, utilization)
     if message is not None:
         raise ValueError(message)
 
@@ -118,6 +120,10 @@ class ModelRunner:
         self.model = None
         self.kv_cache = None
         self.inputs = None
+        if self.device.type == "cuda":
+            # Back to the device, not to torch's cache: the next engine (in this process or
+            # another) sizes its KV cache from the device's free memory.
+            torch.cuda.empty_cache()
 
     @property
     def block_bytes(self) -> int:

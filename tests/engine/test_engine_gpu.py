@@ -168,8 +168,8 @@ def test_gpu_a_cache_larger_than_the_free_memory_is_refused_with_the_reason(tiny
     from lmpool.model.config import ModelConfig
 
     block_bytes = ModelConfig.from_pretrained(tiny_model).kv_bytes_per_block(16, torch.float32)
-    # What the check counts as available: free memory plus what torch's allocator keeps
-    # cached from earlier engines in this process (it would hand that out again).
+    # At most what the check can find free: free memory plus what torch's allocator keeps
+    # cached from earlier engines in this process (the check hands that back first).
     free, _ = torch.cuda.mem_get_info(0)
     available = free + torch.cuda.memory_reserved(0) - torch.cuda.memory_allocated(0)
     too_many = available // block_bytes + 1024
@@ -177,6 +177,15 @@ def test_gpu_a_cache_larger_than_the_free_memory_is_refused_with_the_reason(tiny
         LLM(tiny_model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=too_many)
     with LLM(tiny_model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=64) as llm:  # still serves
         assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+
+
+def test_gpu_an_engine_closed_leaves_its_memory_to_the_next_one(tiny_model):
+    """Engines sized from the device one after another in one process: the first one's KV
+    cache, freed, goes back to the device, so the second finds it free."""
+    for _ in range(2):
+        with LLM(tiny_model, device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=0.8) as llm:
+            assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+        assert torch.cuda.memory_reserved(0) - torch.cuda.memory_allocated(0) < 2**30
 
 
 def test_gpu_a_head_dim_the_kernels_lack_runs_on_the_torch_ops_and_equals_cpu(tmp_path):
