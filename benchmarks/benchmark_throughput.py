@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         prompts, outputs = workload(
             args.num_seqs, args.min_input, args.max_input, args.min_output, args.max_output, vocab, args.seed
         )
-        result = {"config": vars(args) | {"model": args.model, "json": None}, "environment": environment(args.device)}
+        result = {"config": vars(args) | {"model": Path(args.model).name if args.model else None, "json": None}, "environment": environment(args.device)}
         result["lmpool"] = run_lmpool(model, prompts, outputs, args)
         lm = result["lmpool"]
         st = lm["steps"]
