@@ -125,11 +125,23 @@ def ps_command(argv: list[str]) -> int:
 COMMANDS = {"demo": demo, "make-model": make_model_command, "ps": ps_command, "top": top_command}
 
 
+HELP = """usage: lmpool {demo,make-model,ps,top} [args...]
+
+  demo        serve a generated tiny model from a pool of replicas and show where prompts went
+  make-model  write a random-weight Qwen3 checkpoint (config, weights, tokenizer)
+  ps          list the pools on this machine
+  top         live view of one pool
+
+'lmpool COMMAND --help' describes a command's arguments."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(HELP)
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        names = ", ".join(COMMANDS)
-        print(f"usage: lmpool {{{names}}} [args...]", file=sys.stderr)
+        print(HELP, file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])
 

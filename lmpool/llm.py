@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
@@ -18,11 +19,16 @@ Prompt = str | SequenceABC[int]
 
 
 def normalize_prompts(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
-    """One prompt or many: a string or a flat list of token ids is a single prompt."""
+    """One prompt or many: a string or a flat list of token ids (Python, numpy or torch integers,
+    or a 1-D array or tensor) is a single prompt; a 2-D array or tensor is one prompt per row."""
     if isinstance(prompts, str):
         return [prompts]
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):  # numpy array, torch tensor
+        prompts = prompts.tolist()
+        if not isinstance(prompts, list):  # a 0-d array: one token id
+            prompts = [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
         return [prompts]
     return prompts
 
@@ -34,6 +40,8 @@ def normalize_params(
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(f"sampling params must be a SamplingParams or a list of them, got {type(params).__name__}")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
@@ -97,8 +105,8 @@ class LLM:
         """Outputs in the order of ``prompts``. Every prompt is checked before any runs."""
 
         def validate(ids: list[int], p: SamplingParams) -> None:
+            self.engine.validate(ids, p)  # first: it checks that p is a SamplingParams
             check_usable(p.stop, self.tokenizer)
-            self.engine.validate(ids, p)
 
         token_lists, params = prepare_batch(prompts, sampling_params, self.encode, validate)
         request_ids = [f"llm-{next(self._ids)}" for _ in token_lists]

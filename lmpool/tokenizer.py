@@ -3,6 +3,7 @@ text, token ids as they are, or a chat conversation through the tokenizer's chat
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -19,12 +20,19 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt given as text (needs a tokenizer) or already as token ids."""
+    """Token ids of a prompt given as text (needs a tokenizer) or already as token ids (numpy or
+    torch integers, and 1-D arrays and tensors, become Python ints; anything else is left for
+    validation to name)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model directory has no tokenizer: pass token ids instead of text")
         return tokenizer.encode(prompt, add_special_tokens=False)
-    return list(prompt)
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
+        prompt = prompt.tolist()
+    try:
+        return [t if isinstance(t, int) or not isinstance(t, numbers.Integral) else int(t) for t in prompt]
+    except TypeError:
+        raise ValueError(f"a prompt is text or a sequence of token ids, got {type(prompt).__name__}") from None
 
 
 def is_conversation(value) -> bool:

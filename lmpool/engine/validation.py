@@ -23,8 +23,14 @@ def validate_request(
     if len(prompt_token_ids) == 0:
         raise ValueError("prompt is empty")
     for i, t in enumerate(prompt_token_ids):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ValueError(f"prompt token {t!r} at position {i} is not an integer token id")
+        if not 0 <= t < vocab_size:
             raise ValueError(f"prompt token {t!r} at position {i} is outside the vocabulary [0, {vocab_size})")
+    outside = [t for t in params.stop_token_ids if t >= vocab_size]
+    if outside:
+        raise ValueError(f"stop token id {outside[0]} is outside the vocabulary [0, {vocab_size}): it can never end "
+                         f"the request")
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise ValueError(

@@ -32,7 +32,11 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint in directory ``path``
     (or of the single safetensors file ``path``)."""
     for file in _safetensors_files(Path(path)):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        try:
+            opened = safe_open(file, framework="pt", device="cpu")
+        except Exception as e:  # safetensors' own error type differs between its versions
+            raise ValueError(f"cannot read weights file {file}: {e}") from None
+        with opened as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 

@@ -92,8 +92,8 @@ class ModelConfig:
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")
         generation_file = path / "generation_config.json"
-        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
-        return cls.from_hf_dict(json.loads(config_file.read_text()), generation)
+        generation = _read_json(generation_file) if generation_file.is_file() else None
+        return cls.from_hf_dict(_read_json(config_file), generation)
 
     @classmethod
     def from_hf_dict(
@@ -186,6 +186,16 @@ class ModelConfig:
             self.num_hidden_layers * 2 * block_size * self.num_key_value_heads
             * self.head_dim * dtype.itemsize
         )
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _rope(config: dict[str, Any]) -> tuple[float, YarnScaling | None]:

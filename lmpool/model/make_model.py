@@ -303,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         help="weight dtype (default: float32 for tiny, bfloat16 otherwise)",
     )
     args = parser.parse_args(argv)
-    out = make_model(args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    try:
+        out = make_model(args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    except (FileExistsError, NotADirectoryError, PermissionError) as e:
+        parser.error(str(e))  # one line and exit status 2, as for any bad argument
     cfg = ModelConfig.from_pretrained(out)
     print(f"wrote {args.preset} ({_num_params(cfg) / 1e6:.1f}M params, {cfg.torch_dtype}) to {out}")
     return 0

@@ -26,6 +26,7 @@ GPUs (for peer access that is reported but slow or broken).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 import threading
@@ -39,7 +40,7 @@ from lmpool.control.transfer_config import TransferPolicyConfig
 from lmpool.detokenizer import Detokenizer
 from lmpool.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
-from lmpool.pool.engine import LLMEngine, PoolConfig, TrackedRequest
+from lmpool.pool.engine import LLMEngine, PoolConfig, PoolError, TrackedRequest
 from lmpool.pool.metrics import NO_METRICS, MetricsServer
 from lmpool.pool.spec import EngineArgs
 from lmpool.sampling_params import SamplingParams
@@ -156,7 +157,9 @@ class AsyncLMPool:
         """Validate and route one request (or send it to ``rank``); its tokens arrive on the
         returned request's queue."""
         rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         check_usable(params.stop, self.tokenizer)
         return await self.engine.add_request(rid, self.encode(prompt), params, rank)
 
@@ -240,6 +243,14 @@ class AsyncLMPool:
         return await self.engine.stats()
 
 
+async def _cancelled(started: list[asyncio.Task]) -> None:
+    """Cancel the task in ``started`` (if it got going) and wait until it has unwound."""
+    for task in started:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+
 class LMPool:
     """The pool for synchronous code: ``LMPool(model, world_size=4).generate(prompts, params)``."""
 
@@ -258,7 +269,26 @@ class LMPool:
         return await AsyncLMPool(model, **pool_args).start()
 
     def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run ``coro`` on the pool's loop and wait for it. If the wait is interrupted (Ctrl-C),
+        the call is cancelled there, and waited for, before the interruption goes on: its
+        streams abort their requests, as an interrupted ``LLM.generate`` leaves nothing behind."""
+        if self._loop.is_closed():
+            coro.close()  # never to be awaited
+            raise PoolError("the pool is shut down")
+        started: list[asyncio.Task] = []
+
+        async def run():
+            started.append(asyncio.current_task())
+            return await coro
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            if not future.done():
+                future.cancel()  # a call not yet started on the loop never starts
+                asyncio.run_coroutine_threadsafe(_cancelled(started), self._loop).result()
+            raise
 
     def generate(
         self,
@@ -271,8 +301,8 @@ class LMPool:
         pool = self._pool
 
         def validate(ids: list[int], p: SamplingParams) -> None:
+            pool.engine.validate("", ids, p)  # first: it checks that p is a SamplingParams
             check_usable(p.stop, pool.tokenizer)
-            pool.engine.validate("", ids, p)
 
         token_lists, params = prepare_batch(prompts, sampling_params, pool.encode, validate)
 

@@ -9,7 +9,8 @@ Supervision: every link watches its peer's pid, so a dead process surfaces as
 an ``IpcError`` on its channel; with ``hang_timeout`` it also watches the peer's
 heartbeat, so a hung one (alive but silent) is killed and surfaces the same way. A dead worker's unfinished requests are routed
 to live ranks and recomputed from prompt + tokens generated so far; the caller
-sees no error while one rank lives. A dead control process is restarted on
+sees no error while one rank lives, unless its request loses a second rank
+(``MAX_REROUTES``). A dead control process is restarted on
 fresh links, and every live worker re-attaches and sends a full snapshot.
 
 Invariants: a request is in ``requests`` from ingress until its final token
@@ -68,6 +69,12 @@ from lmpool_ipc import Channel, IpcError, IpcPool, RemoteError, Requester
 
 ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
 GPU_TRANSFER_PATHS = ("auto", "nccl")
+
+
+# Rank deaths a request survives: it is recomputed elsewhere once. A request whose second
+# rank dies too fails instead, so that one request that crashes workers (a bug it triggers)
+# cannot take down every rank of the pool in turn.
+MAX_REROUTES = 1
 
 
 class PoolError(RuntimeError):
@@ -155,13 +162,17 @@ class PoolConfig:
         that the pool's replicas on it fill together: replicas sharing a GPU split it evenly.
         Each worker sizes its KV cache from its own share, as it sees only its own process's
         allocations; given the whole share, the second replica on a GPU would ask for
-        memory the first already holds. An explicit ``num_kv_blocks`` is taken as given."""
+        memory the first already holds. An explicit ``num_kv_blocks`` is taken as given.
+
+        Each rank's sampler draws its own random stream (``seed + rank``): with one seed, every
+        replica would draw the same numbers, and unseeded requests would sample alike on every
+        rank. Rank 0 keeps the seed, so a one-rank pool samples as an ``LLM`` would."""
+        changes: dict = {"seed": self.engine.seed + rank} if rank else {}
         gpus = self.gpu_of_rank()
         sharing = gpus.count(gpus[rank]) if self.device == "cuda" else 1
-        if sharing == 1 or self.engine.num_kv_blocks is not None:
-            return self.engine
-        return msgspec.structs.replace(self.engine,
-                                       gpu_memory_utilization=self.engine.gpu_memory_utilization / sharing)
+        if sharing > 1 and self.engine.num_kv_blocks is None:
+            changes["gpu_memory_utilization"] = self.engine.gpu_memory_utilization / sharing
+        return msgspec.structs.replace(self.engine, **changes) if changes else self.engine
 
 
 @dataclass
@@ -226,6 +237,10 @@ class LLMEngine:
     # ---- start-up ---------------------------------------------------------------
 
     async def start(self) -> None:
+        if self._closed:  # its processes and shared memory are gone for good
+            raise PoolError("this pool was shut down and cannot start again: create a new one")
+        if self.ipc is not None:
+            raise PoolError("this pool is already started")
         self.ipc = IpcPool.start()  # also removes what crashed pools left in /dev/shm
         if self.config.enable_transfers:
             self.rendezvous = Rendezvous.create()
@@ -348,6 +363,8 @@ class LLMEngine:
             raise PoolError("the pool is shut down")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.ranks and not any(r.alive for r in self.ranks):
+            raise PoolError("no rank is alive")
         capacity = max((r.num_blocks for r in self.ranks if r.alive), default=0)
         validate_request(
             prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
@@ -493,6 +510,12 @@ class LLMEngine:
         orphans = [r for r in self.requests.values() if r.rank == rank.rank]
         for req in orphans:
             req.reroutes += 1
+            if req.reroutes > MAX_REROUTES:
+                self._forget(req)
+                req.queue.put_nowait(PoolError(
+                    f"request {req.request_id!r} was running on {req.reroutes} ranks that died; it is not retried "
+                    f"again, in case it is what kills them"))
+                continue
             try:
                 await self._dispatch(req)
             except PoolError as e:

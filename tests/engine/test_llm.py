@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,13 @@ def test_text_prompts_and_outputs(llm):
         assert o.prompt_token_ids == llm.tokenizer.encode(
             "The harbour town woke slowly" if o is out[0] else "A library", add_special_tokens=False
         )
+
+
+def test_numpy_and_torch_token_ids_are_prompts(llm):
+    want = llm.generate([3, 4, 5], GREEDY)[0].token_ids
+    for one in ([np.int64(3), np.int64(4), np.int64(5)], np.array([3, 4, 5]), torch.tensor([3, 4, 5])):
+        assert [o.token_ids for o in llm.generate(one, GREEDY)] == [want]
+    assert [o.token_ids for o in llm.generate(torch.tensor([[3, 4, 5], [3, 4, 5]]), GREEDY)] == [want, want]
 
 
 def test_single_prompt_forms(llm):
@@ -153,6 +161,13 @@ def test_sampling_follows_the_distribution():
         (lambda: SamplingParams(temperature=-0.5), "temperature"),
         (lambda: SamplingParams(top_p=0.0), "top_p"),
         (lambda: SamplingParams(top_p=1.5), "top_p"),
+        (lambda: SamplingParams(max_tokens=True), "max_tokens must be an integer"),
+        (lambda: SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
+        (lambda: SamplingParams(seed="abc"), "seed must be an integer"),
+        (lambda: SamplingParams(seed=1.5), "seed must be an integer"),
+        (lambda: SamplingParams(seed=2**70), r"seed must lie in \[-2\*\*63, 2\*\*64\)"),
+        (lambda: SamplingParams(stop_token_ids=[-1]), "stop token ids must be >= 0"),
+        (lambda: SamplingParams(stop_token_ids="12"), "stop_token_ids must be a sequence"),
     ],
 )
 def test_bad_sampling_params(make_params, match):
@@ -168,6 +183,9 @@ def test_bad_sampling_params(make_params, match):
         ([1, 2, 10**6], GREEDY, "outside the vocabulary"),
         ([1, -3], GREEDY, "outside the vocabulary"),
         ([1] * 10, SamplingParams(max_tokens=5000), "exceeds max_model_len"),
+        ([1.0, 2.0], GREEDY, "is not an integer token id"),
+        ([1, 2], SamplingParams(stop_token_ids=[10**6]), "stop token id 1000000 is outside the vocabulary"),
+        ([1, 2], {"max_tokens": 4}, "sampling params must be SamplingParams, got dict"),
     ],
 )
 def test_bad_prompt_is_refused_and_engine_keeps_serving(llm, reference, prompt, params, match):
@@ -221,3 +239,6 @@ def test_bad_engine_arguments(tiny_model, tmp_path):
         LLM(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(tiny_model, max_model_len=10**7)
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match="max_model_len must be an integer >= 1"):
+            LLM(tiny_model, max_model_len=bad)

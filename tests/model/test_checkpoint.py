@@ -312,9 +312,40 @@ def test_cli_main_writes_a_model_and_refuses_a_non_empty_directory(tmp_path, cap
     assert ModelConfig.from_pretrained(tmp_path / "m").torch_dtype == "float16"
     with pytest.raises(FileExistsError, match="non-empty"):
         make_model(tmp_path / "m")
+    with pytest.raises(SystemExit) as refused:  # from the command line: one line, no traceback
+        main([str(tmp_path / "m")])
+    assert refused.value.code == 2 and "refusing to write a model into non-empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([str(tmp_path / "x"), "--preset", "70b"])
     with pytest.raises(ValueError, match="unknown preset"):
         make_model(tmp_path / "y", preset="70b")
     with pytest.raises(ValueError, match="vocab_size 200"):
         make_model(tmp_path / "z", overrides={"vocab_size": 200})
+
+
+def test_lmpool_help_lists_every_command(capsys):
+    from lmpool import cli
+
+    assert cli.main(["--help"]) == 0
+    shown = capsys.readouterr().out
+    assert all(f"  {name}" in shown for name in cli.COMMANDS)
+    assert cli.main(["no-such-command"]) == 2 and "usage: lmpool" in capsys.readouterr().err
+
+
+def test_a_broken_file_is_named_in_the_error(tmp_path, tiny):
+    import shutil
+
+    from lmpool.model.checkpoint import iter_safetensors as read
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="cannot read weights file .*model.safetensors"):
+        list(read(broken))
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        ModelConfig.from_pretrained(broken)
+    (broken / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json must hold a JSON object"):
+        ModelConfig.from_pretrained(broken)

@@ -128,3 +128,42 @@ def test_a_stopped_control_process_is_replaced(tiny_model, reference):
     assert [o.token_ids for o in outs] == reference
     assert again.token_ids == reference[3]
     assert stats["control_restarts"] >= 1 and exit_code == -signal.SIGKILL
+
+
+def test_a_request_that_loses_a_second_rank_fails_and_the_pool_serves_on(tiny_model):
+    """Recomputed once after its rank dies; if the rank it moved to dies too, the request fails
+    (it might be what kills them) instead of moving on to the last rank."""
+    from lmpool.pool.engine import PoolError
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK) as pool:
+            engine = pool.engine
+            stream = pool.stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True))
+            killed: list[int] = []
+            with pytest.raises(PoolError, match="was running on 2 ranks that died"):
+                async with asyncio.timeout(GUARD_S):
+                    async for out in stream:
+                        rank = engine.requests[out.request_id].rank
+                        if rank not in killed:  # a token from a rank it has not lost yet
+                            killed.append(rank)
+                            os.kill(engine.ranks[rank].proc.pid, signal.SIGKILL)
+            survivor = await pool.generate([4, 5, 6], PARAMS)
+            return killed, survivor
+
+    killed, survivor = uvloop.run(main())
+    assert len(killed) == 2 and survivor.rank not in killed
+
+
+def test_with_every_rank_dead_a_request_is_told_so(tiny_model):
+    from lmpool.pool.engine import PoolError
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            for rank in pool.engine.ranks:
+                os.kill(rank.proc.pid, signal.SIGKILL)
+            for _ in range(2):  # before the pool noticed, and after
+                with pytest.raises(PoolError, match="no rank is alive"):
+                    async with asyncio.timeout(GUARD_S):
+                        await pool.generate([1, 2, 3], PARAMS)
+
+    uvloop.run(main())

@@ -115,3 +115,61 @@ def test_model_that_fails_to_load_names_rank_and_cause(tiny_model, tmp_path):
         f.unlink()
     with pytest.raises(PoolError, match=r"rank \d failed to start: FileNotFoundError"):
         LMPool(str(broken), world_size=2, block_size=BLOCK)
+
+
+def test_each_rank_samples_its_own_random_stream(tiny_model):
+    """Unseeded sampling: the first request on rank 0 and the first on rank 1 draw from
+    different streams (the same seed on every rank drew identical samples); a seeded request
+    samples alike wherever it runs."""
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5)
+    with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+        first = [pool.generate([[1, 2, 3]], sampled, rank=r)[0].token_ids for r in (0, 1)]
+        pinned = [pool.generate([[1, 2, 3]], seeded, rank=r)[0].token_ids for r in (0, 1)]
+    assert first[0] != first[1]
+    assert pinned[0] == pinned[1]
+
+
+def test_an_interrupted_generate_aborts_its_requests(tiny_model):
+    """Ctrl-C while ``LMPool.generate`` waits: the interruption reaches the caller, and the
+    call's requests are aborted before it does, not left running on the ranks."""
+    import signal
+    import threading
+
+    main = threading.main_thread().ident
+    with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+        engine = pool.engine
+        deliver = engine._deliver
+
+        def interrupt_at_first_token(rank, delta):
+            deliver(rank, delta)
+            if engine._deliver is not deliver:
+                engine._deliver = deliver
+                signal.pthread_kill(main, signal.SIGINT)
+
+        engine._deliver = interrupt_at_first_token
+        with pytest.raises(KeyboardInterrupt):
+            pool.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=2000, ignore_eos=True))
+        assert engine.requests == {}
+        assert len(pool.generate([[4, 5, 6]], GREEDY)[0].token_ids) == 8  # and it still serves
+
+
+def test_a_pool_shut_down_refuses_calls_and_a_restart(tiny_model):
+    import uvloop
+
+    with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+        pool.generate([[1, 2, 3]], GREEDY)
+    for call in (lambda: pool.stats(), lambda: pool.generate([[1, 2, 3]], GREEDY)):
+        with pytest.raises(PoolError, match="shut down"):
+            call()
+
+    async def restart():
+        from lmpool.pool.api import AsyncLMPool
+
+        again = AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK)
+        async with again:
+            pass
+        with pytest.raises(PoolError, match="shut down and cannot start again"):
+            await again.start()
+
+    uvloop.run(restart())  # the no_leaks fixture checks nothing of either start is left

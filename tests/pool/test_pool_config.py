@@ -5,6 +5,7 @@ the first holds)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -41,19 +42,21 @@ def test_replicas_sharing_a_gpu_split_its_memory_share(gpus):
 def test_a_replica_alone_on_its_gpu_takes_the_whole_share(gpus):
     gpus(4)
     cfg = config(3, gpu_memory_utilization=0.8)
-    assert all(cfg.engine_of(r) is cfg.engine for r in range(3))
+    assert [cfg.engine_of(r).gpu_memory_utilization for r in range(3)] == [0.8] * 3
 
 
 def test_a_fixed_block_count_is_taken_as_given(gpus):
     gpus(1)
     cfg = config(2, num_kv_blocks=64)
-    assert all(cfg.engine_of(r) is cfg.engine for r in range(2))
+    assert [(e.num_kv_blocks, e.gpu_memory_utilization) for e in map(cfg.engine_of, range(2))] == [(64, 0.9)] * 2
 
 
-def test_cpu_replicas_keep_their_arguments():
-    cfg = config(3, device="cpu")
+def test_cpu_replicas_keep_their_arguments_but_each_samples_its_own_stream():
+    cfg = config(3, device="cpu", seed=7)
     assert [cfg.device_of(r) for r in range(3)] == ["cpu"] * 3
-    assert all(cfg.engine_of(r) is cfg.engine for r in range(3))
+    assert cfg.engine_of(0) is cfg.engine  # rank 0 samples as an LLM with the pool's seed would
+    assert [cfg.engine_of(r).seed for r in range(3)] == [7, 8, 9]
+    assert all(msgspec.structs.replace(cfg.engine_of(r), seed=7) == cfg.engine for r in range(3))
 
 
 def test_hang_detection_is_on_by_default_on_gpus_only_and_takes_positive_seconds(gpus):
