@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    if not set(args.norms.split(",")) <= {"fused", "torch"}:
+        ap.error(f"--norms takes 'fused' and/or 'torch', got {args.norms!r}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_model(Path(tmp) / "model", preset=args.preset, seed=0))

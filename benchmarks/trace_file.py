@@ -76,20 +76,23 @@ def load_trace(path: Path, seed: int, vocab_size: int, encode: Callable[[str], l
     path = Path(path)
     requests: list[TraceRequest] = []
     phases: list[str] = []
-    with path.open(encoding="utf-8") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.strip() or raw.lstrip().startswith("#"):
-                continue
-            try:
-                line = json.loads(raw)
-                if not isinstance(line, dict):
-                    raise ValueError(f"a request is a JSON object, got {type(line).__name__}")
-                request = _request(line, len(requests), vocab_size, encode, max_tokens, world_size)
-            except ValueError as e:  # json.JSONDecodeError is one
-                raise ValueError(f"{path.name}:{number}: {e}") from None
-            requests.append(request)
-            if request.phase not in phases:
-                phases.append(request.phase)
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: JSON strings may hold U+2028
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path.name}: not UTF-8 text ({e})") from None
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip() or raw.lstrip().startswith("#"):
+            continue
+        try:
+            line = json.loads(raw)
+            if not isinstance(line, dict):
+                raise ValueError(f"a request is a JSON object, got {type(line).__name__}")
+            request = _request(line, len(requests), vocab_size, encode, max_tokens, world_size)
+        except ValueError as e:  # json.JSONDecodeError is one
+            raise ValueError(f"{path.name}:{number}: {e}") from None
+        requests.append(request)
+        if request.phase not in phases:
+            phases.append(request.phase)
     if not requests:
         raise ValueError(f"{path.name}: no requests")
     # Phases are barriers run in order of first appearance: requests regroup under them.

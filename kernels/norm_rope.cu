@@ -2,12 +2,14 @@
 // each one kernel where torch runs eight to twenty small ones (at small batches a decode
 // step was mostly the launch floor of those: results/h200/runs/NOTES.md, run 41).
 //
-// Numerics follow lmpool/ops/reference.py (transformers' Qwen3) rounding for rounding:
-// the sum of squares and the scaling in fp32, the result rounded to the model dtype, then
-// multiplied by the weight in fp32 and rounded again; the rotation in fp32 from those
-// rounded values, each product and sum rounded on its own (the _rn intrinsics keep the
-// compiler from fusing them into FMAs, which torch's separate kernels never do), and the
-// result rounded to the model dtype. Only the order of the sum of squares differs.
+// Numerics follow lmpool/ops/reference.py rounding for rounding (its RMSNorm is
+// transformers' Qwen3 one; its rotation works in fp32): the sum of squares and the scaling
+// in fp32, the result rounded to the model dtype, then multiplied by the weight in fp32 and
+// rounded again; the rotation in fp32 from those rounded values, each product and sum
+// rounded on its own (the _rn intrinsics keep the compiler from fusing them into FMAs,
+// which torch's separate kernels never do), and the result rounded to the model dtype.
+// Only the order of the sum of squares differs. A position outside the tables is clamped
+// (the reference's index_select raises): the engine never passes one.
 //
 // Layout: one warp per row (a token's hidden state, or one head of one token); rows are
 // read through strides, outputs are contiguous.

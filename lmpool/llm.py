@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import numbers
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
@@ -13,7 +12,7 @@ from lmpool.engine.core import EngineCore
 from lmpool.outputs import RequestOutput
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import StopStrings, check_usable
-from lmpool.tokenizer import encode_chats, encode_prompt, load_tokenizer
+from lmpool.tokenizer import encode_chats, encode_prompt, is_token_id, load_tokenizer
 
 Prompt = str | SequenceABC[int]
 
@@ -28,7 +27,7 @@ def normalize_prompts(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
         if not isinstance(prompts, list):  # a 0-d array: one token id
             prompts = [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
+    if prompts and all(is_token_id(t) for t in prompts):
         return [prompts]
     return prompts
 

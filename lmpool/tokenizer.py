@@ -4,6 +4,7 @@ text, token ids as they are, or a chat conversation through the tokenizer's chat
 from __future__ import annotations
 
 import numbers
+import operator
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -29,10 +30,19 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
         return tokenizer.encode(prompt, add_special_tokens=False)
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
         prompt = prompt.tolist()
-    try:
-        return [t if isinstance(t, int) or not isinstance(t, numbers.Integral) else int(t) for t in prompt]
+    try:  # numpy and 0-d torch integers become Python ints; anything else is left for validation to name
+        return [operator.index(t) if not isinstance(t, int) and is_token_id(t) else t for t in prompt]
     except TypeError:
         raise ValueError(f"a prompt is text or a sequence of token ids, got {type(prompt).__name__}") from None
+
+
+def is_token_id(value) -> bool:
+    """An integer, not a bool: a Python, numpy or 0-d torch one."""
+    if isinstance(value, (bool, str)):
+        return False
+    if isinstance(value, numbers.Integral):
+        return True
+    return getattr(value, "ndim", None) == 0 and not getattr(value, "is_floating_point", lambda: True)()
 
 
 def is_conversation(value) -> bool:

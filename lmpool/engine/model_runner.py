@@ -77,6 +77,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.ops = get_backend(self.device, config.use_kernels, model_config.head_dim)
+        if self.ops.name == "cuda":
+            # Build (or load) the kernels now, not inside the first step: a pool's worker is
+            # watched for hangs from the moment it is ready, and a cold build takes minutes.
+            from lmpool.ops.cuda import load_extension
+
+            load_extension()
         with torch.device(self.device):
             self.model = Qwen3ForCausalLM(model_config, max_model_len)
         for p in self.model.parameters():  # rotary tables stay fp32

@@ -93,8 +93,9 @@ class PoolConfig:
     ready_timeout: float = 300.0
     heartbeat_interval: float = 0.5
     # Seconds a worker or the control process may stay silent, once up, before it is taken
-    # for hung (stopped, deadlocked, stuck in the GPU), killed and replaced: a worker's
-    # requests are recomputed on live ranks, the control process is restarted. Their event
+    # for hung (stopped, deadlocked, stuck in the GPU) and killed, as if it had died: a
+    # worker's rank is lost and its requests are recomputed on live ranks (workers are not
+    # respawned), the control process is restarted. Their event
     # loops beat four times a second even when idle, but a worker's loop is silent while
     # one engine step runs, so this must outlast the longest step. "auto": 60 s on CUDA,
     # where a step takes milliseconds; off (None) on CPU, where one step of a large model
@@ -501,12 +502,12 @@ class LLMEngine:
             return
         rank.alive = False
         rank.channel.close()
-        # Off the event loop: a hung worker is only killed once the wait runs out.
-        await asyncio.get_running_loop().run_in_executor(None, process.stop, rank.proc, 1.0)
-        try:
+        try:  # first, so that no request is routed there while the process is stopped
             await self.control_request(RankDown(rank.rank))
         except PoolError:
             pass
+        # Off the event loop: a hung worker is only killed once the wait runs out.
+        await asyncio.get_running_loop().run_in_executor(None, process.stop, rank.proc, 1.0)
         orphans = [r for r in self.requests.values() if r.rank == rank.rank]
         for req in orphans:
             req.reroutes += 1

@@ -85,3 +85,10 @@ def test_a_bad_trace_file_stops_the_runner_before_any_pool_starts(tiny_model, tm
     with pytest.raises(SystemExit, match="both run as trace_mine"):
         benchmark_e2e.main([*args, str(bad), "--trace", str(bad)])
     assert not (tmp_path / "out.json").exists()
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(ValueError, match="^mine.jsonl: not UTF-8 text"):
+        load(path)

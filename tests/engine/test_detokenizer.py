@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmpool.detokenizer import Detokenizer
+from lmpool.detokenizer import MAX_HELD, Detokenizer
 from lmpool.tokenizer import load_tokenizer
 
 
@@ -37,8 +37,9 @@ def chunks(ids: list[int], cuts: list[int]) -> list[list[int]]:
 @given(data=st.data())
 def test_any_token_ids_end_as_their_whole_decode_and_the_text_only_grows(tokenizer, data):
     """Arbitrary ids: lone bytes of multi-byte characters, special tokens, in any chunks."""
-    ids = data.draw(st.lists(st.integers(0, len(tokenizer) - 1), max_size=60))
-    cuts = data.draw(st.lists(st.integers(0, 60), max_size=10))
+    # At most MAX_HELD ids, so no window is shown early: then the text is exactly the decode.
+    ids = data.draw(st.lists(st.integers(0, len(tokenizer) - 1), max_size=MAX_HELD))
+    cuts = data.draw(st.lists(st.integers(0, MAX_HELD), max_size=10))
     detok, shown = Detokenizer(tokenizer), []
     for part in chunks(ids, cuts):
         shown.append(detok.extend(part))
@@ -86,3 +87,30 @@ def test_finish_shows_held_incomplete_bytes_and_trailing_special_tokens(tokenize
     whole = Detokenizer(tokenizer)
     whole.extend(euro)
     assert whole.text == "€"
+
+
+def test_special_tokens_never_widen_the_window(tokenizer):
+    """A model that keeps emitting EOS (``ignore_eos``) or other special tokens: each step still
+    decodes a window of a few tokens, not everything since the last visible text."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode("hello world", add_special_tokens=False) + [end] * 500
+    counting = CountingTokenizer(tokenizer)
+    detok = Detokenizer(counting)
+    for token in ids:
+        detok.extend([token])
+    assert detok.num_tokens == len(ids)
+    assert detok.finish() == tokenizer.decode(ids, skip_special_tokens=True) == "hello world"
+    assert max(counting.windows) <= 4
+
+
+def test_a_run_of_invalid_bytes_is_shown_after_at_most_max_held_tokens(tokenizer):
+    """Lone UTF-8 continuation bytes decode to U+FFFD for good: the text shows them while the
+    output streams, each step's window stays bounded, and the end is the whole decode."""
+    lone = tokenizer.encode("€", add_special_tokens=False)[-1]  # a continuation byte by itself
+    ids = tokenizer.encode("ok ", add_special_tokens=False) + [lone] * 200
+    counting = CountingTokenizer(tokenizer)
+    detok = Detokenizer(counting)
+    shown = [detok.extend([token]) for token in ids]
+    assert shown[-1].startswith("ok \ufffd")  # shown before the output ends
+    assert max(counting.windows) <= 2 * MAX_HELD + 2
+    assert detok.finish() == tokenizer.decode(ids, skip_special_tokens=True)

@@ -79,7 +79,8 @@ def test_text_prompts_and_outputs(llm):
 
 def test_numpy_and_torch_token_ids_are_prompts(llm):
     want = llm.generate([3, 4, 5], GREEDY)[0].token_ids
-    for one in ([np.int64(3), np.int64(4), np.int64(5)], np.array([3, 4, 5]), torch.tensor([3, 4, 5])):
+    for one in ([np.int64(3), np.int64(4), np.int64(5)], np.array([3, 4, 5]), torch.tensor([3, 4, 5]),
+                [torch.tensor(3), torch.tensor(4), torch.tensor(5)]):
         assert [o.token_ids for o in llm.generate(one, GREEDY)] == [want]
     assert [o.token_ids for o in llm.generate(torch.tensor([[3, 4, 5], [3, 4, 5]]), GREEDY)] == [want, want]
 

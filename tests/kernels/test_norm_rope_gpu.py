@@ -23,8 +23,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def poisoned() -> None:
+    """Leave NaN in the allocator's free blocks, large pool and small (outputs under 1 MiB
+    come from the small one)."""
     torch.cuda.empty_cache()
-    junk = torch.full((16 << 20,), float("nan"), device="cuda")
+    junk = [torch.full((16 << 20,), float("nan"), device="cuda")]
+    junk += [torch.full((n,), float("nan"), device="cuda") for n in (1 << 18, 1 << 16, 1 << 12) * 4]
     del junk
 
 

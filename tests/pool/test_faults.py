@@ -95,7 +95,7 @@ def test_control_sigkill_mid_run(tiny_model, reference):
     assert again.num_cached_tokens >= 48
 
 
-HANG_TIMEOUT = 3.0  # far above a tiny-model step on CPU, which takes milliseconds
+HANG_TIMEOUT = 10.0  # far above a tiny-model step on CPU (milliseconds), even on a loaded machine
 GUARD_S = 120.0  # a pool that never notices the hang fails here instead of hanging the suite
 
 
@@ -161,9 +161,12 @@ def test_with_every_rank_dead_a_request_is_told_so(tiny_model):
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
             for rank in pool.engine.ranks:
                 os.kill(rank.proc.pid, signal.SIGKILL)
-            for _ in range(2):  # before the pool noticed, and after
-                with pytest.raises(PoolError, match="no rank is alive"):
-                    async with asyncio.timeout(GUARD_S):
-                        await pool.generate([1, 2, 3], PARAMS)
+            # Before the pool noticed, the request may be sent to a dead rank, rerouted to the
+            # other, and fail there; once it has noticed, nothing is sent.
+            with pytest.raises(PoolError, match="no rank is alive|ranks that died"):
+                async with asyncio.timeout(GUARD_S):
+                    await pool.generate([1, 2, 3], PARAMS)
+            with pytest.raises(PoolError, match="no rank is alive"):
+                await pool.generate([1, 2, 3], PARAMS)
 
     uvloop.run(main())
