@@ -75,7 +75,9 @@ def test_top_shows_every_rank_and_its_throughput(tiny_model, tmux):
 
 
 def test_watching_a_pool_does_not_change_its_outputs(tiny_model, tmux):
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # Long enough that the run is still in flight for many of the monitor's frames: with 24
+    # tokens a cached run could end between two board publishes (0.25 s apart), unseen.
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
     workload = prompts(64, 100)
     with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
         unwatched = pool.generate(workload, params)
