@@ -288,6 +288,8 @@ class LMPool:
             if not future.done():
                 future.cancel()  # a call not yet started on the loop never starts
                 asyncio.run_coroutine_threadsafe(_cancelled(started), self._loop).result()
+                if not started:
+                    coro.close()  # it never ran: close it rather than leave it unawaited
             raise
 
     def generate(
