@@ -95,10 +95,7 @@ class Channel(Generic[T]):
         self._decode_type = decode_type
         self._spin_ns = int(spin_us * 1000)
         self._liveness_interval = liveness_interval
-        self._heartbeat_timeout_ns = (
-            None if heartbeat_timeout is None else int(heartbeat_timeout * 1e9)
-        )
-        self._watched_since_ns = time.monotonic_ns()
+        self.watch_heartbeat(heartbeat_timeout)
         self._expected_peer = 0
         self._send_lock = asyncio.Lock()
         self._waiters: set[asyncio.Future] = set()

@@ -104,8 +104,8 @@ class LLM:
         """Outputs in the order of ``prompts``. Every prompt is checked before any runs."""
 
         def validate(ids: list[int], p: SamplingParams) -> None:
-            self.engine.validate(ids, p)  # first: it checks that p is a SamplingParams
-            check_usable(p.stop, self.tokenizer)
+            check_usable(p, self.tokenizer)
+            self.engine.validate(ids, p)
 
         token_lists, params = prepare_batch(prompts, sampling_params, self.encode, validate)
         request_ids = [f"llm-{next(self._ids)}" for _ in token_lists]

@@ -22,9 +22,10 @@ from __future__ import annotations
 REWRITE_MARGIN = 8
 
 
-def check_usable(stop: tuple[str, ...], tokenizer) -> None:
-    """Refuse stop strings for a model without a tokenizer: there is no text to find them in."""
-    if stop and tokenizer is None:
+def check_usable(params, tokenizer) -> None:
+    """Refuse stop strings for a model without a tokenizer: there is no text to find them in.
+    (Params that are not a ``SamplingParams`` are left for request validation to name.)"""
+    if getattr(params, "stop", None) and tokenizer is None:
         raise ValueError("stop strings need the model's tokenizer, which this model directory lacks; "
                          "use stop_token_ids instead")
 

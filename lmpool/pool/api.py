@@ -158,9 +158,7 @@ class AsyncLMPool:
         returned request's queue."""
         rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        check_usable(params.stop, self.tokenizer)
+        check_usable(params, self.tokenizer)  # the rest of params is validated at ingress
         return await self.engine.add_request(rid, self.encode(prompt), params, rank)
 
     async def stream(
@@ -303,8 +301,8 @@ class LMPool:
         pool = self._pool
 
         def validate(ids: list[int], p: SamplingParams) -> None:
-            pool.engine.validate("", ids, p)  # first: it checks that p is a SamplingParams
-            check_usable(p.stop, pool.tokenizer)
+            check_usable(p, pool.tokenizer)
+            pool.engine.validate("", ids, p)
 
         token_lists, params = prepare_batch(prompts, sampling_params, pool.encode, validate)
 

@@ -51,10 +51,10 @@ def test_a_rewritten_ending_is_searched_again():
 
 
 def test_stop_strings_need_a_tokenizer_and_are_non_empty_strings():
-    check_usable((), None)
-    check_usable(("x",), object())
+    check_usable(SamplingParams(), None)
+    check_usable(SamplingParams(stop="x"), object())
     with pytest.raises(ValueError, match="need the model's tokenizer"):
-        check_usable(("x",), None)
+        check_usable(SamplingParams(stop="x"), None)
     assert SamplingParams(stop="x").stop == ("x",)
     for bad in ("", [""], [3]):
         with pytest.raises(ValueError, match="stop must be non-empty strings"):
