@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from lmpool.config import EngineConfig
+from lmpool.config.engine import EngineConfig
 from lmpool.engine.core import EngineCore
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.engine.sequence import Sequence

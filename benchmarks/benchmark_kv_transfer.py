@@ -20,7 +20,7 @@ turns within every repetition, the paths their kind offers:
   policy's);
 - ``pack``: the sender packs random block ids of its cache and sends them, the receiver
   receives them and unpacks them into other block ids, in layer chunks that overlap
-  (``lmpool.transfer.chunked``, as the pool's executor does); from just before the first
+  (``lmpool.dataplane.chunked``, as the pool's executor does); from just before the first
   pack to just after the last unpack has completed (cuda_ipc: through the staging
   buffer; nccl: ``NcclTransport``);
 - ``raw``: the same bytes sent from a ready payload into a ready buffer, no pack, no
@@ -87,9 +87,9 @@ import torch
 
 from lmpool.model.make_model import DEFAULT_DTYPE, PRESETS
 from lmpool.ops import get_backend
-from lmpool.transfer import Rendezvous, make_transport
-from lmpool.transfer.chunked import BlockReceiver, chunk_floor, chunk_tag, cut, default_max_ctas, send_blocks
-from lmpool.transfer.messages import CudaIpcExport
+from lmpool.dataplane import Rendezvous, make_transport
+from lmpool.dataplane.chunked import BlockReceiver, chunk_floor, chunk_tag, cut, default_max_ctas, send_blocks
+from lmpool.protocol.cuda_ipc import CudaIpcExport
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -293,7 +293,7 @@ class Worker:
         g = torch.Generator(device=self.device).manual_seed(1234 + self.rank)
         self.cache = torch.randn(self.m["layers"], 2, self.num_blocks, self.m["block_size"], self.m["kv_heads"],
                                  self.m["head_dim"], generator=g, device=self.device).to(DTYPES[args.dtype])
-        from lmpool.transfer.transport import open_store
+        from lmpool.dataplane.transport import open_store
 
         self.store = open_store(args.rendezvous, WAIT_S)
         payload_bytes = max(args.sizes) * self.m["kv_bytes_per_block"]
@@ -582,7 +582,7 @@ def gpu_state() -> list[str] | None:
 
 def executor_path(kind: str, paths: list[str]) -> str:
     """The path the pool's transfer executor takes for this kind of pair (see
-    ``lmpool.transfer.transport.kind_for_devices``): pull where the GPUs can address each
+    ``lmpool.dataplane.transport.kind_for_devices``): pull where the GPUs can address each
     other, the packed payload otherwise."""
     return "pull" if kind != "gloo" and "pull" in paths else "pack"
 

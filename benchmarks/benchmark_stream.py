@@ -29,10 +29,10 @@ from pathlib import Path
 
 import uvloop
 
-import lmpool.pool.api as pool_api
+import lmpool.frontend.api as pool_api
 from lmpool.model.config import ModelConfig
 from lmpool.model.make_model import make_model
-from lmpool.pool.api import AsyncLMPool
+from lmpool.frontend.api import AsyncLMPool
 from lmpool.sampling_params import SamplingParams
 from revision import git_record
 

@@ -18,5 +18,5 @@ export PYTHONUNBUFFERED=1 LMPOOL_KERNEL_CACHE=/tmp/lmpool-kernels
 # Builds the engine's and the transfer's CUDA kernels into the kernel cache (once per cache
 # key), so no timed run pays for a compile. Returns non-zero when the build fails.
 build_kernels() {
-  timeout 300 python3 -c "from lmpool.ops.cuda import load_extension as a; from lmpool.transfer.block_copy import load_extension as b; a(); b()"
+  timeout 300 python3 -c "from lmpool.ops.cuda import load_extension as a; from lmpool.dataplane.block_copy import load_extension as b; a(); b()"
 }

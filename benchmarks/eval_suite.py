@@ -64,7 +64,7 @@ class Policy:
         if self.enable_transfers:
             kw["enable_transfers"] = True
         if self.routing_config:
-            from lmpool.control.global_scheduler import RoutingConfig
+            from lmpool.config import RoutingConfig
 
             kw["routing_config"] = RoutingConfig(**dict(self.routing_config))
         return kw
@@ -388,13 +388,13 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, m
                   bar) -> dict:
     """Start a pool for ``policy``, replay ``trace`` on it, and stop it. Raises
     ``PolicyUnavailable`` when the pool constructor refuses the policy."""
-    from lmpool.pool.api import AsyncLMPool
+    from lmpool.frontend.api import AsyncLMPool
 
     try:
         # A start that hangs is bounded too (the pool's own default waits 300 s).
         extra = {}
         if policy.transfer_mode != "none" and args.transfer_profile is not None:
-            from lmpool.control.transfer_config import TransferPolicyConfig
+            from lmpool.config.transfer import TransferPolicyConfig
 
             extra["transfer_policy"] = TransferPolicyConfig(transfer_profile=str(args.transfer_profile))
         pool = AsyncLMPool(model, world_size=args.world_size, device=args.device,

@@ -42,8 +42,8 @@ async def measure(args, model: str) -> tuple[dict, dict]:
     equal} of the checked ones."""
     from lmpool import SamplingParams
     from lmpool.engine.hashing import chain_hashes
-    from lmpool.pool.api import AsyncLMPool
-    from lmpool.pool.messages import TransferChain
+    from lmpool.frontend.api import AsyncLMPool
+    from lmpool.protocol.messages import TransferChain
 
     times: dict[str, dict[str, dict[str, list[float]]]] = {"request": {}, "plan": {}}
     equal: dict[str, bool] = {}

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from lmpool.model.make_model import PRESETS
-from lmpool.transfer import Rendezvous
+from lmpool.dataplane import Rendezvous
 
 
 def run_pair(script: str, argv: list[str], timeout_s: float = 600.0) -> list[str] | None:

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from lmpool.model.make_model import PRESETS
-from lmpool.transfer import nccl_lib
-from lmpool.transfer.transport import open_store
+from lmpool.dataplane import nccl_lib
+from lmpool.dataplane.transport import open_store
 
 from pair_workers import kv_shape, run_pair, this_end
 

@@ -30,9 +30,9 @@ import torch
 
 from lmpool.model.make_model import PRESETS
 from lmpool.ops import get_backend
-from lmpool.transfer import make_transport
-from lmpool.transfer.chunked import BlockReceiver, payload_bytes, send_blocks
-from lmpool.transfer.transport import open_store
+from lmpool.dataplane import make_transport
+from lmpool.dataplane.chunked import BlockReceiver, payload_bytes, send_blocks
+from lmpool.dataplane.transport import open_store
 
 from benchmark_kv_transfer import spin  # the same wait as the benchmark's: polling without pauses
 from pair_workers import kv_shape, run_pair, this_end

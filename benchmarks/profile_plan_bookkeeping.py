@@ -18,14 +18,15 @@ import time
 
 import msgspec
 
-from lmpool.control.global_block_manager import GlobalBlockManager
+from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.hashing import ROOT_HASH, chain_hashes
 from lmpool.engine.sequence import Sequence
-from lmpool.pool.messages import TransferAck
+from lmpool.protocol.messages import TransferAck
 from lmpool.sampling_params import SamplingParams
-from lmpool.transfer.coordinator import ORDER_PHASE, PlanState, TransferCoordinator
-from lmpool.transfer.transactions import TransferParticipant
+from lmpool.control.transfers.coordinator import TransferCoordinator
+from lmpool.protocol.messages import ORDER_PHASE, PlanState
+from lmpool.dataplane.transactions import TransferParticipant
 
 
 

@@ -14,8 +14,8 @@ import time
 import torch
 
 from lmpool.model.make_model import PRESETS
-from lmpool.transfer.block_copy import check_blocks, copy_blocks, load_extension
-from lmpool.transfer.cuda_ipc import process_start
+from lmpool.dataplane.block_copy import check_blocks, copy_blocks, load_extension
+from lmpool.dataplane.cuda_ipc import process_start
 
 REPS = 30
 

@@ -27,11 +27,11 @@ import uvloop
 
 from lmpool.cli import default_model
 from lmpool.engine.hashing import chain_hashes
-from lmpool.engine.kv_events import BlockStored, KVSnapshot
-from lmpool.pool import process
-from lmpool.pool.api import AsyncLMPool
-from lmpool.pool.messages import ControlStats, LoadReport, RouteDecision, RouteQuery, WaitRanks, WorkerSnapshot
-from lmpool.pool.spec import ControlSpec
+from lmpool.protocol.kv_events import BlockStored, KVSnapshot
+from lmpool.frontend import launcher as process
+from lmpool.frontend.api import AsyncLMPool
+from lmpool.protocol.messages import ControlStats, LoadReport, RouteDecision, RouteQuery, WaitRanks, WorkerSnapshot
+from lmpool.protocol.spec import ControlSpec
 from lmpool.sampling_params import SamplingParams
 from lmpool_ipc import Channel, IpcPool, Requester
 
@@ -54,7 +54,7 @@ async def route_rpc(world: int, blocks: int, concurrency: int, seconds: float) -
         worker_links = [ipc.create_link() for _ in range(world)]
         spec = ControlSpec(world_size=world, device="cpu", block_size=16, routing="lmpool", pairs=None,
                            gpu_of_rank=None, engine_end=engine_link.b, worker_ends=[l.a for l in worker_links])
-        proc = process.spawn("lmpool.pool.control", spec)
+        proc = process.spawn("lmpool.control.main", spec)
         workers = [Channel(l.b, object) for l in worker_links]
         # Each rank caches its own family of 40-block chains.
         families = [[chain_hashes([r * 1000 + f] * 16 * 40, 16) for f in range(blocks // 40)] for r in range(world)]

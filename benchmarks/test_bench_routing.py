@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from lmpool.control.global_block_manager import GlobalBlockManager
-from lmpool.control.global_scheduler import POLICIES, GlobalScheduler
+from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.routing.scheduler import POLICIES, GlobalScheduler
 from lmpool.control.topology import Topology
-from lmpool.engine.kv_events import BlockStored, KVSnapshot
-from lmpool.pool.messages import LoadReport, RouteQuery
+from lmpool.protocol.kv_events import BlockStored, KVSnapshot
+from lmpool.protocol.messages import LoadReport, RouteQuery
 
 WORLD, BLOCK, CHAIN = 8, 256, 40
 STEM_BLOCKS, FAMILIES_PER_STEM = 8, 100

@@ -49,7 +49,7 @@ def child_pids() -> set[int]:
             state = (entry / "stat").read_text().split(")")[-1].split()[0]
         except OSError:
             continue
-        if state == "Z" or not any(arg in (b"lmpool.pool.worker", b"lmpool.pool.control") for arg in cmdline):
+        if state == "Z" or not any(arg in (b"lmpool.worker.main", b"lmpool.control.main") for arg in cmdline):
             continue
         owner = _OWNER_IN_SPEC.search(b" ".join(cmdline))  # the spec names the pool's links
         if owner is None or not _someone_elses(int(owner[1])):

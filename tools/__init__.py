@@ -1,4 +1,4 @@
 """LMPool's operator tools (import name ``lmpool_tools``): ``lmpool ps`` lists the pools on
 this machine, ``lmpool top`` watches one live. Both only read the pools' state boards
-(``lmpool.pool.state_board``), so they never slow or change a pool.
+(``lmpool.protocol.state_board``), so they never slow or change a pool.
 """

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from lmpool.pool.state_board import PoolState, RankRow, StateBoardReader, pool_boards
+from lmpool.protocol.state_board import PoolState, RankRow, StateBoardReader, pool_boards
 from lmpool_ipc import BoardBusyError, pid_alive
 
 STALE_S = 2.0  # no publish for this long: the control plane is gone or frozen

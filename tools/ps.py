@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from lmpool.pool.state_board import StateBoardReader, pool_boards
+from lmpool.protocol.state_board import StateBoardReader, pool_boards
 from lmpool_ipc import BoardBusyError, pid_alive
 from lmpool_tools.monitor import STALE_S
 from lmpool_tools.top import duration

@@ -23,7 +23,7 @@ import sys
 import time
 from datetime import datetime
 
-from lmpool.pool.state_board import PUBLISH_INTERVAL_S
+from lmpool.protocol.state_board import PUBLISH_INTERVAL_S
 from lmpool_tools.monitor import STALE_S, PoolMonitor, PoolNotFound, PoolView, RankView, find_pool
 
 UNICODE_GLYPHS = {"used": "█", "reclaimable": "▒", "free": "·", "spark": "▁▂▃▄▅▆▇█"}

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.engine.kv_events import BlockRemoved, BlockStored, KVDelta, KVEvent, KVSnapshot
+from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVEvent, KVSnapshot
 from lmpool.engine.sequence import Sequence
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
-from lmpool.config import EngineConfig
+from lmpool.config.engine import EngineConfig
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.model_runner import ModelRunner
 from lmpool.engine.scheduler import Scheduler

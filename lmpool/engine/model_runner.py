@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lmpool.config import DTYPES, EngineConfig
+from lmpool.config.engine import DTYPES, EngineConfig
 from lmpool.engine.cuda_graphs import DecodeGraphs
 from lmpool.engine.sampler import Sampler
 from lmpool.engine.scheduler import ScheduledBatch

@@ -3,9 +3,9 @@ written into a page table as worker snapshots."""
 
 from __future__ import annotations
 
-from lmpool.control.global_block_manager import GlobalBlockManager
+from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.engine.kv_events import BlockStored, KVSnapshot
+from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 
 
 class ManualClock:

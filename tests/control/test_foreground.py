@@ -8,13 +8,13 @@ import logging
 
 import pytest
 
-from lmpool.control.foreground import plan_release
-from lmpool.control.global_block_manager import GlobalBlockManager
+from lmpool.control.transfers.foreground import plan_release
+from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.engine.kv_events import KVSnapshot
-from lmpool.pool.messages import LoadReport, ShortageReport
-from lmpool.transfer.admission import AdmissionGate, AdmissionPolicy
-from lmpool.transfer.cost_model import TransferCostModel
+from lmpool.protocol.kv_events import KVSnapshot
+from lmpool.protocol.messages import LoadReport, ShortageReport
+from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
+from lmpool.control.transfers.cost_model import TransferCostModel
 from control_testkit import cache
 
 BLOCK = 16
@@ -79,7 +79,7 @@ def test_refusals_name_their_reason():
 
 
 def test_the_gate_refuses_little_reuse_and_admits_much(caplog):
-    caplog.set_level(logging.INFO, logger="lmpool.transfer.admission")
+    caplog.set_level(logging.INFO, logger="lmpool.control.transfers.admission")
     g = gate()
     never = ShortageReport(0, 1, 8, hashes=[1, 2, 3, 4], parents=[ROOT_HASH, 1, 2, 3], generations=[5] * 4,
                            num_victims=2, expected_reuses=0.0)

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from lmpool.control.global_block_manager import GlobalBlockManager, PageEntry, StaleUpdateError
+from lmpool.control.page_table.manager import GlobalBlockManager, PageEntry, StaleUpdateError
 from lmpool.engine.block_manager import BlockManager
-from lmpool.engine.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
+from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 from lmpool.engine.sequence import Sequence
-from lmpool.pool.messages import LoadReport
+from lmpool.protocol.messages import LoadReport
 from lmpool.sampling_params import SamplingParams
 from control_testkit import ManualClock, chain_blocks
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from lmpool.control.pending import PendingPrefixes
+from lmpool.control.routing.pending import PendingPrefixes
 from control_testkit import ManualClock
 
 TTL = 3.0

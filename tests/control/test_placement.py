@@ -9,16 +9,16 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from lmpool.control.global_block_manager import GlobalBlockManager
-from lmpool.control.global_scheduler import GlobalScheduler
-from lmpool.control.placement import BackgroundPlacement, HotChains
+from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.routing.scheduler import GlobalScheduler
+from lmpool.control.transfers.placement import BackgroundPlacement, HotChains
 from lmpool.control.topology import Topology
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.engine.kv_events import BlockStored, KVSnapshot
-from lmpool.pool.messages import LoadReport, RouteQuery
-from lmpool.transfer.admission import AdmissionGate, AdmissionPolicy
-from lmpool.transfer.coordinator import TransferCoordinator
-from lmpool.transfer.cost_model import TransferCostModel
+from lmpool.protocol.kv_events import BlockStored, KVSnapshot
+from lmpool.protocol.messages import LoadReport, RouteQuery
+from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
+from lmpool.control.transfers.coordinator import TransferCoordinator
+from lmpool.control.transfers.cost_model import TransferCostModel
 from control_testkit import ManualClock
 
 BLOCK = 16
@@ -262,7 +262,7 @@ def test_the_admission_gate_refuses_little_saved_prefill():
 def test_gate_decisions_are_logged_with_both_figures(caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="lmpool.transfer.admission")
+    caplog.set_level(logging.INFO, logger="lmpool.control.transfers.admission")
     w = World()
     hot_on_rank0(w, chain(3, 1))
     w.placement.tick()

@@ -8,11 +8,12 @@ import math
 
 import pytest
 
-from lmpool.control.global_block_manager import GlobalBlockManager
-from lmpool.control.global_scheduler import POLICIES, GlobalScheduler, NoAliveRankError, RoutingConfig
+from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.config import RoutingConfig
+from lmpool.control.routing.scheduler import POLICIES, GlobalScheduler, NoAliveRankError
 from lmpool.control.topology import Topology
-from lmpool.engine.kv_events import KVSnapshot
-from lmpool.pool.messages import LoadReport, RouteQuery
+from lmpool.protocol.kv_events import KVSnapshot
+from lmpool.protocol.messages import LoadReport, RouteQuery
 from control_testkit import ManualClock, cache
 
 BLOCK = 16

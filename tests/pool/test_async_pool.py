@@ -8,7 +8,7 @@ import pytest
 import uvloop
 
 from lmpool import LLM, SamplingParams
-from lmpool.pool.api import AsyncLMPool
+from lmpool.frontend.api import AsyncLMPool
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -112,7 +112,7 @@ def test_thousand_concurrent_streams_all_finish(tiny_model):
 def test_route_reservations_end_when_their_rank_reports_the_admission(tiny_model):
     """A reservation is keyed by the dispatch the worker reports admitted: it ends with that
     report, not with its time-to-live (600 s here, far beyond the wait)."""
-    from lmpool.control.global_scheduler import RoutingConfig
+    from lmpool.config import RoutingConfig
 
     import pool_waits
 
@@ -133,8 +133,8 @@ def test_a_routing_failure_names_the_callers_request_and_forgets_it(tiny_model):
     """The control plane routes by the pool's internal dispatch id; when it cannot route
     (here: it answers as if it believed every rank dead), the error names the caller's id,
     and the request leaves no trace, so its id can be used again."""
-    from lmpool.pool.engine import PoolError
-    from lmpool.pool.messages import RouteQuery
+    from lmpool.frontend.client import PoolError
+    from lmpool.protocol.messages import RouteQuery
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
@@ -184,7 +184,7 @@ def test_a_stop_string_ends_a_stream_and_partial_texts_never_show_it(tiny_model)
     assert len(last.token_ids) < len(full.token_ids) and last.token_ids == full.token_ids[:len(last.token_ids)]
     assert all(last.text.startswith(o.text) for o in seen[:-1])
     assert after.token_ids == full.token_ids, "the pool still serves whole requests"
-    from lmpool.pool.api import LMPool
+    from lmpool.frontend.api import LMPool
 
     with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
         outs = pool.generate([prompt, prompt], [stopping, free])
@@ -206,7 +206,7 @@ def test_chat_in_a_pool_gives_what_one_engine_gives(tiny_model):
     one, streamed = run(main())
     assert one.prompt_token_ids == expected.prompt_token_ids and one.token_ids == expected.token_ids
     assert one.rank == 1 and streamed.token_ids == expected.token_ids
-    from lmpool.pool.api import LMPool
+    from lmpool.frontend.api import LMPool
 
     with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
         both = pool.chat([talk, talk], GREEDY)

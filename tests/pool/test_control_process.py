@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from lmpool.engine.kv_events import BlockStored, KVDelta, KVSnapshot
-from lmpool.pool.control import ControlPlane
-from lmpool.pool.messages import LoadReport, ResyncRequest, RouteQuery, WorkerDelta, WorkerSnapshot
-from lmpool.pool.spec import ControlSpec
+from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
+from lmpool.control.main import ControlPlane
+from lmpool.protocol.messages import LoadReport, ResyncRequest, RouteQuery, WorkerDelta, WorkerSnapshot
+from lmpool.protocol.spec import ControlSpec
 from lmpool_ipc import PeerDeadError
 
 

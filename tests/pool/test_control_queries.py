@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
-from lmpool.engine.kv_events import BlockStored, KVDelta, KVSnapshot
-from lmpool.pool.control import ControlPlane
-from lmpool.pool.messages import (
+from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
+from lmpool.control.main import ControlPlane
+from lmpool.protocol.messages import (
     LoadReport,
     TransferAck,
     TransferChain,
@@ -21,7 +21,7 @@ from lmpool.pool.messages import (
     WorkerDelta,
     WorkerSnapshot,
 )
-from lmpool.pool.spec import ControlSpec
+from lmpool.protocol.spec import ControlSpec
 from lmpool_ipc import PeerDeadError
 
 LOAD = LoadReport(blocks_free=10)

@@ -12,7 +12,7 @@ import torch
 import uvloop
 
 from lmpool import LLM, SamplingParams
-from lmpool.pool.api import AsyncLMPool
+from lmpool.frontend.api import AsyncLMPool
 
 BLOCK = 16
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -133,7 +133,7 @@ def test_a_stopped_control_process_is_replaced(tiny_model, reference):
 def test_a_request_that_loses_a_second_rank_fails_and_the_pool_serves_on(tiny_model):
     """Recomputed once after its rank dies; if the rank it moved to dies too, the request fails
     (it might be what kills them) instead of moving on to the last rank."""
-    from lmpool.pool.engine import PoolError
+    from lmpool.frontend.client import PoolError
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK) as pool:
@@ -155,7 +155,7 @@ def test_a_request_that_loses_a_second_rank_fails_and_the_pool_serves_on(tiny_mo
 
 
 def test_with_every_rank_dead_a_request_is_told_so(tiny_model):
-    from lmpool.pool.engine import PoolError
+    from lmpool.frontend.client import PoolError
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:

@@ -14,8 +14,8 @@ import torch
 import uvloop
 
 from lmpool import LLM, SamplingParams
-from lmpool.control.transfer_config import TransferPolicyConfig
-from lmpool.pool.api import AsyncLMPool
+from lmpool.config.transfer import TransferPolicyConfig
+from lmpool.frontend.api import AsyncLMPool
 import pool_waits
 
 BLOCK = 16

@@ -13,11 +13,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from lmpool.engine.block_manager import BlockManager, BlockState
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.engine.kv_events import BlockRemoved
+from lmpool.protocol.kv_events import BlockRemoved
 from lmpool.engine.scheduler import Scheduler
 from lmpool.engine.sequence import Sequence
-from lmpool.pool.messages import ReleaseOutcome
-from lmpool.pool.release import ForegroundRelease
+from lmpool.protocol.messages import ReleaseOutcome
+from lmpool.worker.release import ForegroundRelease
 from lmpool.sampling_params import SamplingParams
 from block_testkit import prefill
 

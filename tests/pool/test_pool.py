@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lmpool import LLM, SamplingParams
-from lmpool.control.global_scheduler import RoutingConfig
-from lmpool.pool.api import LMPool
-from lmpool.pool.engine import ROUTINGS, PoolError
+from lmpool.config import RoutingConfig
+from lmpool.frontend.api import LMPool
+from lmpool.frontend.client import ROUTINGS, PoolError
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -164,7 +164,7 @@ def test_a_pool_shut_down_refuses_calls_and_a_restart(tiny_model):
             call()
 
     async def restart():
-        from lmpool.pool.api import AsyncLMPool
+        from lmpool.frontend.api import AsyncLMPool
 
         again = AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK)
         async with again:

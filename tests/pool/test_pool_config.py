@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import torch
 
-from lmpool.pool.engine import PoolConfig
-from lmpool.pool.spec import EngineArgs
+from lmpool.frontend.client import PoolConfig
+from lmpool.protocol.spec import EngineArgs
 
 
 @pytest.fixture

@@ -28,8 +28,8 @@ import torch
 import uvloop
 
 from lmpool import SamplingParams
-from lmpool.pool.api import AsyncLMPool
-from lmpool.transfer.faults import ACTIONS, ENV, Fault, encode
+from lmpool.frontend.api import AsyncLMPool
+from lmpool.dataplane.faults import ACTIONS, ENV, Fault, encode
 from pool_waits import no_blocks_held, settled, until
 
 BLOCK = 16

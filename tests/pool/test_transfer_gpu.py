@@ -14,7 +14,7 @@ import torch
 import uvloop
 
 from lmpool import LLM, SamplingParams
-from lmpool.pool.api import AsyncLMPool
+from lmpool.frontend.api import AsyncLMPool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -12,8 +12,8 @@ import torch
 import uvloop
 
 from lmpool import LLM, SamplingParams
-from lmpool.pool.api import AsyncLMPool
-from lmpool.pool.engine import PoolError
+from lmpool.frontend.api import AsyncLMPool
+from lmpool.frontend.client import PoolError
 from pool_waits import settled
 
 BLOCK = 16

@@ -22,7 +22,7 @@ import torch
 import uvloop
 
 from lmpool import SamplingParams
-from lmpool.pool.api import AsyncLMPool
+from lmpool.frontend.api import AsyncLMPool
 from pool_waits import no_blocks_held, settled
 
 BLOCK = 16

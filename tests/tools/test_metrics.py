@@ -1,4 +1,4 @@
-"""Prometheus metrics (lmpool.pool.metrics): a pool with ``metrics_port`` serves /metrics,
+"""Prometheus metrics (lmpool.frontend.metrics): a pool with ``metrics_port`` serves /metrics,
 which a Prometheus text parser reads, with latency histograms that count every request and
 token, and per-rank counters equal to what the requests' outputs say."""
 
@@ -102,7 +102,7 @@ def test_completed_transfers_are_counted(tiny_model):
 
 def test_metrics_are_off_by_default_and_need_no_prometheus_client():
     check = (
-        "import sys; import lmpool.pool.api, lmpool.pool.engine, lmpool.pool.metrics; "
+        "import sys; import lmpool.frontend.api, lmpool.frontend.client, lmpool.frontend.metrics; "
         "assert 'prometheus_client' not in sys.modules"
     )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from lmpool.pool.state_board import BOARD_LABEL, PoolState, RankRow, StateBoardWriter, board_capacity
+from lmpool.protocol.state_board import BOARD_LABEL, PoolState, RankRow, StateBoardWriter, board_capacity
 from lmpool_ipc import IpcPool
 from lmpool_tools.monitor import PoolMonitor, PoolNotFound, find_pool
 from lmpool_tools.top import ASCII_GLYPHS, bar, frame, sparkline

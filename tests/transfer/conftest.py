@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmpool.transfer import GlooTransport, Rendezvous
+from lmpool.dataplane import GlooTransport, Rendezvous
 from transfer_testkit import Peer, reap
 
 

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from lmpool.transfer.admission import AdmissionGate, AdmissionPolicy
-from lmpool.transfer.cost_model import TransferCostModel, bucket
+from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
+from lmpool.control.transfers.cost_model import TransferCostModel, bucket
 
 KV_BYTES = 4096
 
@@ -61,7 +61,7 @@ def gate(prefill_s_per_token: float = 1e-6) -> AdmissionGate:
 
 def test_gate_refuses_little_reuse_and_admits_much(caplog):
     g = gate()
-    caplog.set_level(logging.INFO, logger="lmpool.transfer.admission")
+    caplog.set_level(logging.INFO, logger="lmpool.control.transfers.admission")
     # 4 blocks x 16 tokens x 1 us = 64 us saved once; the transfer costs ~190 us.
     refused = g.background(0, 1, 4)
     assert not refused.admitted and refused.saved_prefill_s < refused.transfer_cost_s

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lmpool.transfer.cost_model import TransferCostModel
+from lmpool.control.transfers.cost_model import TransferCostModel
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "benchmark_kv_transfer.py"

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmpool.ops import reference
-from lmpool.transfer import TransportError
-from lmpool.transfer.chunked import (
+from lmpool.dataplane import TransportError
+from lmpool.dataplane.chunked import (
     CHUNK_BYTES,
     EDGE_CTAS,
     MAX_CHUNKS,

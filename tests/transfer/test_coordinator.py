@@ -9,12 +9,13 @@ import random
 
 import pytest
 
-from lmpool.control.global_block_manager import GlobalBlockManager
+from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.engine.block_manager import BlockManager, StaleBlockError
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.pool.messages import LoadReport
-from lmpool.transfer.coordinator import ORDER_PHASE, PhaseMessage, TransferCoordinator
-from lmpool.transfer.transactions import StalePlanError, TransferParticipant
+from lmpool.protocol.messages import LoadReport
+from lmpool.control.transfers.coordinator import PhaseMessage, TransferCoordinator
+from lmpool.protocol.messages import ORDER_PHASE
+from lmpool.dataplane.transactions import StalePlanError, TransferParticipant
 from block_testkit import prefill
 
 BLOCK = 4

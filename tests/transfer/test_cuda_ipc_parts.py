@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmpool.ops.reference import pack_kv, unpack_kv
-from lmpool.pool.messages import (
+from lmpool.protocol.messages import (
     Heartbeat,
     ResyncRequest,
     TransferAck,
@@ -23,10 +23,10 @@ from lmpool.pool.messages import (
     WorkerDelta,
     WorkerSnapshot,
 )
-from lmpool.transfer import kind_for_devices
-from lmpool.transfer.block_copy import copy_blocks
-from lmpool.transfer.cuda_ipc import ALIGN, CudaIpcTransport, Regions, process_start, transfer_key
-from lmpool.transfer.messages import CudaIpcExport, IpcStorage
+from lmpool.dataplane import kind_for_devices
+from lmpool.dataplane.block_copy import copy_blocks
+from lmpool.dataplane.cuda_ipc import ALIGN, CudaIpcTransport, Regions, process_start, transfer_key
+from lmpool.protocol.cuda_ipc import CudaIpcExport, IpcStorage
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 3000)), max_size=60))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmpool.transfer.faults import ENV, Fault, FaultPlan, InjectedFault, encode
+from lmpool.dataplane.faults import ENV, Fault, FaultPlan, InjectedFault, encode
 
 
 def plan(faults, rank=1, epoch=1):

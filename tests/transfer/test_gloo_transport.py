@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lmpool.ops.reference import pack_kv
-from lmpool.transfer import (
+from lmpool.dataplane import (
     TAG_LIMIT,
     GlooTransport,
     Rendezvous,
@@ -27,7 +27,7 @@ from lmpool.transfer import (
     make_transport,
     plan_tag,
 )
-from lmpool.transfer.transport import open_store
+from lmpool.dataplane.transport import open_store
 from transfer_testkit import Peer, block_ids, digest, expected_cache, make_cache, process_gone
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]

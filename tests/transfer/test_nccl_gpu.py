@@ -43,8 +43,8 @@ def test_every_size_in_both_directions_at_once(rendezvous, peers, dtype, lanes):
 def test_ends_with_different_lanes_fail_the_pair_saying_why(rendezvous):
     """A pair whose ends disagree on lanes fails at connect, before any communicator, and
     says so at the first transfer on either end (instead of hanging in set-up)."""
-    from lmpool.transfer import TransportError
-    from lmpool.transfer.nccl import NcclTransport
+    from lmpool.dataplane import TransportError
+    from lmpool.dataplane.nccl import NcclTransport
 
     ends = [NcclTransport(rendezvous, r, 2, device=f"cuda:{r}", timeout_s=10.0, lanes=r + 1) for r in (0, 1)]
     try:
@@ -63,8 +63,8 @@ def test_chunked_blocks_cross_both_ways_at_once_byte_equal(rendezvous):
     """``send_blocks`` and ``BlockReceiver`` over the pair, one plan each way started before
     either waits, in the most chunks."""
     from lmpool.ops import get_backend
-    from lmpool.transfer.chunked import BlockReceiver, send_blocks
-    from lmpool.transfer.nccl import NcclTransport
+    from lmpool.dataplane.chunked import BlockReceiver, send_blocks
+    from lmpool.dataplane.nccl import NcclTransport
     from transfer_testkit import NUM_BLOCKS, make_cache
 
     devices = [torch.device(f"cuda:{r}") for r in (0, 1)]
@@ -101,7 +101,7 @@ def test_chunked_blocks_cross_both_ways_at_once_byte_equal(rendezvous):
 def test_lanes_run_on_streams_of_their_own(rendezvous):
     """Every lane's stream is apart from torch's pool, however many pool streams the process
     takes (the pool hands its 32 out in turn), and the lanes still carry both directions."""
-    from lmpool.transfer.nccl import NcclTransport
+    from lmpool.dataplane.nccl import NcclTransport
 
     ends = [NcclTransport(rendezvous, r, 2, device=f"cuda:{r}", timeout_s=30.0) for r in (0, 1)]
     try:

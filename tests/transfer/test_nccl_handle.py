@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmpool.transfer import nccl
-from lmpool.transfer.nccl import ERROR_CHECK_S, NcclHandle, _NcclPair
-from lmpool.transfer.transport import TransferTimeout, TransportError
+from lmpool.dataplane import nccl
+from lmpool.dataplane.nccl import ERROR_CHECK_S, NcclHandle, _NcclPair
+from lmpool.dataplane.transport import TransferTimeout, TransportError
 
 
 class FakeEvent:

@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 from hypothesis import given, strategies as st
 
-from lmpool.transfer import TransportError
-from lmpool.transfer.nccl import MAX_LANES, NcclTransport, _NcclPair, check_lanes
+from lmpool.dataplane import TransportError
+from lmpool.dataplane.nccl import MAX_LANES, NcclTransport, _NcclPair, check_lanes
 
 
 @given(lanes=st.integers(1, 4), ops=st.lists(st.sampled_from(["send", "recv"]), max_size=40))
@@ -76,7 +76,7 @@ def test_a_pair_replaced_while_connecting_ends_every_lane_and_makes_no_more(monk
     is still making communicators: the one it finishes then is ended when added (its
     communicator aborted, its stream given back) and it makes no further one. Fakes stand
     in for CUDA, the store and NCCL; the real thing is ``test_nccl_gpu.py``."""
-    from lmpool.transfer import nccl
+    from lmpool.dataplane import nccl
 
     made, released = [], []
     pair = _NcclPair(peer=1, session=1)

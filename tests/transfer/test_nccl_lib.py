@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmpool.transfer import nccl_lib
+from lmpool.dataplane import nccl_lib
 
 
 @pytest.fixture

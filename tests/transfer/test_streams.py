@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmpool.transfer import streams
+from lmpool.dataplane import streams
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from lmpool.engine.block_manager import BlockManager, BlockState, StaleBlockError
 from lmpool.engine.hashing import ROOT_HASH, block_hash
 from lmpool.sampling_params import SamplingParams
-from lmpool.transfer.transactions import Phase, StalePlanError, TransferParticipant
+from lmpool.dataplane.transactions import Phase, StalePlanError, TransferParticipant
 from block_testkit import prefill
 
 BLOCK = 4

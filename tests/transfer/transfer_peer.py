@@ -34,8 +34,8 @@ import msgspec
 import torch
 
 from lmpool.ops.reference import pack_kv, unpack_kv
-from lmpool.transfer import GlooTransport, TransportError
-from lmpool.transfer.messages import CudaIpcExport
+from lmpool.dataplane import GlooTransport, TransportError
+from lmpool.protocol.cuda_ipc import CudaIpcExport
 from transfer_testkit import block_ids, digest, make_cache, payload_like
 
 
@@ -52,14 +52,14 @@ def main() -> None:
     if header.get("kind", "gloo") == "gloo":
         transport = GlooTransport(address, rank, world, timeout_s=timeout_s)
     elif header["kind"] == "nccl":
-        from lmpool.transfer.nccl import NcclTransport
+        from lmpool.dataplane.nccl import NcclTransport
 
         device = torch.device(f"cuda:{rank}")  # one GPU per rank: NCCL refuses two ranks on one
         torch.cuda.set_device(device)
         transport = NcclTransport(address, rank, world, device=str(device), timeout_s=timeout_s,
                                   **({"lanes": header["lanes"]} if "lanes" in header else {}))
     else:
-        from lmpool.transfer.cuda_ipc import CudaIpcTransport
+        from lmpool.dataplane.cuda_ipc import CudaIpcTransport
 
         if header.get("device_per_rank"):
             device = torch.device(f"cuda:{rank}")

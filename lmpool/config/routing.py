@@ -1,0 +1,44 @@
+"""The routing policies' thresholds (``AsyncLMPool(routing_config=...)``), checked at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    # LMPool cost model (token-equivalents); see the module docstring.
+    decode_work: str = "tokens"  # "tokens": decode_tokens_left; "running": num_running
+    # Running decodes share every step with a new prefill; a decode token interferes far less than
+    # a prefill token costs, hence a small weight (per running sequence with decode_work="running").
+    decode_weight: float = 0.1
+    # Evicting a cached block loses a block of reusable prefix and costs the allocator work.
+    reclaim_weight: float = 0.25
+    spill_load_gap_tokens: int = 2048
+    spill_max_extra_tokens: int = 4096
+    # A route reservation counts until its rank reports the request admitted, or this long
+    # (a request that never reached its rank).
+    reservation_ttl_s: float = 10.0
+    # Blocks of prompts routed to a rank count as held there this long, until it reports
+    # them (``lmpool.control.routing.pending``); 0 turns that off (the "lmpool-pending" evaluation policy).
+    pending_ttl_s: float = 10.0
+    # SGLang cache-aware router (sgl-router CacheAwareConfig::default).
+    sglang_cache_threshold: float = 0.5
+    sglang_balance_abs_threshold: int = 32
+    sglang_balance_rel_threshold: float = 1.0001
+    sglang_tree: str = "approximate"  # "approximate": fed by routed requests; "page_table": worker events
+    sglang_max_tree_blocks: int = 100_000  # per rank, evicted least recently routed first
+    # NVIDIA Dynamo KV router (--kv-overlap-score-weight, --router-temperature defaults).
+    dynamo_overlap_score_weight: float = 1.0
+    dynamo_temperature: float = 0.0
+    seed: int = 0  # for Dynamo's softmax sampling
+
+    def __post_init__(self) -> None:
+        if self.decode_work not in ("tokens", "running"):
+            raise ValueError(f"decode_work must be 'tokens' or 'running', got {self.decode_work!r}")
+        if self.sglang_tree not in ("approximate", "page_table"):
+            raise ValueError(f"sglang_tree must be 'approximate' or 'page_table', got {self.sglang_tree!r}")
+        if not self.reservation_ttl_s > 0:
+            raise ValueError(f"reservation_ttl_s must be > 0, got {self.reservation_ttl_s!r}")
+        if not self.pending_ttl_s >= 0:
+            raise ValueError(f"pending_ttl_s must be >= 0 (0: off), got {self.pending_ttl_s!r}")

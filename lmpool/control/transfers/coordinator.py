@@ -1,0 +1,220 @@
+"""The control plane's side of transfer transactions: one state machine per plan id.
+
+    PREPARING --both prepared--> EXECUTING --both executed--> PUBLISHING
+        --destination published--> FINALIZING --source finalized--> DONE
+    any phase before DONE --failure, timeout, dead rank--> ABORTED
+
+The coordinator decides nothing about *whether* to transfer (see
+``admission``); it runs admitted plans. It talks to workers only through the
+``send(rank, message)`` callable it is given, and learns of their progress
+through ``on_ack``. While a plan is open, the destination's copies of its
+hashes are marked in flight in the GlobalBlockManager, so routing cannot count
+them until the destination has published; an abort unmarks them and the
+source keeps its blocks.
+
+Invariants: every plan ends (DONE or ABORTED) within ``phase_timeout_s`` of its
+last progress (``tick`` is the watchdog); every phase message is sent once per
+phase and acknowledged idempotently by the workers; acks for another phase,
+or for an ended plan, change nothing. A move's finalize order carries the plan's
+``keep`` (``num_blocks``): the leading blocks the source copied but keeps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.transfers.cost_model import TransferCostModel
+from lmpool.protocol.messages import PlanState
+
+
+@dataclass(frozen=True)
+class PhaseMessage:
+    """What a worker is asked to do for a plan (the control rings carry these as structs)."""
+
+    kind: str  # prepare_source | prepare_dest | execute_send | execute_recv | publish | finalize | abort
+    plan_id: int
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    plan_id: int
+    src: int
+    dst: int
+    move: bool
+    hashes: list[int]
+    generations: list[int]
+    parents: list[int]
+    state: PlanState = PlanState.PREPARING
+    acked: set[int] = field(default_factory=set)  # ranks that finished the current phase
+    src_blocks: list[int] = field(default_factory=list)
+    dst_blocks: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    started: float = 0.0
+    deadline: float = 0.0
+    abort_reason: str = ""
+    marked: list[int] = field(default_factory=list)  # hashes marked in flight on the destination
+    keep: int = 0  # a move frees none of its first ``keep`` blocks (ancestors copied along)
+    kind: str = "explicit"  # who asked: "explicit" (the API), "background" or "foreground"
+
+    @property
+    def num_moved(self) -> int:
+        """Blocks the source gives up (at most: its finalize frees only unreferenced ones)."""
+        return len(self.hashes) - self.keep if self.move else 0
+
+
+class TransferCoordinator:
+    def __init__(
+        self,
+        gbm: GlobalBlockManager,
+        send: Callable[[int, PhaseMessage], None],
+        cost_model: TransferCostModel | None = None,
+        phase_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_end: Callable[[Plan], None] | None = None,
+        first_plan_id: int = 1,
+    ) -> None:
+        self.gbm = gbm
+        self.on_end = on_end
+        self.send = send
+        self.cost_model = cost_model
+        self.phase_timeout_s = phase_timeout_s
+        self.clock = clock
+        self.plans: dict[int, Plan] = {}
+        self.ended: dict[int, PlanState] = {}
+        # A restarted control process must not reuse the ids its predecessor's plans hold on
+        # the workers, hence a caller-chosen (random) start.
+        self._ids = itertools.count(first_plan_id)
+        self.started = 0
+        self.completed = 0
+        self.aborted = 0
+        self.blocks_copied = 0  # blocks of completed plans the source kept
+        self.blocks_moved = 0  # blocks of completed moves the source gave up
+
+    def start(self, src: int, dst: int, hashes: list[int], generations: list[int], parents: list[int],
+              move: bool = False, keep: int = 0, kind: str = "explicit") -> Plan:
+        """Open a plan for the chain(s) ``hashes`` (parents before children; ``parents[i]`` is
+        block i's parent hash) from ``src`` to ``dst``; a move frees the source's copies of all
+        but the first ``keep`` blocks."""
+        if not hashes or len(parents) != len(hashes) or len(generations) != len(hashes):
+            raise ValueError(f"a plan needs one or more blocks, each with a parent and a generation; got "
+                             f"{len(hashes)} hashes, {len(parents)} parents, {len(generations)} generations")
+        if not 0 <= keep <= len(hashes):
+            raise ValueError(f"keep={keep} for a plan of {len(hashes)} blocks")
+        now = self.clock()
+        plan = Plan(next(self._ids), src, dst, move, list(hashes), list(generations), list(parents),
+                    started=now, deadline=now + self.phase_timeout_s, keep=keep, kind=kind)
+        self.started += 1
+        self.plans[plan.plan_id] = plan
+        self.send(src, PhaseMessage("prepare_source", plan.plan_id, {"hashes": plan.hashes, "generations": plan.generations}))
+        self.send(dst, PhaseMessage("prepare_dest", plan.plan_id, {"num_blocks": len(hashes)}))
+        return plan
+
+    def on_ack(self, plan_id: int, rank: int, phase: PlanState, ok: bool, error: str = "", **result) -> None:
+        """A worker finished (or failed) ``phase`` of a plan."""
+        plan = self.plans.get(plan_id)
+        if plan is None or plan.state is not phase or rank in plan.acked:
+            return  # late, duplicate, or for a phase already passed
+        if not ok:
+            self.abort(plan_id, f"rank {rank} failed {phase.value}: {error}")
+            return
+        plan.acked.add(rank)
+        if phase is PlanState.PREPARING:
+            if rank == plan.src:
+                plan.src_blocks, plan.token_ids = result["block_ids"], result["token_ids"]
+            else:
+                plan.dst_blocks = result["block_ids"]
+                # The reserved blocks enter the page table as not ready: routing skips them.
+                for h, block_id, generation in zip(plan.hashes, plan.dst_blocks, result["generations"]):
+                    if not self.gbm.mark_in_flight(plan.dst, h, block_id, generation):
+                        self.abort(plan_id, f"rank {plan.dst} already holds block {h:#x}")
+                        return
+                    plan.marked.append(h)
+        if plan.acked >= self._expected(plan):
+            self._advance(plan)
+
+    def _expected(self, plan: Plan) -> set[int]:
+        if plan.state in (PlanState.PREPARING, PlanState.EXECUTING):
+            return {plan.src, plan.dst}
+        return {plan.dst} if plan.state is PlanState.PUBLISHING else {plan.src}
+
+    def _advance(self, plan: Plan) -> None:
+        plan.acked = set()
+        plan.deadline = self.clock() + self.phase_timeout_s
+        if plan.state is PlanState.PREPARING:
+            plan.state = PlanState.EXECUTING
+            self.send(plan.src, PhaseMessage("execute_send", plan.plan_id, {"peer": plan.dst, "block_ids": plan.src_blocks}))
+            self.send(plan.dst, PhaseMessage("execute_recv", plan.plan_id, {
+                "peer": plan.src, "block_ids": plan.dst_blocks, "peer_block_ids": plan.src_blocks}))
+        elif plan.state is PlanState.EXECUTING:
+            plan.state = PlanState.PUBLISHING
+            self.send(plan.dst, PhaseMessage("publish", plan.plan_id, {
+                "hashes": plan.hashes, "parents": plan.parents, "token_ids": plan.token_ids}))
+        elif plan.state is PlanState.PUBLISHING:
+            for h in plan.marked:  # the destination's own deltas now make the copies routable
+                self.gbm.unmark_in_flight(plan.dst, h, published=True)
+            plan.marked = []
+            plan.state = PlanState.FINALIZING
+            args = {"move": plan.move, "num_blocks": plan.keep} if plan.keep else {"move": plan.move}
+            self.send(plan.src, PhaseMessage("finalize", plan.plan_id, args))
+        else:
+            self.completed += 1
+            self.blocks_moved += plan.num_moved
+            self.blocks_copied += len(plan.hashes) - plan.num_moved
+            self._end(plan, PlanState.DONE)
+            if self.cost_model is not None:
+                self.cost_model.observe(plan.src, plan.dst, len(plan.hashes), self.clock() - plan.started)
+
+    def abort(self, plan_id: int, reason: str) -> None:
+        """End a plan before DONE: both sides release what they hold; the source keeps its blocks.
+
+        After the destination published, its copy is already good: the plan then
+        simply ends (the source drops its pins, as a copy would)."""
+        plan = self.plans.get(plan_id)
+        if plan is None:
+            return
+        if self.gbm.ranks[plan.dst].alive:
+            for h in plan.marked:
+                self.gbm.unmark_in_flight(plan.dst, h, published=False)
+        plan.abort_reason = reason
+        for rank in (plan.src, plan.dst):
+            self.send(rank, PhaseMessage("abort", plan_id))
+        self.aborted += 1
+        self._end(plan, PlanState.ABORTED)
+
+    def tick(self) -> None:
+        """Watchdog: abort every plan stuck in one phase past its deadline."""
+        now = self.clock()
+        for plan in [p for p in self.plans.values() if now > p.deadline]:
+            self.abort(plan.plan_id, f"timed out in {plan.state.value}")
+
+    def busy(self, a: int, b: int) -> bool:
+        """Whether a plan is open between ranks ``a`` and ``b``, in either direction."""
+        return any({p.src, p.dst} == {a, b} for p in self.plans.values())
+
+    def incoming(self, rank: int) -> int:
+        """Blocks that open plans bring to ``rank``. Counted until the plan ends, though the
+        rank's own load report shows them once reserved: a brief overestimate of its use,
+        never an underestimate."""
+        return sum(len(p.hashes) for p in self.plans.values() if p.dst == rank)
+
+    def free_blocks(self, rank: int) -> int:
+        """Free blocks a transfer may take on ``rank`` without evicting anything: its reported
+        free blocks less those routing reserved and those open plans bring."""
+        info = self.gbm.ranks[rank]
+        return info.load.blocks_free - info.reserved_blocks - self.incoming(rank)
+
+    def rank_died(self, rank: int) -> None:
+        for plan in [p for p in self.plans.values() if rank in (p.src, p.dst)]:
+            self.abort(plan.plan_id, f"rank {rank} died in {plan.state.value}")
+
+    def _end(self, plan: Plan, state: PlanState) -> None:
+        plan.state = state
+        del self.plans[plan.plan_id]
+        self.ended[plan.plan_id] = state
+        if self.on_end is not None:
+            self.on_end(plan)

@@ -1,0 +1,167 @@
+"""The control process's automatic KV transfers: background placement and foreground release.
+
+It owns the admission gate and its cost model (a calibration profile, or an
+uncalibrated link model; either corrected online by every completed plan), the
+placement leases that routing consults, and the bookkeeping that ties each plan
+the coordinator runs back to the policy that asked for it:
+
+- ``tick()`` (a periodic control-plane task) asks ``BackgroundPlacement`` for
+  copies and starts one plan per batch; when a batch's plan completes, each of its
+  chains gets a placement lease;
+- ``on_shortage(report)`` answers a worker's ``ShortageReport`` with a move
+  (``lmpool.control.transfers.foreground.plan_release``) or at once with a refusal; when the
+  move's plan ends, the worker hears its outcome (``ReleaseOutcome``), so it never
+  waits on a plan that is over.
+
+Everything runs on the control loop; nothing here blocks or awaits. ``stats()``
+returns the counters (``TransferStats``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from lmpool.control.transfers.foreground import plan_release
+from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.routing.scheduler import GlobalScheduler
+from lmpool.control.transfers.leases import PlacementLeases
+from lmpool.control.transfers.placement import BackgroundPlacement, CopyBatch
+from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN, UNCALIBRATED_LINK
+from lmpool.protocol.messages import ReleaseOutcome, RouteQuery, ShortageReport, TransferStats
+from lmpool.protocol.spec import ControlSpec
+from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
+from lmpool.control.transfers.coordinator import Plan, PlanState, TransferCoordinator
+from lmpool.control.transfers.cost_model import TransferCostModel
+
+log = logging.getLogger("lmpool.dataplane.policies")
+
+
+class TransferPolicies:
+    def __init__(
+        self,
+        spec: ControlSpec,
+        gbm: GlobalBlockManager,
+        scheduler: GlobalScheduler,
+        coordinator: TransferCoordinator,
+        send: Callable[[int, object], None],
+    ) -> None:
+        cfg = spec.transfer_policy
+        self.cfg = cfg
+        self.gbm = gbm
+        self.scheduler = scheduler
+        self.coordinator = coordinator
+        self.send = send
+        self.background = spec.transfer_mode in ("background", "both")
+        self.foreground = spec.transfer_mode in ("foreground", "both")
+        kv_bytes = max(1, spec.kv_bytes_per_block)
+        if cfg.transfer_profile is not None:
+            self.cost_model = TransferCostModel.from_profile(cfg.transfer_profile, kv_bytes)
+        else:
+            fixed_s, bytes_per_s = UNCALIBRATED_LINK["cuda" if spec.device == "cuda" else "cpu"]
+            self.cost_model = TransferCostModel.uncalibrated(kv_bytes, fixed_s, bytes_per_s)
+        coordinator.cost_model = self.cost_model  # completed plans correct the estimates
+        policy = AdmissionPolicy(
+            prefill_s_per_token=cfg.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN,
+            block_size=spec.block_size, discount=cfg.reuse_discount, margin=cfg.admission_margin,
+        )
+        self.gate = AdmissionGate(policy, self.cost_model)
+        self.leases: PlacementLeases | None = None
+        self.placement: BackgroundPlacement | None = None
+        if self.background:
+            self.leases = scheduler.leases = PlacementLeases(cfg.lease_s, clock=gbm.clock)
+            self.placement = BackgroundPlacement(
+                gbm, scheduler, coordinator, self.gate, self.prefill_s_per_token,
+                hot_threshold=cfg.hot_threshold, min_load_skew_tokens=cfg.min_load_skew_tokens,
+                cooldown_s=cfg.cooldown_s, max_blocks=spec.background_copy_max_blocks,
+                batch_max_blocks=spec.background_copy_batch_max_blocks, recent_chains=cfg.recent_chains,
+            )
+        self.copies: dict[int, CopyBatch] = {}  # open background plans
+        self.releases: dict[int, tuple[int, int]] = {}  # open foreground plans -> (rank, release id)
+        self.stats_ = TransferStats()
+
+    # ---- inputs ------------------------------------------------------------------------
+
+    def prefill_s_per_token(self, rank: int) -> float | None:
+        """What a token of prefill costs on ``rank``: the configured figure, else the rank's own
+        measurement, else the lowest any live rank measured (None: the gate's default)."""
+        if self.cfg.prefill_s_per_token is not None:
+            return self.cfg.prefill_s_per_token
+        own = self.gbm.ranks[rank].load.prefill_s_per_token
+        if own > 0:
+            return own
+        measured = [i.load.prefill_s_per_token for i in self.gbm.ranks if i.alive and i.load.prefill_s_per_token > 0]
+        return min(measured) if measured else None
+
+    def observe_route(self, query: RouteQuery) -> None:
+        if self.placement is not None:
+            self.placement.chains.observe(query.block_hashes, self.scheduler.last_held)
+
+    # ---- background ----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        if self.placement is None:
+            return
+        self.leases.expire()
+        self.stats_.background_ticks += 1
+        for batch in self.placement.tick():
+            plan = self.coordinator.start(batch.src, batch.dst, batch.hashes, batch.generations, batch.parents,
+                                          kind="background")
+            self.copies[plan.plan_id] = batch
+
+    # ---- foreground ----------------------------------------------------------------------
+
+    def on_shortage(self, report: ShortageReport) -> None:
+        self.stats_.foreground_requests += 1
+        info = self.gbm.ranks[report.rank] if 0 <= report.rank < self.gbm.world_size else None
+        if not self.foreground or info is None or not info.alive or info.epoch != report.epoch:
+            self._refuse(report, "foreground release is off, or the report is from a past incarnation")
+            return
+        try:
+            plan, reason = plan_release(report, self.gbm, self.scheduler.topology.partners(report.rank),
+                                        self.coordinator.free_blocks, self.gate, self.prefill_s_per_token)
+        except ValueError as e:
+            plan, reason = None, str(e)
+        if plan is None:
+            self._refuse(report, reason)
+            return
+        started = self.coordinator.start(plan.src, plan.dst, plan.hashes, plan.generations, plan.parents,
+                                         move=True, keep=plan.keep, kind="foreground")
+        self.releases[started.plan_id] = (report.rank, report.release_id)
+
+    def _refuse(self, report: ShortageReport, reason: str) -> None:
+        self.stats_.foreground_refused += 1
+        log.info("rank %d: no foreground move for %d blocks: %s", report.rank, report.num_victims, reason)
+        self.send(report.rank, ReleaseOutcome(report.release_id, "refused", reason))
+
+    # ---- plan outcomes -------------------------------------------------------------------
+
+    def plan_ended(self, plan: Plan) -> None:
+        done = plan.state is PlanState.DONE
+        batch = self.copies.pop(plan.plan_id, None)
+        if batch is not None and done:
+            self.stats_.background_copies += 1
+            self.stats_.background_blocks += len(plan.hashes)
+            for leaf, depth in batch.leases:
+                self.leases.grant(leaf, depth, plan.src, plan.dst)
+        release = self.releases.pop(plan.plan_id, None)
+        if release is not None:
+            rank, release_id = release
+            if done:
+                self.stats_.foreground_moves += 1
+            else:
+                self.stats_.foreground_failed += 1
+            self.send(rank, ReleaseOutcome(release_id, "done" if done else "aborted", plan.abort_reason))
+
+    def stats(self) -> TransferStats:
+        s, c = self.stats_, self.coordinator
+        s.plans_started, s.plans_committed, s.plans_aborted = c.started, c.completed, c.aborted
+        s.plans_open = len(c.plans)
+        s.blocks_copied, s.blocks_moved = c.blocks_copied, c.blocks_moved
+        s.lease_routed = self.scheduler.lease_routed
+        s.leases = len(self.leases) if self.leases is not None else 0
+        s.admission_admitted, s.admission_refused = self.gate.admitted, self.gate.refused
+        s.placement_refused = dict(self.placement.refused) if self.placement is not None else {}
+        s.in_flight_blocks = sum(len(i.in_flight) for i in self.gbm.ranks)
+        s.reservations = len(self.gbm.reservations)
+        return s

@@ -1,0 +1,362 @@
+"""The pool's public API: ``AsyncLMPool`` for asyncio applications, ``LMPool`` for plain code.
+
+``AsyncLMPool`` runs on the application's own event loop (asyncio or uvloop):
+it starts the control process and the workers and exchanges messages with
+them from that loop, never blocking it for long. ``LMPool`` owns a private
+uvloop loop on a background thread and offers the same pool synchronously,
+shaped like ``LLM.generate``.
+
+``metrics_port`` (an int; 0 picks a free port) turns on Prometheus metrics, served
+from this process at ``http://<metrics_host>:<port>/metrics`` (see ``lmpool.frontend.metrics``).
+
+``routing`` names the policy (``lmpool.control.routing.scheduler.POLICIES``) and
+``routing_config`` (``RoutingConfig``) its thresholds.
+
+KV transfers: ``enable_transfers=True`` allows explicit ones (``transfer``);
+``transfer_mode`` ("background", "foreground" or "both"; implies transfers) runs the
+automatic policies, with copies capped per chain and tick (``background_copy_max_blocks``;
+a longer chain goes on in the next tick) and per pair and tick
+(``background_copy_batch_max_blocks``), and their thresholds in ``transfer_policy``
+(``TransferPolicyConfig``). ``stats()["transfers"]`` counts them. Between replicas on two
+GPUs the blocks are pulled through CUDA IPC where the GPUs can address each other's memory
+and packed over NCCL elsewhere; ``gpu_transfer_path="nccl"`` packs over NCCL between any two
+GPUs (for peer access that is reported but slow or broken).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import secrets
+import threading
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as SequenceABC
+
+import uvloop
+
+from lmpool.config import RoutingConfig
+from lmpool.config.transfer import TransferPolicyConfig
+from lmpool.detokenizer import Detokenizer
+from lmpool.frontend.llm import Prompt, prepare_batch
+from lmpool.outputs import RequestOutput
+from lmpool.frontend.client import LLMEngine, PoolConfig, PoolError, TrackedRequest
+from lmpool.frontend.metrics import NO_METRICS, MetricsServer
+from lmpool.protocol.spec import EngineArgs
+from lmpool.sampling_params import SamplingParams
+from lmpool.stop_strings import StopStrings, check_usable
+from lmpool.tokenizer import encode_chat, encode_chats, encode_prompt, load_tokenizer
+
+
+class AsyncLMPool:
+    """N data-parallel replicas of one model behind one asyncio API.
+
+    >>> async with AsyncLMPool("path/to/qwen3", world_size=4, device="cuda") as pool:
+    ...     out = await pool.generate("Hello", SamplingParams(max_tokens=16))
+    ...     async for partial in pool.stream("Hi", SamplingParams(max_tokens=16)):
+    ...         print(partial.text)
+    """
+
+    def __init__(
+        self,
+        model: str,
+        world_size: int = 2,
+        device: str = "cpu",
+        routing: str = "lmpool",
+        routing_config: RoutingConfig | None = None,
+        topology: list[tuple[int, int]] | None = None,
+        ready_timeout: float = 300.0,
+        hang_timeout: float | str | None = "auto",
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        enable_transfers: bool = False,
+        transfer_lease_s: float = 10.0,
+        transfer_mode: str = "none",
+        background_copy_max_blocks: int = 8,
+        background_copy_batch_max_blocks: int = 128,
+        transfer_policy: TransferPolicyConfig | None = None,
+        gpu_transfer_path: str = "auto",
+        **engine_args,
+    ) -> None:
+        engine = EngineArgs(model=str(model), **engine_args)
+        self.config = PoolConfig(
+            model=str(model), world_size=world_size, device=device, routing=routing,
+            routing_config=routing_config, topology=topology, engine=engine, ready_timeout=ready_timeout,
+            hang_timeout=hang_timeout,
+            enable_transfers=enable_transfers, transfer_lease_s=transfer_lease_s,
+            transfer_mode=transfer_mode, background_copy_max_blocks=background_copy_max_blocks,
+            background_copy_batch_max_blocks=background_copy_batch_max_blocks, transfer_policy=transfer_policy,
+            gpu_transfer_path=gpu_transfer_path,
+        )
+        self.tokenizer = load_tokenizer(model)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+        self._prefix = secrets.token_hex(4)
+        self._metrics_address = (metrics_host, metrics_port)
+        self._metrics: MetricsServer | None = None
+
+    async def start(self) -> AsyncLMPool:
+        await self.engine.start()
+        host, port = self._metrics_address
+        if port is not None:
+            try:
+                self._metrics = MetricsServer(self.engine.board, port, host)
+            except BaseException:
+                await self.engine.shutdown()
+                raise
+            self.engine.metrics = self._metrics
+        return self
+
+    @property
+    def pool_id(self) -> str:
+        """The pool's id, as ``lmpool ps`` lists it and ``lmpool top`` takes it."""
+        return self.engine.ipc.pool_id
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port serving ``/metrics``; None when metrics are off."""
+        return None if self._metrics is None else self._metrics.port
+
+    async def __aenter__(self) -> AsyncLMPool:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        if self._metrics is not None:
+            metrics, self._metrics = self._metrics, None
+            self.engine.metrics = NO_METRICS
+            # The HTTP server takes up to half a second to stop: not on the event loop.
+            await asyncio.get_running_loop().run_in_executor(None, metrics.close)
+        await self.engine.shutdown()
+
+    # ---- requests -----------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt)
+
+    @staticmethod
+    def _output(req: TrackedRequest, num_tokens: int, text: str | None, finish_reason: str | None) -> RequestOutput:
+        """The request as of its first ``num_tokens`` output tokens (later ones may have arrived)."""
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids[:num_tokens],
+            text=text,
+            num_cached_tokens=req.num_cached_tokens,
+            finish_reason=finish_reason,
+            rank=req.rank,
+            route=req.route or None,
+        )
+
+    async def submit(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        rank: int | None = None,
+    ) -> TrackedRequest:
+        """Validate and route one request (or send it to ``rank``); its tokens arrive on the
+        returned request's queue."""
+        rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
+        params = SamplingParams() if params is None else params
+        check_usable(params, self.tokenizer)  # the rest of params is validated at ingress
+        return await self.engine.add_request(rid, self.encode(prompt), params, rank)
+
+    async def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        rank: int | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """One ``RequestOutput`` per new token (cumulative); the last has ``finish_reason`` set.
+        Leaving the loop early, or cancelling the consuming task, aborts the request.
+        ``rank`` bypasses routing (for experiments and benchmarks). With stop strings, the
+        request ends at the first one its text shows (``lmpool.stop_strings``)."""
+        req = await self.submit(prompt, params, request_id, rank)
+        stops = StopStrings(req.params.stop) if req.params.stop else None
+        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        seen = 0
+        try:
+            while True:
+                item = await req.queue.get()
+                if item is None:
+                    if req.finish_reason == "abort":
+                        yield self._output(req, seen, detok.finish() if detok else None, "abort")
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                seen += 1
+                text = None
+                if detok is not None:
+                    text = detok.extend(req.output_token_ids[seen - 1:seen])
+                    if item.finished:
+                        text = detok.finish()
+                out = self._output(req, seen, text, item.finish_reason if item.finished else None)
+                if stops is not None:
+                    hit = stops.find(out.text)
+                    if hit is not None:  # ends here; leaving the loop aborts it on its rank
+                        out.text, out.finish_reason = out.text[:hit], "stop"
+                        yield out
+                        return
+                    if out.finish_reason is None:
+                        out.text = stops.held_back(out.text)
+                yield out
+        finally:
+            if req.finish_reason is None:
+                await self.engine.abort(req.request_id)
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        rank: int | None = None,
+    ) -> RequestOutput:
+        """The finished output of one request."""
+        last = None
+        async for last in self.stream(prompt, params, request_id, rank):
+            pass
+        return last
+
+    async def chat(
+        self, messages: list[dict], params: SamplingParams | None = None, request_id: str | None = None,
+        rank: int | None = None, **template_kwargs,
+    ) -> RequestOutput:
+        """``generate`` for a conversation (a list of ``{"role", "content"}`` dicts), rendered by
+        the tokenizer's chat template with the assistant's turn opened. To stream one, pass
+        ``encode_chat(messages)`` to ``stream``."""
+        return await self.generate(self.encode_chat(messages, **template_kwargs), params, request_id, rank)
+
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        return encode_chat(self.tokenizer, messages, **template_kwargs)
+
+    async def transfer(self, prompt: Prompt, src: int, dst: int, move: bool = False):
+        """Copy (or move) the KV of ``prompt``'s complete blocks from rank ``src`` to ``dst``
+        (a pool started with ``enable_transfers=True``); returns the plan's ``TransferResult``.
+        Blocks cached by a request whose output was returned count as held, even if
+        the source's report of them has not reached the control plane yet."""
+        return await self.engine.transfer(self.encode(prompt), src, dst, move)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; an unknown or finished id is a no-op."""
+        await self.engine.abort(request_id)
+
+    async def stats(self) -> dict:
+        """Pool state: ``control_pid``, per-rank rows and the ``transfers`` counters (see
+        ``LLMEngine.stats`` and ``TransferStats``)."""
+        return await self.engine.stats()
+
+
+async def _cancelled(started: list[asyncio.Task]) -> None:
+    """Cancel the task in ``started`` (if it got going) and wait until it has unwound."""
+    for task in started:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+
+class LMPool:
+    """The pool for synchronous code: ``LMPool(model, world_size=4).generate(prompts, params)``."""
+
+    def __init__(self, model: str, **pool_args) -> None:
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="lmpool-loop", daemon=True)
+        self._thread.start()
+        try:
+            self._pool = self._call(self._create(model, pool_args))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @staticmethod
+    async def _create(model: str, pool_args: dict) -> AsyncLMPool:
+        return await AsyncLMPool(model, **pool_args).start()
+
+    def _call(self, coro):
+        """Run ``coro`` on the pool's loop and wait for it. If the wait is interrupted (Ctrl-C),
+        the call is cancelled there, and waited for, before the interruption goes on: its
+        streams abort their requests, as an interrupted ``LLM.generate`` leaves nothing behind."""
+        if self._loop.is_closed():
+            coro.close()  # never to be awaited
+            raise PoolError("the pool is shut down")
+        started: list[asyncio.Task] = []
+
+        async def run():
+            started.append(asyncio.current_task())
+            return await coro
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            if not future.done():
+                future.cancel()  # a call not yet started on the loop never starts
+                asyncio.run_coroutine_threadsafe(_cancelled(started), self._loop).result()
+                if not started:
+                    coro.close()  # it never ran: close it rather than leave it unawaited
+            raise
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        rank: int | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``; every prompt is checked before any is sent.
+        ``rank`` runs them all there, bypassing routing (as ``AsyncLMPool.generate``'s)."""
+        pool = self._pool
+
+        def validate(ids: list[int], p: SamplingParams) -> None:
+            check_usable(p, pool.tokenizer)
+            pool.engine.validate("", ids, p)
+
+        token_lists, params = prepare_batch(prompts, sampling_params, pool.encode, validate)
+
+        async def run_all() -> list[RequestOutput]:
+            runs = (pool.generate(ids, p, rank=rank) for ids, p in zip(token_lists, params))
+            return list(await asyncio.gather(*runs))
+
+        return self._call(run_all())
+
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        rank: int | None = None,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        """``generate`` for one conversation or a list of them (as ``LLM.chat``)."""
+        return self.generate(encode_chats(self._pool.tokenizer, conversations, template_kwargs), sampling_params,
+                             rank)
+
+    def stats(self) -> dict:
+        return self._call(self._pool.stats())
+
+    def transfer(self, prompt: Prompt, src: int, dst: int, move: bool = False):
+        """``AsyncLMPool.transfer``: copy (or move) a prompt's cached blocks between ranks."""
+        return self._call(self._pool.transfer(prompt, src, dst, move))
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self._pool.engine
+
+    @property
+    def pool_id(self) -> str:
+        return self._pool.pool_id
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._pool.metrics_port
+
+    def shutdown(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self._pool.shutdown())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> LMPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,584 @@
+"""``LLMEngine``: the user-process side of a pool. It launches, wires and supervises the
+control process and N workers, and carries every request from ingress to its last token.
+
+Flow of one request: validate at ingress -> chain the prompt's complete-block
+hashes -> ask the control plane for a rank -> send the sequence to that
+worker -> collect its tokens as they stream back.
+
+Supervision: every link watches its peer's pid, so a dead process surfaces as
+an ``IpcError`` on its channel; with ``hang_timeout`` it also watches the peer's
+heartbeat, so a hung one (alive but silent) is killed and surfaces the same way. A dead worker's unfinished requests are routed
+to live ranks and recomputed from prompt + tokens generated so far; the caller
+sees no error while one rank lives, unless its request loses a second rank
+(``MAX_REROUTES``). A dead control process is restarted on
+fresh links, and every live worker re-attaches and sends a full snapshot.
+
+Invariants: a request is in ``requests`` from ingress until its final token
+(or abort), and then never again; each request has exactly one rank at a time.
+Everything here runs on the one event loop that called ``start()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from lmpool.config.engine import EngineConfig
+from lmpool.config import RoutingConfig
+from lmpool.config.transfer import TransferPolicyConfig, check_mode
+from lmpool.engine.hashing import chain_hashes
+from lmpool.engine.model_runner import resolve_dtype
+from lmpool.engine.validation import validate_request
+from lmpool.model.config import ModelConfig
+from lmpool.frontend import launcher as process
+from lmpool.protocol.messages import (
+    AbortRequest,
+    AddRequest,
+    AttachControl,
+    ControlStats,
+    RankDown,
+    RequestRejected,
+    RouteDecision,
+    RouteQuery,
+    Shutdown,
+    StatsQuery,
+    StepOutputs,
+    BlockDigests,
+    DigestsReply,
+    TokenDelta,
+    TransferChain,
+    TransferResult,
+    WaitRanks,
+    WorkerFailed,
+    WorkerReady,
+    WorkerToEngine,
+)
+from lmpool.frontend.metrics import NO_METRICS
+from lmpool.protocol.spec import ControlSpec, EngineArgs, WorkerSpec
+from lmpool.protocol.state_board import BOARD_LABEL, board_capacity
+from lmpool.sampling_params import SamplingParams
+from lmpool.dataplane import Rendezvous
+from lmpool.control.transfers.cost_model import TransferCostModel
+from lmpool_ipc import Channel, IpcError, IpcPool, RemoteError, Requester
+
+ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
+GPU_TRANSFER_PATHS = ("auto", "nccl")
+
+
+# Rank deaths a request survives: it is recomputed elsewhere once. A request whose second
+# rank dies too fails instead, so that one request that crashes workers (a bug it triggers)
+# cannot take down every rank of the pool in turn.
+MAX_REROUTES = 1
+
+
+class PoolError(RuntimeError):
+    """The pool cannot serve: it failed to start, or no rank is left alive."""
+
+
+@dataclass
+class PoolConfig:
+    model: str
+    world_size: int = 2
+    device: str = "cpu"
+    routing: str = "lmpool"
+    routing_config: RoutingConfig | None = None  # the routing policies' thresholds; None: the defaults
+    topology: list[tuple[int, int]] | None = None  # logical NVLink pairs; None: all partners
+    engine: EngineArgs | None = None
+    ready_timeout: float = 300.0
+    heartbeat_interval: float = 0.5
+    # Seconds a worker or the control process may stay silent, once up, before it is taken
+    # for hung (stopped, deadlocked, stuck in the GPU) and killed, as if it had died: a
+    # worker's rank is lost and its requests are recomputed on live ranks (workers are not
+    # respawned), the control process is restarted. Their event
+    # loops beat four times a second even when idle, but a worker's loop is silent while
+    # one engine step runs, so this must outlast the longest step. "auto": 60 s on CUDA,
+    # where a step takes milliseconds; off (None) on CPU, where one step of a large model
+    # may take minutes.
+    hang_timeout: float | str | None = "auto"
+    enable_transfers: bool = False  # workers can copy and move KV blocks between them
+    transfer_lease_s: float = 10.0  # a worker aborts a plan its control plane left silent this long
+    # Automatic transfers (``lmpool.config.transfer``); any mode but "none" enables transfers.
+    transfer_mode: str = "none"
+    background_copy_max_blocks: int = 8
+    background_copy_batch_max_blocks: int = 128
+    transfer_policy: TransferPolicyConfig | None = None  # thresholds; None: the defaults
+    # The data path between replicas on two different GPUs: "auto" pulls through CUDA IPC
+    # where the GPUs can address each other's memory and packs over NCCL elsewhere; "nccl"
+    # packs over NCCL between any two GPUs (for peer access that is reported but slow or
+    # broken). Replicas sharing a GPU always pull: NCCL refuses two ranks on one device.
+    gpu_transfer_path: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_mode(self.transfer_mode, self.background_copy_max_blocks, self.background_copy_batch_max_blocks)
+        if self.transfer_policy is None:
+            self.transfer_policy = TransferPolicyConfig()
+        elif not isinstance(self.transfer_policy, TransferPolicyConfig):
+            raise ValueError(f"transfer_policy must be a TransferPolicyConfig, got {type(self.transfer_policy).__name__}")
+        self.transfer_policy.check()
+        if self.transfer_mode != "none":
+            self.enable_transfers = True
+        if self.gpu_transfer_path not in GPU_TRANSFER_PATHS:
+            raise ValueError(f"gpu_transfer_path must be one of {', '.join(GPU_TRANSFER_PATHS)}; "
+                             f"got {self.gpu_transfer_path!r}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.hang_timeout == "auto":
+            self.hang_timeout = 60.0 if self.device == "cuda" else None
+        if self.hang_timeout is not None and (
+            isinstance(self.hang_timeout, (bool, str)) or not self.hang_timeout > 0
+        ):
+            raise ValueError(f"hang_timeout must be a positive number of seconds, None or 'auto'; "
+                             f"got {self.hang_timeout!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}; got {self.routing!r}")
+        if self.routing_config is None:
+            self.routing_config = RoutingConfig()
+        elif not isinstance(self.routing_config, RoutingConfig):
+            raise ValueError(f"routing_config must be a RoutingConfig, got {type(self.routing_config).__name__}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+        if self.engine is None:
+            self.engine = EngineArgs(model=self.model)
+
+    def device_of(self, rank: int) -> str:
+        if self.device == "cpu":
+            return "cpu"
+        return f"cuda:{rank % torch.cuda.device_count()}"
+
+    def gpu_of_rank(self) -> list[int]:
+        if self.device == "cpu":
+            return list(range(self.world_size))
+        return [r % torch.cuda.device_count() for r in range(self.world_size)]
+
+    def engine_of(self, rank: int) -> EngineArgs:
+        """Rank ``rank``'s engine arguments. ``gpu_memory_utilization`` is the share of each GPU
+        that the pool's replicas on it fill together: replicas sharing a GPU split it evenly.
+        Each worker sizes its KV cache from its own share, as it sees only its own process's
+        allocations; given the whole share, the second replica on a GPU would ask for
+        memory the first already holds. An explicit ``num_kv_blocks`` is taken as given.
+
+        Each rank's sampler draws its own random stream (``seed + rank``): with one seed, every
+        replica would draw the same numbers, and unseeded requests would sample alike on every
+        rank. Rank 0 keeps the seed, so a one-rank pool samples as an ``LLM`` would."""
+        changes: dict = {"seed": self.engine.seed + rank} if rank else {}
+        gpus = self.gpu_of_rank()
+        sharing = gpus.count(gpus[rank]) if self.device == "cuda" else 1
+        if sharing > 1 and self.engine.num_kv_blocks is None:
+            changes["gpu_memory_utilization"] = self.engine.gpu_memory_utilization / sharing
+        return msgspec.structs.replace(self.engine, **changes) if changes else self.engine
+
+
+@dataclass
+class Rank:
+    rank: int
+    proc: subprocess.Popen
+    channel: Channel
+    alive: bool = True
+    num_blocks: int = 0
+    epoch: int = 1
+
+
+@dataclass
+class TrackedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    rank: int = -1
+    route: str = ""  # the latest routing decision's reason (``RouteDecision.reason``), or "pinned"
+    # The id the worker knows this dispatch by: new for every dispatch, so tokens still in
+    # flight from an aborted request, or from a rank the request left, never match it.
+    wire_id: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    reroutes: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    last_token_at: float = 0.0  # time.monotonic() of the latest token, for inter-token latency
+    # TokenDelta for every new token, then None at the end (or an exception).
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class LLMEngine:
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.block_size = config.engine.block_size
+        self.max_model_len = config.engine.max_model_len or self.model_config.max_context
+        profile = config.transfer_policy.transfer_profile
+        if profile is not None:  # refused here, with its reason, rather than in the control process
+            try:
+                TransferCostModel.from_profile(profile, self.kv_bytes_per_block())
+            except (OSError, KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"transfer_profile {profile!r} cannot be used: {e}") from None
+        self.ipc: IpcPool | None = None
+        self.rendezvous: Rendezvous | None = None  # the workers' transfer rendezvous, if enabled
+        self.board: str | None = None  # the pool-state board (``state_board``)
+        self.started_at = 0.0
+        self.metrics = NO_METRICS  # token timing; a Prometheus recorder when metrics are on
+        self.ranks: list[Rank] = []
+        self.control_proc: subprocess.Popen | None = None
+        self.control: Requester | None = None
+        self._control_channel: Channel | None = None
+        self._control_lock = asyncio.Lock()
+        self.control_restarts = 0
+        self.requests: dict[str, TrackedRequest] = {}
+        self._by_wire: dict[str, TrackedRequest] = {}
+        self._wire_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    # ---- start-up ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._closed:  # its processes and shared memory are gone for good
+            raise PoolError("this pool was shut down and cannot start again: create a new one")
+        if self.ipc is not None:
+            raise PoolError("this pool is already started")
+        self.ipc = IpcPool.start()  # also removes what crashed pools left in /dev/shm
+        if self.config.enable_transfers:
+            self.rendezvous = Rendezvous.create()
+        self.started_at = time.time()
+        try:
+            await self._start_processes()
+        except BaseException:
+            await self.shutdown()
+            raise
+
+    async def _start_processes(self) -> None:
+        cfg = self.config
+        self.board = self.ipc.create_board(BOARD_LABEL, board_capacity(cfg.world_size))
+        control_links = []
+        for r in range(cfg.world_size):
+            link = self.ipc.create_link()
+            control_links.append(self.ipc.create_link())
+            spec = WorkerSpec(
+                rank=r, epoch=1, device=cfg.device_of(r), engine_end=link.b,
+                control_end=control_links[r].b, engine_args=cfg.engine_of(r),
+                heartbeat_interval=cfg.heartbeat_interval, world_size=cfg.world_size,
+                transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
+                gpu_transfer_path=cfg.gpu_transfer_path, transfer_lease_s=cfg.transfer_lease_s,
+                foreground_release=cfg.transfer_mode in ("foreground", "both"),
+                foreground_wait_s=cfg.transfer_policy.foreground_wait_s,
+                foreground_retry_s=cfg.transfer_policy.foreground_retry_s,
+            )
+            proc = process.spawn("lmpool.worker.main", spec)
+            channel = Channel(link.a, WorkerToEngine)
+            channel.expect_peer(proc.pid)
+            self.ranks.append(Rank(r, proc, channel))
+        await self._spawn_control([link.a for link in control_links])
+        await asyncio.gather(*(self._await_ready(rank) for rank in self.ranks))
+        for rank in self.ranks:
+            self._tasks.append(asyncio.create_task(self._read_worker(rank)))
+        await self.control_request(WaitRanks(list(range(cfg.world_size))))
+
+    async def _await_ready(self, rank: Rank) -> None:
+        try:
+            msg = await asyncio.wait_for(rank.channel.recv(), self.config.ready_timeout)
+        except asyncio.TimeoutError:
+            raise PoolError(
+                f"rank {rank.rank} did not become ready within {self.config.ready_timeout:g} s"
+            ) from None
+        except IpcError:
+            code = rank.proc.wait()
+            raise PoolError(f"rank {rank.rank} exited with code {code} during start-up") from None
+        if isinstance(msg, WorkerFailed):
+            raise PoolError(f"rank {rank.rank} failed to start: {msg.error}")
+        assert isinstance(msg, WorkerReady)
+        rank.num_blocks = msg.num_blocks
+        # Watched only from now: while it loaded the model its loop could not beat.
+        rank.channel.watch_heartbeat(self.config.hang_timeout)
+
+    async def _spawn_control(self, worker_ends: list[str | None]) -> None:
+        cfg = self.config
+        link = self.ipc.create_link()
+        spec = ControlSpec(
+            world_size=cfg.world_size, device=cfg.device, block_size=self.block_size, routing=cfg.routing,
+            routing_config=cfg.routing_config, pairs=cfg.topology, gpu_of_rank=cfg.gpu_of_rank(), engine_end=link.b,
+            worker_ends=worker_ends, heartbeat_interval=cfg.heartbeat_interval,
+            pool_id=self.ipc.pool_id, owner_pid=self.ipc.owner_pid, started_at=self.started_at,
+            board=self.board, worker_pids=[r.proc.pid for r in self.ranks],
+            transfers=self.rendezvous is not None, transfer_mode=cfg.transfer_mode,
+            background_copy_max_blocks=cfg.background_copy_max_blocks,
+            background_copy_batch_max_blocks=cfg.background_copy_batch_max_blocks,
+            transfer_policy=cfg.transfer_policy, kv_bytes_per_block=self.kv_bytes_per_block(),
+        )
+        self.control_proc = process.spawn("lmpool.control.main", spec)
+        self._control_channel = Channel(link.a, object)
+        self._control_channel.expect_peer(self.control_proc.pid)
+        self._control_channel.watch_heartbeat(self.config.hang_timeout)
+        self.control = Requester(
+            self._control_channel, RouteDecision | ControlStats | TransferResult | DigestsReply | None
+        )
+
+    def kv_bytes_per_block(self) -> int:
+        """KV bytes of one block on a rank (the transfer cost model's unit)."""
+        engine = self.config.engine
+        config = EngineConfig(model=engine.model, device=self.config.device_of(0), dtype=engine.dtype)
+        return self.model_config.kv_bytes_per_block(self.block_size, resolve_dtype(config, self.model_config))
+
+    async def _restart_control(self, failed: Requester) -> None:
+        """Start a new control process unless another task already replaced ``failed``."""
+        async with self._control_lock:
+            if self.control is not failed or self._closed:
+                return
+            self.control_restarts += 1
+            failed.close()
+            self._control_channel.close()
+            await asyncio.get_running_loop().run_in_executor(None, process.stop, self.control_proc, 1.0)
+            live = [r for r in self.ranks if r.alive]
+            links = {r.rank: self.ipc.create_link() for r in live}
+            ends = [links[r].a if r in links else None for r in range(self.config.world_size)]
+            await self._spawn_control(ends)
+            for r in live:  # each worker re-attaches and sends a full snapshot
+                await self._send_to_rank(r, AttachControl(links[r.rank].b))
+            # Routing needs the snapshots; a rank that dies meanwhile releases the wait.
+            await self.control.request(WaitRanks([r.rank for r in live]))
+
+    async def control_request(self, msg):
+        """A request to the control plane, restarting the control process if it died."""
+        for _ in range(3):
+            requester = self.control
+            try:
+                return await requester.request(msg)
+            except RemoteError as e:  # the control plane answered with an error: not a crash
+                raise PoolError(f"control plane: {e}") from None
+            except IpcError:
+                if self._closed:
+                    raise PoolError("the pool is shut down") from None
+                await self._restart_control(requester)
+        raise PoolError("the control process keeps failing")
+
+    # ---- requests ---------------------------------------------------------------
+
+    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Reject at ingress what no rank could serve, naming the problem."""
+        if self._closed:
+            raise PoolError("the pool is shut down")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.ranks and not any(r.alive for r in self.ranks):
+            raise PoolError("no rank is alive")
+        capacity = max((r.num_blocks for r in self.ranks if r.alive), default=0)
+        validate_request(
+            prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len, block_size=self.block_size, max_blocks=capacity,
+            where="the largest live rank",
+        )
+
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, rank: int | None = None
+    ) -> TrackedRequest:
+        """Validate, route (or send to ``rank``, bypassing routing) and start one request."""
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate(request_id, prompt_token_ids, params)
+        if rank is not None and not (0 <= rank < len(self.ranks) and self.ranks[rank].alive):
+            raise ValueError(f"rank {rank} is not a live rank of this pool")
+        req = TrackedRequest(request_id, prompt_token_ids, params)
+        self.requests[request_id] = req
+        try:
+            await self._dispatch(req, rank)
+        except BaseException:
+            self._forget(req)
+            raise
+        return req
+
+    async def _dispatch(self, req: TrackedRequest, pinned: int | None = None) -> None:
+        """Route ``req`` (again, after a failure) and hand it to its rank."""
+        while True:
+            if not any(r.alive for r in self.ranks):
+                raise PoolError("no rank is alive")
+            # The route's reservation is keyed by this dispatch's wire id: the worker reports
+            # admissions by the id it was given, and the control plane releases on that.
+            wire_id = str(next(self._wire_ids))
+            if pinned is not None and self.ranks[pinned].alive:
+                rank = self.ranks[pinned]
+                req.route = "pinned"
+            else:
+                tokens = req.prompt_token_ids + req.output_token_ids
+                query = RouteQuery(
+                    wire_id, chain_hashes(tokens, self.block_size), len(tokens),
+                    req.params.max_tokens - len(req.output_token_ids),
+                )
+                try:
+                    decision = await self.control_request(query)
+                except PoolError as e:  # the control plane's words name no caller's id
+                    raise PoolError(f"request {req.request_id!r} could not be routed: {e}") from None
+                rank = self.ranks[decision.rank]
+                req.route = decision.reason
+            if not rank.alive:
+                continue  # the control plane had not yet heard of its death
+            self._by_wire.pop(req.wire_id, None)
+            req.rank, req.wire_id = rank.rank, wire_id
+            self._by_wire[req.wire_id] = req
+            msg = AddRequest(req.wire_id, req.prompt_token_ids, req.params, list(req.output_token_ids))
+            if await self._send_to_rank(rank, msg):
+                return
+
+    async def transfer(self, prompt_token_ids: list[int], src: int, dst: int, move: bool = False) -> TransferResult:
+        """Copy (or move) the KV of the prompt's complete blocks from rank ``src`` to ``dst``."""
+        if self.rendezvous is None:
+            raise PoolError("this pool was started without enable_transfers")
+        hashes = chain_hashes(list(prompt_token_ids), self.block_size)
+        return await self.control_request(TransferChain(src, dst, hashes, move))
+
+    async def block_digests(self, rank: int, prompt_token_ids: list[int]) -> list[str]:
+        """SHA-256 of each complete prompt block's KV bytes on ``rank`` ("" where not cached)."""
+        if self.rendezvous is None:
+            raise PoolError("this pool was started without enable_transfers")
+        hashes = chain_hashes(list(prompt_token_ids), self.block_size)
+        return (await self.control_request(BlockDigests(rank, hashes))).digests
+
+    async def _send_to_rank(self, rank: Rank, msg) -> bool:
+        try:
+            await rank.channel.send(msg)
+            return True
+        except IpcError:
+            await self._rank_died(rank)
+            return False
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; an unknown (or already finished) id is a no-op."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        self._forget(req)
+        req.finish_reason = "abort"
+        req.queue.put_nowait(None)
+        rank = self.ranks[req.rank]
+        if rank.alive:
+            await self._send_to_rank(rank, AbortRequest(req.wire_id))
+
+    def _forget(self, req: TrackedRequest) -> None:
+        self.requests.pop(req.request_id, None)
+        self._by_wire.pop(req.wire_id, None)
+
+    # ---- workers ----------------------------------------------------------------
+
+    async def _read_worker(self, rank: Rank) -> None:
+        try:
+            while True:
+                msg = await rank.channel.recv()
+                if isinstance(msg, StepOutputs):
+                    for delta in msg.outputs:
+                        self._deliver(rank, delta)
+                elif isinstance(msg, RequestRejected):
+                    req = self._by_wire.get(msg.request_id)
+                    if req is not None:
+                        self._forget(req)
+                        req.queue.put_nowait(ValueError(msg.error))
+        except IpcError:
+            if not self._closed:
+                await self._rank_died(rank)
+
+    def _deliver(self, rank: Rank, delta: TokenDelta) -> None:
+        req = self._by_wire.get(delta.request_id)
+        if req is None:
+            return  # aborted, or a late token from a rank the request has left
+        now = time.monotonic()
+        if req.output_token_ids:
+            self.metrics.inter_token(now - req.last_token_at)
+        else:
+            self.metrics.first_token(now - req.arrival)
+            if not req.reroutes:
+                req.num_cached_tokens = min(delta.num_cached_tokens, len(req.prompt_token_ids))
+        req.last_token_at = now
+        req.output_token_ids.append(delta.token_id)
+        req.queue.put_nowait(delta)
+        if delta.finished:
+            req.finish_reason = delta.finish_reason
+            self._forget(req)
+            req.queue.put_nowait(None)
+
+    async def _rank_died(self, rank: Rank) -> None:
+        if not rank.alive:
+            return
+        rank.alive = False
+        rank.channel.close()
+        try:  # first, so that no request is routed there while the process is stopped
+            await self.control_request(RankDown(rank.rank))
+        except PoolError:
+            pass
+        # Off the event loop: a hung worker is only killed once the wait runs out.
+        await asyncio.get_running_loop().run_in_executor(None, process.stop, rank.proc, 1.0)
+        orphans = [r for r in self.requests.values() if r.rank == rank.rank]
+        for req in orphans:
+            req.reroutes += 1
+            if req.reroutes > MAX_REROUTES:
+                self._forget(req)
+                req.queue.put_nowait(PoolError(
+                    f"request {req.request_id!r} was running on {req.reroutes} ranks that died; it is not retried "
+                    f"again, in case it is what kills them"))
+                continue
+            try:
+                await self._dispatch(req)
+            except PoolError as e:
+                self._forget(req)
+                req.queue.put_nowait(e)
+
+    # ---- state --------------------------------------------------------------------
+
+    async def stats(self) -> dict:
+        control: ControlStats = await self.control_request(StatsQuery())
+        ranks = []
+        for state in control.ranks:
+            rank = self.ranks[state.rank]
+            load = state.load
+            ranks.append({
+                "rank": state.rank, "pid": rank.proc.pid, "alive": rank.alive,
+                "num_waiting": load.num_waiting, "num_running": load.num_running,
+                "blocks_free": load.blocks_free, "blocks_reclaimable": load.blocks_reclaimable,
+                "blocks_used": load.blocks_used, "prompt_tokens": load.prompt_tokens,
+                "prefix_hit_tokens": load.prefix_hit_tokens, "heartbeat_age_s": state.heartbeat_age_s,
+                "epoch": state.epoch, "snapshot_version": state.snapshot_version,
+                "cached_blocks": state.cached_blocks,
+            })
+        return {
+            "control_pid": control.pid, "ranks": ranks, "route_queries": control.route_queries,
+            "route_p50_us": control.route_p50_us, "route_p99_us": control.route_p99_us,
+            "resyncs": control.resyncs, "stale_rejected": control.stale_rejected,
+            "control_restarts": self.control_restarts,
+            "transfers": msgspec.structs.asdict(control.transfers),
+        }
+
+    # ---- shutdown -------------------------------------------------------------------
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every process and remove every shared-memory object. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for req in self.requests.values():
+            req.queue.put_nowait(PoolError("the pool is shut down"))
+        self.requests.clear()
+        self._by_wire.clear()
+        for task in self._tasks:
+            task.cancel()
+        for rank in self.ranks:
+            if rank.alive:
+                try:
+                    await asyncio.wait_for(rank.channel.send(Shutdown()), 1.0)
+                except (IpcError, asyncio.TimeoutError):
+                    pass
+        if self.control is not None:
+            self.control.close()
+            self._control_channel.close()  # the control process's Responder sees it and exits
+        loop = asyncio.get_running_loop()
+        procs = [r.proc for r in self.ranks] + ([self.control_proc] if self.control_proc else [])
+        await asyncio.gather(*(loop.run_in_executor(None, process.stop, p, timeout) for p in procs))
+        for rank in self.ranks:
+            rank.channel.close()
+        if self.ipc is not None:
+            self.ipc.close()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self.ranks] + ([self.control_proc.pid] if self.control_proc else [])

@@ -1,0 +1,164 @@
+"""``LLM``: the synchronous single-replica API, shaped like ``vllm.LLM``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
+
+from lmpool.config.engine import EngineConfig
+from lmpool.detokenizer import Detokenizer
+from lmpool.engine.core import EngineCore
+from lmpool.outputs import RequestOutput
+from lmpool.sampling_params import SamplingParams
+from lmpool.stop_strings import StopStrings, check_usable
+from lmpool.tokenizer import encode_chats, encode_prompt, is_token_id, load_tokenizer
+
+Prompt = str | SequenceABC[int]
+
+
+def normalize_prompts(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
+    """One prompt or many: a string or a flat list of token ids (Python, numpy or torch integers,
+    or a 1-D array or tensor) is a single prompt; a 2-D array or tensor is one prompt per row."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):  # numpy array, torch tensor
+        prompts = prompts.tolist()
+        if not isinstance(prompts, list):  # a 0-d array: one token id
+            prompts = [prompts]
+    prompts = list(prompts)
+    if prompts and all(is_token_id(t) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def normalize_params(
+    params: SamplingParams | SequenceABC[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(f"sampling params must be a SamplingParams or a list of them, got {type(params).__name__}")
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+def prepare_batch(
+    prompts: Prompt | SequenceABC[Prompt],
+    sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+    encode: Callable[[Prompt], list[int]],
+    validate: Callable[[list[int], SamplingParams], None],
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Token ids and params of every prompt, each checked before any is run; an error names the prompt."""
+    prompt_list = normalize_prompts(prompts)
+    params = normalize_params(sampling_params, len(prompt_list))
+    token_lists = []
+    for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+        try:
+            ids = encode(prompt)
+            validate(ids, p)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+        token_lists.append(ids)
+    return token_lists, params
+
+
+class LLM:
+    """Generate from a Qwen3 checkpoint directory on one device.
+
+    >>> llm = LLM("path/to/qwen3", device="cpu")
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].text
+    """
+
+    def __init__(self, model: str, **engine_args) -> None:
+        self.config = EngineConfig(model=str(model), **engine_args)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(model)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt)
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _text(self, token_ids: list[int], detok: Detokenizer | None, final: bool) -> str | None:
+        """The output's text so far: incrementally where it is needed at every step, else
+        decoded once when the output is final (None before that, or without a tokenizer)."""
+        if detok is None:
+            return self.decode(token_ids) if final else None
+        detok.extend(token_ids[detok.num_tokens:])
+        return detok.finish() if final else detok.text
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. Every prompt is checked before any runs."""
+
+        def validate(ids: list[int], p: SamplingParams) -> None:
+            check_usable(p, self.tokenizer)
+            self.engine.validate(ids, p)
+
+        token_lists, params = prepare_batch(prompts, sampling_params, self.encode, validate)
+        request_ids = [f"llm-{next(self._ids)}" for _ in token_lists]
+        stops = {rid: StopStrings(p.stop) for rid, p in zip(request_ids, params) if p.stop}
+        # Requests with stop strings need their text at every step; the others only at the end.
+        detoks = {rid: Detokenizer(self.tokenizer) for rid in stops}
+        for rid, ids, p in zip(request_ids, token_lists, params):
+            self.engine.add_request(rid, ids, p)
+        done: dict[str, RequestOutput] = {}
+        try:
+            while len(done) < len(request_ids):
+                for out in self.engine.step():
+                    seq, finish_reason = out.seq, out.finish_reason if out.finished else None
+                    text = self._text(seq.output_token_ids, detoks.get(out.request_id), finish_reason is not None)
+                    hit = stops[out.request_id].find(text) if out.request_id in stops else None
+                    if hit is not None:  # the text names a stop string: end the request there
+                        if not out.finished:
+                            self.engine.abort_request(out.request_id)
+                        text, finish_reason = text[:hit], "stop"
+                    if finish_reason is not None:
+                        done[out.request_id] = RequestOutput(
+                            request_id=out.request_id,
+                            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+                            token_ids=seq.output_token_ids,
+                            text=text,
+                            num_cached_tokens=seq.num_cached_tokens,
+                            finish_reason=finish_reason,
+                        )
+        finally:
+            for rid in request_ids:  # an interrupted call leaves nothing behind
+                if rid not in done:
+                    self.engine.abort_request(rid)
+        return [done[rid] for rid in request_ids]
+
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        """``generate`` for one conversation (a list of ``{"role", "content"}`` dicts) or a list
+        of them, each rendered by the tokenizer's chat template with the assistant's turn
+        opened; ``template_kwargs`` reach the template (Qwen3's takes ``enable_thinking``)."""
+        return self.generate(encode_chats(self.tokenizer, conversations, template_kwargs), sampling_params)
+
+    def shutdown(self) -> None:
+        """Free the weights and the KV cache now. Idempotent."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,141 @@
+"""The pool-state board: a snapshot of the whole pool that the control process publishes a
+few times a second, for monitors (``lmpool top``, ``lmpool ps``, the Prometheus exporter).
+
+The board is the pool's ``lmpool_ipc`` board labelled ``state``: the user process creates
+it with the pool's other shared-memory objects (so ``IpcPool.close`` and the sweeper remove
+it), and the control process is its only writer. Readers map it read-only and take the
+latest ``PoolState`` under a seqlock: however many monitors attach, and however slow they
+are, the pool never waits for them and cannot tell they are there.
+
+Invariants: ``published`` grows by one per publish of one control process (a restarted
+control process starts again from 1); ``monotonic`` is ``CLOCK_MONOTONIC`` at the publish,
+which every process on the machine shares, so a reader measures the board's age with its
+own clock. Fields are named on the wire, so a reader tolerates fields it does not know.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Self
+
+import msgspec
+
+from lmpool.protocol.messages import RankState
+from lmpool_ipc import BoardReader, BoardWriter, boards
+from lmpool_ipc.names import SHM_DIR
+
+BOARD_LABEL = "state"
+PUBLISH_INTERVAL_S = 0.25
+
+
+class RankRow(msgspec.Struct, kw_only=True, gc=False):
+    """One rank as the control plane sees it; load figures are the worker's last report."""
+
+    rank: int
+    pid: int  # the worker process
+    alive: bool
+    epoch: int
+    snapshot_version: int
+    heartbeat_age_s: float  # since the rank's last report; -1 before its first
+    num_waiting: int = 0
+    num_running: int = 0
+    blocks_free: int = 0
+    blocks_reclaimable: int = 0
+    blocks_used: int = 0
+    cached_blocks: int = 0  # ready blocks the page table lists for this rank
+    prompt_tokens: int = 0  # cumulative, this worker incarnation
+    prefix_hit_tokens: int = 0  # cumulative, this worker incarnation
+    generated_tokens: int = 0  # cumulative, this worker incarnation
+    blocks_in_flight: int = 0  # blocks a transfer is bringing here, not yet published
+    leases: int = 0  # placement leases steering routes here (not yet filled per rank)
+
+    @classmethod
+    def from_state(cls, state: RankState, pid: int, blocks_in_flight: int) -> RankRow:
+        load = state.load
+        return cls(
+            rank=state.rank, pid=pid, alive=state.alive, epoch=state.epoch,
+            snapshot_version=state.snapshot_version, heartbeat_age_s=state.heartbeat_age_s,
+            num_waiting=load.num_waiting, num_running=load.num_running,
+            blocks_free=load.blocks_free, blocks_reclaimable=load.blocks_reclaimable,
+            blocks_used=load.blocks_used, cached_blocks=state.cached_blocks,
+            prompt_tokens=load.prompt_tokens, prefix_hit_tokens=load.prefix_hit_tokens,
+            generated_tokens=load.generated_tokens, blocks_in_flight=blocks_in_flight,
+        )
+
+
+class PoolState(msgspec.Struct, kw_only=True, gc=False):
+    pool_id: str
+    owner_pid: int  # the user process: the pool lives as long as it does
+    control_pid: int
+    started_at: float  # wall-clock time the pool started
+    published: int  # publish counter of this control process
+    published_at: float  # wall-clock time of this publish
+    monotonic: float  # CLOCK_MONOTONIC seconds at this publish
+    world_size: int
+    route_queries: int = 0  # cumulative, this control process
+    route_p50_us: float = 0.0  # over the last few thousand route decisions
+    route_p99_us: float = 0.0
+    transfers_committed: int = 0  # KV transfer plans that completed, cumulative, this control process
+    blocks_transferred: int = 0  # blocks those plans copied or moved
+    ranks: list[RankRow] = []
+
+
+def board_capacity(world_size: int) -> int:
+    """Bytes a board needs for a pool of ``world_size`` ranks, with room to spare (an
+    encoded row is about 300 bytes; untouched pages of the segment cost nothing)."""
+    return 4096 + 1024 * world_size
+
+
+class _BoardSide:
+    """What both sides do alike: close their mapping, also as a context manager."""
+
+    _board: BoardWriter | BoardReader
+
+    def close(self) -> None:
+        self._board.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StateBoardWriter(_BoardSide):
+    """The control process's side: encode and publish. Never waits for readers."""
+
+    def __init__(self, name: str) -> None:
+        self._board = BoardWriter(name)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def publish(self, state: PoolState) -> None:
+        self._board.publish(self._encoder.encode(state))
+
+
+class StateBoardReader(_BoardSide):
+    """A monitor's side: the latest ``PoolState`` of one pool, read-only."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._board = BoardReader(name)
+        self._decoder = msgspec.msgpack.Decoder(PoolState)
+
+    @property
+    def owner_pid(self) -> int:
+        return self._board.owner_pid
+
+    def read(self) -> PoolState | None:
+        """The latest published state; None before the first publish. Raises
+        ``lmpool_ipc.BoardBusyError`` if the writer was mid-write at every try."""
+        value = self._board.read()
+        return None if value is None else self._decoder.decode(value)
+
+    def removed(self) -> bool:
+        """True once the board's name is gone (the pool shut down, or was swept): the
+        mapping still shows the last state, but nothing will publish on it again."""
+        return not os.path.exists(SHM_DIR + self.name)
+
+
+def pool_boards() -> dict[str, str]:
+    """Pool id -> board name, for every pool on this machine with a state board."""
+    return {b.parsed.pool_id: b.name for b in boards(BOARD_LABEL)}

@@ -1,0 +1,325 @@
+"""A data-plane worker: one replica's EngineCore driven by messages from the engine and control.
+
+The worker owns its blocks; it tells the control plane what it caches with
+versioned deltas (a full snapshot at start, after a ``ResyncRequest`` and when a
+new control process attaches), and streams every new token to the engine.
+
+The step loop never waits on a message: reader tasks move arriving messages
+into an inbox, and the loop yields to them between steps (``asyncio.sleep(0)``),
+so a request or an abort is taken at the next step boundary while the model
+runs. With nothing to do the loop sleeps on an event, burning no CPU.
+
+With foreground release on, admission that would evict cached blocks first asks
+the control plane to move them to a partner (``lmpool.worker.release``); while the
+worker waits for that (bounded), a step that runs nothing sleeps on the same
+event until a message or the wait's deadline, instead of spinning. It also
+measures its prefill cost per token (``prefill_meter``) for the transfer gate.
+
+Run as ``python -m lmpool.worker.main SPEC_JSON`` (see ``lmpool.protocol.spec``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import msgspec
+import uvloop
+
+from lmpool.config.engine import EngineConfig
+from lmpool.engine.core import EngineCore
+from lmpool.protocol.messages import (
+    AbortRequest,
+    AddRequest,
+    AttachControl,
+    ControlToWorker,
+    EngineToWorker,
+    Heartbeat,
+    LoadReport,
+    ReleaseOutcome,
+    RequestRejected,
+    ResyncRequest,
+    Shutdown,
+    TransferOrder,
+    StepOutputs,
+    TokenDelta,
+    WorkerDelta,
+    WorkerFailed,
+    WorkerReady,
+    WorkerSnapshot,
+)
+from lmpool.worker.prefill_meter import PrefillMeter
+from lmpool.worker.release import ForegroundRelease
+from lmpool.protocol.spec import WorkerSpec, read_spec
+from lmpool.worker.transfers import TransferExecutor
+from lmpool.protocol.cuda_ipc import CudaIpcExport
+from lmpool_ipc import Channel, IpcError
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, core: EngineCore, engine: Channel) -> None:
+        self.spec = spec
+        self.rank = spec.rank
+        self.epoch = spec.epoch
+        self.core = core
+        self.engine = engine
+        self.control: Channel | None = None
+        self.inbox: list = []
+        self.wakeup = asyncio.Event()
+        self.need_snapshot = True
+        self.admitted: list[str] = []  # for the control plane's reservations
+        self.last_load: LoadReport | None = None
+        self.prompt_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.generated_tokens = 0
+        self.stopping = False
+        self.tasks: list[asyncio.Task] = []
+        self.transfers = TransferExecutor(spec, core) if spec.transfer_rendezvous else None
+        self.prefill = PrefillMeter()
+        self.release: ForegroundRelease | None = None
+        if spec.foreground_release and self.transfers is not None:
+            self.release = ForegroundRelease(core.block_manager, spec.rank, spec.epoch, spec.foreground_wait_s,
+                                             spec.foreground_retry_s)
+            core.scheduler.on_shortage = self.release.on_shortage
+
+    # ---- message intake ---------------------------------------------------------
+
+    async def read_engine(self) -> None:
+        try:
+            while True:
+                msg = await self.engine.recv()
+                # Not ``self.inbox.append(await ...)``: that binds the list before the
+                # await, and the step loop swaps in a new list meanwhile.
+                self.inbox.append(msg)
+                self.wakeup.set()
+        except IpcError:
+            self.stopping = True  # the user process is gone: nobody to serve
+            self.wakeup.set()
+
+    async def read_control(self, channel: Channel) -> None:
+        try:
+            while True:
+                msg = await channel.recv()
+                if isinstance(msg, ResyncRequest):
+                    self.need_snapshot = True
+                    self.wakeup.set()
+                elif isinstance(msg, TransferOrder) and self.transfers is not None:
+                    self.transfers.orders.append(msg)
+                    self.wakeup.set()
+                elif isinstance(msg, CudaIpcExport) and self.transfers is not None:
+                    self.transfers.orders.append(msg)  # a peer's export: set up the data path to it
+                    self.wakeup.set()
+                elif isinstance(msg, ReleaseOutcome) and self.release is not None:
+                    self.release.on_outcome(msg)
+                    self.wakeup.set()
+        except IpcError:
+            if self.control is channel:  # the control process died; the engine restarts it
+                self.control = None
+                if self.release is not None:
+                    self.release.disconnected()
+
+    def attach_control(self, end: str) -> None:
+        old, self.control = self.control, Channel(end, ControlToWorker)
+        if old is not None:
+            old.close()
+        self.need_snapshot = True
+        if self.release is not None:
+            self.release.connected = True
+        self.tasks.append(asyncio.create_task(self.read_control(self.control)))
+
+    # ---- reports --------------------------------------------------------------
+
+    def load(self) -> LoadReport:
+        sched, bm = self.core.scheduler, self.core.block_manager
+        prefill = 0
+        decode_left = 0
+        for seq in sched.running:
+            prefill += max(0, len(seq) - 1 - seq.num_computed_tokens)
+            decode_left += seq.params.max_tokens - seq.num_output_tokens
+        for seq in sched.waiting:
+            prefill += len(seq) - seq.num_computed_tokens
+        return LoadReport(
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            waiting_prefill_tokens=prefill,
+            decode_tokens_left=decode_left,
+            blocks_free=bm.num_free,
+            blocks_reclaimable=bm.num_reclaimable,
+            blocks_used=bm.num_used,
+            prompt_tokens=self.prompt_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            generated_tokens=self.generated_tokens,
+            prefill_s_per_token=self.prefill.s_per_token,
+        )
+
+    async def publish(self, load: LoadReport | None = None) -> None:
+        """Tell the control plane what changed: cached blocks (or everything, if asked) and load.
+
+        Routing costs a rank by its queue, so a changed load is reported at once
+        rather than at the next heartbeat. ``load``: the report the step already built
+        (``load()`` walks every sequence; once per step is enough).
+        """
+        if self.control is None:
+            return
+        bm = self.core.block_manager
+        if load is None:
+            load = self.load()
+        if not (self.need_snapshot or bm.has_pending_events or self.admitted or load != self.last_load):
+            return
+        self.last_load = load
+        report = msgspec.structs.replace(load, admitted=self.admitted)
+        self.admitted = []
+        try:
+            if self.need_snapshot:
+                self.need_snapshot = False
+                bm.drain_delta()  # the snapshot supersedes pending events
+                await self.control.send(
+                    WorkerSnapshot(self.rank, self.epoch, bm.num_blocks, bm.snapshot(), report)
+                )
+            else:
+                await self.control.send(WorkerDelta(self.rank, self.epoch, bm.drain_delta(), report))
+        except IpcError:
+            self.control = None
+
+    async def send_control(self, msg) -> None:
+        if self.control is not None:
+            try:
+                await self.control.send(msg)
+            except IpcError:
+                self.control = None
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.heartbeat_interval)
+            # Plans whose control plane fell silent (it died, or its aborts were lost) end
+            # here, so no pin or reservation outlives them.
+            if self.transfers is not None and self.transfers.participant.expire():
+                self.wakeup.set()
+            if self.control is not None:
+                try:
+                    await self.control.send(Heartbeat(self.rank, self.epoch, self.load()))
+                except IpcError:
+                    self.control = None
+
+    # ---- the step loop ----------------------------------------------------------
+
+    def handle(self, msg) -> list:
+        """Apply one engine message; return messages to send back."""
+        if isinstance(msg, AddRequest):
+            try:
+                self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids)
+            except ValueError as e:
+                return [RequestRejected(msg.request_id, str(e))]
+            self.admitted.append(msg.request_id)
+        elif isinstance(msg, AbortRequest):
+            self.core.abort_request(msg.request_id)
+        elif isinstance(msg, AttachControl):
+            self.attach_control(msg.end)
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+        return []
+
+    async def idle(self) -> None:
+        """The step ran nothing: wait for what can change that instead of spinning."""
+        if self.transfers is not None and self.transfers.in_flight:
+            # Bytes are moving on the transport's threads and nothing else needs this
+            # loop: look again shortly.
+            await asyncio.sleep(0.0005)
+            return
+        release = self.release
+        if release is None or release.pending is None or self.inbox or self.transfers.orders:
+            return
+        # Admission waits for a move: only a message (an order, the outcome, a request)
+        # or the wait's deadline can change anything.
+        self.wakeup.clear()
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), max(0.0, release.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            pass
+
+    async def run(self) -> None:
+        self.tasks += [asyncio.create_task(self.read_engine()), asyncio.create_task(self.heartbeat())]
+        self.attach_control(self.spec.control_end)
+        await self.publish()
+        while not self.stopping:
+            transferring = self.transfers is not None and self.transfers.busy
+            if not self.inbox and not self.core.has_unfinished() and not transferring:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+            if self.transfers is not None:
+                for ack in self.transfers.progress():
+                    await self.send_control(ack)
+            inbox, self.inbox = self.inbox, []
+            replies = [r for msg in inbox for r in self.handle(msg)]
+            for reply in replies:
+                await self.engine.send(reply)
+            if self.stopping:
+                break
+            deltas = []
+            ran = False
+            if self.core.has_unfinished():
+                start = time.perf_counter()
+                outputs = self.core.step()
+                batch = self.core.scheduler.last_batch
+                ran = bool(batch.seqs or batch.num_preempted)
+                self.prefill.observe(batch, time.perf_counter() - start)
+                for out in outputs:
+                    seq = out.seq
+                    if seq.first_token_time is None:
+                        seq.first_token_time = time.monotonic()
+                        self.prompt_tokens += seq.num_prompt_tokens
+                        self.prefix_hit_tokens += seq.num_cached_tokens
+                    deltas.append(
+                        TokenDelta(out.request_id, out.new_token_id, out.finished, out.finish_reason,
+                                   seq.num_cached_tokens)
+                    )
+            load = None
+            if deltas:
+                self.generated_tokens += len(deltas)  # one delta per new token
+                load = self.load()
+                await self.engine.send(StepOutputs(deltas, load))
+            await self.publish(load)
+            if self.release is not None and self.release.outbox:
+                reports, self.release.outbox = self.release.outbox, []
+                for report in reports:  # after the deltas that announced its blocks
+                    await self.send_control(report)
+            if not ran:
+                await self.idle()
+            await asyncio.sleep(0)  # let the readers take what arrived during the step
+        for task in self.tasks:
+            task.cancel()
+        if self.transfers is not None:
+            self.transfers.close()
+
+
+async def main_async(spec: WorkerSpec) -> int:
+    engine = Channel(spec.engine_end, EngineToWorker)
+    try:
+        args = msgspec.structs.asdict(spec.engine_args)
+        config = EngineConfig(device=spec.device, **args)
+        core = EngineCore(config)
+        worker = Worker(spec, core, engine)  # joins the transfer rendezvous, if any
+    except Exception as e:  # any start-up failure is reported, with its cause, to the engine
+        await engine.send(WorkerFailed(spec.rank, f"{type(e).__name__}: {e}"))
+        engine.close()
+        return 1
+    bm = core.block_manager
+    await engine.send(WorkerReady(spec.rank, os.getpid(), bm.num_blocks, bm.block_size))
+    try:
+        await worker.run()
+    finally:
+        if worker.control is not None:
+            worker.control.close()
+        engine.close()
+    return 0
+
+
+def main() -> None:
+    spec = read_spec(WorkerSpec)
+    sys.exit(uvloop.run(main_async(spec)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""A worker's transfer executor: carries out the control plane's ``TransferOrder``s.
+
+Block bookkeeping is the ``TransferParticipant``'s (pins, reservations, publish,
+finalize, abort); this module adds the bytes, over the data path the topology gives
+each peer:
+
+- **pull** (CUDA replicas that can address each other's memory: one GPU, or GPUs with
+  peer access such as NVLink): the destination copies the source's pinned blocks
+  straight out of the source's mapped cache into its reserved blocks, one kernel
+  (``CudaIpcTransport.pull``). The source does nothing at execute time.
+- **packed** (CPU replicas over gloo; CUDA replicas on GPUs without peer access, or on any
+  two GPUs with ``gpu_transfer_path="nccl"``, over NCCL): the
+  source packs its blocks into ``[layers, 2, B, block_size, kv_heads, head_dim]`` payloads
+  cut along layers (``lmpool.dataplane.chunked``: packing, the wire and unpacking overlap);
+  the destination receives each chunk into a buffer and only then scatters it into its
+  reserved blocks.
+
+Setting up a pair: the control plane sends both ends ``TransferOrder(kind="connect",
+peer, session)``. CPU replicas connect gloo. A CUDA replica answers with its
+``CudaIpcExport`` for that peer, which the control plane relays; on receiving the peer's
+export each end picks the path from the two devices (``kind_for_devices``: both ends see
+the same pair, so they pick the same) and maps the export (pull) or connects NCCL under
+the pair's session (packed).
+
+Invariants:
+- a source acknowledges ``prepare`` only once every GPU write issued before it has
+  completed (its stream is idle, or an event recorded then has fired), so a pull never
+  reads a block still being written and needs no event across processes.
+- a source holds its pins from prepare until finalize or abort. A destination
+  acknowledges a pull only after its copy has completed while the source was alive, and
+  the control plane publishes, then finalizes, only after that acknowledgement: a move
+  frees the source's blocks only once the copy is done.
+- a destination copies on its compute stream: an abort frees the reserved blocks at once
+  and any later use of them is stream-ordered after the copy.
+- every order is answered with one ``TransferAck`` (ok or not), except ``connect`` and
+  ``abort``; an order for a plan this worker no longer knows (aborted, expired) is
+  answered as failed and changes nothing. Bytes that arrive after their plan was aborted
+  are dropped without touching the cache.
+
+Transport operations complete on their own threads or on the GPU; ``progress()`` polls
+them between engine steps, so the step loop never waits for bytes.
+
+Tests break plans at exact points through ``lmpool.dataplane.faults`` (before an order is
+acted on, after it, or while its bytes are in flight), and with ``LMPOOL_CHECK_INVARIANTS=1``
+the executor checks the block manager's invariants, open plans' pins included, after
+every poll that handled something: a violation raises and so kills the worker loudly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lmpool.engine.block_manager import StaleBlockError
+from lmpool.engine.core import EngineCore
+from lmpool.protocol.messages import TransferAck, TransferOrder
+from lmpool.protocol.spec import WorkerSpec
+from lmpool.dataplane import GlooTransport, TransportError, kind_for_devices
+from lmpool.dataplane.chunked import BlockReceiver, send_blocks
+from lmpool.protocol.messages import ORDER_PHASE
+from lmpool.dataplane.faults import FaultPlan, InjectedFault
+from lmpool.protocol.cuda_ipc import CudaIpcExport
+from lmpool.dataplane.transactions import StalePlanError, TransferParticipant
+
+# A pull of a few blocks takes tens of microseconds: waiting that long right after
+# starting it saves the step loop's next poll (which comes after a pause while idle).
+SETTLE_S = 100e-6
+FAILURES = (StaleBlockError, StalePlanError, TransportError, RuntimeError, ValueError)
+
+
+class _GpuDone:
+    """A handle that is done once the GPU has passed this point of ``device``'s current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(device))
+
+    def done(self) -> bool:
+        return self._event.query()
+
+    def wait(self, timeout: float) -> None:
+        pass  # only waited on once done: nothing can fail
+
+
+@dataclass
+class _Pending:
+    order: TransferOrder
+    handle: object  # a transport ``Handle``
+    finish: Callable[[], TransferAck]  # the ack, once the handle is done without error
+    silent: bool = False  # an injected fault lost its ack
+
+
+class TransferExecutor:
+    def __init__(self, spec: WorkerSpec, core: EngineCore) -> None:
+        runner = core.runner
+        self.rank = spec.rank
+        self.world_size = spec.world_size
+        self.core = core
+        self.device = runner.device
+        self.rendezvous = spec.transfer_rendezvous
+        self.gpu_transfer_path = spec.gpu_transfer_path
+        self.participant = TransferParticipant(core.block_manager, lease_s=spec.transfer_lease_s)
+        self.ipc = None
+        self.packed = None  # gloo (CPU), or NCCL once a peer cannot be pulled from
+        if self.device.type == "cpu":
+            self.packed = GlooTransport(spec.transfer_rendezvous, spec.rank, spec.world_size)
+        else:
+            from lmpool.dataplane.cuda_ipc import CudaIpcTransport
+
+            self.ipc = CudaIpcTransport(spec.transfer_rendezvous, spec.rank, spec.world_size, device=str(self.device),
+                                        kv_cache=runner.kv_cache, use_kernels=runner.ops.name == "cuda")
+        self.paths: dict[int, str] = {}  # peer -> "pull" | "packed"
+        self.broken: dict[int, str] = {}  # peer -> why its data path could not be set up
+        self.orders: list[TransferOrder | CudaIpcExport] = []
+        self.in_flight: list[_Pending] = []
+        self.faults = FaultPlan.from_env(spec.rank, spec.epoch)
+        self.check = os.environ.get("LMPOOL_CHECK_INVARIANTS") == "1"
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.orders or self.in_flight)
+
+    def close(self) -> None:
+        for transport in (self.ipc, self.packed):
+            if transport is not None:
+                transport.close()
+
+    def progress(self) -> list[TransferAck | CudaIpcExport]:
+        """Take new orders, collect finished operations; return the messages for the control plane."""
+        out = []
+        orders, self.orders = self.orders, []
+        started = len(self.in_flight)
+        for order in orders:
+            msg = self._start(order)
+            if msg is not None:
+                out.append(msg)
+        self._settle(self.in_flight[started:])
+        still = []
+        for pending in self.in_flight:
+            if not pending.handle.done():
+                still.append(pending)
+                continue
+            ack = self._finish(pending)
+            if ack is not None:
+                out.append(ack)
+        handled = orders or len(still) != len(self.in_flight)
+        self.in_flight = still
+        if self.check and handled:
+            self.check_invariants()
+        return out
+
+    def check_invariants(self) -> None:
+        """The block manager's invariants, counting every live sequence's and open plan's blocks."""
+        tables = [seq.block_table for seq in self.core.requests.values()]
+        self.core.block_manager.check_invariants(tables + self.participant.held_blocks())
+
+    def _settle(self, new: list[_Pending]) -> None:
+        """Give operations just started on the GPU a moment to complete (bounded)."""
+        if self.device.type != "cuda" or not new:
+            return
+        deadline = time.perf_counter() + SETTLE_S
+        while not all(p.handle.done() for p in new) and time.perf_counter() < deadline:
+            pass
+
+    def _ack(self, order: TransferOrder, ok: bool = True, error: str = "", **fields) -> TransferAck:
+        phase = ORDER_PHASE.get(order.kind)  # "abort" and "connect" have no phase: their own name
+        return TransferAck(order.plan_id, self.rank, phase.value if phase else order.kind, ok, error, **fields)
+
+    # ---- orders -----------------------------------------------------------------------
+
+    def _start(self, order: TransferOrder | CudaIpcExport) -> TransferAck | CudaIpcExport | None:
+        if isinstance(order, CudaIpcExport):
+            self._accept(order)
+            return None
+        msg = self._act(order)
+        return self._after(order, msg) if isinstance(msg, TransferAck) else msg
+
+    def _after(self, order: TransferOrder, ack: TransferAck) -> TransferAck | None:
+        """``ack``, unless a fault injected once the order was acted on loses or fails it."""
+        try:
+            if self.faults.hit(order.kind, "after") == "drop":
+                return None
+        except InjectedFault as e:
+            return self._ack(order, ok=False, error=f"{type(e).__name__}: {e}")
+        return ack
+
+    def _during(self, pending: _Pending) -> None:
+        """Injected faults while ``pending``'s bytes are in flight."""
+        try:
+            if self.faults.hit(pending.order.kind, "during") == "drop":
+                pending.silent = True
+        except InjectedFault:
+            self.in_flight.remove(pending)  # the bytes may still land; nobody acts on them
+            raise
+
+    def _act(self, order: TransferOrder) -> TransferAck | CudaIpcExport | None:
+        p, bm = self.participant, self.core.block_manager
+        try:
+            if self.faults.hit(order.kind, "before") == "drop":
+                return None
+            if order.kind == "connect":
+                return self._connect(order)
+            if order.kind == "prepare_source":
+                plan = p.prepare_source(order.plan_id, order.hashes, order.generations)
+                ack = self._ack(order, block_ids=plan.block_ids, token_ids=plan.token_ids)
+                return self._when_written(order, ack)
+            if order.kind == "prepare_dest":
+                plan = p.prepare_dest(order.plan_id, order.num_blocks)
+                return self._ack(order, block_ids=plan.block_ids,
+                                 generations=[bm.blocks[b].generation for b in plan.block_ids])
+            if order.kind == "execute_send":
+                return self._execute_send(order)
+            if order.kind == "execute_recv":
+                return self._execute_recv(order)
+            if order.kind == "publish":
+                p.publish(order.plan_id, order.hashes, order.parents, order.token_ids)
+                return self._ack(order)
+            if order.kind == "finalize":
+                p.finalize(order.plan_id, order.move, order.num_blocks)
+                return self._ack(order)
+            if order.kind == "abort":
+                p.abort(order.plan_id)
+                return None
+            if order.kind == "digest":
+                return self._ack(order, digests=[self.digest(h) for h in order.hashes])
+            if order.kind == "sync":
+                return self._ack(order)
+            raise ValueError(f"unknown transfer order {order.kind!r}")
+        except FAILURES as e:
+            return self._ack(order, ok=False, error=f"{type(e).__name__}: {e}")
+
+    def _connect(self, order: TransferOrder) -> CudaIpcExport | None:
+        self.broken.pop(order.peer, None)
+        if self.ipc is None:
+            self.packed.connect(order.peer, order.session)
+            self.paths[order.peer] = "packed"
+            return None
+        # The path is chosen once the peer's export says where its memory is; until then an
+        # earlier path to the same peer (a reconnect after a control restart) stays usable.
+        return self.ipc.export(peer=order.peer, pair_session=order.session)
+
+    def _accept(self, export: CudaIpcExport) -> None:
+        """A peer's export, relayed by the control plane: set up the data path to it."""
+        peer = export.rank
+        if self.ipc is None or export.peer != self.rank or not 0 <= peer < self.world_size or peer == self.rank:
+            return  # not for this CUDA replica, or not from a peer: nothing to set up
+        from lmpool.dataplane.cuda_ipc import can_reach
+
+        try:
+            # Both ends have the same setting and see the same pair, so they pick the same path.
+            reach = self.gpu_transfer_path == "auto" and can_reach(self.device.index, export.device)
+            kind = kind_for_devices(str(self.device), f"cuda:{export.device}", peer_access=reach)
+            if kind == "cuda_ipc":
+                self.ipc.connect(export)
+                self.paths[peer] = "pull"
+            else:
+                self._nccl().connect(peer, export.pair_session)
+                self.paths[peer] = "packed"
+            self.broken.pop(peer, None)
+        except (TransportError, RuntimeError, ValueError) as e:
+            self.paths.pop(peer, None)
+            self.broken[peer] = f"{type(e).__name__}: {e}"
+
+    def _nccl(self):
+        if self.packed is None:
+            from lmpool.dataplane.nccl import NcclTransport
+
+            self.packed = NcclTransport(self.rendezvous, self.rank, self.world_size, device=str(self.device))
+        return self.packed
+
+    def _path(self, peer: int) -> str:
+        path = self.paths.get(peer)
+        if path is None:
+            reason = self.broken.get(peer, "its connection is not set up yet")
+            raise TransportError(f"rank {self.rank} has no data path to rank {peer}: {reason}")
+        return path
+
+    def _when_written(self, order: TransferOrder, ack: TransferAck) -> TransferAck | None:
+        """``ack`` now if every GPU write issued so far has completed, else once it has."""
+        if self.device.type != "cuda" or torch.cuda.current_stream(self.device).query():
+            return ack
+        self.in_flight.append(_Pending(order, _GpuDone(self.device), lambda: ack))
+        return None
+
+    def _open_plan(self, order: TransferOrder):
+        plan = self.participant.plans.get(order.plan_id)
+        if plan is None:
+            raise StalePlanError(f"plan {order.plan_id} is not open here")
+        return plan
+
+    def _execute_send(self, order: TransferOrder) -> TransferAck | None:
+        plan = self._open_plan(order)
+        if self._path(order.peer) == "pull":
+            # The destination copies the blocks; they stay pinned here until finalize.
+            if self.faults.hit(order.kind, "during") == "drop":
+                return None
+            self.participant.executed(order.plan_id)
+            return self._ack(order)
+        runner = self.core.runner
+        handle = send_blocks(self.packed, order.peer, runner.ops, runner.kv_cache,
+                             torch.tensor(plan.block_ids, device=self.device), order.plan_id)
+        self._pend(_Pending(order, handle, lambda: self._executed(order)))
+        return None
+
+    def _pend(self, pending: _Pending) -> None:
+        self.in_flight.append(pending)
+        self._during(pending)
+
+    def _execute_recv(self, order: TransferOrder) -> TransferAck | None:
+        plan = self._open_plan(order)
+        if self._path(order.peer) == "pull":
+            if len(order.peer_block_ids) != len(plan.block_ids):
+                raise ValueError(f"execute_recv of plan {order.plan_id} names {len(order.peer_block_ids)} source "
+                                 f"blocks for {len(plan.block_ids)} reserved ones")
+            handle = self.ipc.pull(order.peer, order.peer_block_ids, plan.block_ids)
+            self._pend(_Pending(order, handle, lambda: self._executed(order)))
+            return None
+        runner = self.core.runner
+        # Chunks are unpacked as they arrive, only while the plan is open: bytes of a plan
+        # aborted meanwhile are dropped, never written into blocks it no longer reserves.
+        handle = BlockReceiver(self.packed, order.peer, runner.ops, runner.kv_cache,
+                               torch.tensor(plan.block_ids, device=self.device), order.plan_id,
+                               wanted=lambda: order.plan_id in self.participant.plans)
+        self._pend(_Pending(order, handle, lambda: self._executed(order)))
+        return None
+
+    def _executed(self, order: TransferOrder) -> TransferAck:
+        if order.plan_id not in self.participant.plans:  # aborted while the bytes moved
+            return self._ack(order, ok=False, error=f"plan {order.plan_id} ended before its bytes arrived")
+        self.participant.executed(order.plan_id)
+        return self._ack(order)
+
+    def _finish(self, pending: _Pending) -> TransferAck | None:
+        try:
+            pending.handle.wait(0)
+            ack = pending.finish()
+        except FAILURES as e:
+            ack = self._ack(pending.order, ok=False, error=f"{type(e).__name__}: {e}")
+        return None if pending.silent else self._after(pending.order, ack)
+
+    def digest(self, block_hash: int) -> str:
+        """SHA-256 of a cached block's KV bytes in every layer ("" if not cached here)."""
+        block_id = self.core.block_manager.hash_to_block.get(block_hash)
+        if block_id is None:
+            return ""
+        runner = self.core.runner
+        data = runner.ops.pack_kv(runner.kv_cache, torch.tensor([block_id], device=self.device))
+        return hashlib.sha256(data.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
