@@ -43,7 +43,7 @@ async def measure(args, model: str) -> tuple[dict, dict]:
     from lmpool import SamplingParams
     from lmpool.engine.hashing import chain_hashes
     from lmpool.frontend.api import AsyncLMPool
-    from lmpool.protocol.messages import TransferChain
+    from lmpool.protocol import TransferChain
 
     times: dict[str, dict[str, dict[str, list[float]]]] = {"request": {}, "plan": {}}
     equal: dict[str, bool] = {}

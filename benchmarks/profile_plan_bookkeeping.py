@@ -22,10 +22,10 @@ from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.hashing import ROOT_HASH, chain_hashes
 from lmpool.engine.sequence import Sequence
-from lmpool.protocol.messages import TransferAck
+from lmpool.protocol import TransferAck
 from lmpool.sampling_params import SamplingParams
 from lmpool.control.transfers.coordinator import TransferCoordinator
-from lmpool.protocol.messages import ORDER_PHASE, PlanState
+from lmpool.protocol import ORDER_PHASE, PlanState
 from lmpool.dataplane.transactions import TransferParticipant
 
 

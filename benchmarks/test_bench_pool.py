@@ -30,7 +30,7 @@ from lmpool.engine.hashing import chain_hashes
 from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 from lmpool.frontend import launcher as process
 from lmpool.frontend.api import AsyncLMPool
-from lmpool.protocol.messages import ControlStats, LoadReport, RouteDecision, RouteQuery, WaitRanks, WorkerSnapshot
+from lmpool.protocol import ControlStats, LoadReport, RouteDecision, RouteQuery, WaitRanks, WorkerSnapshot
 from lmpool.protocol.spec import ControlSpec
 from lmpool.sampling_params import SamplingParams
 from lmpool_ipc import Channel, IpcPool, Requester

@@ -28,7 +28,7 @@ from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.scheduler import POLICIES, GlobalScheduler
 from lmpool.control.topology import Topology
 from lmpool.protocol.kv_events import BlockStored, KVSnapshot
-from lmpool.protocol.messages import LoadReport, RouteQuery
+from lmpool.protocol import LoadReport, RouteQuery
 
 WORLD, BLOCK, CHAIN = 8, 256, 40
 STEM_BLOCKS, FAMILIES_PER_STEM = 8, 100

@@ -5,7 +5,7 @@ a rank going down) runs as a callback of this one loop, so the
 GlobalBlockManager and GlobalScheduler need no locks: the loop serializes them.
 The control process holds metadata only; KV bytes never pass through it.
 
-It serves the engine's requests (``ControlRequest``) on one link and reads each
+It serves the engine's requests (``FrontendToControl``) on one link and reads each
 worker's reports on another. A gap in a worker's deltas is answered with a
 ``ResyncRequest``; stale snapshots are rejected and counted. It exits when the
 engine closes its link or dies.
@@ -41,34 +41,38 @@ import uvloop
 from lmpool.control.page_table.manager import GlobalBlockManager, StaleUpdateError
 from lmpool.control.routing.scheduler import GlobalScheduler
 from lmpool.control.topology import Topology
-from lmpool.protocol.messages import (
-    ControlRequest,
+from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
+from lmpool.control.transfers.policies import TransferPolicies
+from lmpool.engine.hashing import ROOT_HASH
+from lmpool.protocol import (
+    BlockDigests,
+    Connect,
     ControlStats,
+    CudaIpcExport,
+    DigestQuery,
+    DigestsReply,
+    FrontendToControl,
     Heartbeat,
-    QUERY_KINDS,
+    PlanAnswer,
+    PlanState,
+    QueryAnswer,
     RankDown,
     RankUp,
     ResyncRequest,
     RouteQuery,
     ShortageReport,
     StatsQuery,
-    BlockDigests,
-    DigestsReply,
-    TransferAck,
+    SyncQuery,
     TransferChain,
-    TransferOrder,
     TransferResult,
     WaitRanks,
     WorkerDelta,
+    WorkerQuery,
     WorkerSnapshot,
     WorkerToControl,
 )
 from lmpool.protocol.spec import ControlSpec, read_spec
 from lmpool.protocol.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
-from lmpool.control.transfers.policies import TransferPolicies
-from lmpool.engine.hashing import ROOT_HASH
-from lmpool.control.transfers.coordinator import Plan, PlanState, TransferCoordinator
-from lmpool.protocol.cuda_ipc import CudaIpcExport
 from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
@@ -97,12 +101,12 @@ class ControlPlane:
         # Set once a rank's first snapshot is applied, or once it is known dead.
         self.known = [asyncio.Event() for _ in range(spec.world_size)]
         self.coordinator = TransferCoordinator(
-            self.gbm, self.send_order, on_end=self._plan_ended, first_plan_id=random.getrandbits(48)
+            self.gbm, self.send_to, on_end=self._plan_ended, first_plan_id=random.getrandbits(48)
         )
         self.outbox: dict[int, asyncio.Queue] = {}
         self.policies = TransferPolicies(spec, self.gbm, self.scheduler, self.coordinator, self.send_to)
         self.plan_waiters: dict[int, asyncio.Future] = {}
-        # Round trips to one worker ("digest", "sync"): (rank, waiter) by the id their order carries.
+        # Questions to one worker (``WorkerQuery``): (rank, waiter) by the id they carry.
         self.worker_queries: dict[int, tuple[int, asyncio.Future]] = {}
         self._query_ids = 0
         self.route_us = np.zeros(ROUTE_SAMPLES)
@@ -120,8 +124,11 @@ class ControlPlane:
         try:
             while True:
                 msg = await channel.recv()
-                if isinstance(msg, TransferAck):
-                    self.on_transfer_ack(msg)
+                if isinstance(msg, PlanAnswer):
+                    self.on_plan_answer(msg)
+                    continue
+                if isinstance(msg, QueryAnswer):
+                    self.on_query_answer(msg)
                     continue
                 if isinstance(msg, ShortageReport):
                     self.policies.on_shortage(msg)
@@ -179,10 +186,6 @@ class ControlPlane:
 
     # ---- transfers ---------------------------------------------------------------------
 
-    def send_order(self, rank: int, message) -> None:
-        """The coordinator's outlet: queue a phase order for the rank's sender task."""
-        self.send_to(rank, TransferOrder(message.plan_id, message.kind, **message.args))
-
     def send_to(self, rank: int, message) -> None:
         """Queue a message for the rank's sender task (dropped for a rank that is gone)."""
         queue = self.outbox.get(rank)
@@ -208,16 +211,13 @@ class ControlPlane:
             logging.shutdown()
             os._exit(70)
 
-    def on_transfer_ack(self, ack: TransferAck) -> None:
-        if ack.phase in QUERY_KINDS:
-            rank, waiter = self.worker_queries.get(ack.plan_id, (None, None))
-            if rank == ack.rank and not waiter.done():  # ``ask`` forgets the question
-                waiter.set_result(ack)
-            return
-        self.coordinator.on_ack(
-            ack.plan_id, ack.rank, PlanState(ack.phase), ack.ok, ack.error,
-            block_ids=ack.block_ids, token_ids=ack.token_ids, generations=ack.generations,
-        )
+    def on_query_answer(self, answer: QueryAnswer) -> None:
+        rank, waiter = self.worker_queries.get(answer.query_id, (None, None))
+        if rank == answer.rank and not waiter.done():  # ``ask`` forgets the question
+            waiter.set_result(answer)
+
+    def on_plan_answer(self, ack: PlanAnswer) -> None:
+        self.coordinator.on_ack(ack)
         if self.check:
             self.verify(self.gbm.check_invariants)
 
@@ -242,7 +242,7 @@ class ControlPlane:
             # the source's delta announcing them reached this process: once the source has
             # answered a round trip, every delta it sent before is applied.
             try:
-                await self.ask(request.src, "sync", timeout_s=self.coordinator.phase_timeout_s)
+                await self.ask(request.src, SyncQuery, timeout_s=self.coordinator.phase_timeout_s)
             except RankGoneError as e:
                 return TransferResult(0, PlanState.ABORTED.value, str(e))
             generations, missing = self._generations(request.src, request.block_hashes)
@@ -266,10 +266,9 @@ class ControlPlane:
             generations.append(entry.generation)
         return generations, None
 
-    async def ask(self, rank: int, kind: str, hashes: list[int] | None = None,
-                  timeout_s: float = QUERY_TIMEOUT_S) -> TransferAck:
-        """Ask ``rank`` a question (``kind`` in ``QUERY_KINDS``); its answer. The answer
-        follows on the worker's one FIFO link everything it sent before taking the question."""
+    async def ask(self, rank: int, query: type[WorkerQuery], *args, timeout_s: float = QUERY_TIMEOUT_S) -> QueryAnswer:
+        """Ask ``rank`` a question (``query(query_id, *args)``); its answer. The answer follows
+        on the worker's one FIFO link everything it sent before taking the question."""
         outbox = self.outbox.get(rank)
         if outbox is None:
             raise RankGoneError(f"rank {rank} is not a live rank of this pool")
@@ -277,19 +276,19 @@ class ControlPlane:
         query_id = self._query_ids
         waiter = asyncio.get_running_loop().create_future()
         self.worker_queries[query_id] = (rank, waiter)
-        outbox.put_nowait(TransferOrder(query_id, kind, hashes=hashes or []))
+        outbox.put_nowait(query(query_id, *args))
         try:
             return await asyncio.wait_for(waiter, timeout_s)
         except asyncio.TimeoutError:
-            raise RankGoneError(f"rank {rank} did not answer a {kind!r} within {timeout_s}s") from None
+            raise RankGoneError(f"rank {rank} did not answer a {query.kind!r} within {timeout_s}s") from None
         finally:
             self.worker_queries.pop(query_id, None)
 
     async def block_digests(self, request: BlockDigests) -> DigestsReply:
         if request.rank not in self.outbox:
             raise ValueError(f"rank {request.rank} is not a live rank of this pool")
-        ack = await self.ask(request.rank, "digest", request.block_hashes)
-        return DigestsReply(ack.digests)
+        answer = await self.ask(request.rank, DigestQuery, request.block_hashes)
+        return DigestsReply(answer.digests)
 
     async def watchdog(self) -> None:
         while True:
@@ -311,8 +310,8 @@ class ControlPlane:
         for i, a in enumerate(ranks):
             for b in ranks[i + 1 :]:
                 session = random.getrandbits(62)
-                self.outbox[a].put_nowait(TransferOrder(0, "connect", peer=b, session=session))
-                self.outbox[b].put_nowait(TransferOrder(0, "connect", peer=a, session=session))
+                self.outbox[a].put_nowait(Connect(b, session))
+                self.outbox[b].put_nowait(Connect(a, session))
 
     async def heartbeat(self) -> None:
         while True:
@@ -325,7 +324,7 @@ class ControlPlane:
 
     # ---- engine requests -------------------------------------------------------------
 
-    async def handle(self, request: ControlRequest):
+    async def handle(self, request: FrontendToControl):
         if isinstance(request, RouteQuery):
             start = time.perf_counter_ns()
             decision = self.scheduler.route_sequence_meta(request)
@@ -393,7 +392,7 @@ class ControlPlane:
         # Everything imported so far lives as long as the process: keep it out of the
         # collector, whose full passes over torch's objects would stall routing for ~0.1 s.
         gc.freeze()
-        engine = Channel(self.spec.engine_end, ControlRequest)
+        engine = Channel(self.spec.engine_end, FrontendToControl)
         tasks = [asyncio.create_task(self.heartbeat())]
         if self.spec.board is not None:
             tasks.append(asyncio.create_task(self.publish_state()))
@@ -412,7 +411,7 @@ class ControlPlane:
             if self.policies.background:
                 tasks.append(asyncio.create_task(self.place()))
         try:
-            await Responder(engine, ControlRequest, self.handle).serve()
+            await Responder(engine, FrontendToControl, self.handle).serve()
         except IpcError:
             pass  # the engine died: nothing left to serve
         finally:

@@ -37,7 +37,7 @@ from lmpool.engine.model_runner import resolve_dtype
 from lmpool.engine.validation import validate_request
 from lmpool.model.config import ModelConfig
 from lmpool.frontend import launcher as process
-from lmpool.protocol.messages import (
+from lmpool.protocol import (
     AbortRequest,
     AddRequest,
     AttachControl,
@@ -57,7 +57,7 @@ from lmpool.protocol.messages import (
     WaitRanks,
     WorkerFailed,
     WorkerReady,
-    WorkerToEngine,
+    WorkerToFrontend,
 )
 from lmpool.frontend.metrics import NO_METRICS
 from lmpool.protocol.spec import ControlSpec, EngineArgs, WorkerSpec
@@ -270,7 +270,7 @@ class LLMEngine:
                 foreground_retry_s=cfg.transfer_policy.foreground_retry_s,
             )
             proc = process.spawn("lmpool.worker.main", spec)
-            channel = Channel(link.a, WorkerToEngine)
+            channel = Channel(link.a, WorkerToFrontend)
             channel.expect_peer(proc.pid)
             self.ranks.append(Rank(r, proc, channel))
         await self._spawn_control([link.a for link in control_links])

@@ -7,23 +7,14 @@ field is an int, a bool, a string or opaque bytes, decoded and type-checked by m
   and to tell whether this worker is still alive. The control plane forwards it to
   ``peer`` unchanged; it never opens the handles. Each export serves exactly one peer:
   the importer's release of a mapping decrements a counter that the export created.
-
-The base class keeps the wire conventions of ``lmpool.protocol.messages.Message`` (positional
-arrays, defaults omitted, no GC tracking) without importing it, so that the pool's tagged
-unions can include these messages: every struct of one msgspec tagged union must share
-them, and tags must be unique across the union.
 """
 
 from __future__ import annotations
 
-import msgspec
+from lmpool.protocol.base import Message
 
 
-class SetupMessage(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
-    """Base of the transfer set-up messages (same wire shape as the pool's messages)."""
-
-
-class IpcStorage(SetupMessage):
+class IpcStorage(Message):
     """``UntypedStorage._share_cuda_()`` of one CUDA storage, field by field."""
 
     handle: bytes  # the allocator's IPC handle of the allocation holding the storage
@@ -35,7 +26,7 @@ class IpcStorage(SetupMessage):
     event_sync_required: bool
 
 
-class CudaIpcExport(SetupMessage, tag="cuda_ipc_export"):
+class CudaIpcExport(Message, tag="cuda_ipc_export"):
     rank: int  # the exporting worker
     peer: int  # the one worker this export is for: the control plane relays it there
     session: int  # the exporting transport's incarnation: names its keys in the rendezvous

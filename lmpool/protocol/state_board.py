@@ -20,7 +20,7 @@ from typing import Self
 
 import msgspec
 
-from lmpool.protocol.messages import RankState
+from lmpool.protocol import RankState
 from lmpool_ipc import BoardReader, BoardWriter, boards
 from lmpool_ipc.names import SHM_DIR
 

@@ -30,19 +30,18 @@ import uvloop
 
 from lmpool.config.engine import EngineConfig
 from lmpool.engine.core import EngineCore
-from lmpool.protocol.messages import (
+from lmpool.protocol import (
     AbortRequest,
     AddRequest,
     AttachControl,
     ControlToWorker,
-    EngineToWorker,
+    FrontendToWorker,
     Heartbeat,
     LoadReport,
     ReleaseOutcome,
     RequestRejected,
     ResyncRequest,
     Shutdown,
-    TransferOrder,
     StepOutputs,
     TokenDelta,
     WorkerDelta,
@@ -53,8 +52,7 @@ from lmpool.protocol.messages import (
 from lmpool.worker.prefill_meter import PrefillMeter
 from lmpool.worker.release import ForegroundRelease
 from lmpool.protocol.spec import WorkerSpec, read_spec
-from lmpool.worker.transfers import TransferExecutor
-from lmpool.protocol.cuda_ipc import CudaIpcExport
+from lmpool.worker.transfers import Incoming, TransferExecutor
 from lmpool_ipc import Channel, IpcError
 
 
@@ -105,11 +103,8 @@ class Worker:
                 if isinstance(msg, ResyncRequest):
                     self.need_snapshot = True
                     self.wakeup.set()
-                elif isinstance(msg, TransferOrder) and self.transfers is not None:
-                    self.transfers.orders.append(msg)
-                    self.wakeup.set()
-                elif isinstance(msg, CudaIpcExport) and self.transfers is not None:
-                    self.transfers.orders.append(msg)  # a peer's export: set up the data path to it
+                elif isinstance(msg, Incoming) and self.transfers is not None:
+                    self.transfers.orders.append(msg)  # plan orders, set-up, questions, peers' exports
                     self.wakeup.set()
                 elif isinstance(msg, ReleaseOutcome) and self.release is not None:
                     self.release.on_outcome(msg)
@@ -295,7 +290,7 @@ class Worker:
 
 
 async def main_async(spec: WorkerSpec) -> int:
-    engine = Channel(spec.engine_end, EngineToWorker)
+    engine = Channel(spec.engine_end, FrontendToWorker)
     try:
         args = msgspec.structs.asdict(spec.engine_args)
         config = EngineConfig(device=spec.device, **args)

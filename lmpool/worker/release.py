@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.protocol.messages import ReleaseOutcome, ShortageReport
+from lmpool.protocol import ReleaseOutcome, ShortageReport
 
 
 class ForegroundRelease:

@@ -1,4 +1,4 @@
-"""A worker's transfer executor: carries out the control plane's ``TransferOrder``s.
+"""A worker's transfer executor: carries out the control plane's transfer orders.
 
 Block bookkeeping is the ``TransferParticipant``'s (pins, reservations, publish,
 finalize, abort); this module adds the bytes, over the data path the topology gives
@@ -15,8 +15,7 @@ each peer:
   the destination receives each chunk into a buffer and only then scatters it into its
   reserved blocks.
 
-Setting up a pair: the control plane sends both ends ``TransferOrder(kind="connect",
-peer, session)``. CPU replicas connect gloo. A CUDA replica answers with its
+Setting up a pair: the control plane sends both ends ``Connect(peer, session)``. CPU replicas connect gloo. A CUDA replica answers with its
 ``CudaIpcExport`` for that peer, which the control plane relays; on receiving the peer's
 export each end picks the path from the two devices (``kind_for_devices``: both ends see
 the same pair, so they pick the same) and maps the export (pull) or connects NCCL under
@@ -32,8 +31,8 @@ Invariants:
   frees the source's blocks only once the copy is done.
 - a destination copies on its compute stream: an abort frees the reserved blocks at once
   and any later use of them is stream-ordered after the copy.
-- every order is answered with one ``TransferAck`` (ok or not), except ``connect`` and
-  ``abort``; an order for a plan this worker no longer knows (aborted, expired) is
+- every plan order is answered once, with its phase's success struct or ``PhaseFailed``,
+  except ``AbortPlan``; ``Connect`` is answered (on CUDA) by an export; an order for a plan this worker no longer knows (aborted, expired) is
   answered as failed and changes nothing. Bytes that arrive after their plan was aborted
   are dropped without touching the cache.
 
@@ -58,11 +57,30 @@ import torch
 
 from lmpool.engine.block_manager import StaleBlockError
 from lmpool.engine.core import EngineCore
-from lmpool.protocol.messages import TransferAck, TransferOrder
+from lmpool.protocol import (
+    SUCCESS,
+    AbortPlan,
+    Connect,
+    DestPrepared,
+    DigestAnswer,
+    DigestQuery,
+    ExecuteRecv,
+    ExecuteSend,
+    Finalize,
+    PhaseFailed,
+    PlanAnswer,
+    PlanOrder,
+    PrepareDest,
+    PrepareSource,
+    Publish,
+    QueryAnswer,
+    SourcePrepared,
+    SyncAnswer,
+    SyncQuery,
+)
 from lmpool.protocol.spec import WorkerSpec
 from lmpool.dataplane import GlooTransport, TransportError, kind_for_devices
 from lmpool.dataplane.chunked import BlockReceiver, send_blocks
-from lmpool.protocol.messages import ORDER_PHASE
 from lmpool.dataplane.faults import FaultPlan, InjectedFault
 from lmpool.protocol.cuda_ipc import CudaIpcExport
 from lmpool.dataplane.transactions import StalePlanError, TransferParticipant
@@ -71,6 +89,8 @@ from lmpool.dataplane.transactions import StalePlanError, TransferParticipant
 # starting it saves the step loop's next poll (which comes after a pause while idle).
 SETTLE_S = 100e-6
 FAILURES = (StaleBlockError, StalePlanError, TransportError, RuntimeError, ValueError)
+Incoming = PlanOrder | Connect | DigestQuery | SyncQuery | CudaIpcExport  # what the control plane sends
+Outgoing = PlanAnswer | QueryAnswer | CudaIpcExport
 
 
 class _GpuDone:
@@ -89,9 +109,9 @@ class _GpuDone:
 
 @dataclass
 class _Pending:
-    order: TransferOrder
+    order: PlanOrder
     handle: object  # a transport ``Handle``
-    finish: Callable[[], TransferAck]  # the ack, once the handle is done without error
+    finish: Callable[[], PlanAnswer]  # the answer, once the handle is done without error
     silent: bool = False  # an injected fault lost its ack
 
 
@@ -116,7 +136,7 @@ class TransferExecutor:
                                         kv_cache=runner.kv_cache, use_kernels=runner.ops.name == "cuda")
         self.paths: dict[int, str] = {}  # peer -> "pull" | "packed"
         self.broken: dict[int, str] = {}  # peer -> why its data path could not be set up
-        self.orders: list[TransferOrder | CudaIpcExport] = []
+        self.orders: list[Incoming] = []
         self.in_flight: list[_Pending] = []
         self.faults = FaultPlan.from_env(spec.rank, spec.epoch)
         self.check = os.environ.get("LMPOOL_CHECK_INVARIANTS") == "1"
@@ -130,7 +150,7 @@ class TransferExecutor:
             if transport is not None:
                 transport.close()
 
-    def progress(self) -> list[TransferAck | CudaIpcExport]:
+    def progress(self) -> list[Outgoing]:
         """Take new orders, collect finished operations; return the messages for the control plane."""
         out = []
         orders, self.orders = self.orders, []
@@ -167,26 +187,33 @@ class TransferExecutor:
         while not all(p.handle.done() for p in new) and time.perf_counter() < deadline:
             pass
 
-    def _ack(self, order: TransferOrder, ok: bool = True, error: str = "", **fields) -> TransferAck:
-        phase = ORDER_PHASE.get(order.kind)  # "abort" and "connect" have no phase: their own name
-        return TransferAck(order.plan_id, self.rank, phase.value if phase else order.kind, ok, error, **fields)
+    def _done(self, order: PlanOrder) -> PlanAnswer:
+        """The answer to an order that succeeded and has no result to carry."""
+        return SUCCESS[order.phase](order.plan_id, self.rank)
+
+    def _failed(self, order: PlanOrder, error: BaseException) -> PhaseFailed:
+        return PhaseFailed(order.plan_id, self.rank, order.phase.value, f"{type(error).__name__}: {error}")
 
     # ---- orders -----------------------------------------------------------------------
 
-    def _start(self, order: TransferOrder | CudaIpcExport) -> TransferAck | CudaIpcExport | None:
+    def _start(self, order: Incoming) -> Outgoing | None:
         if isinstance(order, CudaIpcExport):
             self._accept(order)
             return None
-        msg = self._act(order)
-        return self._after(order, msg) if isinstance(msg, TransferAck) else msg
+        if isinstance(order, Connect):
+            return self._connect(order)
+        if isinstance(order, (DigestQuery, SyncQuery)):
+            return self._answer(order)
+        ack = self._act(order)
+        return None if ack is None else self._after(order, ack)
 
-    def _after(self, order: TransferOrder, ack: TransferAck) -> TransferAck | None:
+    def _after(self, order: PlanOrder, ack: PlanAnswer) -> PlanAnswer | None:
         """``ack``, unless a fault injected once the order was acted on loses or fails it."""
         try:
             if self.faults.hit(order.kind, "after") == "drop":
                 return None
         except InjectedFault as e:
-            return self._ack(order, ok=False, error=f"{type(e).__name__}: {e}")
+            return self._failed(order, e)
         return ack
 
     def _during(self, pending: _Pending) -> None:
@@ -198,43 +225,39 @@ class TransferExecutor:
             self.in_flight.remove(pending)  # the bytes may still land; nobody acts on them
             raise
 
-    def _act(self, order: TransferOrder) -> TransferAck | CudaIpcExport | None:
+    def _act(self, order: PlanOrder) -> PlanAnswer | None:
         p, bm = self.participant, self.core.block_manager
         try:
             if self.faults.hit(order.kind, "before") == "drop":
                 return None
-            if order.kind == "connect":
-                return self._connect(order)
-            if order.kind == "prepare_source":
+            if isinstance(order, PrepareSource):
                 plan = p.prepare_source(order.plan_id, order.hashes, order.generations)
-                ack = self._ack(order, block_ids=plan.block_ids, token_ids=plan.token_ids)
-                return self._when_written(order, ack)
-            if order.kind == "prepare_dest":
+                return self._when_written(order, SourcePrepared(order.plan_id, self.rank, plan.block_ids, plan.token_ids))
+            if isinstance(order, PrepareDest):
                 plan = p.prepare_dest(order.plan_id, order.num_blocks)
-                return self._ack(order, block_ids=plan.block_ids,
-                                 generations=[bm.blocks[b].generation for b in plan.block_ids])
-            if order.kind == "execute_send":
+                return DestPrepared(order.plan_id, self.rank, plan.block_ids,
+                                    [bm.blocks[b].generation for b in plan.block_ids])
+            if isinstance(order, ExecuteSend):
                 return self._execute_send(order)
-            if order.kind == "execute_recv":
+            if isinstance(order, ExecuteRecv):
                 return self._execute_recv(order)
-            if order.kind == "publish":
+            if isinstance(order, Publish):
                 p.publish(order.plan_id, order.hashes, order.parents, order.token_ids)
-                return self._ack(order)
-            if order.kind == "finalize":
-                p.finalize(order.plan_id, order.move, order.num_blocks)
-                return self._ack(order)
-            if order.kind == "abort":
+            elif isinstance(order, Finalize):
+                p.finalize(order.plan_id, order.move, order.keep)
+            elif isinstance(order, AbortPlan):
                 p.abort(order.plan_id)
                 return None
-            if order.kind == "digest":
-                return self._ack(order, digests=[self.digest(h) for h in order.hashes])
-            if order.kind == "sync":
-                return self._ack(order)
-            raise ValueError(f"unknown transfer order {order.kind!r}")
+            return self._done(order)
         except FAILURES as e:
-            return self._ack(order, ok=False, error=f"{type(e).__name__}: {e}")
+            return self._failed(order, e)
 
-    def _connect(self, order: TransferOrder) -> CudaIpcExport | None:
+    def _answer(self, query: DigestQuery | SyncQuery) -> QueryAnswer:
+        if isinstance(query, SyncQuery):
+            return SyncAnswer(query.query_id, self.rank)
+        return DigestAnswer(query.query_id, self.rank, [self.digest(h) for h in query.hashes])
+
+    def _connect(self, order: Connect) -> CudaIpcExport | None:
         self.broken.pop(order.peer, None)
         if self.ipc is None:
             self.packed.connect(order.peer, order.session)
@@ -280,27 +303,27 @@ class TransferExecutor:
             raise TransportError(f"rank {self.rank} has no data path to rank {peer}: {reason}")
         return path
 
-    def _when_written(self, order: TransferOrder, ack: TransferAck) -> TransferAck | None:
+    def _when_written(self, order: PlanOrder, ack: PlanAnswer) -> PlanAnswer | None:
         """``ack`` now if every GPU write issued so far has completed, else once it has."""
         if self.device.type != "cuda" or torch.cuda.current_stream(self.device).query():
             return ack
         self.in_flight.append(_Pending(order, _GpuDone(self.device), lambda: ack))
         return None
 
-    def _open_plan(self, order: TransferOrder):
+    def _open_plan(self, order: PlanOrder):
         plan = self.participant.plans.get(order.plan_id)
         if plan is None:
             raise StalePlanError(f"plan {order.plan_id} is not open here")
         return plan
 
-    def _execute_send(self, order: TransferOrder) -> TransferAck | None:
+    def _execute_send(self, order: ExecuteSend) -> PlanAnswer | None:
         plan = self._open_plan(order)
         if self._path(order.peer) == "pull":
             # The destination copies the blocks; they stay pinned here until finalize.
             if self.faults.hit(order.kind, "during") == "drop":
                 return None
             self.participant.executed(order.plan_id)
-            return self._ack(order)
+            return self._done(order)
         runner = self.core.runner
         handle = send_blocks(self.packed, order.peer, runner.ops, runner.kv_cache,
                              torch.tensor(plan.block_ids, device=self.device), order.plan_id)
@@ -311,7 +334,7 @@ class TransferExecutor:
         self.in_flight.append(pending)
         self._during(pending)
 
-    def _execute_recv(self, order: TransferOrder) -> TransferAck | None:
+    def _execute_recv(self, order: ExecuteRecv) -> PlanAnswer | None:
         plan = self._open_plan(order)
         if self._path(order.peer) == "pull":
             if len(order.peer_block_ids) != len(plan.block_ids):
@@ -329,18 +352,18 @@ class TransferExecutor:
         self._pend(_Pending(order, handle, lambda: self._executed(order)))
         return None
 
-    def _executed(self, order: TransferOrder) -> TransferAck:
+    def _executed(self, order: PlanOrder) -> PlanAnswer:
         if order.plan_id not in self.participant.plans:  # aborted while the bytes moved
-            return self._ack(order, ok=False, error=f"plan {order.plan_id} ended before its bytes arrived")
+            raise StalePlanError(f"plan {order.plan_id} ended before its bytes arrived")
         self.participant.executed(order.plan_id)
-        return self._ack(order)
+        return self._done(order)
 
-    def _finish(self, pending: _Pending) -> TransferAck | None:
+    def _finish(self, pending: _Pending) -> PlanAnswer | None:
         try:
             pending.handle.wait(0)
             ack = pending.finish()
         except FAILURES as e:
-            ack = self._ack(pending.order, ok=False, error=f"{type(e).__name__}: {e}")
+            ack = self._failed(pending.order, e)
         return None if pending.silent else self._after(pending.order, ack)
 
     def digest(self, block_hash: int) -> str:

@@ -12,7 +12,7 @@ from lmpool.control.transfers.foreground import plan_release
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.protocol.kv_events import KVSnapshot
-from lmpool.protocol.messages import LoadReport, ShortageReport
+from lmpool.protocol import LoadReport, ShortageReport
 from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
 from lmpool.control.transfers.cost_model import TransferCostModel
 from control_testkit import cache

@@ -13,7 +13,7 @@ from lmpool.control.page_table.manager import GlobalBlockManager, PageEntry, Sta
 from lmpool.engine.block_manager import BlockManager
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 from lmpool.engine.sequence import Sequence
-from lmpool.protocol.messages import LoadReport
+from lmpool.protocol import LoadReport
 from lmpool.sampling_params import SamplingParams
 from control_testkit import ManualClock, chain_blocks
 

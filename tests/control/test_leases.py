@@ -10,7 +10,7 @@ from lmpool.control.routing.scheduler import POLICIES, GlobalScheduler
 from lmpool.control.transfers.leases import PlacementLeases
 from lmpool.control.topology import Topology
 from lmpool.protocol.kv_events import KVSnapshot
-from lmpool.protocol.messages import LoadReport, RouteQuery
+from lmpool.protocol import LoadReport, RouteQuery
 from control_testkit import ManualClock, cache
 
 BLOCK = 16

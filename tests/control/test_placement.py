@@ -15,7 +15,7 @@ from lmpool.control.transfers.placement import BackgroundPlacement, HotChains
 from lmpool.control.topology import Topology
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.protocol.kv_events import BlockStored, KVSnapshot
-from lmpool.protocol.messages import LoadReport, RouteQuery
+from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
 from lmpool.control.transfers.coordinator import TransferCoordinator
 from lmpool.control.transfers.cost_model import TransferCostModel

@@ -134,7 +134,7 @@ def test_a_routing_failure_names_the_callers_request_and_forgets_it(tiny_model):
     (here: it answers as if it believed every rank dead), the error names the caller's id,
     and the request leaves no trace, so its id can be used again."""
     from lmpool.frontend.client import PoolError
-    from lmpool.protocol.messages import RouteQuery
+    from lmpool.protocol import RouteQuery
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:

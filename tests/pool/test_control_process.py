@@ -7,7 +7,7 @@ import asyncio
 
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
 from lmpool.control.main import ControlPlane
-from lmpool.protocol.messages import LoadReport, ResyncRequest, RouteQuery, WorkerDelta, WorkerSnapshot
+from lmpool.protocol import LoadReport, ResyncRequest, RouteQuery, WorkerDelta, WorkerSnapshot
 from lmpool.protocol.spec import ControlSpec
 from lmpool_ipc import PeerDeadError
 

@@ -13,12 +13,14 @@ import pytest
 
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
 from lmpool.control.main import ControlPlane
-from lmpool.protocol.messages import (
+from lmpool.protocol import (
     LoadReport,
-    TransferAck,
+    PhaseFailed,
+    SyncAnswer,
     TransferChain,
     TransferOrder,
     WorkerDelta,
+    WorkerQuery,
     WorkerSnapshot,
 )
 from lmpool.protocol.spec import ControlSpec
@@ -36,7 +38,7 @@ class ScriptedWorker:
     def __init__(self, rank: int, answer) -> None:
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.inbox.put_nowait(WorkerSnapshot(rank, 1, 16, KVSnapshot(0, []), LOAD))
-        self.orders: list[TransferOrder] = []
+        self.orders: list[TransferOrder | WorkerQuery] = []
         self.answer = answer
 
     async def recv(self):
@@ -46,21 +48,21 @@ class ScriptedWorker:
         return msg
 
     async def send(self, msg) -> None:
-        if isinstance(msg, TransferOrder):
+        if isinstance(msg, TransferOrder | WorkerQuery):
             self.orders.append(msg)
             for report in self.answer(msg):
                 self.inbox.put_nowait(report)
 
 
-def refuse_plans(rank: int, order: TransferOrder) -> list:
+def refuse_plans(rank: int, order: TransferOrder | WorkerQuery) -> list:
     """Fail every plan phase at once, so that a started plan ends promptly."""
     if order.kind in ("prepare_source", "prepare_dest"):
-        return [TransferAck(order.plan_id, rank, "preparing", False, "stopped by the test")]
+        return [PhaseFailed(order.plan_id, rank, "preparing", "stopped by the test")]
     return []
 
 
 async def transfer(source_answer, chain: list[int] = CHAIN,
-                   phase_timeout_s: float | None = None) -> tuple[object, list[TransferOrder]]:
+                   phase_timeout_s: float | None = None) -> tuple[object, list[TransferOrder | WorkerQuery]]:
     spec = ControlSpec(world_size=2, device="cpu", block_size=4, routing="lmpool", pairs=None,
                        gpu_of_rank=None, engine_end="unused", worker_ends=["unused", "unused"])
     plane = ControlPlane(spec)
@@ -84,9 +86,9 @@ async def transfer(source_answer, chain: list[int] = CHAIN,
 
 
 def test_a_transfer_waits_for_the_delta_the_source_sent_before_it():
-    def source(order: TransferOrder) -> list:
+    def source(order: TransferOrder | WorkerQuery) -> list:
         if order.kind == "sync":  # the delta was on its way: it arrives before the answer
-            return [DELTA, TransferAck(order.plan_id, 0, "sync", True)]
+            return [DELTA, SyncAnswer(order.query_id, 0)]
         return refuse_plans(0, order)
 
     result, orders = asyncio.run(transfer(source))
@@ -96,9 +98,9 @@ def test_a_transfer_waits_for_the_delta_the_source_sent_before_it():
 
 
 def test_blocks_the_source_does_not_hold_end_the_transfer_after_one_question():
-    def source(order: TransferOrder) -> list:
+    def source(order: TransferOrder | WorkerQuery) -> list:
         if order.kind == "sync":
-            return [TransferAck(order.plan_id, 0, "sync", True)]
+            return [SyncAnswer(order.query_id, 0)]
         return refuse_plans(0, order)
 
     result, orders = asyncio.run(transfer(source))
@@ -107,7 +109,7 @@ def test_blocks_the_source_does_not_hold_end_the_transfer_after_one_question():
 
 
 def test_a_source_that_dies_before_answering_ends_the_transfer():
-    def source(order: TransferOrder) -> list:
+    def source(order: TransferOrder | WorkerQuery) -> list:
         return [PeerDeadError("killed")] if order.kind == "sync" else []
 
     result, orders = asyncio.run(transfer(source))
@@ -116,11 +118,11 @@ def test_a_source_that_dies_before_answering_ends_the_transfer():
 
 
 def test_an_answer_from_another_rank_or_a_late_one_is_ignored():
-    def source(order: TransferOrder) -> list:
+    def source(order: TransferOrder | WorkerQuery) -> list:
         if order.kind == "sync":
-            return [TransferAck(order.plan_id + 1, 0, "sync", True),  # no such question
-                    TransferAck(order.plan_id, 1, "sync", True),  # not from the rank asked
-                    DELTA, TransferAck(order.plan_id, 0, "sync", True)]
+            return [SyncAnswer(order.query_id + 1, 0),  # no such question
+                    SyncAnswer(order.query_id, 1),  # not from the rank asked
+                    DELTA, SyncAnswer(order.query_id, 0)]
         return refuse_plans(0, order)
 
     result, orders = asyncio.run(transfer(source))
@@ -129,7 +131,7 @@ def test_an_answer_from_another_rank_or_a_late_one_is_ignored():
 
 
 def test_a_prompt_without_a_complete_block_is_refused_with_the_reason():
-    def source(order: TransferOrder) -> list:
+    def source(order: TransferOrder | WorkerQuery) -> list:
         raise AssertionError(f"nothing should be asked of the source, got {order.kind!r}")
 
     with pytest.raises(ValueError, match="no complete block of 4 tokens"):
@@ -137,7 +139,7 @@ def test_a_prompt_without_a_complete_block_is_refused_with_the_reason():
 
 
 def test_a_source_that_never_answers_ends_the_transfer_within_a_phase_timeout():
-    def source(order: TransferOrder) -> list:
+    def source(order: TransferOrder | WorkerQuery) -> list:
         return []  # frozen: takes the question, never answers
 
     result, orders = asyncio.run(transfer(source, phase_timeout_s=0.2))  # the bound is the plans' own

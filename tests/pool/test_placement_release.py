@@ -16,7 +16,7 @@ from lmpool.engine.hashing import ROOT_HASH
 from lmpool.protocol.kv_events import BlockRemoved
 from lmpool.engine.scheduler import Scheduler
 from lmpool.engine.sequence import Sequence
-from lmpool.protocol.messages import ReleaseOutcome
+from lmpool.protocol import ReleaseOutcome
 from lmpool.worker.release import ForegroundRelease
 from lmpool.sampling_params import SamplingParams
 from block_testkit import prefill

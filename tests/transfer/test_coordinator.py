@@ -12,9 +12,21 @@ import pytest
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.engine.block_manager import BlockManager, StaleBlockError
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.protocol.messages import LoadReport
-from lmpool.control.transfers.coordinator import PhaseMessage, TransferCoordinator
-from lmpool.protocol.messages import ORDER_PHASE
+from lmpool.protocol import LoadReport
+from lmpool.control.transfers.coordinator import TransferCoordinator
+from lmpool.protocol import (
+    SUCCESS,
+    DestPrepared,
+    ExecuteRecv,
+    ExecuteSend,
+    Finalize,
+    PhaseFailed,
+    PrepareDest,
+    PrepareSource,
+    Publish,
+    SourcePrepared,
+    TransferOrder,
+)
 from lmpool.dataplane.transactions import StalePlanError, TransferParticipant
 from block_testkit import prefill
 
@@ -36,7 +48,7 @@ class Cluster:
         self.rng = random.Random(seed)
         self.clock = Clock()
         self.gbm = GlobalBlockManager(world, BLOCK, clock=self.clock)
-        self.inbox: list[tuple[int, PhaseMessage]] = []
+        self.inbox: list[tuple[int, TransferOrder]] = []
         self.coord = TransferCoordinator(self.gbm, lambda r, m: self.inbox.append((r, m)), phase_timeout_s=1.0,
                                          clock=self.clock)
         self.world, self.blocks = world, blocks
@@ -94,33 +106,31 @@ class Cluster:
     def deliver(self, index: int) -> None:
         rank, msg = self.inbox.pop(index)
         part = self.parts[rank]
-        args = msg.args
-        phase = ORDER_PHASE.get(msg.kind)
         try:
-            if msg.kind == "prepare_source":
-                plan = part.prepare_source(msg.plan_id, args["hashes"], args["generations"])
-                result = {"block_ids": plan.block_ids, "token_ids": plan.token_ids}
-            elif msg.kind == "prepare_dest":
-                ids = part.prepare_dest(msg.plan_id, args["num_blocks"]).block_ids
-                result = {"block_ids": ids, "generations": [self.bms[rank].blocks[b].generation for b in ids]}
-            elif msg.kind in ("execute_send", "execute_recv"):
+            if isinstance(msg, PrepareSource):
+                plan = part.prepare_source(msg.plan_id, msg.hashes, msg.generations)
+                answer = SourcePrepared(msg.plan_id, rank, plan.block_ids, plan.token_ids)
+            elif isinstance(msg, PrepareDest):
+                ids = part.prepare_dest(msg.plan_id, msg.num_blocks).block_ids
+                answer = DestPrepared(msg.plan_id, rank, ids, [self.bms[rank].blocks[b].generation for b in ids])
+            elif isinstance(msg, (ExecuteSend, ExecuteRecv)):
                 part.executed(msg.plan_id)
-                result = {}
-            elif msg.kind == "publish":
-                part.publish(msg.plan_id, args["hashes"], args["parents"], args["token_ids"])
-                result = {}
-            elif msg.kind == "finalize":
-                part.finalize(msg.plan_id, args["move"], args.get("num_blocks", 0))
-                result = {}
+                answer = SUCCESS[msg.phase](msg.plan_id, rank)
+            elif isinstance(msg, Publish):
+                part.publish(msg.plan_id, msg.hashes, msg.parents, msg.token_ids)
+                answer = SUCCESS[msg.phase](msg.plan_id, rank)
+            elif isinstance(msg, Finalize):
+                part.finalize(msg.plan_id, msg.move, msg.keep)
+                answer = SUCCESS[msg.phase](msg.plan_id, rank)
             else:
                 part.abort(msg.plan_id)
                 return
         except (StaleBlockError, StalePlanError, RuntimeError) as e:
             self.sync(rank)
-            self.coord.on_ack(msg.plan_id, rank, phase, ok=False, error=str(e))
+            self.coord.on_ack(PhaseFailed(msg.plan_id, rank, msg.phase.value, str(e)))
             return
         self.sync(rank)
-        self.coord.on_ack(msg.plan_id, rank, phase, ok=True, **result)
+        self.coord.on_ack(answer)
 
     def check(self) -> None:
         for bm, part in zip(self.bms, self.parts):
@@ -240,8 +250,8 @@ def test_a_partial_move_keeps_its_ancestors_and_counts_copied_and_moved_blocks()
     finalize = []
     while cluster.inbox:
         rank, msg = cluster.inbox[0]
-        if msg.kind == "finalize":
-            finalize.append(msg.args)
+        if isinstance(msg, Finalize):
+            finalize.append({"move": msg.move, "num_blocks": msg.keep})
         cluster.deliver(0)
     assert finalize == [{"move": True, "num_blocks": 1}]
     assert cluster.coord.completed == 1 and plan.kind == "foreground"

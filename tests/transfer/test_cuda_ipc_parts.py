@@ -15,14 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmpool.ops.reference import pack_kv, unpack_kv
-from lmpool.protocol.messages import (
-    Heartbeat,
-    ResyncRequest,
-    TransferAck,
-    TransferOrder,
-    WorkerDelta,
-    WorkerSnapshot,
-)
+from lmpool.protocol import Connect, ControlToWorker, Executed, WorkerToControl
 from lmpool.dataplane import kind_for_devices
 from lmpool.dataplane.block_copy import copy_blocks
 from lmpool.dataplane.cuda_ipc import ALIGN, CudaIpcTransport, Regions, process_start, transfer_key
@@ -89,7 +82,7 @@ def test_export_round_trips_through_msgpack_and_rejects_wrong_types():
                               kv_shape=[4, 2, 8, 16, 2, 64], kv_dtype="float32")
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(pull_only), type=CudaIpcExport) == pull_only
     with pytest.raises(msgspec.ValidationError):
-        msgspec.msgpack.decode(msgspec.msgpack.encode(TransferOrder(1, "connect", peer=1, session=2)),
+        msgspec.msgpack.decode(msgspec.msgpack.encode(Connect(peer=1, session=2)),
                                type=CudaIpcExport)
 
 
@@ -98,9 +91,9 @@ def test_export_joins_the_pool_message_unions_both_ways():
     worker): same wire conventions, a tag of its own, and each member decodes as itself."""
     export = CudaIpcExport(rank=0, peer=1, session=9, pid=1, pid_start=2, device=0, kv_cache=storage(4),
                            kv_shape=[4, 2, 8, 16, 2, 64], kv_dtype="float16")
-    up = Heartbeat | WorkerSnapshot | WorkerDelta | TransferAck | CudaIpcExport
-    down = ResyncRequest | Heartbeat | TransferOrder | CudaIpcExport
-    for union, other in ((up, TransferAck(5, 1, "executing", True)), (down, TransferOrder(5, "connect", peer=1))):
+    up = WorkerToControl
+    down = ControlToWorker
+    for union, other in ((up, Executed(5, 1)), (down, Connect(peer=1, session=0))):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(export), type=union) == export
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(other), type=union) == other
 

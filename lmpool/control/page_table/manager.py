@@ -44,7 +44,7 @@ from typing import NamedTuple
 import msgspec
 
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
-from lmpool.protocol.messages import LoadReport, RankState
+from lmpool.protocol import LoadReport, RankState
 
 DEFAULT_RESERVATION_TTL_S = 10.0
 DEFAULT_HEAT_HALF_LIFE_S = 30.0

@@ -71,7 +71,7 @@ from lmpool.control.transfers.leases import PlacementLeases
 from lmpool.control.routing.pending import PendingPrefixes
 from lmpool.control.topology import Topology
 from lmpool.config.routing import RoutingConfig
-from lmpool.protocol.messages import RouteDecision, RouteQuery
+from lmpool.protocol import RouteDecision, RouteQuery
 
 POLICIES = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
 

@@ -28,16 +28,22 @@ from typing import Callable
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.transfers.cost_model import TransferCostModel
-from lmpool.protocol.messages import PlanState
-
-
-@dataclass(frozen=True)
-class PhaseMessage:
-    """What a worker is asked to do for a plan (the control rings carry these as structs)."""
-
-    kind: str  # prepare_source | prepare_dest | execute_send | execute_recv | publish | finalize | abort
-    plan_id: int
-    args: dict = field(default_factory=dict)
+from lmpool.protocol import (
+    SUCCESS,
+    AbortPlan,
+    DestPrepared,
+    ExecuteRecv,
+    ExecuteSend,
+    Finalize,
+    PhaseFailed,
+    PlanAnswer,
+    PlanState,
+    PrepareDest,
+    PrepareSource,
+    Publish,
+    SourcePrepared,
+    TransferOrder,
+)
 
 
 @dataclass
@@ -71,7 +77,7 @@ class TransferCoordinator:
     def __init__(
         self,
         gbm: GlobalBlockManager,
-        send: Callable[[int, PhaseMessage], None],
+        send: Callable[[int, TransferOrder], None],
         cost_model: TransferCostModel | None = None,
         phase_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
@@ -110,32 +116,39 @@ class TransferCoordinator:
                     started=now, deadline=now + self.phase_timeout_s, keep=keep, kind=kind)
         self.started += 1
         self.plans[plan.plan_id] = plan
-        self.send(src, PhaseMessage("prepare_source", plan.plan_id, {"hashes": plan.hashes, "generations": plan.generations}))
-        self.send(dst, PhaseMessage("prepare_dest", plan.plan_id, {"num_blocks": len(hashes)}))
+        self.send(src, PrepareSource(plan.plan_id, plan.hashes, plan.generations))
+        self.send(dst, PrepareDest(plan.plan_id, len(hashes)))
         return plan
 
-    def on_ack(self, plan_id: int, rank: int, phase: PlanState, ok: bool, error: str = "", **result) -> None:
-        """A worker finished (or failed) ``phase`` of a plan."""
-        plan = self.plans.get(plan_id)
-        if plan is None or plan.state is not phase or rank in plan.acked:
+    def on_ack(self, ack: PlanAnswer) -> None:
+        """A worker finished (or failed) its order for one phase of a plan."""
+        plan, rank = self.plans.get(ack.plan_id), ack.rank
+        if plan is None or plan.state is not ack.phase or rank in plan.acked:
             return  # late, duplicate, or for a phase already passed
-        if not ok:
-            self.abort(plan_id, f"rank {rank} failed {phase.value}: {error}")
+        if isinstance(ack, PhaseFailed):
+            self.abort(plan.plan_id, f"rank {rank} failed {ack.phase_name}: {ack.error}")
             return
+        if isinstance(ack, SourcePrepared) and rank == plan.src:
+            plan.src_blocks, plan.token_ids = ack.block_ids, ack.token_ids
+        elif isinstance(ack, DestPrepared) and rank == plan.dst:
+            if not self._mark_reserved(plan, ack):
+                return
+        elif ack.phase is PlanState.PREPARING or not isinstance(ack, SUCCESS.get(ack.phase, ())):
+            return  # an answer this rank's order cannot have
         plan.acked.add(rank)
-        if phase is PlanState.PREPARING:
-            if rank == plan.src:
-                plan.src_blocks, plan.token_ids = result["block_ids"], result["token_ids"]
-            else:
-                plan.dst_blocks = result["block_ids"]
-                # The reserved blocks enter the page table as not ready: routing skips them.
-                for h, block_id, generation in zip(plan.hashes, plan.dst_blocks, result["generations"]):
-                    if not self.gbm.mark_in_flight(plan.dst, h, block_id, generation):
-                        self.abort(plan_id, f"rank {plan.dst} already holds block {h:#x}")
-                        return
-                    plan.marked.append(h)
         if plan.acked >= self._expected(plan):
             self._advance(plan)
+
+    def _mark_reserved(self, plan: Plan, ack: DestPrepared) -> bool:
+        """Enter the destination's reserved blocks in the page table as not ready (routing skips
+        them); abort the plan, and say so, if the destination already holds one of them."""
+        plan.dst_blocks = ack.block_ids
+        for h, block_id, generation in zip(plan.hashes, plan.dst_blocks, ack.generations):
+            if not self.gbm.mark_in_flight(plan.dst, h, block_id, generation):
+                self.abort(plan.plan_id, f"rank {plan.dst} already holds block {h:#x}")
+                return False
+            plan.marked.append(h)
+        return True
 
     def _expected(self, plan: Plan) -> set[int]:
         if plan.state in (PlanState.PREPARING, PlanState.EXECUTING):
@@ -147,20 +160,17 @@ class TransferCoordinator:
         plan.deadline = self.clock() + self.phase_timeout_s
         if plan.state is PlanState.PREPARING:
             plan.state = PlanState.EXECUTING
-            self.send(plan.src, PhaseMessage("execute_send", plan.plan_id, {"peer": plan.dst, "block_ids": plan.src_blocks}))
-            self.send(plan.dst, PhaseMessage("execute_recv", plan.plan_id, {
-                "peer": plan.src, "block_ids": plan.dst_blocks, "peer_block_ids": plan.src_blocks}))
+            self.send(plan.src, ExecuteSend(plan.plan_id, plan.dst, plan.src_blocks))
+            self.send(plan.dst, ExecuteRecv(plan.plan_id, plan.src, plan.dst_blocks, plan.src_blocks))
         elif plan.state is PlanState.EXECUTING:
             plan.state = PlanState.PUBLISHING
-            self.send(plan.dst, PhaseMessage("publish", plan.plan_id, {
-                "hashes": plan.hashes, "parents": plan.parents, "token_ids": plan.token_ids}))
+            self.send(plan.dst, Publish(plan.plan_id, plan.hashes, plan.parents, plan.token_ids))
         elif plan.state is PlanState.PUBLISHING:
             for h in plan.marked:  # the destination's own deltas now make the copies routable
                 self.gbm.unmark_in_flight(plan.dst, h, published=True)
             plan.marked = []
             plan.state = PlanState.FINALIZING
-            args = {"move": plan.move, "num_blocks": plan.keep} if plan.keep else {"move": plan.move}
-            self.send(plan.src, PhaseMessage("finalize", plan.plan_id, args))
+            self.send(plan.src, Finalize(plan.plan_id, plan.move, plan.keep))
         else:
             self.completed += 1
             self.blocks_moved += plan.num_moved
@@ -182,7 +192,7 @@ class TransferCoordinator:
                 self.gbm.unmark_in_flight(plan.dst, h, published=False)
         plan.abort_reason = reason
         for rank in (plan.src, plan.dst):
-            self.send(rank, PhaseMessage("abort", plan_id))
+            self.send(rank, AbortPlan(plan_id))
         self.aborted += 1
         self._end(plan, PlanState.ABORTED)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.protocol.messages import ShortageReport
+from lmpool.protocol import ShortageReport
 from lmpool.control.transfers.admission import AdmissionDecision, AdmissionGate
 
 

@@ -28,7 +28,7 @@ from lmpool.control.routing.scheduler import GlobalScheduler
 from lmpool.control.transfers.leases import PlacementLeases
 from lmpool.control.transfers.placement import BackgroundPlacement, CopyBatch
 from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN, UNCALIBRATED_LINK
-from lmpool.protocol.messages import ReleaseOutcome, RouteQuery, ShortageReport, TransferStats
+from lmpool.protocol import ReleaseOutcome, RouteQuery, ShortageReport, TransferStats
 from lmpool.protocol.spec import ControlSpec
 from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
 from lmpool.control.transfers.coordinator import Plan, PlanState, TransferCoordinator

@@ -1,0 +1,31 @@
+"""The wire conventions every cross-process message shares, and the load report they carry.
+
+Every message is a ``msgspec.Struct`` deriving from ``Message``: positional arrays on the
+wire (tagged unions need one shape), defaults omitted, no GC tracking (messages hold no
+reference cycles). Tags are unique across each union a receiver decodes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Message(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """Base of every message."""
+
+
+class LoadReport(Message):
+    """A worker's queue and capacity at one instant (what routing needs to cost a rank)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    waiting_prefill_tokens: int = 0  # prompt tokens not yet computed, over waiting and running
+    decode_tokens_left: int = 0  # tokens still to generate by running sequences (max_tokens bound)
+    blocks_free: int = 0
+    blocks_reclaimable: int = 0
+    blocks_used: int = 0
+    prompt_tokens: int = 0  # cumulative prompt tokens admitted
+    prefix_hit_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
+    admitted: list[str] = []  # request ids that reached the worker since the previous report
+    generated_tokens: int = 0  # cumulative tokens this worker has emitted
+    prefill_s_per_token: float = 0.0  # measured on prefill-heavy steps (EWMA); 0 until measured

@@ -1,0 +1,119 @@
+"""Requests from the user process (frontend) to the control process, and their replies
+(``lmpool_ipc.Requester``: one reply per request, matched by the RPC layer)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from lmpool.protocol.base import LoadReport, Message
+
+
+class RouteQuery(Message, tag="route"):
+    request_id: str
+    block_hashes: list[int]  # chained hashes of the prompt's complete blocks
+    num_prompt_tokens: int
+    max_tokens: int
+
+
+class RouteDecision(Message, tag="decision"):
+    rank: int
+    matched_blocks: int = 0  # prefix blocks the chosen rank already holds (as the page table saw them)
+    reason: str = ""  # which rule chose the rank, for logs and benchmarks
+
+
+class RankDown(Message, tag="rank_down"):
+    """The engine saw rank ``rank`` die: forget its blocks and stop routing to it."""
+
+    rank: int
+
+
+class RankUp(Message, tag="rank_up"):
+    rank: int
+    epoch: int
+
+
+class WaitRanks(Message, tag="wait_ranks"):
+    """Reply once each of ``ranks`` has delivered a snapshot (or died): routing then sees them."""
+
+    ranks: list[int]
+
+
+class StatsQuery(Message, tag="stats"):
+    pass
+
+
+class RankState(Message, kw_only=True):
+    rank: int
+    alive: bool
+    epoch: int
+    snapshot_version: int
+    heartbeat_age_s: float
+    load: LoadReport
+    cached_blocks: int
+
+
+class TransferStats(Message, kw_only=True):
+    """The control plane's KV transfer counters (all plans: explicit, background, foreground)."""
+
+    plans_started: int = 0
+    plans_committed: int = 0
+    plans_aborted: int = 0
+    plans_open: int = 0
+    blocks_copied: int = 0  # blocks of committed plans that the source kept
+    blocks_moved: int = 0  # blocks of committed moves that the source gave up
+    lease_routed: int = 0  # requests routed to a copy because of a placement lease
+    leases: int = 0  # placement leases held now
+    background_ticks: int = 0
+    background_copies: int = 0  # committed background plans
+    background_blocks: int = 0  # blocks they copied
+    foreground_requests: int = 0  # shortage reports received
+    foreground_moves: int = 0  # committed foreground plans
+    foreground_refused: int = 0  # shortage reports answered without a move
+    foreground_failed: int = 0  # foreground plans that aborted
+    admission_admitted: int = 0
+    admission_refused: int = 0
+    placement_refused: dict[str, int] = {}  # background candidates refused, per gate
+    in_flight_blocks: int = 0  # page-table entries marked in flight now
+    reservations: int = 0  # route reservations held now
+
+
+class ControlStats(Message, tag="control_stats", kw_only=True):
+    pid: int
+    ranks: list[RankState]
+    route_queries: int
+    route_p50_us: float
+    route_p99_us: float
+    resyncs: int
+    stale_rejected: int
+    transfers: TransferStats = msgspec.field(default_factory=TransferStats)
+
+
+class TransferChain(Message, tag="transfer_chain"):
+    """Copy (or move) the cached chain ``block_hashes`` (complete blocks from the first) from
+    ``src`` to ``dst``; the reply is a ``TransferResult`` once the plan has ended."""
+
+    src: int
+    dst: int
+    block_hashes: list[int]
+    move: bool = False
+
+
+class TransferResult(Message, tag="transfer_result"):
+    plan_id: int
+    state: str  # "done" or "aborted"
+    reason: str = ""
+    seconds: float = 0.0  # from the plan's prepare to its end, on the control process's clock
+
+
+class BlockDigests(Message, tag="block_digests"):
+    """Ask ``rank`` for a digest of the KV bytes of each cached block in ``block_hashes``."""
+
+    rank: int
+    block_hashes: list[int]
+
+
+class DigestsReply(Message, tag="digests"):
+    digests: list[str]  # "" for a block the rank does not cache
+
+
+FrontendToControl = RouteQuery | RankDown | RankUp | WaitRanks | StatsQuery | TransferChain | BlockDigests

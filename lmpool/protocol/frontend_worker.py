@@ -1,0 +1,63 @@
+"""The link between the user process (frontend) and one worker: requests down, tokens up."""
+
+from __future__ import annotations
+
+from lmpool.protocol.base import LoadReport, Message
+from lmpool.sampling_params import SamplingParams
+
+
+class AddRequest(Message, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = []  # tokens already generated elsewhere (recompute after a failure)
+
+
+class AbortRequest(Message, tag="abort"):
+    request_id: str
+
+
+class AttachControl(Message, tag="attach_control"):
+    """Use this link end to reach a (re)started control process, and send it a full snapshot."""
+
+    end: str
+
+
+class Shutdown(Message, tag="shutdown"):
+    pass
+
+
+class WorkerReady(Message, tag="ready"):
+    rank: int
+    pid: int
+    num_blocks: int
+    block_size: int
+
+
+class WorkerFailed(Message, tag="failed"):
+    """The worker could not start (or hit a fatal error); ``error`` says why."""
+
+    rank: int
+    error: str
+
+
+class RequestRejected(Message, tag="rejected"):
+    request_id: str
+    error: str
+
+
+class TokenDelta(Message):
+    request_id: str
+    token_id: int
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+class StepOutputs(Message, tag="outputs"):
+    outputs: list[TokenDelta]
+    load: LoadReport
+
+
+FrontendToWorker = AddRequest | AbortRequest | AttachControl | Shutdown
+WorkerToFrontend = WorkerReady | WorkerFailed | RequestRejected | StepOutputs

@@ -1,0 +1,70 @@
+"""The link between one worker and the control process: page-table reports and heartbeats
+up; resync requests, transfer orders, questions and release outcomes down.
+
+A worker's reports carry its ``epoch`` (its incarnation) so the page table rejects a dead
+incarnation's late reports; deltas are versioned (``lmpool.protocol.kv_events``).
+"""
+
+from __future__ import annotations
+
+from lmpool.protocol.base import LoadReport, Message
+from lmpool.protocol.cuda_ipc import CudaIpcExport
+from lmpool.protocol.kv_events import KVDelta, KVSnapshot
+from lmpool.protocol.transfer import Connect, PlanAnswer, QueryAnswer, TransferOrder, WorkerQuery
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    rank: int
+    epoch: int
+    load: LoadReport | None = None
+
+
+class WorkerSnapshot(Message, tag="snapshot"):
+    rank: int
+    epoch: int
+    num_blocks: int
+    snapshot: KVSnapshot
+    load: LoadReport
+
+
+class WorkerDelta(Message, tag="delta"):
+    rank: int
+    epoch: int
+    delta: KVDelta
+    load: LoadReport
+
+
+class ResyncRequest(Message, tag="resync"):
+    """The control plane saw a gap in this worker's deltas: send a full snapshot."""
+
+    rank: int
+
+
+class ShortageReport(Message, tag="shortage"):
+    """The worker can admit a waiting sequence only by evicting ``num_victims`` cold cached
+    blocks: move them to a partner instead (``lmpool.control.transfers.foreground``). ``hashes`` holds
+    the victims' cached ancestors that are not victims, then the victims, parents before
+    children, with each block's parent hash and generation."""
+
+    rank: int
+    epoch: int
+    release_id: int
+    hashes: list[int]
+    parents: list[int]
+    generations: list[int]
+    num_victims: int  # the last ``num_victims`` of ``hashes``
+    expected_reuses: float  # the victims' mean prefix-cache hits so far
+
+
+class ReleaseOutcome(Message, tag="release"):
+    """The control plane's answer to a ``ShortageReport``: ``state`` is "done" (the move
+    completed), "aborted" (it started and failed) or "refused" (none was started)."""
+
+    release_id: int
+    state: str
+    reason: str = ""
+
+
+# ``CudaIpcExport`` travels worker -> control -> the worker it names, unopened.
+WorkerToControl = Heartbeat | WorkerSnapshot | WorkerDelta | ShortageReport | CudaIpcExport | PlanAnswer | QueryAnswer
+ControlToWorker = ResyncRequest | Heartbeat | ReleaseOutcome | CudaIpcExport | Connect | TransferOrder | WorkerQuery
