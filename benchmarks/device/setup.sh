@@ -1,5 +1,5 @@
 # The set-up every device session shares; source it from the repository root
-# (`. benchmarks/device_setup.sh`): installs the wheels in .whl/ (msgspec, posix-ipc,
+# (`. benchmarks/device/setup.sh`): installs the wheels in .whl/ (msgspec, posix-ipc,
 # pytest-asyncio ...) into /tmp/site without touching the system, links the folders that
 # install under other import names, points Python and the kernel cache there, and defines
 # build_kernels (the CUDA kernels, built before anything is timed).

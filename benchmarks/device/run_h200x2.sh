@@ -3,7 +3,7 @@
 # tests, the CUDA IPC pull across two GPUs, and the packed-NCCL vs raw torch.distributed vs
 # peer-pull transfer benchmark.
 # Usage (from the repository root, with the wheels in .whl/ as for run_h200.sh):
-#   OUT=results_dir bash benchmarks/run_h200x2.sh [steps...]
+#   OUT=results_dir bash benchmarks/device/run_h200x2.sh [steps...]
 #   steps: tests bench variants profile pool gpu demo (default: tests bench). gpu: every GPU
 #   and NCCL test of the suite, the two-GPU ones included. demo: the README's demo on both
 #   GPUs, then on one (two replicas sharing it). variants: the packed
@@ -11,9 +11,9 @@
 #   where one pull's time goes. pool: the pool path across the two GPUs, calibrated by the
 #   bench step's JSON (run bench first): the transfer profile of one replica per GPU.
 set -uo pipefail
-OUT=${OUT:-benchmarks/results/h200x2}
+OUT=${OUT:?set OUT to the folder the results go to}
 mkdir -p "$OUT"
-. benchmarks/device_setup.sh
+. benchmarks/device/setup.sh
 # NVLink multicast (NVLS) stays off: the lent machines do not support it.
 export NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"

@@ -2,14 +2,14 @@
 # One H200 session: GPU tests, KV-transfer benchmarks, the engine throughput benchmark
 # against transformers.
 # Usage (from the repository root, with msgspec/posix-ipc/pytest-asyncio wheels in .whl/):
-#   OUT=results_dir bash benchmarks/run_h200.sh [steps...]
+#   OUT=results_dir bash benchmarks/device/run_h200.sh [steps...]
 #   steps: tests transfer throughput (default: tests throughput). The CUDA extensions are
 #   built first, so no test or timed run pays for the compile. Set LMPOOL_GIT_REVISION to
 #   the revision copied (the copy may carry no, or stale, git metadata).
 set -uo pipefail
-OUT=${OUT:-benchmarks/results/h200}
+OUT=${OUT:?set OUT to the folder the results go to}
 mkdir -p "$OUT"
-. benchmarks/device_setup.sh
+. benchmarks/device/setup.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 build_kernels || { echo "kernel build failed" >&2; exit 1; }
