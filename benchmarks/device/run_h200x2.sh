@@ -41,7 +41,7 @@ for step in $steps; do
         --json "$OUT/kv_transfer_h200x2_nccl_variants.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl_variants.log" | tail -60 ;;
     profile)
-      timeout 120 python3 benchmarks/profile_pull.py --preset 0.6b --sizes 1,8,64,128 \
+      timeout 120 python3 tools/diagnostics/profile_pull.py --preset 0.6b --sizes 1,8,64,128 \
         --json "$OUT/pull_profile_h200.json" 2>&1 | tee "$OUT/pull_profile_h200.log" | tail -8 ;;
     pool)
       timeout 150 python3 benchmarks/benchmark_kv_transfer.py --kind pool --preset 0.6b --sizes 1,2,4,8,16,32,64 \

@@ -2,7 +2,7 @@
 the median host seconds of each call on the sender's path, the GPU idle before each call,
 so that a figure is the call's own cost, not a wait on queued work.
 
-    python benchmarks/profile_nccl_launch.py --preset 0.6b --json launch.json
+    python tools/diagnostics/profile_nccl_launch.py --preset 0.6b --json launch.json
 
 - ``pack``: ``ops.pack_kv`` of one 28 MiB chunk (allocation, launch);
 - ``transport_send``: ``NcclTransport.send`` of a ready 28 MiB payload (argument checks,
@@ -34,7 +34,8 @@ from lmpool.transfer import make_transport
 from lmpool.transfer.chunked import BlockReceiver, payload_bytes, send_blocks
 from lmpool.transfer.transport import open_store
 
-from benchmark_kv_transfer import spin  # the same wait as the benchmark's: polling without pauses
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from benchmark_kv_transfer import spin  # noqa: E402  the same wait as the benchmark's: polling without pauses
 from pair_workers import kv_shape, run_pair, this_end
 
 REPS = 200
