@@ -223,14 +223,14 @@ def path_order(paths: list[str], src: int, n: int, rep: int) -> list[str]:
     workers compute the same one. A rotation would keep each path behind the same neighbour
     (the default ``pack`` always after ``pull``): on the H200 pair, variants then mostly read
     1-4 points of raw NCCL above ``pack``, whichever setting ran as which
-    (results/h200x2/direct/NOTES.md)."""
+    (results/kv_transfer_NOTES.md)."""
     return random.Random(f"{src}/{n}/{rep}").sample(paths, k=len(paths))
 
 
 def size_order(sizes: list[int], src: int, rep: int) -> list[int]:
     """The order the sizes take in one repetition, shuffled alike on both workers: a drift in
     the machine's speed (on one H200 pair the first minute ran 2-5 % slow, and the packed paths
-    more so: results/h200x2/direct/NOTES.md) then spreads over every size instead of
+    more so: results/kv_transfer_NOTES.md) then spreads over every size instead of
     falling on the sizes that run first."""
     return random.Random(f"{src}/sizes/{rep}").sample(sizes, k=len(sizes))
 

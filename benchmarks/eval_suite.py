@@ -100,7 +100,7 @@ def run_order(policies: list[Policy], rep: int) -> list[Policy]:
     A plain rotation balanced positions but kept every policy behind the same neighbour in
     every repetition, so whatever one run leaves behind (a hot GPU, a busy host) always
     fell on the same next policy; the transfer benchmark's rotation biased its default
-    path so (results/h200x2/direct/NOTES.md)."""
+    path so (results/kv_transfer_NOTES.md)."""
     n = len(policies)
     if n == 0:
         return []

@@ -1,4 +1,5 @@
-"""The CPU benchmarks run end to end and write the JSON they promise (figures are not asserted)."""
+"""The CPU benchmarks (and the CPU diagnostic of a transfer plan's bookkeeping) run end to end and
+write the JSON they promise (figures are not asserted)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "tools" / "diagnostics"))  # profile_plan_bookkeeping
 
 import benchmark_stream  # noqa: E402
 import benchmark_throughput  # noqa: E402
