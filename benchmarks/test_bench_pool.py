@@ -31,6 +31,7 @@ from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 from lmpool.frontend import launcher as process
 from lmpool.frontend.api import AsyncLMPool
 from lmpool.protocol import ControlStats, LoadReport, RouteDecision, RouteQuery, WaitRanks, WorkerSnapshot
+from lmpool.config.pool import PoolConfig
 from lmpool.protocol.spec import ControlSpec
 from lmpool.sampling_params import SamplingParams
 from lmpool_ipc import Channel, IpcPool, Requester
@@ -52,8 +53,8 @@ async def route_rpc(world: int, blocks: int, concurrency: int, seconds: float) -
     try:
         engine_link = ipc.create_link()
         worker_links = [ipc.create_link() for _ in range(world)]
-        spec = ControlSpec(world_size=world, device="cpu", block_size=16, routing="lmpool", pairs=None,
-                           gpu_of_rank=None, engine_end=engine_link.b, worker_ends=[l.a for l in worker_links])
+        spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=world, device="cpu", block_size=16),
+                           engine_end=engine_link.b, worker_ends=[l.a for l in worker_links])
         proc = process.spawn("lmpool.control.main", spec)
         workers = [Channel(l.b, object) for l in worker_links]
         # Each rank caches its own family of 40-block chains.

@@ -87,19 +87,20 @@ class RankGoneError(RuntimeError):
 class ControlPlane:
     def __init__(self, spec: ControlSpec) -> None:
         self.spec = spec
-        if spec.pairs is None:
-            topology = Topology.detect(spec.world_size, spec.device, spec.gpu_of_rank)
+        pool = spec.pool
+        if pool.topology is None:
+            topology = Topology.detect(pool.world_size, pool.device, spec.gpu_of_rank)
         else:
-            topology = Topology.from_pairs(spec.world_size, [tuple(p) for p in spec.pairs], spec.gpu_of_rank)
-        policy = spec.transfer_policy
-        self.gbm = GlobalBlockManager(spec.world_size, spec.block_size, heat_half_life_s=policy.heat_half_life_s,
+            topology = Topology.from_pairs(pool.world_size, [tuple(p) for p in pool.topology], spec.gpu_of_rank)
+        policy = pool.transfer.transfer_policy
+        self.gbm = GlobalBlockManager(pool.world_size, pool.engine.block_size, heat_half_life_s=policy.heat_half_life_s,
                                       route_hit_weight=policy.route_hit_weight,
-                                      reservation_ttl_s=spec.routing_config.reservation_ttl_s)
-        self.scheduler = GlobalScheduler(self.gbm, topology, policy=spec.routing, config=spec.routing_config)
+                                      reservation_ttl_s=pool.routing_config.reservation_ttl_s)
+        self.scheduler = GlobalScheduler(self.gbm, topology, policy=pool.routing, config=pool.routing_config)
         self.workers: dict[int, Channel] = {}
         self.resync_pending: set[int] = set()
         # Set once a rank's first snapshot is applied, or once it is known dead.
-        self.known = [asyncio.Event() for _ in range(spec.world_size)]
+        self.known = [asyncio.Event() for _ in range(pool.world_size)]
         self.coordinator = TransferCoordinator(
             self.gbm, self.send_to, on_end=self._plan_ended, first_plan_id=random.getrandbits(48)
         )
@@ -134,7 +135,7 @@ class ControlPlane:
                     self.policies.on_shortage(msg)
                     continue
                 if isinstance(msg, CudaIpcExport):
-                    if 0 <= msg.peer < self.spec.world_size and msg.peer != rank:
+                    if 0 <= msg.peer < self.spec.pool.world_size and msg.peer != rank:
                         self.send_to(msg.peer, msg)  # relayed unopened to the one peer it serves
                     continue
                 try:
@@ -235,7 +236,7 @@ class ControlPlane:
         if request.src == request.dst:
             raise ValueError(f"a transfer needs two ranks, got {request.src} twice")
         if not request.block_hashes:
-            raise ValueError(f"nothing to transfer: the prompt holds no complete block of {self.spec.block_size} tokens")
+            raise ValueError(f"nothing to transfer: the prompt holds no complete block of {self.spec.pool.engine.block_size} tokens")
         generations, missing = self._generations(request.src, request.block_hashes)
         if missing is not None:
             # The caller may have seen the request that cached these blocks finish before
@@ -298,7 +299,7 @@ class ControlPlane:
     async def place(self) -> None:
         """Background placement: one bounded, synchronous pass per interval."""
         while True:
-            await asyncio.sleep(self.spec.transfer_policy.interval_s)
+            await asyncio.sleep(self.spec.pool.transfer.transfer_policy.interval_s)
             try:
                 self.policies.tick()
             except Exception:  # a bug in a policy must not end placement, nor the control plane
@@ -315,7 +316,7 @@ class ControlPlane:
 
     async def heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(self.spec.heartbeat_interval)
+            await asyncio.sleep(self.spec.pool.heartbeat_interval)
             for rank, channel in list(self.workers.items()):
                 try:
                     await channel.send(Heartbeat(rank, 0))
@@ -357,7 +358,7 @@ class ControlPlane:
         samples = self.route_us[:n]
         return ControlStats(
             pid=os.getpid(),
-            ranks=[self.gbm.rank_state(r) for r in range(self.spec.world_size)],
+            ranks=[self.gbm.rank_state(r) for r in range(self.spec.pool.world_size)],
             route_queries=self.route_queries,
             route_p50_us=float(np.percentile(samples, 50)) if n else 0.0,
             route_p99_us=float(np.percentile(samples, 99)) if n else 0.0,
@@ -372,7 +373,7 @@ class ControlPlane:
         return PoolState(
             pool_id=self.spec.pool_id, owner_pid=self.spec.owner_pid, control_pid=stats.pid,
             started_at=self.spec.started_at, published=self.published, published_at=time.time(),
-            monotonic=time.monotonic(), world_size=self.spec.world_size,
+            monotonic=time.monotonic(), world_size=self.spec.pool.world_size,
             route_queries=stats.route_queries, route_p50_us=stats.route_p50_us,
             route_p99_us=stats.route_p99_us, transfers_committed=stats.transfers.plans_committed,
             blocks_transferred=stats.transfers.blocks_copied + stats.transfers.blocks_moved,

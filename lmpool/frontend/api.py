@@ -35,14 +35,12 @@ from collections.abc import Sequence as SequenceABC
 
 import uvloop
 
-from lmpool.config import RoutingConfig
-from lmpool.config.transfer import TransferPolicyConfig
+from lmpool.config.pool import PoolConfig
 from lmpool.detokenizer import Detokenizer
 from lmpool.frontend.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
-from lmpool.frontend.client import LLMEngine, PoolConfig, PoolError, TrackedRequest
+from lmpool.frontend.client import LLMEngine, PoolError, TrackedRequest
 from lmpool.frontend.metrics import NO_METRICS, MetricsServer
-from lmpool.protocol.spec import EngineArgs
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import StopStrings, check_usable
 from lmpool.tokenizer import encode_chat, encode_chats, encode_prompt, load_tokenizer
@@ -57,38 +55,15 @@ class AsyncLMPool:
     ...         print(partial.text)
     """
 
-    def __init__(
-        self,
-        model: str,
-        world_size: int = 2,
-        device: str = "cpu",
-        routing: str = "lmpool",
-        routing_config: RoutingConfig | None = None,
-        topology: list[tuple[int, int]] | None = None,
-        ready_timeout: float = 300.0,
-        hang_timeout: float | str | None = "auto",
-        metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        enable_transfers: bool = False,
-        transfer_lease_s: float = 10.0,
-        transfer_mode: str = "none",
-        background_copy_max_blocks: int = 8,
-        background_copy_batch_max_blocks: int = 128,
-        transfer_policy: TransferPolicyConfig | None = None,
-        gpu_transfer_path: str = "auto",
-        **engine_args,
-    ) -> None:
-        engine = EngineArgs(model=str(model), **engine_args)
-        self.config = PoolConfig(
-            model=str(model), world_size=world_size, device=device, routing=routing,
-            routing_config=routing_config, topology=topology, engine=engine, ready_timeout=ready_timeout,
-            hang_timeout=hang_timeout,
-            enable_transfers=enable_transfers, transfer_lease_s=transfer_lease_s,
-            transfer_mode=transfer_mode, background_copy_max_blocks=background_copy_max_blocks,
-            background_copy_batch_max_blocks=background_copy_batch_max_blocks, transfer_policy=transfer_policy,
-            gpu_transfer_path=gpu_transfer_path,
-        )
-        self.tokenizer = load_tokenizer(model)
+    def __init__(self, model: str, *, config: PoolConfig | None = None, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1", **options) -> None:
+        """``options`` are ``PoolConfig``'s settings by name, flat (``world_size``, ``device``,
+        ``routing``, ``routing_config``, ``transfer_mode``, ``block_size``, ...: see
+        ``PoolConfig.from_options``); or pass a whole ``config``."""
+        if config is not None and options:
+            raise TypeError(f"give either config or pool options, not both (got {sorted(options)})")
+        self.config = config if config is not None else PoolConfig.from_options(model, **options)
+        self.tokenizer = load_tokenizer(self.config.model)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)

@@ -27,11 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
-import torch
 
-from lmpool.config.engine import EngineConfig
-from lmpool.config import RoutingConfig
-from lmpool.config.transfer import TransferPolicyConfig, check_mode
+from lmpool.config.pool import PoolConfig
 from lmpool.engine.hashing import chain_hashes
 from lmpool.engine.model_runner import resolve_dtype
 from lmpool.engine.validation import validate_request
@@ -60,16 +57,12 @@ from lmpool.protocol import (
     WorkerToFrontend,
 )
 from lmpool.frontend.metrics import NO_METRICS
-from lmpool.protocol.spec import ControlSpec, EngineArgs, WorkerSpec
+from lmpool.protocol.spec import ControlSpec, WorkerSpec
 from lmpool.protocol.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
 from lmpool.dataplane import Rendezvous
 from lmpool.control.transfers.cost_model import TransferCostModel
 from lmpool_ipc import Channel, IpcError, IpcPool, RemoteError, Requester
-
-ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
-GPU_TRANSFER_PATHS = ("auto", "nccl")
-
 
 # Rank deaths a request survives: it is recomputed elsewhere once. A request whose second
 # rank dies too fails instead, so that one request that crashes workers (a bug it triggers)
@@ -79,101 +72,6 @@ MAX_REROUTES = 1
 
 class PoolError(RuntimeError):
     """The pool cannot serve: it failed to start, or no rank is left alive."""
-
-
-@dataclass
-class PoolConfig:
-    model: str
-    world_size: int = 2
-    device: str = "cpu"
-    routing: str = "lmpool"
-    routing_config: RoutingConfig | None = None  # the routing policies' thresholds; None: the defaults
-    topology: list[tuple[int, int]] | None = None  # logical NVLink pairs; None: all partners
-    engine: EngineArgs | None = None
-    ready_timeout: float = 300.0
-    heartbeat_interval: float = 0.5
-    # Seconds a worker or the control process may stay silent, once up, before it is taken
-    # for hung (stopped, deadlocked, stuck in the GPU) and killed, as if it had died: a
-    # worker's rank is lost and its requests are recomputed on live ranks (workers are not
-    # respawned), the control process is restarted. Their event
-    # loops beat four times a second even when idle, but a worker's loop is silent while
-    # one engine step runs, so this must outlast the longest step. "auto": 60 s on CUDA,
-    # where a step takes milliseconds; off (None) on CPU, where one step of a large model
-    # may take minutes.
-    hang_timeout: float | str | None = "auto"
-    enable_transfers: bool = False  # workers can copy and move KV blocks between them
-    transfer_lease_s: float = 10.0  # a worker aborts a plan its control plane left silent this long
-    # Automatic transfers (``lmpool.config.transfer``); any mode but "none" enables transfers.
-    transfer_mode: str = "none"
-    background_copy_max_blocks: int = 8
-    background_copy_batch_max_blocks: int = 128
-    transfer_policy: TransferPolicyConfig | None = None  # thresholds; None: the defaults
-    # The data path between replicas on two different GPUs: "auto" pulls through CUDA IPC
-    # where the GPUs can address each other's memory and packs over NCCL elsewhere; "nccl"
-    # packs over NCCL between any two GPUs (for peer access that is reported but slow or
-    # broken). Replicas sharing a GPU always pull: NCCL refuses two ranks on one device.
-    gpu_transfer_path: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_mode(self.transfer_mode, self.background_copy_max_blocks, self.background_copy_batch_max_blocks)
-        if self.transfer_policy is None:
-            self.transfer_policy = TransferPolicyConfig()
-        elif not isinstance(self.transfer_policy, TransferPolicyConfig):
-            raise ValueError(f"transfer_policy must be a TransferPolicyConfig, got {type(self.transfer_policy).__name__}")
-        self.transfer_policy.check()
-        if self.transfer_mode != "none":
-            self.enable_transfers = True
-        if self.gpu_transfer_path not in GPU_TRANSFER_PATHS:
-            raise ValueError(f"gpu_transfer_path must be one of {', '.join(GPU_TRANSFER_PATHS)}; "
-                             f"got {self.gpu_transfer_path!r}")
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.hang_timeout == "auto":
-            self.hang_timeout = 60.0 if self.device == "cuda" else None
-        if self.hang_timeout is not None and (
-            isinstance(self.hang_timeout, (bool, str)) or not self.hang_timeout > 0
-        ):
-            raise ValueError(f"hang_timeout must be a positive number of seconds, None or 'auto'; "
-                             f"got {self.hang_timeout!r}")
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}; got {self.routing!r}")
-        if self.routing_config is None:
-            self.routing_config = RoutingConfig()
-        elif not isinstance(self.routing_config, RoutingConfig):
-            raise ValueError(f"routing_config must be a RoutingConfig, got {type(self.routing_config).__name__}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
-        if self.engine is None:
-            self.engine = EngineArgs(model=self.model)
-
-    def device_of(self, rank: int) -> str:
-        if self.device == "cpu":
-            return "cpu"
-        return f"cuda:{rank % torch.cuda.device_count()}"
-
-    def gpu_of_rank(self) -> list[int]:
-        if self.device == "cpu":
-            return list(range(self.world_size))
-        return [r % torch.cuda.device_count() for r in range(self.world_size)]
-
-    def engine_of(self, rank: int) -> EngineArgs:
-        """Rank ``rank``'s engine arguments. ``gpu_memory_utilization`` is the share of each GPU
-        that the pool's replicas on it fill together: replicas sharing a GPU split it evenly.
-        Each worker sizes its KV cache from its own share, as it sees only its own process's
-        allocations; given the whole share, the second replica on a GPU would ask for
-        memory the first already holds. An explicit ``num_kv_blocks`` is taken as given.
-
-        Each rank's sampler draws its own random stream (``seed + rank``): with one seed, every
-        replica would draw the same numbers, and unseeded requests would sample alike on every
-        rank. Rank 0 keeps the seed, so a one-rank pool samples as an ``LLM`` would."""
-        changes: dict = {"seed": self.engine.seed + rank} if rank else {}
-        gpus = self.gpu_of_rank()
-        sharing = gpus.count(gpus[rank]) if self.device == "cuda" else 1
-        if sharing > 1 and self.engine.num_kv_blocks is None:
-            changes["gpu_memory_utilization"] = self.engine.gpu_memory_utilization / sharing
-        return msgspec.structs.replace(self.engine, **changes) if changes else self.engine
 
 
 @dataclass
@@ -212,7 +110,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.block_size = config.engine.block_size
         self.max_model_len = config.engine.max_model_len or self.model_config.max_context
-        profile = config.transfer_policy.transfer_profile
+        profile = config.transfer.transfer_policy.transfer_profile
         if profile is not None:  # refused here, with its reason, rather than in the control process
             try:
                 TransferCostModel.from_profile(profile, self.kv_bytes_per_block())
@@ -243,7 +141,7 @@ class LLMEngine:
         if self.ipc is not None:
             raise PoolError("this pool is already started")
         self.ipc = IpcPool.start()  # also removes what crashed pools left in /dev/shm
-        if self.config.enable_transfers:
+        if self.config.transfer.enable_transfers:
             self.rendezvous = Rendezvous.create()
         self.started_at = time.time()
         try:
@@ -260,14 +158,8 @@ class LLMEngine:
             link = self.ipc.create_link()
             control_links.append(self.ipc.create_link())
             spec = WorkerSpec(
-                rank=r, epoch=1, device=cfg.device_of(r), engine_end=link.b,
-                control_end=control_links[r].b, engine_args=cfg.engine_of(r),
-                heartbeat_interval=cfg.heartbeat_interval, world_size=cfg.world_size,
+                rank=r, epoch=1, engine_end=link.b, control_end=control_links[r].b, pool=cfg,
                 transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
-                gpu_transfer_path=cfg.gpu_transfer_path, transfer_lease_s=cfg.transfer_lease_s,
-                foreground_release=cfg.transfer_mode in ("foreground", "both"),
-                foreground_wait_s=cfg.transfer_policy.foreground_wait_s,
-                foreground_retry_s=cfg.transfer_policy.foreground_retry_s,
             )
             proc = process.spawn("lmpool.worker.main", spec)
             channel = Channel(link.a, WorkerToFrontend)
@@ -300,15 +192,10 @@ class LLMEngine:
         cfg = self.config
         link = self.ipc.create_link()
         spec = ControlSpec(
-            world_size=cfg.world_size, device=cfg.device, block_size=self.block_size, routing=cfg.routing,
-            routing_config=cfg.routing_config, pairs=cfg.topology, gpu_of_rank=cfg.gpu_of_rank(), engine_end=link.b,
-            worker_ends=worker_ends, heartbeat_interval=cfg.heartbeat_interval,
+            pool=cfg, engine_end=link.b, worker_ends=worker_ends, gpu_of_rank=cfg.gpu_of_rank(),
             pool_id=self.ipc.pool_id, owner_pid=self.ipc.owner_pid, started_at=self.started_at,
             board=self.board, worker_pids=[r.proc.pid for r in self.ranks],
-            transfers=self.rendezvous is not None, transfer_mode=cfg.transfer_mode,
-            background_copy_max_blocks=cfg.background_copy_max_blocks,
-            background_copy_batch_max_blocks=cfg.background_copy_batch_max_blocks,
-            transfer_policy=cfg.transfer_policy, kv_bytes_per_block=self.kv_bytes_per_block(),
+            transfers=self.rendezvous is not None, kv_bytes_per_block=self.kv_bytes_per_block(),
         )
         self.control_proc = process.spawn("lmpool.control.main", spec)
         self._control_channel = Channel(link.a, object)
@@ -320,9 +207,8 @@ class LLMEngine:
 
     def kv_bytes_per_block(self) -> int:
         """KV bytes of one block on a rank (the transfer cost model's unit)."""
-        engine = self.config.engine
-        config = EngineConfig(model=engine.model, device=self.config.device_of(0), dtype=engine.dtype)
-        return self.model_config.kv_bytes_per_block(self.block_size, resolve_dtype(config, self.model_config))
+        dtype = resolve_dtype(self.config.engine_of(0), self.model_config)
+        return self.model_config.kv_bytes_per_block(self.block_size, dtype)
 
     async def _restart_control(self, failed: Requester) -> None:
         """Start a new control process unless another task already replaced ``failed``."""

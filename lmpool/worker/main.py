@@ -28,7 +28,6 @@ import time
 import msgspec
 import uvloop
 
-from lmpool.config.engine import EngineConfig
 from lmpool.engine.core import EngineCore
 from lmpool.protocol import (
     AbortRequest,
@@ -77,9 +76,11 @@ class Worker:
         self.transfers = TransferExecutor(spec, core) if spec.transfer_rendezvous else None
         self.prefill = PrefillMeter()
         self.release: ForegroundRelease | None = None
-        if spec.foreground_release and self.transfers is not None:
-            self.release = ForegroundRelease(core.block_manager, spec.rank, spec.epoch, spec.foreground_wait_s,
-                                             spec.foreground_retry_s)
+        transfer = spec.pool.transfer
+        if transfer.foreground_release and self.transfers is not None:
+            policy = transfer.transfer_policy
+            self.release = ForegroundRelease(core.block_manager, spec.rank, spec.epoch, policy.foreground_wait_s,
+                                             policy.foreground_retry_s)
             core.scheduler.on_shortage = self.release.on_shortage
 
     # ---- message intake ---------------------------------------------------------
@@ -187,7 +188,7 @@ class Worker:
 
     async def heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(self.spec.heartbeat_interval)
+            await asyncio.sleep(self.spec.pool.heartbeat_interval)
             # Plans whose control plane fell silent (it died, or its aborts were lost) end
             # here, so no pin or reservation outlives them.
             if self.transfers is not None and self.transfers.participant.expire():
@@ -292,9 +293,7 @@ class Worker:
 async def main_async(spec: WorkerSpec) -> int:
     engine = Channel(spec.engine_end, FrontendToWorker)
     try:
-        args = msgspec.structs.asdict(spec.engine_args)
-        config = EngineConfig(device=spec.device, **args)
-        core = EngineCore(config)
+        core = EngineCore(spec.pool.engine_of(spec.rank))
         worker = Worker(spec, core, engine)  # joins the transfer rendezvous, if any
     except Exception as e:  # any start-up failure is reported, with its cause, to the engine
         await engine.send(WorkerFailed(spec.rank, f"{type(e).__name__}: {e}"))

@@ -119,20 +119,20 @@ class TransferExecutor:
     def __init__(self, spec: WorkerSpec, core: EngineCore) -> None:
         runner = core.runner
         self.rank = spec.rank
-        self.world_size = spec.world_size
+        self.world_size = spec.pool.world_size
         self.core = core
         self.device = runner.device
         self.rendezvous = spec.transfer_rendezvous
-        self.gpu_transfer_path = spec.gpu_transfer_path
-        self.participant = TransferParticipant(core.block_manager, lease_s=spec.transfer_lease_s)
+        self.gpu_transfer_path = spec.pool.transfer.gpu_transfer_path
+        self.participant = TransferParticipant(core.block_manager, lease_s=spec.pool.transfer.transfer_lease_s)
         self.ipc = None
         self.packed = None  # gloo (CPU), or NCCL once a peer cannot be pulled from
         if self.device.type == "cpu":
-            self.packed = GlooTransport(spec.transfer_rendezvous, spec.rank, spec.world_size)
+            self.packed = GlooTransport(spec.transfer_rendezvous, spec.rank, self.world_size)
         else:
             from lmpool.dataplane.cuda_ipc import CudaIpcTransport
 
-            self.ipc = CudaIpcTransport(spec.transfer_rendezvous, spec.rank, spec.world_size, device=str(self.device),
+            self.ipc = CudaIpcTransport(spec.transfer_rendezvous, spec.rank, self.world_size, device=str(self.device),
                                         kv_cache=runner.kv_cache, use_kernels=runner.ops.name == "cuda")
         self.paths: dict[int, str] = {}  # peer -> "pull" | "packed"
         self.broken: dict[int, str] = {}  # peer -> why its data path could not be set up

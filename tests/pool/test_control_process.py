@@ -8,6 +8,7 @@ import asyncio
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
 from lmpool.control.main import ControlPlane
 from lmpool.protocol import LoadReport, ResyncRequest, RouteQuery, WorkerDelta, WorkerSnapshot
+from lmpool.config.pool import PoolConfig
 from lmpool.protocol.spec import ControlSpec
 from lmpool_ipc import PeerDeadError
 
@@ -33,8 +34,8 @@ def stored(h: int, parent: int, block_id: int) -> BlockStored:
 
 
 def control() -> ControlPlane:
-    spec = ControlSpec(world_size=2, device="cpu", block_size=4, routing="lmpool", pairs=None,
-                       gpu_of_rank=None, engine_end="unused", worker_ends=["unused", "unused"])
+    spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=4),
+                       engine_end="unused", worker_ends=["unused", "unused"])
     return ControlPlane(spec)
 
 

@@ -23,6 +23,7 @@ from lmpool.protocol import (
     WorkerQuery,
     WorkerSnapshot,
 )
+from lmpool.config.pool import PoolConfig
 from lmpool.protocol.spec import ControlSpec
 from lmpool_ipc import PeerDeadError
 
@@ -63,8 +64,8 @@ def refuse_plans(rank: int, order: TransferOrder | WorkerQuery) -> list:
 
 async def transfer(source_answer, chain: list[int] = CHAIN,
                    phase_timeout_s: float | None = None) -> tuple[object, list[TransferOrder | WorkerQuery]]:
-    spec = ControlSpec(world_size=2, device="cpu", block_size=4, routing="lmpool", pairs=None,
-                       gpu_of_rank=None, engine_end="unused", worker_ends=["unused", "unused"])
+    spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=4),
+                       engine_end="unused", worker_ends=["unused", "unused"])
     plane = ControlPlane(spec)
     if phase_timeout_s is not None:
         plane.coordinator.phase_timeout_s = phase_timeout_s

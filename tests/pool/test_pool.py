@@ -11,7 +11,8 @@ import torch
 from lmpool import LLM, SamplingParams
 from lmpool.config import RoutingConfig
 from lmpool.frontend.api import LMPool
-from lmpool.frontend.client import ROUTINGS, PoolError
+from lmpool.config.pool import ROUTINGS
+from lmpool.frontend.client import PoolError
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

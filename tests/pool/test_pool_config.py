@@ -5,12 +5,12 @@ the first holds)."""
 
 from __future__ import annotations
 
-import msgspec
+import dataclasses
+
 import pytest
 import torch
 
-from lmpool.frontend.client import PoolConfig
-from lmpool.protocol.spec import EngineArgs
+from lmpool.config.pool import PoolConfig
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def gpus(monkeypatch):
 
 
 def config(world_size: int, device: str = "cuda", **engine) -> PoolConfig:
-    return PoolConfig(model="m", world_size=world_size, device=device, engine=EngineArgs(model="m", **engine))
+    return PoolConfig.from_options("m", world_size=world_size, device=device, **engine)
 
 
 def test_replicas_sharing_a_gpu_split_its_memory_share(gpus):
@@ -56,15 +56,15 @@ def test_cpu_replicas_keep_their_arguments_but_each_samples_its_own_stream():
     assert [cfg.device_of(r) for r in range(3)] == ["cpu"] * 3
     assert cfg.engine_of(0) is cfg.engine  # rank 0 samples as an LLM with the pool's seed would
     assert [cfg.engine_of(r).seed for r in range(3)] == [7, 8, 9]
-    assert all(msgspec.structs.replace(cfg.engine_of(r), seed=7) == cfg.engine for r in range(3))
+    assert all(dataclasses.replace(cfg.engine_of(r), seed=7) == cfg.engine for r in range(3))
 
 
 def test_hang_detection_is_on_by_default_on_gpus_only_and_takes_positive_seconds(gpus):
     gpus(1)
     assert config(1).hang_timeout == 60.0  # a GPU step takes milliseconds
     assert config(1, device="cpu").hang_timeout is None  # a CPU step of a large model may take minutes
-    assert PoolConfig(model="m", device="cpu", hang_timeout=2.5).hang_timeout == 2.5
-    assert PoolConfig(model="m", device="cuda", hang_timeout=None).hang_timeout is None
+    assert PoolConfig.from_options("m", device="cpu", hang_timeout=2.5).hang_timeout == 2.5
+    assert PoolConfig.from_options("m", device="cuda", hang_timeout=None).hang_timeout is None
     for bad in (0, -1.0, "soon", True):
         with pytest.raises(ValueError, match="hang_timeout must be a positive number of seconds"):
-            PoolConfig(model="m", device="cpu", hang_timeout=bad)
+            PoolConfig.from_options("m", device="cpu", hang_timeout=bad)

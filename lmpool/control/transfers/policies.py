@@ -46,24 +46,25 @@ class TransferPolicies:
         coordinator: TransferCoordinator,
         send: Callable[[int, object], None],
     ) -> None:
-        cfg = spec.transfer_policy
+        transfer = spec.pool.transfer
+        cfg = transfer.transfer_policy
         self.cfg = cfg
         self.gbm = gbm
         self.scheduler = scheduler
         self.coordinator = coordinator
         self.send = send
-        self.background = spec.transfer_mode in ("background", "both")
-        self.foreground = spec.transfer_mode in ("foreground", "both")
+        self.background = transfer.background_placement
+        self.foreground = transfer.foreground_release
         kv_bytes = max(1, spec.kv_bytes_per_block)
         if cfg.transfer_profile is not None:
             self.cost_model = TransferCostModel.from_profile(cfg.transfer_profile, kv_bytes)
         else:
-            fixed_s, bytes_per_s = UNCALIBRATED_LINK["cuda" if spec.device == "cuda" else "cpu"]
+            fixed_s, bytes_per_s = UNCALIBRATED_LINK["cuda" if spec.pool.device == "cuda" else "cpu"]
             self.cost_model = TransferCostModel.uncalibrated(kv_bytes, fixed_s, bytes_per_s)
         coordinator.cost_model = self.cost_model  # completed plans correct the estimates
         policy = AdmissionPolicy(
             prefill_s_per_token=cfg.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN,
-            block_size=spec.block_size, discount=cfg.reuse_discount, margin=cfg.admission_margin,
+            block_size=spec.pool.engine.block_size, discount=cfg.reuse_discount, margin=cfg.admission_margin,
         )
         self.gate = AdmissionGate(policy, self.cost_model)
         self.leases: PlacementLeases | None = None
@@ -73,8 +74,8 @@ class TransferPolicies:
             self.placement = BackgroundPlacement(
                 gbm, scheduler, coordinator, self.gate, self.prefill_s_per_token,
                 hot_threshold=cfg.hot_threshold, min_load_skew_tokens=cfg.min_load_skew_tokens,
-                cooldown_s=cfg.cooldown_s, max_blocks=spec.background_copy_max_blocks,
-                batch_max_blocks=spec.background_copy_batch_max_blocks, recent_chains=cfg.recent_chains,
+                cooldown_s=cfg.cooldown_s, max_blocks=transfer.background_copy_max_blocks,
+                batch_max_blocks=transfer.background_copy_batch_max_blocks, recent_chains=cfg.recent_chains,
             )
         self.copies: dict[int, CopyBatch] = {}  # open background plans
         self.releases: dict[int, tuple[int, int]] = {}  # open foreground plans -> (rank, release id)

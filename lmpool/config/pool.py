@@ -1,0 +1,152 @@
+"""``PoolConfig``: one tree for a whole pool, its engine, routing and transfer sections.
+
+The tree travels whole, as JSON, in every child's start-up spec (``lmpool.protocol.spec``):
+no process copies settings field by field. ``PoolConfig.from_options`` takes the flat
+keywords of ``AsyncLMPool``/``LMPool`` and files each under the section that declares it,
+so a new setting is one field in one section.
+
+Invariants (checked at construction, so in every process that decodes the tree): the
+device is "cpu" or "cuda" (ranks take the GPUs in turn, ``device_of``); ``hang_timeout`` is
+resolved from "auto"; any transfer mode but "none" enables transfers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import torch
+
+from lmpool.config.engine import EngineConfig
+from lmpool.config.routing import RoutingConfig
+from lmpool.config.transfer import TransferPolicyConfig, check_mode
+
+ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
+GPU_TRANSFER_PATHS = ("auto", "nccl")
+# CPU replicas share one machine's memory: each takes a quarter of what a lone ``LLM`` would.
+POOL_CPU_KV_CACHE_BYTES = 256 << 20
+
+
+class TransferConfig(msgspec.Struct, kw_only=True):
+    """Which KV transfers a pool runs (the names are the pool's own keywords)."""
+
+    enable_transfers: bool = False  # workers can copy and move KV blocks between them
+    transfer_lease_s: float = 10.0  # a worker aborts a plan its control plane left silent this long
+    transfer_mode: str = "none"  # automatic policies (``lmpool.config.transfer``); any but "none" enables
+    background_copy_max_blocks: int = 8
+    background_copy_batch_max_blocks: int = 128
+    transfer_policy: TransferPolicyConfig = msgspec.field(default_factory=TransferPolicyConfig)
+    # Between replicas on two GPUs: "auto" pulls through CUDA IPC where the GPUs can address
+    # each other's memory and packs over NCCL elsewhere; "nccl" packs over NCCL between any two
+    # (for peer access that is reported but slow or broken). Replicas sharing a GPU always
+    # pull: NCCL refuses two ranks on one device.
+    gpu_transfer_path: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_mode(self.transfer_mode, self.background_copy_max_blocks, self.background_copy_batch_max_blocks)
+        if not isinstance(self.transfer_policy, TransferPolicyConfig):
+            raise ValueError(f"transfer_policy must be a TransferPolicyConfig, got {type(self.transfer_policy).__name__}")
+        self.transfer_policy.check()
+        if self.transfer_mode != "none":
+            self.enable_transfers = True
+        if self.gpu_transfer_path not in GPU_TRANSFER_PATHS:
+            raise ValueError(f"gpu_transfer_path must be one of {', '.join(GPU_TRANSFER_PATHS)}; "
+                             f"got {self.gpu_transfer_path!r}")
+
+    @property
+    def foreground_release(self) -> bool:
+        return self.transfer_mode in ("foreground", "both")
+
+    @property
+    def background_placement(self) -> bool:
+        return self.transfer_mode in ("background", "both")
+
+
+class PoolConfig(msgspec.Struct, kw_only=True):
+    engine: EngineConfig  # the replicas' engine; its device is "cpu" or "cuda" (per rank: ``device_of``)
+    world_size: int = 2
+    routing: str = "lmpool"
+    routing_config: RoutingConfig = msgspec.field(default_factory=RoutingConfig)  # the policies' thresholds
+    transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+    topology: list[tuple[int, int]] | None = None  # logical NVLink pairs; None: all partners
+    ready_timeout: float = 300.0
+    heartbeat_interval: float = 0.5
+    # Seconds a worker or the control process may stay silent, once up, before it is taken for
+    # hung and killed as if it had died (see docs/ARCHITECTURE.md). "auto": 60 s on CUDA, where a
+    # step takes milliseconds; off (None) on CPU, where one step of a large model may take minutes.
+    hang_timeout: float | str | None = "auto"
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.hang_timeout == "auto":
+            self.hang_timeout = 60.0 if self.device == "cuda" else None
+        if self.hang_timeout is not None and (
+            isinstance(self.hang_timeout, (bool, str)) or not self.hang_timeout > 0
+        ):
+            raise ValueError(f"hang_timeout must be a positive number of seconds, None or 'auto'; "
+                             f"got {self.hang_timeout!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}; got {self.routing!r}")
+        if not isinstance(self.routing_config, RoutingConfig):
+            raise ValueError(f"routing_config must be a RoutingConfig, got {type(self.routing_config).__name__}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> PoolConfig:
+        """A pool's config from ``AsyncLMPool``'s flat keywords: each goes to the section that
+        declares it (engine, transfer, or the pool's own); an unknown one is a ``TypeError``."""
+        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        sections: dict[str, dict] = {"engine": {"model": str(model)}, "transfer": {}, "pool": {}}
+        for name, value in options.items():
+            if name in engine_fields and name != "model":
+                sections["engine"][name] = value
+            elif name in TransferConfig.__struct_fields__:
+                sections["transfer"][name] = value
+            elif name in cls.__struct_fields__ and name not in ("engine", "transfer"):
+                sections["pool"][name] = value
+            else:
+                raise TypeError(f"unknown pool option {name!r}")
+        sections["engine"].setdefault("cpu_kv_cache_bytes", POOL_CPU_KV_CACHE_BYTES)
+        if sections["pool"].get("routing_config") is None:
+            sections["pool"].pop("routing_config", None)
+        if sections["transfer"].get("transfer_policy") is None:
+            sections["transfer"].pop("transfer_policy", None)
+        return cls(engine=EngineConfig(**sections["engine"]), transfer=TransferConfig(**sections["transfer"]),
+                   **sections["pool"])
+
+    @property
+    def model(self) -> str:
+        return self.engine.model
+
+    @property
+    def device(self) -> str:
+        return self.engine.device
+
+    def device_of(self, rank: int) -> str:
+        if self.device == "cpu":
+            return "cpu"
+        return f"cuda:{rank % torch.cuda.device_count()}"
+
+    def gpu_of_rank(self) -> list[int]:
+        if self.device == "cpu":
+            return list(range(self.world_size))
+        return [r % torch.cuda.device_count() for r in range(self.world_size)]
+
+    def engine_of(self, rank: int) -> EngineConfig:
+        """Rank ``rank``'s engine: on its device, with its share of its GPU and its own seed.
+
+        ``gpu_memory_utilization`` is the share of each GPU that the pool's replicas on it fill
+        together: replicas sharing a GPU split it evenly, since each sizes its KV cache from
+        what its own process sees. An explicit ``num_kv_blocks`` is taken as given. Each rank's
+        sampler draws its own random stream (``seed + rank``); rank 0 keeps the seed, so a
+        one-rank pool samples as an ``LLM`` would."""
+        changes: dict = {"seed": self.engine.seed + rank} if rank else {}
+        if self.device_of(rank) != self.device:
+            changes["device"] = self.device_of(rank)
+        gpus = self.gpu_of_rank()
+        sharing = gpus.count(gpus[rank]) if self.device == "cuda" else 1
+        if sharing > 1 and self.engine.num_kv_blocks is None:
+            changes["gpu_memory_utilization"] = self.engine.gpu_memory_utilization / sharing
+        return dataclasses.replace(self.engine, **changes) if changes else self.engine
