@@ -29,7 +29,7 @@ from pathlib import Path
 
 import uvloop
 
-import lmpool.frontend.api as pool_api
+import lmpool.frontend.output_processor as pool_api
 from lmpool.model.config import ModelConfig
 from lmpool.model.make_model import make_model
 from lmpool.frontend.api import AsyncLMPool

@@ -1,8 +1,9 @@
 """Stop strings: a request ends when its output text contains one of ``SamplingParams.stop``.
 
 Tokens do not line up with text, so stop strings are found in the decoded output, where the
-tokenizer lives (``LLM`` and the pool's API), not in the engine: the engine is asked to
-abort the request once one is seen, as a client abort would. The final output's text ends
+tokenizer lives (the user process's output processor, ``lmpool.frontend.output_processor``),
+not in the engine: the engine is asked to abort the request once one is seen, as a client
+abort would. The final output's text ends
 just before the stop string; its token ids include the token that completed it. While a
 request streams, text that could be the start of a stop string is held back, so no
 partial output shows what the final one cuts.

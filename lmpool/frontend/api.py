@@ -36,13 +36,13 @@ from collections.abc import Sequence as SequenceABC
 import uvloop
 
 from lmpool.config.pool import PoolConfig
-from lmpool.detokenizer import Detokenizer
 from lmpool.frontend.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
 from lmpool.frontend.client import LLMEngine, PoolError, TrackedRequest
 from lmpool.frontend.metrics import NO_METRICS, MetricsServer
+from lmpool.frontend.output_processor import OutputProcessor, RequestState
 from lmpool.sampling_params import SamplingParams
-from lmpool.stop_strings import StopStrings, check_usable
+from lmpool.stop_strings import check_usable
 from lmpool.tokenizer import encode_chat, encode_chats, encode_prompt, load_tokenizer
 
 
@@ -64,6 +64,7 @@ class AsyncLMPool:
             raise TypeError(f"give either config or pool options, not both (got {sorted(options)})")
         self.config = config if config is not None else PoolConfig.from_options(model, **options)
         self.tokenizer = load_tokenizer(self.config.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
@@ -111,20 +112,6 @@ class AsyncLMPool:
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
-    @staticmethod
-    def _output(req: TrackedRequest, num_tokens: int, text: str | None, finish_reason: str | None) -> RequestOutput:
-        """The request as of its first ``num_tokens`` output tokens (later ones may have arrived)."""
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids[:num_tokens],
-            text=text,
-            num_cached_tokens=req.num_cached_tokens,
-            finish_reason=finish_reason,
-            rank=req.rank,
-            route=req.route or None,
-        )
-
     async def submit(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
         rank: int | None = None,
@@ -145,37 +132,27 @@ class AsyncLMPool:
         ``rank`` bypasses routing (for experiments and benchmarks). With stop strings, the
         request ends at the first one its text shows (``lmpool.stop_strings``)."""
         req = await self.submit(prompt, params, request_id, rank)
-        stops = StopStrings(req.params.stop) if req.params.stop else None
-        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
-        seen = 0
+        state = self.output_processor.new_request(req.request_id, req.prompt_token_ids, req.params, stream=True)
         try:
-            while True:
-                item = await req.queue.get()
-                if item is None:
-                    if req.finish_reason == "abort":
-                        yield self._output(req, seen, detok.finish() if detok else None, "abort")
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                seen += 1
-                text = None
-                if detok is not None:
-                    text = detok.extend(req.output_token_ids[seen - 1:seen])
-                    if item.finished:
-                        text = detok.finish()
-                out = self._output(req, seen, text, item.finish_reason if item.finished else None)
-                if stops is not None:
-                    hit = stops.find(out.text)
-                    if hit is not None:  # ends here; leaving the loop aborts it on its rank
-                        out.text, out.finish_reason = out.text[:hit], "stop"
-                        yield out
-                        return
-                    if out.finish_reason is None:
-                        out.text = stops.held_back(out.text)
+            while (out := self._next_output(req, state, await req.queue.get())) is not None:
                 yield out
+                if out.finish_reason is not None:
+                    return
         finally:
-            if req.finish_reason is None:
+            if req.finish_reason is None:  # ended here (a stop string, or the caller left): end it on its rank
                 await self.engine.abort(req.request_id)
+
+    @staticmethod
+    def _next_output(req: TrackedRequest, state: RequestState, item) -> RequestOutput | None:
+        """What the stream shows for ``item``, the next entry of ``req``'s queue: a token's output,
+        or at the end an aborted request's last one (None after any other end)."""
+        if isinstance(item, BaseException):
+            raise item
+        # Read at every output: the rank and route change where a request is moved off a dead rank.
+        state.num_cached_tokens, state.rank, state.route = req.num_cached_tokens, req.rank, req.route or None
+        if item is None:
+            return state.abort() if req.finish_reason == "abort" else None
+        return state.update([item.token_id], item.finish_reason if item.finished else None)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,

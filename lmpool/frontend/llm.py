@@ -7,11 +7,11 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
 from lmpool.config.engine import EngineConfig
-from lmpool.detokenizer import Detokenizer
-from lmpool.engine.core import EngineCore
+from lmpool.engine.core import EngineCore, StepOutput
+from lmpool.frontend.output_processor import OutputProcessor, RequestState
 from lmpool.outputs import RequestOutput
 from lmpool.sampling_params import SamplingParams
-from lmpool.stop_strings import StopStrings, check_usable
+from lmpool.stop_strings import check_usable
 from lmpool.tokenizer import encode_chats, encode_prompt, is_token_id, load_tokenizer
 
 Prompt = str | SequenceABC[int]
@@ -78,23 +78,14 @@ class LLM:
         self.config = EngineConfig(model=str(model), **engine_args)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(model)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
     def decode(self, token_ids: list[int]) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _text(self, token_ids: list[int], detok: Detokenizer | None, final: bool) -> str | None:
-        """The output's text so far: incrementally where it is needed at every step, else
-        decoded once when the output is final (None before that, or without a tokenizer)."""
-        if detok is None:
-            return self.decode(token_ids) if final else None
-        detok.extend(token_ids[detok.num_tokens:])
-        return detok.finish() if final else detok.text
+        return self.output_processor.decode(token_ids)
 
     def generate(
         self,
@@ -109,36 +100,30 @@ class LLM:
 
         token_lists, params = prepare_batch(prompts, sampling_params, self.encode, validate)
         request_ids = [f"llm-{next(self._ids)}" for _ in token_lists]
-        stops = {rid: StopStrings(p.stop) for rid, p in zip(request_ids, params) if p.stop}
-        # Requests with stop strings need their text at every step; the others only at the end.
-        detoks = {rid: Detokenizer(self.tokenizer) for rid in stops}
+        states: dict[str, RequestState] = {}
         for rid, ids, p in zip(request_ids, token_lists, params):
+            states[rid] = self.output_processor.new_request(rid, ids, p)
             self.engine.add_request(rid, ids, p)
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(request_ids):
                 for out in self.engine.step():
-                    seq, finish_reason = out.seq, out.finish_reason if out.finished else None
-                    text = self._text(seq.output_token_ids, detoks.get(out.request_id), finish_reason is not None)
-                    hit = stops[out.request_id].find(text) if out.request_id in stops else None
-                    if hit is not None:  # the text names a stop string: end the request there
-                        if not out.finished:
-                            self.engine.abort_request(out.request_id)
-                        text, finish_reason = text[:hit], "stop"
-                    if finish_reason is not None:
-                        done[out.request_id] = RequestOutput(
-                            request_id=out.request_id,
-                            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-                            token_ids=seq.output_token_ids,
-                            text=text,
-                            num_cached_tokens=seq.num_cached_tokens,
-                            finish_reason=finish_reason,
-                        )
+                    final = self._process(states[out.request_id], out)
+                    if final is not None:
+                        done[out.request_id] = final
         finally:
             for rid in request_ids:  # an interrupted call leaves nothing behind
                 if rid not in done:
                     self.engine.abort_request(rid)
         return [done[rid] for rid in request_ids]
+
+    def _process(self, state: RequestState, out: StepOutput) -> RequestOutput | None:
+        """Feed a step's new token to its request's output; the final output, once there is one."""
+        state.num_cached_tokens = out.seq.num_cached_tokens
+        final = state.update([out.new_token_id], out.finish_reason)
+        if final is not None and not out.finished:  # a stop string ended it: so must the engine
+            self.engine.abort_request(out.request_id)
+        return final
 
     def chat(
         self,
