@@ -1,24 +1,11 @@
-"""Block-to-block copy between two KV caches: the data path of a transfer whose destination
-can address the source's cache (``CudaIpcTransport.pull``).
+"""Block-to-block copy between two KV caches, the data path of a pull:
+``copy_blocks(src_cache, src_ids, dst_cache, dst_ids)``, one CUDA kernel
+(``kernels/kv_transfer.cu``) that reads each byte once and writes it once; the source may be
+another process's cache mapped through CUDA IPC, or on a peer GPU.
 
-``copy_blocks(src_cache, src_ids, dst_cache, dst_ids)`` sets
-``dst_cache[:, :, dst_ids] = src_cache[:, :, src_ids]`` for every layer and both K and V.
-On CUDA it is one kernel (``kernels/kv_transfer.cu``) that reads each byte once from the
-source and writes it once into the destination: no packed payload exists. The source cache
-may be another process's (mapped through CUDA IPC) or live on a peer GPU.
-
-Invariants:
-- both caches have the layout of ``lmpool.ops.reference`` and agree on everything but
-  the number of blocks; ids are validated on the host (a clear ``ValueError``) before any
-  launch, and again on the device by the kernel. They reach the kernel inside its launch
-  parameters (up to 480 pairs per launch), so a copy costs one launch per 480 blocks and
-  no host-to-device transfer of ids.
-- the copy is enqueued on the destination device's current stream and never waits for
-  it, so whatever the caller does next on that stream (reusing the destination blocks
-  included) is ordered after it.
-- the extension is built apart from the engine's kernels, by the same loader
-  (``lmpool.ops.cuda.build_extension``), on first use, into a cache directory keyed by
-  everything that changes the binary.
+Invariants: both caches have ``lmpool.ops.reference``'s layout; ids are validated on the
+host before any launch and again by the kernel; the copy is enqueued on the destination's
+current stream and never waits, so later work there is ordered after it.
 """
 
 from __future__ import annotations

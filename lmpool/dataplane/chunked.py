@@ -1,47 +1,15 @@
-"""A packed KV transfer in layer chunks, so that packing, the wire and unpacking overlap.
-
-A packed transfer of B blocks moves ``[layers, 2, B, block_size, kv_heads, head_dim]``.
-Sent whole, its time is pack + send + unpack, one after the other. Cut along layers
-into k chunks, the sender packs chunk i+1 while chunk i is on the wire and the receiver
-unpacks chunk i while chunk i+1 arrives, so the time approaches the wire's plus the first
-chunk's pack, the last chunk's unpack and a fixed start-up per chunk.
-
-- ``layer_chunks`` (shape "even") cuts one chunk per transport's ``chunk_bytes``
-  (``CHUNK_BYTES`` for a transport without one; NCCL over several lanes, which hides the
-  start-up, names a smaller one), near-equal with the larger in the middle (the default,
-  ``SHAPE``); "even^F" cuts as many growing by a factor F from both ends towards the
-  middle, "ends^F" as many alike but the two ends, F times smaller. Only the ends' pack and
-  unpack are exposed, but on the H200 pair neither beat near-equal chunks in every run
-  (results/h200x2/direct/NOTES.md): growing by 1.25 read up to 2.5 points of raw NCCL above
-  them in one run and up to 5.1 below in another, where the packs ran slow.
-- ``tapered_chunks`` (opt-in, ``shape="taper"``, or ``"taper^F"`` for a growth factor F
-  other than ``PACK_OVER_WIRE``) makes the ends small and the middle large: packing is
-  faster than the wire, so each chunk may outgrow its predecessor and still be packed in
-  time, while only the small first pack and last unpack are exposed. Measured on the H200
-  pair it lost to the near-equal rule from 8 to 32 blocks and drew level at 64
-  (results/multi_gpu_NOTES.md): beside NCCL the kernels pack slower than its model assumes.
-- Both cut from the layer count and the payload's size alone, so sender and receiver
-  always agree on the number and the sizes of the messages. ``cut`` caches its plans: a
-  plan is computed on the sender's path before its first pack, and a tapered one takes tens
-  of microseconds of Python.
-- ``send_blocks`` packs and sends every chunk at once (all asynchronous: on a GPU each
-  pack is queued on the caller's current stream and each send waits for its pack).
-- ``BlockReceiver`` posts every chunk's receive at once, then, each time it is polled,
-  unpacks (on the caller's current stream) the chunks that have arrived, in order. Queuing
-  every unpack on the GPU at once instead, each behind its receive, so that none waits for
-  the host to see its chunk, lost on the H200 pair: on a stream of its own, 0.5-2.2 points
-  of raw NCCL below host-ordered unpacks at every size and direction from 252 MiB; on the
-  receives' lanes, behind each receive, 16-19 points below, as each unpack held up its
-  lane's next receive (results/h200x2/direct/NOTES.md, runs 21-22).
+"""A packed KV transfer in layer chunks, so that packing, the wire and unpacking overlap:
+``send_blocks`` packs and sends every chunk at once, ``BlockReceiver`` posts every receive
+and unpacks, in order, the chunks that have arrived each time it is polled. ``cut`` plans
+the chunks ("even", "even^F", "ends^F", "taper"; measurements behind the default shape:
+benchmarks/results/kv_transfer_NOTES.md).
 
 Invariants:
-- chunk i of a plan carries tag ``chunk_tag(plan_id, i)``; transports that ignore tags
-  (NCCL) rely on the chunks of one plan being started back to back, in order, on both ends.
-- a chunk is unpacked only after its receive completed, as seen from the host, and only
-  while ``wanted()`` is true (the plan is still open): bytes of a plan that ended are
-  received and dropped, never written into blocks that may already be someone else's.
-- a failed chunk ends the whole transfer with that chunk's error; chunks already unpacked
-  stay written (into blocks the plan reserved: an abort frees them, stream-ordered after).
+- sender and receiver cut from the layer count and payload size alone, so they agree on
+  the number and sizes of the messages; chunk i of a plan carries ``chunk_tag(plan_id, i)``.
+- a chunk is unpacked only after its receive completed and only while ``wanted()`` holds
+  (the plan is open): bytes of a plan that ended are dropped, never written.
+- a failed chunk ends the whole transfer with that chunk's error.
 """
 
 from __future__ import annotations

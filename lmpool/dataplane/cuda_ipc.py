@@ -1,58 +1,19 @@
-"""KV transfers between replicas whose GPUs can address each other's memory: replicas that
-share one GPU (where NCCL refuses two ranks) and replicas on peer-accessible GPUs (NVLink).
+"""KV transfers between replicas whose GPUs can address each other's memory (one GPU, or
+NVLink peers): this rank's exports (KV cache, staging buffer, interprocess events), its
+mappings of peers' exports, and the operations in flight. ``pull`` copies blocks straight
+out of a peer's mapped cache (docs/ARCHITECTURE.md, "Data paths"); ``send``/``recv`` move
+packed payloads through the staging buffers.
 
-Owns this rank's exports (its KV cache, and a staging buffer with interprocess events for
-packed sends), this rank's mappings of its peers' exports, and the operations in flight.
-
-Two data paths:
-
-**Pull (the fast path).** The destination copies the blocks straight out of the source's
-mapped KV cache into its own reserved blocks: one kernel (``block_copy.copy_blocks``),
-each byte read once and written once, no payload materialised, nothing done by the source
-at transfer time. ``pull(peer, src_ids, dst_ids)``:
-1. enqueues the copy on the destination's current stream and records an event after it;
-2. the handle is done once that event has completed and the source process was still
-   alive when it did.
-Invariants the caller (the transfer executor) keeps, and why:
-- the source's blocks are complete in memory before the pull starts (the source confirms
-  its writes completed before it reports the blocks pinned), so the copy needs no
-  cross-process event: it depends on nothing a dead peer could leave unfinished, and
-  therefore always completes.
-- the source's blocks stay pinned (never freed, never rewritten) until the pull's handle
-  is done: the source keeps its pins until the destination has confirmed the copy.
-- only the destination writes the destination blocks, on its current stream, so any later
-  reuse of those blocks (an abort frees them) is stream-ordered after the copy.
-- a pull keeps the peer's mapping alive until its event completed: unmapping memory that a
-  running kernel reads would fault.
-- the source dying mid-copy: CUDA leaves reads of a dead exporter's memory undefined. The
-  handle fails if the source is gone (or is a zombie) when the copy completes, so those
-  bytes are never reported as received; a read that faulted would end the destination's
-  CUDA context (the worker then dies like any crashed worker).
-
-**Packed send/recv (the general ``KVTransport`` interface).** Sender S -> receiver R, tag t:
-1. S copies the payload into a free region of its staging buffer on its current stream,
-   records one of its free interprocess events there, then publishes
-   ``offset,nbytes,event`` under the key of (S, R, t) in the rendezvous store.
-2. R finds the key, makes its receive stream for S wait on that event (the record
-   happened before the key existed, so the wait covers it), copies the region of S's
-   mapped buffer into ``out`` on that stream and records a local event.
-3. Once that copy has completed R acknowledges under (S, R, t)/ack; then S frees the
-   region and the event.
-Nothing runs in the background: steps 2 and 3 of every receive advance whenever any handle
-of R's transport is polled (``done``) or waited on, so a rank waiting on its own send
-still serves its peer. A region and its event belong to one transfer from staging until
-the acknowledgement; a send whose wait expired keeps them (R may still be reading) until
-the acknowledgement turns up or the peer is disconnected. A receiver that finds a size it
-did not expect acknowledges with the error, so the sender fails with the reason.
-
-Common invariants:
-- exports travel through the control plane as ``CudaIpcExport`` messages, one per
-  importing peer; nothing is pickled. Keys in the rendezvous carry both ends' sessions
-  (random per transport), so a restarted worker never reads a key its predecessor left.
-- a peer whose process is gone fails every wait on it at once (same host, Linux: its pid
-  and that pid's start time in /proc are checked), otherwise waits end with TransferTimeout.
-- a mapping replaced or disconnected is released only once no copy of this rank still
-  reads it.
+Invariants:
+- a pull's handle is done only once its copy completed while the source process was alive;
+  the caller keeps the source's blocks pinned and complete in memory until then, and a
+  mapping stays alive until no copy of this rank still reads it.
+- a packed send's staging region and event belong to one transfer until the receiver
+  acknowledges it (kept past an expired wait); a size the receiver did not expect fails the
+  sender with the reason. Receives advance whenever any handle of this transport is polled.
+- exports travel as ``CudaIpcExport`` messages, one per importing peer, never pickled; keys
+  in the rendezvous carry both ends' sessions, so a restarted worker never reads a stale one.
+- a peer whose process is gone (pid and start time checked) fails every wait on it at once.
 """
 
 from __future__ import annotations

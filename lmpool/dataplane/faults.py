@@ -1,24 +1,14 @@
 """Injected faults for transfer plans, so tests can break a real worker at an exact point.
 
-A pool's workers read ``LMPOOL_TRANSFER_FAULTS`` (inherited from the process that starts
-the pool): a JSON list of faults, each naming a rank, an order kind (``prepare_source``,
-``prepare_dest``, ``execute_send``, ``execute_recv``, ``publish``, ``finalize``), a point
-and an action:
+``LMPOOL_TRANSFER_FAULTS`` (a JSON list, inherited by the pool's workers) names per fault a
+rank, an order kind, a point (``before`` the worker acts, ``after`` it acted, ``during`` an
+execute's bytes in flight) and an action (``raise``: the order fails; ``drop``: the order or
+its answer is lost; ``kill``: the worker SIGKILLs itself); ``mark`` names a file to append
+to as it fires.
 
-- point ``before``: as the order arrives, before the worker acts on it;
-  ``after``: once the worker has acted, before its acknowledgement leaves;
-  ``during``: an execute order whose bytes are in flight (polled, not yet complete);
-- action ``raise``: the step fails with ``InjectedFault`` (the worker answers "failed");
-  ``drop``: the order or its acknowledgement is lost (the control plane's watchdog must
-  end the plan); ``kill``: the worker SIGKILLs itself.
-
-A fault with ``mark`` set appends a line to that file as it fires, so a test can wait for
-the moment (say, to kill the control process while the plan is stalled right there).
-
-Invariants: a fault fires at most ``times`` times in a process, and only in the
-incarnation (``epoch``) it names, so a worker restarted after a ``kill`` runs clean;
-with the variable unset, ``FaultPlan.hit`` is one dict lookup returning ``None``.
-Nothing outside tests sets the variable.
+Invariants: a fault fires at most ``times`` times, only in the incarnation (``epoch``) it
+names; with the variable unset ``FaultPlan.hit`` is one lookup returning ``None``; nothing
+outside tests sets it.
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
-"""KV payloads between CPU replicas: gloo point-to-point over TCP on 127.0.0.1.
-
-Owns one two-rank ``ProcessGroupGloo`` per connected peer, the threads that connect
-them, and one waiter thread per operation in flight.
-
-Why these choices (each was checked against torch 2.13's gloo):
-- One group per pair, never one group for the pool: when a gloo wait times out, gloo
-  closes every pair of that group's context, so one slow transfer in a pool-wide group
-  would break every connection of the rank; and a restarted worker can rejoin one pair
-  at a time, while the others keep working.
-- A waiter thread per operation: gloo's ``Work.is_completed()`` stays False until someone
-  calls ``wait()`` on it, so ``done()`` could not poll without one. ``Handle.wait`` waits
-  on the waiter's event, so it returns within its timeout whatever gloo does.
-- Connections are made on threads: a gloo group's constructor blocks until the peer
-  joins, and a worker must not stall its step loop, nor deadlock when three ranks each
-  wait for the next one.
-- Every payload is preceded by its size, on the same tag: in gloo, a payload larger
-  than the posted receive does not fail the receive but aborts the receiving process
-  (an enforce in its I/O thread). The receiver posts the payload's receive only once
-  the sizes agree; this costs one more small message per transfer.
+"""KV payloads between CPU replicas: gloo point-to-point over TCP on 127.0.0.1, one
+two-rank group per connected peer, connected on threads, one waiter thread per operation in
+flight (why: docs/ARCHITECTURE.md, "Data paths").
 
 Invariants:
-- both ends of a pair call ``connect(peer, session)`` with the same session, never used
-  before for this pair (the caller, the control plane, picks it: a random 63-bit int is
-  fine). The session names the pair's keys in the rendezvous, so keys left by a dead
-  process or a broken connection are never read again.
-- operations started while the connection is being made are queued and posted, in order,
-  once it is up (or fail with the connection).
-- a pair is connecting, connected or broken. Anything that goes wrong on it (the peer
-  died, a ``wait`` expired, a size mismatch, gloo's own ``timeout_s`` on an operation
-  nobody completed) breaks it on both ends: every pending and later operation on it
-  raises ``TransportError`` until both ends ``connect`` again with a new session. A
-  broken pair never corrupts another transfer: the posted operations of an abandoned
-  transfer keep their tensors alive until gloo has failed them.
-- a dead peer surfaces within milliseconds: its TCP connection closes and gloo fails
-  every operation pending on it.
+- both ends of a pair ``connect(peer, session)`` with the same session, never used before
+  for the pair; keys in the rendezvous carry it, so stale keys are never read.
+- operations started while connecting are posted in order once the pair is up (or fail).
+- every payload is preceded by its size; the receive is posted only once sizes agree.
+- a pair is connecting, connected or broken; anything that goes wrong breaks it on both
+  ends, and every pending and later operation raises ``TransportError`` until both
+  reconnect. A broken pair never corrupts another transfer.
 """
 
 from __future__ import annotations

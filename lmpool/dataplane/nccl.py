@@ -1,51 +1,19 @@
 """KV payloads between replicas on different GPUs: NCCL point-to-point over pair
-communicators.
-
-Owns two sets of two-rank NCCL communicators per connected peer, one set per direction,
-each set of ``lanes`` communicators, each with its own CUDA stream. The communicators are
-NCCL's own, through ``nccl_lib`` (a ctypes binding): torch's ``ProcessGroupNCCL`` costs
-about 40 us of host time per operation, which set the pace of chunked transfers.
-
-Why one communicator per direction: NCCL runs one communicator's operations in issue
-order, so a send to a peer followed by a receive from it would wait for the peer's
-matching receive, while the peer, doing the same, waits for ours: opposite transfers of
-one pair deadlock on a shared communicator. With one per direction they run on separate
-streams.
-
-Why lanes: one communicator runs its operations one after another, and each NCCL operation
-pays a start-up (kernel launch, handshake, pipeline fill) before it moves bytes at full
-rate; a chunked transfer (``lmpool.dataplane.chunked``) pays it once per chunk. With two or
-more lanes, consecutive operations of a direction go to different communicators, on
-different streams, so the next chunk starts up while the previous one is still on the wire.
+communicators, one set per direction of ``lanes`` communicators, each on its own stream
+(why: docs/ARCHITECTURE.md, "Data paths").
 
 Invariants:
-- NCCL ignores tags: on one directed pair, both ends must start their transfers in the
-  same order (the control plane sends a pair's execute messages in plan order), with
-  the same sizes. The tag is only checked for range, and kept in error messages.
-- the n-th operation of a direction (counted from ``connect``) runs on lane ``n % lanes``
-  on both ends, so order is kept within each lane; both ends must use the same ``lanes``
-  (``connect`` checks it through the rendezvous and fails the pair on a mismatch).
-- each lane's stream is its own (``streams.acquire``): nothing but that lane's operations
-  runs there. Torch's pool hands out its 32 streams in turn, so with six peers (36 lanes)
-  or other users in the process, a lane's stream from it would also be another lane's,
-  maybe of the opposite direction, and the two would deadlock.
-- an operation starts on its lane's stream after everything already queued on the caller's
-  current stream (the pack that made a payload), and the caching allocator keeps its tensor
-  until the lane is past it, even if the caller drops it.
-- connections are made on a thread (communicator set-up blocks until the peer joins)
-  under a session the caller picks and never reuses for the pair, as for gloo; the
-  sending end of each communicator makes its id and hands it over through the rendezvous.
-- both ends set a pair up in one canonical order: the lower rank's outgoing direction
-  first. Creating a communicator is collective, so if each end started with its own
-  outgoing direction, each would wait in a different communicator for the other.
-- set-up ends with a one-element exchange on every lane, in the same canonical order:
-  NCCL connects a pair's point-to-point channels at their first operation, which must not
-  first happen inside transfers that the two ends start in different orders.
-- a wait that expires, or a communicator error, aborts the pair's communicators (both
-  directions, every lane, and any lane the connect thread completes afterwards, which then
-  makes no more): the pair is broken until ``connect`` with a new session.
-- a completed receive orders the caller's current stream after it, so unpacking ``out`` on
-  that stream needs no further synchronization.
+- NCCL ignores tags: both ends of a directed pair start their transfers in the same order
+  and sizes (the control plane sends a pair's execute orders in plan order).
+- the n-th operation of a direction runs on lane ``n % lanes`` on both ends; both ends use
+  the same ``lanes`` (``connect`` checks it and fails the pair on a mismatch).
+- each lane's stream is its own (``streams.acquire``); an operation starts after everything
+  queued on the caller's stream, and its tensor is kept until the lane is past it.
+- connections are made on a thread, in one canonical order, under a session never reused
+  for the pair, and end with a one-element exchange on every lane.
+- an expired wait or a communicator error aborts the whole pair (every lane, both
+  directions) until ``connect`` with a new session.
+- a completed receive orders the caller's stream after it.
 """
 
 from __future__ import annotations

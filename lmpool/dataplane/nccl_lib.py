@@ -1,20 +1,9 @@
 """The few NCCL calls a pair transport needs, bound with ctypes to the NCCL library torch
-already loads.
+already loads (why not ``ProcessGroupNCCL``: docs/ARCHITECTURE.md, "Data paths").
 
-Why not torch's ``ProcessGroupNCCL``: each of its point-to-point calls costs about 40 us of
-host time on an H200 host (``benchmarks/profile_nccl_launch.py``: 38-39 us per
-``ProcessGroupNCCL.send``), while a 28 MiB chunk spends about 80 us on the NVLink. A chunked
-transfer starts one operation per chunk from one thread, so its sender spent 560-660 us
-launching the 8 chunks of a 224 MiB transfer whose bytes need about 650 us on the wire: the
-host, not the link, set the pace. A direct ``ncclSend`` costs NCCL's own enqueue and launch.
-
-Invariants:
-- every call either returns ``ncclSuccess`` or raises ``NcclError`` naming the call and
-  NCCL's own description of the failure;
-- communicators are blocking (NCCL's default configuration): ``Communicator`` returns once
-  both ranks have joined, and a send or receive returns once it is enqueued on its stream;
-- a communicator is aborted at most once and never used after (``abort`` is idempotent;
-  ``send``/``recv`` after it raise ``NcclError``).
+Invariants: every call returns ``ncclSuccess`` or raises ``NcclError`` naming the call and
+NCCL's description; communicators are blocking; a communicator is aborted at most once and
+never used after.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
-"""CUDA streams of LMPool's own, outside torch's stream pool.
+"""CUDA streams of LMPool's own, outside torch's 32-stream pool, for the NCCL lanes and the
+CUDA IPC receive streams: two users of one pool stream share its queue, and work that waits
+on a peer then deadlocks (docs/ARCHITECTURE.md, "Data paths").
 
-``torch.cuda.Stream()`` hands out the streams of a fixed per-device pool (32 in torch's
-c10) in turn, so the 33rd stream a process asks for is the first one again. Two users who
-each believe they hold a stream of their own then share one, and their work runs in one
-queue. For independent kernels that only costs overlap; for work that waits on a peer it
-is a deadlock: an NCCL send queued behind a receive from the same peer, which the peer
-queued behind its own send, never completes; nor does one queued behind work that waits
-for a chunk the peer sends only after that send has arrived. The NCCL lanes, and the CUDA
-IPC transport's per-peer receive streams (each of which a dead peer may leave stuck),
-therefore run on streams from here.
-
-Invariants:
-- a stream from ``acquire`` is handed to no one else, torch's pool included, until
-  ``release`` gives it back.
-- streams are reused, never destroyed: work still queued on a released stream (an aborted
-  communicator's last kernels) only delays its next user, and torch's caching allocator
-  may still record events on it for tensors it was given (``record_stream``).
-- streams are non-blocking (``cudaStreamNonBlocking``): like torch's own, they never wait
-  for, or hold up, the legacy default stream.
+Invariants: a stream from ``acquire`` is handed to no one else until ``release``; streams
+are reused, never destroyed; they are non-blocking.
 """
 
 from __future__ import annotations

@@ -1,30 +1,16 @@
-"""One worker's side of transactional KV transfers, keyed by plan id.
-
-A plan moves a chain of complete blocks from a source rank to a destination
-rank in phases, each driven by a message from the control plane:
-
-    source:       prepare (pin the blocks at their generations) -> [send] -> finalize
-    destination:  prepare (reserve fresh blocks)  -> [receive] -> publish
-    either side:  abort, from any phase before the side's last one
+"""One worker's side of transactional KV transfers, keyed by plan id (docs/ARCHITECTURE.md,
+"Plans"): the source pins, the destination reserves, receives and publishes; either side
+aborts from any phase before its last.
 
 Invariants:
-- every block a plan holds is referenced exactly once by it (``held_blocks``),
-  so the BlockManager's ref counts account for transfers as for sequences; a
-  source holds its blocks' cached ancestors too, as a sequence would;
-- reserved destination blocks are uncached until publish, so neither the local
-  prefix cache nor the global page table can ever serve them half-written;
-- abort releases everything the plan holds and never touches the source's
-  cached copy: a source is only ever freed by a move's finalize, and then only
-  its unreferenced suffix, and never the plan's first ``keep`` blocks (a
-  partial move: ancestors copied so the destination can hold the moved blocks,
-  named by ``finalize``'s ``keep``);
-- a plan whose control plane falls silent (its messages lost, or the control
-  process dead) is aborted here once ``lease_s`` passes without a phase message
-  (``expire``), so no pin or reservation outlives its transaction;
-- every phase message is idempotent: repeating one returns the first answer,
-  and a message for a plan that already ended (or that this side never
-  prepared) changes nothing. A message that would need a phase this side has
-  not reached raises ``StalePlanError``.
+- every block a plan holds is referenced exactly once by it (``held_blocks``), a source's
+  cached ancestors included, so the BlockManager's ref counts account for transfers;
+- reserved destination blocks are uncached until publish;
+- abort releases everything the plan holds and never touches the source's cached copy; a
+  move's finalize frees only the unreferenced suffix past its first ``keep`` blocks;
+- a plan whose control plane falls silent for ``lease_s`` is aborted here (``expire``);
+- every phase message is idempotent; one for a plan that ended changes nothing; one that
+  needs a phase this side has not reached raises ``StalePlanError``.
 """
 
 from __future__ import annotations
