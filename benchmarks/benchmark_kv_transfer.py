@@ -1,5 +1,5 @@
 """KV transfer latency and bandwidth between two worker processes, per block count: the
-profile the transfer cost model reads (``lmpool/transfer/cost_model.py``).
+profile the transfer cost model reads (``lmpool/control/transfers/cost_model.py``).
 
 Modes (``--kind``):
 

@@ -1,6 +1,6 @@
 """Faults injected into real worker processes at every phase boundary of a transfer plan
 and while its bytes are in flight: an exception, a lost message (the watchdog's timeout)
-or a SIGKILL, on the source or the destination (``lmpool/transfer/faults.py``).
+or a SIGKILL, on the source or the destination (``lmpool/dataplane/faults.py``).
 
 After each, in a running CPU pool over gloo, with every worker checking its block
 manager's invariants after each transfer poll, and the control process its page table's

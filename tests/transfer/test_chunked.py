@@ -1,4 +1,4 @@
-"""Packed transfers in layer chunks (``lmpool/transfer/chunked.py``) over a gloo pair in one
+"""Packed transfers in layer chunks (``lmpool/dataplane/chunked.py``) over a gloo pair in one
 process: both ends cut alike, tapered chunks are small at the ends and never modelled worse
 than near-equal ones, bytes arrive exact, a plan that ended drops its bytes, a failed chunk
 fails the transfer."""

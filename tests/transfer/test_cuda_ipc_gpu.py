@@ -1,4 +1,4 @@
-"""The CUDA IPC transport (``lmpool/transfer/cuda_ipc.py``) between two processes on one
+"""The CUDA IPC transport (``lmpool/dataplane/cuda_ipc.py``) between two processes on one
 GPU (**GPU**), and across two peer-accessible GPUs (**nccl**: several GPUs): packed
 send/receive through the staging buffer, and pulls straight out of the peer's cache. The
 test process plays the control plane: it relays each peer's ``CudaIpcExport`` (msgpack,

@@ -1,4 +1,4 @@
-"""Fault injection for transfer plans (``lmpool/transfer/faults.py``): faults fire where and
+"""Fault injection for transfer plans (``lmpool/dataplane/faults.py``): faults fire where and
 as often as asked, only in the named incarnation, and bad specs fail loudly."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The gloo transport (``lmpool/transfer/gloo.py``, ``transport.py``).
+"""The gloo transport (``lmpool/dataplane/gloo.py``, ``transport.py``).
 
 Peer processes (``transfer_peer.py``) build deterministic KV caches, pack the source
 blocks, send them and unpack what they receive; the test recomputes, from the same seeds,

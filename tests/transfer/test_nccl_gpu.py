@@ -1,4 +1,4 @@
-"""The NCCL pair transport (``lmpool/transfer/nccl.py``) between two processes on two GPUs
+"""The NCCL pair transport (``lmpool/dataplane/nccl.py``) between two processes on two GPUs
 (**nccl**: needs two CUDA devices and ``RUN_NCCL_INTEGRATION=1``).
 
 NCCL matches by order, not by tag, so both ends start a direction's transfers in the same

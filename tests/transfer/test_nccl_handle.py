@@ -1,4 +1,4 @@
-"""The NCCL transport's handle without a GPU (``lmpool/transfer/nccl.py``): completion seen
+"""The NCCL transport's handle without a GPU (``lmpool/dataplane/nccl.py``): completion seen
 through its event orders the caller's stream after it; a broken pair fails every operation
 not yet seen complete, even one whose event fired (an abort ends NCCL's kernels early); a
 communicator's background error aborts the whole pair, asked at most once per

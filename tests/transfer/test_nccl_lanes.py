@@ -1,5 +1,5 @@
 """The NCCL transport's lanes without a GPU: which communicator each operation takes, and
-the check that both ends of a pair use the same number of lanes (``lmpool/transfer/nccl.py``).
+the check that both ends of a pair use the same number of lanes (``lmpool/dataplane/nccl.py``).
 The transfers themselves need two GPUs: ``test_nccl_gpu.py``."""
 
 from __future__ import annotations

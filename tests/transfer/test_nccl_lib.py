@@ -1,4 +1,4 @@
-"""The ctypes binding of NCCL (``lmpool/transfer/nccl_lib.py``): a library that cannot be
+"""The ctypes binding of NCCL (``lmpool/dataplane/nccl_lib.py``): a library that cannot be
 loaded is reported with every place tried, arguments are checked before NCCL sees them,
 and, with a GPU, the library answers its version and makes distinct communicator ids.
 Transfers through it: ``test_nccl_gpu.py`` (two GPUs)."""

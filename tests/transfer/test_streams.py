@@ -1,4 +1,4 @@
-"""LMPool's own CUDA streams (``lmpool/transfer/streams.py``): never one of torch's pool,
+"""LMPool's own CUDA streams (``lmpool/dataplane/streams.py``): never one of torch's pool,
 never handed to two users at once. The GPU cases need a CUDA device (**GPU**)."""
 
 from __future__ import annotations
