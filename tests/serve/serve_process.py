@@ -1,0 +1,100 @@
+"""Starting ``lmpool serve`` as a real process on a loopback port, and stopping it; ``stop``
+checks that the server left no pool process and no shared-memory object behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from lmpool_ipc.lifecycle import pid_alive
+from lmpool_ipc.names import SEM_FILE_PREFIX, parse_object
+
+BLOCK = 16
+STARTUP_LIMIT_S = 300  # the server answers /health once its replicas have loaded the model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One ``lmpool serve`` process; ``url`` is its base URL once ``wait_ready`` returns."""
+
+    def __init__(self, model: str, *args: str, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "lmpool.cli", "serve", model, "--port", str(self.port),
+               "--block-size", str(BLOCK), "--log-level", "warning", *args]
+        self.log = log
+        self._log_file = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_LIMIT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"lmpool serve exited with {self.proc.returncode}: {self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"lmpool serve never became healthy: {self.log.read_text()}")
+            time.sleep(0.2)
+
+    def worker_pids(self) -> list[int]:
+        return self.children(b"lmpool.pool.worker")
+
+    def children(self, module: bytes = b"lmpool.pool.") -> list[int]:
+        """The server's live child processes running ``module`` (the pool's workers and control)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text().split(")")[-1].split()
+                    cmdline = (entry / "cmdline").read_bytes()
+                except OSError:
+                    continue
+                if int(stat[1]) == self.proc.pid and module in cmdline and stat[0] != "Z":
+                    pids.append(int(entry.name))
+        return pids
+
+    def stop(self) -> None:
+        """Stop the server gracefully; fail if its pool left a process or shared memory behind."""
+        children = self.children() if self.proc.poll() is None else []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # a graceful stop shuts the pool down
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+        assert not [pid for pid in children if pid_alive(pid)], "a pool process outlived its server"
+        left = [n for n in os.listdir("/dev/shm") if _owner(n) == self.proc.pid]
+        assert not left, f"the server's pool left shared memory behind: {left}"
+
+
+def _owner(name: str) -> int | None:
+    parsed = parse_object(name.removeprefix(SEM_FILE_PREFIX))
+    return parsed.owner_pid if parsed else None
+
+
+def start_server(model: str, tmp: Path, *args: str) -> ServerProcess:
+    server = ServerProcess(model, *args, log=tmp / f"serve-{os.getpid()}-{time.monotonic_ns()}.log")
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
