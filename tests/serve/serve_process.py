@@ -4,6 +4,7 @@ checks that the server left no pool process and no shared-memory object behind."
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from lmpool_ipc.lifecycle import pid_alive
+from lmpool_ipc.lifecycle import pid_alive, sweep_dead_pools
 from lmpool_ipc.names import SEM_FILE_PREFIX, parse_object
 
 BLOCK = 16
@@ -85,16 +86,57 @@ class ServerProcess:
         assert not left, f"the server's pool left shared memory behind: {left}"
 
 
+    def kill(self) -> None:
+        """Kill the server as a crash would: its workers die with it (their parent-death
+        signal), and its shared memory stays until a sweep, which a restart would run."""
+        children = self.children()
+        self.proc.kill()
+        self.proc.wait()
+        self._log_file.close()
+        deadline = time.monotonic() + 60
+        while any(pid_alive(pid) for pid in children):
+            assert time.monotonic() < deadline, "a pool process outlived its killed server"
+            time.sleep(0.05)
+        sweep_dead_pools()
+        assert not [n for n in os.listdir("/dev/shm") if _owner(n) == self.proc.pid]
+
+
 def _owner(name: str) -> int | None:
     parsed = parse_object(name.removeprefix(SEM_FILE_PREFIX))
     return parsed.owner_pid if parsed else None
 
 
 def start_server(model: str, tmp: Path, *args: str) -> ServerProcess:
-    server = ServerProcess(model, *args, log=tmp / f"serve-{os.getpid()}-{time.monotonic_ns()}.log")
+    return start_servers(1, model, tmp, *args)[0]
+
+
+def start_servers(n: int, model: str, tmp: Path, *args: str) -> list[ServerProcess]:
+    """``n`` servers, started side by side, each ready."""
+    servers = [ServerProcess(model, *args, log=tmp / f"serve-{i}-{time.monotonic_ns()}.log") for i in range(n)]
     try:
-        server.wait_ready()
+        for server in servers:
+            server.wait_ready()
     except BaseException:
-        server.stop()
+        for server in servers:
+            server.stop()
         raise
-    return server
+    return servers
+
+
+def wait_for(condition, what: str, limit: float = 60.0) -> None:
+    """Return once ``condition()`` holds (a state to reach); fail naming ``what`` after ``limit`` s."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.1)
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    """The sum of a metric's series on the server's /metrics page."""
+    page = httpx.get(f"{server.url}/metrics", timeout=60).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", page, re.M))
+
+
+def busy(server: ServerProcess) -> float:
+    """Requests running or waiting on the server's ranks."""
+    return metric(server, "lmpool:num_requests_running") + metric(server, "lmpool:num_requests_waiting")

@@ -6,15 +6,13 @@ answers 503 while the server stays up."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
-import time
 
 import httpx
 import openai
 import pytest
-from serve_process import BLOCK, start_server
+from serve_process import BLOCK, busy, metric, start_server, wait_for
 
 from lmpool import LLM, SamplingParams
 
@@ -131,23 +129,6 @@ def test_malformed_json_unknown_model_and_route(server):
     unknown = httpx.post(f"{server.url}/v1/completions", json={"model": "other", "prompt": "x"}, timeout=60)
     assert unknown.status_code == 404 and "other" in unknown.json()["error"]["message"]
     assert httpx.get(f"{server.url}/v1/nothing", timeout=60).json()["error"]["code"] == 404
-
-
-def metric(server, name: str) -> float:
-    """The sum of a metric's series on the server's /metrics page."""
-    page = httpx.get(f"{server.url}/metrics", timeout=60).text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", page, re.M))
-
-
-def busy(server) -> float:
-    return metric(server, "lmpool:num_requests_running") + metric(server, "lmpool:num_requests_waiting")
-
-
-def wait_for(condition, what: str, limit: float = 60.0) -> None:
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} never happened"
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("stream", [True, False])
