@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 
+from lmpool.serve import kv_pool_events
 from lmpool.serve.app import ServeSettings, create_app
 
 
@@ -32,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
                    "(e.g. tcp://*:5557); off unless given")
     p.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint answering replay and snapshot requests")
     p.add_argument("--kv-events-topic", default="kv-events")
+    p.add_argument("--kv-events-buffer-steps", type=int, default=10_000, help="batches kept for replay")
+    p.add_argument("--kv-events-map-layout", action="store_true",
+                   help="encode events as maps (recent vLLM) rather than arrays (vLLM's subscriber example)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -47,12 +53,24 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
                          pool_args=pool_args)
 
 
+def kv_events_config(args: argparse.Namespace) -> str | None:
+    """The publisher's configuration, as the control process reads it (``kv_pool_events``)."""
+    if not args.kv_events_endpoint:
+        return None
+    return json.dumps({"endpoint": args.kv_events_endpoint, "replay_endpoint": args.kv_events_replay_endpoint,
+                       "topic": args.kv_events_topic, "buffer_steps": args.kv_events_buffer_steps,
+                       "array_like": not args.kv_events_map_layout})
+
+
 def main(argv: list[str]) -> int:
     try:
         import uvicorn
     except ImportError:
         raise SystemExit("lmpool serve needs the serve extra: pip install 'lmpool[serve]'") from None
     args = parser().parse_args(argv)
+    events = kv_events_config(args)
+    if events is not None:  # the control process, started by the pool, inherits it
+        os.environ[kv_pool_events.ENV] = events
     app = create_app(settings_from(args))
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=5)
