@@ -3,6 +3,7 @@ checks that the server left no pool process and no shared-memory object behind."
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -55,6 +56,14 @@ class ServerProcess:
 
     def worker_pids(self) -> list[int]:
         return self.children(b"lmpool.pool.worker")
+
+    def worker_pid(self, rank: int) -> int:
+        """The pid of the worker serving ``rank`` (its spec, the last argument, names the rank)."""
+        for pid in self.worker_pids():
+            spec = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")[-1]
+            if json.loads(spec).get("rank") == rank:
+                return pid
+        raise AssertionError(f"no live worker serves rank {rank}")
 
     def children(self, module: bytes = b"lmpool.pool.") -> list[int]:
         """The server's live child processes running ``module`` (the pool's workers and control)."""
