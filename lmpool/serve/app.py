@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lmpool.pool.api import AsyncLMPool
 from lmpool.serve.auth import install_api_key
 from lmpool.serve.disconnect import ClientGone, unless_disconnected
-from lmpool.serve.errors import ServeError, error_response, install_handlers
+from lmpool.serve.errors import ServeError, install_handlers
 from lmpool.serve.metrics import scrape
 from lmpool.serve.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
 from lmpool.serve.responses import Shape
@@ -98,6 +98,7 @@ def _pool(request: Request, model: str | None) -> AsyncLMPool:
 
 
 def _max_model_len(pool: AsyncLMPool) -> int:
+    # The engine's context length (what ingress validation checks prompts against).
     return pool.engine.max_model_len
 
 
@@ -117,5 +118,3 @@ async def _respond(request: Request, pool: AsyncLMPool, prompt_ids: list[int], p
     return StreamingResponse(event_stream(first, outputs, shape, body.include_usage),
                              media_type="text/event-stream")
 
-
-__all__ = ["ServeSettings", "create_app", "error_response"]

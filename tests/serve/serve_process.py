@@ -67,17 +67,7 @@ class ServerProcess:
 
     def children(self, module: bytes = b"lmpool.pool.") -> list[int]:
         """The server's live child processes running ``module`` (the pool's workers and control)."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text().split(")")[-1].split()
-                    cmdline = (entry / "cmdline").read_bytes()
-                except OSError:
-                    continue
-                if int(stat[1]) == self.proc.pid and module in cmdline and stat[0] != "Z":
-                    pids.append(int(entry.name))
-        return pids
+        return pool_children(self.proc.pid, module)
 
     def stop(self) -> None:
         """Stop the server gracefully; fail if its pool left a process or shared memory behind."""
@@ -91,7 +81,7 @@ class ServerProcess:
                 self.proc.wait()
         self._log_file.close()
         assert not [pid for pid in children if pid_alive(pid)], "a pool process outlived its server"
-        left = [n for n in os.listdir("/dev/shm") if _owner(n) == self.proc.pid]
+        left = owned_shm(self.proc.pid)
         assert not left, f"the server's pool left shared memory behind: {left}"
 
 
@@ -107,7 +97,28 @@ class ServerProcess:
             assert time.monotonic() < deadline, "a pool process outlived its killed server"
             time.sleep(0.05)
         sweep_dead_pools()
-        assert not [n for n in os.listdir("/dev/shm") if _owner(n) == self.proc.pid]
+        assert not owned_shm(self.proc.pid)
+
+
+def pool_children(parent: int, module: bytes = b"lmpool.pool.") -> list[int]:
+    """Live child processes of ``parent`` running ``module``: the pool processes it owns (other
+    pools on the machine, whatever their command line, are not its children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().split(")")[-1].split()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat[1]) == parent and module in cmdline and stat[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def owned_shm(owner: int) -> list[str]:
+    """The shared-memory objects of pools that ``owner`` started."""
+    return [n for n in os.listdir("/dev/shm") if _owner(n) == owner]
 
 
 def _owner(name: str) -> int | None:

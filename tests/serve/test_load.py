@@ -1,18 +1,21 @@
 """500 concurrent streaming requests through the HTTP server, in this process (uvicorn on the
 test's loop, the official ``openai`` client on the same loop): every request that is not
 cancelled streams the tokens one ``LLM`` gives greedily; the cancelled ones free their blocks;
-and once the client is closed the server holds no connection more than before."""
+and once the client is closed the server holds no connection, task or request state more than
+before."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import httpx
 import openai
+import pytest
 import uvicorn
 import uvloop
-from serve_process import BLOCK
+from serve_process import BLOCK, owned_shm, pool_children
 
 from lmpool import LLM, SamplingParams
 from lmpool.serve.app import ServeSettings, create_app
@@ -95,6 +98,10 @@ async def serve_and_load(model: str) -> dict:
 
         await until(idle, "the cancelled requests freeing their blocks")
         await until(connections_closed, "the server's connections closing")
+        # Nothing of the load is held any more: no request in the pool's table, no connection
+        # or task in the server's state.
+        assert pool.engine.requests == {}
+        assert not server.server_state.connections and not server.server_state.tasks
         return {"results": results, "stats": await pool.stats()}
     finally:
         server.should_exit = True
@@ -102,7 +109,16 @@ async def serve_and_load(model: str) -> dict:
         sock.close()
 
 
-def test_five_hundred_concurrent_streams(tiny_model, no_leaks):
+@pytest.fixture
+def own_leaks():
+    """This process's pool leaves no process and no shared memory behind. (Counted as this
+    process's children and objects, so that pools of other runs on the machine never count.)"""
+    yield
+    assert pool_children(os.getpid()) == [], "a pool process outlived its test"
+    assert owned_shm(os.getpid()) == [], "the pool left shared memory behind"
+
+
+def test_five_hundred_concurrent_streams(tiny_model, own_leaks):
     with LLM(tiny_model, block_size=BLOCK) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     expected = [o.token_ids for o in outs]
