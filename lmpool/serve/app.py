@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,21 +22,8 @@ from lmpool.serve.errors import ServeError, install_handlers
 from lmpool.serve.metrics import scrape
 from lmpool.serve.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
 from lmpool.serve.responses import Shape
+from lmpool.serve.settings import ServeSettings
 from lmpool.serve.sse import event_stream
-
-
-@dataclass
-class ServeSettings:
-    """What ``lmpool serve`` was asked for: the model, its public name, the pool's arguments."""
-
-    model: str
-    served_model_name: str | None = None
-    api_key: str | None = None
-    pool_args: dict = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return self.served_model_name or self.model
 
 
 def create_app(settings: ServeSettings) -> FastAPI:

@@ -14,7 +14,7 @@ import json
 import os
 
 from lmpool.serve import kv_pool_events
-from lmpool.serve.app import ServeSettings, create_app
+from lmpool.serve.settings import ServeSettings
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,14 +62,30 @@ def kv_events_config(args: argparse.Namespace) -> str | None:
                        "array_like": not args.kv_events_map_layout})
 
 
+def check_endpoints(args: argparse.Namespace) -> None:
+    """Bind the KV-event endpoints once, here, so that a taken or malformed one is reported
+    before the pool starts (the control process binds them for good)."""
+    import zmq
+
+    from lmpool.serve.kv_publisher import KVEventPublisher
+
+    try:
+        KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint).close()
+    except zmq.ZMQError as e:
+        raise SystemExit(f"lmpool serve: cannot bind the KV-event endpoints: {e}") from None
+
+
 def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     try:
         import uvicorn
-    except ImportError:
-        raise SystemExit("lmpool serve needs the serve extra: pip install 'lmpool[serve]'") from None
-    args = parser().parse_args(argv)
+
+        from lmpool.serve.app import create_app
+    except ImportError as e:
+        raise SystemExit(f"lmpool serve needs the serve extra (pip install 'lmpool[serve]'): {e}") from None
     events = kv_events_config(args)
     if events is not None:  # the control process, started by the pool, inherits it
+        check_endpoints(args)
         os.environ[kv_pool_events.ENV] = events
     app = create_app(settings_from(args))
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level,

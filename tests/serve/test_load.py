@@ -18,7 +18,8 @@ import uvloop
 from serve_process import BLOCK, owned_shm, pool_children
 
 from lmpool import LLM, SamplingParams
-from lmpool.serve.app import ServeSettings, create_app
+from lmpool.serve.app import create_app
+from lmpool.serve.settings import ServeSettings
 
 N = 500
 MAX_TOKENS = 6
