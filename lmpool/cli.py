@@ -1,4 +1,4 @@
-"""The ``lmpool`` command: ``demo``, ``make-model``, and the operator tools ``ps`` and ``top``."""
+"""The ``lmpool`` command: ``demo``, ``serve``, ``make-model``, and the operator tools ``ps`` and ``top``."""
 
 from __future__ import annotations
 
@@ -110,6 +110,12 @@ def make_model_command(argv: list[str]) -> int:
     return make_model.main(argv)
 
 
+def serve_command(argv: list[str]) -> int:
+    from lmpool.frontend.serve import server
+
+    return server.main(argv)
+
+
 def top_command(argv: list[str]) -> int:
     from lmpool_tools import top
 
@@ -122,12 +128,13 @@ def ps_command(argv: list[str]) -> int:
     return ps.main(argv)
 
 
-COMMANDS = {"demo": demo, "make-model": make_model_command, "ps": ps_command, "top": top_command}
+COMMANDS = {"demo": demo, "serve": serve_command, "make-model": make_model_command, "ps": ps_command, "top": top_command}
 
 
-HELP = """usage: lmpool {demo,make-model,ps,top} [args...]
+HELP = """usage: lmpool {demo,serve,make-model,ps,top} [args...]
 
   demo        serve a generated tiny model from a pool of replicas and show where prompts went
+  serve       serve a model over an OpenAI-compatible HTTP API
   make-model  write a random-weight Qwen3 checkpoint (config, weights, tokenizer)
   ps          list the pools on this machine
   top         live view of one pool

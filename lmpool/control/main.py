@@ -73,6 +73,7 @@ from lmpool.protocol import (
 )
 from lmpool.protocol.spec import ControlSpec, read_spec
 from lmpool.protocol.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
+from lmpool.control.kv_events import pool_events as kv_pool_events
 from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
@@ -118,6 +119,7 @@ class ControlPlane:
         # Tests: check the page table's invariants after every transfer ack, and every
         # routing decision against it (``verify``).
         self.check = os.environ.get("LMPOOL_CHECK_INVARIANTS") == "1"
+        self.kv_events = kv_pool_events.NO_KV_EVENTS  # vLLM-format events, when configured (run)
 
     # ---- workers -----------------------------------------------------------------
 
@@ -159,6 +161,7 @@ class ControlPlane:
                     self.resyncs += 1
                     await channel.send(ResyncRequest(rank))
         except IpcError:
+            self.kv_events.rank_down(rank)
             self.coordinator.rank_died(rank)
             self.scheduler.rank_down(rank)
             self.workers.pop(rank, None)
@@ -174,9 +177,12 @@ class ControlPlane:
             self.gbm.register_rank(msg.rank, msg.epoch, msg.num_blocks)
             self.gbm.apply_snapshot(msg.rank, msg.epoch, msg.snapshot)
             self.gbm.update_load(msg.rank, msg.epoch, msg.load)
+            self.kv_events.snapshot(msg.rank, msg.snapshot)
             return False
         if isinstance(msg, WorkerDelta):
             applied = self.gbm.apply_delta(msg.rank, msg.epoch, msg.delta)
+            if applied:
+                self.kv_events.delta(msg.rank, msg.delta)
             self.gbm.update_load(msg.rank, msg.epoch, msg.load)
             return not applied
         if msg.load is not None:
@@ -393,6 +399,7 @@ class ControlPlane:
         # Everything imported so far lives as long as the process: keep it out of the
         # collector, whose full passes over torch's objects would stall routing for ~0.1 s.
         gc.freeze()
+        self.kv_events = kv_pool_events.from_env(self.spec.pool.engine.block_size)
         engine = Channel(self.spec.engine_end, FrontendToControl)
         tasks = [asyncio.create_task(self.heartbeat())]
         if self.spec.board is not None:
@@ -421,6 +428,7 @@ class ControlPlane:
             for channel in self.workers.values():
                 channel.close()
             engine.close()
+            self.kv_events.close()
 
 
 def main() -> None:

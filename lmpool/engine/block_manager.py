@@ -218,7 +218,7 @@ class BlockManager:
         block.parent_id = parent_id
         block.token_ids = tuple(seq.block_tokens(index))
         self.hash_to_block[block_hash] = block.block_id
-        self._emit(BlockStored(block_hash, parent_hash, block.block_id, block.generation))
+        self._emit(BlockStored(block_hash, parent_hash, block.block_id, block.generation, block.token_ids))
 
     # ---- transfers ------------------------------------------------------------
 
@@ -276,7 +276,7 @@ class BlockManager:
                 self.blocks[parent_id].num_cached_children += 1
             block.block_hash, block.parent_id, block.token_ids = h, parent_id, tuple(tokens)
             self.hash_to_block[h] = block_id
-            self._emit(BlockStored(h, parent, block_id, block.generation))
+            self._emit(BlockStored(h, parent, block_id, block.generation, block.token_ids))
         for block_id in block_ids:
             self.release(block_id)
 
@@ -387,7 +387,7 @@ class BlockManager:
         for block_hash, block_id in self.hash_to_block.items():
             block = self.blocks[block_id]
             parent = self.blocks[block.parent_id].block_hash if block.parent_id is not None else ROOT_HASH
-            blocks.append(BlockStored(block_hash, parent, block_id, block.generation))
+            blocks.append(BlockStored(block_hash, parent, block_id, block.generation, block.token_ids))
         return KVSnapshot(self.version, blocks)
 
     # ---- invariants (tests and debugging) -------------------------------------

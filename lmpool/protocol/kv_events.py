@@ -11,12 +11,14 @@ import msgspec
 
 
 class BlockStored(msgspec.Struct, tag="stored", array_like=True, gc=False, frozen=True):
-    """A complete block became cached (its KV is fully written)."""
+    """A complete block became cached (its KV is fully written). ``token_ids`` are the block's
+    tokens, for consumers outside the pool (vLLM-format KV events need them)."""
 
     block_hash: int
     parent_hash: int
     block_id: int
     generation: int
+    token_ids: tuple[int, ...] = ()
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", array_like=True, gc=False, frozen=True):

@@ -1,0 +1,112 @@
+"""The pool's page-table reports, turned into vLLM-format KV events (``KVEventPublisher``).
+
+The control process calls ``snapshot`` for each snapshot a worker sends (its start, or a
+resync after a gap), ``delta`` for each delta it applied, and ``rank_down`` when a worker is
+gone. A snapshot replaces what was known of the rank (``AllBlocksCleared``, then its blocks);
+consecutive stored blocks that chain onto each other become one ``BlockStored``, as vLLM
+sends them. A removal is published only for the copy of a block that is cached: the same
+rule as the page table's (``GlobalBlockManager._remove``).
+
+Configured by the ``LMPOOL_KV_EVENTS`` environment variable (JSON: ``endpoint``, optional
+``replay_endpoint``, ``topic``, ``buffer_steps``, ``array_like``), which the control process
+inherits from the process that starts the pool; without it ``from_env`` gives ``NO_KV_EVENTS``,
+whose hooks do nothing, and pyzmq is never imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from lmpool.engine.hashing import ROOT_HASH
+from lmpool.engine.kv_events import BlockStored, KVDelta, KVSnapshot
+
+ENV = "LMPOOL_KV_EVENTS"
+
+
+class NoKVEvents:
+    def snapshot(self, rank: int, snapshot: KVSnapshot) -> None:
+        pass
+
+    def delta(self, rank: int, delta: KVDelta) -> None:
+        pass
+
+    def rank_down(self, rank: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_KV_EVENTS = NoKVEvents()
+
+
+def from_env(block_size: int):
+    """The publisher the environment asks for (started on the running loop), or ``NO_KV_EVENTS``."""
+    config = os.environ.get(ENV)
+    if not config:
+        return NO_KV_EVENTS
+    from lmpool.control.kv_events.publisher import KVEventPublisher
+
+    options = json.loads(config)
+    publisher = KVEventPublisher(options["endpoint"], options.get("replay_endpoint"), options.get("topic", ""),
+                                 options.get("buffer_steps", 10_000), options.get("array_like", True))
+    return PoolKVEvents(publisher.start(), block_size)
+
+
+class PoolKVEvents(NoKVEvents):
+    def __init__(self, publisher, block_size: int) -> None:
+        self.publisher = publisher
+        self.block_size = block_size
+        self._copies: dict[int, dict[int, int]] = {}  # rank -> {hash: generation << 32 | block id}
+
+    def snapshot(self, rank: int, snapshot: KVSnapshot) -> None:
+        self.publisher.cleared(rank)
+        self._copies[rank] = {}
+        self._stored(rank, snapshot.blocks)
+        self.publisher.flush()
+
+    def delta(self, rank: int, delta: KVDelta) -> None:
+        run: list[BlockStored] = []
+        for event in delta.events:
+            if type(event) is BlockStored:
+                run.append(event)
+                continue
+            self._stored(rank, run)
+            run = []
+            copies = self._copies.setdefault(rank, {})
+            if copies.get(event.block_hash) == event.generation << 32 | event.block_id:
+                del copies[event.block_hash]
+                self.publisher.removed(rank, [event.block_hash])
+        self._stored(rank, run)
+        self.publisher.flush()
+
+    def _stored(self, rank: int, events: list[BlockStored]) -> None:
+        """Publish new blocks, one ``BlockStored`` per run of blocks chained onto each other."""
+        copies = self._copies.setdefault(rank, {})
+        chain: list[BlockStored] = []
+        for event in events:
+            known = event.block_hash in copies
+            copies[event.block_hash] = event.generation << 32 | event.block_id
+            if known:  # a newer copy of a block already announced
+                continue
+            if chain and event.parent_hash != chain[-1].block_hash:
+                self._publish_chain(rank, chain)
+                chain = []
+            chain.append(event)
+        if chain:
+            self._publish_chain(rank, chain)
+
+    def _publish_chain(self, rank: int, chain: list[BlockStored]) -> None:
+        parent = chain[0].parent_hash
+        tokens = [t for event in chain for t in event.token_ids]
+        self.publisher.stored(rank, [e.block_hash for e in chain], None if parent == ROOT_HASH else parent,
+                              tokens, self.block_size)
+
+    def rank_down(self, rank: int) -> None:
+        self._copies.pop(rank, None)
+        self.publisher.cleared(rank)
+        self.publisher.flush()
+
+    def close(self) -> None:
+        self.publisher.close()

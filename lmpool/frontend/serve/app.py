@@ -1,0 +1,106 @@
+"""The OpenAI-compatible HTTP app over one ``AsyncLMPool``.
+
+``create_app(settings)`` builds a FastAPI app whose lifespan starts the pool on the server's
+own event loop and shuts it down with the server. Handlers use the pool's public API only
+(``encode``, ``encode_chat``, ``stream``, ``generate``, ``stats``). A request whose client
+disconnects is aborted: a stream's consumer is cancelled by the server, a non-streaming
+handler races its request against the client's disconnect (``disconnect``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lmpool.pool.api import AsyncLMPool
+from lmpool.frontend.serve.auth import install_api_key
+from lmpool.frontend.serve.disconnect import ClientGone, unless_disconnected
+from lmpool.frontend.serve.errors import ServeError, install_handlers
+from lmpool.frontend.serve.metrics import scrape
+from lmpool.frontend.serve.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
+from lmpool.frontend.serve.responses import Shape
+from lmpool.frontend.serve.settings import ServeSettings
+from lmpool.frontend.serve.sse import event_stream
+
+
+def create_app(settings: ServeSettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async with AsyncLMPool(settings.model, **settings.pool_args) as pool:
+            app.state.pool = pool
+            yield
+
+    app = FastAPI(title="LMPool", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    install_handlers(app)
+    install_api_key(app, settings.api_key)
+    _routes(app, settings)
+    return app
+
+
+def _routes(app: FastAPI, settings: ServeSettings) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        pool = _pool(request, body.model)
+        prompt_ids = pool.encode(body.single_prompt())
+        params = body.sampling_params(DEFAULT_COMPLETION_TOKENS)
+        return await _respond(request, pool, prompt_ids, params, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        pool = _pool(request, body.model)
+        prompt_ids = pool.encode_chat(body.conversation(), **(body.chat_template_kwargs or {}))
+        # OpenAI's chat default is "as long as the context allows".
+        params = body.sampling_params(max(1, _max_model_len(pool) - len(prompt_ids)))
+        return await _respond(request, pool, prompt_ids, params, body, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        pool = request.app.state.pool
+        card = {"id": settings.name, "object": "model", "created": 0, "owned_by": "lmpool",
+                "root": settings.model, "max_model_len": _max_model_len(pool)}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health(request: Request):
+        stats = await request.app.state.pool.stats()
+        if not any(rank["alive"] for rank in stats["ranks"]):
+            raise ServeError(503, "no rank is alive")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return await scrape(request.app.state.pool)
+
+
+def _pool(request: Request, model: str | None) -> AsyncLMPool:
+    settings: ServeSettings = request.app.state.settings
+    if model is not None and model not in (settings.name, settings.model):
+        raise ServeError(404, f"The model `{model}` does not exist.")
+    return request.app.state.pool
+
+
+def _max_model_len(pool: AsyncLMPool) -> int:
+    # The engine's context length (what ingress validation checks prompts against).
+    return pool.engine.max_model_len
+
+
+async def _respond(request: Request, pool: AsyncLMPool, prompt_ids: list[int], params, body, chat: bool):
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    shape = Shape(chat, rid, request.app.state.settings.name, body.return_token_ids)
+    try:
+        if not body.stream:
+            out = await unless_disconnected(request, pool.generate(prompt_ids, params, request_id=rid))
+            return JSONResponse(shape.full(out))
+        outputs = pool.stream(prompt_ids, params, request_id=rid)
+        # The first output is awaited here, so that a request the pool refuses (bad input, no
+        # live rank) gets its status code rather than a 200 stream holding an error.
+        first = await unless_disconnected(request, anext(outputs))
+    except ClientGone:
+        return Response(status_code=499)
+    return StreamingResponse(event_stream(first, outputs, shape, body.include_usage),
+                             media_type="text/event-stream")
+

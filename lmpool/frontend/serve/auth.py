@@ -1,0 +1,25 @@
+"""The optional API key: with one set, every ``/v1`` request must carry
+``Authorization: Bearer <key>`` (as vLLM's ``--api-key``); ``/health`` and ``/metrics`` stay
+open for load balancers and scrapers."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi.responses import JSONResponse
+
+from lmpool.frontend.serve.errors import error_body
+
+
+def install_api_key(app, api_key: str | None) -> None:
+    if not api_key:
+        return
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request, call_next):
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):  # constant time: no key guessing by timing
+                return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
+        return await call_next(request)

@@ -1,0 +1,131 @@
+"""OpenAI request bodies for ``/v1/completions`` and ``/v1/chat/completions``, and their
+translation into ``SamplingParams``.
+
+Unknown fields are accepted and ignored, as vLLM and SGLang do: clients and gateways send
+fields (``user``, ``logit_bias``...) that a server may not act on. Every field that is acted on
+is validated here or by ``SamplingParams``; either failure is a 400 for the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+from lmpool.sampling_params import SamplingParams
+
+# OpenAI's default for /v1/completions.
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's fields: a tenant's salt keeps its prefix-cache hits to itself; return_token_ids
+    # adds the prompt's and the output's token ids to the response.
+    cache_salt: StrictStr | None = None
+    return_token_ids: StrictBool = False
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:
+            raise ValueError("cache_salt must be a non-empty string")
+        return salt
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """``SamplingParams`` of this request; ``max_tokens`` is the default when it names none.
+        Raises ``ValueError`` naming a bad value."""
+        fields: dict[str, Any] = {"max_tokens": self.max_tokens if self.max_tokens is not None else max_tokens,
+                                  "ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        if self.stop is not None:
+            fields["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.stop_token_ids:
+            fields["stop_token_ids"] = tuple(self.stop_token_ids)
+        if self.cache_salt is not None and "cache_salt" in SAMPLING_FIELDS:
+            fields["cache_salt"] = self.cache_salt
+        return SamplingParams(**fields)
+
+
+# The salt reaches the engine once SamplingParams has the field; until then it is validated only.
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class CompletionRequest(SamplingFields):
+    """One prompt: text, token ids, or a list holding exactly one of either."""
+
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    echo: StrictBool = False
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per request: send a string, a list of token ids, or a list of one")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr
+    content: StrictStr | list[dict] | None = None
+
+    def as_template_input(self) -> dict:
+        """The message as the chat template takes it: content parts of type text are joined."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+                raise ValueError("only text content parts are supported")
+            content = "".join(part["text"] for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict]:
+        return [m.as_template_input() for m in self.messages]
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            max_tokens = self.max_completion_tokens
+        return super().sampling_params(max_tokens)

@@ -1,0 +1,94 @@
+"""``lmpool serve``: the OpenAI-compatible server's command line and its uvicorn run.
+
+uvicorn runs the app on a uvloop loop; the app's lifespan starts the pool on that same loop
+before the port is bound, so ``/health`` answers only once every replica is ready. SIGINT or
+SIGTERM stops the server gracefully, which shuts the pool down (no process or shared-memory
+object outlives it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+
+from lmpool.control.kv_events import pool_events as kv_pool_events
+from lmpool.frontend.serve.settings import ServeSettings
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmpool serve", description="Serve a model over an OpenAI-compatible HTTP API.")
+    p.add_argument("model", help="a Qwen3 checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", help="the weights' dtype (default: the engine's for the device)")
+    p.add_argument("--routing", default="lmpool", help="the pool's routing policy")
+    p.add_argument("--block-size", type=int, help="KV block size in tokens")
+    p.add_argument("--num-kv-blocks", type=int, help="KV blocks per replica (default: sized from memory)")
+    p.add_argument("--max-num-seqs", type=int, help="running requests per replica")
+    p.add_argument("--kv-events-endpoint", help="publish vLLM-format KV events on this ZMQ PUB endpoint "
+                   "(e.g. tcp://*:5557); off unless given")
+    p.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint answering replay and snapshot requests")
+    p.add_argument("--kv-events-topic", default="kv-events")
+    p.add_argument("--kv-events-buffer-steps", type=int, default=10_000, help="batches kept for replay")
+    p.add_argument("--kv-events-map-layout", action="store_true",
+                   help="encode events as maps (recent vLLM) rather than arrays (vLLM's subscriber example)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def settings_from(args: argparse.Namespace) -> ServeSettings:
+    pool_args: dict = {"world_size": args.world_size, "device": args.device, "routing": args.routing}
+    for name in ("dtype", "block_size", "num_kv_blocks", "max_num_seqs"):
+        if getattr(args, name) is not None:
+            pool_args[name] = getattr(args, name)
+    if importlib.util.find_spec("prometheus_client") is not None:
+        pool_args["metrics_port"] = 0  # relayed at the server's /metrics
+    return ServeSettings(model=args.model, served_model_name=args.served_model_name, api_key=args.api_key,
+                         pool_args=pool_args)
+
+
+def kv_events_config(args: argparse.Namespace) -> str | None:
+    """The publisher's configuration, as the control process reads it (``kv_pool_events``)."""
+    if not args.kv_events_endpoint:
+        return None
+    return json.dumps({"endpoint": args.kv_events_endpoint, "replay_endpoint": args.kv_events_replay_endpoint,
+                       "topic": args.kv_events_topic, "buffer_steps": args.kv_events_buffer_steps,
+                       "array_like": not args.kv_events_map_layout})
+
+
+def check_endpoints(args: argparse.Namespace) -> None:
+    """Bind the KV-event endpoints once, here, so that a taken or malformed one is reported
+    before the pool starts (the control process binds them for good)."""
+    import zmq
+
+    from lmpool.control.kv_events.publisher import KVEventPublisher
+
+    try:
+        KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint).close()
+    except zmq.ZMQError as e:
+        raise SystemExit(f"lmpool serve: cannot bind the KV-event endpoints: {e}") from None
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from lmpool.frontend.serve.app import create_app
+    except ImportError as e:
+        raise SystemExit(f"lmpool serve needs the serve extra (pip install 'lmpool[serve]'): {e}") from None
+    events = kv_events_config(args)
+    if events is not None:  # the control process, started by the pool, inherits it
+        check_endpoints(args)
+        os.environ[kv_pool_events.ENV] = events
+    app = create_app(settings_from(args))
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level,
+                            access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()
+    return 0

@@ -1,0 +1,58 @@
+"""vLLM's KV-event wire types (``vllm.distributed.kv_events``), for publishing LMPool's events.
+
+A ZMQ message is ``[topic, seq (8-byte big-endian), msgpack(KVEventBatch)]``; a batch carries
+the ``data_parallel_rank`` (here: the replica) its events happened on. Events are tagged
+structs: ``BlockStored`` (chained block hashes, the parent of the first, the blocks' token
+ids, the block size), ``BlockRemoved`` and ``AllBlocksCleared``.
+
+Two layouts exist: the array layout (every struct a msgpack array, the event's tag first),
+which vLLM's own subscriber example and most deployed consumers decode, and the map layout of
+recent vLLM releases (events as maps with a ``type`` key). ``event_types(array_like)`` builds
+either; the batch is an array in both.
+"""
+
+# No `from __future__ import annotations`: msgspec resolves these structs' field types, and
+# they are local to ``event_types``.
+from functools import cache
+from typing import NamedTuple
+
+import msgspec
+
+MEDIUM_GPU = "GPU"
+
+
+class EventTypes(NamedTuple):
+    batch: type
+    stored: type
+    removed: type
+    cleared: type
+
+
+@cache
+def event_types(array_like: bool = True) -> EventTypes:
+    class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    # No defaults on the fields older consumers require: omit_defaults would drop them.
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[int]
+        medium: str | None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+        data_parallel_rank: int | None = None
+
+    return EventTypes(KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared)

@@ -1,0 +1,162 @@
+"""Starting ``lmpool serve`` as a real process on a loopback port, and stopping it; ``stop``
+checks that the server left no pool process and no shared-memory object behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from lmpool_ipc.lifecycle import pid_alive, sweep_dead_pools
+from lmpool_ipc.names import SEM_FILE_PREFIX, parse_object
+
+BLOCK = 16
+STARTUP_LIMIT_S = 300  # the server answers /health once its replicas have loaded the model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One ``lmpool serve`` process; ``url`` is its base URL once ``wait_ready`` returns."""
+
+    def __init__(self, model: str, *args: str, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "lmpool.cli", "serve", model, "--port", str(self.port),
+               "--block-size", str(BLOCK), "--log-level", "warning", *args]
+        self.log = log
+        self._log_file = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_LIMIT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"lmpool serve exited with {self.proc.returncode}: {self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"lmpool serve never became healthy: {self.log.read_text()}")
+            time.sleep(0.2)
+
+    def worker_pids(self) -> list[int]:
+        return self.children(b"lmpool.pool.worker")
+
+    def worker_pid(self, rank: int) -> int:
+        """The pid of the worker serving ``rank`` (its spec, the last argument, names the rank)."""
+        for pid in self.worker_pids():
+            spec = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")[-1]
+            if json.loads(spec).get("rank") == rank:
+                return pid
+        raise AssertionError(f"no live worker serves rank {rank}")
+
+    def children(self, module: bytes = b"lmpool.pool.") -> list[int]:
+        """The server's live child processes running ``module`` (the pool's workers and control)."""
+        return pool_children(self.proc.pid, module)
+
+    def stop(self) -> None:
+        """Stop the server gracefully; fail if its pool left a process or shared memory behind."""
+        children = self.children() if self.proc.poll() is None else []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # a graceful stop shuts the pool down
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+        assert not [pid for pid in children if pid_alive(pid)], "a pool process outlived its server"
+        left = owned_shm(self.proc.pid)
+        assert not left, f"the server's pool left shared memory behind: {left}"
+
+
+    def kill(self) -> None:
+        """Kill the server as a crash would: its workers die with it (their parent-death
+        signal), and its shared memory stays until a sweep, which a restart would run."""
+        children = self.children()
+        self.proc.kill()
+        self.proc.wait()
+        self._log_file.close()
+        deadline = time.monotonic() + 60
+        while any(pid_alive(pid) for pid in children):
+            assert time.monotonic() < deadline, "a pool process outlived its killed server"
+            time.sleep(0.05)
+        sweep_dead_pools()
+        assert not owned_shm(self.proc.pid)
+
+
+def pool_children(parent: int, module: bytes = b"lmpool.pool.") -> list[int]:
+    """Live child processes of ``parent`` running ``module``: the pool processes it owns (other
+    pools on the machine, whatever their command line, are not its children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().split(")")[-1].split()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat[1]) == parent and module in cmdline and stat[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def owned_shm(owner: int) -> list[str]:
+    """The shared-memory objects of pools that ``owner`` started."""
+    return [n for n in os.listdir("/dev/shm") if _owner(n) == owner]
+
+
+def _owner(name: str) -> int | None:
+    parsed = parse_object(name.removeprefix(SEM_FILE_PREFIX))
+    return parsed.owner_pid if parsed else None
+
+
+def start_server(model: str, tmp: Path, *args: str) -> ServerProcess:
+    return start_servers(1, model, tmp, *args)[0]
+
+
+def start_servers(n: int, model: str, tmp: Path, *args: str) -> list[ServerProcess]:
+    """``n`` servers, started side by side, each ready."""
+    servers = [ServerProcess(model, *args, log=tmp / f"serve-{i}-{time.monotonic_ns()}.log") for i in range(n)]
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def wait_for(condition, what: str, limit: float = 60.0) -> None:
+    """Return once ``condition()`` holds (a state to reach); fail naming ``what`` after ``limit`` s."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.1)
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    """The sum of a metric's series on the server's /metrics page."""
+    page = httpx.get(f"{server.url}/metrics", timeout=60).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", page, re.M))
+
+
+def busy(server: ServerProcess) -> float:
+    """Requests running or waiting on the server's ranks."""
+    return metric(server, "lmpool:num_requests_running") + metric(server, "lmpool:num_requests_waiting")

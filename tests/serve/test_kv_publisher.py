@@ -1,0 +1,128 @@
+"""The KV-event publisher on its own, read by real ZMQ clients: a SUB socket sees
+``[topic, seq, msgpack batch]`` in vLLM's layout, a DEALER replays the buffered batches from a
+sequence number and asks for a snapshot of the current state."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from lmpool.engine.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
+from lmpool.protocol.vllm_kv_events import event_types
+from lmpool.control.kv_events.pool_events import PoolKVEvents
+from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST, KVEventPublisher
+
+BLOCK = 4
+
+
+@pytest.fixture
+async def wired():
+    publisher = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kv", buffer_steps=3).start()
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(publisher.endpoint)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(publisher.replay_endpoint)
+    # A SUB socket misses what is published before its subscription lands: publish probes
+    # until one arrives (a state to reach), then start from a clean slate.
+    for _ in range(200):
+        publisher.cleared(99)
+        publisher.flush()
+        if await sub.poll(50):
+            break
+    else:
+        raise AssertionError("the subscription never reached the publisher")
+    while await sub.poll(50):
+        await sub.recv_multipart()
+    yield publisher, sub, dealer
+    sub.close(linger=0)
+    dealer.close(linger=0)
+    ctx.term()
+    publisher.close()
+
+
+decoder = msgspec.msgpack.Decoder(event_types(True).batch)
+
+
+def events_of(payload: bytes) -> tuple[int | None, list]:
+    batch = msgspec.msgpack.decode(payload)  # plain msgpack: the wire layout itself
+    return batch[2] if len(batch) > 2 else None, batch[1]
+
+
+async def replay(dealer, request: bytes) -> list[tuple[int, bytes]]:
+    await dealer.send_multipart((b"", request))
+    out = []
+    while True:
+        _, seq, payload = await asyncio.wait_for(dealer.recv_multipart(), 30)
+        if seq == END_SEQ:
+            return out
+        out.append((int.from_bytes(seq, "big", signed=True), payload))
+
+
+async def test_batches_in_vllm_layout_with_seq_and_replay(wired):
+    publisher, sub, dealer = wired
+    publisher.stored(0, [11, 12], None, list(range(8)), BLOCK)
+    publisher.flush()
+    publisher.stored(1, [21], 11, [9, 9, 9, 9], BLOCK)
+    publisher.removed(0, [12])
+    publisher.flush()
+    frames = [await asyncio.wait_for(sub.recv_multipart(), 30) for _ in range(3)]
+    assert [f[0] for f in frames] == [b"kv"] * 3
+    seqs = [int.from_bytes(f[1], "big") for f in frames]
+    assert seqs == sorted(seqs) and seqs[1:] == [seqs[0] + 1, seqs[0] + 2]
+    rank, events = events_of(frames[0][2])
+    assert rank == 0 and events == [["BlockStored", [11, 12], None, list(range(8)), BLOCK, None, "GPU", None]]
+    ranks = {events_of(f[2])[0]: events_of(f[2])[1] for f in frames[1:]}
+    assert ranks == {1: [["BlockStored", [21], 11, [9] * 4, BLOCK, None, "GPU", None]],
+                     0: [["BlockRemoved", [12], "GPU"]]}
+    # Replay from the second batch: the buffer (3 batches) still holds both.
+    replayed = await replay(dealer, seqs[1].to_bytes(8, "big"))
+    assert [(s, p) for s, p in replayed] == [(s, f[2]) for s, f in zip(seqs[1:], frames[1:])]
+
+
+async def test_snapshot_is_the_current_state(wired):
+    publisher, sub, dealer = wired
+    publisher.stored(0, [11, 12, 13], None, list(range(12)), BLOCK)
+    publisher.removed(0, [13])
+    publisher.stored(1, [21], None, [5] * 4, BLOCK)
+    publisher.flush()
+    publisher.cleared(1)
+    publisher.flush()
+    last = [await asyncio.wait_for(sub.recv_multipart(), 30) for _ in range(3)][-1]
+    snap = await replay(dealer, SNAPSHOT_REQUEST)
+    assert len(snap) == 1 and snap[0][0] == int.from_bytes(last[1], "big")  # as of the last batch
+    batch = decoder.decode(snap[0][1])
+    assert batch.data_parallel_rank == 0
+    assert [type(e).__name__ for e in batch.events] == ["AllBlocksCleared", "BlockStored", "BlockStored"]
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in batch.events[1:]] == \
+        [([11], None, [0, 1, 2, 3]), ([12], 11, [4, 5, 6, 7])]
+
+
+async def test_a_bad_replay_request_gets_only_the_end_marker(wired):
+    _, _, dealer = wired
+    assert await replay(dealer, b"what") == []
+
+
+def test_pool_reports_become_chained_events():
+    """The adapter from the page table's reports: chains merge, stale removals are dropped."""
+    calls = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, *args))
+
+    events = PoolKVEvents(Recorder(), BLOCK)
+    events.snapshot(0, KVSnapshot(2, [BlockStored(1, 0, 0, 1, (1, 2, 3, 4)), BlockStored(2, 1, 1, 1, (5, 6, 7, 8))]))
+    events.delta(0, KVDelta(2, 6, [BlockStored(3, 2, 2, 1, (9,) * 4), BlockRemoved(1, 0, 9),  # another copy
+                                   BlockRemoved(3, 2, 1), BlockStored(7, 0, 3, 1, (0,) * 4)]))
+    events.rank_down(0)
+    assert calls == [
+        ("cleared", 0), ("stored", 0, [1, 2], None, [1, 2, 3, 4, 5, 6, 7, 8], BLOCK), ("flush",),
+        ("stored", 0, [3], 2, [9] * 4, BLOCK), ("removed", 0, [3]), ("stored", 0, [7], None, [0] * 4, BLOCK),
+        ("flush",), ("cleared", 0), ("flush",),
+    ]

@@ -1,0 +1,163 @@
+"""``lmpool serve`` as a process, driven over HTTP by the official ``openai`` client and by
+raw requests: the OpenAI endpoints give what ``LLM`` gives, streams end with ``[DONE]``, bad
+input gets a 400 body, a client that leaves aborts its request, and a pool without a live rank
+answers 503 while the server stays up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import httpx
+import openai
+import pytest
+from serve_process import BLOCK, busy, metric, start_server, wait_for
+
+from lmpool import LLM, SamplingParams
+
+PROMPT = "The harbour town woke slowly on winter mornings, and"
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        return {"text": llm.generate(PROMPT, GREEDY)[0], "chat": llm.chat(CHAT, GREEDY)[0],
+                "ids": llm.generate(list(range(100, 140)), GREEDY)[0]}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    server = start_server(tiny_model, tmp_path_factory.mktemp("serve"), "--world-size", "2",
+                          "--served-model-name", "tiny")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def greedy(**extra) -> dict:
+    return {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True, "return_token_ids": True, **extra}}
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_completion_gives_what_llm_gives(client, expected):
+    out = client.completions.create(model="tiny", prompt=PROMPT, **greedy())
+    choice = out.choices[0]
+    assert choice.text == expected["text"].text and choice.finish_reason == "length"
+    assert choice.model_extra["token_ids"] == expected["text"].token_ids
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens == len(expected["text"].prompt_token_ids)
+
+
+def test_token_id_prompt(client, expected):
+    out = client.completions.create(model="tiny", prompt=list(range(100, 140)), **greedy())
+    assert out.choices[0].model_extra["token_ids"] == expected["ids"].token_ids
+
+
+def test_chat_uses_the_chat_template(client, expected):
+    out = client.chat.completions.create(model="tiny", messages=CHAT, **greedy())
+    assert out.choices[0].message.content == expected["chat"].text
+    assert out.choices[0].model_extra["token_ids"] == expected["chat"].token_ids
+
+
+def test_streams_deliver_the_same_text_then_usage(client, expected):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **greedy()))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["text"].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    chat = list(client.chat.completions.create(model="tiny", messages=CHAT, stream=True, **greedy()))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == expected["chat"].text
+    assert [c.choices[0].finish_reason for c in chat][-1] == "length"
+
+
+def test_raw_stream_ends_with_done(server):
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_stop_string_and_seeded_sampling(client, expected):
+    text = expected["text"].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    out = client.completions.create(model="tiny", prompt=PROMPT, stop=[stop], **greedy())
+    assert out.choices[0].text == text[:text.index(stop)] and out.choices[0].finish_reason == "stop"
+    sampled = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0.9,
+                                         seed=7, extra_body={"top_k": 50}).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_cache_salt_is_a_string(server, client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, **greedy(cache_salt="tenant-a"))
+    assert out.choices[0].finish_reason == "length"
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "cache_salt": 7}, timeout=60)
+    assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ({"prompt": PROMPT, "temperature": -1}, "temperature"),
+    ({"prompt": PROMPT, "top_p": 2}, "top_p"),
+    ({"prompt": [5000000]}, "vocabulary"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": ["a", "b"]}, "one prompt"),
+    ({"prompt": PROMPT, "n": 2}, "n=1"),
+    ({"prompt": PROMPT, "max_tokens": 100000}, ""),
+    ({"messages": []}, "prompt"),
+])
+def test_bad_input_is_a_400_body(server, body, words):
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 == error["code"] and words in error["message"]
+
+
+def test_malformed_json_unknown_model_and_route(server):
+    bad = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", timeout=60,
+                     headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
+    unknown = httpx.post(f"{server.url}/v1/completions", json={"model": "other", "prompt": "x"}, timeout=60)
+    assert unknown.status_code == 404 and "other" in unknown.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/v1/nothing", timeout=60).json()["error"]["code"] == 404
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_aborts_its_request(server, stream):
+    """The request would run 4000 tokens; the client leaves while it runs, and the pool ends
+    up idle having generated fewer tokens than that."""
+    wait_for(lambda: busy(server) == 0, "an idle pool")
+    before = metric(server, "lmpool:generation_tokens_total")
+    body = (b'{"prompt": [1, 2, 3, 4], "max_tokens": 4000, "ignore_eos": true, "stream": %s}'
+            % (b"true" if stream else b"false"))
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: busy(server) == 1, "the request running")
+    wait_for(lambda: busy(server) == 0, "the request's abort")
+    assert metric(server, "lmpool:generation_tokens_total") - before < 4000
+
+
+def test_health_and_no_live_rank_is_503(tiny_model, tmp_path):
+    """Last: kills a server's only worker; the server answers 503 and serves its other routes."""
+    server = start_server(tiny_model, tmp_path, "--world-size", "1")
+    try:
+        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+        [worker] = server.worker_pids()
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: httpx.get(f"{server.url}/health", timeout=60).status_code == 503, "the rank's death")
+        for _ in range(3):
+            response = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT}, timeout=60)
+            assert response.status_code == 503 and response.json()["error"]["code"] == 503
+        assert httpx.get(f"{server.url}/v1/models", timeout=60).status_code == 200
+    finally:
+        server.stop()
