@@ -23,10 +23,11 @@ on the device, so a step never waits for the previous one's tokens.
 
 Invariants:
 - On CUDA the host arena is pinned and reaches the device with a single
-  ``non_blocking`` copy per step. Before rewriting it the builder waits on the
-  event recorded after the previous copy, so a copy never reads a half-written
-  buffer; the wait is normally free (the previous step's token readback already
-  waited for more).
+  ``non_blocking`` copy per step. Two host arenas take turns: before rewriting
+  one the builder waits on the event recorded after its copy, two builds ago, so
+  a copy never reads a half-written buffer. That wait never blocks when each
+  step's tokens are read back before the step after next is built (both ways of
+  stepping do so: the read-back follows the copy on the stream).
 - The device tensors of a step stay valid until the next ``build``: its copy
   overwrites them, after the previous step's kernels have read them (stream order).
   Views of the device arena are cached per layout and dropped when it grows.
@@ -85,7 +86,8 @@ class StepInputBuilder:
         self.block_size = block_size
         self.block_shift = block_size.bit_length() - 1
         self.on_cuda = device.type == "cuda"
-        self._copied = torch.cuda.Event() if self.on_cuda else None
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self.on_cuda else None
+        self._turn = 0  # the host arena of the latest build
         self._arange = np.arange(capacity + 1, dtype=np.int64)
         self._allocate(capacity)
 
@@ -93,15 +95,21 @@ class StepInputBuilder:
         # Normal tensors even when called under inference mode, so that callers
         # outside it (tests calling ``prepare``) may still write them.
         with torch.inference_mode(False):
-            self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda)
-            self.dev = torch.zeros(capacity, dtype=torch.int32, device=self.device) if self.on_cuda else self.host
-        self.host_np = self.host.numpy()
+            self.hosts = [torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda)
+                          for _ in range(2 if self.on_cuda else 1)]
+            self.dev = torch.zeros(capacity, dtype=torch.int32, device=self.device) if self.on_cuda else self.hosts[0]
+        self.host_nps = [h.numpy() for h in self.hosts]
         # Device views per layout: a decode step usually has the previous step's layout.
         self._views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
 
     @property
+    def host(self) -> torch.Tensor:
+        """The host arena of the latest build."""
+        return self.hosts[self._turn]
+
+    @property
     def capacity(self) -> int:
-        return self.host.numel()
+        return self.dev.numel()
 
     def _iota(self, n: int) -> np.ndarray:
         """``0 .. n-1`` as a view of a kept array (numpy calls cost more than their work here)."""
@@ -115,7 +123,8 @@ class StepInputBuilder:
         if num_seqs == 0:
             raise ValueError("cannot build model inputs for an empty batch")
         if self._copied is not None:
-            self._copied.synchronize()  # the previous copy has read the host arena
+            self._turn ^= 1
+            self._copied[self._turn].synchronize()  # this arena's copy, two builds ago, has read it
         tokens = [s.token_ids for s in seqs]
         starts_list = [s.num_computed_tokens for s in seqs]
         pending = [i for i, s in enumerate(seqs) if s.num_pending]
@@ -154,7 +163,7 @@ class StepInputBuilder:
         end = o_fill + 2 * num_fill
         if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)
             self._allocate(max(end, 2 * self.capacity))
-        a = self.host_np
+        a = self.host_nps[self._turn]
 
         table = a[o_tab:o_fill].reshape(num_seqs, width)
         num_entries = sum(table_lens)
@@ -203,7 +212,7 @@ class StepInputBuilder:
 
         if self.on_cuda:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
-            self._copied.record(torch.cuda.current_stream(self.device))  # the copy's stream
+            self._copied[self._turn].record(torch.cuda.current_stream(self.device))  # the copy's stream
         key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0,
                num_fill)
         views = self._views.get(key)
