@@ -7,7 +7,8 @@ wall clock (a serial step ends with its token read-back, so it covers the device
 overlapped step ends with the previous step's read-back, so over S steps the mean covers the
 device's work too) and again under ``torch.profiler``, whose kernel records give the device
 time per step and by kernel name. Wall over device time is what the host and launch gaps
-cost (1.0: the device never waits). On a CPU the profiler sees operators, not kernels: use it
+cost (1.0: the device never waits); host time is a step's wall time less its wait for the
+device. On a CPU the profiler sees operators, not kernels: use it
 there only to check the script runs.
 
     python benchmarks/profile_decode.py --preset 0.6b --device cuda --dtype bfloat16 \\
@@ -32,6 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lmpool import LLM, SamplingParams
+from lmpool.engine.model_runner import PendingTokens
 from lmpool.model.make_model import PRESETS, make_model
 from revision import git_record
 
@@ -39,8 +41,29 @@ DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of devi
 PATHS = {"serial": False, "overlapped": True}  # path name -> EngineConfig.async_scheduling
 
 
-def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int) -> tuple[list[float], dict]:
-    """Wall seconds of ``steps`` decode steps, then the profiler's kernel totals over as many."""
+@contextlib.contextmanager
+def timed_waits(waits: list[float]):
+    """While active, the seconds of every ``PendingTokens.result`` call (the step's wait for
+    the device) are appended to ``waits``: a step's wall time less them is host time."""
+    result = PendingTokens.result
+
+    def timed(self):
+        t0 = time.perf_counter()
+        try:
+            return result(self)
+        finally:
+            waits.append(time.perf_counter() - t0)
+
+    PendingTokens.result = timed
+    try:
+        yield
+    finally:
+        PendingTokens.result = result
+
+
+def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int) -> tuple[list[float], float, dict]:
+    """Wall seconds of ``steps`` decode steps and the seconds they waited for the device, then
+    the profiler's kernel totals over as many steps."""
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     rng = random.Random(seed)
@@ -50,11 +73,12 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int) -> t
     while any(not s.num_output_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill (chunked) until every sequence decodes
     engine.step()
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - t0)
+    walls, waits = [], []
+    with timed_waits(waits):
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
     cuda = engine.runner.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.runner.device)  # an overlapped step may still run: not profiled
@@ -73,7 +97,7 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int) -> t
             kernels[event["name"]] += event["dur"] / 1e3 / steps  # ms per step
     while engine.has_unfinished():
         engine.step()
-    return walls, dict(kernels)
+    return walls, sum(waits), dict(kernels)
 
 
 @contextlib.contextmanager
@@ -95,7 +119,8 @@ def torch_norms(active: bool):
 
 def profile_row(llm: LLM, norms: str, path: str, batch: int, args) -> dict:
     """One batch size on one engine: wall and device time per decode step, the top kernels."""
-    walls, kernels = decode_steps(llm, batch, args.context, args.steps, seed=batch)
+    walls, waited, kernels = decode_steps(llm, batch, args.context, args.steps, seed=batch)
+    host_ms = (sum(walls) - waited) / len(walls) * 1e3  # host time of a step: its wall time not spent waiting
     # The mean, not the median: an overlapped step's wall time alternates between host-bound
     # and device-bound calls, and only their mean is the time per step.
     wall_ms = statistics.fmean(walls) * 1e3
@@ -103,10 +128,10 @@ def profile_row(llm: LLM, norms: str, path: str, batch: int, args) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]
     over = f"{wall_ms / device_ms:5.2f}" if device_ms else "  n/a"
     print(f"{norms:>5} {path:>10} B={batch:4d} context {args.context}: wall {wall_ms:7.3f} ms/step, "
-          f"device busy {device_ms:7.3f} ms/step, wall / device {over}")
+          f"device busy {device_ms:7.3f} ms/step, wall / device {over}, host {host_ms:7.3f} ms/step")
     for name, ms in top:
         print(f"      {ms:7.3f} ms  {name[:110]}")
-    return {"norms": norms, "path": path, "batch": batch, "wall_ms_per_step": wall_ms,
+    return {"norms": norms, "path": path, "batch": batch, "wall_ms_per_step": wall_ms, "host_ms_per_step": host_ms,
             "wall_ms_median": statistics.median(walls) * 1e3, "device_ms_per_step": device_ms,
             "wall_over_device": wall_ms / device_ms if device_ms else None, "top_kernels_ms_per_step": dict(top)}
 
