@@ -18,8 +18,8 @@ Two ways to step, chosen by ``EngineConfig.async_scheduling``:
 
 Exactness of the overlapped path:
 - A sequence whose step-N token finishes it by length (max_tokens, max_model_len)
-  is known to before the token is: it leaves the running list at launch, so no
-  later step computes for it.
+  is known to finish before the token is read: it leaves the running list when N
+  is launched, so no later step computes for it.
 - A sequence that a stop token (or EOS) finishes in step N was also scheduled in
   step N+1; it is finished when N is read back, and its token from N+1 is dropped:
   a finished or aborted sequence never emits again. Its blocks are freed while

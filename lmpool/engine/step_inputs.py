@@ -179,7 +179,7 @@ class StepInputBuilder:
         if decode and not pending:
             a[:num_seqs] = list(map(getitem, tokens, starts_list))
         elif decode:  # a pending token's id is filled in on the device: 0 here
-            a[:num_seqs] = [toks[i] if i < len(toks) else 0 for toks, i in zip(tokens, starts_list)]
+            a[:num_seqs] = [toks[start] if start < len(toks) else 0 for toks, start in zip(tokens, starts_list)]
         else:
             ids: list[int] = []
             for toks, start, n in zip(tokens, starts_list, counts):
