@@ -28,7 +28,8 @@ Exactness of the overlapped path:
 - A preempted sequence may still have a pending token; it is read back in the
   same ``step`` call, before any admission could recompute the sequence.
 Greedy tokens equal the serial path's; so do a seeded request's (its generator
-draws once per token it samples, in the same order).
+draws once per token it samples, in the same order). Unseeded sampled tokens may
+not: a stopped sequence's extra row in step N+1 draws from the engine's stream.
 """
 
 from __future__ import annotations
