@@ -27,7 +27,8 @@ Invariants:
   one the builder waits on the event recorded after its copy, two builds ago, so
   a copy never reads a half-written buffer. That wait never blocks when each
   step's tokens are read back before the step after next is built (both ways of
-  stepping do so: the read-back follows the copy on the stream).
+  stepping do so: the read-back follows the copy on the stream); only after a
+  step that sampled nothing (so read nothing back) may it wait for that copy.
 - The device tensors of a step stay valid until the next ``build``: its copy
   overwrites them, after the previous step's kernels have read them (stream order).
   Views of the device arena are cached per layout and dropped when it grows.
