@@ -6,7 +6,8 @@ N sequences with input and output lengths uniform in [min, max], random token id
 tokens per second and writes JSON. The engine runs once per ``--paths`` entry:
 ``serial`` (``async_scheduling=False``) and ``overlapped`` (``True``, the default),
 each on a fresh engine; the JSON's ``lmpool`` is the overlapped run, ``lmpool_serial``
-the serial one, and ``overlapped_vs_serial`` their ratios. With ``--compare-hf`` the same prompts run
+the serial one, and ``overlapped_vs_serial`` their ratios and whether their greedy
+tokens matched. With ``--compare-hf`` the same prompts run
 through ``transformers`` ``generate`` (greedy, left-padded batches) on the same
 weights in the same process, and the ratio is reported; HF is credited with every
 token it generates, including those past a request's own output length.
@@ -92,7 +93,8 @@ def run_lmpool(model: str, prompts, outputs, args, path: str = "overlapped") -> 
         "kv_ops": llm.engine.runner.ops.name,
         "cuda_graphs": llm.engine.runner.graphs is not None,
         "preemptions": llm.engine.scheduler.num_preemptions,
-        # Both paths schedule identical batches here (no stop tokens), so greedy tokens must match.
+        # Compared between the paths, not asserted: bf16 results may depend on the batch a row
+        # runs in, and the overlapped path frees a finished sequence's blocks one step later.
         "tokens_sha256": hashlib.sha256(repr([o.token_ids for o in outs]).encode()).hexdigest(),
     }
     result["decode_roofline"] = roofline(llm, prompts, outputs, elapsed)
