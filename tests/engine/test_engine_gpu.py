@@ -192,7 +192,8 @@ def test_gpu_overlapped_equals_serial(tiny_model, cpu_tokens, enforce_eager, eng
                  async_scheduling=async_scheduling, **engine_args) as llm:
             runs = [llm.generate(ps, params) for _ in range(2)]
             llm.engine.block_manager.check_invariants([])
-        assert any(o.num_cached_tokens > 0 for o in runs[1])
+        if "num_kv_blocks" not in engine_args:  # eight blocks may keep nothing of the first run
+            assert any(o.num_cached_tokens > 0 for o in runs[1])
         outs[async_scheduling] = [[(o.token_ids, o.finish_reason) for o in run] for run in runs]
     assert outs[True] == outs[False]
     for run in outs[True]:
