@@ -1,6 +1,7 @@
 """Overlapped stepping (``async_scheduling=True``) against the serial path on CPU, token for token:
-chunked prefill, preemption under KV pressure, prefix-cache hits, stop token ids, max_tokens,
-aborts mid-run and seeded sampling. Every request's stream of step outputs is checked too: one
+chunked prefill, preemption under KV pressure, prefix-cache hits, stop token ids (one read back
+after its sequence was preempted), EOS, max_tokens, max_model_len, aborts mid-run and seeded
+sampling. Every request's stream of step outputs is checked too: one
 output per token, ``finished`` only on the last, nothing after a request finished or was aborted."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from lmpool import LLM, SamplingParams
-from lmpool.engine.scheduler import ScheduledBatch
-from lmpool.engine.sequence import Sequence
+from lmpool.engine.scheduler import ScheduledBatch, Scheduler
+from lmpool.engine.sequence import Sequence, SequenceStatus
 from lmpool.engine.step_inputs import StepInputBuilder
 
 BLOCK = 16
@@ -123,6 +124,37 @@ def test_stop_token_ids_end_requests_exactly(tiny_model):
             stop = params[i].stop_token_ids[0]
             assert out[-1] == stop and stop not in out[:-1] and reasons[f"r{i}"] == "stop"
             assert out == free[f"r{i}"][: len(out)]
+
+
+def test_a_stop_token_read_back_after_its_sequence_was_preempted(tiny_model, monkeypatch):
+    """A sequence preempted while its newest token is still on the device, that token being a
+    stop token: it is read back in the same step and the sequence ends from the waiting queue,
+    never recomputed. The stop id is taken from a first run at the moment of its preemption."""
+    ps = prompts()
+    preempted = []
+    preempt = Scheduler._preempt
+
+    def recording_preempt(self, seq):
+        preempted.append((seq.request_id, len(seq.output_token_ids), seq.num_pending))
+        preempt(self, seq)
+
+    monkeypatch.setattr(Scheduler, "_preempt", recording_preempt)
+    free = run_engine(tiny_model, as_requests(ps, greedy(40)), True, num_kv_blocks=12)[0]
+    rid, index, pending = preempted[0]
+    assert pending == 1 and free[rid][index] not in free[rid][:index]
+    params = {r: greedy(40, stop_token_ids=(free[rid][index],) if r == rid else ()) for r in free}
+    retired_waiting = []
+    retire = Scheduler.retire
+
+    def recording_retire(self, seq, reason):
+        retired_waiting.append(seq.status is SequenceStatus.WAITING)
+        retire(self, seq, reason)
+
+    monkeypatch.setattr(Scheduler, "retire", recording_retire)
+    requests = {r: (p, params[r]) for r, p in zip(free, ps)}
+    tokens, reasons = assert_paths_agree(tiny_model, requests, num_kv_blocks=12)
+    assert tokens[rid] == free[rid][: index + 1] and reasons[rid] == "stop"
+    assert any(retired_waiting)
 
 
 def test_eos_ends_requests_unless_ignored(tiny_model):
