@@ -83,6 +83,9 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.in_flight: InFlightStep | None = None  # overlapped stepping: launched, not read back
+        # The batch whose tokens the latest ``step`` read back: the one it ran when serial, the
+        # one before when overlapped (what a step's wall time measures once the device is busy).
+        self.last_read_back = ScheduledBatch()
 
     # ---- admission ------------------------------------------------------------
 
@@ -138,7 +141,7 @@ class EngineCore:
         return self._step_serial()
 
     def _step_serial(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.last_read_back = self.scheduler.schedule()
         if not batch.seqs:
             return []
         pending = self.runner.launch(batch)
@@ -157,6 +160,7 @@ class EngineCore:
             self._expect_tokens(pending)
             self.in_flight = InFlightStep(batch, pending)
         outputs = []
+        self.last_read_back = ScheduledBatch() if previous is None else previous.batch
         if previous is not None:
             # The step's one wait, for the previous step: the device has this one queued behind it.
             tokens = previous.pending.result()

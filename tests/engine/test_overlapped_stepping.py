@@ -229,6 +229,25 @@ def test_overlapped_tokens_come_one_step_late(tiny_model):
         assert not engine.has_unfinished() and engine.block_manager.num_used == 0
 
 
+def test_last_read_back_names_the_batch_whose_tokens_a_step_returned(tiny_model):
+    """What a step's wall time measures once the device is busy (a pool's prefill meter)."""
+    for async_scheduling in (False, True):
+        with LLM(tiny_model, block_size=BLOCK, async_scheduling=async_scheduling) as llm:
+            engine = llm.engine
+            for i, p in enumerate(prompts(4)):
+                engine.add_request(f"b{i}", p, greedy(3))
+            launched = []
+            while engine.has_unfinished():
+                outputs = engine.step()
+                launched.append(engine.scheduler.last_batch)
+                read = launched[-2] if async_scheduling and len(launched) > 1 else launched[-1]
+                if async_scheduling and len(launched) == 1:
+                    assert not engine.last_read_back.seqs and not outputs
+                else:
+                    assert engine.last_read_back is read
+                    assert {o.request_id for o in outputs} <= {s.request_id for s in read.seqs}
+
+
 # ---- step inputs of a sequence whose input token is pending -----------------------------------
 
 
