@@ -24,7 +24,8 @@ Exactness of the overlapped path:
   step N+1; it is finished when N is read back, and its token from N+1 is dropped:
   a finished or aborted sequence never emits again. Its blocks are freed while
   N+1 may still write them, which is safe because every later user of a block
-  runs after N+1 on the same stream.
+  runs after N+1 on the device: later steps on the same stream, KV transfers on
+  streams that wait for it.
 - A preempted sequence may still have a pending token; it is read back in the
   same ``step`` call, before any admission could recompute the sequence.
 Greedy tokens equal the serial path's; so do a seeded request's (its generator
