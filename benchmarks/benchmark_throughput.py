@@ -1,8 +1,13 @@
-"""Offline generation throughput of one engine (and, side by side, transformers' ``generate``).
+"""Offline generation throughput of one engine, serial and overlapped stepping side by side
+(and transformers' ``generate`` beside them).
 
 N sequences with input and output lengths uniform in [min, max], random token ids,
 ``ignore_eos`` so every request produces exactly its output length. Prints output
-tokens per second and writes JSON. With ``--compare-hf`` the same prompts run
+tokens per second and writes JSON. The engine runs once per ``--paths`` entry:
+``serial`` (``async_scheduling=False``) and ``overlapped`` (``True``, the default),
+each on a fresh engine; the JSON's ``lmpool`` is the overlapped run, ``lmpool_serial``
+the serial one, and ``overlapped_vs_serial`` their ratios and whether their greedy
+tokens matched. With ``--compare-hf`` the same prompts run
 through ``transformers`` ``generate`` (greedy, left-padded batches) on the same
 weights in the same process, and the ratio is reported; HF is credited with every
 token it generates, including those past a request's own output length.
@@ -21,6 +26,7 @@ Defaults are sized for the CPU path (a few thousand tokens, well under a minute)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import random
@@ -51,11 +57,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_lmpool(model: str, prompts, outputs, args) -> dict:
+PATHS = {"serial": False, "overlapped": True}  # path name -> EngineConfig.async_scheduling
+
+
+def run_lmpool(model: str, prompts, outputs, args, path: str = "overlapped") -> dict:
     llm = LLM(
         model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops,
+        enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops, async_scheduling=PATHS[path],
     )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     # Warm-up (kernels, allocators) on prompts of its own: the workload's prompts would
@@ -72,17 +81,21 @@ def run_lmpool(model: str, prompts, outputs, args) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == sum(outputs), "ignore_eos requests must produce exactly max_tokens"
     result = {
+        "path": path,
         "elapsed_s": elapsed,
         "output_tokens": tokens,
         "output_tok_s": tokens / elapsed,
-        "engine_steps": len(records.steps),
-        "mean_step_ms": elapsed / len(records.steps) * 1e3,
+        "engine_steps": records.launched,
+        "mean_step_ms": elapsed / records.launched * 1e3,
         "steps": records.summary(elapsed),
         "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
         "num_kv_blocks": llm.engine.block_manager.num_blocks,
         "kv_ops": llm.engine.runner.ops.name,
         "cuda_graphs": llm.engine.runner.graphs is not None,
         "preemptions": llm.engine.scheduler.num_preemptions,
+        # Compared between the paths, not asserted: bf16 results may depend on the batch a row
+        # runs in, and the overlapped path frees a finished sequence's blocks one step later.
+        "tokens_sha256": hashlib.sha256(repr([o.token_ids for o in outs]).encode()).hexdigest(),
     }
     result["decode_roofline"] = roofline(llm, prompts, outputs, elapsed)
     llm.shutdown()
@@ -94,9 +107,11 @@ def run_lmpool(model: str, prompts, outputs, args) -> dict:
 class StepRecorder:
     """Wall time of every engine step with its shape (sequences, tokens).
 
-    A step ends by reading its tokens back, so its wall time is the device's time
-    for it plus the host time the device was left waiting; no synchronisation is
-    added. Time outside steps is ``generate``'s own (input checks, outputs).
+    A serial step ends by reading its tokens back, so its wall time is the device's
+    time for it plus the host time the device was left waiting; an overlapped step
+    ends by reading back the step before it, so in a steady state its wall time is
+    the larger of the two. No synchronisation is added. Time outside steps is
+    ``generate``'s own (input checks, outputs). A step's shape is the batch it launched.
     """
 
     def __init__(self, llm: LLM) -> None:
@@ -105,11 +120,12 @@ class StepRecorder:
         engine, launch = llm.engine, llm.engine.runner.launch
         step = engine.step
 
-        def recorded_launch(batch):
+        def recorded_launch(batch, *args):
             shape[:] = len(batch.seqs), sum(batch.num_tokens)
-            return launch(batch)
+            return launch(batch, *args)
 
         def timed_step():
+            shape[:] = 0, 0  # stays so when the call launches nothing (it only reads a step back)
             t0 = time.perf_counter()
             out = step()
             self.steps.append((shape[0], shape[1], time.perf_counter() - t0))
@@ -118,9 +134,14 @@ class StepRecorder:
         engine.runner.launch = recorded_launch
         engine.step = timed_step
 
+    @property
+    def launched(self) -> int:
+        return sum(1 for n, _, _ in self.steps if n)
+
     def summary(self, elapsed: float, bucket: int = 32) -> dict:
-        decode = [(n, t) for n, tokens, t in self.steps if n == tokens]
+        decode = [(n, t) for n, tokens, t in self.steps if n == tokens and n]
         other = [t for n, tokens, t in self.steps if n != tokens]
+        read_back_only = [t for n, _, t in self.steps if not n]
         by_batch: dict[str, list[float]] = {}
         for n, t in decode:
             lo = (n - 1) // bucket * bucket + 1
@@ -130,6 +151,8 @@ class StepRecorder:
             "decode_s": sum(t for _, t in decode),
             "prefill_or_mixed_steps": len(other),
             "prefill_or_mixed_s": sum(other),
+            "read_back_only_calls": len(read_back_only),
+            "read_back_only_s": sum(read_back_only),
             "outside_steps_s": elapsed - sum(t for *_, t in self.steps),
             "decode_ms_by_batch": {k: 1e3 * sum(v) / len(v) for k, v in by_batch.items()},
             "decode_steps_by_batch": {k: len(v) for k, v in by_batch.items()},
@@ -221,6 +244,34 @@ def environment(device: str) -> dict:
     return env
 
 
+def report(lm: dict) -> None:
+    st = lm["steps"]
+    name = f"lmpool {lm['path']}"
+    print(f"{name}: {lm['output_tok_s']:.1f} output tok/s ({lm['output_tokens']} tokens in "
+          f"{lm['elapsed_s']:.2f} s; {lm['engine_steps']} engine steps, {lm['mean_step_ms']:.2f} ms each)")
+    print(f"{name}: {st['decode_steps']} decode steps {st['decode_s']:.2f} s, "
+          f"{st['prefill_or_mixed_steps']} prefill/mixed steps {st['prefill_or_mixed_s']:.2f} s, "
+          f"outside steps {st['outside_steps_s']:.2f} s")
+    roof = lm["decode_roofline"]
+    if roof:
+        print(f"{name}: {roof['fraction_of_roofline']:.1%} of the HBM roofline "
+              f"(copy bandwidth {roof['copy_bandwidth_GBps']:.0f} GB/s)")
+
+
+def compare(overlapped: dict, serial: dict) -> dict:
+    """Overlapped over serial: throughput and mean step time ratios, roofline fractions of both."""
+    ratios = {
+        "output_tok_s": overlapped["output_tok_s"] / serial["output_tok_s"],
+        "mean_step_ms": overlapped["mean_step_ms"] / serial["mean_step_ms"],
+        "same_tokens": overlapped["tokens_sha256"] == serial["tokens_sha256"],
+    }
+    if overlapped["decode_roofline"] and serial["decode_roofline"]:
+        ratios["fraction_of_roofline"] = {
+            path: run["decode_roofline"]["fraction_of_roofline"] for path, run in
+            (("serial", serial), ("overlapped", overlapped))}
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="checkpoint directory (default: generate --preset)")
@@ -239,9 +290,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--torch-ops", action="store_true", help="use the torch reference instead of the CUDA kernels")
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--paths", default="serial,overlapped",
+                    help="comma-separated engine runs: serial (async_scheduling off) and/or overlapped (on)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if not args.paths or not set(args.paths.split(",")) <= set(PATHS):
+        ap.error(f"--paths takes serial and/or overlapped, got {args.paths!r}")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_model(Path(tmp) / "model", preset=args.preset, seed=args.seed))
@@ -250,18 +305,18 @@ def main(argv: list[str] | None = None) -> dict:
             args.num_seqs, args.min_input, args.max_input, args.min_output, args.max_output, vocab, args.seed
         )
         result = {"config": vars(args) | {"model": Path(args.model).name if args.model else None, "json": None}, "environment": environment(args.device)}
-        result["lmpool"] = run_lmpool(model, prompts, outputs, args)
-        lm = result["lmpool"]
-        st = lm["steps"]
-        print(f"lmpool: {lm['output_tok_s']:.1f} output tok/s ({lm['output_tokens']} tokens in "
-              f"{lm['elapsed_s']:.2f} s; {lm['engine_steps']} engine steps, {lm['mean_step_ms']:.2f} ms each)")
-        print(f"lmpool: {st['decode_steps']} decode steps {st['decode_s']:.2f} s, "
-              f"{st['prefill_or_mixed_steps']} prefill/mixed steps {st['prefill_or_mixed_s']:.2f} s, "
-              f"outside steps {st['outside_steps_s']:.2f} s")
-        roof = result["lmpool"]["decode_roofline"]
-        if roof:
-            print(f"lmpool: {roof['fraction_of_roofline']:.1%} of the HBM roofline "
-                  f"(copy bandwidth {roof['copy_bandwidth_GBps']:.0f} GB/s)")
+        runs = {}
+        for path in args.paths.split(","):
+            runs[path] = run_lmpool(model, prompts, outputs, args, path)
+            report(runs[path])
+        result["lmpool"] = runs.get("overlapped") or runs[path]
+        if "serial" in runs:
+            result["lmpool_serial"] = runs["serial"]
+        if len(runs) == 2:
+            result["overlapped_vs_serial"] = compare(runs["overlapped"], runs["serial"])
+            ratio = result["overlapped_vs_serial"]
+            print(f"overlapped / serial: {ratio['output_tok_s']:.2f}x output tok/s; "
+                  f"same tokens: {ratio['same_tokens']}")
         if args.compare_hf:
             result["transformers"] = run_hf(model, prompts, outputs, args)
             ratio = result["lmpool"]["output_tok_s"] / result["transformers"]["output_tok_s"]

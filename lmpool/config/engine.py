@@ -33,6 +33,9 @@ class EngineConfig:
     # spin against each other and a step gets tens of times slower than on one thread.
     cpu_threads: int = 1
     seed: int = 0
+    # Overlapped stepping: the host schedules and launches step N+1 before reading step N's
+    # tokens back (``lmpool.engine.core``); False runs each step to its end first.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         kind = str(self.device).split(":")[0]

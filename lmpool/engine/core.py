@@ -5,11 +5,32 @@ requests, call ``step()`` until nothing is unfinished. A request that is
 invalid, or that could never fit in this replica's KV cache, is refused with a
 ``ValueError`` at ``add_request`` and never disturbs the requests already in.
 
-A step launches the model on the device, then does the block accounting of the
-batch (``Scheduler.complete_step``) while the device computes, and only then
-waits for the new tokens. That overlap is correct because the accounting reads
-only the batch and the tokens already known: sampled tokens are appended after
-it, as they always were.
+Two ways to step, chosen by ``EngineConfig.async_scheduling``:
+
+- serial (False): schedule, launch the model, do the block accounting of the batch
+  while the device computes, wait for the new tokens, append them, check stops.
+- overlapped (True): schedule and launch step N+1 first, then wait for step N's
+  tokens (the device is busy with N+1 meanwhile) and process them, one step late.
+  A sequence sampled in step N has a pending token (``Sequence.num_pending``) when
+  step N+1 is scheduled; that step's input id for it is copied on the device from
+  step N's sampled tokens. Step N's blocks are committed to the prefix cache only
+  once N is known to be complete (after its read-back).
+
+Exactness of the overlapped path:
+- A sequence whose step-N token finishes it by length (max_tokens, max_model_len)
+  is known to finish before the token is read: it leaves the running list when N
+  is launched, so no later step computes for it.
+- A sequence that a stop token (or EOS) finishes in step N was also scheduled in
+  step N+1; it is finished when N is read back, and its token from N+1 is dropped:
+  a finished or aborted sequence never emits again. Its blocks are freed while
+  N+1 may still write them, which is safe because every later user of a block
+  runs after N+1 on the device: later steps on the same stream, KV transfers on
+  streams that wait for it.
+- A preempted sequence may still have a pending token; it is read back in the
+  same ``step`` call, before any admission could recompute the sequence.
+Greedy tokens equal the serial path's; so do a seeded request's (its generator
+draws once per token it samples, in the same order). Unseeded sampled tokens may
+not: a stopped sequence's extra row in step N+1 draws from the engine's stream.
 """
 
 from __future__ import annotations
@@ -19,9 +40,9 @@ from dataclasses import dataclass
 
 from lmpool.config.engine import EngineConfig
 from lmpool.engine.block_manager import BlockManager
-from lmpool.engine.model_runner import ModelRunner
-from lmpool.engine.scheduler import Scheduler
-from lmpool.engine.sequence import Sequence
+from lmpool.engine.model_runner import ModelRunner, PendingTokens
+from lmpool.engine.scheduler import ScheduledBatch, Scheduler
+from lmpool.engine.sequence import Sequence, SequenceStatus
 from lmpool.engine.validation import validate_request
 from lmpool.model.config import ModelConfig
 from lmpool.sampling_params import SamplingParams
@@ -34,6 +55,14 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     seq: Sequence
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A launched step whose tokens the host has not read back yet."""
+
+    batch: ScheduledBatch
+    pending: PendingTokens
 
 
 class EngineCore:
@@ -54,6 +83,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
+        self.in_flight: InFlightStep | None = None  # overlapped stepping: launched, not read back
+        # The batch whose tokens the latest ``step`` read back: the one it ran when serial, the
+        # one before when overlapped (what a step's wall time measures once the device is busy).
+        self.last_read_back = ScheduledBatch()
 
     # ---- admission ------------------------------------------------------------
 
@@ -97,36 +130,82 @@ class EngineCore:
         self.runner.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # Every unfinished request is here, including one whose last token is still on the device.
+        return bool(self.requests)
 
     # ---- one step -------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+        """Run one step; returns the tokens the host has read back (see the module docstring)."""
+        if self.config.async_scheduling:
+            return self._step_overlapped()
+        return self._step_serial()
+
+    def _step_serial(self) -> list[StepOutput]:
+        batch = self.last_read_back = self.scheduler.schedule()
         if not batch.seqs:
             return []
         pending = self.runner.launch(batch)
+        self._expect_tokens(pending)
         # Block accounting needs only the batch, not the new tokens: it runs while
         # the device computes them.
         self.scheduler.complete_step(batch)
-        tokens = pending.result()
+        return self._read_back(pending.seqs, pending.result())
+
+    def _step_overlapped(self) -> list[StepOutput]:
+        previous, self.in_flight = self.in_flight, None
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            tokens = previous.pending.device_tokens if previous is not None else None
+            pending = self.runner.launch(batch, tokens)
+            self._expect_tokens(pending)
+            self.in_flight = InFlightStep(batch, pending)
+        outputs = []
+        self.last_read_back = ScheduledBatch() if previous is None else previous.batch
+        if previous is not None:
+            # The step's one wait, for the previous step: the device has this one queued behind it.
+            tokens = previous.pending.result()
+            # Its KV is complete now, so its blocks can be cached; then its tokens are appended
+            # (after the commit: ``commit`` reads only tokens known before the previous step).
+            self.scheduler.commit(previous.batch)
+            outputs = self._read_back(previous.pending.seqs, tokens)
+        if batch.seqs:
+            # After the previous step's commit, which must not count this step's tokens.
+            self.scheduler.advance(batch)
+        return outputs
+
+    def _expect_tokens(self, pending: PendingTokens) -> None:
+        """Each sampling sequence of a launched step awaits its token. One that this token
+        finishes by length leaves the running list now, so no later step computes for it."""
+        running, max_len = self.scheduler.running, self.max_model_len
+        for row, seq in enumerate(pending.seqs):
+            seq.expect_token(row)
+            length = len(seq)
+            if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= max_len:
+                running.remove(seq)
+
+    def _read_back(self, seqs: list[Sequence], tokens: list[int]) -> list[StepOutput]:
+        """Append the tokens of a finished step and apply the stop conditions. A sequence that
+        finished (a stop token, an abort) while this step ran gets nothing from it."""
         outputs = []
         append = outputs.append
         eos, max_len = self.eos_token_ids, self.max_model_len
         # Stop conditions inline: this loop runs once per sequence per step.
-        for seq, token in zip(pending.seqs, tokens):
-            seq.append_token(token)
+        for seq, token in zip(seqs, tokens):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            seq.resolve_token(token)
             params = seq.params
             length = len(seq.token_ids)
             if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
                 reason = "stop"
             elif length - seq.num_prompt_tokens >= params.max_tokens or length >= max_len:
+                assert not seq.num_pending, f"{seq.request_id} was scheduled past its length limit"
                 reason = "length"
             else:
                 append(StepOutput(seq.request_id, token, False, None, seq))
                 continue
-            self.scheduler.running.remove(seq)
-            self.scheduler.finish(seq, reason)
+            self.scheduler.retire(seq, reason)
             self.runner.sampler.release(seq.request_id)
             del self.requests[seq.request_id]
             append(StepOutput(seq.request_id, token, True, reason, seq))

@@ -8,8 +8,11 @@ ids come from the BlockManager; the runner never decides which block holds what.
 A step is ``launch`` (build the inputs on the host, one copy to the device, the
 forward and the sampling queued) then ``PendingTokens.result`` (the step's only
 wait for the device). Between the two the caller may do host work that does
-not need the new tokens. The inputs of a step are valid until the next
-``prepare`` or ``launch``.
+not need the new tokens, and may even launch the next step: input tokens still
+pending on the host are taken on the device from the previous step's sampled
+tokens (``launch``'s ``previous``). The inputs of a step are valid until the
+next ``prepare`` or ``launch``. All device work is queued on the current stream,
+so every later step (and any reader ordered after the stream) sees it complete.
 """
 
 from __future__ import annotations
@@ -171,13 +174,17 @@ class ModelRunner:
         return self.model(inputs.ids, inputs.positions, inputs.meta, self.kv_cache, self.ops)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> PendingTokens:
+    def launch(self, batch: ScheduledBatch, previous: torch.Tensor | None = None) -> PendingTokens:
         """Queue one step on the device; the tokens are read back by ``PendingTokens.result``.
 
-        On CUDA nothing here waits for the device, so the caller can do host work
-        that does not need the new tokens while the step runs.
+        ``previous`` holds the sampled tokens of the step launched before this one
+        (``PendingTokens.device_tokens``); it is needed when a sequence's input token is
+        still pending. On CUDA nothing here waits for the device, so the caller can do
+        host work that does not need the new tokens while the step runs.
         """
         inputs = self.prepare(batch)
+        if inputs.fill is not None:
+            fill_pending_ids(inputs, previous)
         hidden = self.forward_hidden(inputs)
         if inputs.sample_index is None:
             seqs = batch.seqs
@@ -200,16 +207,27 @@ class ModelRunner:
         return self.sampler.sample(logits, params, [s.request_id for s in seqs])
 
 
+def fill_pending_ids(inputs: StepInputs, previous: torch.Tensor | None) -> None:
+    """Copy the pending input tokens from the previous step's sampled ones, on the device
+    (queued after that step's sampling, so they are there when this step reads them)."""
+    if previous is None:
+        raise ValueError("a step with pending input tokens needs the previous step's sampled tokens")
+    rows, sources = inputs.fill.long()
+    inputs.ids.index_copy_(0, rows, previous.index_select(0, sources).to(inputs.ids.dtype))
+
+
 class PendingTokens:
     """The tokens of a launched step: ``seqs`` in batch order, read back to the host once.
 
     On CUDA the device-to-host copy is queued at once into pinned memory and an
     event marks its end, so ``result`` waits for exactly that step (the only
-    host synchronisation of a step) and never copies twice.
+    host synchronisation of a step) and never copies twice. ``device_tokens``
+    stays on the device for the next step to read its pending input tokens from.
     """
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None) -> None:
         self.seqs = seqs
+        self.device_tokens = tokens
         self._tokens = tokens
         self._done = None
         if tokens is not None and tokens.device.type == "cuda":

@@ -77,6 +77,15 @@ class Scheduler:
             self.waiting.remove(seq)
         self.finish(seq, "abort")
 
+    def retire(self, seq: Sequence, reason: str) -> None:
+        """Finish ``seq`` wherever it is: running, waiting (preempted while its last token was
+        still on the device) or in neither (its step was its last, see ``EngineCore``)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq, reason)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
@@ -110,6 +119,9 @@ class Scheduler:
         passed: list[Sequence] = []  # waiting sequences whose prefix another one is computing
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            # A preempted sequence's last token may still be on the device; it is read back in
+            # the step that preempted it, and no step that preempts admits anything.
+            assert not seq.num_pending, f"{seq.request_id} admitted before its last token was read back"
             hit = bm.match_prefix(seq)
             if computing and len(hit) < len(seq.block_hashes) and seq.block_hashes[len(hit)] in computing:
                 passed.append(self.waiting.popleft())
@@ -149,6 +161,19 @@ class Scheduler:
 
     def complete_step(self, batch: ScheduledBatch) -> None:
         """Account for the tokens the model just computed and cache the blocks they completed."""
+        self.advance(batch)
+        self.commit(batch)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Count the batch's tokens as computed (the step is launched: later steps follow it on
+        the device). A sequence finished or preempted since it was scheduled has no progress."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += n
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Mark READY (and cache) the blocks the batch's computed tokens completed. Called before
+        any later step is counted by ``advance``, so only this batch's blocks are committed."""
+        for seq in batch.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.commit(seq)

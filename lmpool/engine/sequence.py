@@ -1,9 +1,15 @@
 """One request's tokens and its progress through the engine.
 
-Invariants: ``num_computed_tokens <= len(token_ids)``; ``block_hashes[i]`` is the
+A sequence's length counts its ``num_pending`` tokens: sampled on the device by a
+launched step but not yet read back by the host (overlapped stepping). They are
+always its last tokens; ``token_ids`` holds only the tokens the host knows.
+
+Invariants: ``num_computed_tokens <= len(seq)``; ``block_hashes[i]`` is the
 chained hash of complete block ``i`` of ``token_ids`` and is extended as tokens
 are appended; ``block_table`` covers at least the computed tokens while the
-sequence is running and is empty while it waits.
+sequence is running and is empty while it waits. When a step is scheduled, a
+sequence has at most one pending token, and only if it has computed every known
+token (so that step's one row for it reads the pending token from the device).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_ready_blocks = 0  # leading blocks whose KV is complete (see BlockManager.commit)
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_pending = 0  # sampled on the device, not yet read back (appended by ``resolve_token``)
+        self.pending_row = -1  # row of the newest pending token in its step's sampled tokens
         self.admitted = False
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
@@ -49,7 +57,7 @@ class Sequence:
         self.first_token_time: float | None = None
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -61,7 +69,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -75,8 +83,20 @@ class Sequence:
         if len(self.token_ids) % self.block_size == 0:
             self.block_hashes = chain_hashes(self.token_ids, self.block_size, self.block_hashes)
 
+    def expect_token(self, row: int) -> None:
+        """A launched step samples this sequence's next token into row ``row`` of its output."""
+        self.num_pending += 1
+        self.pending_row = row
+
+    def resolve_token(self, token_id: int) -> None:
+        """The oldest pending token, read back: it joins ``token_ids``."""
+        assert self.num_pending > 0, f"{self.request_id}: a token was read back that no step sampled"
+        self.num_pending -= 1
+        self.append_token(token_id)
+
     def reset_for_recompute(self) -> None:
-        """Drop all KV progress (preemption): the next admission prefills every token again."""
+        """Drop all KV progress (preemption): the next admission prefills every token again.
+        A pending token stays pending: it is read back before the sequence can be admitted."""
         self.block_table = []
         self.num_computed_tokens = 0
         self.num_ready_blocks = 0

@@ -3,7 +3,7 @@
 Every index the model needs is int32 and lives in one flat arena, laid out as
 
     ids[P] | positions[P] | slots[P] | context_lens[C] | query_start_loc[B + 1]
-           | sample_rows[R] | block_tables[B * W]
+           | sample_rows[R] | block_tables[B * W] | fill_rows[F] | fill_sources[F]
 
 for B sequences and T token rows, W the longest block table of the batch, and R
 the sampled rows (R = 0 when the sampled rows are exactly every row: a decode
@@ -15,12 +15,20 @@ written) and context length 1 (one valid slot read), and are never sampled.
 Table rows shorter than W are padded with block 0 (never read). Slots are int32:
 the runner refuses a cache of 2**31 slots or more.
 
+F counts the sequences whose input token is pending (``Sequence.num_pending``: the
+previous step sampled it and the host has not read it back). Their id is written
+as 0 on the host; ``fill_rows`` (their token rows) and ``fill_sources`` (their
+rows in the previous step's sampled tokens) let the runner copy the real ids in
+on the device, so a step never waits for the previous one's tokens.
+
 Invariants:
 - On CUDA the host arena is pinned and reaches the device with a single
-  ``non_blocking`` copy per step. Before rewriting it the builder waits on the
-  event recorded after the previous copy, so a copy never reads a half-written
-  buffer; the wait is normally free (the previous step's token readback already
-  waited for more).
+  ``non_blocking`` copy per step. Two host arenas take turns: before rewriting
+  one the builder waits on the event recorded after its copy, two builds ago, so
+  a copy never reads a half-written buffer. That wait never blocks when each
+  step's tokens are read back before the step after next is built (both ways of
+  stepping do so: the read-back follows the copy on the stream); only after a
+  step that sampled nothing (so read nothing back) may it wait for that copy.
 - The device tensors of a step stay valid until the next ``build``: its copy
   overwrites them, after the previous step's kernels have read them (stream order).
   Views of the device arena are cached per layout and dropped when it grows.
@@ -62,12 +70,13 @@ class StepInputs:
     sample_index: list[int] | None  # batch indices of the sampling sequences; None: all of them
     graph_size: int | None = None  # padded batch G when a decode graph replays this step
     graph_header: torch.Tensor | None = None  # [4, G]: ids, positions, slots, context lengths
+    fill: torch.Tensor | None = None  # [2, F]: token rows to fill, rows of the previous step's tokens
 
 
 def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
-    """Int32 entries of the largest step: P = C = max(tokens, seqs) and R <= B."""
+    """Int32 entries of the largest step: P = C = max(tokens, seqs) and R, F <= B."""
     rows = max(max_tokens, max_seqs)
-    return 4 * rows + 2 * max_seqs + 1 + max_seqs * max_width
+    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width
 
 
 class StepInputBuilder:
@@ -78,7 +87,8 @@ class StepInputBuilder:
         self.block_size = block_size
         self.block_shift = block_size.bit_length() - 1
         self.on_cuda = device.type == "cuda"
-        self._copied = torch.cuda.Event() if self.on_cuda else None
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self.on_cuda else None
+        self._turn = 0  # the host arena of the latest build
         self._arange = np.arange(capacity + 1, dtype=np.int64)
         self._allocate(capacity)
 
@@ -86,15 +96,21 @@ class StepInputBuilder:
         # Normal tensors even when called under inference mode, so that callers
         # outside it (tests calling ``prepare``) may still write them.
         with torch.inference_mode(False):
-            self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda)
-            self.dev = torch.zeros(capacity, dtype=torch.int32, device=self.device) if self.on_cuda else self.host
-        self.host_np = self.host.numpy()
+            self.hosts = [torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda)
+                          for _ in range(2 if self.on_cuda else 1)]
+            self.dev = torch.zeros(capacity, dtype=torch.int32, device=self.device) if self.on_cuda else self.hosts[0]
+        self.host_nps = [h.numpy() for h in self.hosts]
         # Device views per layout: a decode step usually has the previous step's layout.
         self._views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
 
     @property
+    def host(self) -> torch.Tensor:
+        """The host arena of the latest build."""
+        return self.hosts[self._turn]
+
+    @property
     def capacity(self) -> int:
-        return self.host.numel()
+        return self.dev.numel()
 
     def _iota(self, n: int) -> np.ndarray:
         """``0 .. n-1`` as a view of a kept array (numpy calls cost more than their work here)."""
@@ -108,9 +124,11 @@ class StepInputBuilder:
         if num_seqs == 0:
             raise ValueError("cannot build model inputs for an empty batch")
         if self._copied is not None:
-            self._copied.synchronize()  # the previous copy has read the host arena
+            self._turn ^= 1
+            self._copied[self._turn].synchronize()  # this arena's copy, two builds ago, has read it
         tokens = [s.token_ids for s in seqs]
         starts_list = [s.num_computed_tokens for s in seqs]
+        pending = [i for i, s in enumerate(seqs) if s.num_pending]
         tables = [s.block_table for s in seqs]
         table_lens = list(map(len, tables))
         width = max(table_lens)
@@ -125,7 +143,7 @@ class StepInputBuilder:
             ends = starts + count_arr
             query_start = np.zeros(num_seqs + 1, dtype=np.int64)
             np.cumsum(count_arr, out=query_start[1:])
-        samples = ends == np.array(list(map(len, tokens)), dtype=np.int64)
+        samples = ends == np.array(list(map(len, seqs)), dtype=np.int64)  # pending tokens count
         num_sampled = int(np.count_nonzero(samples))
         all_sample = num_sampled == num_seqs
         # Sample rows are needed unless they are exactly every row (a decode step where all sample).
@@ -141,29 +159,40 @@ class StepInputBuilder:
         o_qsl = o_ctx + ctx_rows
         o_rows = o_qsl + num_seqs + 1
         o_tab = o_rows + num_rows_sampled
-        end = o_tab + num_seqs * width
+        o_fill = o_tab + num_seqs * width
+        num_fill = len(pending)
+        end = o_fill + 2 * num_fill
         if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)
             self._allocate(max(end, 2 * self.capacity))
-        a = self.host_np
+        a = self.host_nps[self._turn]
 
-        table = a[o_tab:end].reshape(num_seqs, width)
+        table = a[o_tab:o_fill].reshape(num_seqs, width)
         num_entries = sum(table_lens)
         flat_tables = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=num_entries)
         if num_entries == num_seqs * width:
-            a[o_tab:end] = flat_tables
+            a[o_tab:o_fill] = flat_tables
         else:  # pad short rows with 0; entries past a sequence's blocks are never read
             table[:] = 0
             table[self._iota(width) < np.array(table_lens)[:, None]] = flat_tables
 
-        if decode:
+        if pending:
+            check_pending(seqs, pending, starts_list, counts)
+        if decode and not pending:
             a[:num_seqs] = list(map(getitem, tokens, starts_list))
-            positions = starts
-            owner = self._iota(num_seqs)
+        elif decode:  # a pending token's id is filled in on the device: 0 here
+            a[:num_seqs] = [toks[start] if start < len(toks) else 0 for toks, start in zip(tokens, starts_list)]
         else:
             ids: list[int] = []
             for toks, start, n in zip(tokens, starts_list, counts):
                 ids += toks[start : start + n]
+            if pending:  # a pending token is the one token of its sequence's slice, missing from it
+                for i in pending:
+                    ids.insert(int(query_start[i]), 0)
             a[:num_rows] = ids
+        if decode:
+            positions = starts
+            owner = self._iota(num_seqs)
+        else:
             owner = np.repeat(self._iota(num_seqs), count_arr)
             positions = self._iota(num_rows) + (starts - query_start[:-1])[owner]
         a[o_pos : o_pos + num_rows] = positions
@@ -178,11 +207,15 @@ class StepInputBuilder:
         a[o_qsl:o_rows] = query_start
         if rows_needed:
             a[o_rows:o_tab] = query_start[1:][samples] - 1
+        if pending:
+            a[o_fill : o_fill + num_fill] = query_start[1:][pending] - 1  # a pending token is its sequence's last row
+            a[o_fill + num_fill : end] = [seqs[i].pending_row for i in pending]
 
         if self.on_cuda:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
-            self._copied.record(torch.cuda.current_stream(self.device))  # the copy's stream
-        key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0)
+            self._copied[self._turn].record(torch.cuda.current_stream(self.device))  # the copy's stream
+        key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0,
+               num_fill)
         views = self._views.get(key)
         if views is None:
             if len(self._views) > 256:
@@ -192,13 +225,14 @@ class StepInputBuilder:
                 dev[:num_rows],
                 dev[o_pos : o_pos + num_rows],
                 dev[o_slot : o_slot + num_rows],
-                dev[o_tab:end].view(num_seqs, width),
+                dev[o_tab:o_fill].view(num_seqs, width),
                 dev[o_ctx : o_ctx + num_seqs],
                 dev[o_qsl:o_rows],
                 dev[o_rows:o_tab] if rows_needed else None,
                 dev[: 4 * graph_size].view(4, graph_size) if graph_size else None,
+                dev[o_fill:end].view(2, num_fill) if num_fill else None,
             )
-        ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v = views
+        ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v = views
         return StepInputs(
             ids=ids_v,
             positions=pos_v,
@@ -208,4 +242,16 @@ class StepInputBuilder:
             sample_index=None if all_sample else np.flatnonzero(samples).tolist(),
             graph_size=graph_size,
             graph_header=header_v,
+            fill=fill_v,
         )
+
+
+def check_pending(seqs: list, pending: list[int], starts: list[int], counts: list[int]) -> None:
+    """A pending token must be the one token its sequence computes in the step (its row is
+    then the sequence's last, and no other row of it needs an unknown id)."""
+    for i in pending:
+        seq = seqs[i]
+        if seq.num_pending != 1 or starts[i] != len(seq.token_ids) or counts[i] != 1:
+            raise ValueError(f"{seq.request_id}: a pending token must be the only token scheduled "
+                             f"(pending {seq.num_pending}, computed {starts[i]} of {len(seq.token_ids)} "
+                             f"known, {counts[i]} scheduled)")

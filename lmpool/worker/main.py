@@ -260,7 +260,8 @@ class Worker:
                 outputs = self.core.step()
                 batch = self.core.scheduler.last_batch
                 ran = bool(batch.seqs or batch.num_preempted)
-                self.prefill.observe(batch, time.perf_counter() - start)
+                # With overlapped stepping a step's time is that of the batch it read back.
+                self.prefill.observe(self.core.last_read_back, time.perf_counter() - start)
                 for out in outputs:
                     seq = out.seq
                     if seq.first_token_time is None:

@@ -1,6 +1,7 @@
 """The engine on CUDA: same greedy tokens as the CPU path (fp32), CUDA graphs equal eager; step
-inputs through the pinned arena equal the CPU builder's; a step's launch never synchronises; a
-model whose head_dim the kernels lack runs on the torch ops."""
+inputs through the pinned arena equal the CPU builder's; a step's launch never synchronises;
+overlapped stepping equals the serial path and waits at most once per step; a model whose
+head_dim the kernels lack runs on the torch ops."""
 
 from __future__ import annotations
 
@@ -121,23 +122,109 @@ def test_gpu_step_inputs_equal_the_cpu_builder(graphs):
         assert _as_lists(got) == _as_lists(cpu.build(batch, graphs))
 
 
-def test_gpu_launch_never_waits_for_the_device(tiny_model, cpu_tokens):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "overlapped"])
+def test_gpu_launch_never_waits_for_the_device(tiny_model, cpu_tokens, async_scheduling):
     """torch raises on a synchronising CUDA call made in the sync debug mode "error": a step's
-    launch and block accounting run without one; only reading the tokens back waits."""
+    scheduling, launch and block accounting run without one; only reading the tokens back waits."""
     sampled = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=32, ignore_eos=True, seed=7),
                SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)]
     params = [GREEDY if i % 3 == 0 else sampled[i % 3 - 1] for i in range(len(prompts()))]
     for enforce_eager in (False, True):
-        with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, enforce_eager=enforce_eager) as llm:
+        with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, enforce_eager=enforce_eager,
+                 async_scheduling=async_scheduling) as llm:
             llm.generate(prompts(), params)  # first calls may load the kernels and set up libraries
             core = llm.engine
             core.runner.launch = _strict(core.runner.launch)
             core.scheduler.complete_step = _strict(core.scheduler.complete_step)
+            for name in ("schedule", "advance", "commit"):
+                setattr(core.scheduler, name, _strict(getattr(core.scheduler, name)))
             outs = llm.generate(prompts(), params)
         assert all(len(o.token_ids) == 32 for o in outs)
         assert [o.token_ids for o, p in zip(outs, params) if p is GREEDY] == [
             t for t, p in zip(cpu_tokens, params) if p is GREEDY
         ]
+
+
+def test_gpu_overlapped_step_waits_at_most_once(tiny_model, monkeypatch):
+    """Each overlapped ``step`` blocks on at most one event (the previous step's read-back): the
+    step-input arena's wait always finds its copy done. (That nothing else in a step synchronises
+    is ``test_gpu_launch_never_waits_for_the_device``.)"""
+    blocking = []
+    synchronize = torch.cuda.Event.synchronize
+
+    def counted(event):
+        if not event.query():
+            blocking.append(event)
+        synchronize(event)
+
+    with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK) as llm:
+        llm.generate(prompts(), GREEDY)  # warm-up
+        core = llm.engine
+        for i, p in enumerate(prompts()):
+            core.add_request(f"w{i}", p, GREEDY)
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
+        step = core.step
+        while core.has_unfinished():
+            before = len(blocking)
+            step()
+            assert len(blocking) - before <= 1
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+@pytest.mark.parametrize("engine_args", [{}, {"num_kv_blocks": 8}, {"max_num_batched_tokens": 24}],
+                         ids=["roomy", "preempting", "chunked"])
+def test_gpu_overlapped_equals_serial(tiny_model, cpu_tokens, enforce_eager, engine_args):
+    """Greedy, seeded and stop-token requests in one batch, run twice (the second run hits the
+    prefix cache): the overlapped path's outputs equal the serial path's, greedy ones the CPU's."""
+    ps = prompts()
+    params = []
+    for i, want in enumerate(cpu_tokens):
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=(want[4 + i],)))
+        elif i % 3 == 1:
+            params.append(SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=8 + i, ignore_eos=True,
+                                         seed=i))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True))
+    outs = {}
+    for async_scheduling in (False, True):
+        with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, enforce_eager=enforce_eager,
+                 async_scheduling=async_scheduling, **engine_args) as llm:
+            runs = [llm.generate(ps, params) for _ in range(2)]
+            llm.engine.block_manager.check_invariants([])
+        if "num_kv_blocks" not in engine_args:  # eight blocks may keep nothing of the first run
+            assert any(o.num_cached_tokens > 0 for o in runs[1])
+        outs[async_scheduling] = [[(o.token_ids, o.finish_reason) for o in run] for run in runs]
+    assert outs[True] == outs[False]
+    for run in outs[True]:
+        for i, ((tokens, reason), want) in enumerate(zip(run, cpu_tokens)):
+            if i % 3 != 1:
+                assert tokens == want[: len(tokens)]
+            if i % 3 == 0:
+                assert reason == "stop" and tokens[-1] == want[4 + i]
+
+
+def test_gpu_overlapped_aborts_emit_nothing_more(tiny_model, cpu_tokens):
+    """A request aborted while its next token is on the device never emits that token."""
+    with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK) as llm:
+        core = llm.engine
+        for i, p in enumerate(prompts()):
+            core.add_request(f"a{i}", p, GREEDY)
+        emitted: dict[str, list[int]] = {f"a{i}": [] for i in range(len(prompts()))}
+        aborted = set()
+        while core.has_unfinished():
+            for out in core.step():
+                assert out.request_id not in aborted
+                emitted[out.request_id].append(out.new_token_id)
+            for rid in ("a1", "a5", "a8"):
+                if rid not in aborted and len(emitted[rid]) >= 3 * int(rid[1:]) % 7:
+                    assert core.abort_request(rid)
+                    aborted.add(rid)
+        assert core.block_manager.num_used == 0
+    for i, want in enumerate(cpu_tokens):
+        got = emitted[f"a{i}"]
+        assert got == want[: len(got)]
+        assert len(got) == (3 * i % 7 if f"a{i}" in aborted else 32)
 
 
 def _strict(fn):
