@@ -55,7 +55,7 @@ class ServerProcess:
             time.sleep(0.2)
 
     def worker_pids(self) -> list[int]:
-        return self.children(b"lmpool.pool.worker")
+        return self.children(b"lmpool.worker.main")
 
     def worker_pid(self, rank: int) -> int:
         """The pid of the worker serving ``rank`` (its spec, the last argument, names the rank)."""

@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from lmpool.engine.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
+from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 from lmpool.protocol.vllm_kv_events import event_types
 from lmpool.control.kv_events.pool_events import PoolKVEvents
 from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST, KVEventPublisher

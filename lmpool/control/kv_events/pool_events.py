@@ -19,7 +19,7 @@ import json
 import os
 
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.engine.kv_events import BlockStored, KVDelta, KVSnapshot
+from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
 
 ENV = "LMPOOL_KV_EVENTS"
 

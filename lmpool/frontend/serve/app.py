@@ -15,7 +15,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lmpool.pool.api import AsyncLMPool
+from lmpool.frontend.api import AsyncLMPool
 from lmpool.frontend.serve.auth import install_api_key
 from lmpool.frontend.serve.disconnect import ClientGone, unless_disconnected
 from lmpool.frontend.serve.errors import ServeError, install_handlers

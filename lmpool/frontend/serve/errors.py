@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from lmpool.pool.engine import PoolError
+from lmpool.frontend.client import PoolError
 
 
 class ServeError(Exception):

@@ -2,7 +2,7 @@
 
 The server starts its pool with metrics on, on a loopback port of its own choosing
 (``metrics_port=0``), and relays that page, so the names are exactly the pool's
-(``lmpool.pool.metrics``) and a scrape of the server adds nothing to the pool's work.
+(``lmpool.frontend.metrics``) and a scrape of the server adds nothing to the pool's work.
 """
 
 from __future__ import annotations
