@@ -38,7 +38,7 @@ import uvloop
 from lmpool.config.pool import PoolConfig
 from lmpool.frontend.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
-from lmpool.frontend.client import LLMEngine, PoolError, TrackedRequest
+from lmpool.frontend.client import PoolClient, PoolError, TrackedRequest
 from lmpool.frontend.metrics import NO_METRICS, MetricsServer
 from lmpool.frontend.output_processor import OutputProcessor, RequestState
 from lmpool.sampling_params import SamplingParams
@@ -65,7 +65,7 @@ class AsyncLMPool:
         self.config = config if config is not None else PoolConfig.from_options(model, **options)
         self.tokenizer = load_tokenizer(self.config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine = LLMEngine(self.config)
+        self.engine = PoolClient(self.config)
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
         self._metrics_address = (metrics_host, metrics_port)
@@ -189,7 +189,7 @@ class AsyncLMPool:
 
     async def stats(self) -> dict:
         """Pool state: ``control_pid``, per-rank rows and the ``transfers`` counters (see
-        ``LLMEngine.stats`` and ``TransferStats``)."""
+        ``PoolClient.stats`` and ``TransferStats``)."""
         return await self.engine.stats()
 
 
@@ -283,7 +283,7 @@ class LMPool:
         return self._call(self._pool.transfer(prompt, src, dst, move))
 
     @property
-    def engine(self) -> LLMEngine:
+    def engine(self) -> PoolClient:
         return self._pool.engine
 
     @property

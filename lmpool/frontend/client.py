@@ -1,4 +1,4 @@
-"""``LLMEngine``: the user-process side of a pool. It launches, wires and supervises the
+"""``PoolClient``: the user-process side of a pool. It launches, wires and supervises the
 control process and N workers, and carries every request from ingress to its last token.
 
 Flow of one request: validate at ingress -> chain the prompt's complete-block
@@ -104,7 +104,7 @@ class TrackedRequest:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
-class LLMEngine:
+class PoolClient:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)

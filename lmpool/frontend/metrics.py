@@ -1,7 +1,7 @@
 """Opt-in Prometheus metrics of a pool, served over HTTP from the user process.
 
 Latency histograms are recorded where tokens reach the user process
-(``LLMEngine._deliver`` calls ``first_token``/``inter_token``). Every other figure is read,
+(``PoolClient._deliver`` calls ``first_token``/``inter_token``). Every other figure is read,
 at scrape time, from the pool-state board that the control process publishes, so the
 exporter shows what ``lmpool top`` shows and adds no traffic to the pool.
 
