@@ -116,7 +116,7 @@ class GlobalScheduler:
         self.pending: PendingPrefixes | None = None  # the LMPool policy's blocks routed, not yet reported
         if policy == "lmpool" and self.config.pending_ttl_s > 0:
             self.pending = PendingPrefixes(gbm.world_size, self.config.pending_ttl_s, gbm.clock)
-            gbm.on_stored = self.pending.confirm
+            gbm.watch_stored(self.pending.confirm)
         self._route = getattr(self, "_route_" + policy)
         self._rr_next = 0
         self._rng = random.Random(self.config.seed)
