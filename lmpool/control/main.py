@@ -2,7 +2,7 @@
 
 Every state change (a worker's snapshot or delta, a heartbeat, a route query,
 a rank going down) runs as a callback of this one loop, so the
-GlobalBlockManager and GlobalScheduler need no locks: the loop serializes them.
+GlobalBlockManager and Router need no locks: the loop serializes them.
 The control process holds metadata only; KV bytes never pass through it.
 
 It serves the engine's requests (``ControlRequest``) on one link and reads each
@@ -39,7 +39,7 @@ import numpy as np
 import uvloop
 
 from lmpool.control.page_table.manager import GlobalBlockManager, StaleUpdateError
-from lmpool.control.routing.scheduler import GlobalScheduler
+from lmpool.control.routing.router import Router
 from lmpool.control.topology import Topology
 from lmpool.protocol.messages import (
     ControlRequest,
@@ -65,6 +65,7 @@ from lmpool.protocol.messages import (
 )
 from lmpool.protocol.spec import ControlSpec, read_spec
 from lmpool.protocol.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
+from lmpool.control.transfers.leases import PlacementLeases
 from lmpool.control.transfers.policies import TransferPolicies
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.control.transfers.coordinator import Plan, PlanState, TransferCoordinator
@@ -91,7 +92,9 @@ class ControlPlane:
         self.gbm = GlobalBlockManager(spec.world_size, spec.block_size, heat_half_life_s=policy.heat_half_life_s,
                                       route_hit_weight=policy.route_hit_weight,
                                       reservation_ttl_s=spec.routing_config.reservation_ttl_s)
-        self.scheduler = GlobalScheduler(self.gbm, topology, policy=spec.routing, config=spec.routing_config)
+        background = spec.transfer_mode in ("background", "both")  # placement leases steer routes to its copies
+        leases = PlacementLeases(policy.lease_s, clock=self.gbm.clock) if background else None
+        self.scheduler = Router(self.gbm, topology, policy=spec.routing, config=spec.routing_config, leases=leases)
         self.workers: dict[int, Channel] = {}
         self.resync_pending: set[int] = set()
         # Set once a rank's first snapshot is applied, or once it is known dead.
