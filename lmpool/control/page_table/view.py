@@ -1,6 +1,6 @@
-"""What routing policies may read of the page table: each rank's load, reservations and cache
-size, and the prefix match. Read-only: routing's own writes (reservations, demand, a rank's
-death) go through the router, never through a policy."""
+"""What routing reads of the page table: each rank's load, reservations and cache size, the
+alive ranks and the prefix match. Policies get only this view; the router alone writes
+(reservations, demand, a rank's death), through ``GlobalBlockManager``."""
 
 from __future__ import annotations
 
