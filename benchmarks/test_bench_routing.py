@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.scheduler import POLICIES, GlobalScheduler
+from lmpool.control.routing.registry import POLICIES
+from lmpool.control.routing.router import Router
 from lmpool.control.topology import Topology
 from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 from lmpool.protocol import LoadReport, RouteQuery
@@ -90,7 +91,7 @@ def run_policy(
     gbm: GlobalBlockManager, policy: str, qs: list[RouteQuery], rng: random.Random
 ) -> tuple[list[float], collections.Counter]:
     """Route every query; the microseconds of each after the warm-up, and how often each rule decided."""
-    scheduler = GlobalScheduler(gbm, Topology.virtual(WORLD), policy=policy)
+    scheduler = Router(gbm, Topology.virtual(WORLD), policy=policy)
     pending: list[list[str]] = [[] for _ in range(WORLD)]
     times = []
     rules: collections.Counter = collections.Counter()

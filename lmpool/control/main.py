@@ -2,7 +2,7 @@
 
 Every state change (a worker's snapshot or delta, a heartbeat, a route query,
 a rank going down) runs as a callback of this one loop, so the
-GlobalBlockManager and GlobalScheduler need no locks: the loop serializes them.
+GlobalBlockManager and Router need no locks: the loop serializes them.
 The control process holds metadata only; KV bytes never pass through it.
 
 It serves the engine's requests (``FrontendToControl``) on one link and reads each
@@ -39,7 +39,7 @@ import numpy as np
 import uvloop
 
 from lmpool.control.page_table.manager import GlobalBlockManager, StaleUpdateError
-from lmpool.control.routing.scheduler import GlobalScheduler
+from lmpool.control.routing.router import Router
 from lmpool.control.topology import Topology
 from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
 from lmpool.control.transfers.policies import TransferPolicies
@@ -74,6 +74,7 @@ from lmpool.protocol import (
 from lmpool.protocol.spec import ControlSpec, read_spec
 from lmpool.protocol.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
 from lmpool.control.kv_events import pool_events as kv_pool_events
+from lmpool.control.transfers.leases import PlacementLeases
 from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
@@ -97,7 +98,9 @@ class ControlPlane:
         self.gbm = GlobalBlockManager(pool.world_size, pool.engine.block_size, heat_half_life_s=policy.heat_half_life_s,
                                       route_hit_weight=policy.route_hit_weight,
                                       reservation_ttl_s=pool.routing_config.reservation_ttl_s)
-        self.scheduler = GlobalScheduler(self.gbm, topology, policy=pool.routing, config=pool.routing_config)
+        # Placement leases steer routes to background placement's copies.
+        leases = PlacementLeases(policy.lease_s, clock=self.gbm.clock) if pool.transfer.background_placement else None
+        self.scheduler = Router(self.gbm, topology, policy=pool.routing, config=pool.routing_config, leases=leases)
         self.workers: dict[int, Channel] = {}
         self.resync_pending: set[int] = set()
         # Set once a rank's first snapshot is applied, or once it is known dead.

@@ -9,7 +9,7 @@ shaped like ``LLM.generate``.
 ``metrics_port`` (an int; 0 picks a free port) turns on Prometheus metrics, served
 from this process at ``http://<metrics_host>:<port>/metrics`` (see ``lmpool.frontend.metrics``).
 
-``routing`` names the policy (``lmpool.control.routing.scheduler.POLICIES``) and
+``routing`` names the policy (``lmpool.control.routing.registry.POLICIES``) and
 ``routing_config`` (``RoutingConfig``) its thresholds.
 
 KV transfers: ``enable_transfers=True`` allows explicit ones (``transfer``);

@@ -499,6 +499,17 @@ class PageTableMachine(RuleBasedStateMachine):
             assert self.gbm.prefix_match(chain) == expected
         assert set(self.gbm.reservations) == set(self.reservations)
 
+    @invariant()
+    def ready_index_and_rank_totals_agree_with_model(self) -> None:
+        for h in HASHES:
+            expected = sum(1 << rank for rank, m in enumerate(self.model) if m.ready(h))
+            assert self.gbm.ready_ranks(h) == expected
+        for rank, m in enumerate(self.model):
+            info = self.gbm.ranks[rank]
+            assert info.num_ready == sum(1 for h in m.entries if m.ready(h))
+            assert info.num_reservations == sum(1 for r, _ in self.reservations.values() if r == rank)
+            assert self.gbm.alive_mask >> rank & 1 == m.alive
+
 
 TestPageTableMachine = PageTableMachine.TestCase
 TestPageTableMachine.settings = settings(max_examples=400, stateful_step_count=50, deadline=None)

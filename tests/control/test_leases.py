@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.scheduler import POLICIES, GlobalScheduler
+from lmpool.control.routing.registry import POLICIES
+from lmpool.control.routing.router import Router
 from lmpool.control.transfers.leases import PlacementLeases
 from lmpool.control.topology import Topology
 from lmpool.protocol.kv_events import KVSnapshot
@@ -44,8 +45,7 @@ def make(policy: str = "lmpool", world: int = 2):
         gbm.register_rank(rank, 1, 100)
         gbm.apply_snapshot(rank, 1, KVSnapshot(0, []))
         gbm.update_load(rank, 1, LoadReport(blocks_free=100))
-    sched = GlobalScheduler(gbm, Topology.virtual(world), policy)
-    sched.leases = PlacementLeases(lease_s=30.0, clock=clock)
+    sched = Router(gbm, Topology.virtual(world), policy, leases=PlacementLeases(lease_s=30.0, clock=clock))
     # The owner (rank 0) holds the whole chain and is busy; rank 1 got a copy of its first 2 blocks.
     cache(gbm, 0, CHAIN)
     cache(gbm, 1, CHAIN[:2])
@@ -123,5 +123,5 @@ def test_rank_load_is_the_projection_load_term():
     gbm.update_load(1, 1, LoadReport(blocks_free=100, waiting_prefill_tokens=70, decode_tokens_left=300))
     gbm.reserve("x", 1, blocks=1, tokens=11)
     q = RouteQuery("p", CHAIN, 3 * BLOCK + 5, 8)
-    (cost,) = sched.project(q, [1], [0, 2], None)
+    (cost,) = sched.costs.project(q, [1], [0, 2], None)
     assert sched.rank_load(1) == pytest.approx(cost.load) == pytest.approx(70 + 11 + 0.1 * 300)

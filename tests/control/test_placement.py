@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.scheduler import GlobalScheduler
+from lmpool.control.routing.router import Router
 from lmpool.control.transfers.placement import BackgroundPlacement, HotChains
 from lmpool.control.topology import Topology
 from lmpool.engine.hashing import ROOT_HASH
@@ -34,7 +34,7 @@ class World:
         self.gbm = GlobalBlockManager(n, BLOCK, clock=self.clock, heat_half_life_s=10.0, route_hit_weight=0.5)
         self.sent = []
         self.coord = TransferCoordinator(self.gbm, lambda r, m: self.sent.append((r, m)), clock=self.clock)
-        self.sched = GlobalScheduler(self.gbm, topology or Topology.virtual(n))
+        self.sched = Router(self.gbm, topology or Topology.virtual(n))
         # 1 ms + 1 MB/s over 4 KiB blocks: ~1 ms per block at these sizes.
         self.gate = AdmissionGate(AdmissionPolicy(prefill_s_per_token=prefill, block_size=BLOCK),
                                   TransferCostModel.uncalibrated(4096, 1e-3, 4e6))
@@ -112,7 +112,7 @@ def test_heat_stays_exact_across_scaling_epochs():
         w.route(c)
     w.clock.now += 10.0
     assert w.gbm.heat(c[0]) == pytest.approx(1.5 / 2, rel=1e-9), "only the latest access still counts"
-    assert len(w.gbm._heat_bases) > 1
+    assert len(w.gbm._heat._bases) > 1
 
 
 def test_hot_chains_give_the_deepest_hot_prefix_once_and_forget_cold_chains():

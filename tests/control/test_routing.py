@@ -1,4 +1,4 @@
-"""GlobalScheduler.route_sequence_meta: the LMPool cost model and bounded spill, capacity and
+"""Router.route_sequence_meta: the LMPool cost model and bounded spill, capacity and
 reservations, seeds and topology, dead ranks, and each baseline against its published rule."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.config import RoutingConfig
-from lmpool.control.routing.scheduler import POLICIES, GlobalScheduler, NoAliveRankError
+from lmpool.control.routing.registry import POLICIES
+from lmpool.control.routing.router import NoAliveRankError, Router
 from lmpool.control.topology import Topology
 from lmpool.protocol.kv_events import KVSnapshot
 from lmpool.protocol import LoadReport, RouteQuery
@@ -25,7 +26,7 @@ def make(world=4, policy="lmpool", topology=None, config=None, clock=None):
     for rank in range(world):
         gbm.register_rank(rank, 1, NUM_BLOCKS)
         gbm.apply_snapshot(rank, 1, KVSnapshot(0, []))
-    return gbm, GlobalScheduler(gbm, topology or Topology.virtual(world), policy, config)
+    return gbm, Router(gbm, topology or Topology.virtual(world), policy, config)
 
 
 def chain(n: int, family: int = 1) -> list[int]:
@@ -49,8 +50,8 @@ def release_all(gbm: GlobalBlockManager) -> None:
         gbm.release(request_id)
 
 
-def cost_of(scheduler: GlobalScheduler, rank: int) -> float:
-    return next(c.cost for c in scheduler.last_costs if c.rank == rank)
+def cost_of(scheduler: Router, rank: int) -> float:
+    return next(c.cost for c in scheduler.policy.last_costs if c.rank == rank)
 
 
 # ---- LMPool -------------------------------------------------------------------------------
@@ -72,7 +73,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_block():
     cache(gbm, 1, chain(10))
     decision = scheduler.route_sequence_meta(query(chain(10), extra_tokens=0))
     assert (decision.rank, decision.matched_blocks) == (1, 10)
-    costs = {c.rank: c for c in scheduler.last_costs}
+    costs = {c.rank: c for c in scheduler.policy.last_costs}
     assert (costs[1].matched, costs[1].missing) == (9, BLOCK)
 
 
@@ -231,7 +232,7 @@ def test_a_burst_sharing_a_new_prefix_goes_to_one_owner_until_the_pending_prefix
     second = scheduler.route_sequence_meta(query(prefix + chain(1, family=8)))
     assert first.rank == second.rank, "the second request queues behind the first and reuses its prefill"
     assert second.matched_blocks == 0 and second.reason.startswith(f"owner_kept r{first.rank} m20")
-    own = {c.rank: c for c in scheduler.last_costs}[first.rank]
+    own = {c.rank: c for c in scheduler.policy.last_costs}[first.rank]
     assert own.missing == 1 * BLOCK + 5, "only its own block and tail are left to compute there"
     clock.now += 5.0
     release_all(gbm)
@@ -305,9 +306,9 @@ def test_dead_ranks_are_never_chosen(policy):
 def test_bad_policy_config_and_topology_are_rejected():
     gbm = GlobalBlockManager(4, BLOCK)
     with pytest.raises(ValueError, match="lmpool, round_robin, least_loaded, sglang_cache_aware, dynamo_kv"):
-        GlobalScheduler(gbm, Topology.virtual(4), policy="random")
+        Router(gbm, Topology.virtual(4), policy="random")
     with pytest.raises(ValueError, match="topology has 2 ranks"):
-        GlobalScheduler(gbm, Topology.virtual(2))
+        Router(gbm, Topology.virtual(2))
     with pytest.raises(ValueError, match="decode_work"):
         RoutingConfig(decode_work="steps")
     with pytest.raises(ValueError, match="sglang_tree"):
@@ -429,3 +430,10 @@ def test_dynamo_temperature_samples_by_normalized_softmax():
         release_all(gbm)
     for rank in range(4):
         assert counts[rank] / n == pytest.approx(expected[rank], abs=0.03)
+
+
+def test_the_configurable_routing_names_are_the_registered_policies():
+    from lmpool.config.pool import ROUTINGS
+    from lmpool.control.routing.registry import POLICIES as REGISTERED
+
+    assert sorted(ROUTINGS) == sorted(REGISTERED)

@@ -6,7 +6,7 @@ A lease names the copied chain by its deepest block (``leaf``, ``depth`` blocks
 from the root) and the rank holding the copy (``dst``); while it lasts, a request
 whose prompt contains that chain goes to ``dst`` whenever ``dst`` is
 capacity-feasible and its projected cost is below the rank the policy chose
-(``GlobalScheduler.route_sequence_meta``).
+(``Router.route_sequence_meta``).
 
 Invariants: at most one lease per leaf (a newer placement replaces the older);
 an expired lease is never returned and is dropped when met; at most

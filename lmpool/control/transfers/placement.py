@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.scheduler import GlobalScheduler
+from lmpool.control.routing.router import Router
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.control.transfers.admission import AdmissionDecision, AdmissionGate
 from lmpool.control.transfers.coordinator import TransferCoordinator
@@ -118,7 +118,7 @@ class BackgroundPlacement:
     def __init__(
         self,
         gbm: GlobalBlockManager,
-        scheduler: GlobalScheduler,
+        scheduler: Router,
         coordinator: TransferCoordinator,
         gate: AdmissionGate,
         prefill_s_per_token: Callable[[int], float | None],

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from lmpool.control.transfers.foreground import plan_release
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.scheduler import GlobalScheduler
+from lmpool.control.routing.router import Router
 from lmpool.control.transfers.leases import PlacementLeases
 from lmpool.control.transfers.placement import BackgroundPlacement, CopyBatch
 from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN, UNCALIBRATED_LINK
@@ -42,7 +42,7 @@ class TransferPolicies:
         self,
         spec: ControlSpec,
         gbm: GlobalBlockManager,
-        scheduler: GlobalScheduler,
+        scheduler: Router,
         coordinator: TransferCoordinator,
         send: Callable[[int, object], None],
     ) -> None:
@@ -67,10 +67,9 @@ class TransferPolicies:
             block_size=spec.pool.engine.block_size, discount=cfg.reuse_discount, margin=cfg.admission_margin,
         )
         self.gate = AdmissionGate(policy, self.cost_model)
-        self.leases: PlacementLeases | None = None
+        self.leases: PlacementLeases | None = scheduler.leases  # the router's: background copies grant them
         self.placement: BackgroundPlacement | None = None
         if self.background:
-            self.leases = scheduler.leases = PlacementLeases(cfg.lease_s, clock=gbm.clock)
             self.placement = BackgroundPlacement(
                 gbm, scheduler, coordinator, self.gate, self.prefill_s_per_token,
                 hot_threshold=cfg.hot_threshold, min_load_skew_tokens=cfg.min_load_skew_tokens,

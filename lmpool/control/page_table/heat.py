@@ -1,0 +1,89 @@
+"""Block heat: per cached hash, the demand routed prompts showed for it, decayed over time.
+
+A prompt containing a held block counts 1, and ``route_hit_weight`` more when its route used
+the block; both halve every ``half_life_s``. Background placement copies the hottest chains.
+
+Invariant (checked by the page table): stats exist only for hashes some rank holds ready; the
+entry table forgets a hash's stats when its last ready copy goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+
+class HashStats(msgspec.Struct, gc=False):
+    """Demand for one cached block: how often routed prompts contained it, how often a route
+    used it, and its heat. ``heat`` is kept scaled by ``2 ** (t / half_life)`` from its
+    ``epoch``'s base time, so that a route adds to it without computing any decay.
+
+    Untracked by the garbage collector (it holds numbers only): hundreds of thousands of these
+    would otherwise make every full collection pause the control loop for tens of milliseconds.
+    """
+
+    accesses: int = 0
+    route_hits: int = 0
+    last_access: float = 0.0
+    heat: float = 0.0
+    epoch: int = 0
+
+
+class Heat:
+    def __init__(self, half_life_s: float, route_hit_weight: float, clock: Callable[[], float]) -> None:
+        self.half_life_s = half_life_s
+        self.route_hit_weight = route_hit_weight
+        self.clock = clock
+        self.stats: dict[int, HashStats] = {}
+        # Heat scaling: times are measured in half-lives from a base that moves (a new epoch)
+        # before 2 ** x could overflow; an entry from an older epoch is rescaled when next met.
+        self._bases = [clock()]
+
+    def record_route(self, block_hashes: list[int], held: int, used: int) -> None:
+        """The first ``held`` blocks are cached somewhere; the route used the first ``used``."""
+        now = self.clock()
+        stats = self.stats
+        epoch, scale = self._scale(now)
+        access, hit = scale, scale * (1.0 + self.route_hit_weight)
+        for i in range(held):
+            h = block_hashes[i]
+            s = stats.get(h)
+            if s is None:
+                s = stats[h] = HashStats(epoch=epoch)
+            elif s.epoch != epoch:
+                self._rebase(s, epoch)
+            s.accesses += 1
+            s.last_access = now
+            if i < used:
+                s.route_hits += 1
+                s.heat += hit
+            else:
+                s.heat += access
+
+    def heat(self, block_hash: int) -> float:
+        """The block's demand now: its accesses and route hits decayed to this instant (0 if never routed)."""
+        s = self.stats.get(block_hash)
+        if s is None:
+            return 0.0
+        epoch, scale = self._scale(self.clock())
+        if s.epoch != epoch:
+            self._rebase(s, epoch)
+        return s.heat / scale
+
+    def forget(self, block_hash: int) -> None:
+        self.stats.pop(block_hash, None)
+
+    def _scale(self, now: float) -> tuple[int, float]:
+        """The current heat epoch and ``2 ** (half-lives since its base)``, starting a new epoch
+        when that grows large (a rare event: every few hundred half-lives)."""
+        bases = self._bases
+        x = (now - bases[-1]) / self.half_life_s
+        if x > 256:
+            bases.append(now)
+            x = 0.0
+        return len(bases) - 1, 2.0 ** x
+
+    def _rebase(self, s: HashStats, epoch: int) -> None:
+        s.heat *= 2.0 ** ((self._bases[s.epoch] - self._bases[epoch]) / self.half_life_s)
+        s.epoch = epoch

@@ -1,0 +1,100 @@
+"""Route reservations: capacity and queue work a route promised a rank before the rank's own
+reports show it. One per request; released when the rank reports the request admitted, when
+the rank goes, or ``ttl_s`` after it was taken (its request never arrived).
+
+Invariants: each rank's totals (blocks, tokens, count) are the sums of its reservations; every
+reservation can still expire (its id and creation time are in the expiry queue).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Reservation(NamedTuple):
+    request_id: str
+    rank: int
+    blocks: int
+    tokens: int
+    created: float
+
+
+class RankReservations:
+    __slots__ = ("blocks", "tokens", "count")
+
+    def __init__(self) -> None:
+        self.blocks = 0
+        self.tokens = 0
+        self.count = 0
+
+
+class Reservations:
+    def __init__(self, world_size: int, ttl_s: float, clock: Callable[[], float]) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.by_id: dict[str, Reservation] = {}
+        self.totals = [RankReservations() for _ in range(world_size)]
+        # Reservations in creation order, for TTL expiry without a scan; released ones are
+        # skipped when they reach the front.
+        self._expiry: deque[tuple[float, str]] = deque()
+
+    def reserve(self, request_id: str, rank: int, blocks: int, tokens: int) -> None:
+        if blocks < 0 or tokens < 0:
+            raise ValueError(f"reservation of {blocks} blocks, {tokens} tokens: both must be >= 0")
+        self.release(request_id)  # a re-routed request holds one reservation, not two
+        now = self.clock()
+        self.by_id[request_id] = Reservation(request_id, rank, blocks, tokens, now)
+        self._expiry.append((now, request_id))
+        totals = self.totals[rank]
+        totals.blocks += blocks
+        totals.tokens += tokens
+        totals.count += 1
+
+    def release(self, request_id: str) -> bool:
+        reservation = self.by_id.pop(request_id, None)
+        if reservation is None:
+            return False
+        totals = self.totals[reservation.rank]
+        totals.blocks -= reservation.blocks
+        totals.tokens -= reservation.tokens
+        totals.count -= 1
+        return True
+
+    def release_admitted(self, rank: int, admitted: list[str]) -> None:
+        """``rank`` admitted these requests: their reservations there are spent."""
+        for request_id in admitted:
+            reservation = self.by_id.get(request_id)
+            if reservation is not None and reservation.rank == rank:
+                self.release(request_id)
+
+    def expire(self) -> int:
+        """Release reservations older than the TTL; how many."""
+        deadline = self.clock() - self.ttl_s
+        expired = 0
+        while self._expiry and self._expiry[0][0] <= deadline:
+            created, request_id = self._expiry.popleft()
+            reservation = self.by_id.get(request_id)
+            if reservation is not None and reservation.created == created:
+                self.release(request_id)
+                expired += 1
+        return expired
+
+    def drop_rank(self, rank: int) -> None:
+        if self.totals[rank].count:
+            for request_id in [r.request_id for r in self.by_id.values() if r.rank == rank]:
+                self.release(request_id)
+
+    def check(self) -> None:
+        totals = [[0, 0, 0] for _ in self.totals]
+        for request_id, reservation in self.by_id.items():
+            assert reservation.request_id == request_id
+            t = totals[reservation.rank]
+            t[0] += reservation.blocks
+            t[1] += reservation.tokens
+            t[2] += 1
+        for rank, (own, (blocks, tokens, count)) in enumerate(zip(self.totals, totals)):
+            assert (own.blocks, own.tokens, own.count) == (blocks, tokens, count), f"rank {rank}: reservation totals"
+        pending = {request_id for _, request_id in self._expiry}
+        assert self.by_id.keys() <= pending, "a reservation cannot expire"

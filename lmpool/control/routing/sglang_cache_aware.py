@@ -1,0 +1,114 @@
+"""SGLang's cache-aware router (the sgl-router ``cache_aware`` policy), with its defaults.
+
+Reimplements sgl-project/sglang ``sgl-router/src/policies/cache_aware.rs`` and the sgl-router
+README as they stood before the router was renamed sgl-model-gateway (no release recorded
+beyond that), with their defaults ``cache_threshold=0.5``, ``balance_abs_threshold=32``,
+``balance_rel_threshold=1.0001``. Load is the router's count of requests sent to a worker and
+not finished; ours is ``num_waiting + num_running`` plus requests routed but not yet admitted.
+
+- Imbalanced when ``max_load - min_load > balance_abs_threshold`` and
+  ``max_load > balance_rel_threshold * min_load``: the least-loaded worker.
+- Else the worker with the longest prefix match in the router's tree, if
+  ``matched / prompt > cache_threshold``; else the worker with the smallest tree (the most
+  room to cache).
+- Every routed prompt is inserted into the chosen worker's tree.
+
+Differences: SGLang's tree holds request text per character; ours holds chained
+complete-block hashes, so the match rate is ``matched_blocks * block_size / prompt_tokens``.
+It evicts least recently used leaves every 60 s down to ``max_tree_size``; we evict the least
+recently routed block at insert time past ``sglang_max_tree_blocks``. With
+``sglang_tree="page_table"`` the matches and tree sizes come from the global page table
+(worker events) instead. Ties go to the lower load, then the lower rank.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from lmpool.config.routing import RoutingConfig
+from lmpool.control.page_table.view import PageTableView
+from lmpool.control.routing.cost import CostModel
+from lmpool.control.routing.policy import RoutingPolicy
+from lmpool.protocol import RouteQuery
+
+
+class ApproximateTrees:
+    """SGLang's per-worker approximate trees, as chained block hashes: hash -> bitmask of the
+    ranks whose tree holds it, and per rank its hashes in least-recently-routed order (the
+    tree's size). A rank's tree never holds more than ``max_blocks`` hashes."""
+
+    def __init__(self, world_size: int, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self._holders: dict[int, int] = {}
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(world_size)]
+
+    def size(self, rank: int) -> int:
+        return len(self._lru[rank])
+
+    def match(self, block_hashes: list[int], ranks: list[int]) -> dict[int, int]:
+        """Per rank of ``ranks``, how many leading blocks of ``block_hashes`` its tree holds."""
+        remaining = sum(1 << r for r in ranks)
+        matches = dict.fromkeys(ranks, 0)
+        for i, h in enumerate(block_hashes):
+            remaining &= self._holders.get(h, 0)
+            if not remaining:
+                break
+            for r in ranks:
+                if remaining >> r & 1:
+                    matches[r] = i + 1
+        return matches
+
+    def insert(self, rank: int, block_hashes: list[int]) -> None:
+        bit = 1 << rank
+        lru = self._lru[rank]
+        for h in block_hashes:
+            self._holders[h] = self._holders.get(h, 0) | bit
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.max_blocks:
+            h, _ = lru.popitem(last=False)
+            mask = self._holders[h] & ~bit
+            if mask:
+                self._holders[h] = mask
+            else:
+                del self._holders[h]
+
+
+class SGLangCacheAwarePolicy(RoutingPolicy):
+    def __init__(self, table: PageTableView, config: RoutingConfig, costs: CostModel) -> None:
+        super().__init__(table, config, costs)
+        self.trees: ApproximateTrees | None = None  # None: the page table stands in for them
+        if config.sglang_tree == "approximate":
+            self.trees = ApproximateTrees(table.world_size, config.sglang_max_tree_blocks)
+
+    def choose(self, query: RouteQuery, ranks: list[int], matched: list[int], seed: int | None) -> tuple[int, str]:
+        cfg = self.config
+        loads = {}
+        for r in ranks:
+            info = self.table.ranks[r]
+            loads[r] = info.load.num_waiting + info.load.num_running + info.num_reservations
+        max_load, min_load = max(loads.values()), min(loads.values())
+        imbalanced = (
+            max_load - min_load > cfg.sglang_balance_abs_threshold
+            and max_load > cfg.sglang_balance_rel_threshold * min_load
+        )
+        if imbalanced:
+            best = min(ranks, key=lambda r: (loads[r], r))
+            return best, f"sglang_balance r{best} load={loads[best]} max={max_load}"
+        if self.trees is not None:
+            matches = self.trees.match(query.block_hashes, ranks)
+            sizes = {r: self.trees.size(r) for r in ranks}
+        else:
+            matches = {r: matched[r] for r in ranks}
+            sizes = {r: self.table.ranks[r].num_entries for r in ranks}
+        best = min(ranks, key=lambda r: (-matches[r], loads[r], r))
+        prompt = query.num_prompt_tokens
+        rate = matches[best] * self.table.block_size / prompt if prompt else 0.0
+        if rate > cfg.sglang_cache_threshold:
+            return best, f"sglang_cache r{best} rate={rate:.2f}"
+        smallest = min(ranks, key=lambda r: (sizes[r], loads[r], r))
+        return smallest, f"sglang_smallest_tree r{smallest} size={sizes[smallest]} rate={rate:.2f}"
+
+    def routed(self, query: RouteQuery, rank: int) -> None:
+        if self.trees is not None:
+            self.trees.insert(rank, query.block_hashes)
