@@ -22,20 +22,33 @@ class RoutingConfig:
     # Blocks of prompts routed to a rank count as held there this long, until it reports
     # them (``lmpool.control.routing.pending``); 0 turns that off (the "lmpool-pending" evaluation policy).
     pending_ttl_s: float = 10.0
-    # SGLang cache-aware router (sgl-router CacheAwareConfig::default).
-    sglang_cache_threshold: float = 0.5
-    sglang_balance_abs_threshold: int = 32
-    sglang_balance_rel_threshold: float = 1.0001
+    # SGLang's model gateway, cache_aware policy, as ``smg launch`` runs it (its command-line
+    # defaults; ``lmpool.control.routing.sglang_cache_aware``). The older rule set: 0.5 / 32 /
+    # 1.0001 and a miss to the smallest tree.
+    sglang_cache_threshold: float = 0.3
+    sglang_balance_abs_threshold: int = 64
+    sglang_balance_rel_threshold: float = 1.5
+    sglang_miss_rule: str = "least_loaded"  # a cache miss goes to: "least_loaded" | "smallest_tree"
     sglang_tree: str = "approximate"  # "approximate": fed by routed requests; "page_table": worker events
     sglang_max_tree_blocks: int = 100_000  # per rank, evicted least recently routed first
-    # NVIDIA Dynamo KV router (--kv-overlap-score-weight, --router-temperature defaults).
+    # NVIDIA Dynamo KV router (--kv-overlap-score-weight, --router-temperature defaults;
+    # ``lmpool.control.routing.dynamo_kv``). Its prefill term counts only the tokens a request
+    # must compute ("new": prompt less the cached overlap, queued requests included; "full":
+    # every uncomputed prompt token as reported), and with ``router_assume_kv_reuse`` its decode
+    # term counts only the blocks a request adds to a rank.
     dynamo_overlap_score_weight: float = 1.0
     dynamo_temperature: float = 0.0
+    dynamo_prefill_tokens: str = "new"
+    dynamo_assume_kv_reuse: bool = True
     seed: int = 0  # for Dynamo's softmax sampling
 
     def __post_init__(self) -> None:
         if self.decode_work not in ("tokens", "running"):
             raise ValueError(f"decode_work must be 'tokens' or 'running', got {self.decode_work!r}")
+        if self.sglang_miss_rule not in ("least_loaded", "smallest_tree"):
+            raise ValueError(f"sglang_miss_rule must be 'least_loaded' or 'smallest_tree', got {self.sglang_miss_rule!r}")
+        if self.dynamo_prefill_tokens not in ("new", "full"):
+            raise ValueError(f"dynamo_prefill_tokens must be 'new' or 'full', got {self.dynamo_prefill_tokens!r}")
         if self.sglang_tree not in ("approximate", "page_table"):
             raise ValueError(f"sglang_tree must be 'approximate' or 'page_table', got {self.sglang_tree!r}")
         if not self.reservation_ttl_s > 0:

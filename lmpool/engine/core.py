@@ -98,6 +98,11 @@ class EngineCore:
             max_blocks=self.block_manager.num_blocks,
         )
 
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a queued request that its rank's prefix cache holds now."""
+        seq = self.requests[request_id]
+        return len(self.block_manager.match_prefix(seq)) * self.config.block_size
+
     def add_request(
         self,
         request_id: str,

@@ -20,6 +20,7 @@ class LoadReport(Message):
     num_waiting: int = 0
     num_running: int = 0
     waiting_prefill_tokens: int = 0  # prompt tokens not yet computed, over waiting and running
+    new_prefill_tokens: int = 0  # the same, less each queued prompt's cached prefix as it stood on arrival
     decode_tokens_left: int = 0  # tokens still to generate by running sequences (max_tokens bound)
     blocks_free: int = 0
     blocks_reclaimable: int = 0

@@ -67,6 +67,8 @@ class Worker:
         self.wakeup = asyncio.Event()
         self.need_snapshot = True
         self.admitted: list[str] = []  # for the control plane's reservations
+        # Prompt tokens each queued request found cached when it arrived (Dynamo's prefill term).
+        self.cached_on_arrival: dict[str, int] = {}
         self.last_load: LoadReport | None = None
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
@@ -134,12 +136,18 @@ class Worker:
         for seq in sched.running:
             prefill += max(0, len(seq) - 1 - seq.num_computed_tokens)
             decode_left += seq.params.max_tokens - seq.num_output_tokens
+        new_prefill = prefill
         for seq in sched.waiting:
             prefill += len(seq) - seq.num_computed_tokens
+            cached = max(seq.num_computed_tokens, self.cached_on_arrival.get(seq.request_id, 0))
+            new_prefill += max(0, len(seq) - cached)
+        self.cached_on_arrival = {s.request_id: self.cached_on_arrival[s.request_id]
+                                  for s in sched.waiting if s.request_id in self.cached_on_arrival}
         return LoadReport(
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
             waiting_prefill_tokens=prefill,
+            new_prefill_tokens=new_prefill,
             decode_tokens_left=decode_left,
             blocks_free=bm.num_free,
             blocks_reclaimable=bm.num_reclaimable,
@@ -209,6 +217,7 @@ class Worker:
             except ValueError as e:
                 return [RequestRejected(msg.request_id, str(e))]
             self.admitted.append(msg.request_id)
+            self.cached_on_arrival[msg.request_id] = self.core.cached_prefix_tokens(msg.request_id)
         elif isinstance(msg, AbortRequest):
             self.core.abort_request(msg.request_id)
         elif isinstance(msg, AttachControl):

@@ -340,8 +340,14 @@ def test_round_robin_cycles_over_alive_candidates():
     assert [scheduler.route_sequence_meta(query(chain(2)), seed_rank=2).rank for _ in range(3)] == [2, 3, 2]
 
 
+# The older rule sets, which the first tests of each peer pin (``eval_policies.PEER_VARIANTS``).
+SGLANG_V0 = dict(sglang_cache_threshold=0.5, sglang_balance_abs_threshold=32, sglang_balance_rel_threshold=1.0001,
+                 sglang_miss_rule="smallest_tree")
+DYNAMO_V0 = dict(dynamo_prefill_tokens="full", dynamo_assume_kv_reuse=False)
+
+
 def test_sglang_routes_by_its_approximate_tree_when_balanced():
-    gbm, scheduler = make(policy="sglang_cache_aware")
+    gbm, scheduler = make(policy="sglang_cache_aware", config=RoutingConfig(**SGLANG_V0))
     a = chain(8, family=1)
     first = scheduler.route_sequence_meta(query(a, extra_tokens=0))
     assert first.rank == 0 and first.reason.startswith("sglang_smallest_tree r0")
@@ -359,7 +365,7 @@ def test_sglang_routes_by_its_approximate_tree_when_balanced():
 
 
 def test_sglang_switches_to_the_shortest_queue_past_both_balance_thresholds():
-    gbm, scheduler = make(policy="sglang_cache_aware")
+    gbm, scheduler = make(policy="sglang_cache_aware", config=RoutingConfig(**SGLANG_V0))
     a = chain(8)
     scheduler.route_sequence_meta(query(a))  # rank 0's tree holds `a`
     release_all(gbm)
@@ -373,7 +379,7 @@ def test_sglang_switches_to_the_shortest_queue_past_both_balance_thresholds():
     for rank in range(4):
         load(gbm, rank, num_running=140 if rank == 0 else 100)
     assert scheduler.route_sequence_meta(query(a)).reason.startswith("sglang_balance r1")
-    gbm, scheduler = make(policy="sglang_cache_aware", config=RoutingConfig(sglang_balance_rel_threshold=1.5))
+    gbm, scheduler = make(policy="sglang_cache_aware", config=RoutingConfig(**{**SGLANG_V0, "sglang_balance_rel_threshold": 1.5}))
     scheduler.route_sequence_meta(query(a))
     release_all(gbm)
     for rank in range(4):
@@ -382,7 +388,7 @@ def test_sglang_switches_to_the_shortest_queue_past_both_balance_thresholds():
 
 
 def test_sglang_can_read_the_page_table_instead():
-    gbm, scheduler = make(policy="sglang_cache_aware", config=RoutingConfig(sglang_tree="page_table"))
+    gbm, scheduler = make(policy="sglang_cache_aware", config=RoutingConfig(**SGLANG_V0, sglang_tree="page_table"))
     cache(gbm, 2, chain(8))
     cache(gbm, 0, chain(1, family=5))
     decision = scheduler.route_sequence_meta(query(chain(8)))
@@ -409,7 +415,7 @@ def dynamo_setup(config=None):
 
 @pytest.mark.parametrize("weight, expected", [(1.0, 1), (10.0, 0)])
 def test_dynamo_picks_the_minimum_cost(weight, expected):
-    gbm, scheduler, q, overlaps = dynamo_setup(RoutingConfig(dynamo_overlap_score_weight=weight))
+    gbm, scheduler, q, overlaps = dynamo_setup(RoutingConfig(**DYNAMO_V0, dynamo_overlap_score_weight=weight))
     costs = [dynamo_cost(gbm, r, q, overlaps[r], weight) for r in range(4)]
     assert min(range(4), key=costs.__getitem__) == expected
     decision = scheduler.route_sequence_meta(q)
@@ -418,7 +424,7 @@ def test_dynamo_picks_the_minimum_cost(weight, expected):
 
 
 def test_dynamo_temperature_samples_by_normalized_softmax():
-    gbm, scheduler, q, overlaps = dynamo_setup(RoutingConfig(dynamo_temperature=1.0, seed=7))
+    gbm, scheduler, q, overlaps = dynamo_setup(RoutingConfig(**DYNAMO_V0, dynamo_temperature=1.0, seed=7))
     costs = [dynamo_cost(gbm, r, q, overlaps[r], 1.0) for r in range(4)]
     lo, hi = min(costs), max(costs)
     weights = [math.exp(-(c - lo) / (hi - lo)) for c in costs]
@@ -437,3 +443,67 @@ def test_the_configurable_routing_names_are_the_registered_policies():
     from lmpool.control.routing.registry import POLICIES as REGISTERED
 
     assert sorted(ROUTINGS) == sorted(REGISTERED)
+
+
+def test_sglang_gateway_defaults_route_a_miss_to_the_least_loaded_worker():
+    """smg 1.13's ``cache_aware`` as ``smg launch`` runs it: thresholds 0.3 / 64 / 1.5, a miss to
+    the least-loaded worker (not the smallest tree)."""
+    gbm, scheduler = make(policy="sglang_cache_aware")
+    a = chain(10, family=1)
+    scheduler.route_sequence_meta(query(a))  # rank 0's tree holds `a`; its reservation is load 1 there
+    release_all(gbm)
+    load(gbm, 0, num_running=3)
+    load(gbm, 1, num_running=2)
+    load(gbm, 2, num_running=1)
+    load(gbm, 3, num_running=4)
+    # 4 of 10 blocks matched (rate 0.4 > 0.3): a hit stays on the tree's owner despite its load.
+    hit = RouteQuery("hit", a[:4] + chain(6, family=2), 10 * BLOCK, 16)
+    assert scheduler.route_sequence_meta(hit).reason == "sglang_cache r0 rate=0.40"
+    release_all(gbm)
+    # 2 of 10 (0.2): a miss, to the least-loaded worker; every tree but rank 0's is empty.
+    miss = RouteQuery("miss", a[:2] + chain(8, family=3), 10 * BLOCK, 16)
+    assert scheduler.route_sequence_meta(miss).reason == "sglang_miss_least_loaded r2 load=1 rate=0.20"
+
+
+def test_sglang_gateway_defaults_balance_only_past_64_and_one_and_a_half_times():
+    gbm, scheduler = make(policy="sglang_cache_aware")
+    a = chain(8)
+    scheduler.route_sequence_meta(query(a))
+    for running, verdict in ((64, "sglang_cache r0"), (65, "sglang_balance r1")):
+        release_all(gbm)
+        load(gbm, 0, num_running=running)  # the others idle: a gap of 64 is not above the threshold
+        assert scheduler.route_sequence_meta(query(a)).reason.startswith(verdict)
+    release_all(gbm)
+    for rank in range(4):  # a gap of 70, but 240 / 170 < 1.5: balanced
+        load(gbm, rank, num_running=240 if rank == 0 else 170)
+    assert scheduler.route_sequence_meta(query(a)).reason.startswith("sglang_cache r1")  # it holds `a` too now
+
+
+def test_dynamo_charges_queued_requests_only_their_new_tokens_and_counts_shared_blocks_once():
+    """Dynamo's defaults: a rank's queued prefill is its requests' prompts less their cached
+    overlap (``LoadReport.new_prefill_tokens``), and a request adds to the decode term only the
+    blocks it does not share with what the rank holds."""
+    gbm, scheduler = make(world=2, policy="dynamo_kv")
+    cache(gbm, 0, chain(8))
+    # Rank 0 queues requests that will hit its cache: 4,000 prompt tokens, 200 of them new.
+    load(gbm, 0, blocks_used=10, waiting_prefill_tokens=4000, new_prefill_tokens=200)
+    load(gbm, 1, blocks_used=10)
+    q = query(chain(10))  # 10 blocks + 5 tokens: 11 blocks, 8 of them cached on rank 0
+    prefill = {0: (200 + q.num_prompt_tokens - 8 * BLOCK) / BLOCK, 1: q.num_prompt_tokens / BLOCK}
+    decode = {0: 10 + (11 - 8), 1: 10 + 11}
+    cost = {r: prefill[r] + decode[r] for r in (0, 1)}
+    decision = scheduler.route_sequence_meta(q)
+    assert decision.rank == 0 and decision.reason == f"dynamo_min_cost r0 cost={cost[0]:.1f}"
+    # The older copy charged rank 0 all 4,000 queued tokens and all 11 blocks: it goes to rank 1.
+    gbm, scheduler = make(world=2, policy="dynamo_kv", config=RoutingConfig(**DYNAMO_V0))
+    cache(gbm, 0, chain(8))
+    load(gbm, 0, blocks_used=10, waiting_prefill_tokens=4000, new_prefill_tokens=200)
+    load(gbm, 1, blocks_used=10)
+    assert scheduler.route_sequence_meta(query(chain(10))).rank == 1
+
+
+def test_unknown_peer_rule_names_are_refused():
+    with pytest.raises(ValueError, match="sglang_miss_rule"):
+        RoutingConfig(sglang_miss_rule="random")
+    with pytest.raises(ValueError, match="dynamo_prefill_tokens"):
+        RoutingConfig(dynamo_prefill_tokens="some")

@@ -1,24 +1,25 @@
-"""SGLang's cache-aware router (the sgl-router ``cache_aware`` policy), with its defaults.
+"""SGLang's model gateway, ``cache_aware`` policy, as ``smg launch`` runs it.
 
-Reimplements sgl-project/sglang ``sgl-router/src/policies/cache_aware.rs`` and the sgl-router
-README as they stood before the router was renamed sgl-model-gateway (no release recorded
-beyond that), with their defaults ``cache_threshold=0.5``, ``balance_abs_threshold=32``,
-``balance_rel_threshold=1.0001``. Load is the router's count of requests sent to a worker and
-not finished; ours is ``num_waiting + num_running`` plus requests routed but not yet admitted.
+Reimplements lightseekorg/smg ``model_gateway/src/policies/cache_aware.rs`` (smg 1.13, the
+package ``pip install smg`` installs; its approximate-tree paths) with the command line's
+defaults: ``cache_threshold=0.3``, ``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``
+(the library's own ``CacheAwareConfig::default`` differs: 0.5 / 32 / 1.1). Load is the
+gateway's count of requests sent to a worker and not finished; ours is ``num_waiting +
+num_running`` plus requests routed but not yet admitted.
 
 - Imbalanced when ``max_load - min_load > balance_abs_threshold`` and
   ``max_load > balance_rel_threshold * min_load``: the least-loaded worker.
-- Else the worker with the longest prefix match in the router's tree, if
-  ``matched / prompt > cache_threshold``; else the worker with the smallest tree (the most
-  room to cache).
+- Else the worker with the longest prefix match in the gateway's tree if ``matched / prompt >
+  cache_threshold``; else (a miss) the least-loaded worker. ``sglang_miss_rule="smallest_tree"``
+  restores the older sgl-router rule (a miss to the worker with the smallest tree).
 - Every routed prompt is inserted into the chosen worker's tree.
 
-Differences: SGLang's tree holds request text per character; ours holds chained
-complete-block hashes, so the match rate is ``matched_blocks * block_size / prompt_tokens``.
-It evicts least recently used leaves every 60 s down to ``max_tree_size``; we evict the least
-recently routed block at insert time past ``sglang_max_tree_blocks``. With
-``sglang_tree="page_table"`` the matches and tree sizes come from the global page table
-(worker events) instead. Ties go to the lower load, then the lower rank.
+Differences: the gateway's tree holds request text per character (HTTP) or tokens (gRPC);
+ours holds chained complete-block hashes, so the match rate is ``matched_blocks * block_size
+/ prompt_tokens``. It evicts least recently used leaves on a timer down to ``max_tree_size``;
+we evict the least recently routed block at insert time past ``sglang_max_tree_blocks``. With
+``sglang_tree="page_table"`` the matches come from the global page table (worker events, as
+the gateway's event-driven gRPC mode). Ties go to the lower load, then the lower rank.
 """
 
 from __future__ import annotations
@@ -106,8 +107,11 @@ class SGLangCacheAwarePolicy(RoutingPolicy):
         rate = matches[best] * self.table.block_size / prompt if prompt else 0.0
         if rate > cfg.sglang_cache_threshold:
             return best, f"sglang_cache r{best} rate={rate:.2f}"
-        smallest = min(ranks, key=lambda r: (sizes[r], loads[r], r))
-        return smallest, f"sglang_smallest_tree r{smallest} size={sizes[smallest]} rate={rate:.2f}"
+        if cfg.sglang_miss_rule == "smallest_tree":
+            smallest = min(ranks, key=lambda r: (sizes[r], loads[r], r))
+            return smallest, f"sglang_smallest_tree r{smallest} size={sizes[smallest]} rate={rate:.2f}"
+        least = min(ranks, key=lambda r: (loads[r], r))
+        return least, f"sglang_miss_least_loaded r{least} load={loads[least]} rate={rate:.2f}"
 
     def routed(self, query: RouteQuery, rank: int) -> None:
         if self.trees is not None:
