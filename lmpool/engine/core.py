@@ -35,6 +35,7 @@ not: a stopped sequence's extra row in step N+1 draws from the engine's stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
@@ -66,7 +67,10 @@ class InFlightStep:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 shortage_hook: Callable[[BlockManager], Callable[[list[int], int], bool]] | None = None) -> None:
+        """``shortage_hook``, given the block manager, makes the scheduler's ``on_shortage`` hook
+        (a pool worker's foreground release); None: evict as usual."""
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         limit = self.model_config.max_context
@@ -80,7 +84,8 @@ class EngineCore:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        on_shortage = shortage_hook(self.block_manager) if shortage_hook is not None else None
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, on_shortage)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.in_flight: InFlightStep | None = None  # overlapped stepping: launched, not read back

@@ -52,7 +52,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 on_shortage: Callable[[list[int], int], bool] | None = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
@@ -61,7 +62,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.on_shortage: Callable[[list[int], int], bool] | None = None
+        self.on_shortage = on_shortage
         self.last_batch = ScheduledBatch()  # what the latest ``schedule()`` returned
 
     def add(self, seq: Sequence) -> None:

@@ -77,13 +77,9 @@ class Worker:
         self.tasks: list[asyncio.Task] = []
         self.transfers = TransferExecutor(spec, core) if spec.transfer_rendezvous else None
         self.prefill = PrefillMeter()
-        self.release: ForegroundRelease | None = None
-        transfer = spec.pool.transfer
-        if transfer.foreground_release and self.transfers is not None:
-            policy = transfer.transfer_policy
-            self.release = ForegroundRelease(core.block_manager, spec.rank, spec.epoch, policy.foreground_wait_s,
-                                             policy.foreground_retry_s)
-            core.scheduler.on_shortage = self.release.on_shortage
+        # Foreground release, when it runs, is the scheduler's shortage hook (``release_hook``).
+        hook = core.scheduler.on_shortage
+        self.release: ForegroundRelease | None = hook if isinstance(hook, ForegroundRelease) else None
 
     # ---- message intake ---------------------------------------------------------
 
@@ -300,10 +296,22 @@ class Worker:
             self.transfers.close()
 
 
+def release_hook(spec: WorkerSpec):
+    """What makes the scheduler's shortage hook: a foreground release that asks the control plane
+    to move cold blocks before evicting them, when the pool runs it; None otherwise."""
+    transfer = spec.pool.transfer
+    if not (transfer.foreground_release and spec.transfer_rendezvous):
+        return None
+    policy = transfer.transfer_policy
+
+    return lambda block_manager: ForegroundRelease(block_manager, spec.rank, spec.epoch, policy.foreground_wait_s,
+                                                   policy.foreground_retry_s)
+
+
 async def main_async(spec: WorkerSpec) -> int:
     engine = Channel(spec.engine_end, FrontendToWorker)
     try:
-        core = EngineCore(spec.pool.engine_of(spec.rank))
+        core = EngineCore(spec.pool.engine_of(spec.rank), release_hook(spec))
         worker = Worker(spec, core, engine)  # joins the transfer rendezvous, if any
     except Exception as e:  # any start-up failure is reported, with its cause, to the engine
         await engine.send(WorkerFailed(spec.rank, f"{type(e).__name__}: {e}"))

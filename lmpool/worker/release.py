@@ -51,6 +51,10 @@ class ForegroundRelease:
         self.evict_next = False  # the shortage after a refusal or failure evicts
         self.requested = self.moved = self.fell_back = 0
 
+    def __call__(self, hit: list[int], num_blocks: int) -> bool:
+        """The scheduler's shortage hook (``Scheduler.on_shortage``)."""
+        return self.on_shortage(hit, num_blocks)
+
     def on_shortage(self, hit: list[int], num_blocks: int) -> bool:
         """Admission needs ``num_blocks`` cached blocks evicted: True to wait for a move instead."""
         now = self.clock()
