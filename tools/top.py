@@ -23,7 +23,10 @@ import sys
 import time
 from datetime import datetime
 
+import posix_ipc
+
 from lmpool.pool.state_board import PUBLISH_INTERVAL_S
+from lmpool_ipc import RingCorruptError
 from lmpool_tools.monitor import STALE_S, PoolMonitor, PoolNotFound, PoolView, RankView, find_pool
 
 UNICODE_GLYPHS = {"used": "█", "reclaimable": "▒", "free": "·", "spark": "▁▂▃▄▅▆▇█"}
@@ -220,8 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     except PoolNotFound as e:
         print(f"lmpool top: {e}", file=sys.stderr)
         return 1
-    except PermissionError:
+    except (PermissionError, posix_ipc.PermissionsError):
         print(f"lmpool top: pool {args.pool} belongs to another user", file=sys.stderr)
+        return 1
+    except (RingCorruptError, ValueError, OSError, posix_ipc.Error) as e:  # planted, or gone meanwhile
+        print(f"lmpool top: pool {args.pool} has no readable state board: {e}", file=sys.stderr)
         return 1
     try:
         if args.once:
