@@ -51,7 +51,11 @@ def child_pids() -> set[int]:
             continue
         if state == "Z" or not any(arg in (b"lmpool.pool.worker", b"lmpool.pool.control") for arg in cmdline):
             continue
-        owner = _OWNER_IN_SPEC.search(b" ".join(cmdline))  # the spec names the pool's links
+        try:  # the spec (in the environment) names the pool's links
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            environ = b""
+        owner = _OWNER_IN_SPEC.search(environ)
         if owner is None or not _someone_elses(int(owner[1])):
             pids.add(int(entry.name))
     return pids

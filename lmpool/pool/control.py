@@ -22,7 +22,7 @@ question (``ask``): the digest of cached blocks, or a barrier after which every 
 worker sent before it is applied, which an explicit transfer uses when the page table does
 not show the source's blocks yet. A question to a rank that dies is answered with an error.
 
-Run as ``python -m lmpool.pool.control SPEC_JSON`` (see ``lmpool.pool.spec``).
+Run as ``LMPOOL_SPEC=SPEC_JSON python -m lmpool.pool.control`` (see ``lmpool.pool.spec``).
 """
 
 from __future__ import annotations

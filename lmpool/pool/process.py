@@ -1,7 +1,9 @@
 """Starting LMPool's child processes, and keeping them from outliving their parent.
 
-A child is ``python -m <module> <spec>``, where the spec is a msgspec JSON
-document (no pickle: a spec only ever carries names and numbers). Children ask
+A child is ``python -m <module>``, its spec a msgspec JSON document (no pickle: a
+spec only ever carries names and numbers) in its environment, ``LMPOOL_SPEC``: a
+spec holds the transfer rendezvous's secret key, and a command line is readable
+by every user, an environment only by the process's own. Children ask
 the kernel to SIGKILL them when their parent dies (Linux ``PR_SET_PDEATHSIG``),
 and also notice a dead parent through their channels, so no process is
 orphaned whatever way the user process ends.
@@ -19,16 +21,18 @@ from typing import Any
 import msgspec
 
 PR_SET_PDEATHSIG = 1
+SPEC_VARIABLE = "LMPOOL_SPEC"
 
 
 def spawn(module: str, spec: Any) -> subprocess.Popen:
-    """Start ``python -m module`` with ``spec`` as its only argument."""
+    """Start ``python -m module`` with ``spec`` in its environment."""
     env = dict(os.environ)
+    env[SPEC_VARIABLE] = msgspec.json.encode(spec).decode()
     # One torch thread per child: several replicas share few cores, and OpenMP workers
     # spinning against each other cost far more than they compute.
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.Popen(
-        [sys.executable, "-m", module, msgspec.json.encode(spec).decode()],
+        [sys.executable, "-m", module],
         env=env,
         stdin=subprocess.DEVNULL,
         start_new_session=True,  # a terminal's Ctrl-C reaches the user process, which shuts us down
@@ -36,11 +40,12 @@ def spawn(module: str, spec: Any) -> subprocess.Popen:
 
 
 def read_spec(spec_type: type) -> Any:
-    """In a child: decode the spec from argv and tie the child's life to its parent's."""
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: python -m {sys.argv[0]} SPEC_JSON")
+    """In a child: decode the spec from the environment and tie the child's life to its parent's."""
+    spec = os.environ.pop(SPEC_VARIABLE, None)  # not inherited by anything this child starts
+    if spec is None:
+        raise SystemExit(f"usage: {SPEC_VARIABLE}=SPEC_JSON python -m {sys.argv[0]}")
     die_with_parent()
-    return msgspec.json.decode(sys.argv[1], type=spec_type)
+    return msgspec.json.decode(spec, type=spec_type)
 
 
 def die_with_parent() -> None:

@@ -15,7 +15,7 @@ worker waits for that (bounded), a step that runs nothing sleeps on the same
 event until a message or the wait's deadline, instead of spinning. It also
 measures its prefill cost per token (``prefill_meter``) for the transfer gate.
 
-Run as ``python -m lmpool.pool.worker SPEC_JSON`` (see ``lmpool.pool.spec``).
+Run as ``LMPOOL_SPEC=SPEC_JSON python -m lmpool.pool.worker`` (see ``lmpool.pool.spec``).
 """
 
 from __future__ import annotations
