@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from lmpool.engine.hashing import short
 from lmpool.engine.kv_events import BlockStored, KVDelta, KVSnapshot
 from lmpool.pool.messages import LoadReport, RankState
 
@@ -387,9 +388,9 @@ class GlobalBlockManager:
         for, or still arriving through, an open transfer."""
         info = self.ranks[rank]
         for i, h in enumerate(block_hashes[:matched]):
-            assert h in info.blocks, f"route to rank {rank} counted block {i} ({h:#x}) it does not hold"
+            assert h in info.blocks, f"route to rank {rank} counted block {i} ({short(h)}) it does not hold"
             assert h not in info.in_flight, (
-                f"route to rank {rank} counted block {i} ({h:#x}), reserved for an unpublished transfer")
+                f"route to rank {rank} counted block {i} ({short(h)}), reserved for an unpublished transfer")
 
     def entries(self, block_hash: int) -> list[PageEntry]:
         """Every rank's entry for ``block_hash``, ready or not."""

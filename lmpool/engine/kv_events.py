@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import msgspec
 
+from lmpool.engine.hashing import BlockHash
+
 
 class BlockStored(msgspec.Struct, tag="stored", array_like=True, gc=False, frozen=True):
     """A complete block became cached (its KV is fully written)."""
 
-    block_hash: int
-    parent_hash: int
+    block_hash: BlockHash
+    parent_hash: BlockHash
     block_id: int
     generation: int
 
@@ -22,7 +24,7 @@ class BlockStored(msgspec.Struct, tag="stored", array_like=True, gc=False, froze
 class BlockRemoved(msgspec.Struct, tag="removed", array_like=True, gc=False, frozen=True):
     """A cached block was reclaimed; its id may be reused under a new generation."""
 
-    block_hash: int
+    block_hash: BlockHash
     block_id: int
     generation: int
 

@@ -67,7 +67,7 @@ from lmpool.pool.process import read_spec
 from lmpool.pool.spec import ControlSpec
 from lmpool.pool.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
 from lmpool.pool.transfer_policies import TransferPolicies
-from lmpool.engine.hashing import ROOT_HASH
+from lmpool.engine.hashing import ROOT_HASH, short
 from lmpool.transfer.coordinator import Plan, PlanState, TransferCoordinator
 from lmpool.transfer.messages import CudaIpcExport
 from lmpool_ipc import Channel, IpcError, Responder
@@ -248,7 +248,7 @@ class ControlPlane:
                 return TransferResult(0, PlanState.ABORTED.value, str(e))
             generations, missing = self._generations(request.src, request.block_hashes)
         if missing is not None:
-            return TransferResult(0, PlanState.ABORTED.value, f"rank {request.src} does not hold block {missing:#x}")
+            return TransferResult(0, PlanState.ABORTED.value, f"rank {request.src} does not hold block {short(missing)}")
         parents = [ROOT_HASH] + request.block_hashes[:-1]
         plan = self.coordinator.start(request.src, request.dst, request.block_hashes, generations, parents,
                                       move=request.move)

@@ -404,7 +404,7 @@ class LLMEngine:
             else:
                 tokens = req.prompt_token_ids + req.output_token_ids
                 query = RouteQuery(
-                    wire_id, chain_hashes(tokens, self.block_size), len(tokens),
+                    wire_id, chain_hashes(tokens, self.block_size, salt=req.params.cache_salt), len(tokens),
                     req.params.max_tokens - len(req.output_token_ids),
                 )
                 try:

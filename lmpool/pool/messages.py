@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
+from lmpool.engine.hashing import BlockHash
 from lmpool.engine.kv_events import KVDelta, KVSnapshot
 from lmpool.sampling_params import SamplingParams
 from lmpool.transfer.messages import CudaIpcExport
@@ -144,8 +145,8 @@ class ShortageReport(Message, tag="shortage"):
     rank: int
     epoch: int
     release_id: int
-    hashes: list[int]
-    parents: list[int]
+    hashes: list[BlockHash]
+    parents: list[BlockHash]
     generations: list[int]
     num_victims: int  # the last ``num_victims`` of ``hashes``
     expected_reuses: float  # the victims' mean prefix-cache hits so far
@@ -167,7 +168,7 @@ class ReleaseOutcome(Message, tag="release"):
 
 class RouteQuery(Message, tag="route"):
     request_id: str
-    block_hashes: list[int]  # chained hashes of the prompt's complete blocks
+    block_hashes: list[BlockHash]  # chained hashes of the prompt's complete blocks
     num_prompt_tokens: int
     max_tokens: int
 
@@ -267,9 +268,9 @@ class TransferOrder(Message, tag="xfer"):
     session: int = 0
     num_blocks: int = 0
     move: bool = False
-    hashes: list[int] = []
+    hashes: list[BlockHash] = []
     generations: list[int] = []
-    parents: list[int] = []
+    parents: list[BlockHash] = []
     block_ids: list[int] = []
     token_ids: list[list[int]] = []
     peer_block_ids: list[int] = []  # execute_recv: the source's blocks (a pull reads them directly)
@@ -295,7 +296,7 @@ class TransferChain(Message, tag="transfer_chain"):
 
     src: int
     dst: int
-    block_hashes: list[int]
+    block_hashes: list[BlockHash]
     move: bool = False
 
 
@@ -310,7 +311,7 @@ class BlockDigests(Message, tag="block_digests"):
     """Ask ``rank`` for a digest of the KV bytes of each cached block in ``block_hashes``."""
 
     rank: int
-    block_hashes: list[int]
+    block_hashes: list[BlockHash]
 
 
 class DigestsReply(Message, tag="digests"):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lmpool.control.global_block_manager import GlobalBlockManager
+from lmpool.engine.hashing import short
 from lmpool.transfer.cost_model import TransferCostModel
 
 
@@ -148,7 +149,7 @@ class TransferCoordinator:
                 # The reserved blocks enter the page table as not ready: routing skips them.
                 for h, block_id, generation in zip(plan.hashes, plan.dst_blocks, result["generations"]):
                     if not self.gbm.mark_in_flight(plan.dst, h, block_id, generation):
-                        self.abort(plan_id, f"rank {plan.dst} already holds block {h:#x}")
+                        self.abort(plan_id, f"rank {plan.dst} already holds block {short(h)}")
                         return
                     plan.marked.append(h)
         if plan.acked >= self._expected(plan):
