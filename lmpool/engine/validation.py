@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
+from lmpool.engine.hashing import HASH_WIRE_BYTES
 from lmpool.sampling_params import SamplingParams
+
+TOKEN_WIRE_BYTES = 5  # a token id below 2**32, as msgpack writes it
+ENVELOPE_BYTES = 256  # ids, tags, counts and array headers of one message, generously
 
 
 def validate_request(
@@ -43,3 +49,22 @@ def validate_request(
             f"request needs {blocks} KV blocks ({total} tokens) but {where} holds only {max_blocks}: "
             f"it could never run"
         )
+
+
+def check_wire_size(num_prompt_tokens: int, params: SamplingParams, *, block_size: int, limit: int) -> None:
+    """Raise ``ValueError`` if a message of this request could exceed ``limit`` bytes, the
+    most a pool's link carries in one message: its tokens to a worker (a request moved
+    after a failure carries its outputs too) or its block hashes to the control plane.
+    Checked before anything is sent, so a request too large for the links fails alone."""
+    tokens = num_prompt_tokens + params.max_tokens
+    sizes = {
+        "its tokens": tokens * TOKEN_WIRE_BYTES + len(msgspec.msgpack.encode(params)) + ENVELOPE_BYTES,
+        "its block hashes": tokens // block_size * HASH_WIRE_BYTES + ENVELOPE_BYTES,
+    }
+    for what, size in sizes.items():
+        if size > limit:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) is too large to send: "
+                f"{what} could take {size} bytes, over the {limit}-byte limit of a message between the pool's "
+                f"processes"
+            )

@@ -70,7 +70,7 @@ from lmpool.pool.transfer_policies import TransferPolicies
 from lmpool.engine.hashing import ROOT_HASH, short
 from lmpool.transfer.coordinator import Plan, PlanState, TransferCoordinator
 from lmpool.transfer.messages import CudaIpcExport
-from lmpool_ipc import Channel, IpcError, Responder
+from lmpool_ipc import Channel, DecodeError, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
 QUERY_TIMEOUT_S = 30.0  # a live worker answers at its next step boundary; a digest hashes blocks
@@ -120,7 +120,10 @@ class ControlPlane:
     async def read_worker(self, rank: int, channel: Channel) -> None:
         try:
             while True:
-                msg = await channel.recv()
+                try:
+                    msg = await channel.recv()
+                except DecodeError:  # that message's failure, not the rank's: counted in stats
+                    continue
                 if isinstance(msg, TransferAck):
                     self.on_transfer_ack(msg)
                     continue

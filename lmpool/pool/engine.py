@@ -34,7 +34,7 @@ from lmpool.control.global_scheduler import RoutingConfig
 from lmpool.control.transfer_config import TransferPolicyConfig, check_mode
 from lmpool.engine.hashing import chain_hashes
 from lmpool.engine.model_runner import resolve_dtype
-from lmpool.engine.validation import validate_request
+from lmpool.engine.validation import check_wire_size, validate_request
 from lmpool.model.config import ModelConfig
 from lmpool.pool import process
 from lmpool.pool.messages import (
@@ -65,7 +65,8 @@ from lmpool.pool.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
 from lmpool.transfer import Rendezvous
 from lmpool.transfer.cost_model import TransferCostModel
-from lmpool_ipc import Channel, IpcError, IpcPool, RemoteError, Requester
+from lmpool_ipc import DEFAULT_CAPACITY, Channel, DecodeError, IpcError, IpcPool, LinkError, RemoteError, Requester
+from lmpool_ipc.frames import max_payload
 
 ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
 GPU_TRANSFER_PATHS = ("auto", "nccl")
@@ -75,6 +76,7 @@ GPU_TRANSFER_PATHS = ("auto", "nccl")
 # rank dies too fails instead, so that one request that crashes workers (a bug it triggers)
 # cannot take down every rank of the pool in turn.
 MAX_REROUTES = 1
+MAX_MESSAGE_BYTES = max_payload(DEFAULT_CAPACITY)  # the most one message between the pool's processes holds
 
 
 class PoolError(RuntimeError):
@@ -350,7 +352,7 @@ class LLMEngine:
                 return await requester.request(msg)
             except RemoteError as e:  # the control plane answered with an error: not a crash
                 raise PoolError(f"control plane: {e}") from None
-            except IpcError:
+            except LinkError:  # a MessageError (say, too large) is the request's, not a crash
                 if self._closed:
                     raise PoolError("the pool is shut down") from None
                 await self._restart_control(requester)
@@ -366,6 +368,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.ranks and not any(r.alive for r in self.ranks):
             raise PoolError("no rank is alive")
+        check_wire_size(len(prompt_token_ids), params, block_size=self.block_size, limit=MAX_MESSAGE_BYTES)
         capacity = max((r.num_blocks for r in self.ranks if r.alive), default=0)
         validate_request(
             prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
@@ -440,7 +443,7 @@ class LLMEngine:
         try:
             await rank.channel.send(msg)
             return True
-        except IpcError:
+        except LinkError:  # a MessageError (say, too large) is the request's, raised to its caller
             await self._rank_died(rank)
             return False
 
@@ -465,7 +468,10 @@ class LLMEngine:
     async def _read_worker(self, rank: Rank) -> None:
         try:
             while True:
-                msg = await rank.channel.recv()
+                try:
+                    msg = await rank.channel.recv()
+                except DecodeError:  # that message's failure, not the rank's: counted in stats
+                    continue
                 if isinstance(msg, StepOutputs):
                     for delta in msg.outputs:
                         self._deliver(rank, delta)
@@ -519,7 +525,7 @@ class LLMEngine:
                 continue
             try:
                 await self._dispatch(req)
-            except PoolError as e:
+            except (PoolError, ValueError) as e:  # ValueError: its message no longer fits a ring
                 self._forget(req)
                 req.queue.put_nowait(e)
 

@@ -56,7 +56,7 @@ from lmpool.pool.release import ForegroundRelease
 from lmpool.pool.spec import WorkerSpec
 from lmpool.pool.transfers import TransferExecutor
 from lmpool.transfer.messages import CudaIpcExport
-from lmpool_ipc import Channel, IpcError
+from lmpool_ipc import Channel, DecodeError, IpcError
 
 
 class Worker:
@@ -90,7 +90,10 @@ class Worker:
     async def read_engine(self) -> None:
         try:
             while True:
-                msg = await self.engine.recv()
+                try:
+                    msg = await self.engine.recv()
+                except DecodeError:  # that message's failure, not the link's: counted in stats
+                    continue
                 # Not ``self.inbox.append(await ...)``: that binds the list before the
                 # await, and the step loop swaps in a new list meanwhile.
                 self.inbox.append(msg)
@@ -102,7 +105,10 @@ class Worker:
     async def read_control(self, channel: Channel) -> None:
         try:
             while True:
-                msg = await channel.recv()
+                try:
+                    msg = await channel.recv()
+                except DecodeError:  # that message's failure, not the link's: counted in stats
+                    continue
                 if isinstance(msg, ResyncRequest):
                     self.need_snapshot = True
                     self.wakeup.set()
