@@ -26,13 +26,7 @@ def validate_request(
     """Raise ``ValueError`` if the request is malformed or could never fit in ``max_blocks`` blocks."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-    if len(prompt_token_ids) == 0:
-        raise ValueError("prompt is empty")
-    for i, t in enumerate(prompt_token_ids):
-        if not isinstance(t, int) or isinstance(t, bool):
-            raise ValueError(f"prompt token {t!r} at position {i} is not an integer token id")
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"prompt token {t!r} at position {i} is outside the vocabulary [0, {vocab_size})")
+    check_prompt(prompt_token_ids, vocab_size)
     outside = [t for t in params.stop_token_ids if t >= vocab_size]
     if outside:
         raise ValueError(f"stop token id {outside[0]} is outside the vocabulary [0, {vocab_size}): it can never end "
@@ -49,6 +43,17 @@ def validate_request(
             f"request needs {blocks} KV blocks ({total} tokens) but {where} holds only {max_blocks}: "
             f"it could never run"
         )
+
+
+def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
+    """Raise ``ValueError`` unless the prompt is a non-empty sequence of token ids of the vocabulary."""
+    if len(prompt_token_ids) == 0:
+        raise ValueError("prompt is empty")
+    for i, t in enumerate(prompt_token_ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ValueError(f"prompt token {t!r} at position {i} is not an integer token id")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token {t!r} at position {i} is outside the vocabulary [0, {vocab_size})")
 
 
 def check_wire_size(num_prompt_tokens: int, params: SamplingParams, *, block_size: int, limit: int) -> None:
