@@ -35,6 +35,7 @@ from collections.abc import Sequence as SequenceABC
 
 import uvloop
 
+from lmpool.config import check_port
 from lmpool.control.global_scheduler import RoutingConfig
 from lmpool.control.transfer_config import TransferPolicyConfig
 from lmpool.detokenizer import Detokenizer
@@ -92,7 +93,7 @@ class AsyncLMPool:
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
-        self._metrics_address = (metrics_host, metrics_port)
+        self._metrics_address = (metrics_host, check_port(metrics_port, "metrics_port"))
         self._metrics: MetricsServer | None = None
 
     async def start(self) -> AsyncLMPool:

@@ -34,7 +34,9 @@ from lmpool.control.global_scheduler import RoutingConfig
 from lmpool.control.transfer_config import TransferPolicyConfig, check_mode
 from lmpool.engine.hashing import chain_hashes
 from lmpool.engine.model_runner import resolve_dtype
-from lmpool.engine.validation import check_wire_size, validate_request
+from lmpool.config import check_engine_args, check_hang_timeout, check_world_size
+from lmpool.engine.validation import check_prompt, check_wire_size, validate_request
+from lmpool.errors import ArgumentTypeError, strict_bool
 from lmpool.model.config import ModelConfig
 from lmpool.pool import process
 from lmpool.pool.messages import (
@@ -128,15 +130,10 @@ class PoolConfig:
         if self.gpu_transfer_path not in GPU_TRANSFER_PATHS:
             raise ValueError(f"gpu_transfer_path must be one of {', '.join(GPU_TRANSFER_PATHS)}; "
                              f"got {self.gpu_transfer_path!r}")
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        self.world_size = check_world_size(self.world_size)
         if self.hang_timeout == "auto":
             self.hang_timeout = 60.0 if self.device == "cuda" else None
-        if self.hang_timeout is not None and (
-            isinstance(self.hang_timeout, (bool, str)) or not self.hang_timeout > 0
-        ):
-            raise ValueError(f"hang_timeout must be a positive number of seconds, None or 'auto'; "
-                             f"got {self.hang_timeout!r}")
+        self.hang_timeout = check_hang_timeout(self.hang_timeout, self.heartbeat_interval)
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}; got {self.routing!r}")
         if self.routing_config is None:
@@ -149,6 +146,7 @@ class PoolConfig:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
         if self.engine is None:
             self.engine = EngineArgs(model=self.model)
+        check_engine_args(self.model, msgspec.structs.asdict(self.engine))
 
     def device_of(self, rank: int) -> str:
         if self.device == "cpu":
@@ -380,6 +378,8 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, rank: int | None = None
     ) -> TrackedRequest:
         """Validate, route (or send to ``rank``, bypassing routing) and start one request."""
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise ArgumentTypeError(f"rank must be an integer or None, got {rank!r}")
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
         if rank is not None and not (0 <= rank < len(self.ranks) and self.ranks[rank].alive):
@@ -427,17 +427,28 @@ class LLMEngine:
 
     async def transfer(self, prompt_token_ids: list[int], src: int, dst: int, move: bool = False) -> TransferResult:
         """Copy (or move) the KV of the prompt's complete blocks from rank ``src`` to ``dst``."""
+        tokens, move = self._checked_chain(prompt_token_ids, src, dst), strict_bool(move, "move")
         if self.rendezvous is None:
             raise PoolError("this pool was started without enable_transfers")
-        hashes = chain_hashes(list(prompt_token_ids), self.block_size)
+        hashes = chain_hashes(tokens, self.block_size)
         return await self.control_request(TransferChain(src, dst, hashes, move))
 
     async def block_digests(self, rank: int, prompt_token_ids: list[int]) -> list[str]:
         """SHA-256 of each complete prompt block's KV bytes on ``rank`` ("" where not cached)."""
+        tokens = self._checked_chain(prompt_token_ids, rank)
         if self.rendezvous is None:
             raise PoolError("this pool was started without enable_transfers")
-        hashes = chain_hashes(list(prompt_token_ids), self.block_size)
+        hashes = chain_hashes(tokens, self.block_size)
         return (await self.control_request(BlockDigests(rank, hashes))).digests
+
+    def _checked_chain(self, prompt_token_ids, *ranks) -> list[int]:
+        """A transfer's prompt, as token ids checked like a request's, and its ranks checked."""
+        for rank in ranks:
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.config.world_size:
+                raise ValueError(f"rank {rank!r} is not a rank of this pool (0 to {self.config.world_size - 1})")
+        tokens = list(prompt_token_ids)
+        check_prompt(tokens, self.model_config.vocab_size)
+        return tokens
 
     async def _send_to_rank(self, rank: Rank, msg) -> bool:
         try:
