@@ -43,7 +43,7 @@ from .errors import (
     RingCorruptError,
 )
 from .lifecycle import boards, pid_alive, remove_pool, sweep_dead_pools
-from .pool import DEFAULT_CAPACITY, IpcPool, Link
+from .pool import DEFAULT_CAPACITY, IpcPool, Link, close_on_sigterm
 from .rpc import Requester, Responder
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "Responder",
     "RingCorruptError",
     "boards",
+    "close_on_sigterm",
     "pid_alive",
     "remove_pool",
     "sweep_dead_pools",
