@@ -47,6 +47,7 @@ from lmpool.pool.spec import EngineArgs
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import StopStrings, check_usable
 from lmpool.tokenizer import encode_chat, encode_chats, encode_prompt, load_tokenizer
+from lmpool_ipc import close_on_sigterm
 
 
 class AsyncLMPool:
@@ -254,6 +255,7 @@ class LMPool:
     """The pool for synchronous code: ``LMPool(model, world_size=4).generate(prompts, params)``."""
 
     def __init__(self, model: str, **pool_args) -> None:
+        close_on_sigterm()  # the pool starts on the loop's thread, where no handler can be set
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lmpool-loop", daemon=True)
         self._thread.start()

@@ -234,6 +234,16 @@ class LLMEngine:
         self._wire_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _check_loop(self) -> None:
+        """A pool is bound to the loop it started on: from any other, every wait would hang."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # a synchronous check (``LMPool`` validates before it hands over)
+            return
+        if self._loop is not None and running is not self._loop:
+            raise PoolError("this pool was started on another event loop and can only be used from that one")
 
     # ---- start-up ---------------------------------------------------------------
 
@@ -242,6 +252,7 @@ class LLMEngine:
             raise PoolError("this pool was shut down and cannot start again: create a new one")
         if self.ipc is not None:
             raise PoolError("this pool is already started")
+        self._loop = asyncio.get_running_loop()  # its channels and tasks live on this loop
         self.ipc = IpcPool.start()  # also removes what crashed pools left in /dev/shm
         if self.config.enable_transfers:
             self.rendezvous = Rendezvous.create()
@@ -344,6 +355,7 @@ class LLMEngine:
 
     async def control_request(self, msg):
         """A request to the control plane, restarting the control process if it died."""
+        self._check_loop()
         for _ in range(3):
             requester = self.control
             try:
@@ -362,6 +374,7 @@ class LLMEngine:
         """Reject at ingress what no rank could serve, naming the problem."""
         if self._closed:
             raise PoolError("the pool is shut down")
+        self._check_loop()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.ranks and not any(r.alive for r in self.ranks):
@@ -571,6 +584,7 @@ class LLMEngine:
         """Stop every process and remove every shared-memory object. Idempotent."""
         if self._closed:
             return
+        self._check_loop()
         self._closed = True
         for req in self.requests.values():
             req.queue.put_nowait(PoolError("the pool is shut down"))
