@@ -44,9 +44,10 @@ def pool_line(pool_id: str, board: str) -> str:
     stale = time.monotonic() - state.monotonic > STALE_S
     alive = pid_alive(owner) and pid_alive(state.control_pid) and not stale
     end = time.time() if alive else state.published_at
-    ranks = f"{sum(r.alive and pid_alive(r.pid) for r in state.ranks) if alive else 0}/{state.world_size}"
-    running = sum(r.num_running for r in state.ranks)
-    waiting = sum(r.num_waiting for r in state.ranks)
+    live = [r for r in state.ranks if alive and r.alive and pid_alive(r.pid)]
+    ranks = f"{len(live)}/{state.world_size}"
+    running = sum(r.num_running for r in live)  # a dead rank's last report is stale
+    waiting = sum(r.num_waiting for r in live)
     return (
         f"{pool_id:<32} {owner:>8} {'alive' if alive else 'dead':<8} {ranks:>5} {running:>5} {waiting:>5}"
         f" {duration(end - state.started_at):>9}"
