@@ -78,6 +78,7 @@ GPU_TRANSFER_PATHS = ("auto", "nccl")
 # rank dies too fails instead, so that one request that crashes workers (a bug it triggers)
 # cannot take down every rank of the pool in turn.
 MAX_REROUTES = 1
+LIVE_STATS = ("num_waiting", "num_running", "blocks_free", "blocks_reclaimable", "blocks_used", "cached_blocks")
 MAX_MESSAGE_BYTES = max_payload(DEFAULT_CAPACITY)  # the most one message between the pool's processes holds
 
 
@@ -431,6 +432,9 @@ class LLMEngine:
                 req.route = decision.reason
             if not rank.alive:
                 continue  # the control plane had not yet heard of its death
+            if rank.proc.poll() is not None:  # exited, its death not yet seen (it died with another)
+                await self._rank_died(rank)
+                continue
             self._by_wire.pop(req.wire_id, None)
             req.rank, req.wire_id = rank.rank, wire_id
             self._by_wire[req.wire_id] = req
@@ -570,6 +574,8 @@ class LLMEngine:
                 "epoch": state.epoch, "snapshot_version": state.snapshot_version,
                 "cached_blocks": state.cached_blocks,
             })
+            if not rank.alive:  # a dead rank queues, runs and holds nothing: no stale figures
+                ranks[-1].update(dict.fromkeys(LIVE_STATS, 0))
         return {
             "control_pid": control.pid, "ranks": ranks, "route_queries": control.route_queries,
             "route_p50_us": control.route_p50_us, "route_p99_us": control.route_p99_us,
