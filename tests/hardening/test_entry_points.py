@@ -6,15 +6,22 @@ from __future__ import annotations
 import asyncio
 import math
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmpool import LLM, SamplingParams
 from lmpool.cli import demo
 from lmpool.config import EngineConfig
+from lmpool.engine.validation import validate_request
 from lmpool.errors import ArgumentTypeError
+from lmpool.llm import prepare_batch
 from lmpool.pool.api import AsyncLMPool
+from lmpool.tokenizer import encode_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2)
+VOCAB = 1000
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +109,27 @@ def test_demo_refuses_a_world_size_of_zero(capsys):
 
 def test_a_wrong_type_is_also_the_documented_value_error():
     assert issubclass(ArgumentTypeError, ValueError) and issubclass(ArgumentTypeError, TypeError)
+
+
+PROMPTISH = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-5, 2**40), st.floats(), st.text(max_size=3),
+              st.binary(max_size=3), st.just(np.int64(5)), st.just(np.bool_(True))),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.tuples(inner, inner),
+                            st.dictionaries(st.text(max_size=2), inner, max_size=2)),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(PROMPTISH)
+def test_whatever_is_passed_as_prompts_is_refused_by_name_or_valid_token_ids(prompts):
+    """Arbitrary objects as ``generate``'s prompts (without a tokenizer, as text needs one):
+    a TypeError/ValueError, or token ids every one of which the model knows."""
+    def validate(ids, params):
+        validate_request(ids, params, vocab_size=VOCAB, max_model_len=4096, block_size=16, max_blocks=1 << 20)
+
+    try:
+        token_lists, _ = prepare_batch(prompts, GREEDY, lambda p: encode_prompt(None, p), validate)
+    except (TypeError, ValueError):
+        return
+    assert all(type(t) is int and 0 <= t < VOCAB for ids in token_lists for t in ids)
