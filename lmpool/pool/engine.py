@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from lmpool.config import EngineConfig
+from lmpool.config import EngineConfig, check_engine_args, check_hang_timeout, check_world_size
 from lmpool.control.global_scheduler import RoutingConfig
 from lmpool.control.transfer_config import TransferPolicyConfig, check_mode
 from lmpool.engine.hashing import chain_hashes
 from lmpool.engine.model_runner import resolve_dtype
-from lmpool.config import check_engine_args, check_hang_timeout, check_world_size
 from lmpool.engine.validation import check_prompt, check_wire_size, validate_request
 from lmpool.errors import ArgumentTypeError, strict_bool
 from lmpool.model.config import ModelConfig
