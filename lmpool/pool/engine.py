@@ -79,6 +79,9 @@ GPU_TRANSFER_PATHS = ("auto", "nccl")
 MAX_REROUTES = 1
 LIVE_STATS = ("num_waiting", "num_running", "blocks_free", "blocks_reclaimable", "blocks_used", "cached_blocks")
 MAX_MESSAGE_BYTES = max_payload(DEFAULT_CAPACITY)  # the most one message between the pool's processes holds
+# A worker's snapshot of its cache to the control plane takes about 90 bytes per cached block
+# (two 32-byte hashes): room for some 180k blocks. Ring pages are touched only as they are used.
+CONTROL_LINK_CAPACITY = 16 << 20
 
 
 class PoolError(RuntimeError):
@@ -269,7 +272,7 @@ class LLMEngine:
         control_links = []
         for r in range(cfg.world_size):
             link = self.ipc.create_link()
-            control_links.append(self.ipc.create_link())
+            control_links.append(self.ipc.create_link(CONTROL_LINK_CAPACITY))
             spec = WorkerSpec(
                 rank=r, epoch=1, device=cfg.device_of(r), engine_end=link.b,
                 control_end=control_links[r].b, engine_args=cfg.engine_of(r),
@@ -345,7 +348,7 @@ class LLMEngine:
             self._control_channel.close()
             await asyncio.get_running_loop().run_in_executor(None, process.stop, self.control_proc, 1.0)
             live = [r for r in self.ranks if r.alive]
-            links = {r.rank: self.ipc.create_link() for r in live}
+            links = {r.rank: self.ipc.create_link(CONTROL_LINK_CAPACITY) for r in live}
             ends = [links[r].a if r in links else None for r in range(self.config.world_size)]
             await self._spawn_control(ends)
             for r in live:  # each worker re-attaches and sends a full snapshot

@@ -12,9 +12,13 @@ import msgspec
 import pytest
 
 from lmpool import LLM, SamplingParams
+from lmpool.engine.hashing import ROOT_HASH, block_hash
+from lmpool.engine.kv_events import BlockStored, KVSnapshot
 from lmpool.model.make_model import make_model
 from lmpool.pool.api import AsyncLMPool
-from lmpool.pool.messages import AddRequest
+from lmpool.pool.engine import CONTROL_LINK_CAPACITY
+from lmpool.pool.messages import AddRequest, LoadReport, WorkerSnapshot
+from lmpool_ipc.frames import max_payload
 
 BLOCK = 16
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -75,3 +79,12 @@ def test_a_request_too_large_for_the_links_fails_alone(tmp_path):
             assert (await pool.stats())["control_restarts"] == 0
 
     asyncio.run(main())
+
+
+def test_a_snapshot_of_a_large_cache_fits_the_control_link():
+    """256-bit hashes make a worker's snapshot ~86 bytes a block: 100k cached blocks (a
+    large GPU with small blocks) still fit one message to the control plane."""
+    h = block_hash(ROOT_HASH, [1, 2, 3])
+    snapshot = KVSnapshot(1, [BlockStored(h, h, 2**20, 2**20)] * 100_000)
+    report = WorkerSnapshot(0, 1, 2**20, snapshot, LoadReport())
+    assert len(msgspec.msgpack.encode(report)) <= max_payload(CONTROL_LINK_CAPACITY)
