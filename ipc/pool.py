@@ -9,7 +9,7 @@ Links are opened by end name with ``Channel``, boards by name with ``BoardWriter
 
 A started pool is closed however its owner lets go of it: ``close``, garbage collection
 of the ``IpcPool``, interpreter exit (``weakref.finalize``), or SIGTERM, once
-``close_on_sigterm`` is installed (``IpcPool.start`` installs it from the main thread).
+``close_on_sigterm`` is installed (``IpcPool.start`` installs it when on the main thread).
 Only SIGKILL leaves objects behind, for the next start's sweep.
 """
 
@@ -63,10 +63,8 @@ class IpcPool:
         closed at the latest when it is garbage collected or the interpreter exits."""
         sweep_dead_pools()
         pool = cls(new_pool_id(), os.getpid())
-        pool._closer = weakref.finalize(pool, _close_pool, pool.pool_id)
-        _closers.add(pool._closer)
-        if threading.current_thread() is threading.main_thread():
-            close_on_sigterm()
+        pool._closer = _closers[pool.pool_id] = weakref.finalize(pool, _close_pool, pool.pool_id)
+        close_on_sigterm()
         return pool
 
     def create_link(self, capacity: int = DEFAULT_CAPACITY) -> Link:
@@ -105,7 +103,7 @@ class IpcPool:
         """Unlink every segment and semaphore of this pool; return their names. Channels
         still open keep working until they close."""
         if self._closer is not None:
-            _closers.discard(self._closer)
+            _closers.pop(self.pool_id, None)
             self._closer.detach()
         return remove_pool(self.pool_id)
 
@@ -116,20 +114,23 @@ class IpcPool:
         self.close()
 
 
-# Pools of this process not yet closed, for the SIGTERM handler.
-_closers: set[weakref.finalize] = set()
+# Pools of this process not yet closed, by id, for the SIGTERM handler.
+_closers: dict[str, weakref.finalize] = {}
 
 
 def _close_pool(pool_id: str) -> None:
     """A finalizer's body: it must not hold the pool, only its id."""
+    _closers.pop(pool_id, None)
     remove_pool(pool_id)
 
 
 def close_on_sigterm() -> bool:
     """From now on, SIGTERM closes this process's open pools before the process dies of it
     (as it would have: the default action runs again). Installed only over the default
-    disposition, so an application's own handler stays; call from the main thread. True
-    if installed (now or before)."""
+    disposition, so an application's own handler stays; only the main thread can install
+    it (elsewhere this does nothing). True if installed (now or before)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
     current = signal.getsignal(signal.SIGTERM)
     if current is _on_sigterm:
         return True
@@ -140,7 +141,7 @@ def close_on_sigterm() -> bool:
 
 
 def _on_sigterm(signum, frame) -> None:
-    for closer in list(_closers):
+    for closer in list(_closers.values()):
         closer()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)  # die of it, as without the handler

@@ -255,7 +255,7 @@ class LMPool:
     """The pool for synchronous code: ``LMPool(model, world_size=4).generate(prompts, params)``."""
 
     def __init__(self, model: str, **pool_args) -> None:
-        close_on_sigterm()  # the pool starts on the loop's thread, where no handler can be set
+        close_on_sigterm()  # the pool starts on the loop's thread, where no handler can be set: here, if main
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lmpool-loop", daemon=True)
         self._thread.start()
