@@ -95,15 +95,15 @@ def check_hang_timeout(value, heartbeat_interval: float) -> float | None:
     """Seconds of silence before a process is taken for hung; None turns it off."""
     if value is None:
         return None
-    if isinstance(value, str):
-        raise ArgumentTypeError(f"hang_timeout must be a number of seconds, None or 'auto'; got {value!r}")
+    wanted = "hang_timeout must be a positive number of seconds, None or 'auto'"
+    if isinstance(value, (bool, str)):
+        raise ArgumentTypeError(f"{wanted}; got {value!r}")
     timeout = strict_float(value, "hang_timeout", finite=False)
     if timeout == float("inf"):
-        raise ValueError("hang_timeout must be finite: pass None to turn hang detection off")
+        raise ValueError(f"{wanted}; got inf: it must be finite (None turns hang detection off)")
     floor = MIN_HANG_BEATS * heartbeat_interval
     if not timeout >= floor:
-        raise ValueError(f"hang_timeout must be at least {floor:g} s ({MIN_HANG_BEATS} heartbeat intervals), "
-                         f"or None; got {value!r}")
+        raise ValueError(f"{wanted}; got {value!r}: at least {floor:g} s ({MIN_HANG_BEATS} heartbeat intervals)")
     return timeout
 
 
