@@ -35,13 +35,15 @@ from .errors import (
     ChannelClosedError,
     DecodeError,
     IpcError,
+    LinkError,
+    MessageError,
     MessageTooLargeError,
     PeerDeadError,
     RemoteError,
     RingCorruptError,
 )
 from .lifecycle import boards, pid_alive, remove_pool, sweep_dead_pools
-from .pool import DEFAULT_CAPACITY, IpcPool, Link
+from .pool import DEFAULT_CAPACITY, IpcPool, Link, close_on_sigterm
 from .rpc import Requester, Responder
 
 __all__ = [
@@ -56,6 +58,8 @@ __all__ = [
     "IpcError",
     "IpcPool",
     "Link",
+    "LinkError",
+    "MessageError",
     "MessageTooLargeError",
     "PeerDeadError",
     "RemoteError",
@@ -63,6 +67,7 @@ __all__ = [
     "Responder",
     "RingCorruptError",
     "boards",
+    "close_on_sigterm",
     "pid_alive",
     "remove_pool",
     "sweep_dead_pools",

@@ -57,8 +57,13 @@ class _Mapped:
 
     def __init__(self, name: str, writable: bool) -> None:
         self.name = name
-        shm = posix_ipc.SharedMemory(name, read_only=not writable)
         try:
+            shm = posix_ipc.SharedMemory(name, read_only=not writable)
+        except posix_ipc.PermissionsError as e:  # another user's: say so as Python does
+            raise PermissionError(f"board {name} belongs to another user: {e}") from None
+        try:
+            if shm.size < HEADER_SIZE:  # planted, or not a board at all: nothing to map
+                raise RingCorruptError(f"{name} is not an LMPool board: {shm.size} bytes, under a header")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             self._map = mmap.mmap(shm.fd, shm.size, prot=prot)
         finally:

@@ -23,8 +23,11 @@ Failure. While parked, the end wakes every ``liveness_interval`` seconds to chec
 peer: a peer that exited (pid gone or a zombie), closed its end, or (with
 ``heartbeat_timeout``) stopped beating makes ``recv`` and ``send`` raise instead of
 waiting forever. Frames the peer published before it went away are still delivered
-first. A frame that does not decode raises ``DecodeError`` from that ``recv``, is
-counted in ``stats.decode_errors``, and the next ``recv`` returns the next message.
+first. Those are ``LinkError``s. A message's own failure is a ``MessageError`` and
+leaves the link working: a frame that does not decode raises ``DecodeError`` from that
+``recv``, is counted in ``stats.decode_errors``, and the next ``recv`` returns the next
+message; a message larger than the ring raises ``MessageTooLargeError`` from ``send``
+(naming its size and the limit) before anything is written.
 """
 
 import asyncio

@@ -16,10 +16,10 @@ from contextlib import ExitStack
 
 import posix_ipc
 
-from .errors import ChannelClosedError, IpcError
+from .errors import ChannelClosedError, IpcError, RingCorruptError
 from .lifecycle import pid_alive
 from .names import ENDS, object_name, parse_end
-from .ring import Ring
+from .ring import MIN_CAPACITY, Ring, ring_bytes
 
 # Ends open in this process: a second open of one of them is refused like one elsewhere.
 _open_here: set[str] = set()
@@ -85,6 +85,8 @@ class Endpoint:
 def _map_ring(name: str, undo: ExitStack) -> tuple[Ring, mmap.mmap]:
     shm = posix_ipc.SharedMemory(name)
     try:
+        if shm.size < ring_bytes(MIN_CAPACITY):  # not a ring this format made
+            raise RingCorruptError(f"{name} is not an LMPool ring: {shm.size} bytes")
         buf = mmap.mmap(shm.fd, shm.size)
     finally:
         shm.close_fd()

@@ -6,10 +6,18 @@ semaphores of one link (mode 0600, exclusive create); ``create_board`` creates a
 (see ``board``); ``close`` unlinks every object of the pool, whichever process created it.
 Links are opened by end name with ``Channel``, boards by name with ``BoardWriter`` and
 ``BoardReader``.
+
+A started pool is closed however its owner lets go of it: ``close``, garbage collection
+of the ``IpcPool``, interpreter exit (``weakref.finalize``), or SIGTERM, once
+``close_on_sigterm`` is installed (``IpcPool.start`` installs it when on the main thread).
+Only SIGKILL leaves objects behind, for the next start's sweep.
 """
 
 import mmap
 import os
+import signal
+import threading
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -47,12 +55,17 @@ class IpcPool:
     def __init__(self, pool_id: str, owner_pid: int) -> None:
         self.pool_id = pool_id
         self.owner_pid = owner_pid
+        self._closer: weakref.finalize | None = None
 
     @classmethod
     def start(cls) -> "IpcPool":
-        """Remove dead pools' leftovers, then start a new pool owned by this process."""
+        """Remove dead pools' leftovers, then start a new pool owned by this process; it is
+        closed at the latest when it is garbage collected or the interpreter exits."""
         sweep_dead_pools()
-        return cls(new_pool_id(), os.getpid())
+        pool = cls(new_pool_id(), os.getpid())
+        pool._closer = _closers[pool.pool_id] = weakref.finalize(pool, _close_pool, pool.pool_id)
+        close_on_sigterm()
+        return pool
 
     def create_link(self, capacity: int = DEFAULT_CAPACITY) -> Link:
         """Create a link whose two rings each hold ``capacity`` bytes of frames."""
@@ -89,6 +102,9 @@ class IpcPool:
     def close(self) -> list[str]:
         """Unlink every segment and semaphore of this pool; return their names. Channels
         still open keep working until they close."""
+        if self._closer is not None:
+            _closers.pop(self.pool_id, None)
+            self._closer.detach()
         return remove_pool(self.pool_id)
 
     def __enter__(self) -> "IpcPool":
@@ -96,6 +112,39 @@ class IpcPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# Pools of this process not yet closed, by id, for the SIGTERM handler.
+_closers: dict[str, weakref.finalize] = {}
+
+
+def _close_pool(pool_id: str) -> None:
+    """A finalizer's body: it must not hold the pool, only its id."""
+    _closers.pop(pool_id, None)
+    remove_pool(pool_id)
+
+
+def close_on_sigterm() -> bool:
+    """From now on, SIGTERM closes this process's open pools before the process dies of it
+    (as it would have: the default action runs again). Installed only over the default
+    disposition, so an application's own handler stays; only the main thread can install
+    it (elsewhere this does nothing). True if installed (now or before)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm:
+        return True
+    if current is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return True
+
+
+def _on_sigterm(signum, frame) -> None:
+    for closer in list(_closers.values()):
+        closer()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # die of it, as without the handler
 
 
 def _create_ring(name: str, capacity: int, owner_pid: int) -> None:

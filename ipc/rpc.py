@@ -8,7 +8,9 @@ request with that id, so concurrent callers never see each other's replies, what
 order the replies come back in. A ``Responder`` answers each request in its own task.
 
 The envelope is decoded first with the body left raw, so that a reply whose body does
-not match the expected type fails only its own request (with ``DecodeError``).
+not match the expected type fails only its own request (with ``DecodeError``), and a
+reply too large for the ring fails its request (``RemoteError`` naming the sizes), not the
+link.
 """
 
 import asyncio
@@ -18,7 +20,7 @@ from typing import Any, Awaitable, Callable, Generic, TypeVar
 import msgspec
 
 from .channel import Channel
-from .errors import ChannelClosedError, DecodeError, IpcError, RemoteError
+from .errors import ChannelClosedError, DecodeError, IpcError, MessageTooLargeError, RemoteError
 
 Q = TypeVar("Q")
 R = TypeVar("R")
@@ -142,8 +144,14 @@ class Responder(Generic[Q]):
             reply = (request_id, OK, await self._handler(self._request_decoder.decode(body)))
             frame = self._encoder.encode(reply)
         except Exception as e:
-            frame = self._encoder.encode((request_id, FAILED, f"{type(e).__name__}: {e}"))
+            frame = self._failure(request_id, e)
         try:
-            await self._channel.send_bytes(frame)
+            try:
+                await self._channel.send_bytes(frame)
+            except MessageTooLargeError as e:  # the reply fails, not the link: say so instead
+                await self._channel.send_bytes(self._failure(request_id, e))
         except ChannelClosedError:
             pass  # the requester is gone; nobody is waiting for this reply
+
+    def _failure(self, request_id: int, error: Exception) -> bytes:
+        return self._encoder.encode((request_id, FAILED, f"{type(error).__name__}: {error}"))

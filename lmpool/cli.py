@@ -48,6 +48,17 @@ def default_model(preset: str = "tiny", seed: int = 0) -> Path:
     return path
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 or a negative count is an error, not the default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def demo(argv: list[str]) -> int:
     import torch
 
@@ -57,10 +68,12 @@ def demo(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmpool demo", description="Serve a small model from a pool of replicas.")
     parser.add_argument("--model", help="a Qwen3 checkpoint directory (default: a generated tiny model)")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--world-size", type=int, help="replicas (default: one per GPU, at least 2)")
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--world-size", type=positive_int, help="replicas (default: one per GPU, at least 2)")
+    parser.add_argument("--max-tokens", type=positive_int, default=24)
     args = parser.parse_args(argv)
-    world_size = args.world_size or (max(2, torch.cuda.device_count()) if args.device == "cuda" else 2)
+    world_size = args.world_size
+    if world_size is None:
+        world_size = max(2, torch.cuda.device_count()) if args.device == "cuda" else 2
     model = args.model or str(default_model())
     print(f"model: {model}\ndevice: {args.device}, {world_size} replicas")
     with LMPool(model, world_size=world_size, device=args.device, block_size=16) as pool:

@@ -24,6 +24,8 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     """Token ids of a prompt given as text (needs a tokenizer) or already as token ids (numpy or
     torch integers, and 1-D arrays and tensors, become Python ints; anything else is left for
     validation to name)."""
+    if isinstance(prompt, (bytes, bytearray, memoryview, dict)) or prompt is None:  # not ids, not text
+        raise ValueError(f"a prompt is text or a sequence of token ids, got {type(prompt).__name__}")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model directory has no tokenizer: pass token ids instead of text")

@@ -51,7 +51,11 @@ def child_pids() -> set[int]:
             continue
         if state == "Z" or not any(arg in (b"lmpool.worker.main", b"lmpool.control.main") for arg in cmdline):
             continue
-        owner = _OWNER_IN_SPEC.search(b" ".join(cmdline))  # the spec names the pool's links
+        try:  # the spec (in the environment, or the command line of an older child) names the pool's links
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            environ = b""
+        owner = _OWNER_IN_SPEC.search(environ) or _OWNER_IN_SPEC.search(b" ".join(cmdline))
         if owner is None or not _someone_elses(int(owner[1])):
             pids.add(int(entry.name))
     return pids

@@ -9,7 +9,9 @@ Verdict: a pool is ``dead`` when its board was removed, its owner or control pro
 gone, or nothing was published for ``STALE_S`` (a frozen or stopped control plane looks
 exactly like that); ``starting`` before the first publish; ``alive`` otherwise. A rank is
 alive only in a live pool, with the control plane counting it alive and its worker pid
-running, so a pool killed with SIGKILL shows dead rows rather than its last numbers.
+running, so a pool killed with SIGKILL shows dead rows rather than its last numbers. A
+board whose contents do not decode as a pool state (planted, or garbage) is ``dead`` too,
+with that reason.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import msgspec
 
 from lmpool.protocol.state_board import PoolState, RankRow, StateBoardReader, pool_boards
 from lmpool_ipc import BoardBusyError, pid_alive
@@ -66,7 +70,7 @@ def find_pool(prefix: str | None) -> tuple[str, str]:
     of the one pool whose owner is alive. Raises ``PoolNotFound`` saying why not."""
     pools = pool_boards()
     if prefix is None:
-        live = {p: n for p, n in pools.items() if pid_alive(_owner_of(n))}
+        live = {p: n for p, n in pools.items() if pid_alive(owner_of(n))}
         if len(live) == 1:
             return next(iter(live.items()))
         if not live:
@@ -83,15 +87,15 @@ def find_pool(prefix: str | None) -> tuple[str, str]:
     return next(iter(matches.items()))
 
 
-def _owner_of(board: str) -> int:
-    # ``/lmpool-<pool id>-<owner pid>-board-<label>``
+def owner_of(board: str) -> int:
+    """The owner pid a board's name carries: ``/lmpool-<pool id>-<owner pid>-board-<label>``."""
     return int(board.split("-")[2])
 
 
 class PoolMonitor:
     def __init__(self, pool_id: str, board: str) -> None:
         self.pool_id = pool_id
-        self.owner_pid = _owner_of(board)
+        self.owner_pid = owner_of(board)
         self.reader = StateBoardReader(board)
         self.samples: deque[PoolState] = deque(maxlen=RATE_WINDOW)
         self.rank_trends: dict[int, deque] = {}
@@ -105,6 +109,9 @@ class PoolMonitor:
             state = self.reader.read()
         except BoardBusyError:  # the writer kept writing (or died mid-write): keep the last
             state = None
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:  # planted, or garbage
+            reason = f"its state board holds no valid pool state ({e})"
+            return PoolView(self.pool_id, self.owner_pid, "dead", reason, None, 0.0, trend=self.trend)
         if state is None and self.samples:
             state = self.samples[-1]
         if state is not None and (not self.samples or state.monotonic != self.samples[-1].monotonic):

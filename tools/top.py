@@ -23,7 +23,10 @@ import sys
 import time
 from datetime import datetime
 
+import posix_ipc
+
 from lmpool.protocol.state_board import PUBLISH_INTERVAL_S
+from lmpool_ipc import RingCorruptError
 from lmpool_tools.monitor import STALE_S, PoolMonitor, PoolNotFound, PoolView, RankView, find_pool
 
 UNICODE_GLYPHS = {"used": "█", "reclaimable": "▒", "free": "·", "spark": "▁▂▃▄▅▆▇█"}
@@ -131,11 +134,16 @@ def frame(
 def row_text(rv: RankView, bar_width: int, trend_width: int, glyphs: dict) -> str:
     r = rv.row
     beat = f"{r.heartbeat_age_s:.1f}s" if rv.alive and r.heartbeat_age_s >= 0 else "-"
-    left = [r.rank, r.pid, r.epoch, "alive" if rv.alive else "dead", beat, r.num_waiting, r.num_running]
-    right = [r.blocks_used, r.blocks_reclaimable, r.blocks_free, percent(rv.hit_rate), r.blocks_in_flight,
-             r.leases, f"{rv.tokens_per_s:.1f}"]
+
+    def now(value):  # a dead rank's present figures are its last report: stale, not shown
+        return value if rv.alive else "-"
+
+    left = [r.rank, r.pid, r.epoch, "alive" if rv.alive else "dead", beat, now(r.num_waiting), now(r.num_running)]
+    right = [now(r.blocks_used), now(r.blocks_reclaimable), now(r.blocks_free), percent(rv.hit_rate),
+             now(r.blocks_in_flight), now(r.leases), f"{rv.tokens_per_s:.1f}"]
     text = " ".join(f"{v:>{w}}" for v, (_, w) in zip(left, LEFT))
-    text += " [" + bar(r.blocks_used, r.blocks_reclaimable, r.blocks_free, bar_width, glyphs) + "]"
+    blocks = (r.blocks_used, r.blocks_reclaimable, r.blocks_free) if rv.alive else (0, 0, 0)
+    text += " [" + bar(*blocks, bar_width, glyphs) + "]"
     text += " " + " ".join(f"{v:>{w}}" for v, (_, w) in zip(right, RIGHT))
     return text + " " + sparkline(rv.trend, trend_width, glyphs)
 
@@ -220,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     except PoolNotFound as e:
         print(f"lmpool top: {e}", file=sys.stderr)
         return 1
-    except PermissionError:
+    except (PermissionError, posix_ipc.PermissionsError):
         print(f"lmpool top: pool {args.pool} belongs to another user", file=sys.stderr)
+        return 1
+    except (RingCorruptError, ValueError, OSError, posix_ipc.Error) as e:  # planted, or gone meanwhile
+        print(f"lmpool top: pool {args.pool} has no readable state board: {e}", file=sys.stderr)
         return 1
     try:
         if args.once:

@@ -1,10 +1,13 @@
-"""Engine settings, checked once when an engine is built."""
+"""Engine settings, checked once when an engine is built: each wrong type or value is a
+``ValueError`` naming the setting (a wrong type also a ``TypeError``: ``ArgumentTypeError``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from lmpool.errors import ArgumentTypeError, strict_bool, strict_float, strict_int
 
 DTYPES = {
     "float32": torch.float32,
@@ -38,7 +41,11 @@ class EngineConfig:
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:
-        kind = str(self.device).split(":")[0]
+        if not isinstance(self.model, str) or not self.model:
+            raise ArgumentTypeError(f"model must be a checkpoint directory path (a string), got {self.model!r}")
+        if not isinstance(self.device, str):
+            raise ArgumentTypeError(f"device must be a string ('cpu', 'cuda' or 'cuda:N'), got {self.device!r}")
+        kind = self.device.split(":")[0]
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda' (optionally 'cuda:N'), got {self.device!r}")
         device = torch.device(self.device)
@@ -46,18 +53,75 @@ class EngineConfig:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        self._check_integers()
+        if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.max_model_len is not None and (isinstance(self.max_model_len, bool) or
-                                               not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise ValueError(f"max_model_len must be an integer >= 1 (or None: the model's), got {self.max_model_len!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        for name in ("enable_prefix_caching", "use_kernels", "enforce_eager"):
+            strict_bool(getattr(self, name), name)
+        utilization = strict_float(self.gpu_memory_utilization, "gpu_memory_utilization")
+        if not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def _check_integers(self) -> None:
+        """Every integer setting is an int (not a bool, nor a string of digits) at least its minimum."""
+        minimum = {"block_size": 1, "num_kv_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1,
+                   "max_model_len": 1, "cpu_kv_cache_bytes": 1, "cpu_threads": 1, "seed": None}
+        for name, low in minimum.items():
+            value = getattr(self, name)
+            if value is None and name in ("num_kv_blocks", "max_model_len"):
+                continue  # sized from memory / the model's context
+            wanted = "an integer" if low is None else f"an integer >= {low}"
+            try:
+                value = strict_int(value, name)
+            except ArgumentTypeError:
+                raise ArgumentTypeError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__})") from None
+            if low is not None and value < low:
+                raise ValueError(f"{name} must be {wanted}, got {value!r}")
+            setattr(self, name, value)
+
+
+# ---- checks of the pool's settings (``lmpool.pool``), named like the engine's ----------------
+
+# A process silent for this many of its heartbeat intervals may be hung; less than that
+# and a healthy worker between two beats would be killed.
+MIN_HANG_BEATS = 4
+
+
+def check_world_size(value) -> int:
+    world_size = strict_int(value, "world_size")
+    if world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {value!r}")
+    return world_size
+
+
+def check_hang_timeout(value, heartbeat_interval: float) -> float | None:
+    """Seconds of silence before a process is taken for hung; None turns it off."""
+    if value is None:
+        return None
+    wanted = "hang_timeout must be a positive number of seconds, None or 'auto'"
+    if isinstance(value, (bool, str)):
+        raise ArgumentTypeError(f"{wanted}; got {value!r}")
+    timeout = strict_float(value, "hang_timeout", finite=False)
+    if timeout == float("inf"):
+        raise ValueError(f"{wanted}; got inf: it must be finite (None turns hang detection off)")
+    floor = MIN_HANG_BEATS * heartbeat_interval
+    if not timeout >= floor:
+        raise ValueError(f"{wanted}; got {value!r}: at least {floor:g} s ({MIN_HANG_BEATS} heartbeat intervals)")
+    return timeout
+
+
+def check_port(value, what: str) -> int | None:
+    """A TCP port to listen on (0: any free one), or None for off."""
+    if value is None:
+        return None
+    port = strict_int(value, what)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{what} must be a TCP port in [0, 65535] (0: any free one) or None, got {value!r}")
+    return port
+
+
+def check_engine_args(model: str, args: dict) -> None:
+    """Check a pool's per-replica engine settings up front, as an ``EngineConfig`` would on
+    each worker (device aside), so a bad one is a ``ValueError`` here rather than a worker
+    that fails to start."""
+    EngineConfig(model=model, device="cpu", **{k: v for k, v in args.items() if k != "model"})

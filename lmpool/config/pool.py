@@ -17,7 +17,7 @@ import dataclasses
 import msgspec
 import torch
 
-from lmpool.config.engine import EngineConfig
+from lmpool.config.engine import EngineConfig, check_hang_timeout, check_world_size
 from lmpool.config.routing import RoutingConfig
 from lmpool.config.transfer import TransferPolicyConfig, check_mode
 
@@ -77,15 +77,10 @@ class PoolConfig(msgspec.Struct, kw_only=True):
     hang_timeout: float | str | None = "auto"
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        self.world_size = check_world_size(self.world_size)
         if self.hang_timeout == "auto":
             self.hang_timeout = 60.0 if self.device == "cuda" else None
-        if self.hang_timeout is not None and (
-            isinstance(self.hang_timeout, (bool, str)) or not self.hang_timeout > 0
-        ):
-            raise ValueError(f"hang_timeout must be a positive number of seconds, None or 'auto'; "
-                             f"got {self.hang_timeout!r}")
+        self.hang_timeout = check_hang_timeout(self.hang_timeout, self.heartbeat_interval)
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}; got {self.routing!r}")
         if not isinstance(self.routing_config, RoutingConfig):

@@ -22,7 +22,7 @@ question (``ask``): the digest of cached blocks, or a barrier after which every 
 worker sent before it is applied, which an explicit transfer uses when the page table does
 not show the source's blocks yet. A question to a rank that dies is answered with an error.
 
-Run as ``python -m lmpool.control.main SPEC_JSON`` (see ``lmpool.protocol.spec``).
+Run as ``LMPOOL_SPEC=SPEC_JSON python -m lmpool.control.main`` (see ``lmpool.protocol.spec``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from lmpool.control.routing.router import Router
 from lmpool.control.topology import Topology
 from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
 from lmpool.control.transfers.policies import TransferPolicies
-from lmpool.engine.hashing import ROOT_HASH
+from lmpool.engine.hashing import ROOT_HASH, short
 from lmpool.protocol import (
     BlockDigests,
     Connect,
@@ -75,7 +75,7 @@ from lmpool.protocol.spec import ControlSpec, read_spec
 from lmpool.protocol.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
 from lmpool.control.kv_events import pool_events as kv_pool_events
 from lmpool.control.transfers.leases import PlacementLeases
-from lmpool_ipc import Channel, IpcError, Responder
+from lmpool_ipc import Channel, DecodeError, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
 QUERY_TIMEOUT_S = 30.0  # a live worker answers at its next step boundary; a digest hashes blocks
@@ -129,7 +129,10 @@ class ControlPlane:
     async def read_worker(self, rank: int, channel: Channel) -> None:
         try:
             while True:
-                msg = await channel.recv()
+                try:
+                    msg = await channel.recv()
+                except DecodeError:  # that message's failure, not the rank's: counted in stats
+                    continue
                 if isinstance(msg, PlanAnswer):
                     self.on_plan_answer(msg)
                     continue
@@ -257,7 +260,7 @@ class ControlPlane:
                 return TransferResult(0, PlanState.ABORTED.value, str(e))
             generations, missing = self._generations(request.src, request.block_hashes)
         if missing is not None:
-            return TransferResult(0, PlanState.ABORTED.value, f"rank {request.src} does not hold block {missing:#x}")
+            return TransferResult(0, PlanState.ABORTED.value, f"rank {request.src} does not hold block {short(missing)}")
         parents = [ROOT_HASH] + request.block_hashes[:-1]
         plan = self.coordinator.start(request.src, request.dst, request.block_hashes, generations, parents,
                                       move=request.move)

@@ -14,8 +14,10 @@ hit revives a RECLAIMABLE block. Invariants, checked by ``check_invariants``:
 - ``free + used + reclaimable == num_blocks``.
 
 Reclamation picks, among reclaimable leaves, the least frequently hit and then
-the least recently used block. Token equality is checked on every hit, so a
-64-bit hash collision can never serve another prefix's KV.
+the least recently used block. Hashes are 256-bit (``hashing``), and every hit is
+verified along its chain: each block's own tokens, and its cached parent being the
+previous block of the hit (the first block's having none), so even a collision could
+not serve another prefix's KV.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterable
 
-from lmpool.engine.hashing import ROOT_HASH
+from lmpool.engine.hashing import ROOT_HASH, BlockHash, short
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVEvent, KVSnapshot
 from lmpool.engine.sequence import Sequence
 
@@ -52,7 +54,7 @@ class Block:
         self.state = BlockState.FREE
         self.ref_count = 0
         self.generation = 0  # bumped at every allocation, so stale references are detectable
-        self.block_hash: int | None = None  # set while the block is cached
+        self.block_hash: BlockHash | None = None  # set while the block is cached
         self.parent_id: int | None = None  # the cached parent block, while cached
         self.token_ids: tuple[int, ...] = ()
         self.num_cached_children = 0
@@ -69,7 +71,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[BlockHash, int] = {}
         self.num_reclaimable = 0
         # (hits, last_access, block_id) of reclaimable leaves; stale entries are skipped on pop.
         self._reclaim_heap: list[tuple[int, int, int]] = []
@@ -110,10 +112,16 @@ class BlockManager:
         hit: list[int] = []
         for i, h in enumerate(seq.block_hashes[:max_blocks]):
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
+            if block_id is None or not self._continues(self.blocks[block_id], hit, seq.block_tokens(i)):
                 break
             hit.append(block_id)
         return hit
+
+    @staticmethod
+    def _continues(block: Block, hit: list[int], tokens: list[int]) -> bool:
+        """True if ``block`` holds ``tokens`` and hangs off the last block of ``hit`` (off
+        nothing, for the first): a hit is checked along its whole chain, not block by block."""
+        return block.parent_id == (hit[-1] if hit else None) and block.token_ids == tuple(tokens)
 
     def blocks_to_admit(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], int]:
         """Prefix hit and fresh blocks needed to admit ``seq`` computing ``num_new_tokens`` past the hit."""
@@ -222,7 +230,7 @@ class BlockManager:
 
     # ---- transfers ------------------------------------------------------------
 
-    def pin_cached(self, block_hashes: list[int], generations: list[int]) -> tuple[list[int], list[int]]:
+    def pin_cached(self, block_hashes: list[BlockHash], generations: list[int]) -> tuple[list[int], list[int]]:
         """Reference the cached blocks holding ``block_hashes`` (a transfer's source), so they
         cannot be reclaimed while their bytes move. All or nothing: if any block is no longer
         cached, or was reused under another generation, nothing is pinned.
@@ -235,7 +243,7 @@ class BlockManager:
         for h, generation in zip(block_hashes, generations, strict=True):
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].generation != generation:
-                raise StaleBlockError(f"block {h:#x} generation {generation} is no longer cached here")
+                raise StaleBlockError(f"block {short(h)} generation {generation} is no longer cached here")
             ids.append(block_id)
         pinned = list(ids)
         seen = set(ids)
@@ -252,8 +260,8 @@ class BlockManager:
     def publish_received(
         self,
         block_ids: list[int],
-        block_hashes: list[int],
-        parent_hashes: list[int],
+        block_hashes: list[BlockHash],
+        parent_hashes: list[BlockHash],
         token_ids: list[list[int]],
     ) -> None:
         """Make blocks that received a transfer visible in the prefix cache, parents first, then
@@ -267,7 +275,7 @@ class BlockManager:
             if block.state is not BlockState.WRITING or block.block_hash is not None:
                 raise ValueError(f"block {block_id} is not a reserved transfer destination")
             if len(tokens) != self.block_size:
-                raise ValueError(f"block {h:#x} carries {len(tokens)} tokens, not {self.block_size}")
+                raise ValueError(f"block {short(h)} carries {len(tokens)} tokens, not {self.block_size}")
             block.state = BlockState.READY
             parent_id = None if parent == ROOT_HASH else self.hash_to_block.get(parent)
             if h in self.hash_to_block or (parent != ROOT_HASH and parent_id is None):

@@ -1,9 +1,21 @@
-"""Chained content hashes of complete KV blocks.
+"""Chained content hashes of complete KV blocks: 256-bit, collision-resistant, salted per tenant.
 
-``hash(block i) = blake2b-64(hash(block i-1) || token ids of block i)``, with the
-first block chained to ``ROOT_HASH``. The value depends only on the token ids, so
-every process (workers, control plane) computes the same hash for the same
-prefix; Python's ``hash()`` is salted per process and must never be used here.
+``hash(block 0) = sha256(0x00 || len(salt) || salt || token ids of block 0)`` and
+``hash(block i) = sha256(0x01 || hash(block i-1) || token ids of block i)``: the leading
+byte keeps a first block's input apart from any later block's. A hash is 32 bytes
+(``BlockHash``), so it travels in messages as msgpack bin and serves as an opaque key of
+page tables; ``ROOT_HASH`` (empty, falsy like the integer 0 it replaces) stands for "no
+parent". The value depends only on the salt and the token ids, so every process (workers,
+control plane) computes the same hash for the same prefix; Python's ``hash()`` is salted
+per process and must never be used here.
+
+Tenant isolation, as vLLM's ``cache_salt``: the request's salt (``SamplingParams.cache_salt``)
+enters the first block's hash and so, through the chain, every later one. Requests with
+different salts never share a block, nor learn from a prefix hit, its timing, or a route,
+that another tenant sent a prompt. Without a salt every request shares the cache: a
+tenant can learn whether some unsalted request sent a given prefix (a hit shows in
+``num_cached_tokens``, the time to first token and the route), though never its tokens
+beyond the prefix it already guessed.
 """
 
 from __future__ import annotations
@@ -11,24 +23,42 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-ROOT_HASH = 0
+from lmpool.protocol.base import BlockHash
+
+HASH_BYTES = 32
+ROOT_HASH: BlockHash = b""
+# A hash in a msgpack message: bin 8 header (2 bytes) + the digest.
+HASH_WIRE_BYTES = HASH_BYTES + 2
+
+_FIRST, _CHILD = b"\x00", b"\x01"
 
 
-def block_hash(parent: int, token_ids: list[int] | tuple[int, ...]) -> int:
-    """The 64-bit chained hash of one complete block following ``parent``."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(parent.to_bytes(8, "little"))
+def block_hash(parent: BlockHash, token_ids: list[int] | tuple[int, ...], salt: str | None = None) -> BlockHash:
+    """The chained hash of one complete block following ``parent`` (``ROOT_HASH`` for the
+    first block, which alone takes the ``salt``)."""
+    h = hashlib.sha256()
+    if parent == ROOT_HASH:
+        salt_bytes = b"" if salt is None else salt.encode()
+        h.update(_FIRST + len(salt_bytes).to_bytes(4, "little") + salt_bytes)
+    else:
+        h.update(_CHILD + parent)
     h.update(array("q", token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little")
+    return h.digest()
 
 
 def chain_hashes(
-    token_ids: list[int], block_size: int, start: list[int] | None = None
-) -> list[int]:
-    """Hashes of every complete block of ``token_ids``, extending the known ``start`` hashes."""
+    token_ids: list[int], block_size: int, start: list[BlockHash] | None = None, salt: str | None = None
+) -> list[BlockHash]:
+    """Hashes of every complete block of ``token_ids``, extending the known ``start`` hashes;
+    ``salt`` (the request's ``cache_salt``) enters the first block's."""
     hashes = list(start or [])
     parent = hashes[-1] if hashes else ROOT_HASH
     for i in range(len(hashes), len(token_ids) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
         hashes.append(parent)
     return hashes
+
+
+def short(h) -> str:
+    """A block hash for messages and logs: its first 8 bytes in hex (tests may use ints)."""
+    return h[:8].hex() if isinstance(h, bytes) else f"{h:#x}"

@@ -43,7 +43,7 @@ class Sequence:
         # Outputs already produced elsewhere (a request recomputed on another
         # replica) are replayed as part of the prefill.
         self.token_ids = list(prompt_token_ids) + list(output_token_ids or [])
-        self.block_hashes = chain_hashes(self.token_ids, block_size)
+        self.block_hashes = chain_hashes(self.token_ids, block_size, salt=params.cache_salt)
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_ready_blocks = 0  # leading blocks whose KV is complete (see BlockManager.commit)
@@ -81,7 +81,7 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if len(self.token_ids) % self.block_size == 0:
-            self.block_hashes = chain_hashes(self.token_ids, self.block_size, self.block_hashes)
+            self.block_hashes = chain_hashes(self.token_ids, self.block_size, self.block_hashes, self.params.cache_salt)
 
     def expect_token(self, row: int) -> None:
         """A launched step samples this sequence's next token into row ``row`` of its output."""

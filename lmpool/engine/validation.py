@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
+from lmpool.engine.hashing import HASH_WIRE_BYTES
 from lmpool.sampling_params import SamplingParams
+
+TOKEN_WIRE_BYTES = 5  # a token id below 2**32, as msgpack writes it
+ENVELOPE_BYTES = 256  # ids, tags, counts and array headers of one message, generously
 
 
 def validate_request(
@@ -20,13 +26,7 @@ def validate_request(
     """Raise ``ValueError`` if the request is malformed or could never fit in ``max_blocks`` blocks."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-    if len(prompt_token_ids) == 0:
-        raise ValueError("prompt is empty")
-    for i, t in enumerate(prompt_token_ids):
-        if not isinstance(t, int) or isinstance(t, bool):
-            raise ValueError(f"prompt token {t!r} at position {i} is not an integer token id")
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"prompt token {t!r} at position {i} is outside the vocabulary [0, {vocab_size})")
+    check_prompt(prompt_token_ids, vocab_size)
     outside = [t for t in params.stop_token_ids if t >= vocab_size]
     if outside:
         raise ValueError(f"stop token id {outside[0]} is outside the vocabulary [0, {vocab_size}): it can never end "
@@ -43,3 +43,33 @@ def validate_request(
             f"request needs {blocks} KV blocks ({total} tokens) but {where} holds only {max_blocks}: "
             f"it could never run"
         )
+
+
+def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
+    """Raise ``ValueError`` unless the prompt is a non-empty sequence of token ids of the vocabulary."""
+    if len(prompt_token_ids) == 0:
+        raise ValueError("prompt is empty")
+    for i, t in enumerate(prompt_token_ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ValueError(f"prompt token {t!r} at position {i} is not an integer token id")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token {t!r} at position {i} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_wire_size(num_prompt_tokens: int, params: SamplingParams, *, block_size: int, limit: int) -> None:
+    """Raise ``ValueError`` if a message of this request could exceed ``limit`` bytes, the
+    most a pool's link carries in one message: its tokens to a worker (a request moved
+    after a failure carries its outputs too) or its block hashes to the control plane.
+    Checked before anything is sent, so a request too large for the links fails alone."""
+    tokens = num_prompt_tokens + params.max_tokens
+    sizes = {
+        "its tokens": tokens * TOKEN_WIRE_BYTES + len(msgspec.msgpack.encode(params)) + ENVELOPE_BYTES,
+        "its block hashes": tokens // block_size * HASH_WIRE_BYTES + ENVELOPE_BYTES,
+    }
+    for what, size in sizes.items():
+        if size > limit:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) is too large to send: "
+                f"{what} could take {size} bytes, over the {limit}-byte limit of a message between the pool's "
+                f"processes"
+            )

@@ -35,6 +35,7 @@ from collections.abc import Sequence as SequenceABC
 
 import uvloop
 
+from lmpool.config.engine import check_port
 from lmpool.config.pool import PoolConfig
 from lmpool.frontend.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
@@ -44,6 +45,7 @@ from lmpool.frontend.output_processor import OutputProcessor, RequestState
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import check_usable
 from lmpool.tokenizer import encode_chat, encode_chats, encode_prompt, load_tokenizer
+from lmpool_ipc import close_on_sigterm
 
 
 class AsyncLMPool:
@@ -68,7 +70,7 @@ class AsyncLMPool:
         self.engine = PoolClient(self.config)
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
-        self._metrics_address = (metrics_host, metrics_port)
+        self._metrics_address = (metrics_host, check_port(metrics_port, "metrics_port"))
         self._metrics: MetricsServer | None = None
 
     async def start(self) -> AsyncLMPool:
@@ -205,6 +207,7 @@ class LMPool:
     """The pool for synchronous code: ``LMPool(model, world_size=4).generate(prompts, params)``."""
 
     def __init__(self, model: str, **pool_args) -> None:
+        close_on_sigterm()  # the pool starts on the loop's thread, where no handler can be set: here, if main
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lmpool-loop", daemon=True)
         self._thread.start()

@@ -31,7 +31,8 @@ import msgspec
 from lmpool.config.pool import PoolConfig
 from lmpool.engine.hashing import chain_hashes
 from lmpool.engine.model_runner import resolve_dtype
-from lmpool.engine.validation import validate_request
+from lmpool.engine.validation import check_prompt, check_wire_size, validate_request
+from lmpool.errors import ArgumentTypeError, strict_bool
 from lmpool.model.config import ModelConfig
 from lmpool.frontend import launcher as process
 from lmpool.protocol import (
@@ -62,12 +63,18 @@ from lmpool.protocol.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
 from lmpool.dataplane import Rendezvous
 from lmpool.control.transfers.cost_model import TransferCostModel
-from lmpool_ipc import Channel, IpcError, IpcPool, RemoteError, Requester
+from lmpool_ipc import DEFAULT_CAPACITY, Channel, DecodeError, IpcError, IpcPool, LinkError, RemoteError, Requester
+from lmpool_ipc.frames import max_payload
 
 # Rank deaths a request survives: it is recomputed elsewhere once. A request whose second
 # rank dies too fails instead, so that one request that crashes workers (a bug it triggers)
 # cannot take down every rank of the pool in turn.
 MAX_REROUTES = 1
+LIVE_STATS = ("num_waiting", "num_running", "blocks_free", "blocks_reclaimable", "blocks_used", "cached_blocks")
+MAX_MESSAGE_BYTES = max_payload(DEFAULT_CAPACITY)  # the most one message between the pool's processes holds
+# A worker's snapshot of its cache to the control plane takes about 90 bytes per cached block
+# (two 32-byte hashes): room for some 180k blocks. Ring pages are touched only as they are used.
+CONTROL_LINK_CAPACITY = 16 << 20
 
 
 class PoolError(RuntimeError):
@@ -132,6 +139,16 @@ class PoolClient:
         self._wire_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _check_loop(self) -> None:
+        """A pool is bound to the loop it started on: from any other, every wait would hang."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # a synchronous check (``LMPool`` validates before it hands over)
+            return
+        if self._loop is not None and running is not self._loop:
+            raise PoolError("this pool was started on another event loop and can only be used from that one")
 
     # ---- start-up ---------------------------------------------------------------
 
@@ -140,6 +157,7 @@ class PoolClient:
             raise PoolError("this pool was shut down and cannot start again: create a new one")
         if self.ipc is not None:
             raise PoolError("this pool is already started")
+        self._loop = asyncio.get_running_loop()  # its channels and tasks live on this loop
         self.ipc = IpcPool.start()  # also removes what crashed pools left in /dev/shm
         if self.config.transfer.enable_transfers:
             self.rendezvous = Rendezvous.create()
@@ -156,7 +174,7 @@ class PoolClient:
         control_links = []
         for r in range(cfg.world_size):
             link = self.ipc.create_link()
-            control_links.append(self.ipc.create_link())
+            control_links.append(self.ipc.create_link(CONTROL_LINK_CAPACITY))
             spec = WorkerSpec(
                 rank=r, epoch=1, engine_end=link.b, control_end=control_links[r].b, pool=cfg,
                 transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
@@ -220,7 +238,7 @@ class PoolClient:
             self._control_channel.close()
             await asyncio.get_running_loop().run_in_executor(None, process.stop, self.control_proc, 1.0)
             live = [r for r in self.ranks if r.alive]
-            links = {r.rank: self.ipc.create_link() for r in live}
+            links = {r.rank: self.ipc.create_link(CONTROL_LINK_CAPACITY) for r in live}
             ends = [links[r].a if r in links else None for r in range(self.config.world_size)]
             await self._spawn_control(ends)
             for r in live:  # each worker re-attaches and sends a full snapshot
@@ -230,13 +248,14 @@ class PoolClient:
 
     async def control_request(self, msg):
         """A request to the control plane, restarting the control process if it died."""
+        self._check_loop()
         for _ in range(3):
             requester = self.control
             try:
                 return await requester.request(msg)
             except RemoteError as e:  # the control plane answered with an error: not a crash
                 raise PoolError(f"control plane: {e}") from None
-            except IpcError:
+            except LinkError:  # a MessageError (say, too large) is the request's, not a crash
                 if self._closed:
                     raise PoolError("the pool is shut down") from None
                 await self._restart_control(requester)
@@ -248,10 +267,12 @@ class PoolClient:
         """Reject at ingress what no rank could serve, naming the problem."""
         if self._closed:
             raise PoolError("the pool is shut down")
+        self._check_loop()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.ranks and not any(r.alive for r in self.ranks):
             raise PoolError("no rank is alive")
+        check_wire_size(len(prompt_token_ids), params, block_size=self.block_size, limit=MAX_MESSAGE_BYTES)
         capacity = max((r.num_blocks for r in self.ranks if r.alive), default=0)
         validate_request(
             prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
@@ -263,6 +284,8 @@ class PoolClient:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, rank: int | None = None
     ) -> TrackedRequest:
         """Validate, route (or send to ``rank``, bypassing routing) and start one request."""
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise ArgumentTypeError(f"rank must be an integer or None, got {rank!r}")
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
         if rank is not None and not (0 <= rank < len(self.ranks) and self.ranks[rank].alive):
@@ -290,7 +313,7 @@ class PoolClient:
             else:
                 tokens = req.prompt_token_ids + req.output_token_ids
                 query = RouteQuery(
-                    wire_id, chain_hashes(tokens, self.block_size), len(tokens),
+                    wire_id, chain_hashes(tokens, self.block_size, salt=req.params.cache_salt), len(tokens),
                     req.params.max_tokens - len(req.output_token_ids),
                 )
                 try:
@@ -301,6 +324,9 @@ class PoolClient:
                 req.route = decision.reason
             if not rank.alive:
                 continue  # the control plane had not yet heard of its death
+            if rank.proc.poll() is not None:  # exited, its death not yet seen (it died with another)
+                await self._rank_died(rank)
+                continue
             self._by_wire.pop(req.wire_id, None)
             req.rank, req.wire_id = rank.rank, wire_id
             self._by_wire[req.wire_id] = req
@@ -310,23 +336,34 @@ class PoolClient:
 
     async def transfer(self, prompt_token_ids: list[int], src: int, dst: int, move: bool = False) -> TransferResult:
         """Copy (or move) the KV of the prompt's complete blocks from rank ``src`` to ``dst``."""
+        tokens, move = self._checked_chain(prompt_token_ids, src, dst), strict_bool(move, "move")
         if self.rendezvous is None:
             raise PoolError("this pool was started without enable_transfers")
-        hashes = chain_hashes(list(prompt_token_ids), self.block_size)
+        hashes = chain_hashes(tokens, self.block_size)
         return await self.control_request(TransferChain(src, dst, hashes, move))
 
     async def block_digests(self, rank: int, prompt_token_ids: list[int]) -> list[str]:
         """SHA-256 of each complete prompt block's KV bytes on ``rank`` ("" where not cached)."""
+        tokens = self._checked_chain(prompt_token_ids, rank)
         if self.rendezvous is None:
             raise PoolError("this pool was started without enable_transfers")
-        hashes = chain_hashes(list(prompt_token_ids), self.block_size)
+        hashes = chain_hashes(tokens, self.block_size)
         return (await self.control_request(BlockDigests(rank, hashes))).digests
+
+    def _checked_chain(self, prompt_token_ids, *ranks) -> list[int]:
+        """A transfer's prompt, as token ids checked like a request's, and its ranks checked."""
+        for rank in ranks:
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.config.world_size:
+                raise ValueError(f"rank {rank!r} is not a rank of this pool (0 to {self.config.world_size - 1})")
+        tokens = list(prompt_token_ids)
+        check_prompt(tokens, self.model_config.vocab_size)
+        return tokens
 
     async def _send_to_rank(self, rank: Rank, msg) -> bool:
         try:
             await rank.channel.send(msg)
             return True
-        except IpcError:
+        except LinkError:  # a MessageError (say, too large) is the request's, raised to its caller
             await self._rank_died(rank)
             return False
 
@@ -351,7 +388,10 @@ class PoolClient:
     async def _read_worker(self, rank: Rank) -> None:
         try:
             while True:
-                msg = await rank.channel.recv()
+                try:
+                    msg = await rank.channel.recv()
+                except DecodeError:  # that message's failure, not the rank's: counted in stats
+                    continue
                 if isinstance(msg, StepOutputs):
                     for delta in msg.outputs:
                         self._deliver(rank, delta)
@@ -405,7 +445,7 @@ class PoolClient:
                 continue
             try:
                 await self._dispatch(req)
-            except PoolError as e:
+            except (PoolError, ValueError) as e:  # ValueError: its message no longer fits a ring
                 self._forget(req)
                 req.queue.put_nowait(e)
 
@@ -426,6 +466,8 @@ class PoolClient:
                 "epoch": state.epoch, "snapshot_version": state.snapshot_version,
                 "cached_blocks": state.cached_blocks,
             })
+            if not rank.alive:  # a dead rank queues, runs and holds nothing: no stale figures
+                ranks[-1].update(dict.fromkeys(LIVE_STATS, 0))
         return {
             "control_pid": control.pid, "ranks": ranks, "route_queries": control.route_queries,
             "route_p50_us": control.route_p50_us, "route_p99_us": control.route_p99_us,
@@ -440,6 +482,7 @@ class PoolClient:
         """Stop every process and remove every shared-memory object. Idempotent."""
         if self._closed:
             return
+        self._check_loop()
         self._closed = True
         for req in self.requests.values():
             req.queue.put_nowait(PoolError("the pool is shut down"))

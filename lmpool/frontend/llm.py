@@ -9,6 +9,7 @@ from collections.abc import Sequence as SequenceABC
 from lmpool.config.engine import EngineConfig
 from lmpool.engine.core import EngineCore, StepOutput
 from lmpool.frontend.output_processor import OutputProcessor, RequestState
+from lmpool.errors import ArgumentTypeError
 from lmpool.outputs import RequestOutput
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import check_usable
@@ -19,17 +20,28 @@ Prompt = str | SequenceABC[int]
 
 def normalize_prompts(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
     """One prompt or many: a string or a flat list of token ids (Python, numpy or torch integers,
-    or a 1-D array or tensor) is a single prompt; a 2-D array or tensor is one prompt per row."""
+    or a 1-D array or tensor) is a single prompt; a 2-D array or tensor is one prompt per row.
+    Anything else (None, bytes, a dict, a number) is an ``ArgumentTypeError`` naming it:
+    bytes are not token ids, nor is a dict text."""
     if isinstance(prompts, str):
         return [prompts]
     if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):  # numpy array, torch tensor
         prompts = prompts.tolist()
         if not isinstance(prompts, list):  # a 0-d array: one token id
             prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ArgumentTypeError(f"prompts must be text, token ids, or a list of them; got {_described(prompts)}")
     prompts = list(prompts)
     if prompts and all(is_token_id(t) for t in prompts):
         return [prompts]
+    for i, prompt in enumerate(prompts):
+        if not (isinstance(prompt, (str, list, tuple)) or hasattr(prompt, "tolist")):
+            raise ArgumentTypeError(f"prompt {i} must be text or a sequence of token ids, got {_described(prompt)}")
     return prompts
+
+
+def _described(value) -> str:
+    return f"{type(value).__name__} {value!r}"[:120]
 
 
 def normalize_params(
@@ -93,6 +105,8 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. Every prompt is checked before any runs."""
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down: create a new one to generate again")
 
         def validate(ids: list[int], p: SamplingParams) -> None:
             check_usable(p, self.tokenizer)

@@ -10,6 +10,10 @@ Invariants:
 - when an index exists it is authoritative: exactly the files it names are read, and a
   missing one is an error rather than a silently partial model.
 - a written shard never exceeds ``max_shard_bytes`` unless a single tensor does.
+- every floating-point tensor read is finite: a NaN or infinity in the weights is a
+  ``NonFiniteWeightError`` naming the tensor, at load, not a model that emits token 0.
+- an index is validated: a JSON object whose ``weight_map`` maps names to plain file names
+  in the checkpoint directory; anything else is a ``ValueError`` naming the problem.
 """
 
 from __future__ import annotations
@@ -28,9 +32,14 @@ INDEX_FILE = "model.safetensors.index.json"
 _METADATA = {"format": "pt"}
 
 
-def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+class NonFiniteWeightError(ValueError):
+    """A weight tensor holds NaN or infinity."""
+
+
+def iter_safetensors(path: str | Path, check_finite: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint in directory ``path``
-    (or of the single safetensors file ``path``)."""
+    (or of the single safetensors file ``path``); with ``check_finite``, raise
+    ``NonFiniteWeightError`` at the first floating-point tensor holding NaN or infinity."""
     for file in _safetensors_files(Path(path)):
         try:
             opened = safe_open(file, framework="pt", device="cpu")
@@ -38,7 +47,17 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read weights file {file}: {e}") from None
         with opened as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                if check_finite:
+                    check_finite_tensor(name, tensor, file)
+                yield name, tensor
+
+
+def check_finite_tensor(name: str, tensor: torch.Tensor, file: Path | str = "") -> None:
+    """Raise ``NonFiniteWeightError`` if floating-point ``tensor`` holds NaN or infinity."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        raise NonFiniteWeightError(f"weight {name} in {file} holds {nan} NaN and {inf} infinite values")
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -48,8 +67,7 @@ def _safetensors_files(path: Path) -> list[Path]:
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        files = [path / name for name in sorted(set(_weight_map(index).values()))]
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(f"{index} names {file.name}, which does not exist")
@@ -58,6 +76,22 @@ def _safetensors_files(path: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     return files
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor name -> file name map, checked: file names are plain names of
+    ``*.safetensors`` files in the index's directory (no path leaves it)."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index} is not valid JSON: {e}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} must be a JSON object with a non-empty \"weight_map\" object")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file or not file.endswith(".safetensors"):
+            raise ValueError(f"{index} maps {name!r} to {file!r}, not a *.safetensors file name in its directory")
+    return weight_map
 
 
 def save_safetensors(

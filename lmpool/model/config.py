@@ -16,13 +16,17 @@ Invariants:
 - features that would silently change the math (rope scaling other than YaRN, sliding
   window, an activation other than SiLU) are rejected rather than ignored. YaRN is kept
   (``lmpool.model.rope``) and lengthens ``max_context`` to its scaled context.
-- every constructed ``ModelConfig`` has positive shapes and
-  ``num_attention_heads % num_key_value_heads == 0``.
+- every constructed ``ModelConfig`` has positive shapes,
+  ``num_attention_heads % num_key_value_heads == 0``, and a finite positive
+  ``rms_norm_eps`` and ``rope_theta`` (others give NaN or garbage with no error).
+- a malformed value (a rope dict that is not an object, a number that is not one) is a
+  ``ValueError`` naming the key, never an ``AttributeError``/``KeyError``/``TypeError``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +86,13 @@ class ModelConfig:
             )
         if self.torch_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r}")
+        for key in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{key} must be a finite number > 0, got {value!r}")
+        for token_id in (*self.eos_token_ids, *([] if self.bos_token_id is None else [self.bos_token_id])):
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"eos/bos token ids must be integers >= 0, got {token_id!r}")
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -134,7 +145,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number(config, "rms_norm_eps", 1e-6),
             rope_theta=theta,
             max_position_embeddings=config.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -207,10 +218,26 @@ def _rope(config: dict[str, Any]) -> tuple[float, YarnScaling | None]:
         params = config.get(key)
         if not params:
             continue
+        if not isinstance(params, dict):
+            raise ValueError(f"{key} must be a JSON object, got {params!r}")
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type == "yarn":
-            scaling = YarnScaling.from_hf(params)
+            try:
+                scaling = YarnScaling.from_hf(params)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{key} is not a valid YaRN scaling: {e}") from None
         elif rope_type != "default":
             raise ValueError(f"unsupported {key} rope_type {rope_type!r}; only 'default' and 'yarn'")
         theta = params.get("rope_theta", theta)
-    return float(theta if theta is not None else 10000.0), scaling
+    return _number({"rope_theta": theta}, "rope_theta", 10000.0), scaling
+
+
+def _number(config: dict[str, Any], key: str, default: float) -> float:
+    """``config[key]`` as a float (``default`` when absent or null); anything else but a
+    number is a ValueError naming the key."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    return float(value)

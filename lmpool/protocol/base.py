@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import msgspec
 
+# A block's chained content hash (``lmpool.engine.hashing``): 32 bytes, an opaque key everywhere.
+BlockHash = bytes
+
 
 class Message(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Base of every message."""

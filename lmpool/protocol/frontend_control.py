@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import msgspec
 
-from lmpool.protocol.base import LoadReport, Message
+from lmpool.protocol.base import BlockHash, LoadReport, Message
 
 
 class RouteQuery(Message, tag="route"):
     request_id: str
-    block_hashes: list[int]  # chained hashes of the prompt's complete blocks
+    block_hashes: list[BlockHash]  # chained hashes of the prompt's complete blocks
     num_prompt_tokens: int
     max_tokens: int
 
@@ -94,7 +94,7 @@ class TransferChain(Message, tag="transfer_chain"):
 
     src: int
     dst: int
-    block_hashes: list[int]
+    block_hashes: list[BlockHash]
     move: bool = False
 
 
@@ -109,7 +109,7 @@ class BlockDigests(Message, tag="block_digests"):
     """Ask ``rank`` for a digest of the KV bytes of each cached block in ``block_hashes``."""
 
     rank: int
-    block_hashes: list[int]
+    block_hashes: list[BlockHash]
 
 
 class DigestsReply(Message, tag="digests"):

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import msgspec
 
+from lmpool.protocol.base import BlockHash
+
 
 class BlockStored(msgspec.Struct, tag="stored", array_like=True, gc=False, frozen=True):
     """A complete block became cached (its KV is fully written). ``token_ids`` are the block's
     tokens, for consumers outside the pool (vLLM-format KV events need them)."""
 
-    block_hash: int
-    parent_hash: int
+    block_hash: BlockHash
+    parent_hash: BlockHash
     block_id: int
     generation: int
     token_ids: tuple[int, ...] = ()
@@ -24,7 +26,7 @@ class BlockStored(msgspec.Struct, tag="stored", array_like=True, gc=False, froze
 class BlockRemoved(msgspec.Struct, tag="removed", array_like=True, gc=False, frozen=True):
     """A cached block was reclaimed; its id may be reused under a new generation."""
 
-    block_hash: int
+    block_hash: BlockHash
     block_id: int
     generation: int
 

@@ -1,6 +1,6 @@
 """What a child process needs to know at start-up, passed as JSON on its command line.
 
-A child reads its spec with ``read_spec``, which also ties its life to its parent's
+A child reads its spec (``LMPOOL_SPEC`` in its environment) with ``read_spec``, which also ties its life to its parent's
 (Linux ``PR_SET_PDEATHSIG``), so no child outlives the user process.
 """
 
@@ -41,14 +41,18 @@ class ControlSpec(msgspec.Struct, kw_only=True):
 
 
 PR_SET_PDEATHSIG = 1
+# The spec travels in the environment: it holds the transfer rendezvous's secret key, and a
+# command line is readable by every user, an environment only by the process's own.
+SPEC_VARIABLE = "LMPOOL_SPEC"
 
 
 def read_spec(spec_type: type) -> Any:
-    """In a child: decode the spec from argv and tie the child's life to its parent's."""
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: python -m {sys.argv[0]} SPEC_JSON")
+    """In a child: decode the spec from the environment and tie the child's life to its parent's."""
+    spec = os.environ.pop(SPEC_VARIABLE, None)  # not inherited by anything this child starts
+    if spec is None:
+        raise SystemExit(f"usage: {SPEC_VARIABLE}=SPEC_JSON python -m {sys.argv[0]}")
     die_with_parent()
-    return msgspec.json.decode(sys.argv[1], type=spec_type)
+    return msgspec.json.decode(spec, type=spec_type)
 
 
 def die_with_parent() -> None:

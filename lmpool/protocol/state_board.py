@@ -52,7 +52,7 @@ class RankRow(msgspec.Struct, kw_only=True, gc=False):
     @classmethod
     def from_state(cls, state: RankState, pid: int, blocks_in_flight: int) -> RankRow:
         load = state.load
-        return cls(
+        row = cls(
             rank=state.rank, pid=pid, alive=state.alive, epoch=state.epoch,
             snapshot_version=state.snapshot_version, heartbeat_age_s=state.heartbeat_age_s,
             num_waiting=load.num_waiting, num_running=load.num_running,
@@ -61,6 +61,13 @@ class RankRow(msgspec.Struct, kw_only=True, gc=False):
             prompt_tokens=load.prompt_tokens, prefix_hit_tokens=load.prefix_hit_tokens,
             generated_tokens=load.generated_tokens, blocks_in_flight=blocks_in_flight,
         )
+        # A dead rank queues, runs and holds nothing: its last report is stale, not shown.
+        return row if state.alive else msgspec.structs.replace(row, **dict.fromkeys(LIVE_FIGURES, 0))
+
+
+# Figures of a rank's present state (the cumulative counters stay true after its death).
+LIVE_FIGURES = ("num_waiting", "num_running", "blocks_free", "blocks_reclaimable", "blocks_used", "cached_blocks",
+                "blocks_in_flight")
 
 
 class PoolState(msgspec.Struct, kw_only=True, gc=False):

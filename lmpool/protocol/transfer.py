@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from typing import ClassVar
 
-from lmpool.protocol.base import Message
+from lmpool.protocol.base import BlockHash, Message
 
 
 class PlanState(enum.Enum):
@@ -41,7 +41,7 @@ class PrepareSource(PlanOrder, tag="prepare_source"):
 
     kind = "prepare_source"
     phase = PlanState.PREPARING
-    hashes: list[int]
+    hashes: list[BlockHash]
     generations: list[int]
 
 
@@ -77,8 +77,8 @@ class Publish(PlanOrder, tag="publish"):
 
     kind = "publish"
     phase = PlanState.PUBLISHING
-    hashes: list[int]
-    parents: list[int]
+    hashes: list[BlockHash]
+    parents: list[BlockHash]
     token_ids: list[list[int]]
 
 
@@ -111,7 +111,7 @@ class DigestQuery(Message, tag="digest_query"):
 
     kind: ClassVar[str] = "digest"
     query_id: int
-    hashes: list[int]
+    hashes: list[BlockHash]
 
 
 class SyncQuery(Message, tag="sync_query"):

@@ -34,9 +34,10 @@ def event_types(array_like: bool = True) -> EventTypes:
         pass
 
     # No defaults on the fields older consumers require: omit_defaults would drop them.
+    # Hashes are vLLM's ``ExternalBlockHash``: bytes (LMPool's 32-byte hashes) or int.
     class BlockStored(KVCacheEvent):
-        block_hashes: list[int]
-        parent_block_hash: int | None
+        block_hashes: list[bytes | int]
+        parent_block_hash: bytes | int | None
         token_ids: list[int]
         block_size: int
         lora_id: int | None
@@ -44,7 +45,7 @@ def event_types(array_like: bool = True) -> EventTypes:
         lora_name: str | None
 
     class BlockRemoved(KVCacheEvent):
-        block_hashes: list[int]
+        block_hashes: list[bytes | int]
         medium: str | None
 
     class AllBlocksCleared(KVCacheEvent):

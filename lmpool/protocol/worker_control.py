@@ -7,7 +7,7 @@ incarnation's late reports; deltas are versioned (``lmpool.protocol.kv_events``)
 
 from __future__ import annotations
 
-from lmpool.protocol.base import LoadReport, Message
+from lmpool.protocol.base import BlockHash, LoadReport, Message
 from lmpool.protocol.cuda_ipc import CudaIpcExport
 from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 from lmpool.protocol.transfer import Connect, PlanAnswer, QueryAnswer, TransferOrder, WorkerQuery
@@ -49,8 +49,8 @@ class ShortageReport(Message, tag="shortage"):
     rank: int
     epoch: int
     release_id: int
-    hashes: list[int]
-    parents: list[int]
+    hashes: list[BlockHash]
+    parents: list[BlockHash]
     generations: list[int]
     num_victims: int  # the last ``num_victims`` of ``hashes``
     expected_reuses: float  # the victims' mean prefix-cache hits so far

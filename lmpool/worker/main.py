@@ -15,7 +15,7 @@ worker waits for that (bounded), a step that runs nothing sleeps on the same
 event until a message or the wait's deadline, instead of spinning. It also
 measures its prefill cost per token (``prefill_meter``) for the transfer gate.
 
-Run as ``python -m lmpool.worker.main SPEC_JSON`` (see ``lmpool.protocol.spec``).
+Run as ``LMPOOL_SPEC=SPEC_JSON python -m lmpool.worker.main`` (see ``lmpool.protocol.spec``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from lmpool.worker.prefill_meter import PrefillMeter
 from lmpool.worker.release import ForegroundRelease
 from lmpool.protocol.spec import WorkerSpec, read_spec
 from lmpool.worker.transfers import Incoming, TransferExecutor
-from lmpool_ipc import Channel, IpcError
+from lmpool_ipc import Channel, DecodeError, IpcError
 
 
 class Worker:
@@ -86,7 +86,10 @@ class Worker:
     async def read_engine(self) -> None:
         try:
             while True:
-                msg = await self.engine.recv()
+                try:
+                    msg = await self.engine.recv()
+                except DecodeError:  # that message's failure, not the link's: counted in stats
+                    continue
                 # Not ``self.inbox.append(await ...)``: that binds the list before the
                 # await, and the step loop swaps in a new list meanwhile.
                 self.inbox.append(msg)
@@ -98,7 +101,10 @@ class Worker:
     async def read_control(self, channel: Channel) -> None:
         try:
             while True:
-                msg = await channel.recv()
+                try:
+                    msg = await channel.recv()
+                except DecodeError:  # that message's failure, not the link's: counted in stats
+                    continue
                 if isinstance(msg, ResyncRequest):
                     self.need_snapshot = True
                     self.wakeup.set()

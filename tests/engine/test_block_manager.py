@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmpool.engine.block_manager import BlockManager, BlockState
-from lmpool.engine.hashing import block_hash, chain_hashes
+from lmpool.engine.hashing import ROOT_HASH, block_hash, chain_hashes
 from lmpool.engine.sequence import Sequence
 from lmpool.sampling_params import SamplingParams
 
@@ -116,7 +116,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         snap = bm.snapshot()
         assert snap.version == self.mirror_version
         assert {b.block_hash: (b.block_id, b.generation) for b in snap.blocks} == self.mirror
-        seen = {0}
+        seen = {ROOT_HASH}
         for b in snap.blocks:  # parents before children
             assert b.parent_hash in seen
             seen.add(b.block_hash)

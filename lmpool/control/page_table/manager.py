@@ -28,6 +28,7 @@ from lmpool.control.page_table.heat import Heat, HashStats
 from lmpool.control.page_table.in_flight import InFlight
 from lmpool.control.page_table.ranks import RankInfo, RankRegistry, StaleUpdateError
 from lmpool.control.page_table.reservations import Reservation, Reservations
+from lmpool.engine.hashing import short
 from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 from lmpool.protocol import LoadReport, RankState
 
@@ -206,9 +207,9 @@ class GlobalBlockManager:
         for, or still arriving through, an open transfer."""
         info = self.ranks[rank]
         for i, h in enumerate(block_hashes[:matched]):
-            assert h in info.blocks, f"route to rank {rank} counted block {i} ({h:#x}) it does not hold"
+            assert h in info.blocks, f"route to rank {rank} counted block {i} ({short(h)}) it does not hold"
             assert h not in info.in_flight, (
-                f"route to rank {rank} counted block {i} ({h:#x}), reserved for an unpublished transfer")
+                f"route to rank {rank} counted block {i} ({short(h)}), reserved for an unpublished transfer")
 
     def entries(self, block_hash: int) -> list[PageEntry]:
         """Every rank's entry for ``block_hash``, ready or not."""

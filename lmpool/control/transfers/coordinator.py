@@ -28,6 +28,7 @@ from typing import Callable
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.transfers.cost_model import TransferCostModel
+from lmpool.engine.hashing import short
 from lmpool.protocol import (
     SUCCESS,
     AbortPlan,
@@ -145,7 +146,7 @@ class TransferCoordinator:
         plan.dst_blocks = ack.block_ids
         for h, block_id, generation in zip(plan.hashes, plan.dst_blocks, ack.generations):
             if not self.gbm.mark_in_flight(plan.dst, h, block_id, generation):
-                self.abort(plan.plan_id, f"rank {plan.dst} already holds block {h:#x}")
+                self.abort(plan.plan_id, f"rank {plan.dst} already holds block {short(h)}")
                 return False
             plan.marked.append(h)
         return True
