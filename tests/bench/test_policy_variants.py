@@ -23,13 +23,14 @@ def test_a_variant_passes_its_routing_config_and_a_plain_policy_passes_none():
     assert Policy("x", "lmpool", "background").pool_kwargs() == {"routing": "lmpool", "transfer_mode": "background"}
 
 
-def change(separation: str) -> dict:
-    return {"relative_change": {"mean": 0.1, "low": 0.05, "high": 0.15, "n": 3}, "separation": separation}
+def change(claim: str) -> dict:
+    return {"relative_change": {"mean": 0.1, "low": 0.05, "high": 0.15, "n": 3},
+            "difference": {"mean": 1.0, "low": 0.5, "high": 1.5, "n": 3}, "claim": claim}
 
 
 def test_lmpool_variants_are_not_peers_in_the_acceptance(monkeypatch):
     def paired(by_policy, base, peer, metric):
-        return change("worse" if peer in ("lmpool-pending", "sglang_cache_aware") else "better")
+        return change("behind" if peer in ("lmpool-pending", "sglang_cache_aware") else "ahead")
 
     monkeypatch.setattr(benchmark_kv_routing, "paired_change", paired)
     summary = {"locality_5x": {p: {} for p in ("lmpool", "round_robin", "sglang_cache_aware", "lmpool-pending")}}
@@ -45,7 +46,7 @@ def test_the_idle_transfers_control_sets_transfers_up_and_never_counts_as_a_tran
     from eval_suite import TRANSFERS_IDLE
 
     assert TRANSFERS_IDLE.pool_kwargs() == {"routing": "lmpool", "enable_transfers": True}
-    monkeypatch.setattr(benchmark_e2e, "paired_change", lambda *a: change("better"))
+    monkeypatch.setattr(benchmark_e2e, "paired_change", lambda *a: change("ahead"))
     summary = {"load_skew": {p: {} for p in ("lmpool", "round_robin", "lmpool+idle", "lmpool+background")}}
     acceptance = benchmark_e2e.comparisons(summary)["acceptance"]
     assert acceptance["transfer_beats_routing_only"] == {"load_skew": ["lmpool+background"]}
