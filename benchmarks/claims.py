@@ -36,6 +36,15 @@ def claim_rows(comparisons: dict, settings: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def _headlines(out: dict) -> list[dict]:
+    """The acceptance blocks: one (``acceptance``), one per setting (``acceptance_by_setting``)
+    or one per workload key (a dict of them), each naming its ``workload`` key."""
+    blocks = [out.get("acceptance"), *(out.get("acceptance_by_setting") or {}).values()]
+    if isinstance(out.get("acceptance"), dict) and "workload" not in out["acceptance"]:
+        blocks += list(out["acceptance"].values())
+    return [b for b in blocks if isinstance(b, dict) and isinstance(b.get("workload"), str)]
+
+
 def finish(comparisons_of: Callable[[dict], dict], summary: dict, settings: dict[str, dict]) -> dict:
     """The runner's comparisons, plus ``settings`` (per workload key) and ``claims`` (every
     verdict, with ``count``: how many were decided by an interval)."""
@@ -43,9 +52,8 @@ def finish(comparisons_of: Callable[[dict], dict], summary: dict, settings: dict
     rows = claim_rows(out, settings)
     decided = [r for r in rows if r["claim"] is not None]
     out["settings"] = {k: v for k, v in settings.items() if k in summary}
-    for block in (out.get("acceptance"), *(out.get("acceptance_by_setting") or {}).values()):
-        if isinstance(block, dict) and block.get("workload") in settings:  # a headline says its setting
-            block["setting"] = settings[block["workload"]]
+    for block in _headlines(out):  # a headline says its setting
+        block["setting"] = settings[block["workload"]]
     out["claims"] = {"confidence": 0.95, "count": len(decided),
                      "ahead": sum(r["claim"] == "ahead" for r in decided),
                      "behind": sum(r["claim"] == "behind" for r in decided),

@@ -397,6 +397,15 @@ def write_json(path: Path, result: dict) -> None:
     os.replace(tmp, path)
 
 
+def _describe(e: BaseException) -> str:
+    """The error and, for a group of them (a replay's failed requests), its first one."""
+    text = f"{type(e).__name__}: {e}"
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+        text += f"; first: {type(e).__name__}: {e}"
+    return text
+
+
 def _run_policy(args: argparse.Namespace, model: str, policy: Policy, cell: dict, rep: int,
                 max_model_len: int, state: dict, failures: dict[str, int], progress: Progress) -> dict:
     """One run's record; updates the policy's ``state`` when it turns out unavailable or failed.
@@ -420,7 +429,7 @@ def _run_policy(args: argparse.Namespace, model: str, policy: Policy, cell: dict
     except Exception as e:  # noqa: BLE001 - a failed run is recorded, the suite goes on
         failures[policy.name] += 1
         error = (f"the run exceeded --run-timeout {args.run_timeout:g} s" if isinstance(e, TimeoutError)
-                 else f"{type(e).__name__}: {e}")
+                 else _describe(e))
         run.update(status="failed", error=error)
         if failures[policy.name] >= MAX_FAILURES:
             state.update(status="failed", error=error)
