@@ -49,3 +49,20 @@ def test_fixed_order_is_as_listed_and_williams_is_the_design_row():
     assert [policy_order(names, rep, "fixed") for rep in range(3)] == [names] * 3
     assert [policy_order(names, rep, "williams") for rep in range(6)] == [run_order(names, rep) for rep in range(6)]
     assert balanced_repetitions(6) == 6 and balanced_repetitions(7) == 14 and balanced_repetitions(1) == 1
+
+
+def test_the_claims_table_reads_old_results_by_todays_rule():
+    """A committed result without recorded settings or order: its rows say the budget and
+    window from its config, "order not recorded", and a verdict from the paired interval."""
+    from pathlib import Path
+
+    import claims_table
+
+    path = Path(claims_table.__file__).resolve().parent / "results" / "eval_h200_0.6b_kv_routing.json"
+    lines = claims_table.main([str(path)])
+    rows = [line for line in lines if line.startswith("| eval_")]
+    assert len(rows) == 4  # LMPool against the four peers it ran with
+    assert all("192 blocks/worker, window 16, closed loop, order not recorded" in row for row in rows)
+    sglang = next(row for row in rows if "vs sglang_cache_aware" in row)
+    assert sglang.count("level") == 3
+    assert lines[-1].strip().startswith("12 claims")
