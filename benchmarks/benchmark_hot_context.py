@@ -87,8 +87,9 @@ def acceptance_at(summary: dict, out: dict, key: str) -> dict:
             continue
         said = {b: {m: (rows[b].get(m) or {}).get("claim") for m in ("burst/throughput_tok_s", "e2e_mean_ms")}
                 for b in rows}
+        ahead = [s["burst/throughput_tok_s"] == "ahead" for s in said.values()]
         acc["candidates"][candidate] = {
-            "ahead_of_every_routing_only": bool(said) and all(s["burst/throughput_tok_s"] == "ahead" for s in said.values()),
+            "ahead_of_every_routing_only": bool(ahead) and all(ahead),
             "behind_on_e2e": sorted(b for b, s in said.items() if s["e2e_mean_ms"] == "behind")}
     on_oracle = paired_change(oracle, "lmpool", "round_robin", "burst/throughput_tok_s") if oracle else None
     acc["oracle_lmpool_vs_round_robin"] = on_oracle and on_oracle["claim"]

@@ -55,7 +55,8 @@ def comparisons(summary: dict) -> dict:
     levels = [w for w in out if w.startswith("locality_")]
     if levels:
         longest = max(map(level_of, levels))
-        tops = {w: acceptance_at(out[w], w) for w in sorted(levels) if level_of(w) == longest and "round_robin" in out[w]}
+        tops = {w: acceptance_at(out[w], w) for w in sorted(levels)
+                if level_of(w) == longest and "round_robin" in out[w]}
         if tops:
             out["acceptance"] = next(iter(tops.values()))
             if len(tops) > 1:  # a sweep: the same figures under every setting

@@ -6,10 +6,10 @@ repetitions of every policy. Within a repetition the policies run in that repeti
 of a Williams design (``policy_order``; ``--order fixed`` only to reproduce old results),
 and the JSON records every repetition's order and every run's position in it. A sweep
 (``--sweep``, ``eval_settings``) runs every workload under every setting; each run and each
-comparison says its KV budget, window, arrival process and order. Every run starts its own pool: each repetition begins with
-empty KV caches and no learned state, and no policy inherits another's cache. All
-policies of a workload replay the same trace (same token ids, order and arrivals);
-repetition r uses seed ``--seed + r``.
+comparison says its KV budget, window, arrival process and order. Every run starts its own
+pool: each repetition begins with empty KV caches and no learned state, and no policy
+inherits another's cache. All policies of a workload replay the same trace (same token ids,
+order and arrivals); repetition r uses seed ``--seed + r``.
 
 A policy whose pool constructor rejects its settings (``TypeError``/``ValueError``, e.g. a
 transfer mode this build does not have) is marked ``unavailable`` with the error and

@@ -48,7 +48,8 @@ def hot_context(length: int, n_contexts: int, seed: int, vocab_size: int, world_
                          f"{length}, {n_contexts}, {questions}, {world_size}")
     # Seeded by the real trace's name, so the oracle draws the same contexts and burst.
     tokens = Tokens(workload_name(length, n_contexts), seed, vocab_size)
-    context_len, question_len, read_len = scaled(length, scale), scaled(QUESTION_TOKENS, scale), scaled(READ_TOKENS, scale)
+    context_len, question_len = scaled(length, scale), scaled(QUESTION_TOKENS, scale)
+    read_len = scaled(READ_TOKENS, scale)
     contexts = [tokens.draw(context_len) for _ in range(n_contexts)]
     asked = [q % n_contexts for q in range(questions)]
     tokens.shuffle(asked)

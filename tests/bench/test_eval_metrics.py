@@ -83,7 +83,7 @@ def test_the_claim_follows_the_paired_difference_not_the_overlap_of_the_two_inte
     by about the same amount: the paired interval says ahead. A repetition effect (a faster
     machine for rep 2) moves both alike and is paired away."""
     a_vals, b_vals = [100.0, 110.0, 150.0], [95.0, 104.0, 146.0]
-    runs = [fake_run("a", r, v, 50) for r, v in enumerate(a_vals)] + [fake_run("b", r, v, 50) for r, v in enumerate(b_vals)]
+    runs = [fake_run(p, r, v, 50) for p, vals in (("a", a_vals), ("b", b_vals)) for r, v in enumerate(vals)]
     s = summarize(runs)["w"]
     own_a, own_b = s["a"]["throughput_tok_s"], s["b"]["throughput_tok_s"]
     assert own_a["low"] < own_b["high"]  # the old rule would have said "overlap"

@@ -182,7 +182,8 @@ def test_hot_context_runner_quick_mode_with_its_oracle(tiny_model, tmp_path):
     assert acceptance["oracle"] == "hot_context_4k_2c_oracle"
     assert acceptance["capture"]["burst/throughput_tok_s"]["best_routing_only"] in ("round_robin", "lmpool")
     assert acceptance["setting"]["window"] == 0
-    assert plots(out) == [str(tmp_path / f"eval_hot_{w}.png") for w in ("hot_context_4k_2c", "hot_context_4k_2c_oracle")]
+    drawn = [str(tmp_path / f"eval_hot_{w}.png") for w in ("hot_context_4k_2c", "hot_context_4k_2c_oracle")]
+    assert plots(out) == drawn
 
 
 def test_sessions_run_under_a_kv_budget_sweep(tiny_model, tmp_path):
