@@ -88,8 +88,8 @@ def _setting_text(cfg: dict) -> str:
     order = f"{cfg['order']} order" if cfg.get("order") else "order not recorded"
     if cfg.get("sweep"):
         return "sweep " + " ".join(cfg["sweep"]) + f", {order}"
-    arrival = "window" if cfg.get("arrival", "window") == "window" else f"poisson {cfg['rate']:g}/s"
-    return (f"{cfg['num_kv_blocks']} blocks/worker, {arrival}, window {cfg.get('window', 16) or 'unlimited'}, "
+    arrival = "closed loop" if cfg.get("arrival", "window") == "window" else f"Poisson {cfg['rate']:g}/s"
+    return (f"{cfg['num_kv_blocks']} blocks/worker, window {cfg.get('window', 16) or 'unlimited'}, {arrival}, "
             f"{order}")
 
 
