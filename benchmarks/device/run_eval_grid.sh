@@ -6,7 +6,7 @@
 #   OUT=dir LMPOOL_GIT_REVISION=<sha> bash benchmarks/device/run_eval_grid.sh STEP PRESET
 #     STEP: hot-a | hot-b | hot-c | kv | window-e | window-f | poisson-g | poisson-h
 #     PRESET: 0.6b | 1.7b (1.7b runs lmpool+both without a calibration profile: none is committed)
-# DRY=1 prints the parts instead of running them.
+# DRY=1 prints the parts instead of running them; ONLY=k runs part k alone on GPU 0 (a one-GPU host).
 set -uo pipefail
 [ $# -eq 2 ] || { echo "usage: OUT=dir $0 STEP PRESET" >&2; exit 2; }
 step=$1 m=$2
@@ -40,5 +40,9 @@ case $step in
              for q in 8 16 32; do add "_p${q}_r2 $m e2e --window 0 --sweep arrival=poisson:$q --first-rep 2 --reps 1 $E"; done ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
+if [ -n "${ONLY:-}" ]; then
+  [ "$ONLY" -ge 0 ] 2>/dev/null && [ "$ONLY" -lt ${#a[@]} ] || { echo "ONLY must be 0..$((${#a[@]} - 1))" >&2; exit 2; }
+  a=("0 ${a[$ONLY]#* }")
+fi
 if [ "${DRY:-0}" = 1 ]; then printf '%s\n' "${a[@]}"; exit 0; fi
 OUT=${OUT:?set OUT to the folder the results go to} bash benchmarks/device/run_eval_parts.sh "${a[@]}"
