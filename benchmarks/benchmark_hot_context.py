@@ -75,7 +75,7 @@ def capture(real: dict, oracle: dict, metric: str, higher: bool) -> dict | None:
 
 
 def acceptance_at(summary: dict, out: dict, key: str) -> dict:
-    """Issue-level figures for one real trace and setting: the oracle's gain and its capture,
+    """The acceptance figures of one real trace and setting: the oracle's gain and its capture,
     whether each candidate is ahead of every routing-only policy in burst throughput and never
     behind in mean E2E (paired intervals), and LMPool routing against round robin on the oracle."""
     acc: dict = {"workload": key, "oracle": oracle_key(key)}
