@@ -1,5 +1,6 @@
 """Routing only: the locality workload at 1x/3x/5x shared-prefix length under every routing
-policy (LMPool, round robin, least loaded, SGLang cache-aware, Dynamo KV), transfers off.
+policy (LMPool, round robin, least loaded, and LMPool's reimplementations of SGLang's
+cache-aware and Dynamo's KV routing rules, current and older), transfers off.
 
 192 requests over 16 recurring groups (12 each, seeded shuffled order) whose shared
 prefixes hold 1,911 / 5,655 / 9,399 tokens at scale 1. Every policy replays the same
@@ -10,6 +11,7 @@ for every metric.
     python benchmarks/benchmark_kv_routing.py --quick --policies all       # CPU, every policy
     python benchmarks/benchmark_kv_routing.py --device cuda --preset 0.6b --world-size 4 \\
         --dtype bfloat16 --block-size 256 --reps 5 --mps                    # 4 replicas on one GPU
+    python benchmarks/benchmark_kv_routing.py ... --levels 5 --sweep kv_budget=48,96,192,384,768  # budget sweep
 
 Writes one JSON (``--json``; default ``benchmarks/results/eval_<device>_<preset>_kv_routing.json``);
 ``benchmarks/plot_results.py`` draws its figures.
@@ -24,14 +26,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eval_metrics import paired_change  # noqa: E402
+from eval_policies import PEER_NAMES  # noqa: E402
 from eval_suite import (  # noqa: E402
-    LMPOOL, LMPOOL_VARIANTS, PEERS, add_arguments, chosen_policies, file_traces, finish_arguments, run_suite,
-    vocab_size,
+    LMPOOL, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, add_arguments, chosen_policies, file_traces, finish_arguments,
+    run_suite, vocab_size,
 )
+from eval_settings import trace_of  # noqa: E402
 from workloads import LOCALITY_LEVELS, locality  # noqa: E402
 
-POLICIES = (LMPOOL, *PEERS, *LMPOOL_VARIANTS)
-PEER_NAMES = {p.name for p in PEERS}
+POLICIES = (LMPOOL, *PEERS, *PEER_VARIANTS, *LMPOOL_VARIANTS)
 QUICK_POLICIES = "lmpool,round_robin,least_loaded"
 POOL_BLOCKS = 768  # whole-pool KV budget: 192 blocks per worker at 4 replicas
 COMPARED = ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "e2e_mean_ms", "tpot_mean_ms", "dp_tok_reuse")
@@ -39,36 +42,50 @@ GOALS = {"throughput_gain": 0.25, "ttft_reduction": 0.30}
 
 
 def comparisons(summary: dict) -> dict:
-    """LMPool against every peer at every level (paired by repetition), and the acceptance
-    figures at the longest prefix: throughput gain and mean-TTFT reduction over round robin,
-    and the peers whose interval lies wholly better than LMPool's on a headline metric."""
+    """LMPool against every peer at every level and setting (paired by repetition), and the
+    acceptance figures at the longest prefix (of the first setting with it): throughput gain
+    and mean-TTFT reduction over round robin, and the peers LMPool is behind on a headline
+    metric by the paired interval."""
     out: dict = {}
     for workload, by_policy in sorted(summary.items()):
         if "lmpool" not in by_policy:
             continue
         out[workload] = {peer: {m: paired_change(by_policy, "lmpool", peer, m) for m in COMPARED}
                          for peer in sorted(by_policy) if peer != "lmpool"}
-    levels = sorted((w for w in out if w.startswith("locality_")), key=lambda w: int(w.split("_")[1][:-1]))
-    if levels and "round_robin" in out[levels[-1]]:
-        top = levels[-1]
-        vs_rr = out[top]["round_robin"]
-        acceptance: dict = {"workload": top}
-        # A TTFT reduction is the relative change with its sign flipped.
-        for key, metric, sign in (("throughput_gain", "throughput_tok_s", 1.0),
-                                  ("ttft_reduction", "ttft_mean_ms", -1.0)):
-            change = vs_rr.get(metric)
-            if change is None:
-                continue
-            ci = change["relative_change"]
-            bounds = [sign * b for b in (ci["low"], ci["high"]) if b is not None]
-            acceptance[key] = {"mean": sign * ci["mean"], "low": min(bounds) if bounds else None,
-                               "high": max(bounds) if bounds else None, "n": ci["n"], "goal": GOALS[key],
-                               "goal_met": sign * ci["mean"] >= GOALS[key]}
-        acceptance["peers_better_beyond_ci"] = sorted(  # LMPool's own variants are not peers
-            f"{peer}:{m}" for peer, row in out[top].items() for m in ("throughput_tok_s", "ttft_mean_ms", "e2e_mean_ms")
-            if peer in PEER_NAMES and row.get(m) and row[m]["separation"] == "worse")
-        out["acceptance"] = acceptance
+    levels = [w for w in out if w.startswith("locality_")]
+    if levels:
+        longest = max(map(level_of, levels))
+        tops = {w: acceptance_at(out[w], w) for w in sorted(levels)
+                if level_of(w) == longest and "round_robin" in out[w]}
+        if tops:
+            out["acceptance"] = next(iter(tops.values()))
+            if len(tops) > 1:  # a sweep: the same figures under every setting
+                out["acceptance_by_setting"] = tops
     return out
+
+
+def acceptance_at(row: dict, workload: str) -> dict:
+    vs_rr = row["round_robin"]
+    acceptance: dict = {"workload": workload}
+    # A TTFT reduction is the relative change with its sign flipped.
+    for key, metric, sign in (("throughput_gain", "throughput_tok_s", 1.0), ("ttft_reduction", "ttft_mean_ms", -1.0)):
+        change = vs_rr.get(metric)
+        if change is None or change["relative_change"] is None:
+            continue
+        ci = change["relative_change"]
+        bounds = [sign * b for b in (ci["low"], ci["high"]) if b is not None]
+        acceptance[key] = {"mean": sign * ci["mean"], "low": min(bounds) if bounds else None,
+                           "high": max(bounds) if bounds else None, "n": ci["n"], "goal": GOALS[key],
+                           "goal_met": sign * ci["mean"] >= GOALS[key], "claim": change["claim"]}
+    acceptance["peers_better_beyond_ci"] = sorted(  # LMPool's own variants are not peers
+        f"{peer}:{m}" for peer, r in row.items() for m in ("throughput_tok_s", "ttft_mean_ms", "e2e_mean_ms")
+        if peer in PEER_NAMES and r.get(m) and r[m]["claim"] == "behind")
+    return acceptance
+
+
+def level_of(workload: str) -> int:
+    """The shared-prefix multiple of a locality key (``locality_5x`` or ``locality_5x@kv96_w16``)."""
+    return int(trace_of(workload).split("_")[1][:-1])
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -13,7 +13,9 @@ trace order); times are seconds from the run's first submission. Definitions (se
 Transfer counters come from the pool's ``stats()["transfers"]``; a counter the pool does
 not report is left out, never read as zero. Aggregates use only runs that completed; a
 comparison between two policies pairs them by repetition and uses the repetitions where
-both completed. Intervals are two-sided 95% Student-t (``student_t``).
+both completed; its claim (ahead / level / behind) rests on the 95% interval of the paired
+differences, never on whether the two policies' own intervals overlap. Intervals are
+two-sided 95% Student-t (``student_t``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ def run_metrics(columns: dict[str, list], transfers: dict | None, world_size: in
     for r in rows:
         phases.setdefault(r["phase"], []).append(r)
     m["phases"] = {name: _request_metrics(p) for name, p in phases.items()} if len(phases) > 1 else {}
+    routes = [r.split(" ", 1)[0] for r in columns.get("route") or [] if r]
+    if routes:  # which rule routed how many requests: is a peer's balancing path ever taken?
+        m["routes"] = dict(sorted(Counter(routes).items()))
     for key in TRANSFER_COUNTERS:
         if transfers is not None and key in transfers:
             m[key] = transfers[key]
@@ -120,28 +125,33 @@ def summarize(runs: list[dict]) -> dict:
     return summary
 
 
-def separation(a: dict, b: dict, higher_is_better: bool) -> str | None:
-    """"better" / "worse" when ``a``'s interval lies wholly on one side of ``b``'s, "overlap"
-    otherwise, None without intervals."""
-    if a.get("low") is None or b.get("low") is None:
+def claim(difference: dict, higher_is_better: bool) -> str | None:
+    """"ahead" / "behind" when the paired difference's interval (candidate - baseline) lies
+    wholly on the good / bad side of zero, "level" when it holds zero, None without one."""
+    if difference.get("low") is None:
         return None
-    if a["low"] > b["high"]:
-        return "better" if higher_is_better else "worse"
-    if a["high"] < b["low"]:
-        return "worse" if higher_is_better else "better"
-    return "overlap"
+    good_low, good_high = (difference["low"], difference["high"]) if higher_is_better else (
+        -difference["high"], -difference["low"])
+    if good_low > 0:
+        return "ahead"
+    if good_high < 0:
+        return "behind"
+    return "level"
 
 
 def paired_change(summary_wl: dict, candidate: str, baseline: str, metric: str) -> dict | None:
-    """Relative change candidate / baseline - 1 paired by repetition, with its interval, and
-    whether the two policies' own intervals are separated."""
+    """Candidate against baseline on one metric, paired by repetition: the interval of the
+    per-repetition differences (the claim rests on it) and of the relative changes."""
     a, b = summary_wl.get(candidate, {}).get(metric), summary_wl.get(baseline, {}).get(metric)
     if a is None or b is None:
         return None
     base = dict(zip(b["reps"], b["values"]))
-    ratios = [v / base[rep] - 1.0 for rep, v in zip(a["reps"], a["values"]) if base.get(rep)]
-    if not ratios:
+    pairs = [(v, base[rep]) for rep, v in zip(a["reps"], a["values"]) if rep in base]
+    if not pairs:
         return None
     higher = HEADLINE.get(metric.split("/")[-1], True)
-    return {"relative_change": confidence_interval(ratios) | {"values": ratios},
-            "separation": separation(a, b, higher), "higher_is_better": higher}
+    difference = confidence_interval([x - y for x, y in pairs])
+    ratios = [x / y - 1.0 for x, y in pairs if y]
+    return {"difference": difference | {"values": [x - y for x, y in pairs]},
+            "relative_change": (confidence_interval(ratios) | {"values": ratios}) if ratios else None,
+            "claim": claim(difference, higher), "higher_is_better": higher}

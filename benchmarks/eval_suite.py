@@ -1,11 +1,15 @@
 """A benchmark suite: every policy on every workload, repeated, one fresh pool per run.
 
-Runs go repetition-major (repetition 0: every workload under every policy; then
-repetition 1; ...), so a suite cut short by ``--max-minutes`` still holds complete
-repetitions of every policy. Every run starts its own pool: each repetition begins with
-empty KV caches and no learned state, and no policy inherits another's cache. All
-policies of a workload replay the same trace (same token ids, order and arrivals);
-repetition r uses seed ``--seed + r``.
+Runs go repetition-major (repetition 0: every setting and workload under every policy;
+then repetition 1; ...), so a suite cut short by ``--max-minutes`` still holds complete
+repetitions of every policy. Within a repetition the policies run in that repetition's row
+of a Williams design (``policy_order``; ``--order fixed`` only to reproduce old results),
+and the JSON records every repetition's order and every run's position in it. A sweep
+(``--sweep``, ``eval_settings``) runs every workload under every setting; each run and each
+comparison says its KV budget, window, arrival process and order. Every run starts its own
+pool: each repetition begins with empty KV caches and no learned state, and no policy
+inherits another's cache. All policies of a workload replay the same trace (same token ids,
+order and arrivals); repetition r uses seed ``--seed + r``.
 
 A policy whose pool constructor rejects its settings (``TypeError``/``ValueError``, e.g. a
 transfer mode this build does not have) is marked ``unavailable`` with the error and
@@ -34,10 +38,17 @@ from pathlib import Path
 
 import uvloop
 
+import claims
 from dataset_profile import profile_trace
 from eval_driver import Arrival, replay
 from eval_metrics import run_metrics, summarize
+from eval_policies import (
+    LMPOOL, LMPOOL_DEFAULT, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, Policy,
+    select_policies,
+)
+from eval_settings import Setting, cell_key, parse_arrival, parse_sweep, settings
 from mps import mps_daemon
+from policy_order import ORDERS, policy_order, run_order
 from revision import git_record
 from trace_file import load_trace, trace_name
 from workloads import max_request_tokens
@@ -47,79 +58,9 @@ SCHEMA = "lmpool-eval/1"
 MAX_FAILURES = 2
 
 
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    name: str
-    routing: str
-    transfer_mode: str = "none"
-    routing_config: tuple[tuple[str, float], ...] = ()  # RoutingConfig fields that differ from the defaults
-    enable_transfers: bool = False  # transfers set up without a mode that plans any (a control)
-
-    def pool_kwargs(self) -> dict:
-        # Keywords are passed only when they differ from the defaults: a policy must run on
-        # builds that lack a feature it does not use.
-        kw: dict = {"routing": self.routing}
-        if self.transfer_mode != "none":
-            kw["transfer_mode"] = self.transfer_mode
-        if self.enable_transfers:
-            kw["enable_transfers"] = True
-        if self.routing_config:
-            from lmpool.config import RoutingConfig
-
-            kw["routing_config"] = RoutingConfig(**dict(self.routing_config))
-        return kw
-
-
-PEERS = (
-    Policy("round_robin", "round_robin"),
-    Policy("least_loaded", "least_loaded"),
-    Policy("sglang_cache_aware", "sglang_cache_aware"),
-    Policy("dynamo_kv", "dynamo_kv"),
-)
-LMPOOL = Policy("lmpool", "lmpool")
-# LMPool routing without one of its parts, to measure what that part is worth.
-LMPOOL_VARIANTS = (
-    Policy("lmpool-pending", "lmpool", routing_config=(("pending_ttl_s", 0.0),)),
-)
-TRANSFER_MODES = (
-    Policy("lmpool+background", "lmpool", "background"),
-    Policy("lmpool+foreground", "lmpool", "foreground"),
-    Policy("lmpool+both", "lmpool", "both"),
-)
-# Routing only, in a pool whose transfer paths are set up (workers connected, caches
-# exported) but which plans no transfer: what a transfer mode's run owes to the set-up
-# alone, apart from the transfers it makes.
-TRANSFERS_IDLE = Policy("lmpool+idle", "lmpool", enable_transfers=True)
-
-
-def run_order(policies: list[Policy], rep: int) -> list[Policy]:
-    """The order of ``policies`` in repetition ``rep``: a row of a Williams design. With n
-    policies, each block of n repetitions (from a multiple of n) runs every policy once in
-    every position; for even n it also runs every policy right after every other one once,
-    for odd n two blocks do (one of shifted rows, one mirrored: each ordered pair twice).
-    A plain rotation balanced positions but kept every policy behind the same neighbour in
-    every repetition, so whatever one run leaves behind (a hot GPU, a busy host) always
-    fell on the same next policy; the transfer benchmark's rotation biased its default
-    path so (results/kv_transfer_NOTES.md)."""
-    n = len(policies)
-    if n == 0:
-        return []
-    first = [0]  # 0, 1, n-1, 2, n-2, ...: consecutive steps take every nonzero shift
-    for j in range(1, n):
-        first.append((j + 1) // 2 if j % 2 else n - j // 2)
-    if n % 2 and (rep // n) % 2:
-        first.reverse()
-    return [policies[(k + rep) % n] for k in first]
-
-
-def select_policies(available: tuple[Policy, ...], names: str | None) -> list[Policy]:
-    if not names:
-        return list(available)
-    by_name = {p.name: p for p in available}
-    unknown = [n for n in names.split(",") if n not in by_name]
-    if unknown:
-        raise SystemExit(f"unknown policies {unknown}; choose from {sorted(by_name)}")
-    return [by_name[n] for n in names.split(",")]
+# The policy tables live in ``eval_policies``; the runners and tests import them from here too.
+__all__ = ["LMPOOL", "LMPOOL_DEFAULT", "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS", "Policy", "TRANSFERS_IDLE",
+           "TRANSFER_MODES", "run_order", "select_policies"]
 
 
 def chosen_policies(args: argparse.Namespace, available: tuple[Policy, ...], quick: str) -> list[Policy]:
@@ -152,9 +93,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="number of the first repetition (seed --seed + number), to split a suite")
     ap.add_argument("--scale", type=float, help="multiply every prompt length (default 1; quick 1/32)")
     ap.add_argument("--max-tokens", type=int, help="output tokens of every request (default 32; quick 4)")
-    ap.add_argument("--arrival", choices=["window", "poisson"], default="window")
+    ap.add_argument("--arrival", default="window",
+                    help="'window' (closed loop), 'poisson' (at --rate) or 'poisson:RATE' requests/s")
     ap.add_argument("--window", type=int, default=16, help="most requests in flight (0: unlimited)")
     ap.add_argument("--rate", type=float, default=0.0, help="requests/s for --arrival poisson")
+    ap.add_argument("--sweep", action="append", default=[], metavar="AXIS=V1,V2,...",
+                    help="run every workload under every combination: kv_budget=BLOCKS_PER_WORKER,..., "
+                         "window=16,64,0, arrival=window,poisson:RATE,... (repeatable; eval_settings.py)")
+    ap.add_argument("--order", choices=ORDERS, default="williams",
+                    help="policy order per repetition: a Williams design row (default) or as listed (fixed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", help="comma-separated subset of the runner's policies, or 'all'")
     ap.add_argument("--transfer-profile", type=Path,
@@ -204,7 +151,12 @@ def finish_arguments(args: argparse.Namespace, pool_blocks: int, name: str) -> a
     if args.first_rep < 0:
         raise SystemExit("--first-rep must be >= 0")
     args.rep_ids = list(range(args.first_rep, args.first_rep + args.reps))
-    args.arrival_process = Arrival(args.arrival, args.window, args.rate, args.seed)
+    try:
+        args.arrival, args.rate = parse_arrival(args.arrival, args.rate)
+        args.arrival_process = Arrival(args.arrival, args.window, args.rate, args.seed)
+        args.settings = settings(args.num_kv_blocks, args.arrival_process, parse_sweep(args.sweep))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     return args
 
 
@@ -375,8 +327,8 @@ class Progress:
 
 # ---- runs ------------------------------------------------------------------------------
 
-def engine_args(args: argparse.Namespace, max_model_len: int) -> dict:
-    kw = {"block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs,
+def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) -> dict:
+    kw = {"block_size": args.block_size, "num_kv_blocks": setting.kv_blocks, "max_num_seqs": args.max_num_seqs,
           "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": max_model_len,
           "enforce_eager": args.enforce_eager}
     if args.dtype:
@@ -384,8 +336,8 @@ def engine_args(args: argparse.Namespace, max_model_len: int) -> dict:
     return kw
 
 
-async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, max_model_len: int,
-                  bar) -> dict:
+async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, setting: Setting,
+                  max_model_len: int, bar) -> dict:
     """Start a pool for ``policy``, replay ``trace`` on it, and stop it. Raises
     ``PolicyUnavailable`` when the pool constructor refuses the policy."""
     from lmpool.frontend.api import AsyncLMPool
@@ -399,7 +351,7 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, m
             extra["transfer_policy"] = TransferPolicyConfig(transfer_profile=str(args.transfer_profile))
         pool = AsyncLMPool(model, world_size=args.world_size, device=args.device,
                            ready_timeout=min(300.0, max(60.0, args.run_timeout)),
-                           **policy.pool_kwargs(), **extra, **engine_args(args, max_model_len))
+                           **policy.pool_kwargs(), **extra, **engine_args(args, setting, max_model_len))
     except (TypeError, ValueError) as e:
         raise PolicyUnavailable(f"{type(e).__name__}: {e}") from e
     record: dict = {}
@@ -409,7 +361,7 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, m
         record["start_s"] = time.perf_counter() - started
         async with asyncio.timeout(args.run_timeout):
             t = time.perf_counter()
-            record["requests"] = await replay(pool, trace, args.arrival_process,
+            record["requests"] = await replay(pool, trace, setting.arrival,
                                               bar.update if bar is not None else (lambda *a: None))
             record["replay_s"] = time.perf_counter() - t
             stats = await pool.stats()
@@ -428,7 +380,7 @@ class PolicyUnavailable(Exception):
 
 
 def _line(run: dict) -> str:
-    head = f"{run['workload']:<14} {run['policy']:<19} rep {run['rep']}"
+    head = f"{run['workload']:<14} {run['policy']:<21} rep {run['rep']}"
     if run["status"] != "ok":
         return f"{head}: {run['status']}: {run['error']}"
     m = run["metrics"]
@@ -445,18 +397,30 @@ def write_json(path: Path, result: dict) -> None:
     os.replace(tmp, path)
 
 
-def _run_policy(args: argparse.Namespace, model: str, policy: Policy, workload: str, trace, rep: int,
+def _describe(e: BaseException) -> str:
+    """The error and, for a group of them (a replay's failed requests), its first one."""
+    text = f"{type(e).__name__}: {e}"
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+        text += f"; first: {type(e).__name__}: {e}"
+    return text
+
+
+def _run_policy(args: argparse.Namespace, model: str, policy: Policy, cell: dict, rep: int,
                 max_model_len: int, state: dict, failures: dict[str, int], progress: Progress) -> dict:
-    """One run's record; updates the policy's ``state`` when it turns out unavailable or failed."""
-    run = {"workload": workload, "policy": policy.name, "rep": rep, "seed": trace.seed,
+    """One run's record; updates the policy's ``state`` when it turns out unavailable or failed.
+    ``cell`` is the run's workload key, trace, setting, and its place in the repetition's order."""
+    trace, setting, key = cell["trace"], cell["setting"], cell["key"]
+    run = {"workload": key, "trace": trace.workload, "policy": policy.name, "rep": rep, "seed": trace.seed,
+           "setting": setting.record(args.order), "order_position": cell["position"],
            "status": "skipped", "error": None}
     if state["status"] != "ok":
         progress.skipped()
         return run
-    bar = progress.run_bar(f"{workload} {policy.name} rep {rep}", len(trace.requests))
+    bar = progress.run_bar(f"{key} {policy.name} rep {rep}", len(trace.requests))
     t = time.perf_counter()
     try:
-        record = uvloop.run(run_one(model, args, policy, trace, max_model_len, bar))
+        record = uvloop.run(run_one(model, args, policy, trace, setting, max_model_len, bar))
         run.update(record, status="ok")
         run["metrics"] = run_metrics(record["requests"], record["transfers"], args.world_size)
     except PolicyUnavailable as e:
@@ -465,7 +429,7 @@ def _run_policy(args: argparse.Namespace, model: str, policy: Policy, workload: 
     except Exception as e:  # noqa: BLE001 - a failed run is recorded, the suite goes on
         failures[policy.name] += 1
         error = (f"the run exceeded --run-timeout {args.run_timeout:g} s" if isinstance(e, TimeoutError)
-                 else f"{type(e).__name__}: {e}")
+                 else _describe(e))
         run.update(status="failed", error=error)
         if failures[policy.name] >= MAX_FAILURES:
             state.update(status="failed", error=error)
@@ -484,9 +448,10 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
         raise SystemExit("no workload to run: name built-in ones or give --trace files")
     model = resolve_model(args)
     every = [t for ts in traces.values() for t in ts.values()]
+    swept = bool(args.sweep)
     max_model_len = -(-max_request_tokens(every) // args.block_size) * args.block_size
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-              if k not in ("arrival_process", "rep_ids", "preset_given")}
+              if k not in ("arrival_process", "rep_ids", "preset_given", "settings")}
     config["json"] = _portable(str(args.json))
     config["trace"] = [_portable(str(path)) for path in args.trace]
     if config.get("model"):
@@ -503,14 +468,18 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
             # The profile does not depend on the seed (``workloads``): the first repetition's.
             "dataset_profile": {wl: profile_trace(ts[args.rep_ids[0]], args.block_size) for wl, ts in traces.items()},
         },
-        "policies": {p.name: {"routing": p.routing, "transfer_mode": p.transfer_mode,
-                              **({"routing_config": dict(p.routing_config)} if p.routing_config else {}),
-                              "status": "ok", "error": None}
-                     for p in policies},
+        "policies": {p.name: p.record() | {"status": "ok", "error": None} for p in policies},
+        "settings": {cell_key(w, st, swept): {"workload": w, **st.record(args.order)}
+                     for st in args.settings for w in traces},
+        "orders": {},
         "runs": [],
     }
     failures = {p.name: 0 for p in policies}
-    progress = Progress(args.reps * len(traces) * len(policies), not args.no_progress)
+    progress = Progress(args.reps * len(args.settings) * len(traces) * len(policies), not args.no_progress)
+
+    def compare() -> dict:
+        return claims.finish(comparisons, result["summary"], result["settings"])
+
     suite_start = time.perf_counter()
     rep_seconds: list[float] = []
     try:
@@ -524,21 +493,26 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
                     print(result["stopped_early"], file=sys.stderr)
                     break
                 rep_start = time.perf_counter()
-                for workload, reps in traces.items():
-                    for policy in run_order(policies, rep):
-                        run = _run_policy(args, model, policy, workload, reps[rep], rep, max_model_len,
-                                          result["policies"][policy.name], failures, progress)
-                        result["runs"].append(run)
-                        result["summary"] = summarize(result["runs"])
-                        result["comparisons"] = comparisons(result["summary"])
-                        write_json(args.json, result)
+                order = policy_order(policies, rep, args.order)
+                result["orders"][str(rep)] = [p.name for p in order]
+                for setting in args.settings:
+                    for workload, reps in traces.items():
+                        for position, policy in enumerate(order):
+                            cell = {"key": cell_key(workload, setting, swept), "trace": reps[rep],
+                                    "setting": setting, "position": position}
+                            run = _run_policy(args, model, policy, cell, rep, max_model_len,
+                                              result["policies"][policy.name], failures, progress)
+                            result["runs"].append(run)
+                            result["summary"] = summarize(result["runs"])
+                            result["comparisons"] = compare()
+                            write_json(args.json, result)
                 rep_seconds.append(time.perf_counter() - rep_start)
     finally:
         progress.close()
         result["metadata"]["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         result["metadata"]["suite_s"] = time.perf_counter() - suite_start
         result["summary"] = summarize(result["runs"])
-        result["comparisons"] = comparisons(result["summary"])
+        result["comparisons"] = compare()
         write_json(args.json, result)
     print(f"saved json: {args.json}", file=sys.stderr)
     return result

@@ -4,8 +4,8 @@ range) into one file, recomputing the summary and the comparisons from the merge
     python benchmarks/merge_results.py -o merged.json part1.json part2.json ...
 
 Used when a suite is spread over several GPUs or several sessions: each part runs a
-subset (``--policies``, ``--levels``, ``--workloads``, ``--first-rep``) with otherwise
-identical settings. Parts must agree on the benchmark, the model and every setting that
+subset (``--policies``, ``--levels``, ``--workloads``, ``--first-rep``, or some of a sweep's
+settings) with otherwise identical settings. Parts must agree on the benchmark, the model and every setting that
 shapes a run; two parts may not both hold the same (workload, policy, repetition).
 Parts should also come from the same code; the revisions the parts recorded are listed
 in ``metadata.revisions``, with a warning when they differ (not an error: a copy of the
@@ -21,14 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import claims  # noqa: E402
 from eval_metrics import summarize  # noqa: E402
 from eval_suite import write_json  # noqa: E402
 
 # Settings that change what a run measures; the others (policies, levels, workloads,
 # repetition range, output path, progress, time limits) may differ between parts.
-MUST_MATCH = ("device", "world_size", "num_kv_blocks", "block_size", "dtype", "max_num_seqs",
-              "max_num_batched_tokens", "enforce_eager", "scale", "max_tokens", "arrival", "window", "rate",
-              "seed", "mps", "transfer_profile")
+MUST_MATCH = ("device", "world_size", "block_size", "dtype", "max_num_seqs", "max_num_batched_tokens",
+              "enforce_eager", "scale", "max_tokens", "seed", "mps", "transfer_profile", "order")
+# A run's own setting: parts that record it per workload key (``settings``) may split a sweep
+# between them; older parts, which do not, must agree on it.
+SETTING_FLAGS = ("num_kv_blocks", "arrival", "window", "rate")
 
 
 def comparisons_for(benchmark: str):
@@ -36,6 +39,8 @@ def comparisons_for(benchmark: str):
         from benchmark_kv_routing import comparisons
     elif benchmark == "e2e":
         from benchmark_e2e import comparisons
+    elif benchmark == "hot_context":
+        from benchmark_hot_context import comparisons
     else:
         raise ValueError(f"not an evaluation benchmark: {benchmark!r}")
     return comparisons
@@ -51,13 +56,20 @@ def merge(parts: list[dict]) -> dict:
         if part["metadata"]["model"] != first["metadata"]["model"]:
             raise ValueError(f"part {i} served another model")
         a, b = first["metadata"]["config"], part["metadata"]["config"]
-        differ = [k for k in MUST_MATCH if a.get(k) != b.get(k)]
+        flags = MUST_MATCH if all("settings" in p for p in parts) else (*MUST_MATCH, *SETTING_FLAGS)
+        differ = [k for k in flags if a.get(k) != b.get(k)]
         if differ:
             raise ValueError(f"part {i} differs from part 0 in {differ}")
     merged = json.loads(json.dumps(first))  # a deep copy
     merged["metadata"]["merged_from"] = [p["metadata"] for p in parts]
     seen = set()
     merged["runs"], merged["policies"] = [], {}
+    merged_settings = _merged_settings(parts)
+    if merged_settings is not None:
+        merged["settings"] = merged_settings
+        # Parts split by policy ran different orders in one repetition: keep each part's.
+        merged.pop("orders", None)
+        merged["part_orders"] = [p.get("orders", {}) for p in parts]
     for part in parts:
         for run in part["runs"]:
             key = (run["workload"], run["policy"], run["rep"])
@@ -77,11 +89,26 @@ def merge(parts: list[dict]) -> dict:
         print(f"warning: the parts recorded different revisions {revisions}: merge only parts run from "
               f"the same code", file=sys.stderr)
     merged["summary"] = summarize(merged["runs"])
-    merged["comparisons"] = comparisons_for(merged["benchmark"])(merged["summary"])
+    compare = comparisons_for(merged["benchmark"])
+    merged["comparisons"] = (claims.finish(compare, merged["summary"], merged_settings) if merged_settings is not None
+                             else compare(merged["summary"]))
     stopped = _uncovered_stops(parts, merged["runs"])
     merged.pop("stopped_early", None)
     if stopped:
         merged["stopped_early"] = "; ".join(stopped)
+    return merged
+
+
+def _merged_settings(parts: list[dict]) -> dict | None:
+    """Every part's workload keys and their settings; a key two parts ran under different
+    settings is refused. None when some part predates recorded settings."""
+    if not all("settings" in p for p in parts):
+        return None
+    merged: dict = {}
+    for i, part in enumerate(parts):
+        for key, setting in part["settings"].items():
+            if merged.setdefault(key, setting) != setting:
+                raise ValueError(f"part {i} ran {key} under {setting}, another part under {merged[key]}")
     return merged
 
 

@@ -4,7 +4,7 @@
     python benchmarks/plot_results.py path/to/run.json ...  # chosen files
 
 For each ``kv_routing`` JSON, ``<name>.png``: headline metrics per locality level, one bar
-per policy. For each ``e2e`` JSON, ``<name>_<workload>.png`` per workload: headline
+per policy. For each ``e2e`` or ``hot_context`` JSON, ``<name>_<workload>.png`` per workload: headline
 metrics, the last phase's TTFT, transfer counters (with the refusals: foreground
 requests refused, admission-gate refusals, background candidates refused by any gate)
 and requests per rank, one bar per policy. Bars are means over completed repetitions;
@@ -75,7 +75,7 @@ def _title(data: dict) -> str:
     gpus = meta["hardware"].get("gpus")
     where = gpus[0].split(",")[0] if gpus else f"{meta['hardware']['machine']} CPU"
     text = (f"{data['benchmark']}: {name}, {cfg['world_size']} replicas on {where}, {cfg['block_size']}-token blocks, "
-            f"{cfg['num_kv_blocks']} blocks/worker, scale {cfg['scale']:g}, "
+            f"{_setting_text(cfg)}, scale {cfg['scale']:g}, "
             + (f"{reps} reps, 95% t-CI" if reps > 1 else "1 rep (no CI)"))
     missing = [f"{p} ({s['status']})" for p, s in data["policies"].items() if s["status"] != "ok"]
     if data.get("stopped_early"):
@@ -83,9 +83,24 @@ def _title(data: dict) -> str:
     return text + (f"\nnot run: {', '.join(missing)}" if missing else "")
 
 
+def _setting_text(cfg: dict) -> str:
+    """Budget, arrivals and order, as every headline states them (older results: no order recorded)."""
+    order = f"{cfg['order']} order" if cfg.get("order") else "order not recorded"
+    if cfg.get("sweep"):
+        return "sweep " + " ".join(cfg["sweep"]) + f", {order}"
+    arrival = "closed loop" if cfg.get("arrival", "window") == "window" else f"Poisson {cfg['rate']:g}/s"
+    return (f"{cfg['num_kv_blocks']} blocks/worker, window {cfg.get('window', 16) or 'unlimited'}, {arrival}, "
+            f"{order}")
+
+
+def _level(workload: str) -> int:
+    name = workload.split("@", 1)[0]
+    return int(name.split("_")[1][:-1]) if name.startswith("locality_") else 0
+
+
 def plot_routing(data: dict, out: Path) -> list[Path]:
     summary = data.get("summary", {})
-    levels = sorted(summary, key=lambda w: int(w.split("_")[1][:-1]) if w.startswith("locality_") else 0)
+    levels = sorted(summary, key=_level)
     policies = [p for p in _policies(data) if any(p in summary[w] for w in levels)]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     # Locality levels by their length ("3x"); a --trace file's workload by its own name.
@@ -194,7 +209,7 @@ def plot_file(path: Path) -> list[Path]:
     kind = data.get("benchmark")
     if kind == "kv_routing":
         return plot_routing(data, path)
-    if kind == "e2e":
+    if kind in ("e2e", "hot_context"):
         return plot_e2e(data, path)
     raise ValueError(f"{path}: not an evaluation JSON (benchmark {kind!r})")
 

@@ -77,7 +77,7 @@ class Trace:
         return [r for r in self.requests if r.phase == phase]
 
 
-class _Tokens:
+class Tokens:
     """Random token ids from one seeded stream."""
 
     def __init__(self, workload: str, seed: int, vocab_size: int) -> None:
@@ -100,7 +100,7 @@ def scaled(length: int, scale: float) -> int:
     return max(1, round(length * scale))
 
 
-def _check(max_tokens: int) -> None:
+def check_max_tokens(max_tokens: int) -> None:
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
 
@@ -111,9 +111,9 @@ def locality(level: int, seed: int, vocab_size: int, scale: float = 1.0,
     group builds its ``level``x shared prefix, the other 11 can reuse it."""
     if level < 1:
         raise ValueError(f"level must be >= 1, got {level}")
-    _check(max_tokens)
+    check_max_tokens(max_tokens)
     name = f"locality_{level}x"
-    tokens = _Tokens(name, seed, vocab_size)
+    tokens = Tokens(name, seed, vocab_size)
     prefix = scaled(LOCALITY_HEADER + level * LOCALITY_UNIT, scale)
     tail = scaled(LOCALITY_TAIL, scale)
     shared = [tokens.draw(prefix) for _ in range(LOCALITY_GROUPS)]
@@ -132,8 +132,8 @@ def locality(level: int, seed: int, vocab_size: int, scale: float = 1.0,
 def load_skew(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = DEFAULT_MAX_TOKENS) -> Trace:
     """3 warm-ups (one long prefix per hot group), then 189 revisits of those 3 groups
     (63 each) in a seeded shuffled order: all the load lands on three prefixes."""
-    _check(max_tokens)
-    tokens = _Tokens("load_skew", seed, vocab_size)
+    check_max_tokens(max_tokens)
+    tokens = Tokens("load_skew", seed, vocab_size)
     prefix = scaled(LOAD_PREFIX, scale)
     warm_tail, revisit_tail = scaled(LOAD_WARMUP_TAIL, scale), scaled(LOAD_REVISIT_TAIL, scale)
     shared = [tokens.draw(prefix) for _ in range(LOAD_GROUPS)]
@@ -167,9 +167,9 @@ def memory_skew(seed: int, vocab_size: int, world_size: int, scale: float = 1.0,
 
     Warm-up and pressure placement belongs to the workload (every policy faces the same
     skew: source ranks full, partners empty); only the reuse phase measures the policy."""
-    _check(max_tokens)
+    check_max_tokens(max_tokens)
     sources = source_ranks(world_size)
-    tokens = _Tokens("memory_skew", seed, vocab_size)
+    tokens = Tokens("memory_skew", seed, vocab_size)
     prefix = scaled(MEMORY_SESSION_PREFIX, scale)
     anchor = min(prefix, scaled(MEMORY_ANCHOR, scale))
     warm_tail, cold_tail = scaled(MEMORY_WARMUP_TAIL, scale), scaled(MEMORY_PRESSURE_TAIL, scale)

@@ -1,10 +1,12 @@
 """``benchmarks/eval_metrics.py``: per-run metrics by their definitions, absent transfer
-counters stay absent, and aggregation / comparison across repetitions."""
+counters stay absent, and aggregation / comparison across repetitions, whose claims rest on
+the paired differences' interval."""
 
 from __future__ import annotations
 
 import pytest
-from eval_metrics import RECORD_FIELDS, paired_change, run_metrics, separation, summarize
+from eval_metrics import RECORD_FIELDS, claim, paired_change, run_metrics, summarize
+from student_t import confidence_interval
 
 
 def columns(rows: list[dict]) -> dict[str, list]:
@@ -70,15 +72,31 @@ def test_summary_uses_completed_runs_and_comparisons_pair_by_repetition():
     change = paired_change(s, "a", "b", "throughput_tok_s")
     assert change["relative_change"]["values"] == pytest.approx([0.1, 0.2])  # rep 2 has no pair
     assert change["higher_is_better"] is True
+    assert change["difference"]["values"] == pytest.approx([10.0, 20.0])
     ttft = paired_change(s, "a", "b", "ttft_mean_ms")
-    assert ttft["separation"] == "better"  # a's TTFT interval lies wholly below b's
+    assert ttft["claim"] == "ahead"  # a's TTFT is 30 ms lower in both paired repetitions
     assert paired_change(s, "a", "missing", "ttft_mean_ms") is None
 
 
-def test_separation_needs_intervals_and_respects_direction():
-    lo = {"low": 1.0, "high": 2.0}
-    hi = {"low": 3.0, "high": 4.0}
-    assert separation(hi, lo, higher_is_better=True) == "better"
-    assert separation(hi, lo, higher_is_better=False) == "worse"
-    assert separation(lo, {"low": 1.5, "high": 5.0}, True) == "overlap"
-    assert separation({"low": None}, hi, True) is None
+def test_the_claim_follows_the_paired_difference_not_the_overlap_of_the_two_intervals():
+    """Two policies whose own intervals overlap widely, while every repetition puts one ahead
+    by about the same amount: the paired interval says ahead. A repetition effect (a faster
+    machine for rep 2) moves both alike and is paired away."""
+    a_vals, b_vals = [100.0, 110.0, 150.0], [95.0, 104.0, 146.0]
+    runs = [fake_run(p, r, v, 50) for p, vals in (("a", a_vals), ("b", b_vals)) for r, v in enumerate(vals)]
+    s = summarize(runs)["w"]
+    own_a, own_b = s["a"]["throughput_tok_s"], s["b"]["throughput_tok_s"]
+    assert own_a["low"] < own_b["high"]  # the old rule would have said "overlap"
+    change = paired_change(s, "a", "b", "throughput_tok_s")
+    assert change["difference"]["mean"] == pytest.approx(5.0) and change["difference"]["low"] > 0
+    assert change["claim"] == "ahead"
+    assert paired_change(s, "b", "a", "throughput_tok_s")["claim"] == "behind"
+    assert paired_change(s, "a", "b", "ttft_mean_ms")["claim"] == "level"  # identical: the interval is [0, 0]
+
+
+def test_claims_respect_the_metric_direction_and_need_an_interval():
+    lower = confidence_interval([-3.0, -2.0, -4.0])  # candidate minus baseline, wholly below zero
+    assert claim(lower, higher_is_better=True) == "behind"
+    assert claim(lower, higher_is_better=False) == "ahead"  # e.g. TTFT: lower is better
+    assert claim(confidence_interval([-1.0, 2.0, 0.5]), True) == "level"
+    assert claim(confidence_interval([1.0]), True) is None

@@ -63,3 +63,31 @@ def test_an_early_stop_shows_only_while_another_part_has_not_run_the_rest():
     assert "stopped_early" not in merge([first, asked(part("lmpool", [1, 2], 1.0), 1, 2)])
     assert merge([first, asked(part("lmpool", [1], 1.0), 1, 1)])["stopped_early"] == (
         "after 1 repetitions: another would end past --max-minutes 3.0 (repetitions [2] not run)")
+
+
+def swept(policy: str, key: str, setting: dict, reps: list[int]) -> dict:
+    p = part(policy, reps, 100.0)
+    for run in p["runs"]:
+        run["workload"] = key
+    p["metadata"]["dataset_profile"] = {"locality_5x": {"requests": 192}}
+    p["settings"] = {key: {"workload": "locality_5x", **setting}}
+    p["orders"] = {str(r): [policy] for r in reps}
+    return p
+
+
+def test_parts_may_split_a_sweep_but_not_run_one_key_under_two_settings():
+    small = {"kv_blocks_per_worker": 96, "window": 16, "arrival": "window", "rate": None, "order": "williams"}
+    large = dict(small, kv_blocks_per_worker=384)
+    a = swept("lmpool", "locality_5x@kv96_w16", small, [0, 1])
+    b = swept("lmpool", "locality_5x@kv384_w16", large, [0, 1])
+    a["metadata"]["config"]["num_kv_blocks"], b["metadata"]["config"]["num_kv_blocks"] = 96, 384
+    merged = merge([a, b])
+    assert set(merged["settings"]) == {"locality_5x@kv96_w16", "locality_5x@kv384_w16"}
+    assert merged["part_orders"] == [{"0": ["lmpool"], "1": ["lmpool"]}] * 2 and "orders" not in merged
+    assert merged["comparisons"]["settings"] == merged["settings"]
+    clash = swept("round_robin", "locality_5x@kv96_w16", large, [0])
+    with pytest.raises(ValueError, match="ran locality_5x@kv96_w16 under"):
+        merge([a, clash])
+    old = part("round_robin", [0], 1.0, num_kv_blocks=384)  # no recorded settings: the flags must agree
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        merge([part("lmpool", [0], 1.0, num_kv_blocks=96), old])

@@ -23,13 +23,14 @@ def test_a_variant_passes_its_routing_config_and_a_plain_policy_passes_none():
     assert Policy("x", "lmpool", "background").pool_kwargs() == {"routing": "lmpool", "transfer_mode": "background"}
 
 
-def change(separation: str) -> dict:
-    return {"relative_change": {"mean": 0.1, "low": 0.05, "high": 0.15, "n": 3}, "separation": separation}
+def change(claim: str) -> dict:
+    return {"relative_change": {"mean": 0.1, "low": 0.05, "high": 0.15, "n": 3},
+            "difference": {"mean": 1.0, "low": 0.5, "high": 1.5, "n": 3}, "claim": claim}
 
 
 def test_lmpool_variants_are_not_peers_in_the_acceptance(monkeypatch):
     def paired(by_policy, base, peer, metric):
-        return change("worse" if peer in ("lmpool-pending", "sglang_cache_aware") else "better")
+        return change("behind" if peer in ("lmpool-pending", "sglang_cache_aware") else "ahead")
 
     monkeypatch.setattr(benchmark_kv_routing, "paired_change", paired)
     summary = {"locality_5x": {p: {} for p in ("lmpool", "round_robin", "sglang_cache_aware", "lmpool-pending")}}
@@ -45,7 +46,7 @@ def test_the_idle_transfers_control_sets_transfers_up_and_never_counts_as_a_tran
     from eval_suite import TRANSFERS_IDLE
 
     assert TRANSFERS_IDLE.pool_kwargs() == {"routing": "lmpool", "enable_transfers": True}
-    monkeypatch.setattr(benchmark_e2e, "paired_change", lambda *a: change("better"))
+    monkeypatch.setattr(benchmark_e2e, "paired_change", lambda *a: change("ahead"))
     summary = {"load_skew": {p: {} for p in ("lmpool", "round_robin", "lmpool+idle", "lmpool+background")}}
     acceptance = benchmark_e2e.comparisons(summary)["acceptance"]
     assert acceptance["transfer_beats_routing_only"] == {"load_skew": ["lmpool+background"]}
@@ -78,3 +79,38 @@ def test_every_policy_follows_every_other_equally_often(n):
         rows = orders[block * n:(block + 1) * n]
         for position in range(n):
             assert sorted(order[position] for order in rows) == sorted(p.name for p in policies)
+
+
+def test_peer_variants_pin_the_older_rules_and_are_refused_by_a_build_without_their_fields():
+    """``sglang_cache_aware_v0`` and ``dynamo_kv_v0`` name every field of the rule set they
+    stand for; a routing config that lacks one refuses it (the suite then records the variant
+    unavailable) rather than running today's rule under the old name."""
+    import dataclasses
+
+    from eval_policies import PEER_VARIANTS
+
+    from lmpool.config import RoutingConfig
+
+    fields = {f.name for f in dataclasses.fields(RoutingConfig)}
+    by_name = {p.name: p for p in PEER_VARIANTS}
+    sglang = dict(by_name["sglang_cache_aware_v0"].routing_config)
+    assert sglang["sglang_cache_threshold"] == 0.5 and sglang["sglang_balance_abs_threshold"] == 32
+    assert sglang["sglang_balance_rel_threshold"] == 1.0001 and sglang["sglang_miss_rule"] == "smallest_tree"
+    for policy in PEER_VARIANTS:
+        missing = set(dict(policy.routing_config)) - fields
+        if missing:
+            with pytest.raises(TypeError):
+                policy.pool_kwargs()
+        else:
+            assert policy.pool_kwargs()["routing_config"] is not None
+
+
+def test_the_default_mode_passes_no_transfer_mode_and_records_which_it_ran():
+    from eval_policies import LMPOOL_DEFAULT, PEERS, default_transfer_mode
+
+    assert LMPOOL_DEFAULT.pool_kwargs() == {"routing": "lmpool"}
+    assert LMPOOL_DEFAULT.record()["transfer_mode"] == f"default ({default_transfer_mode()})"
+    sglang = next(p for p in PEERS if p.name == "sglang_cache_aware").record()
+    assert {"sglang_cache_threshold", "sglang_balance_abs_threshold", "sglang_balance_rel_threshold"} <= set(
+        sglang["rule_fields"])
+    assert "rule_fields" not in LMPOOL.record()

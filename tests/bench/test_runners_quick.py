@@ -145,3 +145,58 @@ def test_a_trace_file_runs_alone_as_its_own_workload(tiny_model, tmp_path, runne
     assert lmpool["metrics"]["phases"]["revisit"]["dp_tok_reuse"] > 0  # the revisits found their prefixes
     assert plots(out) == [str(tmp_path / ("eval_trace_trace_faq.png" if runner == "benchmark_e2e.py"
                                            else "eval_trace.png"))]
+
+
+def check_order_and_settings(data: dict) -> None:
+    """Every repetition's order is recorded and is the Williams row; every run says its
+    setting and its place in that order; every claim is counted."""
+    from eval_suite import run_order
+
+    names = list(data["policies"])
+    assert data["metadata"]["config"]["order"] == "williams"
+    for rep, order in data["orders"].items():
+        assert order == run_order(names, int(rep))
+    for r in data["runs"]:
+        assert data["orders"][str(r["rep"])][r["order_position"]] == r["policy"]
+        assert data["settings"][r["workload"]] == {"workload": r["trace"], **r["setting"]}
+    claims = data["comparisons"]["claims"]
+    assert claims["count"] == claims["ahead"] + claims["level"] + claims["behind"]
+
+
+def test_hot_context_runner_quick_mode_with_its_oracle(tiny_model, tmp_path):
+    out = tmp_path / "eval_hot.json"
+    run("benchmark_hot_context.py", "--model", tiny_model, "--json", str(out), "--contexts", "4096", "--hot", "2",
+        "--questions", "16")
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "hot_context"
+    check_common(data, {"hot_context_4k_2c", "hot_context_4k_2c_oracle"}, {"round_robin", "lmpool"})
+    check_order_and_settings(data)
+    assert data["metadata"]["config"]["window"] == 0  # the burst arrives at once
+    for r in data["runs"]:
+        cols, oracle = r["requests"], r["trace"].endswith("_oracle")
+        reads = [k for k, p in zip(cols["pinned_rank"], cols["phase"]) if p == "read"]
+        assert reads == ([0, 1] * 1 if not oracle else [0, 1, 0, 1])  # owners, or every rank per context
+        assert set(r["metrics"]["phases"]) == {"read", "burst"}
+        assert r["metrics"]["routes"]["pinned"] == len(reads)
+    acceptance = data["comparisons"]["acceptance"]["hot_context_4k_2c"]
+    assert acceptance["oracle"] == "hot_context_4k_2c_oracle"
+    assert acceptance["capture"]["burst/throughput_tok_s"]["best_routing_only"] in ("round_robin", "lmpool")
+    assert acceptance["setting"]["window"] == 0
+    drawn = [str(tmp_path / f"eval_hot_{w}.png") for w in ("hot_context_4k_2c", "hot_context_4k_2c_oracle")]
+    assert plots(out) == drawn
+
+
+def test_sessions_run_under_a_kv_budget_sweep(tiny_model, tmp_path):
+    out = tmp_path / "eval_sessions.json"
+    run("benchmark_e2e.py", "--model", tiny_model, "--json", str(out), "--workloads", "sessions",
+        "--policies", "lmpool", "--sweep", "kv_budget=48,192")
+    data = json.loads(out.read_text())
+    keys = {"sessions@kv48_w16", "sessions@kv192_w16"}
+    assert set(data["summary"]) == keys
+    check_order_and_settings(data)
+    assert {r["setting"]["kv_blocks_per_worker"] for r in data["runs"]} == {48, 192}
+    for r in data["runs"]:
+        assert r["status"] == "ok", r["error"]
+        assert set(r["metrics"]["phases"]) == {f"turn{t}" for t in range(8)}
+    reuse = {r["setting"]["kv_blocks_per_worker"]: r["metrics"]["dp_tok_reuse"] for r in data["runs"]}
+    assert reuse[48] < reuse[192]  # a tighter budget evicts more of what the next turns need

@@ -1,0 +1,47 @@
+"""The ``sessions`` workload (``benchmarks/sessions.py``): every turn extends the session's
+previous prompt by its reply and a new user turn, turns are phases, sessions share only the
+system prompt, and the histories outgrow the e2e suite's KV budget."""
+
+from __future__ import annotations
+
+from dataset_profile import profile_trace
+from sessions import sessions
+
+VOCAB = 151936
+
+
+def test_each_turn_extends_the_previous_prompt_by_a_reply_and_a_user_turn():
+    trace = sessions(0, VOCAB)
+    assert trace.phases == tuple(f"turn{t}" for t in range(8)) and len(trace.requests) == 128
+    by_session: dict[str, list] = {}
+    for r in trace.requests:
+        by_session.setdefault(r.group, []).append(r)
+    assert len(by_session) == 16
+    for turns in by_session.values():
+        assert [r.phase for r in turns] == list(trace.phases)
+        assert len(turns[0].prompt) == 512 + 2048
+        for before, after in zip(turns, turns[1:]):
+            assert after.prompt[:len(before.prompt)] == before.prompt
+            assert len(after.prompt) == len(before.prompt) + 32 + 512  # the reply, then the user turn
+    openings = [turns[0].prompt for turns in by_session.values()]
+    assert len({tuple(o[:512]) for o in openings}) == 1  # one system prompt
+    assert len({tuple(o[512:768]) for o in openings}) == 16  # the sessions' own requests differ
+
+
+def test_sessions_interleave_within_a_turn_and_outgrow_the_e2e_budget():
+    trace = sessions(3, VOCAB)
+    firsts = [r.group for r in trace.phase_requests("turn0")]
+    seconds = [r.group for r in trace.phase_requests("turn1")]
+    assert sorted(firsts) == sorted(seconds) and firsts != seconds  # a shuffled order per turn
+    last = trace.phase_requests("turn7")
+    assert sum(-(-len(r.prompt) // 256) for r in last) > 384  # more history than the pool's 384 blocks
+    p = profile_trace(trace, 256)
+    assert p["phases"]["turn0"]["requests_sharing"] == 15  # only the system prompt, after the first
+    assert p["phases"]["turn0"]["shared_tokens"] == 15 * 512
+    assert all(p["phases"][f"turn{t}"]["requests_sharing"] == 16 for t in range(1, 8))
+
+
+def test_the_seed_changes_tokens_and_order_only():
+    a, b = profile_trace(sessions(0, VOCAB), 256), profile_trace(sessions(9, VOCAB), 256)
+    for key in ("requests_sharing", "prompt_tokens", "shared_tokens"):
+        assert a[key] == b[key]
