@@ -14,7 +14,6 @@ runs the pool's default mode (whatever a later build makes it).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +52,9 @@ class Policy:
 
 
 def default_transfer_mode() -> str:
-    from lmpool.frontend.api import AsyncLMPool
+    from lmpool.config.pool import TransferConfig
 
-    return inspect.signature(AsyncLMPool).parameters["transfer_mode"].default
+    return TransferConfig().transfer_mode
 
 
 def rule_fields(routing: str, overrides: dict) -> dict:
