@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmpool.errors import ArgumentTypeError
-from lmpool.protocol import AddRequest, EngineToWorker
+from lmpool.protocol import AddRequest, FrontendToWorker
 from lmpool.sampling_params import SamplingParams
 
 
@@ -77,7 +77,7 @@ ANYTHING = st.one_of(
     st.just(np.int32(3)), st.just(np.float32(0.25)), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
 )
 FIELDS = ["temperature", "top_p", "top_k", "max_tokens", "ignore_eos", "stop_token_ids", "seed", "stop", "cache_salt"]
-_wire = msgspec.msgpack.Decoder(EngineToWorker)
+_wire = msgspec.msgpack.Decoder(FrontendToWorker)
 _encode = msgspec.msgpack.Encoder().encode
 
 
