@@ -58,14 +58,15 @@ class ServerProcess:
         return self.children(b"lmpool.worker.main")
 
     def worker_pid(self, rank: int) -> int:
-        """The pid of the worker serving ``rank`` (its spec, the last argument, names the rank)."""
+        """The pid of the worker serving ``rank`` (its spec, in its environment, names the rank)."""
         for pid in self.worker_pids():
-            spec = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")[-1]
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            spec = next(v for v in environ if v.startswith(b"LMPOOL_SPEC="))[len(b"LMPOOL_SPEC="):]
             if json.loads(spec).get("rank") == rank:
                 return pid
         raise AssertionError(f"no live worker serves rank {rank}")
 
-    def children(self, module: bytes = b"lmpool.pool.") -> list[int]:
+    def children(self, module: bytes = b"lmpool.") -> list[int]:
         """The server's live child processes running ``module`` (the pool's workers and control)."""
         return pool_children(self.proc.pid, module)
 
@@ -100,7 +101,7 @@ class ServerProcess:
         assert not owned_shm(self.proc.pid)
 
 
-def pool_children(parent: int, module: bytes = b"lmpool.pool.") -> list[int]:
+def pool_children(parent: int, module: bytes = b"lmpool.") -> list[int]:
     """Live child processes of ``parent`` running ``module``: the pool processes it owns (other
     pools on the machine, whatever their command line, are not its children)."""
     pids = []

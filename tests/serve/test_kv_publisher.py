@@ -14,6 +14,7 @@ import zmq.asyncio
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 from lmpool.protocol.vllm_kv_events import event_types
 from lmpool.control.kv_events.pool_events import PoolKVEvents
+from lmpool.engine.hashing import ROOT_HASH
 from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST, KVEventPublisher
 
 BLOCK = 4
@@ -117,9 +118,9 @@ def test_pool_reports_become_chained_events():
             return lambda *args: calls.append((name, *args))
 
     events = PoolKVEvents(Recorder(), BLOCK)
-    events.snapshot(0, KVSnapshot(2, [BlockStored(1, 0, 0, 1, (1, 2, 3, 4)), BlockStored(2, 1, 1, 1, (5, 6, 7, 8))]))
+    events.snapshot(0, KVSnapshot(2, [BlockStored(1, ROOT_HASH, 0, 1, (1, 2, 3, 4)), BlockStored(2, 1, 1, 1, (5, 6, 7, 8))]))
     events.delta(0, KVDelta(2, 6, [BlockStored(3, 2, 2, 1, (9,) * 4), BlockRemoved(1, 0, 9),  # another copy
-                                   BlockRemoved(3, 2, 1), BlockStored(7, 0, 3, 1, (0,) * 4)]))
+                                   BlockRemoved(3, 2, 1), BlockStored(7, ROOT_HASH, 3, 1, (0,) * 4)]))
     events.rank_down(0)
     assert calls == [
         ("cleared", 0), ("stored", 0, [1, 2], None, [1, 2, 3, 4, 5, 6, 7, 8], BLOCK), ("flush",),
