@@ -185,6 +185,10 @@ class Scheduler:
     def commit(self, batch: ScheduledBatch) -> None:
         """Mark READY (and cache) the blocks the batch's computed tokens completed. Called before
         any later step is counted by ``advance``, so only this batch's blocks are committed."""
+        bm = self.block_manager
+        block_size = bm.block_size
         for seq in batch.seqs:
-            if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.commit(seq)
+            # A decode step completes a block once every ``block_size`` tokens: only then is
+            # there anything for the block manager to commit.
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens // block_size > seq.num_ready_blocks:
+                bm.commit(seq)
