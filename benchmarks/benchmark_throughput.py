@@ -112,17 +112,30 @@ class StepRecorder:
     ends by reading back the step before it, so in a steady state its wall time is
     the larger of the two. No synchronisation is added. Time outside steps is
     ``generate``'s own (input checks, outputs). A step's shape is the batch it launched.
+
+    On CUDA, timing events queued before and after each launch give the device's span of
+    every step and its idle time between steps (> 0: the device waited for the host to queue
+    the next step), split by whether that next step decodes; read once the run has ended.
     """
 
     def __init__(self, llm: LLM) -> None:
         self.steps: list[tuple[int, int, float]] = []
+        self.marks: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []  # (decode, start, end)
         shape = [0, 0]
         engine, launch = llm.engine, llm.engine.runner.launch
         step = engine.step
+        cuda = engine.runner.device.type == "cuda"
 
         def recorded_launch(batch, *args):
             shape[:] = len(batch.seqs), sum(batch.num_tokens)
-            return launch(batch, *args)
+            if not cuda:
+                return launch(batch, *args)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            pending = launch(batch, *args)
+            end.record()
+            self.marks.append((shape[0] == shape[1], start, end))
+            return pending
 
         def timed_step():
             shape[:] = 0, 0  # stays so when the call launches nothing (it only reads a step back)
@@ -156,7 +169,20 @@ class StepRecorder:
             "outside_steps_s": elapsed - sum(t for *_, t in self.steps),
             "decode_ms_by_batch": {k: 1e3 * sum(v) / len(v) for k, v in by_batch.items()},
             "decode_steps_by_batch": {k: len(v) for k, v in by_batch.items()},
+            **self.device_timeline(),
         }
+
+    def device_timeline(self) -> dict:
+        """Seconds the device spent on the launched steps and idle between them (CUDA only;
+        waits for the device, so call it once the run has ended)."""
+        if not self.marks:
+            return {}
+        torch.cuda.synchronize()
+        idle = {True: 0.0, False: 0.0}  # keyed by whether the step after the gap decodes
+        for (_, _, prev_end), (decode, start, _) in zip(self.marks, self.marks[1:]):
+            idle[decode] += prev_end.elapsed_time(start) / 1e3
+        return {"device_span_s": sum(s.elapsed_time(e) for _, s, e in self.marks) / 1e3,
+                "device_idle_before_decode_s": idle[True], "device_idle_before_other_s": idle[False]}
 
 
 def roofline(llm: LLM, prompts, outputs, elapsed: float) -> dict | None:
@@ -252,6 +278,10 @@ def report(lm: dict) -> None:
     print(f"{name}: {st['decode_steps']} decode steps {st['decode_s']:.2f} s, "
           f"{st['prefill_or_mixed_steps']} prefill/mixed steps {st['prefill_or_mixed_s']:.2f} s, "
           f"outside steps {st['outside_steps_s']:.2f} s")
+    if "device_span_s" in st:
+        print(f"{name}: device span of the steps {st['device_span_s']:.2f} s, idle between steps "
+              f"{st['device_idle_before_decode_s']:.2f} s before decode steps and "
+              f"{st['device_idle_before_other_s']:.2f} s before the others")
     roof = lm["decode_roofline"]
     if roof:
         print(f"{name}: {roof['fraction_of_roofline']:.1%} of the HBM roofline "

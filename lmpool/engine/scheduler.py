@@ -96,23 +96,20 @@ class Scheduler:
         batch = self.last_batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        block_size = bm.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             target = seq.num_computed_tokens + n
-            while bm.blocks_needed(target) - len(seq.block_table) > bm.num_available:
-                victim = self.running.pop()
-                self._preempt(victim)
-                batch.num_preempted += 1
-                if victim is seq:
-                    break
-            else:
-                bm.grow(seq, target)
-                batch.seqs.append(seq)
-                batch.num_tokens.append(n)
-                budget -= n
-                i += 1
+            # Most decode steps need no new block: the block manager (whose checks cost most of
+            # a step's scheduling) is asked only when the table does not cover the target.
+            if target > len(seq.block_table) * block_size and not self._grow_or_preempt(seq, target, batch):
+                continue  # ``seq`` itself was preempted: it was the last one running
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+            i += 1
         if batch.num_preempted:
             return batch
         # Without a prefix cache nothing computed now could be reused later: no one is passed over.
@@ -150,6 +147,19 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))  # back at the front, in their order
         return batch
 
+    def _grow_or_preempt(self, seq: Sequence, target: int, batch: ScheduledBatch) -> bool:
+        """Give ``seq`` the blocks its first ``target`` tokens need, preempting the most recently
+        admitted running sequences while too few are available; False if ``seq`` itself went."""
+        bm = self.block_manager
+        while bm.blocks_needed(target) - len(seq.block_table) > bm.num_available:
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.num_preempted += 1
+            if victim is seq:
+                return False
+        bm.grow(seq, target)
+        return True
+
     def _blocks_in_progress(self) -> set[int]:
         """Hashes of the complete blocks running sequences hold but have not finished computing."""
         return {h for seq in self.running for h in seq.block_hashes[seq.num_ready_blocks:]}
@@ -175,6 +185,10 @@ class Scheduler:
     def commit(self, batch: ScheduledBatch) -> None:
         """Mark READY (and cache) the blocks the batch's computed tokens completed. Called before
         any later step is counted by ``advance``, so only this batch's blocks are committed."""
+        bm = self.block_manager
+        block_size = bm.block_size
         for seq in batch.seqs:
-            if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.commit(seq)
+            # A decode step completes a block once every ``block_size`` tokens: only then is
+            # there anything for the block manager to commit.
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens // block_size > seq.num_ready_blocks:
+                bm.commit(seq)

@@ -11,7 +11,15 @@ cost (1.0: the device never waits); host time is a step's wall time less its wai
 device. On a CPU the profiler sees operators, not kernels: use it
 there only to check the script runs.
 
-    python benchmarks/profile_decode.py --preset 0.6b --device cuda --dtype bfloat16 \\
+Both windows must run the same B sequences: requests get enough output tokens to outlast the
+prefill and both windows (``decode_headroom``), each window's sequences per step are printed
+and flagged when they differ from B, and the requests are aborted afterwards. On CUDA the
+timed steps also give, from events queued with them, the device's span per step and its idle
+time between steps (same steps as the wall clock, no profiler), and run under
+``torch.cuda.set_sync_debug_mode("warn")``: every call that synchronises with the device is
+listed by file and line (``--no-sync-debug`` turns that off).
+
+    python tools/diagnostics/profile_decode.py --preset 0.6b --device cuda --dtype bfloat16 \\
         --batches 1,8,32,64 --context 2048 --json decode_profile.json
 """
 
@@ -27,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -61,29 +70,120 @@ def timed_waits(waits: list[float]):
         PendingTokens.result = result
 
 
-def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int) -> tuple[list[float], float, dict]:
-    """Wall seconds of ``steps`` decode steps and the seconds they waited for the device, then
-    the profiler's kernel totals over as many steps."""
+class StepMarks:
+    """While active, every ``ModelRunner.launch`` records its batch size and, on CUDA, timing
+    events around the step's device work (queued with it: no synchronisation is added).
+
+    From the events: a step's device span (its first queued copy to its token read-back copy,
+    idle gaps inside it included) and the device's idle time before it (the end of the step
+    before to its start: > 0 when the device waited for the host to queue the step). Wall and
+    device figures then come from the same steps."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.cuda = runner.device.type == "cuda"
+        self.batches: list[int] = []
+        self.events: list[tuple] = []
+
+    def __enter__(self) -> StepMarks:
+        self.wrapped = vars(self.runner).get("launch")  # another tool's wrapper, if any
+        launch = self.runner.launch
+
+        def marked(batch, *args):
+            self.batches.append(len(batch.seqs))
+            if not self.cuda:
+                return launch(batch, *args)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            pending = launch(batch, *args)
+            end.record()
+            self.events.append((start, end))
+            return pending
+
+        self.runner.launch = marked
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.wrapped is None:
+            del self.runner.launch  # the class's method again
+        else:
+            self.runner.launch = self.wrapped
+
+    def device_timeline(self) -> dict:
+        """Mean device span of a step and mean device idle before one, in ms (CUDA only)."""
+        if not self.events:
+            return {}
+        torch.cuda.synchronize(self.runner.device)
+        spans = [s.elapsed_time(e) for s, e in self.events]
+        idles = [prev_end.elapsed_time(s) for (_, prev_end), (s, _) in zip(self.events, self.events[1:])]
+        return {"device_span_ms_per_step": statistics.fmean(spans),
+                "device_idle_ms_before_step": statistics.fmean(idles) if idles else 0.0}
+
+
+@contextlib.contextmanager
+def sync_warnings(active: bool):
+    """While active (CUDA only), torch warns at every call that synchronises the host with the
+    device (``.item()``, ``.tolist()`` or ``.cpu()`` of a device tensor, ``nonzero``, boolean
+    indexing, a copy to pageable memory, a stream or device synchronize); the warnings are
+    collected as ``file:line: message``. The step's one intended wait (``Event.synchronize``
+    in ``PendingTokens.result``) is not such a call, so a clean step path yields none."""
+    found: list[str] = []
+    if not active:
+        yield found
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message).lower():
+            found.append(f"{Path(w.filename).name}:{w.lineno}: {w.message}")
+        else:  # not ours to swallow
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+def decode_headroom(batch: int, context: int, steps: int, budget: int) -> int:
+    """Output tokens a request may need before the measured steps end: one per step while the
+    batch is prefilled (a sequence decodes as soon as its prompt is in, while later ones still
+    prefill) plus the two windows of ``steps``. Fewer would let early sequences finish by length
+    during the windows, so the measured batch would shrink (at 256 x 2,048 tokens and 8,192 per
+    step the prefill takes ~66 steps: with 2 x 20 + 8 output tokens the windows ran 181 down to
+    28 sequences, and the device was timed on smaller batches than the wall clock)."""
+    if budget <= batch:
+        raise ValueError(f"max_num_batched_tokens ({budget}) must exceed the batch ({batch}) to prefill it")
+    prefill_steps = -(-batch * context // (budget - batch)) + 2
+    return prefill_steps + 2 * steps + 8
+
+
+def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int, max_tokens: int,
+                 sync_debug: bool) -> dict:
+    """Wall seconds of ``steps`` decode steps, the seconds they waited for the device, their batch
+    sizes, device timeline and synchronising calls, then the profiler's kernel totals over as
+    many steps; the requests are aborted afterwards."""
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{batch}-{i}", [rng.randrange(vocab) for _ in range(context)], params)
     while any(not s.num_output_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill (chunked) until every sequence decodes
     engine.step()
     walls, waits = [], []
-    with timed_waits(waits):
+    with timed_waits(waits), StepMarks(engine.runner) as marks, sync_warnings(sync_debug) as syncs:
         for _ in range(steps):
             t0 = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - t0)
+    timeline = marks.device_timeline()  # synchronises: after the timed steps
     cuda = engine.runner.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.runner.device)  # an overlapped step may still run: not profiled
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, StepMarks(engine.runner) as profiled:
         for _ in range(steps):
             engine.step()
         if cuda:
@@ -95,9 +195,12 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int) -> t
     for event in events:
         if event.get("cat") in DEVICE_WORK:
             kernels[event["name"]] += event["dur"] / 1e3 / steps  # ms per step
-    while engine.has_unfinished():
-        engine.step()
-    return walls, sum(waits), dict(kernels)
+    for request_id in list(engine.requests):  # the next batch starts from an idle engine
+        engine.abort_request(request_id)
+    while engine.in_flight is not None:
+        engine.step()  # reads the last launched step back (its tokens are dropped)
+    return {"walls": walls, "waited": sum(waits), "kernels": dict(kernels), "timeline": timeline,
+            "batches": marks.batches, "profiled_batches": profiled.batches, "syncs": syncs}
 
 
 @contextlib.contextmanager
@@ -119,8 +222,9 @@ def torch_norms(active: bool):
 
 def profile_row(llm: LLM, norms: str, path: str, batch: int, args) -> dict:
     """One batch size on one engine: wall and device time per decode step, the top kernels."""
-    walls, waited, kernels = decode_steps(llm, batch, args.context, args.steps, seed=batch)
-    host_ms = (sum(walls) - waited) / len(walls) * 1e3  # host time of a step: its wall time not spent waiting
+    run = decode_steps(llm, batch, args.context, args.steps, batch, args.max_tokens, args.sync_debug)
+    walls, kernels, timeline = run["walls"], run["kernels"], run["timeline"]
+    host_ms = (sum(walls) - run["waited"]) / len(walls) * 1e3  # host time of a step: its wall time not spent waiting
     # The mean, not the median: an overlapped step's wall time alternates between host-bound
     # and device-bound calls, and only their mean is the time per step.
     wall_ms = statistics.fmean(walls) * 1e3
@@ -129,11 +233,29 @@ def profile_row(llm: LLM, norms: str, path: str, batch: int, args) -> dict:
     over = f"{wall_ms / device_ms:5.2f}" if device_ms else "  n/a"
     print(f"{norms:>5} {path:>10} B={batch:4d} context {args.context}: wall {wall_ms:7.3f} ms/step, "
           f"device busy {device_ms:7.3f} ms/step, wall / device {over}, host {host_ms:7.3f} ms/step")
+    print(f"      {batch_line(batch, run['batches'], run['profiled_batches'])}")
+    if timeline:
+        print(f"      same steps as the wall clock: device span {timeline['device_span_ms_per_step']:7.3f} ms/step, "
+              f"device idle before a step {timeline['device_idle_ms_before_step']:7.3f} ms")
+    if args.sync_debug:
+        print(f"      synchronising calls in the timed steps: {len(run['syncs'])}")
+        for where, count in collections.Counter(run["syncs"]).most_common(args.top):
+            print(f"        {count:4d} x {where[:160]}")
     for name, ms in top:
         print(f"      {ms:7.3f} ms  {name[:110]}")
     return {"norms": norms, "path": path, "batch": batch, "wall_ms_per_step": wall_ms, "host_ms_per_step": host_ms,
             "wall_ms_median": statistics.median(walls) * 1e3, "device_ms_per_step": device_ms,
-            "wall_over_device": wall_ms / device_ms if device_ms else None, "top_kernels_ms_per_step": dict(top)}
+            "wall_over_device": wall_ms / device_ms if device_ms else None, **timeline,
+            "batch_sizes_timed": run["batches"], "batch_sizes_profiled": run["profiled_batches"],
+            "sync_calls": run["syncs"] if args.sync_debug else None, "top_kernels_ms_per_step": dict(top)}
+
+
+def batch_line(batch: int, timed: list[int], profiled: list[int]) -> str:
+    """The sequences each window's steps ran, flagged when not the requested batch."""
+    spans = [f"{name} {min(b)}-{max(b)}" if b else f"{name} none" for name, b in
+             (("timed", timed), ("profiled", profiled))]
+    ok = all(b and min(b) == max(b) == batch for b in (timed, profiled))
+    return f"sequences per step: {', '.join(spans)}" + ("" if ok else f"  <- not {batch}: figures not comparable")
 
 
 def path_ratios(rows: list[dict]) -> list[dict]:
@@ -165,11 +287,16 @@ def main(argv: list[str] | None = None) -> int:
                          "and rotary as plain torch ops on the GPU, as before kernels/norm_rope.cu)")
     ap.add_argument("--paths", default="serial,overlapped",
                     help="comma-separated: serial (async_scheduling off) and/or overlapped (on)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--no-sync-debug", dest="sync_debug", action="store_false",
+                    help="CUDA: do not list the calls that synchronise with the device in the timed steps")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if not set(args.paths.split(",")) <= set(PATHS):
         ap.error(f"--paths takes serial and/or overlapped, got {args.paths!r}")
     batches = [int(b) for b in args.batches.split(",")]
+    args.max_tokens = max(decode_headroom(b, args.context, args.steps, args.max_num_batched_tokens) for b in batches)
+    args.sync_debug = args.sync_debug and args.device.startswith("cuda")
     if not set(args.norms.split(",")) <= {"fused", "torch"}:
         ap.error(f"--norms takes 'fused' and/or 'torch', got {args.norms!r}")
     rows = []
@@ -179,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             for path in args.paths.split(","):
                 with torch_norms(norms == "torch"), LLM(
                         model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                        max_model_len=args.context + 2 * args.steps + 16, max_num_seqs=max(batches),
+                        max_model_len=args.context + args.max_tokens + 16, max_num_seqs=max(batches),
+                        max_num_batched_tokens=args.max_num_batched_tokens,
                         enforce_eager=args.enforce_eager, async_scheduling=PATHS[path]) as llm:
                     for batch in batches:
                         rows.append(profile_row(llm, norms, path, batch, args))
