@@ -118,10 +118,3 @@ def check_port(value, what: str) -> int | None:
     if not 0 <= port <= 65535:
         raise ValueError(f"{what} must be a TCP port in [0, 65535] (0: any free one) or None, got {value!r}")
     return port
-
-
-def check_engine_args(model: str, args: dict) -> None:
-    """Check a pool's per-replica engine settings up front, as an ``EngineConfig`` would on
-    each worker (device aside), so a bad one is a ``ValueError`` here rather than a worker
-    that fails to start."""
-    EngineConfig(model=model, device="cpu", **{k: v for k, v in args.items() if k != "model"})

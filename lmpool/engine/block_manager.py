@@ -123,12 +123,6 @@ class BlockManager:
         nothing, for the first): a hit is checked along its whole chain, not block by block."""
         return block.parent_id == (hit[-1] if hit else None) and block.token_ids == tuple(tokens)
 
-    def blocks_to_admit(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], int]:
-        """Prefix hit and fresh blocks needed to admit ``seq`` computing ``num_new_tokens`` past the hit."""
-        hit = self.match_prefix(seq)
-        need = self.blocks_needed(len(hit) * self.block_size + num_new_tokens) - len(hit)
-        return hit, need
-
     def can_admit(self, hit: list[int], num_fresh: int) -> bool:
         # Reviving a reclaimable hit takes it out of the reclaimable pool.
         revived = sum(1 for b in hit if self.blocks[b].state is BlockState.RECLAIMABLE)

@@ -15,7 +15,6 @@ token (so that step's one row for it reads the pending token from the device).
 from __future__ import annotations
 
 import enum
-import time
 
 from lmpool.engine.hashing import chain_hashes
 from lmpool.sampling_params import SamplingParams
@@ -53,7 +52,6 @@ class Sequence:
         self.admitted = False
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
-        self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
 
     def __len__(self) -> int:
@@ -70,10 +68,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def block_tokens(self, index: int) -> list[int]:
         return self.token_ids[index * self.block_size : (index + 1) * self.block_size]

@@ -276,7 +276,8 @@ def test_mirrors_a_worker_block_manager_through_its_deltas():
     prompts = [list(range(10)), list(range(8)) + [50, 51, 52], [7] * 14, list(range(12)), [9] * 21]
     for i, prompt in enumerate(prompts):
         seq = Sequence(f"s{i}", prompt, params, BLOCK)
-        hit, need = bm.blocks_to_admit(seq, len(prompt) - len(bm.match_prefix(seq)) * BLOCK)
+        hit = bm.match_prefix(seq)
+        need = bm.blocks_needed(len(prompt)) - len(hit)
         assert bm.can_admit(hit, need)
         bm.admit(seq, hit)
         bm.grow(seq, len(prompt))
