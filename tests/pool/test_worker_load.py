@@ -1,0 +1,33 @@
+"""What a worker reports of its queue: ``new_prefill_tokens`` (Dynamo's prefill term) counts a
+queued prompt less the prefix its rank cached when it arrived; ``waiting_prefill_tokens`` counts
+every uncomputed prompt token."""
+
+from __future__ import annotations
+
+from lmpool.config.pool import PoolConfig
+from lmpool.engine.core import EngineCore
+from lmpool.protocol import AddRequest
+from lmpool.protocol.spec import WorkerSpec
+from lmpool.sampling_params import SamplingParams
+from lmpool.worker.main import Worker
+
+BLOCK = 8
+
+
+def test_queued_prompts_count_only_what_their_rank_must_compute(tiny_model):
+    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=1)
+    spec = WorkerSpec(rank=0, epoch=1, engine_end="unused", control_end="unused", pool=pool)
+    core = EngineCore(pool.engine_of(0))
+    worker = Worker(spec, core, engine=None)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    shared = list(range(1, 4 * BLOCK + 1))
+    worker.handle(AddRequest("first", shared + [99], params))
+    while core.has_unfinished():  # the first request caches the shared prefix's four blocks
+        core.step()
+    core.step()  # an overlapped engine reads back its last step one call later
+    worker.handle(AddRequest("hit", shared + [5, 6, 7], params))  # four cached blocks + 3 tokens
+    worker.handle(AddRequest("cold", [500 + i for i in range(2 * BLOCK)], params))
+    load = worker.load()
+    assert load.num_waiting == 2
+    assert load.waiting_prefill_tokens == (4 * BLOCK + 3) + 2 * BLOCK
+    assert load.new_prefill_tokens == 3 + 2 * BLOCK
