@@ -1,33 +1,14 @@
-"""Asyncio channel of typed msgspec messages over one end of a link.
+"""Asyncio channel of typed msgspec messages over one end of a link: ``send`` appends one
+msgpack frame, waiting while the ring is full; ``recv`` returns the next message decoded as the
+channel's type. A side with nothing to do spins briefly, then parks on a helper thread's
+semaphore wait (docs/ARCHITECTURE.md, "IPC").
 
-``send`` encodes with msgspec msgpack and appends one frame, waiting while the ring is
-full (backpressure); ``recv`` returns the next message decoded as the channel's type
-(typically a tagged union of ``msgspec.Struct``s). Messages arrive in order, each once.
-
-Waiting without burning a core. A side with nothing to do first spins for ``spin_us``,
-re-checking the ring between rounds of the event loop (``await asyncio.sleep(0)``, so
-other tasks keep running) and yielding the CPU (``sched_yield``, so that on a busy
-2-core machine the spin does not keep the peer, or the thread that would wake it, off
-the core). While traffic flows the next frame almost always lands within that window and
-costs no system call beyond the yield. Then it parks: it declares itself asleep in the
-ring header (see ``ring``) and awaits a future that a helper thread completes through
-``call_soon_threadsafe`` when the peer posts this end's semaphore. A blocking semaphore
-wait cannot run on the event loop thread, and the alternative, polling with a growing
-timer backoff, trades idle CPU against wake-up latency; the helper thread gives both:
-it sleeps in ``sem_wait`` (GIL released) and costs nothing while idle. The default spin
-outlasts a semaphore wake-up (60-90 us on a 2-core machine), so that one side's late
-wake-up does not push the other past its own spin: a cascade that would make every
-later message pay for a wake-up too.
-
-Failure. While parked, the end wakes every ``liveness_interval`` seconds to check its
-peer: a peer that exited (pid gone or a zombie), closed its end, or (with
-``heartbeat_timeout``) stopped beating makes ``recv`` and ``send`` raise instead of
-waiting forever. Frames the peer published before it went away are still delivered
-first. Those are ``LinkError``s. A message's own failure is a ``MessageError`` and
-leaves the link working: a frame that does not decode raises ``DecodeError`` from that
-``recv``, is counted in ``stats.decode_errors``, and the next ``recv`` returns the next
-message; a message larger than the ring raises ``MessageTooLargeError`` from ``send``
-(naming its size and the limit) before anything is written.
+Invariants: messages arrive in order, each once. A peer that exited, closed its end, or (with
+``heartbeat_timeout``) stopped beating makes ``recv``/``send`` raise a ``LinkError`` instead of
+waiting forever; frames it published before are delivered first. A message's own failure is a
+``MessageError`` and leaves the link working: an undecodable frame raises ``DecodeError`` from
+that ``recv`` (counted in ``stats.decode_errors``); a message larger than the ring raises
+``MessageTooLargeError`` from ``send`` before anything is written.
 """
 
 import asyncio

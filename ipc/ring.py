@@ -1,36 +1,12 @@
-"""One single-producer/single-consumer ring of frames laid out in a shared buffer.
-
-Layout: four 64-byte cache lines of native-endian u64 words, then the data region.
-
-    line 0, fixed at creation:  magic, format version, capacity, owner pid
-    line 1, stored per message by the producer:  tail
-    line 2, stored per message by the consumer:  head
-    line 3, stored rarely:      producer_wait, consumer_wait, producer_pid, consumer_pid,
-                                producer_beat_ns, producer_closed, consumer_closed
-    data:                       ``capacity`` bytes of frames (see ``frames``)
-
-Each side stores one line per message and the words it reads on every message (the
-other side's index, the wait flags) sit on lines that change only when the other side
-makes progress or goes to sleep. Each side also keeps the last value it read of the
-other's index and re-reads it only when that value no longer lets it proceed, so a
-flowing stream moves few cache lines between the two cores.
+"""One single-producer/single-consumer ring of frames laid out in a shared buffer: four 64-byte
+header lines (fixed: magic, version, capacity, owner pid; the producer's ``tail``; the consumer's
+``head``; wait flags, pids, heartbeat, closed flags), then ``capacity`` bytes of frames. Why this
+layout and how wakeups are never lost: docs/ARCHITECTURE.md, "IPC".
 
 Invariants: only the producer stores ``tail`` and only the consumer stores ``head``;
-``0 <= tail - head <= capacity``; both are multiples of ``ALIGN``; ``[head, tail)`` holds
-complete frames.
-
-Wakeups. A side that finds nothing to do sleeps on a semaphore (owned by ``Endpoint``),
-but only after declaring it in the header, so that the other side posts only to a
-sleeper and a flowing stream costs no system calls:
-
-- the consumer stores ``consumer_wait = 1``, fences, and re-reads ``tail``; it sleeps only
-  if the ring is still empty. The producer, after publishing ``tail``, fences and reads
-  ``consumer_wait``; if set it clears it and posts. Because each side fences between its
-  own store and its load of the other's word, at least one of them sees the other's
-  store: either the consumer sees the new frame or the producer sees the flag. No
-  wakeup is lost. (A stale post only causes one spurious wake, which re-checks.)
-- symmetrically the producer stores ``producer_wait = n`` (the free bytes it needs) and
-  the consumer, after publishing ``head``, posts once that much is free.
+``0 <= tail - head <= capacity``; both are multiples of ``ALIGN``; ``[head, tail)`` holds complete
+frames; a side sleeps only after declaring it and re-checking the other's index behind a fence,
+and the other side posts only to a declared sleeper.
 """
 
 import threading

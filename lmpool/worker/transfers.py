@@ -1,48 +1,21 @@
-"""A worker's transfer executor: carries out the control plane's transfer orders.
-
-Block bookkeeping is the ``TransferParticipant``'s (pins, reservations, publish,
-finalize, abort); this module adds the bytes, over the data path the topology gives
-each peer:
-
-- **pull** (CUDA replicas that can address each other's memory: one GPU, or GPUs with
-  peer access such as NVLink): the destination copies the source's pinned blocks
-  straight out of the source's mapped cache into its reserved blocks, one kernel
-  (``CudaIpcTransport.pull``). The source does nothing at execute time.
-- **packed** (CPU replicas over gloo; CUDA replicas on GPUs without peer access, or on any
-  two GPUs with ``gpu_transfer_path="nccl"``, over NCCL): the
-  source packs its blocks into ``[layers, 2, B, block_size, kv_heads, head_dim]`` payloads
-  cut along layers (``lmpool.dataplane.chunked``: packing, the wire and unpacking overlap);
-  the destination receives each chunk into a buffer and only then scatters it into its
-  reserved blocks.
-
-Setting up a pair: the control plane sends both ends ``Connect(peer, session)``. CPU replicas connect gloo. A CUDA replica answers with its
-``CudaIpcExport`` for that peer, which the control plane relays; on receiving the peer's
-export each end picks the path from the two devices (``kind_for_devices``: both ends see
-the same pair, so they pick the same) and maps the export (pull) or connects NCCL under
-the pair's session (packed).
+"""A worker's transfer executor: carries out the control plane's transfer orders. Block
+bookkeeping is the ``TransferParticipant``'s; this module adds the bytes, over the data path the
+pair's devices give it: a pull through CUDA IPC, or packed layer chunks over gloo or NCCL
+(docs/ARCHITECTURE.md, "Data paths"). ``Connect`` sets a pair up (on CUDA through exports the
+control plane relays); ``progress()`` polls operations between engine steps, so the step loop
+never waits for bytes.
 
 Invariants:
-- a source acknowledges ``prepare`` only once every GPU write issued before it has
-  completed (its stream is idle, or an event recorded then has fired), so a pull never
-  reads a block still being written and needs no event across processes.
-- a source holds its pins from prepare until finalize or abort. A destination
-  acknowledges a pull only after its copy has completed while the source was alive, and
-  the control plane publishes, then finalizes, only after that acknowledgement: a move
-  frees the source's blocks only once the copy is done.
-- a destination copies on its compute stream: an abort frees the reserved blocks at once
-  and any later use of them is stream-ordered after the copy.
-- every plan order is answered once, with its phase's success struct or ``PhaseFailed``,
-  except ``AbortPlan``; ``Connect`` is answered (on CUDA) by an export; an order for a plan this worker no longer knows (aborted, expired) is
-  answered as failed and changes nothing. Bytes that arrive after their plan was aborted
-  are dropped without touching the cache.
-
-Transport operations complete on their own threads or on the GPU; ``progress()`` polls
-them between engine steps, so the step loop never waits for bytes.
-
-Tests break plans at exact points through ``lmpool.dataplane.faults`` (before an order is
-acted on, after it, or while its bytes are in flight), and with ``LMPOOL_CHECK_INVARIANTS=1``
-the executor checks the block manager's invariants, open plans' pins included, after
-every poll that handled something: a violation raises and so kills the worker loudly.
+- a source answers ``prepare`` only once every GPU write issued before it has completed, so a
+  pull never reads a block still being written; it holds its pins until finalize or abort.
+- a destination answers a pull only after its copy completed while the source was alive; it
+  copies on its compute stream, so blocks an abort frees are reused only after the copy.
+- every plan order is answered once, with its phase's success struct or ``PhaseFailed``, except
+  ``AbortPlan``; an order for a plan this worker no longer knows fails and changes nothing;
+  bytes that arrive after their plan was aborted are dropped.
+- with ``LMPOOL_CHECK_INVARIANTS=1`` the block manager's invariants, open plans' pins included,
+  are checked after every poll that handled something (tests break plans at exact points
+  through ``lmpool.dataplane.faults``).
 """
 
 from __future__ import annotations
