@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
-from lmpool.control.main import ControlPlane
+from lmpool.control.build import build_control_plane
+from lmpool.control.plane import ControlPlane
 from lmpool.protocol import LoadReport, ResyncRequest, RouteQuery, WorkerDelta, WorkerSnapshot
 from lmpool.config.pool import PoolConfig
 from lmpool.protocol.spec import ControlSpec
@@ -36,7 +37,7 @@ def stored(h: int, parent: int, block_id: int) -> BlockStored:
 def control() -> ControlPlane:
     spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=4),
                        engine_end="unused", worker_ends=["unused", "unused"])
-    return ControlPlane(spec)
+    return build_control_plane(spec)
 
 
 LOAD = LoadReport(blocks_free=10)

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
-from lmpool.control.main import ControlPlane
+from lmpool.control.build import build_control_plane
 from lmpool.protocol import (
     LoadReport,
     PhaseFailed,
@@ -66,7 +66,7 @@ async def transfer(source_answer, chain: list[int] = CHAIN,
                    phase_timeout_s: float | None = None) -> tuple[object, list[TransferOrder | WorkerQuery]]:
     spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=4),
                        engine_end="unused", worker_ends=["unused", "unused"])
-    plane = ControlPlane(spec)
+    plane = build_control_plane(spec)
     if phase_timeout_s is not None:
         plane.coordinator.phase_timeout_s = phase_timeout_s
     workers = [ScriptedWorker(0, source_answer), ScriptedWorker(1, lambda order: refuse_plans(1, order))]

@@ -55,13 +55,7 @@ class TransferPolicies:
         self.send = send
         self.background = transfer.background_placement
         self.foreground = transfer.foreground_release
-        kv_bytes = max(1, spec.kv_bytes_per_block)
-        if cfg.transfer_profile is not None:
-            self.cost_model = TransferCostModel.from_profile(cfg.transfer_profile, kv_bytes)
-        else:
-            fixed_s, bytes_per_s = UNCALIBRATED_LINK["cuda" if spec.pool.device == "cuda" else "cpu"]
-            self.cost_model = TransferCostModel.uncalibrated(kv_bytes, fixed_s, bytes_per_s)
-        coordinator.cost_model = self.cost_model  # completed plans correct the estimates
+        self.cost_model = coordinator.cost_model  # completed plans correct the estimates
         policy = AdmissionPolicy(
             prefill_s_per_token=cfg.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN,
             block_size=spec.pool.engine.block_size, discount=cfg.reuse_discount, margin=cfg.admission_margin,

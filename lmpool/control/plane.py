@@ -1,0 +1,415 @@
+"""The control process's state and tasks on its one uvloop event loop: workers' reports applied
+to the page table, the frontend's requests served (routes, stats, explicit transfers,
+questions to a worker), transfer plans run, heartbeats sent, the pool-state board published.
+
+Invariants: every state change runs as a callback of the one loop, so the page table, router
+and coordinator need no locks; KV bytes never pass through; a gap in a worker's deltas is
+answered with one ``ResyncRequest`` and stale reports are rejected and counted; a question to a
+rank that dies is answered with an error; the process exits when the frontend's link ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import random
+import time
+
+import numpy as np
+
+from lmpool.control.page_table.manager import GlobalBlockManager, StaleUpdateError
+from lmpool.control.routing.router import Router
+from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
+from lmpool.control.transfers.policies import TransferPolicies
+from lmpool.engine.hashing import ROOT_HASH, short
+from lmpool.protocol import (
+    BlockDigests,
+    Connect,
+    ControlStats,
+    CudaIpcExport,
+    DigestQuery,
+    DigestsReply,
+    FrontendToControl,
+    Heartbeat,
+    PlanAnswer,
+    PlanState,
+    QueryAnswer,
+    RankDown,
+    RankUp,
+    ResyncRequest,
+    RouteQuery,
+    ShortageReport,
+    StatsQuery,
+    SyncQuery,
+    TransferChain,
+    TransferResult,
+    WaitRanks,
+    WorkerDelta,
+    WorkerQuery,
+    WorkerSnapshot,
+    WorkerToControl,
+)
+from lmpool.protocol.spec import ControlSpec
+from lmpool.protocol.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
+from lmpool.control.kv_events import pool_events as kv_pool_events
+from lmpool_ipc import Channel, DecodeError, IpcError, Responder
+
+ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
+QUERY_TIMEOUT_S = 30.0  # a live worker answers at its next step boundary; a digest hashes blocks
+log = logging.getLogger("lmpool.control")
+
+
+class RankGoneError(RuntimeError):
+    """A worker went down, or fell silent, before answering a question (``ControlPlane.ask``)."""
+
+
+class Outbox(dict):
+    """Per live rank, the queue of messages its sender task delivers (``rank -> asyncio.Queue``)."""
+
+    def send(self, rank: int, message) -> None:
+        """Queue a message for the rank's sender task (dropped for a rank that is gone)."""
+        queue = self.get(rank)
+        if queue is not None:
+            queue.put_nowait(message)
+
+
+class ControlPlane:
+    """The control process's state and tasks; built by ``lmpool.control.build``."""
+
+    def __init__(self, spec: ControlSpec, gbm: GlobalBlockManager, router: Router, coordinator: TransferCoordinator,
+                 policies: TransferPolicies, outbox: Outbox) -> None:
+        self.spec = spec
+        self.gbm = gbm
+        self.scheduler = router
+        self.coordinator = coordinator
+        self.policies = policies
+        self.outbox = outbox
+        self.workers: dict[int, Channel] = {}
+        self.resync_pending: set[int] = set()
+        # Set once a rank's first snapshot is applied, or once it is known dead.
+        self.known = [asyncio.Event() for _ in range(spec.pool.world_size)]
+        self.plan_waiters: dict[int, asyncio.Future] = {}
+        # Questions to one worker (``WorkerQuery``): (rank, waiter) by the id they carry.
+        self.worker_queries: dict[int, tuple[int, asyncio.Future]] = {}
+        self._query_ids = 0
+        self.route_us = np.zeros(ROUTE_SAMPLES)
+        self.route_queries = 0
+        self.resyncs = 0
+        self.stale_rejected = 0
+        self.published = 0
+        # Tests: check the page table's invariants after every transfer ack, and every
+        # routing decision against it (``verify``).
+        self.check = os.environ.get("LMPOOL_CHECK_INVARIANTS") == "1"
+        self.kv_events = kv_pool_events.NO_KV_EVENTS  # vLLM-format events, when configured (run)
+
+    # ---- workers -----------------------------------------------------------------
+
+    async def read_worker(self, rank: int, channel: Channel) -> None:
+        try:
+            while True:
+                try:
+                    msg = await channel.recv()
+                except DecodeError:  # that message's failure, not the rank's: counted in stats
+                    continue
+                if isinstance(msg, PlanAnswer):
+                    self.on_plan_answer(msg)
+                    continue
+                if isinstance(msg, QueryAnswer):
+                    self.on_query_answer(msg)
+                    continue
+                if isinstance(msg, ShortageReport):
+                    self.policies.on_shortage(msg)
+                    continue
+                if isinstance(msg, CudaIpcExport):
+                    if 0 <= msg.peer < self.spec.pool.world_size and msg.peer != rank:
+                        self.send_to(msg.peer, msg)  # relayed unopened to the one peer it serves
+                    continue
+                try:
+                    gap = self.apply(msg)
+                except StaleUpdateError:
+                    self.stale_rejected += 1
+                    continue
+                except ValueError:
+                    # A report the page table cannot take (a worker's bug) must not end this
+                    # reader, which would leave the rank routable on a view that never
+                    # changes again: its snapshot replaces whatever was applied of it.
+                    log.exception("rank %d sent a report that cannot be applied; asking for a snapshot", rank)
+                    gap = True
+                if self.check:
+                    self.verify(self.gbm.check_invariants)
+                if isinstance(msg, WorkerSnapshot):
+                    self.resync_pending.discard(rank)
+                    self.known[rank].set()
+                elif gap and rank not in self.resync_pending:  # ask once per gap
+                    self.resync_pending.add(rank)
+                    self.resyncs += 1
+                    await channel.send(ResyncRequest(rank))
+        except IpcError:
+            self.kv_events.rank_down(rank)
+            self.coordinator.rank_died(rank)
+            self.scheduler.rank_down(rank)
+            self.workers.pop(rank, None)
+            self.outbox.pop(rank, None)  # orders for a dead rank have nowhere to go
+            self.known[rank].set()
+            for asked, waiter in self.worker_queries.values():
+                if asked == rank and not waiter.done():
+                    waiter.set_exception(RankGoneError(f"rank {rank} went down before it answered"))
+
+    def apply(self, msg: WorkerToControl) -> bool:
+        """Apply one worker report; True when a gap means the rank must resend a snapshot."""
+        if isinstance(msg, WorkerSnapshot):
+            self.gbm.register_rank(msg.rank, msg.epoch, msg.num_blocks)
+            self.gbm.apply_snapshot(msg.rank, msg.epoch, msg.snapshot)
+            self.gbm.update_load(msg.rank, msg.epoch, msg.load)
+            self.kv_events.snapshot(msg.rank, msg.snapshot)
+            return False
+        if isinstance(msg, WorkerDelta):
+            applied = self.gbm.apply_delta(msg.rank, msg.epoch, msg.delta)
+            if applied:
+                self.kv_events.delta(msg.rank, msg.delta)
+            self.gbm.update_load(msg.rank, msg.epoch, msg.load)
+            return not applied
+        if msg.load is not None:
+            self.gbm.update_load(msg.rank, msg.epoch, msg.load)
+        else:
+            self.gbm.heartbeat(msg.rank, msg.epoch)
+        return False
+
+    # ---- transfers ---------------------------------------------------------------------
+
+    def send_to(self, rank: int, message) -> None:
+        self.outbox.send(rank, message)
+
+    async def send_orders(self, rank: int, channel: Channel) -> None:
+        queue = self.outbox[rank]
+        while True:
+            order = await queue.get()
+            try:
+                await channel.send(order)
+            except IpcError:
+                return  # the reader sees the death and aborts the rank's plans
+
+    def verify(self, check, *args) -> None:
+        """Run an invariant check (``LMPOOL_CHECK_INVARIANTS=1``); a violation ends this process
+        at once, loudly, so that no test can miss it (the engine counts a control restart)."""
+        try:
+            check(*args)
+        except AssertionError as e:
+            log.critical("control-plane invariant violated: %s", e, exc_info=True)
+            logging.shutdown()
+            os._exit(70)
+
+    def on_query_answer(self, answer: QueryAnswer) -> None:
+        rank, waiter = self.worker_queries.get(answer.query_id, (None, None))
+        if rank == answer.rank and not waiter.done():  # ``ask`` forgets the question
+            waiter.set_result(answer)
+
+    def on_plan_answer(self, ack: PlanAnswer) -> None:
+        self.coordinator.on_ack(ack)
+        if self.check:
+            self.verify(self.gbm.check_invariants)
+
+    def plan_ended(self, plan: Plan) -> None:
+        """The coordinator ended a plan: tell the policies and whoever asked for it."""
+        self.policies.plan_ended(plan)
+        waiter = self.plan_waiters.pop(plan.plan_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(TransferResult(plan.plan_id, plan.state.value, plan.abort_reason,
+                                             self.coordinator.clock() - plan.started))
+
+    async def transfer_chain(self, request: TransferChain) -> TransferResult:
+        for rank in (request.src, request.dst):
+            if rank not in self.outbox:
+                raise ValueError(f"rank {rank} is not a live rank of this pool")
+        if request.src == request.dst:
+            raise ValueError(f"a transfer needs two ranks, got {request.src} twice")
+        if not request.block_hashes:
+            raise ValueError(f"nothing to transfer: the prompt holds no complete block of {self.spec.pool.engine.block_size} tokens")
+        generations, missing = self._generations(request.src, request.block_hashes)
+        if missing is not None:
+            # The caller may have seen the request that cached these blocks finish before
+            # the source's delta announcing them reached this process: once the source has
+            # answered a round trip, every delta it sent before is applied.
+            try:
+                await self.ask(request.src, SyncQuery, timeout_s=self.coordinator.phase_timeout_s)
+            except RankGoneError as e:
+                return TransferResult(0, PlanState.ABORTED.value, str(e))
+            generations, missing = self._generations(request.src, request.block_hashes)
+        if missing is not None:
+            return TransferResult(0, PlanState.ABORTED.value, f"rank {request.src} does not hold block {short(missing)}")
+        parents = [ROOT_HASH] + request.block_hashes[:-1]
+        plan = self.coordinator.start(request.src, request.dst, request.block_hashes, generations, parents,
+                                      move=request.move)
+        waiter = asyncio.get_running_loop().create_future()
+        self.plan_waiters[plan.plan_id] = waiter
+        return await waiter
+
+    def _generations(self, rank: int, block_hashes: list[int]) -> tuple[list[int], int | None]:
+        """The generation of each block at ``rank`` up to the first hash it does not hold
+        ready, and that hash (None: it holds them all)."""
+        generations = []
+        for h in block_hashes:
+            entry = next((e for e in self.gbm.entries(h) if e.rank == rank and e.ready), None)
+            if entry is None:
+                return generations, h
+            generations.append(entry.generation)
+        return generations, None
+
+    async def ask(self, rank: int, query: type[WorkerQuery], *args, timeout_s: float = QUERY_TIMEOUT_S) -> QueryAnswer:
+        """Ask ``rank`` a question (``query(query_id, *args)``); its answer. The answer follows
+        on the worker's one FIFO link everything it sent before taking the question."""
+        outbox = self.outbox.get(rank)
+        if outbox is None:
+            raise RankGoneError(f"rank {rank} is not a live rank of this pool")
+        self._query_ids += 1
+        query_id = self._query_ids
+        waiter = asyncio.get_running_loop().create_future()
+        self.worker_queries[query_id] = (rank, waiter)
+        outbox.put_nowait(query(query_id, *args))
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            raise RankGoneError(f"rank {rank} did not answer a {query.kind!r} within {timeout_s}s") from None
+        finally:
+            self.worker_queries.pop(query_id, None)
+
+    async def block_digests(self, request: BlockDigests) -> DigestsReply:
+        if request.rank not in self.outbox:
+            raise ValueError(f"rank {request.rank} is not a live rank of this pool")
+        answer = await self.ask(request.rank, DigestQuery, request.block_hashes)
+        return DigestsReply(answer.digests)
+
+    async def watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            self.coordinator.tick()
+
+    async def place(self) -> None:
+        """Background placement: one bounded, synchronous pass per interval."""
+        while True:
+            await asyncio.sleep(self.spec.pool.transfer.transfer_policy.interval_s)
+            try:
+                self.policies.tick()
+            except Exception:  # a bug in a policy must not end placement, nor the control plane
+                log.exception("background placement tick failed")
+
+    def connect_pairs(self) -> None:
+        """Open the data path of every pair of live workers under fresh sessions."""
+        ranks = sorted(self.workers)
+        for i, a in enumerate(ranks):
+            for b in ranks[i + 1 :]:
+                session = random.getrandbits(62)
+                self.outbox[a].put_nowait(Connect(b, session))
+                self.outbox[b].put_nowait(Connect(a, session))
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.pool.heartbeat_interval)
+            for rank, channel in list(self.workers.items()):
+                try:
+                    await channel.send(Heartbeat(rank, 0))
+                except IpcError:
+                    pass  # its reader sees the failure and marks the rank dead
+
+    # ---- engine requests -------------------------------------------------------------
+
+    async def handle(self, request: FrontendToControl):
+        if isinstance(request, RouteQuery):
+            start = time.perf_counter_ns()
+            decision = self.scheduler.route_sequence_meta(request)
+            self.route_us[self.route_queries % ROUTE_SAMPLES] = (time.perf_counter_ns() - start) / 1e3
+            if self.check:
+                self.verify(self.gbm.check_route, request.block_hashes, decision.rank, decision.matched_blocks)
+            self.route_queries += 1
+            self.policies.observe_route(request)
+            return decision
+        if isinstance(request, RankDown):
+            self.scheduler.rank_down(request.rank)
+            self.known[request.rank].set()
+            return None
+        if isinstance(request, WaitRanks):
+            await asyncio.gather(*(self.known[r].wait() for r in request.ranks))
+            return None
+        if isinstance(request, RankUp):
+            self.gbm.rank_up(request.rank, request.epoch)
+            return None
+        if isinstance(request, StatsQuery):
+            return self.stats()
+        if isinstance(request, TransferChain):
+            return await self.transfer_chain(request)
+        if isinstance(request, BlockDigests):
+            return await self.block_digests(request)
+        raise ValueError(f"unexpected request {type(request).__name__}")
+
+    def stats(self) -> ControlStats:
+        n = min(self.route_queries, ROUTE_SAMPLES)
+        samples = self.route_us[:n]
+        return ControlStats(
+            pid=os.getpid(),
+            ranks=[self.gbm.rank_state(r) for r in range(self.spec.pool.world_size)],
+            route_queries=self.route_queries,
+            route_p50_us=float(np.percentile(samples, 50)) if n else 0.0,
+            route_p99_us=float(np.percentile(samples, 99)) if n else 0.0,
+            resyncs=self.resyncs,
+            stale_rejected=self.stale_rejected,
+            transfers=self.policies.stats(),
+        )
+
+    def pool_state(self) -> PoolState:
+        stats = self.stats()
+        self.published += 1
+        return PoolState(
+            pool_id=self.spec.pool_id, owner_pid=self.spec.owner_pid, control_pid=stats.pid,
+            started_at=self.spec.started_at, published=self.published, published_at=time.time(),
+            monotonic=time.monotonic(), world_size=self.spec.pool.world_size,
+            route_queries=stats.route_queries, route_p50_us=stats.route_p50_us,
+            route_p99_us=stats.route_p99_us, transfers_committed=stats.transfers.plans_committed,
+            blocks_transferred=stats.transfers.blocks_copied + stats.transfers.blocks_moved,
+            ranks=[
+                RankRow.from_state(s, self.spec.worker_pids[s.rank], len(self.gbm.ranks[s.rank].in_flight))
+                for s in stats.ranks
+            ],
+        )
+
+    async def publish_state(self) -> None:
+        with StateBoardWriter(self.spec.board) as board:
+            while True:
+                board.publish(self.pool_state())
+                await asyncio.sleep(PUBLISH_INTERVAL_S)
+
+    async def run(self) -> None:
+        # Everything imported so far lives as long as the process: keep it out of the
+        # collector, whose full passes over torch's objects would stall routing for ~0.1 s.
+        gc.freeze()
+        self.kv_events = kv_pool_events.from_env(self.spec.pool.engine.block_size)
+        engine = Channel(self.spec.engine_end, FrontendToControl)
+        tasks = [asyncio.create_task(self.heartbeat())]
+        if self.spec.board is not None:
+            tasks.append(asyncio.create_task(self.publish_state()))
+        for rank, end in enumerate(self.spec.worker_ends):
+            if end is None:  # down before this control process started
+                self.known[rank].set()
+                continue
+            channel = Channel(end, WorkerToControl)
+            self.workers[rank] = channel
+            self.outbox[rank] = asyncio.Queue()
+            tasks.append(asyncio.create_task(self.read_worker(rank, channel)))
+            tasks.append(asyncio.create_task(self.send_orders(rank, channel)))
+        if self.spec.transfers:
+            self.connect_pairs()
+            tasks.append(asyncio.create_task(self.watchdog()))
+            if self.policies.background:
+                tasks.append(asyncio.create_task(self.place()))
+        try:
+            await Responder(engine, FrontendToControl, self.handle).serve()
+        except IpcError:
+            pass  # the engine died: nothing left to serve
+        finally:
+            for task in tasks:
+                task.cancel()
+            for channel in self.workers.values():
+                channel.close()
+            engine.close()
+            self.kv_events.close()
