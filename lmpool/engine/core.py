@@ -26,6 +26,9 @@ Exactness of the overlapped path:
   N+1 may still write them, which is safe because every later user of a block
   runs after N+1 on the device: later steps on the same stream, KV transfers on
   streams that wait for it.
+- A sequence whose logits in step N hold NaN or inf fails as a stop token finishes
+  it: its row reads back as ``NON_FINITE`` and it ends with ``finish_reason``
+  "error" and ``StepOutput.error``, with no token; the others in the batch go on.
 - A preempted sequence may still have a pending token; it is read back in the
   same ``step`` call, before any admission could recompute the sequence.
 Greedy tokens equal the serial path's; so do a seeded request's (its generator
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 
 from lmpool.config.engine import EngineConfig
 from lmpool.engine.block_manager import BlockManager
-from lmpool.engine.model_runner import ModelRunner, PendingTokens
+from lmpool.engine.model_runner import NON_FINITE, ModelRunner, PendingTokens
 from lmpool.engine.scheduler import ScheduledBatch, Scheduler
 from lmpool.engine.sequence import Sequence, SequenceStatus
 from lmpool.engine.validation import validate_request
@@ -56,6 +59,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     seq: Sequence
+    error: str | None = None  # why the request failed (finish_reason "error", no token); the caller names it
 
 
 @dataclass(slots=True)
@@ -195,14 +199,18 @@ class EngineCore:
                 running.remove(seq)
 
     def _read_back(self, seqs: list[Sequence], tokens: list[int]) -> list[StepOutput]:
-        """Append the tokens of a finished step and apply the stop conditions. A sequence that
-        finished (a stop token, an abort) while this step ran gets nothing from it."""
+        """Append the tokens of a finished step and apply the stop conditions (a non-finite row
+        fails its request). A sequence that finished (a stop token, an abort, an error) while
+        this step ran gets nothing from it."""
         outputs = []
         append = outputs.append
         eos, max_len = self.eos_token_ids, self.max_model_len
         # Stop conditions inline: this loop runs once per sequence per step.
         for seq, token in zip(seqs, tokens):
             if seq.status is SequenceStatus.FINISHED:
+                continue
+            if token == NON_FINITE:
+                append(self._fail(seq, "the model produced non-finite logits (NaN or inf)"))
                 continue
             seq.resolve_token(token)
             params = seq.params
@@ -220,3 +228,10 @@ class EngineCore:
             del self.requests[seq.request_id]
             append(StepOutput(seq.request_id, token, True, reason, seq))
         return outputs
+
+    def _fail(self, seq: Sequence, error: str) -> StepOutput:
+        """Finish ``seq`` at once with an error of its own and free its blocks; the others go on."""
+        self.scheduler.retire(seq, "error")
+        self.runner.sampler.release(seq.request_id)
+        del self.requests[seq.request_id]
+        return StepOutput(seq.request_id, NON_FINITE, True, "error", seq, error)

@@ -194,17 +194,29 @@ class ModelRunner:
                 return PendingTokens([], None)
         if inputs.sample_rows is not None:
             hidden = hidden.index_select(0, inputs.sample_rows)
-        return PendingTokens(seqs, self.sample(hidden, seqs))
+        return PendingTokens(seqs, *self.sample_checked(hidden, seqs))
 
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Next token of each row of ``hidden`` (one per sequence of ``seqs``), left on the device."""
+        return self.sample_checked(hidden, seqs)[0]
+
+    def sample_checked(self, hidden: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample``'s tokens and, per row, whether its logits were all finite (both on the device:
+        a row's NaN or inf must fail its request, and checking costs no wait for the device)."""
         params = [s.params for s in seqs]
         if all(p.temperature == 0 for p in params):
             # Greedy rows only: argmax of the model-dtype logits equals the sampler's
             # argmax of their (exact) fp32 cast, without materialising that copy.
-            return self.model.compute_logits(hidden, fp32=False).argmax(dim=-1)
+            logits = self.model.compute_logits(hidden, fp32=False)
+            return logits.argmax(dim=-1), finite_rows(logits)
         logits = self.model.compute_logits(hidden)
-        return self.sampler.sample(logits, params, [s.request_id for s in seqs])
+        tokens = self.sampler.sample(logits, params, [s.request_id for s in seqs])
+        return tokens, finite_rows(logits)
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """True for each row of ``logits[B, vocab]`` with no NaN or inf (a bool tensor on their device)."""
+    return torch.isfinite(logits).all(dim=-1)
 
 
 def fill_pending_ids(inputs: StepInputs, previous: torch.Tensor | None) -> None:
@@ -216,6 +228,10 @@ def fill_pending_ids(inputs: StepInputs, previous: torch.Tensor | None) -> None:
     inputs.ids.index_copy_(0, rows, previous.index_select(0, sources).to(inputs.ids.dtype))
 
 
+NON_FINITE = -1
+"""The token ``PendingTokens.result`` gives a row whose logits were not all finite."""
+
+
 class PendingTokens:
     """The tokens of a launched step: ``seqs`` in batch order, read back to the host once.
 
@@ -223,11 +239,22 @@ class PendingTokens:
     event marks its end, so ``result`` waits for exactly that step (the only
     host synchronisation of a step) and never copies twice. ``device_tokens``
     stays on the device for the next step to read its pending input tokens from.
+
+    A row whose ``finite`` flag is False reads back as ``NON_FINITE``: the flag
+    rides in the one copy of the tokens instead of a second read-back. Its
+    ``device_tokens`` entry is 0, a valid input id for a next step that may
+    already compute the (doomed) sequence, whatever the argmax of NaN gave.
     """
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None) -> None:
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None,
+                 finite: torch.Tensor | None = None) -> None:
         self.seqs = seqs
-        self.device_tokens = tokens
+        if tokens is not None and finite is not None:
+            bad = ~finite
+            self.device_tokens = tokens.masked_fill(bad, 0)
+            tokens = tokens.masked_fill(bad, NON_FINITE)
+        else:
+            self.device_tokens = tokens
         self._tokens = tokens
         self._done = None
         if tokens is not None and tokens.device.type == "cuda":

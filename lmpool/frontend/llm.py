@@ -104,7 +104,10 @@ class LLM:
         prompts: Prompt | SequenceABC[Prompt],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``. Every prompt is checked before any runs."""
+        """Outputs in the order of ``prompts``. Every prompt is checked before any runs.
+
+        A request that fails while running (the model gave NaN or inf logits for it) raises
+        a ``ValueError`` naming its prompt; the call's other requests are stopped."""
         if self.engine is None:
             raise RuntimeError("this LLM was shut down: create a new one to generate again")
 
@@ -122,6 +125,9 @@ class LLM:
         try:
             while len(done) < len(request_ids):
                 for out in self.engine.step():
+                    if out.error is not None:
+                        raise ValueError(
+                            f"prompt {request_ids.index(out.request_id)} (request {out.request_id!r}): {out.error}")
                     final = self._process(states[out.request_id], out)
                     if final is not None:
                         done[out.request_id] = final
