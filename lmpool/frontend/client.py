@@ -399,7 +399,8 @@ class PoolClient:
                     req = self._by_wire.get(msg.request_id)
                     if req is not None:
                         self._forget(req)
-                        req.queue.put_nowait(ValueError(msg.error))
+                        # Refused at admission, or failed while running (non-finite logits).
+                        req.queue.put_nowait(ValueError(f"request {req.request_id!r}: {msg.error}"))
         except IpcError:
             if not self._closed:
                 await self._rank_died(rank)

@@ -264,7 +264,7 @@ class Worker:
                 await self.engine.send(reply)
             if self.stopping:
                 break
-            deltas = []
+            deltas, failed = [], []
             ran = False
             if self.core.has_unfinished():
                 start = time.perf_counter()
@@ -275,6 +275,9 @@ class Worker:
                 self.prefill.observe(self.core.last_read_back, time.perf_counter() - start)
                 for out in outputs:
                     seq = out.seq
+                    if out.error is not None:  # that request's failure: the rank serves on
+                        failed.append(RequestRejected(out.request_id, out.error))
+                        continue
                     if seq.first_token_time is None:
                         seq.first_token_time = time.monotonic()
                         self.prompt_tokens += seq.num_prompt_tokens
@@ -288,6 +291,8 @@ class Worker:
                 self.generated_tokens += len(deltas)  # one delta per new token
                 load = self.load()
                 await self.engine.send(StepOutputs(deltas, load))
+            for reply in failed:
+                await self.engine.send(reply)
             await self.publish(load)
             if self.release is not None and self.release.outbox:
                 reports, self.release.outbox = self.release.outbox, []
