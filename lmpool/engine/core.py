@@ -26,9 +26,10 @@ Exactness of the overlapped path:
   N+1 may still write them, which is safe because every later user of a block
   runs after N+1 on the device: later steps on the same stream, KV transfers on
   streams that wait for it.
-- A sequence whose logits in step N hold NaN or inf fails as a stop token finishes
-  it: its row reads back as ``NON_FINITE`` and it ends with ``finish_reason``
-  "error" and ``StepOutput.error``, with no token; the others in the batch go on.
+- A sequence whose logits in step N hold NaN or inf ends when N is read back, as a
+  stop token would end it: its row reads back as ``NON_FINITE`` and its last output
+  has ``finish_reason`` "error" and ``StepOutput.error``, with no token; the other
+  sequences of the batch go on.
 - A preempted sequence may still have a pending token; it is read back in the
   same ``step`` call, before any admission could recompute the sequence.
 Greedy tokens equal the serial path's; so do a seeded request's (its generator

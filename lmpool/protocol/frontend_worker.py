@@ -42,6 +42,9 @@ class WorkerFailed(Message, tag="failed"):
 
 
 class RequestRejected(Message, tag="rejected"):
+    """The request failed on the worker, at admission or mid-stream (non-finite logits): no
+    token of it follows, its blocks are freed; ``error`` says why."""
+
     request_id: str
     error: str
 
