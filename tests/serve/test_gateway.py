@@ -109,6 +109,9 @@ def test_gateway_in_front_of_two_hosts(hosts, expected):
     assert "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices) == expected["chat"].text
 
     # Cache-aware: once one host has served the shared prefix, the others follow it there.
+    # The counters are read once both hosts are idle: a board published while the requests
+    # above were still running would count their prompts as the prefix's.
+    wait_for(lambda: busy(servers[0]) + busy(servers[1]) == 0, "the hosts going idle")
     before = [prompt_tokens(s) for s in servers]
     for i in range(4):
         client.completions.create(model="tiny", prompt=f"{SHARED}story number {i}.", max_tokens=2)
