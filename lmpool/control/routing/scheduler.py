@@ -57,6 +57,9 @@ apply after any policy: if the prompt contains a leased chain, the lease's rank
 still holds it, is a candidate and capacity-feasible, and its projected cost
 (the LMPool terms above) is below the chosen rank's, the lease's rank gets the
 request ("lease ... over ..."); ``lease_routed`` counts these.
+
+Route-time pulls (``lmpool.control.transfers.pull``), when they run, reprice the LMPool
+policy's choice last: serve, recompute or pull the prefix first, per candidate.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class GlobalScheduler:
         self.last_held = 0  # blocks of the latest routed prompt cached on some candidate rank
         self.leases: PlacementLeases | None = None  # set when background placement runs
         self.lease_routed = 0
+        self.pulls = None  # route-time pulls (``RoutePulls``), set when they run
         self.pending: PendingPrefixes | None = None  # the LMPool policy's blocks routed, not yet reported
         if policy == "lmpool" and self.config.pending_ttl_s > 0:
             self.pending = PendingPrefixes(gbm.world_size, self.config.pending_ttl_s, gbm.clock)
@@ -146,6 +150,8 @@ class GlobalScheduler:
         rank, reason = self._route(query, ranks, expected, seed_rank)
         if self.leases:
             rank, reason = self._steer(query, candidates, lengths, expected, seed_rank, rank, reason)
+        if self.pulls is not None and self.policy == "lmpool":  # lmpool.control.transfers.pull
+            rank, reason, expected = self.pulls.reprice(query, self.last_costs, lengths, expected, rank, reason)
         self._reserve(query, rank, expected[rank])
         if self.pending is not None:
             self.pending.add(rank, query.block_hashes[lengths[rank]:])
