@@ -55,11 +55,15 @@ class TransferConfig(msgspec.Struct, kw_only=True):
 
     @property
     def foreground_release(self) -> bool:
-        return self.transfer_mode in ("foreground", "both")
+        return self.transfer_mode in ("foreground", "both", "all")
 
     @property
     def background_placement(self) -> bool:
-        return self.transfer_mode in ("background", "both")
+        return self.transfer_mode in ("background", "both", "all")
+
+    @property
+    def route_pulls(self) -> bool:
+        return self.transfer_mode in ("pull", "all")
 
 
 class PoolConfig(msgspec.Struct, kw_only=True):

@@ -17,7 +17,9 @@ With transfers enabled it runs transfer plans (``TransferCoordinator``): those t
 engine asks for (``TransferChain``) and, per ``transfer_mode``, those of the
 automatic policies (``lmpool.control.transfers.policies``): a background placement
 task every ``transfer_policy.interval_s``, and a foreground move for each
-worker's ``ShortageReport``. Neither ever makes routing wait. It can also ask one worker a
+worker's ``ShortageReport``. Neither ever makes routing wait. With route-time pulls
+(``lmpool.control.transfers.pull``) a route may open a copy plan for the request's prefix; the
+route's reply then waits until that copy has landed or aborted, never the routing of others. It can also ask one worker a
 question (``ask``): the digest of cached blocks, or a barrier after which every report the
 worker sent before it is applied, which an explicit transfer uses when the page table does
 not show the source's blocks yet. A question to a rank that dies is answered with an error.
@@ -59,6 +61,7 @@ from lmpool.protocol import (
     RankDown,
     RankUp,
     ResyncRequest,
+    RouteDecision,
     RouteQuery,
     ShortageReport,
     StatsQuery,
@@ -102,10 +105,14 @@ class ControlPlane:
         # Set once a rank's first snapshot is applied, or once it is known dead.
         self.known = [asyncio.Event() for _ in range(pool.world_size)]
         self.coordinator = TransferCoordinator(
-            self.gbm, self.send_to, on_end=self._plan_ended, first_plan_id=random.getrandbits(48)
+            self.gbm, self.send_to, on_end=self._plan_ended, first_plan_id=random.getrandbits(48),
+            on_published=self._plan_published,
         )
         self.outbox: dict[int, asyncio.Queue] = {}
-        self.policies = TransferPolicies(spec, self.gbm, self.scheduler, self.coordinator, self.send_to)
+        self.policies = TransferPolicies(spec, self.gbm, self.scheduler, self.coordinator, self.send_to,
+                                         on_pull_resolved=self._pull_resolved)
+        # Route replies held until the pull their request waits on has landed or aborted.
+        self.pull_waiters: dict[str, asyncio.Future] = {}
         self.plan_waiters: dict[int, asyncio.Future] = {}
         # Questions to one worker (``WorkerQuery``): (rank, waiter) by the id they carry.
         self.worker_queries: dict[int, tuple[int, asyncio.Future]] = {}
@@ -221,6 +228,16 @@ class ControlPlane:
         self.coordinator.on_ack(ack)
         if self.check:
             self.verify(self.gbm.check_invariants)
+            if self.policies.pulls is not None:
+                self.verify(self.policies.pulls.check_invariants)
+
+    def _plan_published(self, plan: Plan) -> None:
+        self.policies.plan_published(plan)
+
+    def _pull_resolved(self, request_id: str, outcome: str) -> None:
+        waiter = self.pull_waiters.pop(request_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(outcome)
 
     def _plan_ended(self, plan: Plan) -> None:
         self.policies.plan_ended(plan)
@@ -327,14 +344,7 @@ class ControlPlane:
 
     async def handle(self, request: FrontendToControl):
         if isinstance(request, RouteQuery):
-            start = time.perf_counter_ns()
-            decision = self.scheduler.route_sequence_meta(request)
-            self.route_us[self.route_queries % ROUTE_SAMPLES] = (time.perf_counter_ns() - start) / 1e3
-            if self.check:
-                self.verify(self.gbm.check_route, request.block_hashes, decision.rank, decision.matched_blocks)
-            self.route_queries += 1
-            self.policies.observe_route(request)
-            return decision
+            return await self.route(request)
         if isinstance(request, RankDown):
             self.scheduler.rank_down(request.rank)
             self.known[request.rank].set()
@@ -352,6 +362,34 @@ class ControlPlane:
         if isinstance(request, BlockDigests):
             return await self.block_digests(request)
         raise ValueError(f"unexpected request {type(request).__name__}")
+
+    def route_once(self, request: RouteQuery) -> RouteDecision:
+        start = time.perf_counter_ns()
+        decision = self.scheduler.route_sequence_meta(request)
+        self.route_us[self.route_queries % ROUTE_SAMPLES] = (time.perf_counter_ns() - start) / 1e3
+        if self.check:
+            self.verify(self.gbm.check_route, request.block_hashes, decision.rank, decision.matched_blocks)
+        self.route_queries += 1
+        self.policies.observe_route(request)
+        return decision
+
+    async def route(self, request: RouteQuery) -> RouteDecision:
+        """Route a request; one that waits on a route-time pull is answered once the pull has
+        landed (its blocks are published on its rank) or aborted (it recomputes there). A
+        destination that died meanwhile is routed around."""
+        pulls = self.policies.pulls
+        while True:
+            decision = self.route_once(request)
+            if pulls is None or request.request_id not in pulls.waiting:
+                return decision
+            waiter = asyncio.get_running_loop().create_future()
+            self.pull_waiters[request.request_id] = waiter
+            if self.check:
+                self.verify(pulls.check_invariants)
+            outcome = await waiter
+            decision = RouteDecision(decision.rank, decision.matched_blocks, f"{decision.reason}; pull {outcome}")
+            if self.gbm.ranks[decision.rank].alive or not self.gbm.alive_mask:
+                return decision
 
     def stats(self) -> ControlStats:
         n = min(self.route_queries, ROUTE_SAMPLES)

@@ -65,7 +65,7 @@ class Plan:
     abort_reason: str = ""
     marked: list[int] = field(default_factory=list)  # hashes marked in flight on the destination
     keep: int = 0  # a move frees none of its first ``keep`` blocks (ancestors copied along)
-    kind: str = "explicit"  # who asked: "explicit" (the API), "background" or "foreground"
+    kind: str = "explicit"  # who asked: "explicit" (the API), "background", "foreground" or "pull"
 
     @property
     def num_moved(self) -> int:
@@ -83,9 +83,13 @@ class TransferCoordinator:
         clock: Callable[[], float] = time.monotonic,
         on_end: Callable[[Plan], None] | None = None,
         first_plan_id: int = 1,
+        on_published: Callable[[Plan], None] | None = None,
     ) -> None:
         self.gbm = gbm
         self.on_end = on_end
+        # Told when a plan's destination has published: its blocks serve requests from then on,
+        # one round trip (the source's finalize) before the plan is DONE.
+        self.on_published = on_published
         self.send = send
         self.cost_model = cost_model
         self.phase_timeout_s = phase_timeout_s
@@ -171,6 +175,8 @@ class TransferCoordinator:
             plan.marked = []
             plan.state = PlanState.FINALIZING
             self.send(plan.src, Finalize(plan.plan_id, plan.move, plan.keep))
+            if self.on_published is not None:
+                self.on_published(plan)
         else:
             self.completed += 1
             self.blocks_moved += plan.num_moved
@@ -211,6 +217,12 @@ class TransferCoordinator:
         rank's own load report shows them once reserved: a brief overestimate of its use,
         never an underestimate."""
         return sum(len(p.hashes) for p in self.plans.values() if p.dst == rank)
+
+    def room(self, rank: int) -> int:
+        """Blocks a transfer may take on ``rank``, evicting cached blocks nobody uses if it must
+        (the worker's allocator reclaims the coldest unreferenced leaves, never a block in use):
+        free + reclaimable, less routing's reservations and what open plans bring."""
+        return self.gbm.ranks[rank].blocks_available - self.incoming(rank)
 
     def free_blocks(self, rank: int) -> int:
         """Free blocks a transfer may take on ``rank`` without evicting anything: its reported

@@ -8,6 +8,9 @@ the coordinator runs back to the policy that asked for it:
 - ``tick()`` (a periodic control-plane task) asks ``BackgroundPlacement`` for
   copies and starts one plan per batch; when a batch's plan completes, each of its
   chains gets a placement lease;
+- ``pulls`` (``lmpool.control.transfers.pull``), with ``transfer_mode`` "pull" or "all":
+  routing prices pulling a request's prefix to each candidate, and a pull's waiters hear
+  its outcome (``on_pull_resolved``) once it has published or aborted;
 - ``on_shortage(report)`` answers a worker's ``ShortageReport`` with a move
   (``lmpool.control.transfers.foreground.plan_release``) or at once with a refusal; when the
   move's plan ends, the worker hears its outcome (``ReleaseOutcome``), so it never
@@ -27,6 +30,8 @@ from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.scheduler import GlobalScheduler
 from lmpool.control.transfers.leases import PlacementLeases
 from lmpool.control.transfers.placement import BackgroundPlacement, CopyBatch
+from lmpool.control.transfers.pull import RoutePulls
+from lmpool.control.transfers.pull_price import PullPricer
 from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN, UNCALIBRATED_LINK
 from lmpool.protocol import ReleaseOutcome, RouteQuery, ShortageReport, TransferStats
 from lmpool.protocol.spec import ControlSpec
@@ -45,6 +50,7 @@ class TransferPolicies:
         scheduler: GlobalScheduler,
         coordinator: TransferCoordinator,
         send: Callable[[int, object], None],
+        on_pull_resolved: Callable[[str, str], None] = lambda request_id, outcome: None,
     ) -> None:
         transfer = spec.pool.transfer
         cfg = transfer.transfer_policy
@@ -77,6 +83,12 @@ class TransferPolicies:
                 cooldown_s=cfg.cooldown_s, max_blocks=transfer.background_copy_max_blocks,
                 batch_max_blocks=transfer.background_copy_batch_max_blocks, recent_chains=cfg.recent_chains,
             )
+        self.pulls: RoutePulls | None = None
+        if transfer.route_pulls:
+            pricer = PullPricer(gbm, scheduler.topology, self.cost_model.estimate, self.pull_prefill_s_per_token,
+                                coordinator.room, contention_weight=cfg.decode_contention_weight)
+            self.pulls = scheduler.pulls = RoutePulls(gbm, coordinator, pricer, on_pull_resolved,
+                                                      min_gain_tokens=cfg.pull_min_gain_tokens)
         self.copies: dict[int, CopyBatch] = {}  # open background plans
         self.releases: dict[int, tuple[int, int]] = {}  # open foreground plans -> (rank, release id)
         self.stats_ = TransferStats()
@@ -93,6 +105,10 @@ class TransferPolicies:
             return own
         measured = [i.load.prefill_s_per_token for i in self.gbm.ranks if i.alive and i.load.prefill_s_per_token > 0]
         return min(measured) if measured else None
+
+    def pull_prefill_s_per_token(self, rank: int) -> float:
+        """``prefill_s_per_token``, never None: pricing a pull converts seconds to tokens."""
+        return self.prefill_s_per_token(rank) or self.gate.policy.prefill_s_per_token
 
     def observe_route(self, query: RouteQuery) -> None:
         if self.placement is not None:
@@ -137,7 +153,13 @@ class TransferPolicies:
 
     # ---- plan outcomes -------------------------------------------------------------------
 
+    def plan_published(self, plan: Plan) -> None:
+        if self.pulls is not None:
+            self.pulls.plan_published(plan)
+
     def plan_ended(self, plan: Plan) -> None:
+        if self.pulls is not None:
+            self.pulls.plan_ended(plan)
         done = plan.state is PlanState.DONE
         batch = self.copies.pop(plan.plan_id, None)
         if batch is not None and done:
@@ -165,4 +187,8 @@ class TransferPolicies:
         s.placement_refused = dict(self.placement.refused) if self.placement is not None else {}
         s.in_flight_blocks = sum(len(i.in_flight) for i in self.gbm.ranks)
         s.reservations = len(self.gbm.reservations)
+        if self.pulls is not None:
+            p = self.pulls.counters
+            s.pulls_started, s.pulls_shared, s.pulls_landed = p.started, p.shared, p.landed
+            s.pulls_aborted, s.pulls_routed, s.pulls_open = p.aborted, p.routed, len(self.pulls.open)
         return s
