@@ -106,10 +106,11 @@ class TransferCoordinator:
         self.blocks_moved = 0  # blocks of completed moves the source gave up
 
     def start(self, src: int, dst: int, hashes: list[int], generations: list[int], parents: list[int],
-              move: bool = False, keep: int = 0, kind: str = "explicit") -> Plan:
+              move: bool = False, keep: int = 0, kind: str = "explicit", anchor: tuple[int, int] = (0, 0)) -> Plan:
         """Open a plan for the chain(s) ``hashes`` (parents before children; ``parents[i]`` is
         block i's parent hash) from ``src`` to ``dst``; a move frees the source's copies of all
-        but the first ``keep`` blocks."""
+        but the first ``keep`` blocks. ``anchor`` = (hash, generation) of the destination's
+        cached block the chain continues, which the destination pins while the plan runs."""
         if not hashes or len(parents) != len(hashes) or len(generations) != len(hashes):
             raise ValueError(f"a plan needs one or more blocks, each with a parent and a generation; got "
                              f"{len(hashes)} hashes, {len(parents)} parents, {len(generations)} generations")
@@ -121,7 +122,7 @@ class TransferCoordinator:
         self.started += 1
         self.plans[plan.plan_id] = plan
         self.send(src, PrepareSource(plan.plan_id, plan.hashes, plan.generations))
-        self.send(dst, PrepareDest(plan.plan_id, len(hashes)))
+        self.send(dst, PrepareDest(plan.plan_id, len(hashes), *anchor))
         return plan
 
     def on_ack(self, ack: PlanAnswer) -> None:

@@ -118,8 +118,9 @@ class RoutePulls:
     def _start(self, hashes: list[int], src: int, dst: int, start: int, blocks: int) -> OpenPull:
         chain = hashes[start:start + blocks]
         generations = [self.gbm.generation(src, h) for h in chain]
-        parents = [hashes[start - 1] if start else ROOT_HASH] + chain[:-1]
-        plan = self.coordinator.start(src, dst, chain, generations, parents, kind="pull")
+        parent = hashes[start - 1] if start else ROOT_HASH
+        anchor = (parent, self.gbm.generation(dst, parent)) if start else (ROOT_HASH, 0)
+        plan = self.coordinator.start(src, dst, chain, generations, [parent] + chain[:-1], kind="pull", anchor=anchor)
         pull = OpenPull(plan.plan_id, dst, chain, plan.started, self.pricer.estimate_s(src, dst, blocks))
         self.open[plan.plan_id] = pull
         self._by_head[(dst, chain[0])] = pull
