@@ -43,6 +43,8 @@ def check_mode(mode: str, max_blocks: int, batch_max_blocks: int) -> None:
 class TransferPolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
     # ---- background placement (a control-plane task every ``interval_s``) ----
     interval_s: float = 0.5
+    # Routes drive placement too: a pass runs this soon after a route, at most once per this long.
+    react_interval_s: float = 0.005
     hot_threshold: float = 4.0  # a block is hot from this heat on
     heat_half_life_s: float = 30.0
     route_hit_weight: float = 0.5  # extra heat when a route used the block, not just asked for it
@@ -72,7 +74,7 @@ class TransferPolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("route_hit_weight", "min_load_skew_tokens", "cooldown_s", "foreground_retry_s",
+        for name in ("route_hit_weight", "min_load_skew_tokens", "cooldown_s", "foreground_retry_s", "react_interval_s",
                      "decode_contention_weight", "pull_min_gain_tokens"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")

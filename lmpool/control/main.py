@@ -16,10 +16,11 @@ A few times a second it publishes the pool's state on the pool-state board
 With transfers enabled it runs transfer plans (``TransferCoordinator``): those the
 engine asks for (``TransferChain``) and, per ``transfer_mode``, those of the
 automatic policies (``lmpool.control.transfers.policies``): a background placement
-task every ``transfer_policy.interval_s``, and a foreground move for each
-worker's ``ShortageReport``. Neither ever makes routing wait. With route-time pulls
-(``lmpool.control.transfers.pull``) a route may open a copy plan for the request's prefix; the
-route's reply then waits until that copy has landed or aborted, never the routing of others. It can also ask one worker a
+pass every ``transfer_policy.interval_s`` and right after routes (``react``), and a
+foreground move for each worker's ``ShortageReport``. Neither ever makes routing wait.
+With route-time pulls (``lmpool.control.transfers.pull``) a route may open a copy plan
+for the request's prefix; the route's reply then waits until that copy has landed or
+aborted, never the routing of others. It can also ask one worker a
 question (``ask``): the digest of cached blocks, or a barrier after which every report the
 worker sent before it is applied, which an explicit transfer uses when the page table does
 not show the source's blocks yet. A question to a rank that dies is answered with an error.
@@ -111,6 +112,8 @@ class ControlPlane:
         self.outbox: dict[int, asyncio.Queue] = {}
         self.policies = TransferPolicies(spec, self.gbm, self.scheduler, self.coordinator, self.send_to,
                                          on_pull_resolved=self._pull_resolved)
+        self._placed_at = 0.0  # the latest placement pass, periodic or driven by a route
+        self._reaction: asyncio.TimerHandle | None = None
         # Route replies held until the pull their request waits on has landed or aborted.
         self.pull_waiters: dict[str, asyncio.Future] = {}
         self.plan_waiters: dict[int, asyncio.Future] = {}
@@ -317,10 +320,27 @@ class ControlPlane:
         """Background placement: one bounded, synchronous pass per interval."""
         while True:
             await asyncio.sleep(self.spec.pool.transfer.transfer_policy.interval_s)
-            try:
-                self.policies.tick()
-            except Exception:  # a bug in a policy must not end placement, nor the control plane
-                log.exception("background placement tick failed")
+            self._place_now()
+
+    def react(self) -> None:
+        """Schedule a placement pass right after a route (at most one per ``react_interval_s``),
+        so that a burst's demand is answered within milliseconds, not at the next periodic pass.
+        The pass runs as its own callback: never on the route's path."""
+        if self.policies.placement is None or self._reaction is not None:
+            return
+        interval = self.spec.pool.transfer.transfer_policy.react_interval_s
+        delay = max(0.0, self._placed_at + interval - time.monotonic())
+        self._reaction = asyncio.get_running_loop().call_later(delay, self._place_now)
+
+    def _place_now(self) -> None:
+        if self._reaction is not None:
+            self._reaction.cancel()
+            self._reaction = None
+        self._placed_at = time.monotonic()
+        try:
+            self.policies.tick()
+        except Exception:  # a bug in a policy must not end placement, nor the control plane
+            log.exception("background placement tick failed")
 
     def connect_pairs(self) -> None:
         """Open the data path of every pair of live workers under fresh sessions."""
@@ -371,6 +391,7 @@ class ControlPlane:
             self.verify(self.gbm.check_route, request.block_hashes, decision.rank, decision.matched_blocks)
         self.route_queries += 1
         self.policies.observe_route(request)
+        self.react()
         return decision
 
     async def route(self, request: RouteQuery) -> RouteDecision:
