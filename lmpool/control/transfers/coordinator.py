@@ -95,6 +95,7 @@ class TransferCoordinator:
         self.phase_timeout_s = phase_timeout_s
         self.clock = clock
         self.plans: dict[int, Plan] = {}
+        self._incoming: dict[int, int] = {}  # rank -> blocks open plans bring it (``incoming``)
         self.ended: dict[int, PlanState] = {}
         # A restarted control process must not reuse the ids its predecessor's plans hold on
         # the workers, hence a caller-chosen (random) start.
@@ -121,6 +122,7 @@ class TransferCoordinator:
                     started=now, deadline=now + self.phase_timeout_s, keep=keep, kind=kind)
         self.started += 1
         self.plans[plan.plan_id] = plan
+        self._incoming[dst] = self._incoming.get(dst, 0) + len(plan.hashes)
         self.send(src, PrepareSource(plan.plan_id, plan.hashes, plan.generations))
         self.send(dst, PrepareDest(plan.plan_id, len(hashes), *anchor))
         return plan
@@ -217,7 +219,7 @@ class TransferCoordinator:
         """Blocks that open plans bring to ``rank``. Counted until the plan ends, though the
         rank's own load report shows them once reserved: a brief overestimate of its use,
         never an underestimate."""
-        return sum(len(p.hashes) for p in self.plans.values() if p.dst == rank)
+        return self._incoming.get(rank, 0)
 
     def room(self, rank: int) -> int:
         """Blocks a transfer may take on ``rank``, evicting cached blocks nobody uses if it must
@@ -238,6 +240,7 @@ class TransferCoordinator:
     def _end(self, plan: Plan, state: PlanState) -> None:
         plan.state = state
         del self.plans[plan.plan_id]
+        self._incoming[plan.dst] -= len(plan.hashes)
         self.ended[plan.plan_id] = state
         if self.on_end is not None:
             self.on_end(plan)
