@@ -79,17 +79,16 @@ class RoutePulls:
         rank will hold for it (the chosen rank's raised by the pull it waits on)."""
         if query.request_id in self.waiting:  # one wait per request id (ids are per dispatch)
             return rank, reason, expected
-        options = self.pricer.options(query, costs, lengths, expected, self._view)
+        feasible = {c.rank for c in costs if c.available >= c.need}
+        options = self.pricer.options(query, costs, lengths, expected, self._view,
+                                      lambda serve: self._bound(serve, rank, feasible))
         if not options:
             return rank, reason, expected
-        chosen = next(o for o in options if o.kind == "serve" and o.rank == rank)
-        feasible = {c.rank for c in costs if c.available >= c.need}
-        best = min((o for o in options if o.rank in feasible or o.kind == "pull"),
-                   key=lambda o: (o.cost, o.kind != "serve", o.rank), default=chosen)
-        if best.cost < chosen.cost - self.min_gain_tokens:
+        policy = next(o for o in options if o.kind == "serve" and o.rank == rank)
+        chosen = self._choose(options, policy, feasible)
+        if chosen is not policy:
             self.counters.routed += 1
-            reason = f"{_name(best)} over {reason}"
-            chosen = best
+            reason = f"{_name(chosen)} over {reason}"
         reason = f"{reason}; {describe(options)}"
         held = self._wait(query, chosen, lengths)
         if held <= expected[chosen.rank]:
@@ -97,6 +96,19 @@ class RoutePulls:
         raised = list(expected)
         raised[chosen.rank] = held
         return chosen.rank, reason, raised
+
+    def _bound(self, serve: list[Option], rank: int, feasible: set[int]) -> float:
+        """What a pull must cost less than to win: the cheapest feasible serve, and the
+        policy's choice (``rank``) less the minimum gain."""
+        policy = next(o.cost for o in serve if o.rank == rank)
+        return min([o.cost for o in serve if o.rank in feasible] + [policy - self.min_gain_tokens])
+
+    def _choose(self, options: list[Option], policy: Option, feasible: set[int]) -> Option:
+        """The cheapest option (serving before pulling, on a tie), if it beats the policy's
+        choice by ``min_gain_tokens``; else the policy's. A serve must fit on its rank."""
+        best = min((o for o in options if o.rank in feasible or o.kind == "pull"),
+                   key=lambda o: (o.cost, o.kind != "serve", o.rank), default=policy)
+        return best if best.cost < policy.cost - self.min_gain_tokens else policy
 
     def _wait(self, query: RouteQuery, chosen: Option, lengths: list[int]) -> int:
         """Start or join the pull the request waits on (if any); the blocks it will find."""
@@ -117,7 +129,8 @@ class RoutePulls:
 
     def _start(self, hashes: list[int], src: int, dst: int, start: int, blocks: int) -> OpenPull:
         chain = hashes[start:start + blocks]
-        generations = [self.gbm.generation(src, h) for h in chain]
+        held = self.gbm.ranks[src].blocks  # hash -> generation << 32 | block id; all ready (priced so)
+        generations = [held[h] >> 32 for h in chain]
         parent = hashes[start - 1] if start else ROOT_HASH
         anchor = (parent, self.gbm.generation(dst, parent)) if start else (ROOT_HASH, 0)
         plan = self.coordinator.start(src, dst, chain, generations, [parent] + chain[:-1], kind="pull", anchor=anchor)

@@ -73,26 +73,41 @@ class PullPricer:
         self.room = room
         self.contention_weight = contention_weight
 
-    def contention(self, rank: int, max_tokens: int) -> float:
-        info = self.gbm.ranks[rank]
-        batch = info.load.num_running + info.load.num_waiting + info.num_reservations
-        return self.contention_weight * batch * max_tokens
-
-    def options(self, query: RouteQuery, costs: list[RankCost], lengths: list[int], expected: list[int],
-                open_pull: Callable[[int, int], OpenPullView | None]) -> list[Option]:
-        """Every priced option: serve on each candidate, and pull to each where one can run.
-        ``open_pull(dst, first_hash)`` names a pull already bringing that chain to ``dst``."""
-        hashes = query.block_hashes
-        usable = min(len(hashes), max(0, (query.num_prompt_tokens - 1) // self.gbm.block_size))
-        src = max(costs, key=lambda c: (lengths[c.rank], -c.load, -c.rank)).rank if costs else -1
-        top = min(lengths[src], usable) if costs else 0
+    def serve(self, query: RouteQuery, costs: list[RankCost]) -> list[Option]:
+        """Serving on each candidate: its projected cost plus its decode contention."""
+        per_sequence = self.contention_weight * query.max_tokens
+        infos = self.gbm.ranks
         out = []
         for c in costs:
-            contention = self.contention(c.rank, query.max_tokens)
-            out.append(Option("serve", c.rank, c.cost + contention))
+            info = infos[c.rank]
+            load = info.load
+            batch = load.num_running + load.num_waiting + info.num_reservations
+            out.append(Option("serve", c.rank, c.cost + per_sequence * batch))
+        return out
+
+    def options(self, query: RouteQuery, costs: list[RankCost], lengths: list[int], expected: list[int],
+                open_pull: Callable[[int, int], OpenPullView | None], bound: Callable[[list[Option]], float],
+                ) -> list[Option]:
+        """Serve on each candidate, then pull to each where one can run and could cost less than
+        ``bound(serve options)`` (a pull that cannot win is not priced: it would cost the route
+        a copy estimate for nothing). ``open_pull(dst, first_hash)`` names a pull already
+        bringing that chain to ``dst``."""
+        serve = self.serve(query, costs)
+        if not costs:
+            return serve
+        usable = min(len(query.block_hashes), max(0, (query.num_prompt_tokens - 1) // self.gbm.block_size))
+        src = max(costs, key=lambda c: (lengths[c.rank], -c.load, -c.rank)).rank
+        top = min(lengths[src], usable)
+        limit = bound(serve)
+        block_size = self.gbm.block_size
+        out = list(serve)
+        for c, o in zip(costs, serve):
             if c.matched >= top or expected[c.rank] != lengths[c.rank]:
                 continue
-            pull = self._pull(query, c, src, top, contention, open_pull)
+            # The copy takes no time at best: the least this pull can cost.
+            if o.cost - (top - c.matched) * block_size >= limit:
+                continue
+            pull = self._pull(query, c, src, top, o.cost - c.cost, open_pull)
             if pull is not None:
                 out.append(pull)
         return out
@@ -134,9 +149,9 @@ def shared_depth(chain: list[int], hashes: list[int], start: int, end: int) -> i
 
 def describe(options: list[Option]) -> str:
     """The priced alternatives, compactly: ``serve r0=812 r1=40 pull r1<-r0:12b=35``."""
-    serve = " ".join(f"r{o.rank}={o.cost:.0f}" for o in options if o.kind == "serve")
+    serve = " ".join(f"r{o.rank}={int(o.cost)}" for o in options if o.kind == "serve")
     pulls = " ".join(
-        f"r{o.rank}<-{'shared' if o.shared else f'r{o.src}'}:{o.blocks}b={o.cost:.0f}"
+        f"r{o.rank}<-{'shared' if o.shared else f'r{o.src}'}:{o.blocks}b={int(o.cost)}"
         for o in options if o.kind == "pull"
     )
     return f"serve {serve}" + (f" pull {pulls}" if pulls else "")
