@@ -64,15 +64,23 @@ async def serve_with_busy_owner(pool: AsyncLMPool, asks: list[list[int]]) -> tup
     return outs, stats
 
 
-def test_a_pulled_request_runs_on_the_idle_rank_with_the_tokens_of_a_single_llm(tiny_model, expected, monkeypatch):
+def run(tiny_model, monkeypatch, asks: list[list[int]], fault: Fault | None = None) -> tuple[list, dict]:
+    """``serve_with_busy_owner`` in a fresh two-rank pull-mode pool checking its invariants,
+    with ``fault`` injected into its workers."""
     monkeypatch.setenv("LMPOOL_CHECK_INVARIANTS", "1")
+    if fault is not None:
+        monkeypatch.setenv(ENV, encode([fault]))
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="pull",
                                transfer_policy=POLICY) as pool:
-            return await serve_with_busy_owner(pool, ASKS)
+            return await serve_with_busy_owner(pool, asks)
 
-    outs, stats = uvloop.run(main())
+    return uvloop.run(main())
+
+
+def test_a_pulled_request_runs_on_the_idle_rank_with_the_tokens_of_a_single_llm(tiny_model, expected, monkeypatch):
+    outs, stats = run(tiny_model, monkeypatch, ASKS)
     first = outs[0]
     assert first.rank == 1 and first.route.startswith("pull r1<-r0 6b"), first.route
     assert first.route.endswith("pull landed") and "serve r0=" in first.route
@@ -84,15 +92,8 @@ def test_a_pulled_request_runs_on_the_idle_rank_with_the_tokens_of_a_single_llm(
 
 
 def test_an_aborted_pull_recomputes_on_its_rank(tiny_model, expected, monkeypatch):
-    monkeypatch.setenv("LMPOOL_CHECK_INVARIANTS", "1")
-    monkeypatch.setenv(ENV, encode([Fault(rank=1, order="execute_recv", point="before", action="raise")]))
-
-    async def main():
-        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="pull",
-                               transfer_policy=POLICY) as pool:
-            return await serve_with_busy_owner(pool, ASKS[:1])
-
-    (out,), stats = uvloop.run(main())
+    fault = Fault(rank=1, order="execute_recv", point="before", action="raise")
+    (out,), stats = run(tiny_model, monkeypatch, ASKS[:1], fault)
     assert out.rank == 1 and "pull aborted: rank 1 failed executing" in out.route, out.route
     assert out.num_cached_tokens == 0 and out.token_ids == expected[0]
     t = stats["transfers"]
@@ -100,15 +101,8 @@ def test_an_aborted_pull_recomputes_on_its_rank(tiny_model, expected, monkeypatc
 
 
 def test_a_source_killed_mid_pull_loses_no_request(tiny_model, expected, monkeypatch):
-    monkeypatch.setenv("LMPOOL_CHECK_INVARIANTS", "1")
-    monkeypatch.setenv(ENV, encode([Fault(rank=0, order="execute_send", point="before", action="kill")]))
-
-    async def main():
-        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="pull",
-                               transfer_policy=POLICY) as pool:
-            return await serve_with_busy_owner(pool, ASKS[:1])
-
-    (out,), stats = uvloop.run(main())
+    fault = Fault(rank=0, order="execute_send", point="before", action="kill")
+    (out,), stats = run(tiny_model, monkeypatch, ASKS[:1], fault)
     # The plan ends on whichever the control plane hears of first: rank 0's death or rank 1's
     # failed receive; either way the request runs on rank 1 and recomputes.
     assert out.rank == 1 and "; pull aborted: rank " in out.route, out.route
