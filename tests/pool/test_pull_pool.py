@@ -64,23 +64,26 @@ async def serve_with_busy_owner(pool: AsyncLMPool, asks: list[list[int]]) -> tup
     return outs, stats
 
 
-def run(tiny_model, monkeypatch, asks: list[list[int]], fault: Fault | None = None) -> tuple[list, dict]:
-    """``serve_with_busy_owner`` in a fresh two-rank pull-mode pool checking its invariants,
-    with ``fault`` injected into its workers."""
+def run(tiny_model, monkeypatch, asks: list[list[int]], fault: Fault | None = None,
+        mode: str = "pull") -> tuple[list, dict]:
+    """``serve_with_busy_owner`` in a fresh two-rank pool of transfer mode ``mode`` checking
+    its invariants, with ``fault`` injected into its workers."""
     monkeypatch.setenv("LMPOOL_CHECK_INVARIANTS", "1")
     if fault is not None:
         monkeypatch.setenv(ENV, encode([fault]))
 
     async def main():
-        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="pull",
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode=mode,
                                transfer_policy=POLICY) as pool:
             return await serve_with_busy_owner(pool, asks)
 
     return uvloop.run(main())
 
 
-def test_a_pulled_request_runs_on_the_idle_rank_with_the_tokens_of_a_single_llm(tiny_model, expected, monkeypatch):
-    outs, stats = run(tiny_model, monkeypatch, ASKS)
+@pytest.mark.parametrize("mode", ["pull", "all"])
+def test_a_pulled_request_runs_on_the_idle_rank_with_the_tokens_of_a_single_llm(tiny_model, expected, monkeypatch,
+                                                                               mode):
+    outs, stats = run(tiny_model, monkeypatch, ASKS, mode=mode)
     first = outs[0]
     assert first.rank == 1 and first.route.startswith("pull r1<-r0 6b"), first.route
     assert first.route.endswith("pull landed") and "serve r0=" in first.route
@@ -88,7 +91,7 @@ def test_a_pulled_request_runs_on_the_idle_rank_with_the_tokens_of_a_single_llm(
     assert [o.token_ids for o in outs] == expected
     t = stats["transfers"]
     assert t["pulls_started"] >= 1 and t["pulls_landed"] == t["pulls_started"] and t["pulls_aborted"] == 0
-    assert t["plans_committed"] == t["pulls_started"]
+    assert t["plans_committed"] == t["pulls_started"] + t["background_copies"] + t["foreground_moves"]
 
 
 def test_an_aborted_pull_recomputes_on_its_rank(tiny_model, expected, monkeypatch):
