@@ -115,7 +115,7 @@ class RoutePulls:
         hashes, rank = query.block_hashes, chosen.rank
         m = lengths[rank]
         if chosen.kind == "pull" and not chosen.shared:
-            pull = self._start(hashes, chosen.src, rank, m, chosen.blocks)
+            pull = self._start(hashes, chosen.src, rank, m, chosen.blocks, chosen.copy_s)
             depth = chosen.blocks
         else:
             pull = self._by_head.get((rank, hashes[m])) if m < len(hashes) else None
@@ -127,14 +127,14 @@ class RoutePulls:
         self.waiting[query.request_id] = pull.plan_id
         return m + depth
 
-    def _start(self, hashes: list[int], src: int, dst: int, start: int, blocks: int) -> OpenPull:
+    def _start(self, hashes: list[int], src: int, dst: int, start: int, blocks: int, seconds: float) -> OpenPull:
         chain = hashes[start:start + blocks]
         held = self.gbm.ranks[src].blocks  # hash -> generation << 32 | block id; all ready (priced so)
         generations = [held[h] >> 32 for h in chain]
         parent = hashes[start - 1] if start else ROOT_HASH
         anchor = (parent, self.gbm.generation(dst, parent)) if start else (ROOT_HASH, 0)
         plan = self.coordinator.start(src, dst, chain, generations, [parent] + chain[:-1], kind="pull", anchor=anchor)
-        pull = OpenPull(plan.plan_id, dst, chain, plan.started, self.pricer.estimate_s(src, dst, blocks))
+        pull = OpenPull(plan.plan_id, dst, chain, plan.started, seconds)
         self.open[plan.plan_id] = pull
         self._by_head[(dst, chain[0])] = pull
         self.counters.started += 1

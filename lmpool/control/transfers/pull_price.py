@@ -45,6 +45,7 @@ class Option(NamedTuple):
     blocks: int = 0  # blocks the pull brings
     copy_tokens: float = 0.0  # the copy's wait, in prefill-token equivalents
     shared: int = 0  # the open pull this request would share (0: a new plan)
+    copy_s: float = 0.0  # the copy's estimated seconds (a new plan)
 
 
 class OpenPullView(NamedTuple):
@@ -129,9 +130,10 @@ class PullPricer:
         in_flight = self.gbm.ranks[c.rank].in_flight
         if in_flight and any(h in in_flight for h in hashes[c.matched:top]):
             return None
-        wait = self.estimate_s(src, c.rank, k) / per_token
+        seconds = self.estimate_s(src, c.rank, k)
+        wait = seconds / per_token
         return Option("pull", c.rank, max(c.load, wait) + c.missing - k * block_size + extra + contention,
-                      src, k, wait)
+                      src, k, wait, 0, seconds)
 
 
 def shared_depth(chain: list[int], hashes: list[int], start: int, end: int) -> int:
