@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 
+from control_testkit import ManualClock, chain_blocks
+
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.scheduler import GlobalScheduler
 from lmpool.control.topology import Topology
@@ -26,7 +28,6 @@ from lmpool.protocol import (
     SourcePrepared,
 )
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
-from control_testkit import ManualClock, chain_blocks
 
 BLOCK = 4
 NUM_BLOCKS = 1000

@@ -5,7 +5,6 @@ hears, and nothing left behind by a pull that lands, aborts or loses a rank."""
 from __future__ import annotations
 
 import pytest
-
 from pull_rig import BLOCK, PullRig
 
 DOC = list(range(1, 33))  # a 32-block cached document

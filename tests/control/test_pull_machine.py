@@ -9,7 +9,6 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from pull_rig import PullRig
 
 WORLD = 3
@@ -28,7 +27,7 @@ class PullMachine(RuleBasedStateMachine):
     def route(self, doc, depth, tail):
         if not self.rig.gbm.alive_mask:
             return
-        rid, decision = self.rig.route(DOCS[doc][:depth], tail_tokens=tail)
+        _, decision = self.rig.route(DOCS[doc][:depth], tail_tokens=tail)
         assert self.rig.gbm.ranks[decision.rank].alive
 
     @rule(rank=st.integers(0, WORLD - 1), running=st.integers(0, 200))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pool_waits
 import pytest
 import torch
 import uvloop
@@ -18,7 +19,6 @@ from lmpool import LLM, SamplingParams
 from lmpool.config.transfer import TransferPolicyConfig
 from lmpool.dataplane.faults import ENV, Fault, encode
 from lmpool.frontend.api import AsyncLMPool
-import pool_waits
 
 BLOCK = 16
 DOC_BLOCKS = 6

@@ -5,10 +5,10 @@ abort releases them, so the block accounting holds and nothing stays pinned."""
 from __future__ import annotations
 
 import pytest
-
-from lmpool.engine.block_manager import BlockManager, BlockState, StaleBlockError
-from lmpool.dataplane.transactions import TransferParticipant
 from block_testkit import prefill
+
+from lmpool.dataplane.transactions import TransferParticipant
+from lmpool.engine.block_manager import BlockManager, BlockState, StaleBlockError
 
 BLOCK = 4
 
