@@ -99,6 +99,8 @@ TRANSFER_MODES = (
     Policy("lmpool+background", "lmpool", "background"),
     Policy("lmpool+foreground", "lmpool", "foreground"),
     Policy("lmpool+both", "lmpool", "both"),
+    Policy("lmpool+pull", "lmpool", "pull"),  # route-time pulls (lmpool.control.transfers.pull)
+    Policy("lmpool+all", "lmpool", "all"),  # pulls, background placement and foreground release
 )
 # Routing only, in a pool whose transfer paths are set up (workers connected, caches
 # exported) but which plans no transfer: what a transfer mode's run owes to the set-up

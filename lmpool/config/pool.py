@@ -33,7 +33,7 @@ class TransferConfig(msgspec.Struct, kw_only=True):
     enable_transfers: bool = False  # workers can copy and move KV blocks between them
     transfer_lease_s: float = 10.0  # a worker aborts a plan its control plane left silent this long
     transfer_mode: str = "none"  # automatic policies (``lmpool.config.transfer``); any but "none" enables
-    background_copy_max_blocks: int = 8
+    background_copy_max_blocks: int = 128  # of a chain per tick: documents of 32k tokens whole
     background_copy_batch_max_blocks: int = 128
     transfer_policy: TransferPolicyConfig = msgspec.field(default_factory=TransferPolicyConfig)
     # Between replicas on two GPUs: "auto" pulls through CUDA IPC where the GPUs can address
@@ -55,11 +55,15 @@ class TransferConfig(msgspec.Struct, kw_only=True):
 
     @property
     def foreground_release(self) -> bool:
-        return self.transfer_mode in ("foreground", "both")
+        return self.transfer_mode in ("foreground", "both", "all")
 
     @property
     def background_placement(self) -> bool:
-        return self.transfer_mode in ("background", "both")
+        return self.transfer_mode in ("background", "both", "all")
+
+    @property
+    def route_pulls(self) -> bool:
+        return self.transfer_mode in ("pull", "all")
 
 
 class PoolConfig(msgspec.Struct, kw_only=True):

@@ -3,7 +3,9 @@
 ``TRANSFER_MODES`` names which policies run: ``"none"`` (transfers only when the API
 asks, if enabled at all), ``"background"`` (hot chains are copied to less loaded
 partners), ``"foreground"`` (a rank short of blocks moves cold cached blocks to a
-partner instead of evicting them) or ``"both"``.
+partner instead of evicting them), ``"both"`` (those two), ``"pull"`` (route-time pulls: a
+request may be sent to a rank that first copies its cached prefix from another,
+``lmpool.control.transfers.pull``) or ``"all"`` (background, foreground and pull).
 
 ``TransferPolicyConfig`` holds the thresholds; ``check()`` names the first bad one.
 Every duration is in seconds, every load in token-equivalents (the routing cost
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
-TRANSFER_MODES = ("none", "background", "foreground", "both")
+TRANSFER_MODES = ("none", "background", "foreground", "both", "pull", "all")
 
 # An uncalibrated link, per device kind: (fixed seconds, bytes per second). Pessimistic next
 # to what benchmarks/benchmark_kv_transfer.py measured (gloo on a 2-core VM: ~1 ms + 1.5 ms
@@ -41,6 +43,8 @@ def check_mode(mode: str, max_blocks: int, batch_max_blocks: int) -> None:
 class TransferPolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
     # ---- background placement (a control-plane task every ``interval_s``) ----
     interval_s: float = 0.5
+    # Routes drive placement too: a pass runs this soon after a route, at most once per this long.
+    react_interval_s: float = 0.005
     hot_threshold: float = 4.0  # a block is hot from this heat on
     heat_half_life_s: float = 30.0
     route_hit_weight: float = 0.5  # extra heat when a route used the block, not just asked for it
@@ -56,6 +60,13 @@ class TransferPolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
     admission_margin: float = 1.0  # admit when saved prefill > margin * transfer cost
     reuse_discount: float = 0.5  # foreground: each further expected reuse is worth this much less
     transfer_profile: str | None = None  # a calibration profile (benchmark_kv_transfer.py JSON)
+    # ---- route-time pulls (``lmpool.control.transfers.pull``) ----
+    # A request decoding on a rank shares every step with the sequences there: per token it will
+    # decode, each of them costs it (and it costs each of them) this many prefill-token equivalents.
+    decode_contention_weight: float = 0.5
+    # Leaving the routing policy's choice (to pull, or to serve elsewhere) must save at least this
+    # many token-equivalents: small differences never move a request or start a copy.
+    pull_min_gain_tokens: float = 256.0
 
     def check(self) -> None:
         positive = ("interval_s", "hot_threshold", "heat_half_life_s", "lease_s", "foreground_wait_s",
@@ -63,7 +74,8 @@ class TransferPolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("route_hit_weight", "min_load_skew_tokens", "cooldown_s", "foreground_retry_s"):
+        for name in ("route_hit_weight", "min_load_skew_tokens", "cooldown_s", "foreground_retry_s", "react_interval_s",
+                     "decode_contention_weight", "pull_min_gain_tokens"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.recent_chains < 1:

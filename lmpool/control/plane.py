@@ -1,6 +1,10 @@
 """The control process's state and tasks on its one uvloop event loop: workers' reports applied
 to the page table, the frontend's requests served (routes, stats, explicit transfers,
 questions to a worker), transfer plans run, heartbeats sent, the pool-state board published.
+Background placement runs every ``interval_s`` and right after routes (``react``). With
+route-time pulls (``lmpool.control.transfers.pull``) a route may open a copy plan for the
+request's prefix; that route's reply waits until the copy has landed or aborted, never the
+routing of others.
 
 Invariants: every state change runs as a callback of the one loop, so the page table, router
 and coordinator need no locks; KV bytes never pass through; a gap in a worker's deltas is
@@ -39,6 +43,7 @@ from lmpool.protocol import (
     RankDown,
     RankUp,
     ResyncRequest,
+    RouteDecision,
     RouteQuery,
     ShortageReport,
     StatsQuery,
@@ -90,6 +95,10 @@ class ControlPlane:
         self.resync_pending: set[int] = set()
         # Set once a rank's first snapshot is applied, or once it is known dead.
         self.known = [asyncio.Event() for _ in range(spec.pool.world_size)]
+        self._placed_at = 0.0  # the latest placement pass, periodic or driven by a route
+        self._reaction: asyncio.TimerHandle | None = None
+        # Route replies held until the pull their request waits on has landed or aborted.
+        self.pull_waiters: dict[str, asyncio.Future] = {}
         self.plan_waiters: dict[int, asyncio.Future] = {}
         # Questions to one worker (``WorkerQuery``): (rank, waiter) by the id they carry.
         self.worker_queries: dict[int, tuple[int, asyncio.Future]] = {}
@@ -210,6 +219,18 @@ class ControlPlane:
         self.coordinator.on_ack(ack)
         if self.check:
             self.verify(self.gbm.check_invariants)
+            if self.policies.pulls is not None:
+                self.verify(self.policies.pulls.check_invariants)
+
+    def plan_published(self, plan: Plan) -> None:
+        """The coordinator saw a plan's destination publish: its blocks serve from now on."""
+        self.policies.plan_published(plan)
+
+    def pull_resolved(self, request_id: str, outcome: str) -> None:
+        """A route-time pull landed or aborted: the route reply it held may go."""
+        waiter = self.pull_waiters.pop(request_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(outcome)
 
     def plan_ended(self, plan: Plan) -> None:
         """The coordinator ended a plan: tell the policies and whoever asked for it."""
@@ -290,10 +311,27 @@ class ControlPlane:
         """Background placement: one bounded, synchronous pass per interval."""
         while True:
             await asyncio.sleep(self.spec.pool.transfer.transfer_policy.interval_s)
-            try:
-                self.policies.tick()
-            except Exception:  # a bug in a policy must not end placement, nor the control plane
-                log.exception("background placement tick failed")
+            self._place_now()
+
+    def react(self) -> None:
+        """Schedule a placement pass right after a route (at most one per ``react_interval_s``),
+        so that a burst's demand is answered within milliseconds, not at the next periodic pass.
+        The pass runs as its own callback: never on the route's path."""
+        if self.policies.placement is None or self._reaction is not None:
+            return
+        interval = self.spec.pool.transfer.transfer_policy.react_interval_s
+        delay = max(0.0, self._placed_at + interval - time.monotonic())
+        self._reaction = asyncio.get_running_loop().call_later(delay, self._place_now)
+
+    def _place_now(self) -> None:
+        if self._reaction is not None:
+            self._reaction.cancel()
+            self._reaction = None
+        self._placed_at = time.monotonic()
+        try:
+            self.policies.tick()
+        except Exception:  # a bug in a policy must not end placement, nor the control plane
+            log.exception("background placement tick failed")
 
     def connect_pairs(self) -> None:
         """Open the data path of every pair of live workers under fresh sessions."""
@@ -317,14 +355,7 @@ class ControlPlane:
 
     async def handle(self, request: FrontendToControl):
         if isinstance(request, RouteQuery):
-            start = time.perf_counter_ns()
-            decision = self.scheduler.route_sequence_meta(request)
-            self.route_us[self.route_queries % ROUTE_SAMPLES] = (time.perf_counter_ns() - start) / 1e3
-            if self.check:
-                self.verify(self.gbm.check_route, request.block_hashes, decision.rank, decision.matched_blocks)
-            self.route_queries += 1
-            self.policies.observe_route(request)
-            return decision
+            return await self.route(request)
         if isinstance(request, RankDown):
             self.scheduler.rank_down(request.rank)
             self.known[request.rank].set()
@@ -342,6 +373,35 @@ class ControlPlane:
         if isinstance(request, BlockDigests):
             return await self.block_digests(request)
         raise ValueError(f"unexpected request {type(request).__name__}")
+
+    def route_once(self, request: RouteQuery) -> RouteDecision:
+        start = time.perf_counter_ns()
+        decision = self.scheduler.route_sequence_meta(request)
+        self.route_us[self.route_queries % ROUTE_SAMPLES] = (time.perf_counter_ns() - start) / 1e3
+        if self.check:
+            self.verify(self.gbm.check_route, request.block_hashes, decision.rank, decision.matched_blocks)
+        self.route_queries += 1
+        self.policies.observe_route(request)
+        self.react()
+        return decision
+
+    async def route(self, request: RouteQuery) -> RouteDecision:
+        """Route a request; one that waits on a route-time pull is answered once the pull has
+        landed (its blocks are published on its rank) or aborted (it recomputes there). A
+        destination that died meanwhile is routed around."""
+        pulls = self.policies.pulls
+        while True:
+            decision = self.route_once(request)
+            if pulls is None or request.request_id not in pulls.waiting:
+                return decision
+            waiter = asyncio.get_running_loop().create_future()
+            self.pull_waiters[request.request_id] = waiter
+            if self.check:
+                self.verify(pulls.check_invariants)
+            outcome = await waiter
+            decision = RouteDecision(decision.rank, decision.matched_blocks, f"{decision.reason}; pull {outcome}")
+            if self.gbm.ranks[decision.rank].alive or not self.gbm.alive_mask:
+                return decision
 
     def stats(self) -> ControlStats:
         n = min(self.route_queries, ROUTE_SAMPLES)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lmpool.engine.block_manager import BlockManager
+from lmpool.engine.hashing import ROOT_HASH
+from lmpool.protocol.base import BlockHash
 
 ENDED_PLANS_KEPT = 4096  # outcomes remembered for duplicate messages
 
@@ -52,7 +54,7 @@ class LocalPlan:
     role: Role
     phase: Phase
     block_ids: list[int]  # the blocks whose bytes move
-    pinned: list[int]  # every block the plan references here (a source also pins ancestors)
+    pinned: list[int]  # every block the plan references here: its own, then ancestors it pins
     token_ids: list[list[int]] = field(default_factory=list)  # source: each block's tokens
     touched: float = 0.0  # when the last phase message for it arrived
 
@@ -78,13 +80,22 @@ class TransferParticipant:
         tokens = [list(self.bm.blocks[b].token_ids) for b in ids]
         return self._open(LocalPlan(plan_id, Role.SOURCE, Phase.PREPARED, ids, pinned, tokens))
 
-    def prepare_dest(self, plan_id: int, num_blocks: int) -> LocalPlan:
-        """Reserve ``num_blocks`` fresh, invisible blocks; raises ``RuntimeError`` if they do not fit."""
+    def prepare_dest(self, plan_id: int, num_blocks: int, anchor: BlockHash = ROOT_HASH,
+                     anchor_generation: int = 0) -> LocalPlan:
+        """Reserve ``num_blocks`` fresh, invisible blocks; raises ``RuntimeError`` if they do not
+        fit. An ``anchor`` (a cached block the received chain continues) is pinned first, with its
+        ancestors, so that the allocation cannot evict it; ``StaleBlockError`` if it is gone."""
         plan = self._existing(plan_id, Role.DEST)
         if plan is not None:
             return plan
-        ids = self.bm.allocate_blocks(num_blocks)
-        return self._open(LocalPlan(plan_id, Role.DEST, Phase.PREPARED, ids, list(ids)))
+        anchored = self.bm.pin_cached([anchor], [anchor_generation])[1] if anchor else []
+        try:
+            ids = self.bm.allocate_blocks(num_blocks)
+        except RuntimeError:
+            for block_id in anchored:
+                self.bm.release(block_id)
+            raise
+        return self._open(LocalPlan(plan_id, Role.DEST, Phase.PREPARED, ids, ids + anchored))
 
     def executed(self, plan_id: int) -> None:
         """The bytes have moved (sent from the source, or unpacked at the destination)."""
@@ -111,6 +122,8 @@ class TransferParticipant:
         if len(block_hashes) != len(plan.block_ids):
             raise StalePlanError(f"plan {plan_id}: {len(block_hashes)} hashes for {len(plan.block_ids)} blocks")
         self.bm.publish_received(plan.block_ids, block_hashes, parent_hashes, token_ids)
+        for block_id in plan.pinned[len(plan.block_ids):]:  # the anchor: the chain is whole now
+            self.bm.release(block_id)
         self._close(plan, Phase.PUBLISHED)
 
     def finalize(self, plan_id: int, move: bool, keep: int = 0) -> list[int]:

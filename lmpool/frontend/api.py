@@ -13,9 +13,10 @@ from this process at ``http://<metrics_host>:<port>/metrics`` (see ``lmpool.fron
 ``routing_config`` (``RoutingConfig``) its thresholds.
 
 KV transfers: ``enable_transfers=True`` allows explicit ones (``transfer``);
-``transfer_mode`` ("background", "foreground" or "both"; implies transfers) runs the
-automatic policies, with copies capped per chain and tick (``background_copy_max_blocks``;
-a longer chain goes on in the next tick) and per pair and tick
+``transfer_mode`` ("background", "foreground", "both", "pull" or "all"; implies transfers)
+runs the automatic policies ("pull": route-time pulls, ``lmpool.control.transfers.pull``),
+with copies capped per chain and tick (``background_copy_max_blocks``; a longer chain goes on
+in the next tick) and per pair and tick
 (``background_copy_batch_max_blocks``), and their thresholds in ``transfer_policy``
 (``TransferPolicyConfig``). ``stats()["transfers"]`` counts them. Between replicas on two
 GPUs the blocks are pulled through CUDA IPC where the GPUs can address each other's memory

@@ -3,7 +3,9 @@ control process and N workers, and carries every request from ingress to its las
 
 Flow of one request: validate at ingress -> chain the prompt's complete-block
 hashes -> ask the control plane for a rank -> send the sequence to that
-worker -> collect its tokens as they stream back.
+worker -> collect its tokens as they stream back. With route-time pulls the control
+plane answers once the request's prefix has landed on its rank (or the pull aborted),
+so a worker never sees a pulled request before its blocks.
 
 Supervision: every link watches its peer's pid, so a dead process surfaces as
 an ``IpcError`` on its channel; with ``hang_timeout`` it also watches the peer's
@@ -322,6 +324,8 @@ class PoolClient:
                     raise PoolError(f"request {req.request_id!r} could not be routed: {e}") from None
                 rank = self.ranks[decision.rank]
                 req.route = decision.reason
+                if self.requests.get(req.request_id) is not req:
+                    return  # aborted while its route waited (on a route-time pull): never start it
             if not rank.alive:
                 continue  # the control plane had not yet heard of its death
             if rank.proc.poll() is not None:  # exited, its death not yet seen (it died with another)

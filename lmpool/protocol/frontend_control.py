@@ -75,6 +75,12 @@ class TransferStats(Message, kw_only=True):
     placement_refused: dict[str, int] = {}  # background candidates refused, per gate
     in_flight_blocks: int = 0  # page-table entries marked in flight now
     reservations: int = 0  # route reservations held now
+    pulls_started: int = 0  # route-time pull plans opened
+    pulls_shared: int = 0  # requests that waited on a pull another request opened
+    pulls_landed: int = 0  # pulls whose destination published
+    pulls_aborted: int = 0  # pulls that aborted first (their requests recompute)
+    pulls_routed: int = 0  # requests sent elsewhere than the routing policy chose
+    pulls_open: int = 0
 
 
 class ControlStats(Message, tag="control_stats", kw_only=True):

@@ -46,11 +46,16 @@ class PrepareSource(PlanOrder, tag="prepare_source"):
 
 
 class PrepareDest(PlanOrder, tag="prepare_dest"):
-    """Reserve ``num_blocks`` free blocks; answer ``DestPrepared``."""
+    """Reserve ``num_blocks`` free blocks; answer ``DestPrepared``. With an ``anchor`` (the
+    cached block, at ``anchor_generation``, that the plan's first block hangs off), pin it and
+    its ancestors first, until the plan ends: making room must not evict the chain the copy
+    continues."""
 
     kind = "prepare_dest"
     phase = PlanState.PREPARING
     num_blocks: int
+    anchor: BlockHash = b""  # ROOT_HASH: none
+    anchor_generation: int = 0
 
 
 class ExecuteSend(PlanOrder, tag="execute_send"):

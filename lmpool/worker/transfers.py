@@ -207,7 +207,7 @@ class TransferExecutor:
                 plan = p.prepare_source(order.plan_id, order.hashes, order.generations)
                 return self._when_written(order, SourcePrepared(order.plan_id, self.rank, plan.block_ids, plan.token_ids))
             if isinstance(order, PrepareDest):
-                plan = p.prepare_dest(order.plan_id, order.num_blocks)
+                plan = p.prepare_dest(order.plan_id, order.num_blocks, order.anchor, order.anchor_generation)
                 return DestPrepared(order.plan_id, self.rank, plan.block_ids,
                                     [bm.blocks[b].generation for b in plan.block_ids])
             if isinstance(order, ExecuteSend):

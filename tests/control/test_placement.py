@@ -154,7 +154,7 @@ def test_the_copy_continues_where_the_destination_match_ends():
     assert batch.hashes == c[2:4] and batch.parents == c[1:3]
 
 
-def test_a_copy_short_of_the_leaf_goes_on_next_tick_and_a_complete_one_cools_down():
+def test_a_copy_short_of_the_leaf_goes_on_next_tick_and_a_complete_one_does_not_cool_down():
     w = World(max_blocks=2)
     c = chain(5, 1)
     hot_on_rank0(w, c)
@@ -172,10 +172,10 @@ def test_a_copy_short_of_the_leaf_goes_on_next_tick_and_a_complete_one_cools_dow
     w.cache(1, c[:4])
     w.route(c, 2)
     (last,) = w.placement.tick()
-    assert last.hashes == [c[4]] and c[4] in w.placement.cooling, "the copy reached the leaf"
+    assert last.hashes == [c[4]] and c[4] not in w.placement.cooling, "a hot chain is never held back"
     w.cache(1, c)
     w.route(c, 2)
-    assert w.placement.tick() == [] and w.placement.refused["cooldown"] == 1
+    assert w.placement.tick() == [] and w.placement.refused["destination_holds"] == 2
 
 
 def refusal(setup) -> dict:
@@ -187,15 +187,19 @@ def refusal(setup) -> dict:
     return dict(w.placement.refused)
 
 
-def test_cooldown_refuses_a_chain_looked_at_recently():
-    w = World()
+def test_cooldown_holds_a_refused_chain_back_until_it_expires_or_the_chain_grows_hotter():
+    w = World(prefill=1e-6)  # the gate refuses
     c = chain(3, 1)
     hot_on_rank0(w, c)
-    assert w.placement.tick()
-    assert w.placement.tick() == [] and w.placement.refused == {"cooldown": 1}
+    assert w.placement.tick() == [] and w.placement.refused == {"admission": 1}
+    assert w.placement.tick() == [] and w.placement.refused == {"admission": 1, "cooldown": 1}
+    w.route(c, 1)  # hotter, not twice as hot
+    assert w.placement.tick() == [] and w.placement.refused["cooldown"] == 2
+    w.route(c, 3)  # twice as hot as when refused: the gate is asked again at once
+    assert w.placement.tick() == [] and w.placement.refused["admission"] == 2
     w.clock.now += 31.0
-    w.route(c, 3)  # still in demand after the cooldown
-    assert w.placement.tick()
+    w.route(c, 1)  # hot again, far below the heat it was refused at
+    assert w.placement.tick() == [] and w.placement.refused["admission"] == 3, "expired"
 
 
 def test_no_source_when_no_rank_holds_the_whole_chain():
@@ -232,8 +236,17 @@ def test_pair_idleness_refuses_while_a_plan_runs_between_the_ranks():
     assert refusal(lambda w, c: w.coord.start(1, 0, other, [1], [ROOT_HASH])) == {"pair_busy": 1}
 
 
-def test_target_capacity_refuses_a_copy_that_would_evict():
+def test_target_capacity_refuses_a_copy_its_free_and_reclaimable_blocks_cannot_hold():
     assert refusal(lambda w, c: w.load(1, blocks_free=2)) == {"capacity": 1}
+
+
+def test_target_capacity_counts_reclaimable_cached_blocks():
+    w = World()
+    c = chain(3, 1)
+    hot_on_rank0(w, c)
+    w.gbm.update_load(1, 1, LoadReport(blocks_free=1, blocks_reclaimable=2))  # evicting 2 cold blocks makes room
+    (batch,) = w.placement.tick()
+    assert batch.dst == 1 and len(batch.hashes) == 3
 
 
 def test_capacity_counts_reservations_and_blocks_other_plans_bring():
@@ -256,7 +269,7 @@ def test_the_admission_gate_refuses_little_saved_prefill():
     assert w.placement.tick() == [] and w.placement.refused == {"admission": 1}
     decision = w.placement.decisions[0]
     assert not decision.admitted and decision.saved_prefill_s < decision.transfer_cost_s
-    assert w.placement.tick() == [] and w.placement.refused["cooldown"] == 1, "a refusal cools down too"
+    assert w.placement.tick() == [] and w.placement.refused["cooldown"] == 1, "a refusal cools down"
 
 
 def test_gate_decisions_are_logged_with_both_figures(caplog):
@@ -296,7 +309,8 @@ def test_chains_to_one_pair_coalesce_up_to_the_batch_cap_each_block_once():
     w2 = hot_on_a_loaded_rank(max_blocks=4, batch_max=7)
     (batch,) = w2.placement.tick()
     assert len(batch.hashes) == 7 and w2.placement.refused == {"batch_full": 1}
-    (rest,) = w2.placement.tick()  # (the first batch never ran: the root is still missing there)
+    w2.cache(1, *[c for c in chains if (c[3], 4) in batch.leases])  # the first batch landed
+    (rest,) = w2.placement.tick()
     assert rest.leases == [(chains[0][3], 4)], "a chain left out of a full batch is not cooled down"
 
 
@@ -312,7 +326,16 @@ def test_one_batch_per_directed_pair_and_not_both_directions_at_once():
     w.load(0, waiting_prefill_tokens=1000)
     w.load(1, waiting_prefill_tokens=500)
     batches = w.placement.tick()
-    assert sorted((x.src, x.dst) for x in batches) == [(0, 2), (1, 2)], "each to the least loaded partner"
+    # a goes to both partners (each less loaded than rank 0); b to rank 2 only, rank 0 being busier.
+    assert sorted((x.src, x.dst) for x in batches) == [(0, 1), (0, 2), (1, 2)]
+
+
+def test_a_hot_chain_is_copied_to_several_partners_in_one_tick():
+    w = World(n=4)
+    c = chain(3, 1)
+    hot_on_rank0(w, c)
+    batches = w.placement.tick()
+    assert sorted(b.dst for b in batches) == [1, 2, 3] and all(b.hashes == c for b in batches)
 
 
 # ---- invariants under random demand -----------------------------------------------------------

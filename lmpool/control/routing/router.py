@@ -16,19 +16,28 @@ choose, and then does what every policy shares, so comparisons isolate the rule:
   promise capacity a rank did not report;
 - the prompt's demand, recorded in the page table's heat.
 
+Route-time pulls (``lmpool.control.transfers.pull``), when they run, reprice the LMPool
+policy's choice after the leases: serve, recompute or pull the prefix first, per candidate.
+
 The decision reports only ready blocks: pending ones never count in ``matched_blocks``.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lmpool.config.routing import RoutingConfig
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.cost import CostModel, describe, request_shape
+from lmpool.control.routing.lmpool import LMPoolPolicy
 from lmpool.control.routing.pending import PendingPrefixes
 from lmpool.control.routing.registry import POLICIES
 from lmpool.control.topology import Topology
 from lmpool.control.transfers.leases import PlacementLeases
 from lmpool.protocol import RouteDecision, RouteQuery
+
+if TYPE_CHECKING:  # pull pricing imports the router's cost terms: no import at run time
+    from lmpool.control.transfers.pull import RoutePulls
 
 
 class NoAliveRankError(RuntimeError):
@@ -43,6 +52,7 @@ class Router:
         policy: str = "lmpool",
         config: RoutingConfig | None = None,
         leases: PlacementLeases | None = None,
+        pulls: RoutePulls | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -55,6 +65,8 @@ class Router:
         self.policy = POLICIES[policy](gbm, self.config, self.costs)
         self.leases = leases  # when background placement runs
         self.lease_routed = 0
+        # Route-time pulls reprice only the LMPool policy's choice: it alone projects costs.
+        self.pulls = pulls if isinstance(self.policy, LMPoolPolicy) else None
         self.last_held = 0  # blocks of the latest routed prompt cached on some candidate rank
         self.pending: PendingPrefixes | None = None
         if self.policy.counts_pending and self.config.pending_ttl_s > 0:
@@ -72,6 +84,8 @@ class Router:
         rank, reason = self.policy.choose(query, ranks, expected, seed_rank)
         if self.leases:
             rank, reason = self._steer(query, candidates, lengths, expected, seed_rank, rank, reason)
+        if self.pulls is not None:
+            rank, reason, expected = self.pulls.reprice(query, self.policy.last_costs, lengths, expected, rank, reason)
         self._reserve(query, rank, expected[rank])
         if self.pending is not None:
             self.pending.add(rank, query.block_hashes[lengths[rank]:])

@@ -28,7 +28,7 @@ from typing import Callable
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.transfers.cost_model import TransferCostModel
-from lmpool.engine.hashing import short
+from lmpool.engine.hashing import ROOT_HASH, short
 from lmpool.protocol import (
     SUCCESS,
     AbortPlan,
@@ -66,7 +66,7 @@ class Plan:
     abort_reason: str = ""
     marked: list[int] = field(default_factory=list)  # hashes marked in flight on the destination
     keep: int = 0  # a move frees none of its first ``keep`` blocks (ancestors copied along)
-    kind: str = "explicit"  # who asked: "explicit" (the API), "background" or "foreground"
+    kind: str = "explicit"  # who asked: "explicit" (the API), "background", "foreground" or "pull"
 
     @property
     def num_moved(self) -> int:
@@ -84,14 +84,19 @@ class TransferCoordinator:
         clock: Callable[[], float] = time.monotonic,
         on_end: Callable[[Plan], None] | None = None,
         first_plan_id: int = 1,
+        on_published: Callable[[Plan], None] | None = None,
     ) -> None:
         self.gbm = gbm
         self.on_end = on_end
+        # Told when a plan's destination has published: its blocks serve requests from then on,
+        # one round trip (the source's finalize) before the plan is DONE.
+        self.on_published = on_published
         self.send = send
         self.cost_model = cost_model
         self.phase_timeout_s = phase_timeout_s
         self.clock = clock
         self.plans: dict[int, Plan] = {}
+        self._incoming: dict[int, int] = {}  # rank -> blocks open plans bring it (``incoming``)
         self.ended: dict[int, PlanState] = {}
         # A restarted control process must not reuse the ids its predecessor's plans hold on
         # the workers, hence a caller-chosen (random) start.
@@ -103,10 +108,11 @@ class TransferCoordinator:
         self.blocks_moved = 0  # blocks of completed moves the source gave up
 
     def start(self, src: int, dst: int, hashes: list[int], generations: list[int], parents: list[int],
-              move: bool = False, keep: int = 0, kind: str = "explicit") -> Plan:
+              move: bool = False, keep: int = 0, kind: str = "explicit", anchor: tuple[bytes, int] = (ROOT_HASH, 0)) -> Plan:
         """Open a plan for the chain(s) ``hashes`` (parents before children; ``parents[i]`` is
         block i's parent hash) from ``src`` to ``dst``; a move frees the source's copies of all
-        but the first ``keep`` blocks."""
+        but the first ``keep`` blocks. ``anchor`` = (hash, generation) of the destination's
+        cached block the chain continues, which the destination pins while the plan runs."""
         if not hashes or len(parents) != len(hashes) or len(generations) != len(hashes):
             raise ValueError(f"a plan needs one or more blocks, each with a parent and a generation; got "
                              f"{len(hashes)} hashes, {len(parents)} parents, {len(generations)} generations")
@@ -117,8 +123,9 @@ class TransferCoordinator:
                     started=now, deadline=now + self.phase_timeout_s, keep=keep, kind=kind)
         self.started += 1
         self.plans[plan.plan_id] = plan
+        self._incoming[dst] = self._incoming.get(dst, 0) + len(plan.hashes)
         self.send(src, PrepareSource(plan.plan_id, plan.hashes, plan.generations))
-        self.send(dst, PrepareDest(plan.plan_id, len(hashes)))
+        self.send(dst, PrepareDest(plan.plan_id, len(hashes), *anchor))
         return plan
 
     def on_ack(self, ack: PlanAnswer) -> None:
@@ -172,6 +179,8 @@ class TransferCoordinator:
             plan.marked = []
             plan.state = PlanState.FINALIZING
             self.send(plan.src, Finalize(plan.plan_id, plan.move, plan.keep))
+            if self.on_published is not None:
+                self.on_published(plan)
         else:
             self.completed += 1
             self.blocks_moved += plan.num_moved
@@ -211,7 +220,13 @@ class TransferCoordinator:
         """Blocks that open plans bring to ``rank``. Counted until the plan ends, though the
         rank's own load report shows them once reserved: a brief overestimate of its use,
         never an underestimate."""
-        return sum(len(p.hashes) for p in self.plans.values() if p.dst == rank)
+        return self._incoming.get(rank, 0)
+
+    def room(self, rank: int) -> int:
+        """Blocks a transfer may take on ``rank``, evicting cached blocks nobody uses if it must
+        (the worker's allocator reclaims the coldest unreferenced leaves, never a block in use):
+        free + reclaimable, less routing's reservations and what open plans bring."""
+        return self.gbm.ranks[rank].blocks_available - self.incoming(rank)
 
     def free_blocks(self, rank: int) -> int:
         """Free blocks a transfer may take on ``rank`` without evicting anything: its reported
@@ -226,6 +241,7 @@ class TransferCoordinator:
     def _end(self, plan: Plan, state: PlanState) -> None:
         plan.state = state
         del self.plans[plan.plan_id]
+        self._incoming[plan.dst] -= len(plan.hashes)
         self.ended[plan.plan_id] = state
         if self.on_end is not None:
             self.on_end(plan)

@@ -68,6 +68,9 @@ class TransferCostModel:
     interference: float = 1.0  # > 1 when the data path shares the GPU with running batches
     ewma_alpha: float = 0.2
     correction: dict[tuple[str, int], float] = field(default_factory=dict)
+    # The slowest measured curves, which unmeasured pairs borrow (found once: curves never change).
+    _slowest_curve: PairCurve | None = field(default=None, init=False, repr=False)
+    _slowest_residual: PairCurve | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_profile(cls, profile: dict | str | Path, kv_bytes_per_block: int, **kwargs) -> TransferCostModel:
@@ -114,7 +117,9 @@ class TransferCostModel:
             # Pairs of one kind behave alike (same link type): borrow the slowest measured one.
             if not self.curves:
                 raise ValueError("transfer profile holds no pairs")
-            curve = max(self.curves.values(), key=lambda c: c.at(BUCKETS[-1]))
+            if self._slowest_curve is None:
+                self._slowest_curve = max(self.curves.values(), key=lambda c: c.at(BUCKETS[-1]))
+            curve = self._slowest_curve
         return curve
 
     def data_path_p95(self, src: int, dst: int, num_blocks: int) -> float:
@@ -124,15 +129,21 @@ class TransferCostModel:
         """Dispatch-to-publish time beyond the data path, interpolated between measured buckets.
         A pair the profile did not measure borrows the slowest measured pair's, as its data
         path does (a calibration on two ranks serves a pool of more)."""
-        curve = self.residuals.get(self.pair_key(src, dst))
+        return self._residual(self.pair_key(src, dst), bucket(num_blocks))
+
+    def _residual(self, pair: str, size: int) -> float:
+        curve = self.residuals.get(pair)
         if curve is None and self.residuals:
-            curve = max(self.residuals.values(), key=lambda c: c.at(BUCKETS[0]))
-        return curve.at(bucket(num_blocks)) if curve is not None else 0.0
+            if self._slowest_residual is None:
+                self._slowest_residual = max(self.residuals.values(), key=lambda c: c.at(BUCKETS[0]))
+            curve = self._slowest_residual
+        return curve.at(size) if curve is not None else 0.0
 
     def estimate(self, src: int, dst: int, num_blocks: int) -> float:
         """Expected seconds from dispatch to publish for ``num_blocks`` blocks over src -> dst."""
-        raw = self.residual_p95(src, dst, num_blocks) + self.interference * self.data_path_p95(src, dst, num_blocks)
-        return raw * self.correction.get((self.pair_key(src, dst), bucket(num_blocks)), 1.0)
+        pair, size = self.pair_key(src, dst), bucket(num_blocks)
+        raw = self._residual(pair, size) + self.interference * self._curve(pair).at(num_blocks)
+        return raw * self.correction.get((pair, size), 1.0)
 
     def observe(self, src: int, dst: int, num_blocks: int, seconds: float) -> None:
         """Fold one measured transaction into the pair and bucket's correction."""

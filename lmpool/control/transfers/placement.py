@@ -9,34 +9,39 @@ from each the deepest hot block with all its ancestors, and looks for a copy
 worth making. A chain becomes a copy only when every gate passes, in this order
 (each refusal is counted under its name in ``refused``):
 
-- ``cooldown``: within ``cooldown_s`` the chain was neither refused by the gate nor copied
-  up to its leaf (a copy that stopped short at ``max_blocks`` goes on next tick);
+- ``cooldown``: the admission gate refused the chain within ``cooldown_s`` and its heat has
+  not doubled since (a prefix growing hotter is looked at again at once);
 - ``no_source``: some rank holds the whole chain ready (all ancestors resident);
   the most loaded such rank is the source;
 - ``no_partner``: the source has a live topology partner;
 - ``destination_holds``: a partner lacks part of the chain (and no plan is bringing
-  it); the least loaded such partner is the destination;
+  it); every such partner is a destination, least loaded first, each through the gates below;
 - ``load_skew``: source load - destination load >= ``min_load_skew_tokens``;
 - ``pair_busy``: no plan is open between the two ranks, nor a batch of this tick in
   the other direction (pair idleness);
-- ``capacity``: the destination's free blocks, less reservations and blocks other
-  plans bring, hold the copy: a speculative copy never evicts anything;
+- ``capacity``: the destination's room holds the copy: its free and reclaimable blocks, less
+  reservations and blocks other plans bring. The destination's allocator makes room by
+  evicting its coldest cached blocks that nobody references, never a block in use;
 - ``batch_full``: the pair's batch this tick has room left (no cooldown: next tick);
 - ``admission``: the saved prefill (one avoided cold prefill) beats the transfer cost.
 
-The copy is the first ``max_blocks`` blocks the destination lacks, starting where its
+A chain refused by every partner counts once, under its least loaded partner's gate. The
+copy is the first ``max_blocks`` blocks the destination lacks, starting where its
 own match ends, so the destination's chain stays contiguous from the root. ``max_blocks``
-bounds one tick's speculation, not the copy: a copy that stops short of the chain's leaf
-does not cool down, so once its plan has landed the next tick carries the next segment
-(while it is in flight, the destination counts as holding it). A chain copied only in
+bounds one tick's speculation, not the copy: once its plan has landed the next tick carries
+the next segment (while it is in flight, the destination counts as holding it). A chain copied only in
 part would attract no routes: the owner still holds more of it. Copies for
 one directed pair in one tick are coalesced into one plan (one payload) of at most
 ``batch_max_blocks`` blocks, each block once. When the plan completes, each chain
-gets a placement lease (``leases``) that steers routes to the copy.
+gets a placement lease (``leases``) that steers routes to the copy. A copy that reached its
+leaf does not cool down: a chain still hot goes on to the next partner as soon as one lacks
+it and passes the gates. ``tick`` runs periodically and, driven by route decisions, within
+milliseconds of new demand (``ControlPlane.react``).
 
 Invariants: a tick starts at most one plan per directed pair and none on a pair with
-an open plan; a batch holds each hash once, parents before children, and never more
-than ``batch_max_blocks``; every chain in a batch passed every gate.
+an open plan (nor in both directions); a copy never needs more than the destination's room;
+a batch holds each hash once, parents before children, and never more than
+``batch_max_blocks``; every chain in a batch passed every gate.
 """
 
 from __future__ import annotations
@@ -141,7 +146,8 @@ class BackgroundPlacement:
         self.max_blocks = max_blocks
         self.batch_max_blocks = batch_max_blocks
         self.chains = HotChains(recent_chains)
-        self.cooling: dict[int, float] = {}  # chain leaf -> when it may be looked at again
+        # Chain leaf -> (when it may be looked at again, its heat when the gate refused it).
+        self.cooling: dict[int, tuple[float, float]] = {}
         self.refused: Counter[str] = Counter()
         self.decisions: list[AdmissionDecision] = []  # the latest tick's gate decisions
         self.ticks = 0
@@ -151,7 +157,7 @@ class BackgroundPlacement:
         self.ticks += 1
         self.decisions = []
         now = self.gbm.clock()
-        for leaf in [leaf for leaf, until in self.cooling.items() if until <= now]:
+        for leaf in [leaf for leaf, (until, _) in self.cooling.items() if until <= now]:
             del self.cooling[leaf]
         batches: dict[tuple[int, int], CopyBatch] = {}
         taken: Counter[int] = Counter()  # blocks this tick's batches take on each destination
@@ -162,10 +168,11 @@ class BackgroundPlacement:
         return [b for b in batches.values() if b.hashes]
 
     def _consider(self, chain: list[int], now: float, batches: dict, taken: Counter) -> str:
-        """Put one hot chain's copy into a batch; return the refusing gate's name, or ""."""
+        """Put one hot chain's copies into batches; return the refusing gate's name, or ""."""
         gbm, topology = self.gbm, self.scheduler.topology
         leaf = chain[-1]
-        if leaf in self.cooling:
+        cooling = self.cooling.get(leaf)
+        if cooling is not None and gbm.heat(leaf) < 2 * cooling[1]:
             return "cooldown"
         holders = gbm.alive_mask
         for h in chain:
@@ -186,7 +193,19 @@ class BackgroundPlacement:
                 lacking.append((dst, start, end))
         if not lacking:
             return "destination_holds"
-        dst, start, end = min(lacking, key=lambda c: (self.scheduler.rank_load(c[0]), c[0]))
+        lacking.sort(key=lambda c: (self.scheduler.rank_load(c[0]), c[0]))
+        reasons = [self._copy(chain, src, dst, start, end, batches, taken) for dst, start, end in lacking]
+        if "" in reasons:
+            self.cooling.pop(leaf, None)
+            return ""
+        if "admission" in reasons:
+            self.cooling[leaf] = (now + self.cooldown_s, gbm.heat(leaf))
+        return reasons[0]
+
+    def _copy(self, chain: list[int], src: int, dst: int, start: int, end: int, batches: dict,
+              taken: Counter) -> str:
+        """Add blocks ``start:end`` of ``chain`` to the (src, dst) batch if every gate passes."""
+        gbm = self.gbm
         if self.scheduler.rank_load(src) - self.scheduler.rank_load(dst) < self.min_load_skew_tokens:
             return "load_skew"
         if self.coordinator.busy(src, dst) or (dst, src) in batches:
@@ -194,7 +213,7 @@ class BackgroundPlacement:
         batch = batches.get((src, dst))
         held = set(batch.hashes) if batch is not None else set()
         new = sum(1 for i in range(start, end) if chain[i] not in held)
-        if self.coordinator.free_blocks(dst) - taken[dst] < new:
+        if self.coordinator.room(dst) - taken[dst] < new:
             return "capacity"
         if batch is not None and len(batch.hashes) + new > self.batch_max_blocks:
             return "batch_full"  # not refused on its merits: no cooldown, look again next tick
@@ -202,10 +221,7 @@ class BackgroundPlacement:
             decision = self.gate.background(src, dst, new, self.prefill_s_per_token(dst))
             self.decisions.append(decision)
             if not decision.admitted:
-                self.cooling[leaf] = now + self.cooldown_s
                 return "admission"
-            if end == len(chain):
-                self.cooling[leaf] = now + self.cooldown_s  # the copy reaches the leaf: rest
         generations = [gbm.generation(src, chain[i]) for i in range(start, end)]
         if batch is None:
             batch = batches[(src, dst)] = CopyBatch(src, dst)

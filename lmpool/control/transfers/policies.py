@@ -8,6 +8,9 @@ the coordinator runs back to the policy that asked for it:
 - ``tick()`` (a periodic control-plane task) asks ``BackgroundPlacement`` for
   copies and starts one plan per batch; when a batch's plan completes, each of its
   chains gets a placement lease;
+- ``pulls`` (``lmpool.control.transfers.pull``, built with the router), with ``transfer_mode``
+  "pull" or "all": routing prices pulling a request's prefix to each candidate; every plan
+  that publishes or ends is passed on to it, so a pull's waiters hear its outcome;
 - ``on_shortage(report)`` answers a worker's ``ShortageReport`` with a move
   (``lmpool.control.transfers.foreground.plan_release``) or at once with a refusal; when the
   move's plan ends, the worker hears its outcome (``ReleaseOutcome``), so it never
@@ -27,7 +30,8 @@ from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.router import Router
 from lmpool.control.transfers.leases import PlacementLeases
 from lmpool.control.transfers.placement import BackgroundPlacement, CopyBatch
-from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN, UNCALIBRATED_LINK
+from lmpool.control.transfers.pull import RoutePulls
+from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN, UNCALIBRATED_LINK, TransferPolicyConfig
 from lmpool.protocol import ReleaseOutcome, RouteQuery, ShortageReport, TransferStats
 from lmpool.protocol.spec import ControlSpec
 from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
@@ -45,6 +49,7 @@ class TransferPolicies:
         scheduler: Router,
         coordinator: TransferCoordinator,
         send: Callable[[int, object], None],
+        pulls: RoutePulls | None = None,
     ) -> None:
         transfer = spec.pool.transfer
         cfg = transfer.transfer_policy
@@ -70,6 +75,7 @@ class TransferPolicies:
                 cooldown_s=cfg.cooldown_s, max_blocks=transfer.background_copy_max_blocks,
                 batch_max_blocks=transfer.background_copy_batch_max_blocks, recent_chains=cfg.recent_chains,
             )
+        self.pulls = pulls
         self.copies: dict[int, CopyBatch] = {}  # open background plans
         self.releases: dict[int, tuple[int, int]] = {}  # open foreground plans -> (rank, release id)
         self.stats_ = TransferStats()
@@ -79,13 +85,7 @@ class TransferPolicies:
     def prefill_s_per_token(self, rank: int) -> float | None:
         """What a token of prefill costs on ``rank``: the configured figure, else the rank's own
         measurement, else the lowest any live rank measured (None: the gate's default)."""
-        if self.cfg.prefill_s_per_token is not None:
-            return self.cfg.prefill_s_per_token
-        own = self.gbm.ranks[rank].load.prefill_s_per_token
-        if own > 0:
-            return own
-        measured = [i.load.prefill_s_per_token for i in self.gbm.ranks if i.alive and i.load.prefill_s_per_token > 0]
-        return min(measured) if measured else None
+        return prefill_s_per_token(self.cfg, self.gbm, rank)
 
     def observe_route(self, query: RouteQuery) -> None:
         if self.placement is not None:
@@ -130,7 +130,13 @@ class TransferPolicies:
 
     # ---- plan outcomes -------------------------------------------------------------------
 
+    def plan_published(self, plan: Plan) -> None:
+        if self.pulls is not None:
+            self.pulls.plan_published(plan)
+
     def plan_ended(self, plan: Plan) -> None:
+        if self.pulls is not None:
+            self.pulls.plan_ended(plan)
         done = plan.state is PlanState.DONE
         batch = self.copies.pop(plan.plan_id, None)
         if batch is not None and done:
@@ -158,4 +164,20 @@ class TransferPolicies:
         s.placement_refused = dict(self.placement.refused) if self.placement is not None else {}
         s.in_flight_blocks = sum(len(i.in_flight) for i in self.gbm.ranks)
         s.reservations = len(self.gbm.reservations)
+        if self.pulls is not None:
+            p = self.pulls.counters
+            s.pulls_started, s.pulls_shared, s.pulls_landed = p.started, p.shared, p.landed
+            s.pulls_aborted, s.pulls_routed, s.pulls_open = p.aborted, p.routed, len(self.pulls.open)
         return s
+
+
+def prefill_s_per_token(cfg: TransferPolicyConfig, gbm: GlobalBlockManager, rank: int) -> float | None:
+    """``TransferPolicies.prefill_s_per_token``: a function of the configuration and the page
+    table alone, so that pull pricing, built before the policies, reads the same figure."""
+    if cfg.prefill_s_per_token is not None:
+        return cfg.prefill_s_per_token
+    own = gbm.ranks[rank].load.prefill_s_per_token
+    if own > 0:
+        return own
+    measured = [i.load.prefill_s_per_token for i in gbm.ranks if i.alive and i.load.prefill_s_per_token > 0]
+    return min(measured) if measured else None

@@ -1,0 +1,108 @@
+"""Route-time pulls on the control plane alone (``lmpool.control.transfers.pull``): which option
+wins and why, one plan shared by the requests that need it, the outcomes a waiting request
+hears, and nothing left behind by a pull that lands, aborts or loses a rank."""
+
+from __future__ import annotations
+
+import pytest
+from pull_rig import BLOCK, PullRig
+
+DOC = list(range(1, 33))  # a 32-block cached document
+
+
+def busy_owner(rig: PullRig, running: int = 64) -> None:
+    rig.cache(0, DOC)
+    rig.load(0, running, decode_left=running * 64)
+    for r in range(1, rig.gbm.world_size):
+        rig.load(r, 0)
+
+
+def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first():
+    rig = PullRig()
+    busy_owner(rig)
+    rid, decision = rig.route(DOC)
+    assert decision.rank == 1 and decision.matched_blocks == 0
+    assert decision.reason.startswith("pull r1<-r0 32b")
+    assert "serve r0=" in decision.reason and "r1<-r0:32b=" in decision.reason
+    (plan,) = rig.coordinator.plans.values()
+    assert (plan.src, plan.dst, plan.hashes, plan.kind) == (0, 1, DOC, "pull")
+    assert rig.pulls.waiting == {rid: plan.plan_id}
+    assert rig.gbm.reservations[rid].tokens == BLOCK + 1 - BLOCK  # only the last block's tail
+    rig.check()
+    rig.advance(plan.plan_id)
+    rig.advance(plan.plan_id)
+    rig.check()
+    assert not rig.resolved
+    rig.advance(plan.plan_id)  # the destination publishes: the request may run
+    assert rig.resolved == [(rid, "landed")]
+    assert rig.gbm.prefix_match(DOC)[1] == len(DOC)
+    rig.finish(plan.plan_id)
+    rig.check()
+
+
+def test_an_idle_owner_keeps_its_request_and_no_copy_starts():
+    rig = PullRig(min_gain_tokens=256)
+    busy_owner(rig, running=0)
+    _, decision = rig.route(DOC)
+    assert decision.rank == 0 and decision.reason.startswith("owner r0")
+    assert not rig.coordinator.plans and not rig.pulls.waiting
+
+
+def test_requests_needing_the_same_blocks_on_the_same_rank_share_one_pull():
+    rig = PullRig()
+    busy_owner(rig)
+    first, d1 = rig.route(DOC)
+    second, d2 = rig.route(DOC[:20])  # a shorter prompt of the same document
+    assert d1.rank == d2.rank == 1
+    assert len(rig.coordinator.plans) == 1 and rig.pulls.counters.shared == 1
+    (plan_id,) = rig.coordinator.plans
+    rig.check()
+    rig.finish(plan_id)
+    assert sorted(rig.resolved) == [(first, "landed"), (second, "landed")]
+    rig.check()
+
+
+def test_an_aborted_pull_releases_its_waiters_to_recompute_and_leaves_nothing_in_flight():
+    rig = PullRig()
+    busy_owner(rig)
+    rid, _ = rig.route(DOC)
+    (plan_id,) = rig.coordinator.plans
+    rig.advance(plan_id)  # both prepared: the destination's blocks are in flight
+    assert rig.gbm.ranks[1].in_flight
+    rig.fail(plan_id)
+    assert rig.resolved[0][0] == rid and rig.resolved[0][1].startswith("aborted: rank 1 failed")
+    assert rig.gbm.prefix_match(DOC)[1] == 0
+    rig.check()
+
+
+@pytest.mark.parametrize("dead", [0, 1])
+def test_a_rank_that_dies_mid_pull_ends_it_and_frees_its_waiters(dead):
+    rig = PullRig()
+    busy_owner(rig)
+    rid, _ = rig.route(DOC)
+    (plan_id,) = rig.coordinator.plans
+    rig.advance(plan_id)
+    rig.kill(dead)
+    assert rig.resolved == [(rid, f"aborted: rank {dead} died in executing")]
+    rig.check()
+
+
+def test_a_waiting_request_id_waits_once():
+    rig = PullRig()
+    busy_owner(rig)
+    rid, _ = rig.route(DOC)
+    query_again = rig.scheduler.route_sequence_meta  # the same id, routed again while it waits
+    from lmpool.protocol import RouteQuery
+
+    query_again(RouteQuery(rid, DOC, len(DOC) * BLOCK + 1, 64))
+    assert len(rig.coordinator.plans) == 1 and list(rig.pulls.waiting) == [rid]
+    rig.check()
+
+
+def test_without_contention_a_long_queue_still_prices_the_copy_below_recomputing():
+    rig = PullRig(contention_weight=0.0)
+    rig.cache(0, DOC)
+    rig.gbm.update_load(0, 1, rig.gbm.ranks[0].load.__class__(waiting_prefill_tokens=50_000, blocks_free=900))
+    rig.load(1, 0)
+    _, decision = rig.route(DOC)
+    assert decision.rank == 1 and "pull r1<-r0" in decision.reason

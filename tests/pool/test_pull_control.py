@@ -1,0 +1,121 @@
+"""The control process's transfer parts for route-time pulls and placement, in one event loop
+without workers: a route that opens a pull is answered only once the pull has landed, one
+whose destination dies meanwhile is routed again, and routes drive placement passes (one per
+burst, run after the routes, never inside them)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from lmpool.config.pool import PoolConfig
+from lmpool.config.transfer import TransferPolicyConfig
+from lmpool.control.build import build_control_plane
+from lmpool.control.plane import ControlPlane
+from lmpool.engine.hashing import ROOT_HASH
+from lmpool.protocol import (
+    DestPrepared,
+    Executed,
+    LoadReport,
+    PlanState,
+    Published,
+    RouteQuery,
+    SourcePrepared,
+)
+from lmpool.protocol.kv_events import BlockStored, KVSnapshot
+from lmpool.protocol.spec import ControlSpec
+
+BLOCK = 4
+DOC = [bytes([i]) * 32 for i in range(1, 9)]  # block hashes: 32 bytes each
+
+
+def control(mode: str) -> ControlPlane:
+    # A copy costs a few tokens of prefill; the owner's decode batch costs thousands.
+    policy = TransferPolicyConfig(decode_contention_weight=100.0, pull_min_gain_tokens=0, prefill_s_per_token=1e-3)
+    pool = PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=BLOCK, transfer_mode=mode,
+                                   transfer_policy=policy)
+    plane = build_control_plane(ControlSpec(pool=pool, engine_end="unused", worker_ends=["unused", "unused"],
+                                            transfers=True, kv_bytes_per_block=4096))
+    parents = [ROOT_HASH] + DOC[:-1]
+    for rank in (0, 1):
+        plane.gbm.register_rank(rank, 1, 100)
+        blocks = [BlockStored(h, p, i, 1) for i, (h, p) in enumerate(zip(DOC, parents))] if rank == 0 else []
+        plane.gbm.apply_snapshot(rank, 1, KVSnapshot(1, blocks))
+    plane.gbm.update_load(0, 1, LoadReport(num_running=8, blocks_free=90))  # the owner is decoding
+    plane.gbm.update_load(1, 1, LoadReport(blocks_free=100))
+    return plane
+
+
+def query(i: int) -> RouteQuery:
+    return RouteQuery(f"q{i}", DOC, len(DOC) * BLOCK + 1, 16)
+
+
+async def turns(condition, what: str, limit: int = 100) -> None:
+    """Yield loop turns until ``condition()`` holds (tasks run in turn); fail after ``limit``."""
+    for _ in range(limit):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{what} never happened")
+
+
+async def opened(plane: ControlPlane, task: asyncio.Task):
+    """The plan ``task``'s route opened, once the task has reached its wait."""
+    await turns(lambda: plane.coordinator.plans or task.done(), "the route")
+    assert not task.done(), task.result()
+    (plan,) = plane.coordinator.plans.values()
+    return plan
+
+
+def test_a_pulled_route_is_answered_once_its_blocks_landed():
+    async def main():
+        plane = control("pull")
+        task = asyncio.create_task(plane.route(query(0)))
+        plan = await opened(plane, task)
+        n = len(plan.hashes)
+        plane.on_plan_answer(SourcePrepared(plan.plan_id, 0, list(range(n)), [[0] * BLOCK] * n))
+        plane.on_plan_answer(DestPrepared(plan.plan_id, 1, list(range(50, 50 + n)), [1] * n))
+        for rank in (0, 1):
+            plane.on_plan_answer(Executed(plan.plan_id, rank))
+        assert not task.done() and plan.state is PlanState.PUBLISHING
+        plane.on_plan_answer(Published(plan.plan_id, 1))
+        return await task, plane
+
+    decision, plane = asyncio.run(main())
+    assert decision.rank == 1 and decision.reason.startswith("pull r1<-r0") and decision.reason.endswith("pull landed")
+    assert not plane.pull_waiters and not plane.policies.pulls.waiting
+
+
+def test_a_route_whose_destination_dies_mid_pull_is_routed_again():
+    async def main():
+        plane = control("pull")
+        task = asyncio.create_task(plane.route(query(0)))
+        await opened(plane, task)
+        plane.coordinator.rank_died(1)
+        plane.scheduler.rank_down(1)
+        return await task, plane
+
+    decision, plane = asyncio.run(main())
+    assert decision.rank == 0 and not plane.coordinator.plans and not plane.pull_waiters
+
+
+def test_routes_drive_one_placement_pass_per_burst_after_them():
+    async def main():
+        plane = control("background")
+        passes = []
+        ran = asyncio.Event()
+
+        def tick():
+            passes.append(plane.route_queries)
+            ran.set()
+
+        plane.policies.tick = tick
+        for i in range(5):  # a burst: no route yields to the loop
+            await plane.route(query(i))
+        assert passes == [], "a pass never runs inside a route"
+        await asyncio.wait_for(ran.wait(), 60)  # (a guard against a hang, not a deadline)
+        ran.clear()
+        await plane.route(query(5))
+        await asyncio.wait_for(ran.wait(), 60)
+        return passes
+
+    assert asyncio.run(main()) == [5, 6]

@@ -1,0 +1,114 @@
+"""Route-time pulls in a running CPU pool (gloo, ``transfer_mode="pull"``): with its owner
+busy decoding, a request for a cached document goes to the idle rank, which first copies the
+document's blocks from the owner; its tokens equal a single ``LLM``'s (greedy). A pull that
+aborts (an injected failure) recomputes on its rank; a source killed mid-pull loses no
+request. Workers check their block manager's invariants after every transfer poll and the
+control process its page table's and the pulls' bookkeeping after every report, ack and
+route. Afterwards no plan, in-flight block, reservation or pinned block is left."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pool_waits
+import pytest
+import torch
+import uvloop
+
+from lmpool import LLM, SamplingParams
+from lmpool.config.transfer import TransferPolicyConfig
+from lmpool.dataplane.faults import ENV, Fault, encode
+from lmpool.frontend.api import AsyncLMPool
+
+BLOCK = 16
+DOC_BLOCKS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+BUSY = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)  # decodes until cancelled
+DEADLINE_S = 120.0
+# Decode contention dominates: a rank decoding anything is dearer than a copy to an idle one.
+POLICY = TransferPolicyConfig(decode_contention_weight=1000.0, pull_min_gain_tokens=0, prefill_s_per_token=1e-3)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+DOC = tokens(DOC_BLOCKS * BLOCK, 1)
+ASKS = [DOC + tokens(5, 10 + i) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        return [o.token_ids for o in llm.generate(ASKS, GREEDY)]
+
+
+def leak_free(stats: dict) -> bool:
+    t = stats["transfers"]
+    return (t["plans_open"] == 0 and t["in_flight_blocks"] == 0 and t["reservations"] == 0
+            and t["pulls_open"] == 0 and pool_waits.no_blocks_held(stats))
+
+
+async def serve_with_busy_owner(pool: AsyncLMPool, asks: list[list[int]]) -> tuple[list, dict]:
+    """Cache the document on rank 0, keep rank 0 decoding, ask ``asks`` one after the other;
+    their outputs and the pool's stats once every request has ended and nothing is held."""
+    await pool.generate(DOC + tokens(3, 9), GREEDY, rank=0)
+    await pool_waits.settled(pool, lambda s: s["ranks"][0]["cached_blocks"] >= DOC_BLOCKS, "the document cached",
+                             limit=DEADLINE_S)
+    busy = asyncio.create_task(pool.generate(tokens(20, 99), BUSY, rank=0))
+    await pool_waits.settled(pool, lambda s: s["ranks"][0]["num_running"] >= 1, "rank 0 decoding", limit=DEADLINE_S)
+    outs = [await pool.generate(ask, GREEDY) for ask in asks]
+    busy.cancel()
+    await asyncio.gather(busy, return_exceptions=True)
+    stats = await pool_waits.settled(pool, leak_free, "nothing held", limit=DEADLINE_S)
+    return outs, stats
+
+
+def run(tiny_model, monkeypatch, asks: list[list[int]], fault: Fault | None = None,
+        mode: str = "pull") -> tuple[list, dict]:
+    """``serve_with_busy_owner`` in a fresh two-rank pool of transfer mode ``mode`` checking
+    its invariants, with ``fault`` injected into its workers."""
+    monkeypatch.setenv("LMPOOL_CHECK_INVARIANTS", "1")
+    if fault is not None:
+        monkeypatch.setenv(ENV, encode([fault]))
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode=mode,
+                               transfer_policy=POLICY) as pool:
+            return await serve_with_busy_owner(pool, asks)
+
+    return uvloop.run(main())
+
+
+@pytest.mark.parametrize("mode", ["pull", "all"])
+def test_a_pulled_request_runs_on_the_idle_rank_with_the_tokens_of_a_single_llm(tiny_model, expected, monkeypatch,
+                                                                               mode):
+    outs, stats = run(tiny_model, monkeypatch, ASKS, mode=mode)
+    first = outs[0]
+    assert first.rank == 1 and first.route.startswith("pull r1<-r0 6b"), first.route
+    assert first.route.endswith("pull landed") and "serve r0=" in first.route
+    assert first.num_cached_tokens == DOC_BLOCKS * BLOCK, "the pulled blocks served the prefix"
+    assert [o.token_ids for o in outs] == expected
+    t = stats["transfers"]
+    assert t["pulls_started"] >= 1 and t["pulls_landed"] == t["pulls_started"] and t["pulls_aborted"] == 0
+    assert t["plans_committed"] == t["pulls_started"] + t["background_copies"] + t["foreground_moves"]
+
+
+def test_an_aborted_pull_recomputes_on_its_rank(tiny_model, expected, monkeypatch):
+    fault = Fault(rank=1, order="execute_recv", point="before", action="raise")
+    (out,), stats = run(tiny_model, monkeypatch, ASKS[:1], fault)
+    assert out.rank == 1 and "pull aborted: rank 1 failed executing" in out.route, out.route
+    assert out.num_cached_tokens == 0 and out.token_ids == expected[0]
+    t = stats["transfers"]
+    assert (t["pulls_started"], t["pulls_aborted"], t["pulls_landed"]) == (1, 1, 0)
+
+
+def test_a_source_killed_mid_pull_loses_no_request(tiny_model, expected, monkeypatch):
+    fault = Fault(rank=0, order="execute_send", point="before", action="kill")
+    (out,), stats = run(tiny_model, monkeypatch, ASKS[:1], fault)
+    # The plan ends on whichever the control plane hears of first: rank 0's death or rank 1's
+    # failed receive; either way the request runs on rank 1 and recomputes.
+    assert out.rank == 1 and "; pull aborted: rank " in out.route, out.route
+    assert out.token_ids == expected[0]
+    assert [r["alive"] for r in stats["ranks"]] == [False, True]
+    assert stats["transfers"]["pulls_aborted"] == 1
