@@ -45,6 +45,8 @@ class TransferPolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
     interval_s: float = 0.5
     # Routes drive placement too: a pass runs this soon after a route, at most once per this long.
     react_interval_s: float = 0.005
+    # A pass runs in slices of this long and one chain more, so a route waits for one slice at most.
+    placement_slice_s: float = 20e-6
     hot_threshold: float = 4.0  # a block is hot from this heat on
     heat_half_life_s: float = 30.0
     route_hit_weight: float = 0.5  # extra heat when a route used the block, not just asked for it
@@ -70,7 +72,7 @@ class TransferPolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def check(self) -> None:
         positive = ("interval_s", "hot_threshold", "heat_half_life_s", "lease_s", "foreground_wait_s",
-                    "admission_margin")
+                    "admission_margin", "placement_slice_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -1,7 +1,9 @@
 """The control process's state and tasks on its one uvloop event loop: workers' reports applied
 to the page table, the frontend's requests served (routes, stats, explicit transfers,
 questions to a worker), transfer plans run, heartbeats sent, the pool-state board published.
-Background placement runs every ``interval_s`` and right after routes (``react``). With
+Background placement runs over every remembered chain each ``interval_s`` and over the newly
+routed ones right after routes (``react``), in slices of ``placement_slice_s`` so that routes
+run between them. With
 route-time pulls (``lmpool.control.transfers.pull``) a route may open a copy plan for the
 request's prefix; that route's reply waits until the copy has landed or aborted, never the
 routing of others.
@@ -97,6 +99,7 @@ class ControlPlane:
         self.known = [asyncio.Event() for _ in range(spec.pool.world_size)]
         self._placed_at = 0.0  # the latest placement pass, periodic or driven by a route
         self._reaction: asyncio.TimerHandle | None = None
+        self._slicing: asyncio.Handle | None = None  # the next slice of the placement pass under way
         # Route replies held until the pull their request waits on has landed or aborted.
         self.pull_waiters: dict[str, asyncio.Future] = {}
         self.plan_waiters: dict[int, asyncio.Future] = {}
@@ -311,27 +314,41 @@ class ControlPlane:
         """Background placement: one bounded, synchronous pass per interval."""
         while True:
             await asyncio.sleep(self.spec.pool.transfer.transfer_policy.interval_s)
-            self._place_now()
+            self._place_now(fresh_only=False)
 
     def react(self) -> None:
         """Schedule a placement pass right after a route (at most one per ``react_interval_s``),
         so that a burst's demand is answered within milliseconds, not at the next periodic pass.
-        The pass runs as its own callback: never on the route's path."""
-        if self.policies.placement is None or self._reaction is not None:
+        The pass runs as its own callbacks: never on the route's path."""
+        if self.policies.placement is None or self._reaction is not None or self._slicing is not None:
             return
         interval = self.spec.pool.transfer.transfer_policy.react_interval_s
         delay = max(0.0, self._placed_at + interval - time.monotonic())
-        self._reaction = asyncio.get_running_loop().call_later(delay, self._place_now)
+        self._reaction = asyncio.get_running_loop().call_later(delay, self._place_now, True)
 
-    def _place_now(self) -> None:
+    def _place_now(self, fresh_only: bool) -> None:
+        """Start a placement pass: over every remembered chain, or (a route's reaction) over
+        those routed since the last pass began."""
         if self._reaction is not None:
             self._reaction.cancel()
             self._reaction = None
+        if self._slicing is not None:
+            return  # a pass is under way; it goes on
         self._placed_at = time.monotonic()
+        self._place_slice(fresh_only)
+
+    def _place_slice(self, fresh_only: bool = False) -> None:
+        """One slice of the placement pass; the next is queued behind whatever is ready, so a
+        route waits for one slice at most, never for a whole pass."""
+        self._slicing = None
         try:
-            self.policies.tick()
+            over = self.policies.tick(self.spec.pool.transfer.transfer_policy.placement_slice_s, fresh_only)
         except Exception:  # a bug in a policy must not end placement, nor the control plane
-            log.exception("background placement tick failed")
+            log.exception("background placement pass failed")
+            self.policies.drop_pass()
+            over = True
+        if not over:
+            self._slicing = asyncio.get_running_loop().call_soon(self._place_slice)
 
     def connect_pairs(self) -> None:
         """Open the data path of every pair of live workers under fresh sessions."""

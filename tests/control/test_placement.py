@@ -1,6 +1,7 @@
 """Background placement: hotness from routed demand, the deepest hot prefix of each chain, every
-gate refusing on its own, per-chain and per-pair caps, coalescing, and a hypothesis state
-machine checking the batch invariants after every tick."""
+gate refusing on its own, per-chain and per-pair caps, coalescing, a pass run in slices, and a
+hypothesis state machine checking the batch invariants after every pass, whole or sliced with
+other events between its slices."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.router import Router
-from lmpool.control.transfers.placement import BackgroundPlacement, HotChains
+from lmpool.control.transfers.placement import BackgroundPlacement, HotChains, hot_depth
 from lmpool.control.topology import Topology
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.protocol.kv_events import BlockStored, KVSnapshot
+from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
 from lmpool.control.transfers.coordinator import TransferCoordinator
@@ -115,18 +116,31 @@ def test_heat_stays_exact_across_scaling_epochs():
     assert len(w.gbm._heat._bases) > 1
 
 
-def test_hot_chains_give_the_deepest_hot_prefix_once_and_forget_cold_chains():
-    heat = {1: 5.0, 2: 3.0, 3: 1.0, 7: 0.0}
+def test_a_pass_takes_the_deepest_hot_prefix_once_and_forgets_cold_chains():
+    w = World()
+    a, cold, gone = chain(3, 1), chain(2, 2), chain(2, 3)
+    w.cache(0, a, cold)
+    w.load(0, waiting_prefill_tokens=1000)
+    w.route(a, 2)  # 1.5 heat per route on every block of a
+    w.route(cold, 1)  # 1.5: never hot
+    w.placement.chains.observe(gone, held=2)  # routed while held, since evicted everywhere: no heat
+    w.placement.chains.observe(chain(2, 4), held=0)  # nothing held anywhere: not a candidate
+    w.load(0, waiting_prefill_tokens=1000)
+    (batch,) = w.placement.tick()
+    assert batch.hashes == a and batch.leases == [(a[-1], 3)], "a is hot to its leaf: copied whole, once"
+    assert w.placement.chains.newest_first() == [cold, a], \
+        "the chain whose root nobody holds is forgotten; the merely cold one is kept"
     chains = HotChains(capacity=3)
-    chains.observe([1, 2, 3, 4], held=3)
-    chains.observe([1, 2, 5], held=2)  # the same deepest hot prefix: reported once
-    chains.observe([7, 8], held=1)
-    chains.observe([9], held=0)  # nothing held anywhere: not a candidate
-    assert chains.hot(lambda h: heat.get(h, 0.0), threshold=2.0) == [[1, 2]]
-    assert len(chains) == 2, "the chain whose root nobody holds is forgotten"
-    chains.observe([11], 1)
-    chains.observe([12], 1)
-    assert len(chains) == 3, "bounded: the oldest chain goes"
+    for leaf in (11, 12, 13, 14):
+        chains.observe([leaf], 1)
+    assert chains.newest_first() == [[14], [13], [12]], "bounded: the oldest chain goes"
+
+
+@pytest.mark.parametrize("heats", [[], [5.0], [1.0], [5, 4, 3, 2, 1], [2, 2, 2, 2], [9, 1, 1], [3, 2, 2, 1.99, 0]])
+def test_the_deepest_hot_block_is_found_by_bisection(heats):
+    blocks = list(range(len(heats)))
+    linear = max((i + 1 for i, h in enumerate(heats) if h >= 2.0), default=0)
+    assert hot_depth(blocks, lambda h: heats[h], 2.0) == linear
 
 
 # ---- a copy, and each gate refusing --------------------------------------------------------
@@ -204,12 +218,11 @@ def test_cooldown_holds_a_refused_chain_back_until_it_expires_or_the_chain_grows
 
 def test_no_source_when_no_rank_holds_the_whole_chain():
     # A rank reporting a block without its parent: no rank holds all resident ancestors.
+    # Deltas, not snapshots: a snapshot replaces the rank's entries, and with them the heat.
     def setup(w, c):
-        w.versions[1] += 1
-        w.gbm.apply_snapshot(1, 1, KVSnapshot(w.versions[1], [BlockStored(c[2], c[1], 0, 7)]))
-        w.versions[0] += 1
-        w.gbm.apply_snapshot(0, 1, KVSnapshot(w.versions[0], [BlockStored(c[0], ROOT_HASH, 0, 7),
-                                                             BlockStored(c[1], c[0], 1, 7)]))
+        for rank, event in ((1, BlockStored(c[2], c[1], 0, 7)), (0, BlockRemoved(c[2], 2, 7))):
+            w.versions[rank] += 1
+            assert w.gbm.apply_delta(rank, 1, KVDelta(w.versions[rank] - 1, w.versions[rank], [event]))
     assert refusal(setup) == {"no_source": 1}
 
 
@@ -338,6 +351,56 @@ def test_a_hot_chain_is_copied_to_several_partners_in_one_tick():
     assert sorted(b.dst for b in batches) == [1, 2, 3] and all(b.hashes == c for b in batches)
 
 
+# ---- a pass in slices ------------------------------------------------------------------------
+
+
+def busy_world() -> tuple[World, list[list[int]]]:
+    w = World(n=4)
+    chains = [chain(3, f) for f in range(1, 5)]
+    w.cache(0, *chains)
+    w.load(0, waiting_prefill_tokens=1000)
+    for c in chains:
+        w.route(c, 2)
+    w.load(0, waiting_prefill_tokens=1000)
+    return w, chains
+
+
+def test_a_pass_in_slices_gives_the_copies_a_whole_pass_gives():
+    whole, _ = busy_world()
+    sliced, chains = busy_world()
+    placement_pass = sliced.placement.start_pass()
+    slices = 1
+    while not placement_pass.run(0.0):  # a zero budget: one chain per slice
+        slices += 1
+    assert slices == len(chains)
+    expected = [(b.src, b.dst, b.hashes, b.leases) for b in whole.placement.tick()]
+    assert [(b.src, b.dst, b.hashes, b.leases) for b in placement_pass.copies()] == expected
+    assert sliced.placement.refused == whole.placement.refused
+
+
+def test_a_reaction_looks_only_at_the_chains_routed_since_the_last_pass():
+    w, chains = busy_world()
+    assert w.placement.chains.newest_first(fresh_only=True) == chains[::-1]
+    assert w.placement.chains.newest_first(fresh_only=True) == [], "a pass leaves none fresh"
+    w.route(chains[1], 1)
+    placement_pass = w.placement.start_pass(fresh_only=True)
+    while not placement_pass.run(None):
+        pass
+    assert {tuple(b.hashes) for b in placement_pass.copies()} == {tuple(chains[1])}
+    assert len(w.placement.chains) == len(chains), "the others are still remembered for a full pass"
+
+
+def test_a_batch_whose_pair_turned_busy_between_slices_is_not_started():
+    w, chains = busy_world()
+    placement_pass = w.placement.start_pass()
+    assert not placement_pass.run(0.0)
+    w.coord.start(1, 0, [chains[0][0]], [7], [ROOT_HASH])  # a plan opens on the pair (0, 1) meanwhile
+    while not placement_pass.run(0.0):
+        pass
+    assert sorted(b.dst for b in placement_pass.copies()) == [2, 3]
+    assert w.placement.refused["pair_busy"] == 1
+
+
 # ---- invariants under random demand -----------------------------------------------------------
 
 
@@ -346,6 +409,7 @@ class PlacementMachine(RuleBasedStateMachine):
         super().__init__()
         self.w = World(n=3, max_blocks=2, batch_max=5, skew=50)
         self.families = {f: chain(4, f) for f in range(1, 6)}
+        self.open_pass = None  # a pass run slice by slice (``pass_slice``)
 
     @rule(rank=st.integers(0, 2), fams=st.lists(st.integers(1, 5), min_size=1, max_size=3), depth=st.integers(1, 4))
     def cache(self, rank, fams, depth):
@@ -371,6 +435,8 @@ class PlacementMachine(RuleBasedStateMachine):
     @rule()
     def tick(self):
         w = self.w
+        if self.open_pass is not None:
+            return  # one pass at a time, as the control plane runs them
         busy = {frozenset((p.src, p.dst)) for p in w.coord.plans.values()}
         batches = w.placement.tick()
         pairs = [frozenset((b.src, b.dst)) for b in batches]
@@ -385,6 +451,33 @@ class PlacementMachine(RuleBasedStateMachine):
             for h, g in zip(b.hashes, b.generations):
                 assert w.gbm.ready_ranks(h) >> b.src & 1 and g == 7, "the source holds what it sends"
                 assert not w.gbm.ready_ranks(h) >> b.dst & 1, "destination absence"
+            w.coord.start(b.src, b.dst, b.hashes, b.generations, b.parents)
+
+    @rule(src=st.integers(0, 2), dst=st.integers(0, 2), fam=st.integers(1, 5))
+    def other_plan(self, src, dst, fam):
+        """A plan some other policy opens (a pull, a release): between slices, too."""
+        if src != dst:
+            self.w.coord.start(src, dst, [self.families[fam][0]], [7], [ROOT_HASH])
+
+    @rule()
+    def pass_slice(self):
+        """One chain of a pass; at its end, what it starts passes the gates as they are then."""
+        w = self.w
+        if self.open_pass is None:
+            self.open_pass = w.placement.start_pass()
+        if not self.open_pass.run(0.0):
+            return
+        batches, self.open_pass = self.open_pass.copies(), None
+        pairs = [frozenset((b.src, b.dst)) for b in batches]
+        assert len(pairs) == len(set(pairs)), "one batch per pair per pass, in one direction"
+        taken = {}
+        for b in batches:
+            assert not w.coord.busy(b.src, b.dst), "never on a pair with an open plan at the pass's end"
+            assert w.gbm.alive_mask >> b.src & 1 and w.gbm.alive_mask >> b.dst & 1
+            assert 0 < len(b.hashes) <= 5 and len(set(b.hashes)) == len(b.hashes)
+            taken[b.dst] = taken.get(b.dst, 0) + len(b.hashes)
+        assert all(n <= w.coord.room(dst) for dst, n in taken.items()), "the copies fit their destinations"
+        for b in batches:
             w.coord.start(b.src, b.dst, b.hashes, b.generations, b.parents)
 
     @invariant()

@@ -104,9 +104,10 @@ def test_routes_drive_one_placement_pass_per_burst_after_them():
         passes = []
         ran = asyncio.Event()
 
-        def tick():
-            passes.append(plane.route_queries)
+        def tick(budget_s, fresh_only):
+            passes.append((plane.route_queries, fresh_only))
             ran.set()
+            return True  # the pass is over
 
         plane.policies.tick = tick
         for i in range(5):  # a burst: no route yields to the loop
@@ -118,4 +119,32 @@ def test_routes_drive_one_placement_pass_per_burst_after_them():
         await asyncio.wait_for(ran.wait(), 60)
         return passes
 
-    assert asyncio.run(main()) == [5, 6]
+    assert asyncio.run(main()) == [(5, True), (6, True)], "reactions, over the chains routed since the last pass"
+
+
+def test_a_placement_pass_runs_in_slices_and_routes_run_between_them():
+    async def main():
+        plane = control("background")
+        events = []
+        done = asyncio.Event()
+
+        async def route(i):
+            await plane.route(query(i))
+            events.append(f"route {i}")
+
+        def tick(budget_s, fresh_only):
+            assert budget_s == plane.spec.pool.transfer.transfer_policy.placement_slice_s
+            events.append("slice")
+            if len(events) == 1:
+                asyncio.get_running_loop().create_task(route(0))  # arrives during the pass
+            over = events.count("slice") == 3
+            if over:
+                done.set()
+            return over
+
+        plane.policies.tick = tick
+        plane._place_now(fresh_only=False)
+        await asyncio.wait_for(done.wait(), 60)  # (a guard against a hang, not a deadline)
+        return events
+
+    assert asyncio.run(main()) == ["slice", "route 0", "slice", "slice"]

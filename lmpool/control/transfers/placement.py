@@ -4,9 +4,11 @@ Hotness comes from demand the control plane sees at ingress: every routed prompt
 heats each block of its complete-block chain that some rank holds, a route that
 used the block heats it more (``GlobalBlockManager.record_route``), and heat
 decays with a half-life. ``HotChains`` remembers the most recently routed chains;
-each ``tick`` (a periodic control-plane task, never on the routing path) takes
-from each the deepest hot block with all its ancestors, and looks for a copy
-worth making. A chain becomes a copy only when every gate passes, in this order
+each pass (a control-plane task, never on the routing path) takes from each, newest
+first, the deepest hot block with all its ancestors, and looks for a copy worth
+making. A pass runs in slices of bounded time (``PlacementPass``), so a route never
+waits behind a whole pass; its batches start when it ends, if they still pass the
+gates that routes between slices can change (``stale``). A chain becomes a copy only when every gate passes, in this order
 (each refusal is counted under its name in ``refused``):
 
 - ``cooldown``: the admission gate refused the chain within ``cooldown_s`` and its heat has
@@ -17,28 +19,29 @@ worth making. A chain becomes a copy only when every gate passes, in this order
 - ``destination_holds``: a partner lacks part of the chain (and no plan is bringing
   it); every such partner is a destination, least loaded first, each through the gates below;
 - ``load_skew``: source load - destination load >= ``min_load_skew_tokens``;
-- ``pair_busy``: no plan is open between the two ranks, nor a batch of this tick in
+- ``pair_busy``: no plan is open between the two ranks, nor a batch of this pass in
   the other direction (pair idleness);
 - ``capacity``: the destination's room holds the copy: its free and reclaimable blocks, less
   reservations and blocks other plans bring. The destination's allocator makes room by
   evicting its coldest cached blocks that nobody references, never a block in use;
-- ``batch_full``: the pair's batch this tick has room left (no cooldown: next tick);
+- ``batch_full``: the pair's batch this pass has room left (no cooldown: next pass);
 - ``admission``: the saved prefill (one avoided cold prefill) beats the transfer cost.
 
 A chain refused by every partner counts once, under its least loaded partner's gate. The
 copy is the first ``max_blocks`` blocks the destination lacks, starting where its
 own match ends, so the destination's chain stays contiguous from the root. ``max_blocks``
-bounds one tick's speculation, not the copy: once its plan has landed the next tick carries
+bounds one pass's speculation, not the copy: once its plan has landed the next pass carries
 the next segment (while it is in flight, the destination counts as holding it). A chain copied only in
 part would attract no routes: the owner still holds more of it. Copies for
-one directed pair in one tick are coalesced into one plan (one payload) of at most
+one directed pair in one pass are coalesced into one plan (one payload) of at most
 ``batch_max_blocks`` blocks, each block once. When the plan completes, each chain
 gets a placement lease (``leases``) that steers routes to the copy. A copy that reached its
 leaf does not cool down: a chain still hot goes on to the next partner as soon as one lacks
-it and passes the gates. ``tick`` runs periodically and, driven by route decisions, within
-milliseconds of new demand (``ControlPlane.react``).
+it and passes the gates. A pass over every remembered chain runs periodically; driven by route
+decisions, a pass over the chains routed since the last one runs within milliseconds of new
+demand (``ControlPlane.react``); ``tick`` runs a whole pass at once.
 
-Invariants: a tick starts at most one plan per directed pair and none on a pair with
+Invariants: a pass starts at most one plan per directed pair and none on a pair with
 an open plan (nor in both directions); a copy never needs more than the destination's room;
 a batch holds each hash once, parents before children, and never more than
 ``batch_max_blocks``; every chain in a batch passed every gate.
@@ -46,7 +49,8 @@ a batch holds each hash once, parents before children, and never more than
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -58,13 +62,16 @@ from lmpool.control.transfers.coordinator import TransferCoordinator
 
 
 class HotChains:
-    """The most recently routed chains (the part some rank held), newest last, keyed by leaf."""
+    """The most recently routed chains (the part some rank held), newest last, keyed by leaf;
+    those routed since the last pass began are fresh."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._chains: OrderedDict[int, list[int]] = OrderedDict()
+        # Insertion-ordered (oldest first): a chain routed again moves to the end. A chain's leaf is its key.
+        self._chains: dict[int, list[int]] = {}
+        self._fresh: dict[int, None] = {}  # leaves routed since the last pass began, oldest first
 
     def __len__(self) -> int:
         return len(self._chains)
@@ -76,26 +83,42 @@ class HotChains:
         leaf = block_hashes[held - 1]
         self._chains.pop(leaf, None)
         self._chains[leaf] = block_hashes[:held]
+        self._fresh.pop(leaf, None)
+        self._fresh[leaf] = None
         if len(self._chains) > self.capacity:
-            self._chains.popitem(last=False)
+            del self._chains[next(iter(self._chains))]
+        if len(self._fresh) > self.capacity:
+            del self._fresh[next(iter(self._fresh))]
 
-    def hot(self, heat: Callable[[int], float], threshold: float) -> list[list[int]]:
-        """Per remembered chain, newest first, its prefix up to the deepest block at least
-        ``threshold`` hot; each such prefix once. Chains with no hot block are forgotten."""
-        found: dict[int, list[int]] = {}
-        cold = []
-        for leaf, chain in reversed(self._chains.items()):
-            depth = len(chain)
-            while depth and heat(chain[depth - 1]) < threshold:
-                depth -= 1
-            if not depth:
-                if heat(chain[0]) == 0.0:
-                    cold.append(leaf)  # no rank holds even its root any more
-                continue
-            found.setdefault(chain[depth - 1], chain[:depth])
-        for leaf in cold:
-            del self._chains[leaf]
-        return list(found.values())
+    def newest_first(self, fresh_only: bool = False) -> list[list[int]]:
+        """The remembered chains, newest first, or only the fresh ones: a pass's own list, which
+        routes observed during the pass leave alone. None of them is fresh after."""
+        if fresh_only:
+            chains = self._chains
+            out = [chains[leaf] for leaf in reversed(self._fresh) if leaf in chains]
+        else:
+            out = list(self._chains.values())[::-1]
+        self._fresh.clear()
+        return out
+
+    def forget(self, chain: list[int]) -> None:
+        """Forget ``chain`` (a cold one) unless a newer route has put another chain under its leaf."""
+        if self._chains.get(chain[-1]) is chain:
+            del self._chains[chain[-1]]
+
+
+def hot_depth(chain: list[int], heat: Callable[[int], float], threshold: float) -> int:
+    """How many blocks of ``chain`` lead to its deepest block at least ``threshold`` hot (0: none).
+    Every routed prompt heats a prefix of its chain, so heat never grows with depth and the
+    deepest hot block is found by bisection (a handful of lookups, not one per block)."""
+    lo, hi = 0, len(chain)  # chain[:lo] is hot; chain[hi:] is not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if heat(chain[mid]) >= threshold:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
@@ -149,47 +172,51 @@ class BackgroundPlacement:
         # Chain leaf -> (when it may be looked at again, its heat when the gate refused it).
         self.cooling: dict[int, tuple[float, float]] = {}
         self.refused: Counter[str] = Counter()
-        self.decisions: list[AdmissionDecision] = []  # the latest tick's gate decisions
+        self.decisions: list[AdmissionDecision] = []  # the latest pass's gate decisions
         self.ticks = 0
 
     def tick(self) -> list[CopyBatch]:
-        """The copies to start now, at most one batch per directed pair (module docstring)."""
+        """A whole pass at once: the copies to start now (module docstring)."""
+        placement_pass = self.start_pass()
+        while not placement_pass.run(None):
+            pass
+        return placement_pass.copies()
+
+    def start_pass(self, fresh_only: bool = False) -> PlacementPass:
+        """A pass over the remembered chains, newest first, to run in slices (``PlacementPass``);
+        ``fresh_only``: over those routed since the last pass began (a route's reaction)."""
         self.ticks += 1
         self.decisions = []
         now = self.gbm.clock()
         for leaf in [leaf for leaf, (until, _) in self.cooling.items() if until <= now]:
             del self.cooling[leaf]
-        batches: dict[tuple[int, int], CopyBatch] = {}
-        taken: Counter[int] = Counter()  # blocks this tick's batches take on each destination
-        for chain in self.chains.hot(self.gbm.heat, self.hot_threshold):
-            reason = self._consider(chain, now, batches, taken)
-            if reason:
-                self.refused[reason] += 1
-        return [b for b in batches.values() if b.hashes]
+        return PlacementPass(self, now, self.chains.newest_first(fresh_only))
 
-    def _consider(self, chain: list[int], now: float, batches: dict, taken: Counter) -> str:
+    def consider(self, chain: list[int], now: float, batches: dict, taken: Counter) -> str:
         """Put one hot chain's copies into batches; return the refusing gate's name, or ""."""
         gbm, topology = self.gbm, self.scheduler.topology
         leaf = chain[-1]
         cooling = self.cooling.get(leaf)
         if cooling is not None and gbm.heat(leaf) < 2 * cooling[1]:
             return "cooldown"
-        holders = gbm.alive_mask
-        for h in chain:
-            holders &= gbm.ready_ranks(h)
-        if not holders:
+        # One walk gives every live rank's ready match: a rank holds the whole chain (all its
+        # ancestors resident) exactly when its match is the chain's length.
+        matched = gbm.prefix_match(chain)
+        ranks = [r for r in range(gbm.world_size) if matched[r] == len(chain)]
+        if not ranks:
             return "no_source"
-        ranks = [r for r in range(gbm.world_size) if holders >> r & 1]
         src = max(ranks, key=lambda r: (self.scheduler.rank_load(r), -r))
         partners = [r for r in topology.partners(src) if gbm.alive_mask >> r & 1]
         if not partners:
             return "no_partner"
         lacking = []
         for dst in partners:
-            start = gbm.prefix_match(chain, 1 << dst)[dst]
+            start = matched[dst]
+            if start == len(chain):
+                continue
             end = min(len(chain), start + self.max_blocks)
             in_flight = gbm.ranks[dst].in_flight
-            if start < len(chain) and not any(chain[i] in in_flight for i in range(start, end)):
+            if not any(chain[i] in in_flight for i in range(start, end)):
                 lacking.append((dst, start, end))
         if not lacking:
             return "destination_holds"
@@ -201,6 +228,21 @@ class BackgroundPlacement:
         if "admission" in reasons:
             self.cooling[leaf] = (now + self.cooldown_s, gbm.heat(leaf))
         return reasons[0]
+
+    def stale(self, batch: CopyBatch, granted: int) -> str:
+        """The gate a batch no longer passes after routes and plans changed the pool during its
+        pass, or "": both ranks alive, no plan open on the pair, the room still there beside the
+        ``granted`` blocks that batches kept before it take on the destination."""
+        gbm, coordinator = self.gbm, self.coordinator
+        if not gbm.alive_mask >> batch.src & 1:
+            return "no_source"
+        if not gbm.alive_mask >> batch.dst & 1:
+            return "no_partner"
+        if coordinator.busy(batch.src, batch.dst):
+            return "pair_busy"
+        if coordinator.room(batch.dst) - granted < len(batch.hashes):
+            return "capacity"
+        return ""
 
     def _copy(self, chain: list[int], src: int, dst: int, start: int, end: int, batches: dict,
               taken: Counter) -> str:
@@ -228,3 +270,54 @@ class BackgroundPlacement:
         batch.add(chain, start, end, generations)
         taken[dst] += new
         return ""
+
+
+class PlacementPass:
+    """One placement pass, run in slices so that the control loop routes between them: ``run``
+    considers chains until its budget is spent; once every chain was considered, ``copies()``
+    gives the batches that still pass the gates which routes between slices can change
+    (both ranks alive, the pair idle, the destination's room)."""
+
+    def __init__(self, placement: BackgroundPlacement, now: float, chains: list[list[int]]) -> None:
+        self.placement = placement
+        self.now = now
+        self._chains = chains
+        self._next = 0
+        self._seen: set[int] = set()  # deepest hot blocks considered: each hot prefix once
+        self.batches: dict[tuple[int, int], CopyBatch] = {}
+        self.taken: Counter[int] = Counter()  # blocks this pass's batches take on each destination
+
+    def run(self, budget_s: float | None) -> bool:
+        """Consider chains for ``budget_s`` seconds at most past the first (None: no limit);
+        True once every chain was considered."""
+        placement = self.placement
+        gbm = placement.gbm
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        while self._next < len(self._chains):
+            chain = self._chains[self._next]
+            self._next += 1
+            depth = hot_depth(chain, gbm.heat, placement.hot_threshold)
+            if not depth:
+                if gbm.heat(chain[0]) == 0.0:
+                    placement.chains.forget(chain)  # no rank holds even its root any more
+            elif chain[depth - 1] not in self._seen:
+                self._seen.add(chain[depth - 1])
+                reason = placement.consider(chain[:depth], self.now, self.batches, self.taken)
+                if reason:
+                    placement.refused[reason] += 1
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        return self._next >= len(self._chains)
+
+    def copies(self) -> list[CopyBatch]:
+        placement = self.placement
+        out = []
+        granted: Counter[int] = Counter()  # blocks the batches kept so far take on each destination
+        for batch in self.batches.values():
+            reason = placement.stale(batch, granted[batch.dst])
+            if reason:
+                placement.refused[reason] += 1
+            elif batch.hashes:
+                granted[batch.dst] += len(batch.hashes)
+                out.append(batch)
+        return out

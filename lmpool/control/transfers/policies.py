@@ -5,8 +5,8 @@ uncalibrated link model; either corrected online by every completed plan), the
 placement leases that routing consults, and the bookkeeping that ties each plan
 the coordinator runs back to the policy that asked for it:
 
-- ``tick()`` (a periodic control-plane task) asks ``BackgroundPlacement`` for
-  copies and starts one plan per batch; when a batch's plan completes, each of its
+- ``tick(budget_s)`` (a control-plane task, periodic and after routes) runs a
+  ``BackgroundPlacement`` pass in slices and, when it ends, starts one plan per batch; when a batch's plan completes, each of its
   chains gets a placement lease;
 - ``pulls`` (``lmpool.control.transfers.pull``, built with the router), with ``transfer_mode``
   "pull" or "all": routing prices pulling a request's prefix to each candidate; every plan
@@ -29,7 +29,7 @@ from lmpool.control.transfers.foreground import plan_release
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.router import Router
 from lmpool.control.transfers.leases import PlacementLeases
-from lmpool.control.transfers.placement import BackgroundPlacement, CopyBatch
+from lmpool.control.transfers.placement import BackgroundPlacement, CopyBatch, PlacementPass
 from lmpool.control.transfers.pull import RoutePulls
 from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN, UNCALIBRATED_LINK, TransferPolicyConfig
 from lmpool.protocol import ReleaseOutcome, RouteQuery, ShortageReport, TransferStats
@@ -77,6 +77,7 @@ class TransferPolicies:
             )
         self.pulls = pulls
         self.copies: dict[int, CopyBatch] = {}  # open background plans
+        self._pass: PlacementPass | None = None  # the placement pass under way, between slices
         self.releases: dict[int, tuple[int, int]] = {}  # open foreground plans -> (rank, release id)
         self.stats_ = TransferStats()
 
@@ -93,15 +94,30 @@ class TransferPolicies:
 
     # ---- background ----------------------------------------------------------------------
 
-    def tick(self) -> None:
+    def tick(self, budget_s: float | None = None, fresh_only: bool = False) -> bool:
+        """Run the open placement pass (starting one, over the chains routed since the last if
+        ``fresh_only``, if none is open) for ``budget_s`` seconds at most past one chain (None: to
+        its end); True once it is over and its copies started."""
         if self.placement is None:
-            return
-        self.leases.expire()
-        self.stats_.background_ticks += 1
-        for batch in self.placement.tick():
+            return True
+        if self._pass is None:
+            self.leases.expire()
+            self.stats_.background_ticks += 1
+            self._pass = self.placement.start_pass(fresh_only)
+            if budget_s is not None:
+                return False  # starting is a slice of its own: it copies the list of chains
+        if not self._pass.run(budget_s):
+            return False
+        placement_pass, self._pass = self._pass, None
+        for batch in placement_pass.copies():
             plan = self.coordinator.start(batch.src, batch.dst, batch.hashes, batch.generations, batch.parents,
                                           kind="background")
             self.copies[plan.plan_id] = batch
+        return True
+
+    def drop_pass(self) -> None:
+        """Forget a pass that failed part-way; the next tick starts afresh."""
+        self._pass = None
 
     # ---- foreground ----------------------------------------------------------------------
 
