@@ -96,3 +96,16 @@ def test_a_gateway_that_cannot_run_is_unavailable(monkeypatch, tmp_path):
         asyncio.run(eval_suite.run_one("unused", suite_args(), SMG, tiny_trace(16), setting, 128, None))
     assert SMG.record()["gateway"]["error"] is not None
     assert "not a reimplementation" in SMG.record()["implementation"]
+
+
+def test_every_runner_takes_the_gateway_by_name_and_all_leaves_it_out():
+    import benchmark_e2e
+    import benchmark_hot_context
+    import benchmark_kv_routing
+    from eval_suite import chosen_policies
+
+    for runner in (benchmark_e2e, benchmark_kv_routing, benchmark_hot_context):
+        named = chosen_policies(argparse.Namespace(quick=False, policies="smg_cache_aware,lmpool"), runner.POLICIES, "")
+        assert [p.name for p in named] == ["smg_cache_aware", "lmpool"]
+        every = chosen_policies(argparse.Namespace(quick=False, policies="all"), runner.POLICIES, "")
+        assert "smg_cache_aware" not in {p.name for p in every} and "lmpool" in {p.name for p in every}
