@@ -242,6 +242,7 @@ async def run_gateway(model: str, args, trace, setting, max_model_len: int, repl
             record["start_s"] = time.perf_counter() - started
             client = GatewayClient(processes.gateway_url, processes.host_urls, processes.fingerprints(),
                                    SERVED_NAME, load_tokenizer(codec))
+            client.prepare(trace)
             async with asyncio.timeout(args.run_timeout):
                 t = time.perf_counter()
                 record["requests"] = await replay(client, trace, setting.arrival, on_done)

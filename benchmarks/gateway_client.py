@@ -6,10 +6,13 @@
   gateway cannot be told where to send one request, so its tree and its load counts never
   see a pinned request. That is how smg behaves over HTTP; the pool, in contrast, knows
   what a pinned request left in the replica's cache.
-- Prompts travel as text, the codec of ``token_text`` (smg rejects token-id prompts), and
-  every request's text is checked to encode back to its exact token ids with the hosts'
-  tokenizer, and the host's ``usage.prompt_tokens`` to equal its length: a host runs exactly
-  the prompt the pool runs would. ``checked`` counts the requests so verified.
+- Prompts travel as text, the codec of ``token_text`` (smg rejects token-id prompts).
+  ``prepare(trace)`` spells every prompt before the replay and checks, with the hosts'
+  tokenizer, that the text encodes back to the exact token ids, so neither costs a timed
+  request anything (a 32k-token prompt takes tens of milliseconds); the host's own encoding
+  of the text is timed, as in any deployment that sends text. Each stream then checks the
+  host's ``usage.prompt_tokens`` against the prompt's length: a host runs exactly the prompt
+  the pool runs would. ``checked`` counts the requests so verified.
 - The serving host is read from ``system_fingerprint`` (``lmpool-<pid>`` of the server
   process; smg passes a worker's stream through byte for byte), and ``num_cached_tokens``
   from ``usage.prompt_tokens_details.cached_tokens`` of the stream's usage chunk.
@@ -47,6 +50,7 @@ class GatewayClient:
         self.model_name = model_name
         self.tokenizer = tokenizer  # the hosts' own (the codec), to check what they will run
         self.checked = 0
+        self._texts: dict[int, str] = {}  # id() of a trace's prompt list -> its codec text
         # No pool limit and no timeout: the replay's window bounds what is in flight and
         # the suite's --run-timeout bounds the run.
         self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
@@ -55,20 +59,27 @@ class GatewayClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    def _body(self, ids: list[int], params) -> dict:
-        text = text_of(ids)
-        if self.tokenizer.encode(text, add_special_tokens=False) != list(ids):
-            raise RuntimeError("the codec text of a prompt does not encode back to its token ids")
+    def prepare(self, trace) -> None:
+        """Spell every prompt of ``trace`` and check that it encodes back to its ids."""
+        for req in trace.requests:
+            text = text_of(req.prompt)
+            if self.tokenizer.encode(text, add_special_tokens=False) != list(req.prompt):
+                raise RuntimeError(f"the codec text of request {req.index} does not encode back to its token ids")
+            self._texts[id(req.prompt)] = text
+
+    def _body(self, prompt, params) -> dict:
+        text = self._texts.get(id(prompt))
+        if text is None:
+            raise RuntimeError("a prompt that prepare() did not check")
         return {"model": self.model_name, "prompt": text, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "ignore_eos": params.ignore_eos, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
 
     async def stream(self, prompt, params, rank: int | None = None) -> AsyncIterator[Output]:
-        ids = list(prompt)
         base = self.gateway_url if rank is None else self.host_urls[rank]
         out = Output(route="gateway" if rank is None else "pinned")
         usage = None
-        async with self.http.stream("POST", f"{base}/v1/completions", json=self._body(ids, params)) as response:
+        async with self.http.stream("POST", f"{base}/v1/completions", json=self._body(prompt, params)) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
             async for chunk in _events(response):
@@ -84,8 +95,8 @@ class GatewayClient:
                         yield dataclasses.replace(out, finish_reason=None)
         if rank is not None and out.rank != rank:
             raise RuntimeError(f"a request pinned to rank {rank} was served by rank {out.rank}")
-        if usage is None or usage.get("prompt_tokens") != len(ids):
-            raise RuntimeError(f"the host ran {usage and usage.get('prompt_tokens')} prompt tokens, not {len(ids)}")
+        if usage is None or usage.get("prompt_tokens") != len(prompt):
+            raise RuntimeError(f"the host ran {usage and usage.get('prompt_tokens')} prompt tokens, not {len(prompt)}")
         self.checked += 1
         out.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         yield out
