@@ -93,6 +93,8 @@ class GatewayClient:
                     if choice.get("token_ids"):
                         out.token_ids = out.token_ids + list(choice["token_ids"])
                         yield dataclasses.replace(out, finish_reason=None)
+        if out.rank is None:
+            raise RuntimeError("no chunk of the stream named its server (system_fingerprint)")
         if rank is not None and out.rank != rank:
             raise RuntimeError(f"a request pinned to rank {rank} was served by rank {out.rank}")
         if usage is None or usage.get("prompt_tokens") != len(prompt):

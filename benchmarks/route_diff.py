@@ -65,9 +65,9 @@ def report(path: Path, pa: str, pb: str, limit: int) -> str:
     lines = [f"{path.name}: {pa} (a) vs {pb} (b)"]
     for key in sorted(runs_a.keys() & runs_b.keys()):
         c = compare(runs_a[key], runs_b[key])
-        lines.append(f"- {key[0]} rep {key[1]}, {c['routed']} routed requests: stayed with their group a {c['stay'][0]}, "
-                     f"b {c['stay'][1]}; cold a {c['cold'][0]}, b {c['cold'][1]}; cached tokens a {c['cached'][0]}, "
-                     f"b {c['cached'][1]}")
+        lines.append(f"- {key[0]} rep {key[1]}, {c['routed']} routed requests: stayed with their group "
+                     f"a {c['stay'][0]}, b {c['stay'][1]}; cold a {c['cold'][0]}, b {c['cold'][1]}; "
+                     f"cached tokens a {c['cached'][0]}, b {c['cached'][1]}")
         for name, groups in zip("ab", c["spread"]):
             if groups:
                 lines.append(f"  {name}: groups on more than one host {groups}")
