@@ -59,8 +59,8 @@ MAX_FAILURES = 2
 
 
 # The policy tables live in ``eval_policies``; the runners and tests import them from here too.
-__all__ = ["GATEWAYS", "LMPOOL", "LMPOOL_DEFAULT", "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS", "Policy", "TRANSFERS_IDLE",
-           "TRANSFER_MODES", "run_order", "select_policies"]
+__all__ = ["GATEWAYS", "LMPOOL", "LMPOOL_DEFAULT", "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS", "Policy",
+           "TRANSFERS_IDLE", "TRANSFER_MODES", "run_order", "select_policies"]
 
 
 def chosen_policies(args: argparse.Namespace, available: tuple[Policy, ...], quick: str) -> list[Policy]:

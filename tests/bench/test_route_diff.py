@@ -21,5 +21,6 @@ def test_relabelled_ranks_agree_and_a_moved_group_is_named():
 
 
 def test_pinned_requests_are_left_out():
-    c = compare(columns([1, 0, 0], [0, 0, 8], pinned=[1, None, None]), columns([1, 1, 1], [0, 0, 8], pinned=[1, None, None]))
+    pinned = [1, None, None]
+    c = compare(columns([1, 0, 0], [0, 0, 8], pinned), columns([1, 1, 1], [0, 0, 8], pinned))
     assert c["routed"] == 2 and c["stay"] == (2, 2)
