@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_metrics import paired_change  # noqa: E402
 from eval_policies import PEER_NAMES  # noqa: E402
 from eval_suite import (  # noqa: E402
-    GATEWAYS, LMPOOL, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, add_arguments, chosen_policies, file_traces, finish_arguments,
-    run_suite, vocab_size,
+    GATEWAYS, LMPOOL, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, add_arguments, chosen_policies, file_traces,
+    finish_arguments, run_suite, vocab_size,
 )
 from eval_settings import trace_of  # noqa: E402
 from workloads import LOCALITY_LEVELS, locality  # noqa: E402
