@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eval_metrics import paired_change  # noqa: E402
 from eval_suite import (  # noqa: E402
-    LMPOOL, LMPOOL_DEFAULT, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, add_arguments, chosen_policies,
-    file_traces, finish_arguments, run_suite, vocab_size,
+    GATEWAYS, LMPOOL, LMPOOL_DEFAULT, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, add_arguments,
+    chosen_policies, file_traces, finish_arguments, run_suite, vocab_size,
 )
 from sessions import sessions  # noqa: E402
 from workloads import load_skew, memory_skew  # noqa: E402
 
-POLICIES = (*PEERS, LMPOOL, *TRANSFER_MODES, TRANSFERS_IDLE, *PEER_VARIANTS, LMPOOL_DEFAULT)
+POLICIES = (*PEERS, LMPOOL, *TRANSFER_MODES, TRANSFERS_IDLE, *PEER_VARIANTS, LMPOOL_DEFAULT, *GATEWAYS)
 MODE_NAMES = {p.name for p in (*TRANSFER_MODES, LMPOOL_DEFAULT)}
 QUICK_POLICIES = "round_robin,least_loaded,lmpool,lmpool+background,lmpool+foreground"
 WORKLOADS = ("load_skew", "memory_skew")  # the paper's; "sessions" runs when named

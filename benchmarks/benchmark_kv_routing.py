@@ -28,13 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_metrics import paired_change  # noqa: E402
 from eval_policies import PEER_NAMES  # noqa: E402
 from eval_suite import (  # noqa: E402
-    LMPOOL, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, add_arguments, chosen_policies, file_traces, finish_arguments,
-    run_suite, vocab_size,
+    GATEWAYS, LMPOOL, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, add_arguments, chosen_policies, file_traces,
+    finish_arguments, run_suite, vocab_size,
 )
 from eval_settings import trace_of  # noqa: E402
 from workloads import LOCALITY_LEVELS, locality  # noqa: E402
 
-POLICIES = (LMPOOL, *PEERS, *PEER_VARIANTS, *LMPOOL_VARIANTS)
+POLICIES = (LMPOOL, *PEERS, *PEER_VARIANTS, *LMPOOL_VARIANTS, *GATEWAYS)
 QUICK_POLICIES = "lmpool,round_robin,least_loaded"
 POOL_BLOCKS = 768  # whole-pool KV budget: 192 blocks per worker at 4 replicas
 COMPARED = ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "e2e_mean_ms", "tpot_mean_ms", "dp_tok_reuse")

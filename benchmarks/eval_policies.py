@@ -6,6 +6,10 @@ rules; a peer variant pins an older rule set through ``RoutingConfig`` fields, s
 whose routing lacks one of those fields refuses it (``TypeError``) and the suite records
 the variant as unavailable instead of silently running the current rule under its name.
 
+A policy that names a ``runner`` is not a pool at all: ``smg_cache_aware`` runs the real
+SGLang model gateway in front of single-replica ``lmpool serve`` hosts (``eval_gateway``),
+to check the ``sglang_cache_aware`` reimplementation against the router it copies.
+
 Invariant: a policy passes a keyword only when it has something to say, so it runs on
 every build that has the features it uses; ``transfer_mode=None`` passes none at all and
 runs the pool's default mode (whatever a later build makes it).
@@ -23,6 +27,7 @@ class Policy:
     transfer_mode: str | None = "none"  # None: the pool's default mode
     routing_config: tuple[tuple[str, object], ...] = ()  # RoutingConfig fields that differ from the defaults
     enable_transfers: bool = False  # transfers set up without a mode that plans any (a control)
+    runner: str | None = None  # an external system that runs instead of a pool ("smg")
 
     def pool_kwargs(self) -> dict:
         kw: dict = {"routing": self.routing}
@@ -41,6 +46,13 @@ class Policy:
 
     def record(self) -> dict:
         """What the JSON says of this policy: the mode it ran and every routing field of its rule."""
+        if self.runner == "smg":
+            from eval_gateway import gateway_record
+
+            return {"routing": self.routing, "transfer_mode": "none", "runner": "smg",
+                    "implementation": "the real SGLang model gateway (smg) in front of single-replica "
+                                      "lmpool serve hosts, not a reimplementation",
+                    "gateway": gateway_record()}
         mode = self.transfer_mode if self.transfer_mode is not None else f"default ({default_transfer_mode()})"
         out: dict = {"routing": self.routing, "transfer_mode": mode}
         if self.routing_config:
@@ -89,6 +101,9 @@ PEER_VARIANTS = (
     Policy("dynamo_kv_v0", "dynamo_kv", routing_config=(
         ("dynamo_prefill_tokens", "full"), ("dynamo_assume_kv_reuse", False))),
 )
+# The real gateway whose rule ``sglang_cache_aware`` reimplements (eval_gateway).
+SMG = Policy("smg_cache_aware", "cache_aware", runner="smg")
+GATEWAYS = (SMG,)
 LMPOOL = Policy("lmpool", "lmpool")  # routing only, whatever the pool's default mode
 LMPOOL_DEFAULT = Policy("lmpool-default", "lmpool", transfer_mode=None)  # LMPool as a user gets it
 # LMPool routing without one of its parts, to measure what that part is worth.
@@ -107,8 +122,8 @@ TRANSFER_MODES = (
 # alone, apart from the transfers it makes.
 TRANSFERS_IDLE = Policy("lmpool+idle", "lmpool", enable_transfers=True)
 # Every rule that decides where a request runs and moves no KV.
-ROUTING_ONLY = (*PEERS, *PEER_VARIANTS, LMPOOL)
-PEER_NAMES = frozenset(p.name for p in (*PEERS, *PEER_VARIANTS))
+ROUTING_ONLY = (*PEERS, *PEER_VARIANTS, *GATEWAYS, LMPOOL)
+PEER_NAMES = frozenset(p.name for p in (*PEERS, *PEER_VARIANTS, *GATEWAYS))
 
 
 def select_policies(available: tuple[Policy, ...], names: str | None) -> list[Policy]:

@@ -43,7 +43,7 @@ from dataset_profile import profile_trace
 from eval_driver import Arrival, replay
 from eval_metrics import run_metrics, summarize
 from eval_policies import (
-    LMPOOL, LMPOOL_DEFAULT, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, Policy,
+    GATEWAYS, LMPOOL, LMPOOL_DEFAULT, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, Policy,
     select_policies,
 )
 from eval_settings import Setting, cell_key, parse_arrival, parse_sweep, settings
@@ -59,16 +59,19 @@ MAX_FAILURES = 2
 
 
 # The policy tables live in ``eval_policies``; the runners and tests import them from here too.
-__all__ = ["LMPOOL", "LMPOOL_DEFAULT", "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS", "Policy", "TRANSFERS_IDLE",
-           "TRANSFER_MODES", "run_order", "select_policies"]
+__all__ = ["GATEWAYS", "LMPOOL", "LMPOOL_DEFAULT", "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS", "Policy",
+           "TRANSFERS_IDLE", "TRANSFER_MODES", "run_order", "select_policies"]
 
 
 def chosen_policies(args: argparse.Namespace, available: tuple[Policy, ...], quick: str) -> list[Policy]:
-    """``--policies`` ('all' or none: every one); in quick mode without it, the runner's
-    ``quick`` set, which the recorded config then names."""
+    """``--policies`` ('all' or none: every one that runs a pool); in quick mode without it, the
+    runner's ``quick`` set, which the recorded config then names. A policy with an external
+    runner (the real gateway) runs only when named, so 'all' costs what it did before it."""
     if args.quick and not args.policies:
         args.policies = quick
-    return select_policies(available, None if args.policies == "all" else args.policies)
+    if args.policies in (None, "all"):
+        return [p for p in available if p.runner is None]
+    return select_policies(available, args.policies)
 
 
 # ---- command line ----------------------------------------------------------------------
@@ -339,7 +342,10 @@ def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) 
 async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, setting: Setting,
                   max_model_len: int, bar) -> dict:
     """Start a pool for ``policy``, replay ``trace`` on it, and stop it. Raises
-    ``PolicyUnavailable`` when the pool constructor refuses the policy."""
+    ``PolicyUnavailable`` when the pool constructor refuses the policy (or, for a policy
+    with a ``runner``, when that system cannot run here)."""
+    if policy.runner is not None:
+        return await run_external(model, args, policy, trace, setting, max_model_len, bar)
     from lmpool.frontend.api import AsyncLMPool
 
     try:
@@ -373,6 +379,20 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, s
     finally:
         await pool.shutdown()
     return record
+
+
+async def run_external(model: str, args: argparse.Namespace, policy: Policy, trace, setting: Setting,
+                       max_model_len: int, bar) -> dict:
+    """``run_one`` for a policy that names an external runner (``eval_gateway``)."""
+    if policy.runner != "smg":
+        raise PolicyUnavailable(f"no runner {policy.runner!r}")
+    from eval_gateway import GatewayUnavailable, run_gateway
+
+    try:
+        return await run_gateway(model, args, trace, setting, max_model_len, replay,
+                                 bar.update if bar is not None else (lambda *a: None))
+    except GatewayUnavailable as e:
+        raise PolicyUnavailable(str(e)) from e
 
 
 class PolicyUnavailable(Exception):

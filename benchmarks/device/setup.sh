@@ -20,3 +20,5 @@ export PYTHONUNBUFFERED=1 LMPOOL_KERNEL_CACHE=/tmp/lmpool-kernels
 build_kernels() {
   timeout 300 python3 -c "from lmpool.ops.cuda import load_extension as a; from lmpool.dataplane.block_copy import load_extension as b; a(); b()"
 }
+# Console scripts of the wheels (the smg gateway's, for the smg_cache_aware peer) land here.
+export PATH=/tmp/site/bin:$PATH

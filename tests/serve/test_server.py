@@ -80,6 +80,16 @@ def test_streams_deliver_the_same_text_then_usage(client, expected):
     assert [c.choices[0].finish_reason for c in chat][-1] == "length"
 
 
+def test_every_object_names_the_serving_process(server, client):
+    """``system_fingerprint`` is ``lmpool-<pid>`` of the server, in whole responses and in every
+    stream chunk (a gateway in front passes it through, so a client can tell hosts apart)."""
+    mine = f"lmpool-{server.proc.pid}"
+    assert client.completions.create(model="tiny", prompt=PROMPT, **greedy()).system_fingerprint == mine
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **greedy()))
+    assert {c.system_fingerprint for c in chunks} == {mine}
+
+
 def test_raw_stream_ends_with_done(server):
     body = {"prompt": PROMPT, "max_tokens": 3, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:

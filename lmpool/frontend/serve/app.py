@@ -21,7 +21,7 @@ from lmpool.frontend.serve.disconnect import ClientGone, unless_disconnected
 from lmpool.frontend.serve.errors import ServeError, install_handlers
 from lmpool.frontend.serve.metrics import scrape
 from lmpool.frontend.serve.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
-from lmpool.frontend.serve.responses import Shape
+from lmpool.frontend.serve.responses import Shape, server_fingerprint
 from lmpool.frontend.serve.settings import ServeSettings
 from lmpool.frontend.serve.sse import event_stream
 
@@ -90,7 +90,7 @@ def _max_model_len(pool: AsyncLMPool) -> int:
 
 async def _respond(request: Request, pool: AsyncLMPool, prompt_ids: list[int], params, body, chat: bool):
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    shape = Shape(chat, rid, request.app.state.settings.name, body.return_token_ids)
+    shape = Shape(chat, rid, request.app.state.settings.name, body.return_token_ids, server_fingerprint())
     try:
         if not body.stream:
             out = await unless_disconnected(request, pool.generate(prompt_ids, params, request_id=rid))

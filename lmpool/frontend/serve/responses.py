@@ -1,5 +1,9 @@
 """The OpenAI response objects: whole responses, stream chunks and ``usage``.
 
+Every object carries ``system_fingerprint``: the serving process's id (``server_fingerprint``),
+so a client behind a gateway can tell which server answered it (a gateway that passes the
+bytes through, as SGLang's ``smg`` does over HTTP, keeps it).
+
 A stream turns the pool's cumulative outputs into deltas: each chunk carries the text (and,
 when asked, the token ids) that the previous one did not. Text only ever grows between two
 outputs of one stream, since stop strings are held back until they are ruled out.
@@ -7,9 +11,15 @@ outputs of one stream, since stop strings are held back until they are ruled out
 
 from __future__ import annotations
 
+import os
 import time
 
 from lmpool.outputs import RequestOutput
+
+
+def server_fingerprint() -> str:
+    """This server process's id: ``lmpool-<pid>``, unique among the servers of one host."""
+    return f"lmpool-{os.getpid()}"
 
 
 def usage(out: RequestOutput) -> dict:
@@ -23,8 +33,10 @@ def usage(out: RequestOutput) -> dict:
 class Shape:
     """What one endpoint's objects look like: completions carry ``text``, chat a message."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, return_token_ids: bool) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, return_token_ids: bool,
+                 fingerprint: str | None = None) -> None:
         self.chat = chat
+        self.fingerprint = fingerprint
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -32,7 +44,7 @@ class Shape:
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+                "system_fingerprint": self.fingerprint, "choices": choices}
 
     def full(self, out: RequestOutput) -> dict:
         """The whole response of a request that did not stream."""

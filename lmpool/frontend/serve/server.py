@@ -31,6 +31,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="KV block size in tokens")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks per replica (default: sized from memory)")
     p.add_argument("--max-num-seqs", type=int, help="running requests per replica")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens one engine step schedules per replica")
+    p.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
+    p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     p.add_argument("--kv-events-endpoint", help="publish vLLM-format KV events on this ZMQ PUB endpoint "
                    "(e.g. tcp://*:5557); off unless given")
     p.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint answering replay and snapshot requests")
@@ -44,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
 
 def settings_from(args: argparse.Namespace) -> ServeSettings:
     pool_args: dict = {"world_size": args.world_size, "device": args.device, "routing": args.routing}
-    for name in ("dtype", "block_size", "num_kv_blocks", "max_num_seqs"):
+    for name in ("dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "enforce_eager"):
         if getattr(args, name) is not None:
             pool_args[name] = getattr(args, name)
     if importlib.util.find_spec("prometheus_client") is not None:
