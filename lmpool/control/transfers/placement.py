@@ -188,8 +188,12 @@ class BackgroundPlacement:
         self.ticks += 1
         self.decisions = []
         now = self.gbm.clock()
-        for leaf in [leaf for leaf, (until, _) in self.cooling.items() if until <= now]:
-            del self.cooling[leaf]
+        cooling = self.cooling  # ordered by expiry: each entry is (re)inserted at the end
+        while cooling:
+            leaf = next(iter(cooling))
+            if cooling[leaf][0] > now:
+                break
+            del cooling[leaf]
         return PlacementPass(self, now, self.chains.newest_first(fresh_only))
 
     def consider(self, chain: list[int], now: float, batches: dict, taken: Counter) -> str:
@@ -226,6 +230,7 @@ class BackgroundPlacement:
             self.cooling.pop(leaf, None)
             return ""
         if "admission" in reasons:
+            self.cooling.pop(leaf, None)  # to the end: the dict stays ordered by expiry
             self.cooling[leaf] = (now + self.cooldown_s, gbm.heat(leaf))
         return reasons[0]
 
@@ -286,6 +291,7 @@ class PlacementPass:
         self._seen: set[int] = set()  # deepest hot blocks considered: each hot prefix once
         self.batches: dict[tuple[int, int], CopyBatch] = {}
         self.taken: Counter[int] = Counter()  # blocks this pass's batches take on each destination
+        self._order: list[CopyBatch] | None = None  # the batches not yet given out, last first
 
     def run(self, budget_s: float | None) -> bool:
         """Consider chains for ``budget_s`` seconds at most past the first (None: no limit);
@@ -309,7 +315,15 @@ class PlacementPass:
                 break
         return self._next >= len(self._chains)
 
+    def next_copy(self) -> CopyBatch | None:
+        """The pass's batches one at a time, in order, once its chains are done (None: no more);
+        the caller checks each against the gates as they are when it starts it (``stale``)."""
+        if self._order is None:
+            self._order = [b for b in reversed(self.batches.values()) if b.hashes]  # popped from the end
+        return self._order.pop() if self._order else None
+
     def copies(self) -> list[CopyBatch]:
+        """Every batch that would start now, each checked against the gates beside those before it."""
         placement = self.placement
         out = []
         granted: Counter[int] = Counter()  # blocks the batches kept so far take on each destination

@@ -23,6 +23,7 @@ returns the counters (``TransferStats``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from lmpool.control.transfers.foreground import plan_release
@@ -96,8 +97,9 @@ class TransferPolicies:
 
     def tick(self, budget_s: float | None = None, fresh_only: bool = False) -> bool:
         """Run the open placement pass (starting one, over the chains routed since the last if
-        ``fresh_only``, if none is open) for ``budget_s`` seconds at most past one chain (None: to
-        its end); True once it is over and its copies started."""
+        ``fresh_only``, if none is open) for ``budget_s`` seconds at most past one step (None: to
+        its end): its chains, then its copies, each started if it still passes the gates as they
+        are now. True once the pass is over."""
         if self.placement is None:
             return True
         if self._pass is None:
@@ -106,14 +108,24 @@ class TransferPolicies:
             self._pass = self.placement.start_pass(fresh_only)
             if budget_s is not None:
                 return False  # starting is a slice of its own: it copies the list of chains
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
         if not self._pass.run(budget_s):
             return False
-        placement_pass, self._pass = self._pass, None
-        for batch in placement_pass.copies():
-            plan = self.coordinator.start(batch.src, batch.dst, batch.hashes, batch.generations, batch.parents,
-                                          kind="background")
-            self.copies[plan.plan_id] = batch
+        while (batch := self._pass.next_copy()) is not None:
+            self._start_copy(batch)
+            if deadline is not None and time.perf_counter() >= deadline:
+                return False
+        self._pass = None
         return True
+
+    def _start_copy(self, batch: CopyBatch) -> None:
+        reason = self.placement.stale(batch, 0)  # the coordinator counts the copies started so far
+        if reason:
+            self.placement.refused[reason] += 1
+            return
+        plan = self.coordinator.start(batch.src, batch.dst, batch.hashes, batch.generations, batch.parents,
+                                      kind="background")
+        self.copies[plan.plan_id] = batch
 
     def drop_pass(self) -> None:
         """Forget a pass that failed part-way; the next tick starts afresh."""
