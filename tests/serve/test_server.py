@@ -122,6 +122,41 @@ def test_bad_input_is_a_400_body(server, body, words):
     assert response.status_code == 400 == error["code"] and words in error["message"]
 
 
+@pytest.mark.parametrize("path, extra", [
+    ("completions", {"echo": True}), ("completions", {"logprobs": 0}), ("completions", {"best_of": 2}),
+    ("completions", {"suffix": "end"}), ("completions", {"presence_penalty": 1.5}),
+    ("completions", {"frequency_penalty": -1}), ("completions", {"logit_bias": {"5": 100}}),
+    ("completions", {"min_tokens": 4}), ("completions", {"repetition_penalty": 1.2}),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 2}),
+    ("chat/completions", {"response_format": {"type": "json_object"}}),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+    ("chat/completions", {"chat_template": "{{ messages }}"}),
+    ("chat/completions", {"chat_template_kwargs": {"chat_template": "{{ messages }}"}}),
+])
+def test_fields_that_would_change_the_output_are_refused_not_ignored(server, path, extra):
+    """These were accepted and ignored: the caller got an answer other than the one asked for."""
+    body = {"prompt": PROMPT} if path == "completions" else {"messages": CHAT}
+    response = httpx.post(f"{server.url}/v1/{path}", json={**body, "max_tokens": 2, **extra}, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 == error["code"]
+    assert ("its own chat template" if "chat_template_kwargs" in extra else "not supported") in error["message"]
+
+
+def test_no_op_values_of_unsupported_fields_and_unknown_fields_are_accepted(client):
+    """What clients send as defaults leaves the output unchanged, so it is served."""
+    out = client.completions.create(model="tiny", prompt=PROMPT, presence_penalty=0, frequency_penalty=0.0,
+                                    best_of=1, echo=False, logit_bias={}, user="u", **greedy(my_field=[1]))
+    assert out.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, logprobs=False, tool_choice="none", **greedy())
+    assert chat.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("value", [True, "0.5"])
+def test_a_bool_or_a_string_is_not_a_temperature(server, value):
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "temperature": value}, timeout=60)
+    assert response.status_code == 400 and "temperature" in response.json()["error"]["message"]
+
+
 def test_malformed_json_unknown_model_and_route(server):
     bad = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", timeout=60,
                      headers={"content-type": "application/json"})
