@@ -182,6 +182,21 @@ def test_a_client_that_disconnects_aborts_its_request(server, stream):
     assert metric(server, "lmpool:generation_tokens_total") - before < 4000
 
 
+def test_chat_without_max_tokens_runs_to_the_end_of_a_small_kv_cache(tiny_model, tmp_path):
+    """A chat request's default length is what the context allows: where the replicas' KV cache
+    holds fewer tokens than the context, that is the cache (it was the context, and every chat
+    request that named no max_tokens was refused as one that could never run)."""
+    server = start_server(tiny_model, tmp_path, "--world-size", "1", "--num-kv-blocks", "8")
+    try:
+        body = {"messages": CHAT, "ignore_eos": True, "temperature": 0}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        out = response.json()
+        assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["total_tokens"] == 8 * BLOCK
+    finally:
+        server.stop()
+
+
 def test_health_and_no_live_rank_is_503(tiny_model, tmp_path):
     """Last: kills a server's only worker; the server answers 503 and serves its other routes."""
     server = start_server(tiny_model, tmp_path, "--world-size", "1")

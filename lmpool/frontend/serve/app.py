@@ -54,7 +54,7 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
         pool = _pool(request, body.model)
         prompt_ids = pool.encode_chat(body.conversation(), **(body.chat_template_kwargs or {}))
         # OpenAI's chat default is "as long as the context allows".
-        params = body.sampling_params(max(1, _max_model_len(pool) - len(prompt_ids)))
+        params = body.sampling_params(max(1, _longest_request(pool) - len(prompt_ids)))
         return await _respond(request, pool, prompt_ids, params, body, chat=True)
 
     @app.get("/v1/models")
@@ -86,6 +86,13 @@ def _pool(request: Request, model: str | None) -> AsyncLMPool:
 def _max_model_len(pool: AsyncLMPool) -> int:
     # The engine's context length (what ingress validation checks prompts against).
     return pool.engine.max_model_len
+
+
+def _longest_request(pool: AsyncLMPool) -> int:
+    # The most tokens (prompt and output) a request can hold: the context, or less where no
+    # live rank's KV cache holds that many (a default beyond it would refuse every request).
+    blocks = max((rank.num_blocks for rank in pool.engine.ranks if rank.alive), default=0)
+    return min(_max_model_len(pool), blocks * pool.engine.block_size)
 
 
 async def _respond(request: Request, pool: AsyncLMPool, prompt_ids: list[int], params, body, chat: bool):
