@@ -151,6 +151,13 @@ def test_no_op_values_of_unsupported_fields_and_unknown_fields_are_accepted(clie
     assert chat.choices[0].finish_reason == "length"
 
 
+def test_null_stream_and_n_mean_their_defaults(server):
+    """OpenAI's API documents both as nullable; they were refused as not a boolean or integer."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": None, "n": None}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] is not None
+
+
 @pytest.mark.parametrize("value", [True, "0.5"])
 def test_a_bool_or_a_string_is_not_a_temperature(server, value):
     response = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "temperature": value}, timeout=60)

@@ -61,8 +61,9 @@ class SamplingFields(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
-    n: StrictInt = 1
-    stream: StrictBool = False
+    # OpenAI's API takes null for either, meaning the default (clients send it).
+    n: StrictInt | None = 1
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     # vLLM's fields: a tenant's salt keeps its prefix-cache hits to itself; return_token_ids
     # adds the prompt's and the output's token ids to the response.
@@ -78,8 +79,8 @@ class SamplingFields(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
             raise ValueError("only n=1 is supported")
         return n
 
