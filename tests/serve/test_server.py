@@ -5,9 +5,11 @@ answers 503 while the server stays up."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -200,6 +202,31 @@ def test_chat_without_max_tokens_runs_to_the_end_of_a_small_kv_cache(tiny_model,
         assert response.status_code == 200, response.text
         out = response.json()
         assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["total_tokens"] == 8 * BLOCK
+    finally:
+        server.stop()
+
+
+def _long_request(server, stream: bool) -> list[str]:
+    """The response of a request that runs until it is stopped: its body's lines."""
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 4000, "ignore_eos": True, "stream": stream}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+        return [str(response.status_code)] + [line for line in response.iter_lines() if line]
+
+
+def test_sigterm_fails_running_requests_with_an_openai_error(tiny_model, tmp_path):
+    """Requests still running when the grace period ends get a 503 body, or for a stream an
+    in-band error and [DONE] (they were cancelled: a plain-text 500, a stream cut short)."""
+    server = start_server(tiny_model, tmp_path, "--world-size", "1", "--shutdown-grace", "0")
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            whole, streamed = (threads.submit(_long_request, server, stream) for stream in (False, True))
+            wait_for(lambda: busy(server) == 2, "both requests running")
+            server.proc.send_signal(signal.SIGTERM)
+            status, body = whole.result()
+            assert status == "503" and json.loads(body)["error"]["code"] == 503
+            lines = streamed.result()
+            assert lines[0] == "200" and lines[-1] == "data: [DONE]"
+            assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == 503
     finally:
         server.stop()
 
