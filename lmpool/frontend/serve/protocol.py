@@ -156,8 +156,8 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _no_request_template(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        # A client's own Jinja template runs on the server's event loop: one with nested loops
-        # would stall every request (vLLM refuses one unless --trust-request-chat-template).
+        # A client's own Jinja template runs in the server: one with nested loops would stall
+        # every request's tokenizing (vLLM refuses one unless --trust-request-chat-template).
         if kwargs and "chat_template" in kwargs:
             raise ValueError("a request cannot supply its own chat template")
         return kwargs
