@@ -129,6 +129,7 @@ def test_bad_input_is_a_400_body(server, body, words):
     ("completions", {"suffix": "end"}), ("completions", {"presence_penalty": 1.5}),
     ("completions", {"frequency_penalty": -1}), ("completions", {"logit_bias": {"5": 100}}),
     ("completions", {"min_tokens": 4}), ("completions", {"repetition_penalty": 1.2}),
+    ("completions", {"skip_special_tokens": False}), ("completions", {"allowed_token_ids": [5]}),
     ("chat/completions", {"logprobs": True, "top_logprobs": 2}),
     ("chat/completions", {"response_format": {"type": "json_object"}}),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),

@@ -33,7 +33,9 @@ UNSUPPORTED: dict[str, tuple] = {
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
     "truncate_prompt_tokens": (None,), "chat_template": (None,), "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
+    "continue_final_message": (None, False), "documents": (None, []), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "skip_special_tokens": (None, True),
 }
 
 
