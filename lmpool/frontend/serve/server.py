@@ -42,10 +42,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-buffer-steps", type=int, default=10_000, help="batches kept for replay")
     p.add_argument("--kv-events-map-layout", action="store_true",
                    help="encode events as maps (recent vLLM) rather than arrays (vLLM's subscriber example)")
-    p.add_argument("--shutdown-grace", type=float, default=5.0,
+    p.add_argument("--shutdown-grace", type=_seconds, default=5.0,
                    help="seconds the running requests get to finish once SIGINT or SIGTERM stops the server")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
 
 
 def settings_from(args: argparse.Namespace) -> ServeSettings:
