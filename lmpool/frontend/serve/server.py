@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 
+from lmpool.config.engine import check_port
 from lmpool.control.kv_events import pool_events as kv_pool_events
 from lmpool.frontend.serve.settings import ServeSettings
 
@@ -25,7 +26,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmpool serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("model", help="a Qwen3 checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
     p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel replicas")
@@ -46,6 +47,14 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds the running requests get to finish once SIGINT or SIGTERM stops the server")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _port(text: str) -> int:
+    # Checked here: uvloop binds a port beyond 65535 modulo 65536, while uvicorn reports the one asked for.
+    try:
+        return check_port(int(text), "--port")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {text!r}") from None
 
 
 def _seconds(text: str) -> float:
