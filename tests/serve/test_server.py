@@ -154,6 +154,13 @@ def test_no_op_values_of_unsupported_fields_and_unknown_fields_are_accepted(clie
     assert chat.choices[0].finish_reason == "length"
 
 
+def test_an_empty_model_name_is_the_served_model(server):
+    """As vLLM takes it (it was a 404: "The model `` does not exist")."""
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": "", "prompt": PROMPT, "max_tokens": 2},
+                          timeout=60)
+    assert response.status_code == 200 and response.json()["model"] == "tiny"
+
+
 def test_null_stream_and_n_mean_their_defaults(server):
     """OpenAI's API documents both as nullable; they were refused as not a boolean or integer."""
     body = {"prompt": PROMPT, "max_tokens": 2, "stream": None, "n": None}

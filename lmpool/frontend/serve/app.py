@@ -86,7 +86,8 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
 
 def _pool(request: Request, model: str | None) -> AsyncLMPool:
     settings: ServeSettings = request.app.state.settings
-    if model is not None and model not in (settings.name, settings.model):
+    # No name, or an empty one, is the served model (as vLLM takes it: clients send "" unset).
+    if model and model not in (settings.name, settings.model):
         raise ServeError(404, f"The model `{model}` does not exist.")
     return request.app.state.pool
 
