@@ -154,6 +154,13 @@ def test_no_op_values_of_unsupported_fields_and_unknown_fields_are_accepted(clie
     assert chat.choices[0].finish_reason == "length"
 
 
+def test_max_completion_tokens_wins_over_max_tokens(server):
+    """OpenAI's successor field wins where a client sends both, as in vLLM (max_tokens won)."""
+    body = {"messages": CHAT, "max_tokens": 2, "max_completion_tokens": 3, "ignore_eos": True}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+
+
 def test_an_empty_model_name_is_the_served_model(server):
     """As vLLM takes it (it was a 404: "The model `` does not exist")."""
     response = httpx.post(f"{server.url}/v1/completions", json={"model": "", "prompt": PROMPT, "max_tokens": 2},

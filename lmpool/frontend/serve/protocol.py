@@ -97,10 +97,14 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def asked_max_tokens(self) -> int | None:
+        return self.max_tokens
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """``SamplingParams`` of this request; ``max_tokens`` is the default when it names none.
         Raises ``ValueError`` naming a bad value."""
-        fields: dict[str, Any] = {"max_tokens": self.max_tokens if self.max_tokens is not None else max_tokens,
+        asked = self.asked_max_tokens()
+        fields: dict[str, Any] = {"max_tokens": asked if asked is not None else max_tokens,
                                   "ignore_eos": self.ignore_eos}
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(self, name) is not None:
@@ -167,7 +171,6 @@ class ChatCompletionRequest(SamplingFields):
     def conversation(self) -> list[dict]:
         return [m.as_template_input() for m in self.messages]
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            max_tokens = self.max_completion_tokens
-        return super().sampling_params(max_tokens)
+    def asked_max_tokens(self) -> int | None:
+        # OpenAI's successor of max_tokens wins where both are given, as in vLLM.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
