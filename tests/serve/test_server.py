@@ -117,6 +117,8 @@ def test_cache_salt_is_a_string(server, client):
     ({"prompt": PROMPT, "n": 2}, "n=1"),
     ({"prompt": PROMPT, "max_tokens": 100000}, ""),
     ({"messages": []}, "prompt"),
+    ({"prompt": PROMPT, "stop": "x" * 4097}, "4097 characters, more than the 4096 allowed"),
+    ({"prompt": PROMPT, "stop": ["ab"] * 100_000}, "200000 characters"),  # searched on the event loop per token
 ])
 def test_bad_input_is_a_400_body(server, body, words):
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
