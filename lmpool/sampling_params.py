@@ -14,6 +14,9 @@ from lmpool.errors import ArgumentTypeError, strict_bool, strict_float, strict_i
 
 # What torch.Generator.manual_seed takes.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+# A signed 64-bit integer: what every other integer field must fit to cross the pool's links
+# (msgpack) and to become a tensor on the worker.
+INT64_RANGE = (-(2**63), 2**63 - 1)
 # Below this a sampled request is greedy in all but name, and logits / temperature can
 # overflow float32 to inf (then NaN): refused, with temperature=0 named as the way to greedy.
 MIN_TEMPERATURE = 1e-2
@@ -24,8 +27,12 @@ MAX_CACHE_SALT_CHARS = 4096
 
 
 def _integer(value, what: str) -> int:
-    """``value`` as an int if it is an integer (a numpy one included) but not a bool."""
-    return strict_int(value, what)
+    """``value`` as an int if it is an integer (a numpy one included) but not a bool, and one
+    that fits in 64 bits (a larger one could not be encoded for the workers)."""
+    value = strict_int(value, what)
+    if not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
+        raise ValueError(f"{what} must fit in a signed 64-bit integer, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,7 @@ class SamplingParams:
         self._set("max_tokens", max_tokens)
         self._set("ignore_eos", strict_bool(self.ignore_eos, "ignore_eos"))
         if self.seed is not None:
-            seed = _integer(self.seed, "seed")
+            seed = strict_int(self.seed, "seed")
             if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
                 raise ValueError(f"seed must lie in [-2**63, 2**64), got {seed}")
             self._set("seed", seed)

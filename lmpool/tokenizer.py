@@ -29,13 +29,23 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model directory has no tokenizer: pass token ids instead of text")
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return tokenizer.encode(check_text(prompt, "the prompt"), add_special_tokens=False)
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
         prompt = prompt.tolist()
     try:  # numpy and 0-d torch integers become Python ints; anything else is left for validation to name
         return [operator.index(t) if not isinstance(t, int) and is_token_id(t) else t for t in prompt]
     except TypeError:
         raise ValueError(f"a prompt is text or a sequence of token ids, got {type(prompt).__name__}") from None
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode: a lone surrogate (JSON's "\\ud800" decodes to one) has no
+    UTF-8 form, and the tokenizer fails on it with an unhelpful TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text: {e.reason} at character {e.start}") from None
+    return text
 
 
 def is_token_id(value) -> bool:
@@ -52,6 +62,10 @@ def is_conversation(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
 
+# The arguments of apply_chat_template that encode_chat sets itself.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt"})
+
+
 def encode_chat(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
     """Token ids of a conversation rendered by the tokenizer's chat template, ending with the
     assistant's turn opened (``add_generation_prompt``). ``template_kwargs`` reach the
@@ -65,10 +79,18 @@ def encode_chat(tokenizer, messages: list[dict], **template_kwargs) -> list[int]
     for i, message in enumerate(messages):
         if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             raise ValueError(f"message {i} needs a 'role' and a 'content' string, got {message!r}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
+    if reserved:  # set here; passed twice they were a TypeError
+        raise ValueError(f"chat template kwargs cannot set {', '.join(reserved)}")
+    from jinja2 import TemplateError
+
     # Rendered to text, then encoded: the text form returns the same type in every
     # transformers version (the tokenized one became a dict in 5).
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    except TemplateError as e:  # the template refused this conversation (raise_exception) or cannot render
+        raise ValueError(f"the chat template failed: {e}") from None
+    return tokenizer.encode(check_text(text, "the conversation"), add_special_tokens=False)
 
 
 def encode_chats(tokenizer, conversations, template_kwargs: dict) -> list[list[int]]:

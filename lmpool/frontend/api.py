@@ -38,6 +38,7 @@ import uvloop
 
 from lmpool.config.engine import check_port
 from lmpool.config.pool import PoolConfig
+from lmpool.errors import ArgumentTypeError
 from lmpool.frontend.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
 from lmpool.frontend.client import PoolClient, PoolError, TrackedRequest
@@ -121,6 +122,9 @@ class AsyncLMPool:
     ) -> TrackedRequest:
         """Validate and route one request (or send it to ``rank``); its tokens arrive on the
         returned request's queue."""
+        if request_id is not None and not isinstance(request_id, str):  # it keys the pool's table, and outputs
+            raise ArgumentTypeError(f"request_id must be a string or None, got {request_id!r} "
+                                    f"({type(request_id).__name__})")
         rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
         params = SamplingParams() if params is None else params
         check_usable(params, self.tokenizer)  # the rest of params is validated at ingress

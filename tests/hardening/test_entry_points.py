@@ -100,6 +100,18 @@ def test_pool_rank_and_transfer_arguments_are_checked(tiny_model):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("request_id", [5, b"r", ["r"], {"r": 1}])
+def test_a_request_id_must_be_a_string(tiny_model, request_id):
+    """An int was taken (its outputs named by it), a list failed as unhashable."""
+    pool = AsyncLMPool(tiny_model, world_size=1, block_size=16)  # never started: checks come first
+
+    async def main():
+        with pytest.raises(ArgumentTypeError, match="request_id must be a string or None"):
+            await pool.submit([1, 2, 3], GREEDY, request_id=request_id)
+
+    asyncio.run(main())
+
+
 def test_demo_refuses_a_world_size_of_zero(capsys):
     with pytest.raises(SystemExit) as exit_:
         demo(["--world-size", "0"])

@@ -59,6 +59,19 @@ def test_containers_of_the_wrong_kind_are_refused(kwargs):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"top_k": 2**70}, "top_k must fit in a signed 64-bit integer"),
+    ({"top_k": -(2**64)}, "top_k must fit in a signed 64-bit integer"),
+    ({"max_tokens": 2**64}, "max_tokens must fit in a signed 64-bit integer"),
+    ({"stop_token_ids": [3, 2**70]}, "a stop token id must fit in a signed 64-bit integer"),
+])
+def test_integers_too_large_for_the_wire_are_refused_by_name(kwargs, match):
+    """They used to be accepted, then fail to encode for the workers with an OverflowError
+    (a 500 from ``lmpool serve``)."""
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
 def test_a_wrong_type_is_both_a_type_error_and_the_documented_value_error():
     with pytest.raises(ValueError):
         SamplingParams(ignore_eos=1)

@@ -5,9 +5,11 @@ answers 503 while the server stays up."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -125,11 +127,70 @@ def test_cache_salt_is_a_string(server, client):
     ({"prompt": PROMPT, "n": 2}, "n=1"),
     ({"prompt": PROMPT, "max_tokens": 100000}, ""),
     ({"messages": []}, "prompt"),
+    ({"prompt": PROMPT, "stop": "x" * 4097}, "4097 characters, more than the 4096 allowed"),
+    ({"prompt": PROMPT, "stop": ["ab"] * 100_000}, "200000 characters"),  # searched on the event loop per token
 ])
 def test_bad_input_is_a_400_body(server, body, words):
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     error = response.json()["error"]
     assert response.status_code == 400 == error["code"] and words in error["message"]
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("completions", {"echo": True}), ("completions", {"logprobs": 0}), ("completions", {"best_of": 2}),
+    ("completions", {"suffix": "end"}), ("completions", {"presence_penalty": 1.5}),
+    ("completions", {"frequency_penalty": -1}), ("completions", {"logit_bias": {"5": 100}}),
+    ("completions", {"min_tokens": 4}), ("completions", {"repetition_penalty": 1.2}),
+    ("completions", {"skip_special_tokens": False}), ("completions", {"allowed_token_ids": [5]}),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 2}),
+    ("chat/completions", {"response_format": {"type": "json_object"}}),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+    ("chat/completions", {"chat_template": "{{ messages }}"}),
+    ("chat/completions", {"chat_template_kwargs": {"chat_template": "{{ messages }}"}}),
+])
+def test_fields_that_would_change_the_output_are_refused_not_ignored(server, path, extra):
+    """These were accepted and ignored: the caller got an answer other than the one asked for."""
+    body = {"prompt": PROMPT} if path == "completions" else {"messages": CHAT}
+    response = httpx.post(f"{server.url}/v1/{path}", json={**body, "max_tokens": 2, **extra}, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 == error["code"]
+    assert ("its own chat template" if "chat_template_kwargs" in extra else "not supported") in error["message"]
+
+
+def test_no_op_values_of_unsupported_fields_and_unknown_fields_are_accepted(client):
+    """What clients send as defaults leaves the output unchanged, so it is served."""
+    out = client.completions.create(model="tiny", prompt=PROMPT, presence_penalty=0, frequency_penalty=0.0,
+                                    best_of=1, echo=False, logit_bias={}, user="u", **greedy(my_field=[1]))
+    assert out.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, logprobs=False, tool_choice="none", **greedy())
+    assert chat.choices[0].finish_reason == "length"
+
+
+def test_max_completion_tokens_wins_over_max_tokens(server):
+    """OpenAI's successor field wins where a client sends both, as in vLLM (max_tokens won)."""
+    body = {"messages": CHAT, "max_tokens": 2, "max_completion_tokens": 3, "ignore_eos": True}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_an_empty_model_name_is_the_served_model(server):
+    """As vLLM takes it (it was a 404: "The model `` does not exist")."""
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": "", "prompt": PROMPT, "max_tokens": 2},
+                          timeout=60)
+    assert response.status_code == 200 and response.json()["model"] == "tiny"
+
+
+def test_null_stream_and_n_mean_their_defaults(server):
+    """OpenAI's API documents both as nullable; they were refused as not a boolean or integer."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": None, "n": None}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] is not None
+
+
+@pytest.mark.parametrize("value", [True, "0.5"])
+def test_a_bool_or_a_string_is_not_a_temperature(server, value):
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "temperature": value}, timeout=60)
+    assert response.status_code == 400 and "temperature" in response.json()["error"]["message"]
 
 
 def test_malformed_json_unknown_model_and_route(server):
@@ -155,6 +216,46 @@ def test_a_client_that_disconnects_aborts_its_request(server, stream):
         wait_for(lambda: busy(server) == 1, "the request running")
     wait_for(lambda: busy(server) == 0, "the request's abort")
     assert metric(server, "lmpool:generation_tokens_total") - before < 4000
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_a_small_kv_cache(tiny_model, tmp_path):
+    """A chat request's default length is what the context allows: where the replicas' KV cache
+    holds fewer tokens than the context, that is the cache (it was the context, and every chat
+    request that named no max_tokens was refused as one that could never run)."""
+    server = start_server(tiny_model, tmp_path, "--world-size", "1", "--num-kv-blocks", "8")
+    try:
+        body = {"messages": CHAT, "ignore_eos": True, "temperature": 0}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        out = response.json()
+        assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["total_tokens"] == 8 * BLOCK
+    finally:
+        server.stop()
+
+
+def _long_request(server, stream: bool) -> list[str]:
+    """The response of a request that runs until it is stopped: its body's lines."""
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 4000, "ignore_eos": True, "stream": stream}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+        return [str(response.status_code)] + [line for line in response.iter_lines() if line]
+
+
+def test_sigterm_fails_running_requests_with_an_openai_error(tiny_model, tmp_path):
+    """Requests still running when the grace period ends get a 503 body, or for a stream an
+    in-band error and [DONE] (they were cancelled: a plain-text 500, a stream cut short)."""
+    server = start_server(tiny_model, tmp_path, "--world-size", "1", "--shutdown-grace", "0")
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            whole, streamed = (threads.submit(_long_request, server, stream) for stream in (False, True))
+            wait_for(lambda: busy(server) == 2, "both requests running")
+            server.proc.send_signal(signal.SIGTERM)
+            status, body = whole.result()
+            assert status == "503" and json.loads(body)["error"]["code"] == 503
+            lines = streamed.result()
+            assert lines[0] == "200" and lines[-1] == "data: [DONE]"
+            assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == 503
+    finally:
+        server.stop()
 
 
 def test_health_and_no_live_rank_is_503(tiny_model, tmp_path):

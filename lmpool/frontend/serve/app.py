@@ -9,8 +9,11 @@ handler races its request against the client's disconnect (``disconnect``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,12 +32,17 @@ from lmpool.frontend.serve.sse import event_stream
 def create_app(settings: ServeSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with AsyncLMPool(settings.model, **settings.pool_args) as pool:
-            app.state.pool = pool
-            yield
+        try:
+            async with AsyncLMPool(settings.model, **settings.pool_args) as pool:
+                app.state.pool = pool
+                yield
+        finally:
+            app.state.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="LMPool", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.settings = settings
+    # One thread: a Hugging Face tokenizer is not safe to reconfigure from several at once.
+    app.state.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lmpool-tokenize")
     install_handlers(app)
     install_api_key(app, settings.api_key)
     _routes(app, settings)
@@ -45,16 +53,16 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         pool = _pool(request, body.model)
-        prompt_ids = pool.encode(body.single_prompt())
+        prompt_ids = await _tokenize(request, pool.encode, body.single_prompt())
         params = body.sampling_params(DEFAULT_COMPLETION_TOKENS)
         return await _respond(request, pool, prompt_ids, params, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         pool = _pool(request, body.model)
-        prompt_ids = pool.encode_chat(body.conversation(), **(body.chat_template_kwargs or {}))
+        prompt_ids = await _tokenize(request, pool.encode_chat, body.conversation(), **(body.chat_template_kwargs or {}))
         # OpenAI's chat default is "as long as the context allows".
-        params = body.sampling_params(max(1, _max_model_len(pool) - len(prompt_ids)))
+        params = body.sampling_params(max(1, _longest_request(pool) - len(prompt_ids)))
         return await _respond(request, pool, prompt_ids, params, body, chat=True)
 
     @app.get("/v1/models")
@@ -78,14 +86,29 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
 
 def _pool(request: Request, model: str | None) -> AsyncLMPool:
     settings: ServeSettings = request.app.state.settings
-    if model is not None and model not in (settings.name, settings.model):
+    # No name, or an empty one, is the served model (as vLLM takes it: clients send "" unset).
+    if model and model not in (settings.name, settings.model):
         raise ServeError(404, f"The model `{model}` does not exist.")
     return request.app.state.pool
+
+
+async def _tokenize(request: Request, encode, *args, **kwargs) -> list[int]:
+    # Off the event loop: a prompt of megabytes takes seconds to tokenize, which there would
+    # stall every other request's stream and /health (the tokenizer releases the GIL).
+    work = functools.partial(encode, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(request.app.state.tokenizing, work)
 
 
 def _max_model_len(pool: AsyncLMPool) -> int:
     # The engine's context length (what ingress validation checks prompts against).
     return pool.engine.max_model_len
+
+
+def _longest_request(pool: AsyncLMPool) -> int:
+    # The most tokens (prompt and output) a request can hold: the context, or less where no
+    # live rank's KV cache holds that many (a default beyond it would refuse every request).
+    blocks = max((rank.num_blocks for rank in pool.engine.ranks if rank.alive), default=0)
+    return min(_max_model_len(pool), blocks * pool.engine.block_size)
 
 
 async def _respond(request: Request, pool: AsyncLMPool, prompt_ids: list[int], params, body, chat: bool):

@@ -2,8 +2,11 @@
 translation into ``SamplingParams``.
 
 Unknown fields are accepted and ignored, as vLLM and SGLang do: clients and gateways send
-fields (``user``, ``logit_bias``...) that a server may not act on. Every field that is acted on
-is validated here or by ``SamplingParams``; either failure is a 400 for the caller.
+fields (``user``, ``metadata``...) that a server may not act on. But a field of OpenAI's or
+vLLM's API that would change the output (``logprobs``, ``presence_penalty``, ``echo``...) is
+refused unless it holds its no-op value (``UNSUPPORTED``): ignoring it would answer something
+other than what was asked. Every field that is acted on is validated here or by
+``SamplingParams``; either failure is a 400 for the caller.
 """
 
 from __future__ import annotations
@@ -11,12 +14,41 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, \
+    model_validator
 
 from lmpool.sampling_params import SamplingParams
 
 # OpenAI's default for /v1/completions.
 DEFAULT_COMPLETION_TOKENS = 16
+
+# Fields of OpenAI's and vLLM's requests that this server does not implement, each with the
+# values that leave the output as it is (what clients send as defaults); any other is refused.
+UNSUPPORTED: dict[str, tuple] = {
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "min_tokens": (None, 0), "min_p": (None, 0),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+    "truncate_prompt_tokens": (None,), "chat_template": (None,), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "documents": (None, []), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "skip_special_tokens": (None, True),
+}
+
+
+# The most characters a request's stop strings may hold together. Each streamed token's text is
+# searched for them on the server's event loop, at a cost that grows with their number and
+# length (with the square of the longest): 100,000 stop strings cost 30 ms per token, stalling
+# every other request. OpenAI's API takes 4 stop strings.
+MAX_STOP_CHARS = 4096
+
+
+def _no_op(value, neutral: tuple) -> bool:
+    # A bool only matches a bool: logprobs=0 (the sampled token's logprob) is not logprobs=false.
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
 class StreamOptions(BaseModel):
@@ -30,25 +62,42 @@ class SamplingFields(BaseModel):
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    # Strict: a bool or a numeric string is not taken for a number (an int is).
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
-    n: StrictInt = 1
-    stream: StrictBool = False
+    # OpenAI's API takes null for either, meaning the default (clients send it).
+    n: StrictInt | None = 1
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     # vLLM's fields: a tenant's salt keeps its prefix-cache hits to itself; return_token_ids
     # adds the prompt's and the output's token ids to the response.
     cache_salt: StrictStr | None = None
     return_token_ids: StrictBool = False
 
+    @model_validator(mode="after")
+    def _no_unsupported_fields(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and not _no_op(value, UNSUPPORTED[name]):
+                raise ValueError(f"{name}={value!r} is not supported by this server")
+        return self
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounded(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        chars = len(stop) if isinstance(stop, str) else sum(map(len, stop or ()))
+        if chars > MAX_STOP_CHARS:
+            raise ValueError(f"the stop strings hold {chars} characters, more than the {MAX_STOP_CHARS} allowed")
+        return stop
+
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
             raise ValueError("only n=1 is supported")
         return n
 
@@ -63,10 +112,14 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def asked_max_tokens(self) -> int | None:
+        return self.max_tokens
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """``SamplingParams`` of this request; ``max_tokens`` is the default when it names none.
         Raises ``ValueError`` naming a bad value."""
-        fields: dict[str, Any] = {"max_tokens": self.max_tokens if self.max_tokens is not None else max_tokens,
+        asked = self.asked_max_tokens()
+        fields: dict[str, Any] = {"max_tokens": asked if asked is not None else max_tokens,
                                   "ignore_eos": self.ignore_eos}
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(self, name) is not None:
@@ -88,7 +141,6 @@ class CompletionRequest(SamplingFields):
     """One prompt: text, token ids, or a list holding exactly one of either."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    echo: StrictBool = False
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -122,10 +174,18 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_request_template(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        # A client's own Jinja template runs in the server: one with nested loops would stall
+        # every request's tokenizing (vLLM refuses one unless --trust-request-chat-template).
+        if kwargs and "chat_template" in kwargs:
+            raise ValueError("a request cannot supply its own chat template")
+        return kwargs
+
     def conversation(self) -> list[dict]:
         return [m.as_template_input() for m in self.messages]
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            max_tokens = self.max_completion_tokens
-        return super().sampling_params(max_tokens)
+    def asked_max_tokens(self) -> int | None:
+        # OpenAI's successor of max_tokens wins where both are given, as in vLLM.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -3,16 +3,21 @@
 uvicorn runs the app on a uvloop loop; the app's lifespan starts the pool on that same loop
 before the port is bound, so ``/health`` answers only once every replica is ready. SIGINT or
 SIGTERM stops the server gracefully, which shuts the pool down (no process or shared-memory
-object outlives it).
+object outlives it): it stops accepting connections, gives the running requests
+``--shutdown-grace`` seconds to finish, then shuts the pool down, which fails those still
+running as any request on a shut-down pool fails (a 503 body, or a stream's in-band error and
+``[DONE]``). Left to uvicorn, they would be cancelled: a plain-text 500, or a stream cut short.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import os
 
+from lmpool.config.engine import check_port
 from lmpool.control.kv_events import pool_events as kv_pool_events
 from lmpool.frontend.serve.settings import ServeSettings
 
@@ -21,7 +26,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmpool serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("model", help="a Qwen3 checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
     p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel replicas")
@@ -41,8 +46,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-buffer-steps", type=int, default=10_000, help="batches kept for replay")
     p.add_argument("--kv-events-map-layout", action="store_true",
                    help="encode events as maps (recent vLLM) rather than arrays (vLLM's subscriber example)")
+    p.add_argument("--shutdown-grace", type=_seconds, default=5.0,
+                   help="seconds the running requests get to finish once SIGINT or SIGTERM stops the server")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _port(text: str) -> int:
+    # Checked here: uvloop binds a port beyond 65535 modulo 65536, while uvicorn reports the one asked for.
+    try:
+        return check_port(int(text), "--port")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
 
 
 def settings_from(args: argparse.Namespace) -> ServeSettings:
@@ -92,7 +117,40 @@ def main(argv: list[str]) -> int:
         check_endpoints(args)
         os.environ[kv_pool_events.ENV] = events
     app = create_app(settings_from(args))
+    # uvicorn's own grace is a backstop, should the pool take long to stop.
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level,
-                            access_log=False, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+                            access_log=False, timeout_graceful_shutdown=args.shutdown_grace + POOL_STOP_S)
+    _server_class()(config, app, args.shutdown_grace).run()
     return 0
+
+
+POOL_STOP_S = 30  # time the pool takes to stop its processes, at most
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, shutting the pool down once the running requests had ``grace``
+        seconds to finish (this module's docstring says why)."""
+
+        def __init__(self, config, app, grace: float) -> None:
+            super().__init__(config)
+            self.served_app, self.grace = app, grace
+
+        async def shutdown(self, sockets=None) -> None:
+            self._stopping = None
+            timer = asyncio.get_running_loop().call_later(self.grace, self._stop_pool)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+                if self._stopping is not None:
+                    await self._stopping  # once begun, a shutdown runs to its end (its processes stopped)
+
+        def _stop_pool(self) -> None:
+            pool = getattr(self.served_app.state, "pool", None)  # None: stopped while the pool was starting
+            if pool is not None:
+                self._stopping = asyncio.ensure_future(pool.shutdown())
+
+    return Server
