@@ -58,11 +58,17 @@ class CostModel:
         by_tokens = cfg.decode_work == "tokens"
         reclaim_tokens = cfg.reclaim_weight * block_size
         affinity = self.topology.affinity
+        # ``request_shape``, inlined: this loop runs for every candidate of every route.
+        prompt = query.num_prompt_tokens
+        usable = max(0, (prompt - 1) // block_size)
+        total_blocks = -(-(prompt + query.max_tokens) // block_size)
         costs = []
         for r in ranks:
             info = infos[r]
             load = info.load
-            m, missing, need = request_shape(query, lengths[r], block_size)
+            m = min(lengths[r], usable)
+            missing = prompt - m * block_size
+            need = max(0, total_blocks - m)
             free = load.blocks_free - info.reserved_blocks
             reclaim = max(0, need - max(0, free))
             decode = load.decode_tokens_left if by_tokens else load.num_running
