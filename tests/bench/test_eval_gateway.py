@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import eval_gateway
 import pytest
@@ -34,10 +30,9 @@ MAX_TOKENS = 3
 
 
 def smg_runs() -> None:
-    path = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
     try:
-        subprocess.run([path, "--version"], capture_output=True, timeout=60, check=True)
-    except (OSError, subprocess.SubprocessError) as e:
+        eval_gateway.smg_version()
+    except eval_gateway.GatewayUnavailable as e:
         pytest.skip(f"the smg gateway binary cannot run here: {e}")
 
 
