@@ -91,13 +91,14 @@ PEERS = (
     Policy("dynamo_kv", "dynamo_kv"),
 )
 # Older rule sets of the peers, named by what they pin. SGLang's gateway before its current
-# defaults: cache threshold 0.5, balance thresholds 32 / 1.0001, a cache miss to the smallest
-# tree. Dynamo's router charging a queued request its full prompt and not de-duplicating
+# defaults: cache threshold 0.5, balance thresholds 32 / 1.0001 in the max - min switch (smg 1.9
+# and before), a cache miss to the smallest tree. Dynamo's router charging a queued request its full prompt and not de-duplicating
 # active blocks (LMPool's first copy of it).
 PEER_VARIANTS = (
     Policy("sglang_cache_aware_v0", "sglang_cache_aware", routing_config=(
         ("sglang_cache_threshold", 0.5), ("sglang_balance_abs_threshold", 32),
-        ("sglang_balance_rel_threshold", 1.0001), ("sglang_miss_rule", "smallest_tree"))),
+        ("sglang_balance_rel_threshold", 1.0001), ("sglang_miss_rule", "smallest_tree"),
+        ("sglang_balance_rule", "max_min"))),
     Policy("dynamo_kv_v0", "dynamo_kv", routing_config=(
         ("dynamo_prefill_tokens", "full"), ("dynamo_assume_kv_reuse", False))),
 )

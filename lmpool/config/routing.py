@@ -22,12 +22,15 @@ class RoutingConfig:
     # Blocks of prompts routed to a rank count as held there this long, until it reports
     # them (``lmpool.control.routing.pending``); 0 turns that off (the "lmpool-pending" evaluation policy).
     pending_ttl_s: float = 10.0
-    # SGLang's model gateway, cache_aware policy, as ``smg launch`` runs it (its command-line
+    # SGLang's model gateway, cache_aware policy, as ``smg launch`` 1.13 runs it (its command-line
     # defaults; ``lmpool.control.routing.sglang_cache_aware``). The older rule set: 0.5 / 32 /
-    # 1.0001 and a miss to the smallest tree.
+    # 1.0001, the max - min balance switch, and a miss to the smallest tree.
     sglang_cache_threshold: float = 0.3
     sglang_balance_abs_threshold: int = 64
     sglang_balance_rel_threshold: float = 1.5
+    # "fleet_mean": smg 1.13's spill gate (a matched worker loaded past the fleet mean goes to the
+    # least loaded); "max_min": smg 1.9 and before (the whole pool imbalanced: shortest queue).
+    sglang_balance_rule: str = "fleet_mean"
     sglang_miss_rule: str = "least_loaded"  # a cache miss goes to: "least_loaded" | "smallest_tree"
     sglang_tree: str = "approximate"  # "approximate": fed by routed requests; "page_table": worker events
     sglang_max_tree_blocks: int = 100_000  # per rank, evicted least recently routed first
@@ -49,6 +52,8 @@ class RoutingConfig:
             raise ValueError(f"sglang_miss_rule must be 'least_loaded' or 'smallest_tree', got {self.sglang_miss_rule!r}")
         if self.dynamo_prefill_tokens not in ("new", "full"):
             raise ValueError(f"dynamo_prefill_tokens must be 'new' or 'full', got {self.dynamo_prefill_tokens!r}")
+        if self.sglang_balance_rule not in ("fleet_mean", "max_min"):
+            raise ValueError(f"sglang_balance_rule must be 'fleet_mean' or 'max_min', got {self.sglang_balance_rule!r}")
         if self.sglang_tree not in ("approximate", "page_table"):
             raise ValueError(f"sglang_tree must be 'approximate' or 'page_table', got {self.sglang_tree!r}")
         if not self.reservation_ttl_s > 0:

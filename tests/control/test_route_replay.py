@@ -60,6 +60,7 @@ def replay() -> list[str]:
                     sglang_balance_abs_threshold=32,
                     sglang_balance_rel_threshold=1.0001,
                     sglang_miss_rule="smallest_tree",
+                    sglang_balance_rule="max_min",
                 )
             if policy == "dynamo_kv":
                 v0 = dict(dynamo_prefill_tokens="full", dynamo_assume_kv_reuse=False)

@@ -342,7 +342,7 @@ def test_round_robin_cycles_over_alive_candidates():
 
 # The older rule sets, which the first tests of each peer pin (``eval_policies.PEER_VARIANTS``).
 SGLANG_V0 = dict(sglang_cache_threshold=0.5, sglang_balance_abs_threshold=32, sglang_balance_rel_threshold=1.0001,
-                 sglang_miss_rule="smallest_tree")
+                 sglang_miss_rule="smallest_tree", sglang_balance_rule="max_min")
 DYNAMO_V0 = dict(dynamo_prefill_tokens="full", dynamo_assume_kv_reuse=False)
 
 
@@ -465,8 +465,36 @@ def test_sglang_gateway_defaults_route_a_miss_to_the_least_loaded_worker():
     assert scheduler.route_sequence_meta(miss).reason == "sglang_miss_least_loaded r2 load=1 rate=0.20"
 
 
-def test_sglang_gateway_defaults_balance_only_past_64_and_one_and_a_half_times():
+def test_sglang_gateway_defaults_spill_a_hit_past_the_fleet_mean():
+    """smg 1.13's spill gate: the matched worker is passed over once its load exceeds the fleet's
+    mean by min(64, max(4, 2 * sqrt(mean))) and 1.5 times the mean."""
     gbm, scheduler = make(policy="sglang_cache_aware")
+    a = chain(8)
+    scheduler.route_sequence_meta(query(a))  # rank 0's tree holds `a`
+    # Rank 0 alone loaded, the others idle: mean = L / 4 and the margin 4 while L < 64, so the
+    # gate opens from L = 6 (6 > 1.5 + 4), not at the old rule's gap of 65.
+    for running, verdict in ((5, "sglang_cache r0"), (6, "sglang_spill r1 load=0 over r0 load=6")):
+        release_all(gbm)
+        load(gbm, 0, num_running=running)
+        assert scheduler.route_sequence_meta(query(a)).reason.startswith(verdict)
+    gbm, scheduler = make(policy="sglang_cache_aware")
+    scheduler.route_sequence_meta(query(a))
+    # A busy fleet: mean 100.25, margin 2 * sqrt(mean) = 20.02; rank 0 at 121 passes the margin
+    # but not 1.5 times the mean (150.4): it keeps its hit.
+    release_all(gbm)
+    for rank in range(4):
+        load(gbm, rank, num_running=121 if rank == 0 else 93)
+    assert scheduler.route_sequence_meta(query(a)).reason.startswith("sglang_cache r0")
+    gbm, scheduler = make(policy="sglang_cache_aware", config=RoutingConfig(sglang_balance_rel_threshold=1.0))
+    scheduler.route_sequence_meta(query(a))
+    release_all(gbm)
+    for rank in range(4):  # mean 100.25 + 20.02 = 120.27: 121 spills, at ratio 1.0
+        load(gbm, rank, num_running=121 if rank == 0 else 93)
+    assert scheduler.route_sequence_meta(query(a)).reason.startswith("sglang_spill r1")
+
+
+def test_sglang_older_balance_rule_switches_the_whole_pool_past_64_and_one_and_a_half_times():
+    gbm, scheduler = make(policy="sglang_cache_aware", config=RoutingConfig(sglang_balance_rule="max_min"))
     a = chain(8)
     scheduler.route_sequence_meta(query(a))
     for running, verdict in ((64, "sglang_cache r0"), (65, "sglang_balance r1")):
@@ -477,33 +505,3 @@ def test_sglang_gateway_defaults_balance_only_past_64_and_one_and_a_half_times()
     for rank in range(4):  # a gap of 70, but 240 / 170 < 1.5: balanced
         load(gbm, rank, num_running=240 if rank == 0 else 170)
     assert scheduler.route_sequence_meta(query(a)).reason.startswith("sglang_cache r1")  # it holds `a` too now
-
-
-def test_dynamo_charges_queued_requests_only_their_new_tokens_and_counts_shared_blocks_once():
-    """Dynamo's defaults: a rank's queued prefill is its requests' prompts less their cached
-    overlap (``LoadReport.new_prefill_tokens``), and a request adds to the decode term only the
-    blocks it does not share with what the rank holds."""
-    gbm, scheduler = make(world=2, policy="dynamo_kv")
-    cache(gbm, 0, chain(8))
-    # Rank 0 queues requests that will hit its cache: 4,000 prompt tokens, 200 of them new.
-    load(gbm, 0, blocks_used=10, waiting_prefill_tokens=4000, new_prefill_tokens=200)
-    load(gbm, 1, blocks_used=10)
-    q = query(chain(10))  # 10 blocks + 5 tokens: 11 blocks, 8 of them cached on rank 0
-    prefill = {0: (200 + q.num_prompt_tokens - 8 * BLOCK) / BLOCK, 1: q.num_prompt_tokens / BLOCK}
-    decode = {0: 10 + (11 - 8), 1: 10 + 11}
-    cost = {r: prefill[r] + decode[r] for r in (0, 1)}
-    decision = scheduler.route_sequence_meta(q)
-    assert decision.rank == 0 and decision.reason == f"dynamo_min_cost r0 cost={cost[0]:.1f}"
-    # The older copy charged rank 0 all 4,000 queued tokens and all 11 blocks: it goes to rank 1.
-    gbm, scheduler = make(world=2, policy="dynamo_kv", config=RoutingConfig(**DYNAMO_V0))
-    cache(gbm, 0, chain(8))
-    load(gbm, 0, blocks_used=10, waiting_prefill_tokens=4000, new_prefill_tokens=200)
-    load(gbm, 1, blocks_used=10)
-    assert scheduler.route_sequence_meta(query(chain(10))).rank == 1
-
-
-def test_unknown_peer_rule_names_are_refused():
-    with pytest.raises(ValueError, match="sglang_miss_rule"):
-        RoutingConfig(sglang_miss_rule="random")
-    with pytest.raises(ValueError, match="dynamo_prefill_tokens"):
-        RoutingConfig(dynamo_prefill_tokens="some")

@@ -1,17 +1,25 @@
 """SGLang's model gateway, ``cache_aware`` policy, as ``smg launch`` runs it.
 
 Reimplements lightseekorg/smg ``model_gateway/src/policies/cache_aware.rs`` (smg 1.13, the
-package ``pip install smg`` installs; its approximate-tree paths) with the command line's
+package ``pip install smg`` installs; its approximate-tree paths; the spill gate from 1.13's
+command-line help, the rest from the 1.9 source, the latest we could read) with the command line's
 defaults: ``cache_threshold=0.3``, ``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``
 (the library's own ``CacheAwareConfig::default`` differs: 0.5 / 32 / 1.1). Load is the
 gateway's count of requests sent to a worker and not finished; ours is ``num_waiting +
 num_running`` plus requests routed but not yet admitted.
 
-- Imbalanced when ``max_load - min_load > balance_abs_threshold`` and
-  ``max_load > balance_rel_threshold * min_load``: the least-loaded worker.
-- Else the worker with the longest prefix match in the gateway's tree if ``matched / prompt >
+- The worker with the longest prefix match in the gateway's tree if ``matched / prompt >
   cache_threshold``; else (a miss) the least-loaded worker. ``sglang_miss_rule="smallest_tree"``
   restores the older sgl-router rule (a miss to the worker with the smallest tree).
+- The spill gate (``sglang_balance_rule="fleet_mean"``, smg 1.13, as its ``--help`` states it):
+  the matched worker is passed over for the least-loaded one when its load exceeds the healthy
+  workers' mean by a margin *and* exceeds ``balance_rel_threshold`` times the mean. The margin
+  is ``balance_abs_threshold`` capped at the natural swing of an in-flight count at that mean,
+  two standard deviations, never under 4 (unless the threshold is): ``min(abs, max(4,
+  2 * sqrt(mean)))``, the count taken as Poisson (our reading of "natural swing").
+  ``"max_min"`` restores smg 1.9 and earlier (``policies/cache_aware.rs``): when ``max_load -
+  min_load > balance_abs_threshold`` and ``max_load > balance_rel_threshold * min_load``, every
+  request goes to the least-loaded worker.
 - Every routed prompt is inserted into the chosen worker's tree.
 
 Differences: the gateway's tree holds request text per character (HTTP) or tokens (gRPC);
@@ -24,6 +32,7 @@ the gateway's event-driven gRPC mode). Ties go to the lower load, then the lower
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 from lmpool.config.routing import RoutingConfig
@@ -88,14 +97,12 @@ class SGLangCacheAwarePolicy(RoutingPolicy):
         for r in ranks:
             info = self.table.ranks[r]
             loads[r] = info.load.num_waiting + info.load.num_running + info.num_reservations
-        max_load, min_load = max(loads.values()), min(loads.values())
-        imbalanced = (
-            max_load - min_load > cfg.sglang_balance_abs_threshold
-            and max_load > cfg.sglang_balance_rel_threshold * min_load
-        )
-        if imbalanced:
-            best = min(ranks, key=lambda r: (loads[r], r))
-            return best, f"sglang_balance r{best} load={loads[best]} max={max_load}"
+        least = min(ranks, key=lambda r: (loads[r], r))
+        if cfg.sglang_balance_rule == "max_min":
+            max_load, min_load = max(loads.values()), min(loads.values())
+            if (max_load - min_load > cfg.sglang_balance_abs_threshold
+                    and max_load > cfg.sglang_balance_rel_threshold * min_load):
+                return least, f"sglang_balance r{least} load={loads[least]} max={max_load}"
         if self.trees is not None:
             matches = self.trees.match(query.block_hashes, ranks)
             sizes = {r: self.trees.size(r) for r in ranks}
@@ -106,12 +113,20 @@ class SGLangCacheAwarePolicy(RoutingPolicy):
         prompt = query.num_prompt_tokens
         rate = matches[best] * self.table.block_size / prompt if prompt else 0.0
         if rate > cfg.sglang_cache_threshold:
+            if cfg.sglang_balance_rule == "fleet_mean" and least != best and self._spills(loads, best):
+                return least, f"sglang_spill r{least} load={loads[least]} over r{best} load={loads[best]}"
             return best, f"sglang_cache r{best} rate={rate:.2f}"
         if cfg.sglang_miss_rule == "smallest_tree":
             smallest = min(ranks, key=lambda r: (sizes[r], loads[r], r))
             return smallest, f"sglang_smallest_tree r{smallest} size={sizes[smallest]} rate={rate:.2f}"
-        least = min(ranks, key=lambda r: (loads[r], r))
         return least, f"sglang_miss_least_loaded r{least} load={loads[least]} rate={rate:.2f}"
+
+    def _spills(self, loads: dict[int, int], rank: int) -> bool:
+        """smg 1.13's spill gate: ``rank``'s load past the fleet mean by the margin and by the ratio."""
+        cfg = self.config
+        mean = sum(loads.values()) / len(loads)
+        margin = min(cfg.sglang_balance_abs_threshold, max(4.0, 2.0 * math.sqrt(mean)))
+        return loads[rank] > mean + margin and loads[rank] > cfg.sglang_balance_rel_threshold * mean
 
     def routed(self, query: RouteQuery, rank: int) -> None:
         if self.trees is not None:
