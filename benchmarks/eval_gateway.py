@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -41,6 +42,8 @@ import httpx
 
 from gateway_client import GatewayClient
 from token_text import codec_checkpoint
+
+from lmpool.protocol.spec import PR_SET_PDEATHSIG
 
 # What decides smg's routing: its cache-aware policy with its own default thresholds.
 SMG_FLAGS = ("--policy", "cache_aware")
@@ -119,6 +122,12 @@ def host_env(rank: int, device: str, gpus: list[str]) -> dict[str, str]:
     return env
 
 
+def _terminate_with_parent() -> None:
+    """In a host or the gateway, before it runs: SIGTERM (a clean stop) when the suite dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Processes:
     """The hosts and the gateway of one run; ``stop`` ends every one of them."""
 
@@ -133,8 +142,10 @@ class Processes:
     def _spawn(self, cmd: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "wb")
         self._files.append(log)
-        # Its own session, so a terminal's Ctrl-C reaches the suite first, which then stops it.
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # Its own session, so a terminal's Ctrl-C reaches the suite first, which then stops it;
+        # and a SIGTERM when the suite itself dies unannounced (killed), so nothing outlives it.
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=_terminate_with_parent)
 
     def start_hosts(self, model: str, args, setting, max_model_len: int) -> None:
         gpus = visible_gpus() if args.device == "cuda" else []

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import eval_gateway
 import pytest
@@ -104,3 +108,35 @@ def test_every_runner_takes_the_gateway_by_name_and_all_leaves_it_out():
         assert [p.name for p in named] == ["smg_cache_aware", "lmpool"]
         every = chosen_policies(argparse.Namespace(quick=False, policies="all"), runner.POLICIES, "")
         assert "smg_cache_aware" not in {p.name for p in every} and "lmpool" in {p.name for p in every}
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie waiting for whoever adopted it to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_suite_killed_outright_leaves_no_host_or_gateway_behind(tmp_path):
+    """A host runs in its own session (a terminal's Ctrl-C must reach the suite first), so only
+    its parent-death signal ends it when the suite is killed without a chance to stop it."""
+    suite = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {str(Path(eval_gateway.__file__).parent)!r})
+import eval_gateway
+child = eval_gateway.Processes(Path({str(tmp_path)!r}))._spawn(
+    [sys.executable, "-c", "import time; time.sleep(600)"], "host")
+print(child.pid, flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    host = int(suite.stdout.readline())
+    assert not ended(host)
+    suite.kill()
+    suite.wait()
+    deadline = time.monotonic() + 60  # (a guard against a hang, not a deadline)
+    while not ended(host):
+        assert time.monotonic() < deadline, "the host outlived the killed suite"
+        time.sleep(0.05)
