@@ -3,10 +3,9 @@ to the page table, the frontend's requests served (routes, stats, explicit trans
 questions to a worker), transfer plans run, heartbeats sent, the pool-state board published.
 Background placement runs over every remembered chain each ``interval_s`` and over the newly
 routed ones right after routes (``react``), in slices of ``placement_slice_s`` so that routes
-run between them. With
-route-time pulls (``lmpool.control.transfers.pull``) a route may open a copy plan for the
-request's prefix; that route's reply waits until the copy has landed or aborted, never the
-routing of others.
+run between them. With route-time pulls (``lmpool.control.transfers.pull``) a route may open
+a copy plan for the request's prefix; that route's reply waits until the copy has landed or
+aborted, never the routing of others.
 
 Invariants: every state change runs as a callback of the one loop, so the page table, router
 and coordinator need no locks; KV bytes never pass through; a gap in a worker's deltas is

@@ -8,8 +8,9 @@ each pass (a control-plane task, never on the routing path) takes from each, new
 first, the deepest hot block with all its ancestors, and looks for a copy worth
 making. A pass runs in slices of bounded time (``PlacementPass``), so a route never
 waits behind a whole pass; its batches start when it ends, if they still pass the
-gates that routes between slices can change (``stale``). A chain becomes a copy only when every gate passes, in this order
-(each refusal is counted under its name in ``refused``):
+gates that routes between slices can change (``stale``). A chain becomes a copy only
+when every gate passes, in this order (each refusal is counted under its name in
+``refused``):
 
 - ``cooldown``: the admission gate refused the chain within ``cooldown_s`` and its heat has
   not doubled since (a prefix growing hotter is looked at again at once);

@@ -6,8 +6,9 @@ placement leases that routing consults, and the bookkeeping that ties each plan
 the coordinator runs back to the policy that asked for it:
 
 - ``tick(budget_s)`` (a control-plane task, periodic and after routes) runs a
-  ``BackgroundPlacement`` pass in slices and, when it ends, starts one plan per batch; when a batch's plan completes, each of its
-  chains gets a placement lease;
+  ``BackgroundPlacement`` pass in slices and, as it ends, starts one plan per batch that
+  still passes the gates; when a batch's plan completes, each of its chains gets a
+  placement lease;
 - ``pulls`` (``lmpool.control.transfers.pull``, built with the router), with ``transfer_mode``
   "pull" or "all": routing prices pulling a request's prefix to each candidate; every plan
   that publishes or ends is passed on to it, so a pull's waiters hear its outcome;
