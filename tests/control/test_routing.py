@@ -505,3 +505,35 @@ def test_sglang_older_balance_rule_switches_the_whole_pool_past_64_and_one_and_a
     for rank in range(4):  # a gap of 70, but 240 / 170 < 1.5: balanced
         load(gbm, rank, num_running=240 if rank == 0 else 170)
     assert scheduler.route_sequence_meta(query(a)).reason.startswith("sglang_cache r1")  # it holds `a` too now
+
+
+def test_dynamo_charges_queued_requests_only_their_new_tokens_and_counts_shared_blocks_once():
+    """Dynamo's defaults: a rank's queued prefill is its requests' prompts less their cached
+    overlap (``LoadReport.new_prefill_tokens``), and a request adds to the decode term only the
+    blocks it does not share with what the rank holds."""
+    gbm, scheduler = make(world=2, policy="dynamo_kv")
+    cache(gbm, 0, chain(8))
+    # Rank 0 queues requests that will hit its cache: 4,000 prompt tokens, 200 of them new.
+    load(gbm, 0, blocks_used=10, waiting_prefill_tokens=4000, new_prefill_tokens=200)
+    load(gbm, 1, blocks_used=10)
+    q = query(chain(10))  # 10 blocks + 5 tokens: 11 blocks, 8 of them cached on rank 0
+    prefill = {0: (200 + q.num_prompt_tokens - 8 * BLOCK) / BLOCK, 1: q.num_prompt_tokens / BLOCK}
+    decode = {0: 10 + (11 - 8), 1: 10 + 11}
+    cost = {r: prefill[r] + decode[r] for r in (0, 1)}
+    decision = scheduler.route_sequence_meta(q)
+    assert decision.rank == 0 and decision.reason == f"dynamo_min_cost r0 cost={cost[0]:.1f}"
+    # The older copy charged rank 0 all 4,000 queued tokens and all 11 blocks: it goes to rank 1.
+    gbm, scheduler = make(world=2, policy="dynamo_kv", config=RoutingConfig(**DYNAMO_V0))
+    cache(gbm, 0, chain(8))
+    load(gbm, 0, blocks_used=10, waiting_prefill_tokens=4000, new_prefill_tokens=200)
+    load(gbm, 1, blocks_used=10)
+    assert scheduler.route_sequence_meta(query(chain(10))).rank == 1
+
+
+def test_unknown_peer_rule_names_are_refused():
+    with pytest.raises(ValueError, match="sglang_miss_rule"):
+        RoutingConfig(sglang_miss_rule="random")
+    with pytest.raises(ValueError, match="dynamo_prefill_tokens"):
+        RoutingConfig(dynamo_prefill_tokens="some")
+    with pytest.raises(ValueError, match="sglang_balance_rule"):
+        RoutingConfig(sglang_balance_rule="mean")
