@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 from lmpool.control.page_table.manager import GlobalBlockManager
@@ -197,8 +197,9 @@ class BackgroundPlacement:
             del cooling[leaf]
         return PlacementPass(self, now, self.chains.newest_first(fresh_only))
 
-    def consider(self, chain: list[int], now: float, batches: dict, taken: Counter) -> str:
-        """Put one hot chain's copies into batches; return the refusing gate's name, or ""."""
+    def consider(self, chain: list[int], now: float, batches: dict, taken: Counter) -> Generator[None, None, str]:
+        """Put one hot chain's copies into batches, one step per partner tried (a pass's slice may
+        end between two); the generator returns the refusing gate's name, or ""."""
         gbm, topology = self.gbm, self.scheduler.topology
         leaf = chain[-1]
         cooling = self.cooling.get(leaf)
@@ -221,12 +222,15 @@ class BackgroundPlacement:
                 continue
             end = min(len(chain), start + self.max_blocks)
             in_flight = gbm.ranks[dst].in_flight
-            if not any(chain[i] in in_flight for i in range(start, end)):
+            if not in_flight or not any(chain[i] in in_flight for i in range(start, end)):
                 lacking.append((dst, start, end))
         if not lacking:
             return "destination_holds"
         lacking.sort(key=lambda c: (self.scheduler.rank_load(c[0]), c[0]))
-        reasons = [self._copy(chain, src, dst, start, end, batches, taken) for dst, start, end in lacking]
+        reasons = []
+        for dst, start, end in lacking:
+            reasons.append(self._copy(chain, src, dst, start, end, batches, taken))
+            yield
         if "" in reasons:
             self.cooling.pop(leaf, None)
             return ""
@@ -259,8 +263,11 @@ class BackgroundPlacement:
         if self.coordinator.busy(src, dst) or (dst, src) in batches:
             return "pair_busy"
         batch = batches.get((src, dst))
-        held = set(batch.hashes) if batch is not None else set()
-        new = sum(1 for i in range(start, end) if chain[i] not in held)
+        if batch is None:
+            new = end - start
+        else:
+            held = set(batch.hashes)
+            new = sum(1 for i in range(start, end) if chain[i] not in held)
         if self.coordinator.room(dst) - taken[dst] < new:
             return "capacity"
         if batch is not None and len(batch.hashes) + new > self.batch_max_blocks:
@@ -280,9 +287,11 @@ class BackgroundPlacement:
 
 class PlacementPass:
     """One placement pass, run in slices so that the control loop routes between them: ``run``
-    considers chains until its budget is spent; once every chain was considered, ``copies()``
-    gives the batches that still pass the gates which routes between slices can change
-    (both ranks alive, the pair idle, the destination's room)."""
+    takes steps (a chain taken up, or one partner tried for it) until its budget is spent; once
+    every chain was considered, ``next_copy`` gives the batches one by one, for the caller to
+    check against the gates that routes between slices can change (``stale``: both ranks
+    alive, the pair idle, the destination's room) as it starts each; ``copies()`` checks all
+    at once (a whole pass, ``BackgroundPlacement.tick``)."""
 
     def __init__(self, placement: BackgroundPlacement, now: float, chains: list[list[int]]) -> None:
         self.placement = placement
@@ -293,28 +302,48 @@ class PlacementPass:
         self.batches: dict[tuple[int, int], CopyBatch] = {}
         self.taken: Counter[int] = Counter()  # blocks this pass's batches take on each destination
         self._order: list[CopyBatch] | None = None  # the batches not yet given out, last first
+        self._step: Generator[None, None, str] | None = None  # the chain under consideration
 
     def run(self, budget_s: float | None) -> bool:
-        """Consider chains for ``budget_s`` seconds at most past the first (None: no limit);
-        True once every chain was considered."""
+        """Consider chains for ``budget_s`` seconds at most past one step (None: no limit); True
+        once every chain was considered."""
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        while self._advance():
+            if deadline is not None and time.perf_counter() >= deadline:
+                return False
+        return True
+
+    def _advance(self) -> bool:
+        """One step: a partner tried for the chain under consideration, else the next chain
+        taken up; False once no chain is left."""
+        if self._step is None:
+            if self._next >= len(self._chains):
+                return False
+            self._step = self._take(self._chains[self._next])
+            self._next += 1
+            if self._step is None:
+                return True
+        try:
+            next(self._step)
+        except StopIteration as done:
+            self._step = None
+            if done.value:
+                self.placement.refused[done.value] += 1
+        return True
+
+    def _take(self, chain: list[int]) -> Generator[None, None, str] | None:
+        """The consideration of ``chain``'s hot prefix, or None: not hot, or its prefix seen."""
         placement = self.placement
         gbm = placement.gbm
-        deadline = None if budget_s is None else time.perf_counter() + budget_s
-        while self._next < len(self._chains):
-            chain = self._chains[self._next]
-            self._next += 1
-            depth = hot_depth(chain, gbm.heat, placement.hot_threshold)
-            if not depth:
-                if gbm.heat(chain[0]) == 0.0:
-                    placement.chains.forget(chain)  # no rank holds even its root any more
-            elif chain[depth - 1] not in self._seen:
-                self._seen.add(chain[depth - 1])
-                reason = placement.consider(chain[:depth], self.now, self.batches, self.taken)
-                if reason:
-                    placement.refused[reason] += 1
-            if deadline is not None and time.perf_counter() >= deadline:
-                break
-        return self._next >= len(self._chains)
+        depth = hot_depth(chain, gbm.heat, placement.hot_threshold)
+        if not depth:
+            if gbm.heat(chain[0]) == 0.0:
+                placement.chains.forget(chain)  # no rank holds even its root any more
+            return None
+        if chain[depth - 1] in self._seen:
+            return None
+        self._seen.add(chain[depth - 1])
+        return placement.consider(chain[:depth], self.now, self.batches, self.taken)
 
     def next_copy(self) -> CopyBatch | None:
         """The pass's batches one at a time, in order, once its chains are done (None: no more);
