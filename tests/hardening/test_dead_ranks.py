@@ -10,6 +10,7 @@ import signal
 
 import msgspec
 import pytest
+from stream_testkit import stream_all
 
 from lmpool import LLM, SamplingParams
 from lmpool.frontend.api import AsyncLMPool
@@ -62,24 +63,14 @@ def test_requests_of_two_ranks_that_die_together_are_recomputed(tiny_model):
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, routing="round_robin") as pool:
             victims = [pool.engine.ranks[0].proc, pool.engine.ranks[1].proc]
-            streamed = 0
-            killed = asyncio.Event()
 
-            async def one(prompt):
-                nonlocal streamed
-                last = None
-                async for last in pool.stream(prompt, PARAMS):
-                    streamed += 1
-                    if streamed == 12:
-                        for proc in victims:  # together, before the pool sees either die
-                            os.kill(proc.pid, signal.SIGKILL)
-                        for proc in victims:
-                            proc.wait()
-                        killed.set()
-                return last
+            def kill_both():
+                for proc in victims:  # together, before the pool sees either die
+                    os.kill(proc.pid, signal.SIGKILL)
+                for proc in victims:
+                    proc.wait()
 
-            outs = await asyncio.gather(*(one(p) for p in PROMPTS))
-            assert killed.is_set()
+            outs = await stream_all(pool, PROMPTS, PARAMS, 12, kill_both)
             assert [o.token_ids for o in outs] == reference
 
     asyncio.run(main())

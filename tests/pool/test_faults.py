@@ -10,6 +10,7 @@ import signal
 import pytest
 import torch
 import uvloop
+from stream_testkit import stream_all
 
 from lmpool import LLM, SamplingParams
 from lmpool.frontend.api import AsyncLMPool
@@ -33,22 +34,7 @@ def reference(tiny_model):
 
 async def run_with_kill(pool: AsyncLMPool, victim_pid, sig: int = signal.SIGKILL) -> list:
     """Start all requests; once 20 tokens have streamed, send ``sig`` to ``victim_pid()``."""
-    streamed = 0
-    killed = asyncio.Event()
-
-    async def one(prompt):
-        nonlocal streamed
-        last = None
-        async for last in pool.stream(prompt, PARAMS):
-            streamed += 1
-            if streamed == 20:
-                os.kill(victim_pid(), sig)
-                killed.set()
-        return last
-
-    outs = await asyncio.gather(*(one(p) for p in prompts()))
-    assert killed.is_set()
-    return outs
+    return await stream_all(pool, prompts(), PARAMS, 20, lambda: os.kill(victim_pid(), sig))
 
 
 async def wait_for_resync(pool: AsyncLMPool) -> dict:
