@@ -7,7 +7,7 @@ Invariants: messages arrive in order, each once. A peer that exited, closed its 
 ``heartbeat_timeout``) stopped beating makes ``recv``/``send`` raise a ``LinkError`` instead of
 waiting forever; frames it published before are delivered first. A message's own failure is a
 ``MessageError`` and leaves the link working: an undecodable frame raises ``DecodeError`` from
-that ``recv`` (counted in ``stats.decode_errors``); a message larger than the ring raises
+that ``recv`` (counted in ``stats.decode_errors``; ``messages`` skips it); a message larger than the ring raises
 ``MessageTooLargeError`` from ``send`` before anything is written.
 """
 
@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, AsyncIterator, Callable, Generic, TypeVar
 
 import msgspec
 
@@ -166,6 +166,15 @@ class Channel(Generic[T]):
                 f"frame of {len(payload)} bytes from process {self.peer_pid} is not a "
                 f"valid {_type_name(self._decode_type)}: {e}"
             ) from e
+
+    async def messages(self) -> AsyncIterator[T]:
+        """Every message in order, skipping (and counting) those that do not decode: a reader's
+        loop, which ends only by the link's ``IpcError``."""
+        while True:
+            try:
+                yield await self.recv()
+            except DecodeError:  # that message's failure, not the link's: counted in stats
+                continue
 
     async def recv_bytes(self) -> bytes:
         """The next message's encoded bytes, undecoded."""

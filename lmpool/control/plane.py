@@ -60,7 +60,7 @@ from lmpool.protocol import (
 from lmpool.protocol.spec import ControlSpec
 from lmpool.protocol.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
 from lmpool.control.kv_events import pool_events as kv_pool_events
-from lmpool_ipc import Channel, DecodeError, IpcError, Responder
+from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
 QUERY_TIMEOUT_S = 30.0  # a live worker answers at its next step boundary; a digest hashes blocks
@@ -119,11 +119,7 @@ class ControlPlane:
 
     async def read_worker(self, rank: int, channel: Channel) -> None:
         try:
-            while True:
-                try:
-                    msg = await channel.recv()
-                except DecodeError:  # that message's failure, not the rank's: counted in stats
-                    continue
+            async for msg in channel.messages():
                 if isinstance(msg, PlanAnswer):
                     self.on_plan_answer(msg)
                     continue

@@ -65,7 +65,7 @@ from lmpool.protocol.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
 from lmpool.dataplane import Rendezvous
 from lmpool.control.transfers.cost_model import TransferCostModel
-from lmpool_ipc import DEFAULT_CAPACITY, Channel, DecodeError, IpcError, IpcPool, LinkError, RemoteError, Requester
+from lmpool_ipc import DEFAULT_CAPACITY, Channel, IpcError, IpcPool, LinkError, RemoteError, Requester
 from lmpool_ipc.frames import max_payload
 
 # Rank deaths a request survives: it is recomputed elsewhere once. A request whose second
@@ -391,11 +391,7 @@ class PoolClient:
 
     async def _read_worker(self, rank: Rank) -> None:
         try:
-            while True:
-                try:
-                    msg = await rank.channel.recv()
-                except DecodeError:  # that message's failure, not the rank's: counted in stats
-                    continue
+            async for msg in rank.channel.messages():
                 if isinstance(msg, StepOutputs):
                     for delta in msg.outputs:
                         self._deliver(rank, delta)

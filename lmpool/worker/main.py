@@ -52,7 +52,7 @@ from lmpool.worker.prefill_meter import PrefillMeter
 from lmpool.worker.release import ForegroundRelease
 from lmpool.protocol.spec import WorkerSpec, read_spec
 from lmpool.worker.transfers import Incoming, TransferExecutor
-from lmpool_ipc import Channel, DecodeError, IpcError
+from lmpool_ipc import Channel, IpcError
 
 
 class Worker:
@@ -85,13 +85,9 @@ class Worker:
 
     async def read_engine(self) -> None:
         try:
-            while True:
-                try:
-                    msg = await self.engine.recv()
-                except DecodeError:  # that message's failure, not the link's: counted in stats
-                    continue
-                # Not ``self.inbox.append(await ...)``: that binds the list before the
-                # await, and the step loop swaps in a new list meanwhile.
+            async for msg in self.engine.messages():
+                # ``self.inbox`` read after each message, not bound once: the step loop swaps
+                # in a new list meanwhile.
                 self.inbox.append(msg)
                 self.wakeup.set()
         except IpcError:
@@ -100,11 +96,7 @@ class Worker:
 
     async def read_control(self, channel: Channel) -> None:
         try:
-            while True:
-                try:
-                    msg = await channel.recv()
-                except DecodeError:  # that message's failure, not the link's: counted in stats
-                    continue
+            async for msg in channel.messages():
                 if isinstance(msg, ResyncRequest):
                     self.need_snapshot = True
                     self.wakeup.set()

@@ -113,6 +113,24 @@ def test_bad_frames_raise_decode_errors_and_the_next_message_arrives(pool, run, 
     run(main())
 
 
+def test_a_reader_loop_skips_bad_frames_and_ends_with_the_link(pool, run, spawn):
+    """``messages()``: the same frames read as a reader's loop: the valid messages in order,
+    the bad ones counted, and the link's end raised out of the loop."""
+    link = pool.create_link()
+
+    async def main():
+        async with Channel(link.a, Message) as channel:
+            channel.expect_peer(spawn("garbage", link.b).pid)
+            got = []
+            with pytest.raises(ChannelClosedError, match="closed the channel"):
+                async for msg in channel.messages():
+                    got.append(msg)
+            assert got == [Seq(0), Seq(1), Seq(2), Seq(3)]
+            assert channel.stats.decode_errors == 3
+
+    run(main())
+
+
 def test_echo_through_a_peer_process(pool, run, spawn):
     link = pool.create_link()
 

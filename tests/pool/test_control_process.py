@@ -26,6 +26,10 @@ class FakeWorkerChannel:
             raise PeerDeadError("script finished")
         return self.reports.pop(0)
 
+    async def messages(self):
+        while True:
+            yield await self.recv()
+
     async def send(self, msg) -> None:
         self.sent.append(msg)
 

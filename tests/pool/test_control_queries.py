@@ -48,6 +48,10 @@ class ScriptedWorker:
             raise msg
         return msg
 
+    async def messages(self):
+        while True:
+            yield await self.recv()
+
     async def send(self, msg) -> None:
         if isinstance(msg, TransferOrder | WorkerQuery):
             self.orders.append(msg)
