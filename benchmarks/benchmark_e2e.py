@@ -1,15 +1,16 @@
 """End to end: load skew and memory skew under every policy of the runtime side by side:
 the peers (round robin, least loaded, LMPool's reimplementations of SGLang's cache-aware and
-Dynamo's KV routing rules), LMPool routing only, and LMPool with each transfer mode
-(background copy, foreground move, both) and in its default mode.
+Dynamo's KV routing rules), LMPool as a user gets it (its default mode), LMPool routing only,
+and LMPool with each transfer mode (background copy, foreground move, both, pulls, all).
 
 - load skew: 3 warm-ups build one long prefix per hot group, then 189 requests revisit
   those 3 groups, so all the load lands on a few prefixes;
 - memory skew: 6 session prefixes are built on the source ranks (the first half), 30
   pressure requests pinned there share only a session's first block and fill memory with
   cold tokens, then 36 routed requests reuse the whole session prefixes;
-- sessions (only when named, ``--workloads sessions``): multi-turn sessions whose histories
-  grow turn by turn under KV pressure (``sessions.py``).
+- sessions, agent sessions and chat (only when named, ``--workloads sessions,agent_sessions,chat``):
+  multi-turn sessions whose histories grow turn by turn under KV pressure (``sessions.py``),
+  and a chat service of a few tenants' system prompts under unique traffic (``chat_service.py``).
 
 A transfer mode this build does not accept is recorded as ``unavailable`` and the suite
 goes on. See ``eval_suite`` for the run order and ``benchmarks/README.md`` for the metrics.
@@ -32,15 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eval_metrics import paired_change  # noqa: E402
 from eval_suite import (  # noqa: E402
-    GATEWAYS, LMPOOL, LMPOOL_DEFAULT, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, add_arguments,
+    GATEWAYS, LMPOOL, LMPOOL_ROUTING, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, add_arguments,
     chosen_policies, file_traces, finish_arguments, run_suite, vocab_size,
 )
-from sessions import sessions  # noqa: E402
+from chat_service import chat_service  # noqa: E402
+from sessions import agent_sessions, sessions  # noqa: E402
 from workloads import load_skew, memory_skew  # noqa: E402
 
-POLICIES = (*PEERS, LMPOOL, *TRANSFER_MODES, TRANSFERS_IDLE, *PEER_VARIANTS, LMPOOL_DEFAULT, *GATEWAYS)
-MODE_NAMES = {p.name for p in (*TRANSFER_MODES, LMPOOL_DEFAULT)}
-QUICK_POLICIES = "round_robin,least_loaded,lmpool,lmpool+background,lmpool+foreground"
+POLICIES = (*PEERS, LMPOOL, LMPOOL_ROUTING, *TRANSFER_MODES, TRANSFERS_IDLE, *PEER_VARIANTS, *GATEWAYS)
+MODE_NAMES = {p.name for p in (*TRANSFER_MODES, LMPOOL)}
+QUICK_POLICIES = "round_robin,least_loaded,lmpool,lmpool-routing,lmpool+background,lmpool+foreground"
 WORKLOADS = ("load_skew", "memory_skew")  # the paper's; "sessions" runs when named
 POOL_BLOCKS = 384  # whole-pool KV budget: 96 blocks per worker at 4 replicas
 COMPARED = ("throughput_tok_s", "ttft_mean_ms", "e2e_mean_ms", "tpot_mean_ms", "dp_tok_reuse",
@@ -49,20 +51,21 @@ COMPARED = ("throughput_tok_s", "ttft_mean_ms", "e2e_mean_ms", "tpot_mean_ms", "
 
 def comparisons(summary: dict) -> dict:
     """Per workload: every policy against LMPool routing only and against round robin
-    (paired by repetition), and whether a transfer mode beats routing only on mean TTFT and
-    on throughput or mean E2E, each by the paired interval (the acceptance figure)."""
+    (paired by repetition), and whether a transfer mode (the default's included) beats routing
+    only on mean TTFT and on throughput or mean E2E, each by the paired interval (the
+    acceptance figure)."""
     out: dict = {}
     verdicts = {}
     for workload, by_policy in sorted(summary.items()):
         rows = {}
-        for baseline in ("lmpool", "round_robin"):
+        for baseline in ("lmpool-routing", "round_robin"):
             if baseline in by_policy:
                 rows[f"vs_{baseline}"] = {
                     p: {m: paired_change(by_policy, p, baseline, m) for m in COMPARED}
                     for p in sorted(by_policy) if p != baseline}
         out[workload] = rows
         wins = []
-        for mode, row in rows.get("vs_lmpool", {}).items():
+        for mode, row in rows.get("vs_lmpool-routing", {}).items():
             if mode not in MODE_NAMES:  # routing-only variants, the idle-transfers control
                 continue
             said = {m: (row.get(m) or {}).get("claim") for m in ("ttft_mean_ms", "throughput_tok_s", "e2e_mean_ms")}
@@ -77,7 +80,8 @@ def comparisons(summary: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
-    ap.add_argument("--workloads", help="default load_skew,memory_skew (none with --trace); also: sessions")
+    ap.add_argument("--workloads",
+                    help="default load_skew,memory_skew (none with --trace); also: sessions, agent_sessions, chat")
     args = finish_arguments(ap.parse_args(argv), POOL_BLOCKS, "e2e")
     policies = chosen_policies(args, POLICIES, QUICK_POLICIES)
     vocab = vocab_size(args)
@@ -85,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
         "load_skew": lambda seed: load_skew(seed, vocab, args.scale, args.max_tokens),
         "memory_skew": lambda seed: memory_skew(seed, vocab, args.world_size, args.scale, args.max_tokens),
         "sessions": lambda seed: sessions(seed, vocab, args.scale, args.max_tokens),
+        "agent_sessions": lambda seed: agent_sessions(seed, vocab, args.scale, args.max_tokens),
+        "chat": lambda seed: chat_service(seed, vocab, args.scale, args.max_tokens),
     }
     names = args.workloads.split(",") if args.workloads else [] if args.trace else list(WORKLOADS)
     unknown = [n for n in names if n not in makers]

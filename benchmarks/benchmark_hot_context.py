@@ -25,14 +25,14 @@ from eval_metrics import paired_change  # noqa: E402
 from eval_policies import ROUTING_ONLY  # noqa: E402
 from eval_settings import trace_of  # noqa: E402
 from eval_suite import (  # noqa: E402
-    LMPOOL_DEFAULT, TRANSFER_MODES, add_arguments, chosen_policies, file_traces, finish_arguments, run_suite,
+    LMPOOL, TRANSFER_MODES, add_arguments, chosen_policies, file_traces, finish_arguments, run_suite,
     vocab_size,
 )
 from hot_context import CONTEXT_LENGTHS, HOT_COUNTS, QUESTIONS, hot_context, workload_name  # noqa: E402
 
-POLICIES = (*ROUTING_ONLY, LMPOOL_DEFAULT, *TRANSFER_MODES)
+POLICIES = (*ROUTING_ONLY, LMPOOL, *TRANSFER_MODES)
 ROUTING_ONLY_NAMES = {p.name for p in ROUTING_ONLY}
-QUICK_POLICIES = "round_robin,lmpool"
+QUICK_POLICIES = "round_robin,lmpool,lmpool-routing"
 POOL_BLOCKS = 2048  # whole-pool KV budget: 512 blocks per worker at 4 replicas, two 32k contexts fit everywhere
 COMPARED = ("burst/throughput_tok_s", "burst/ttft_mean_ms", "burst/e2e_mean_ms", "throughput_tok_s",
             "ttft_mean_ms", "e2e_mean_ms", "burst/dp_tok_reuse")
@@ -101,8 +101,8 @@ def comparisons(summary: dict) -> dict:
     against every routing-only peer, paired by repetition; ``acceptance`` per real key."""
     out: dict = {}
     for key, by_policy in sorted(summary.items()):
-        baselines = sorted(p for p in by_policy if p in ROUTING_ONLY_NAMES and p != "lmpool")
-        candidates = sorted(p for p in by_policy if p == "lmpool" or p not in ROUTING_ONLY_NAMES)
+        baselines = sorted(p for p in by_policy if p in ROUTING_ONLY_NAMES and p != "lmpool-routing")
+        candidates = sorted(p for p in by_policy if p == "lmpool-routing" or p not in ROUTING_ONLY_NAMES)
         out[key] = {c: {b: {m: paired_change(by_policy, c, b, m) for m in COMPARED} for b in baselines}
                     for c in candidates}
     real = [k for k in summary if not trace_of(k).endswith("_oracle")]

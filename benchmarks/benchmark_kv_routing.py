@@ -1,6 +1,7 @@
-"""Routing only: the locality workload at 1x/3x/5x shared-prefix length under every routing
+"""Routing: the locality workload at 1x/3x/5x shared-prefix length under every routing
 policy (LMPool, round robin, least loaded, and LMPool's reimplementations of SGLang's
-cache-aware and Dynamo's KV routing rules, current and older), transfers off.
+cache-aware and Dynamo's KV routing rules, current and older); LMPool as a user gets it (its
+default mode) and routing only (``lmpool-routing``).
 
 192 requests over 16 recurring groups (12 each, seeded shuffled order) whose shared
 prefixes hold 1,911 / 5,655 / 9,399 tokens at scale 1. Every policy replays the same
@@ -28,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_metrics import paired_change  # noqa: E402
 from eval_policies import PEER_NAMES  # noqa: E402
 from eval_suite import (  # noqa: E402
-    GATEWAYS, LMPOOL, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, add_arguments, chosen_policies, file_traces,
-    finish_arguments, run_suite, vocab_size,
+    GATEWAYS, LMPOOL, LMPOOL_ROUTING, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, add_arguments, chosen_policies,
+    file_traces, finish_arguments, run_suite, vocab_size,
 )
 from eval_settings import trace_of  # noqa: E402
 from workloads import LOCALITY_LEVELS, locality  # noqa: E402
 
-POLICIES = (LMPOOL, *PEERS, *PEER_VARIANTS, *LMPOOL_VARIANTS, *GATEWAYS)
+POLICIES = (LMPOOL, LMPOOL_ROUTING, *PEERS, *PEER_VARIANTS, *LMPOOL_VARIANTS, *GATEWAYS)
 QUICK_POLICIES = "lmpool,round_robin,least_loaded"
 POOL_BLOCKS = 768  # whole-pool KV budget: 192 blocks per worker at 4 replicas
 COMPARED = ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "e2e_mean_ms", "tpot_mean_ms", "dp_tok_reuse")

@@ -41,6 +41,10 @@ class Arrival:
             raise ValueError(f"a poisson arrival needs rate > 0, got {self.rate}")
 
 
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
+
+
 async def replay(pool, trace, arrival: Arrival, on_done: Callable[[], None] = lambda: None) -> dict[str, list]:
     """Run ``trace`` on ``pool``; the per-request records as columns (``RECORD_FIELDS``)."""
     records: list[dict | None] = [None] * len(trace.requests)
@@ -66,6 +70,8 @@ async def replay(pool, trace, arrival: Arrival, on_done: Callable[[], None] = la
                 "max_tokens": req.max_tokens, "pinned_rank": req.rank, "rank": last.rank,
                 # The rule that chose the rank, without its cost figures: "owner", "spill", ...
                 "route": (getattr(last, "route", None) or "").split(" ", 1)[0] or None,
+                # The route's predicted time to first token (a pricing policy's), rounded as the times are.
+                "predicted_ttft_s": _rounded(getattr(last, "predicted_ttft_s", None)),
                 "num_cached_tokens": last.num_cached_tokens, "output_len": len(last.token_ids),
                 # Microseconds are far below any latency measured here, and keep the JSON small.
                 "arrival_s": round(arrived - t0, 6), "first_token_s": round(first - t0, 6),

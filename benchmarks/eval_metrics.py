@@ -8,7 +8,9 @@ trace order); times are seconds from the run's first submission. Definitions (se
 - TTFT: first token - arrival; E2E: completion - arrival;
 - TPOT: (completion - first token) / (N - 1), for requests with N > 1 output tokens;
 - DP req hit: requests with ``num_cached_tokens > 0`` / requests;
-- DP tok reuse: sum of ``num_cached_tokens`` / sum of prompt tokens.
+- DP tok reuse: sum of ``num_cached_tokens`` / sum of prompt tokens;
+- TTFT prediction (LMPool's priced routes): the share of requests whose route predicted
+  their TTFT within 25%, and the quartiles of predicted / measured.
 
 Transfer counters come from the pool's ``stats()["transfers"]``; a counter the pool does
 not report is left out, never read as zero. Aggregates use only runs that completed; a
@@ -29,7 +31,7 @@ RECORD_FIELDS = (
     "num_cached_tokens", "output_len", "arrival_s", "first_token_s", "completion_s",
 )
 # Recorded since a later revision; older results lack them, and no metric needs them.
-OPTIONAL_FIELDS = ("route",)
+OPTIONAL_FIELDS = ("route", "predicted_ttft_s")
 TRANSFER_COUNTERS = (
     "plans_started", "plans_committed", "plans_aborted", "blocks_copied", "blocks_moved", "lease_routed",
 )
@@ -90,10 +92,26 @@ def run_metrics(columns: dict[str, list], transfers: dict | None, world_size: in
     routes = [r.split(" ", 1)[0] for r in columns.get("route") or [] if r]
     if routes:  # which rule routed how many requests: is a peer's balancing path ever taken?
         m["routes"] = dict(sorted(Counter(routes).items()))
+    m.update(ttft_prediction(rows, columns.get("predicted_ttft_s")))
     for key in TRANSFER_COUNTERS:
         if transfers is not None and key in transfers:
             m[key] = transfers[key]
     return m
+
+
+def ttft_prediction(rows: list[dict], predicted: list | None) -> dict:
+    """How well the route's predicted time to first token matched the measured one, over the
+    requests a pricing policy routed: the share within 25% (``ttft_predicted_25pct``), and the
+    quartiles of predicted / measured (``ttft_predicted_ratio_p25/p50/p75``)."""
+    pairs = [(p, r["first_token_s"] - r["arrival_s"]) for r, p in zip(rows, predicted or ()) if p is not None]
+    ratios = sorted(p / t for p, t in pairs if t > 0)
+    if not ratios:
+        return {}
+    out = {"ttft_predicted_requests": len(ratios),
+           "ttft_predicted_25pct": sum(0.75 <= x <= 1.25 for x in ratios) / len(ratios)}
+    for q in (25, 50, 75):
+        out[f"ttft_predicted_ratio_p{q}"] = percentile(ratios, q)
+    return out
 
 
 def scalar_items(metrics: dict) -> dict[str, float]:

@@ -105,8 +105,8 @@ PEER_VARIANTS = (
 # The real gateway whose rule ``sglang_cache_aware`` reimplements (eval_gateway).
 SMG = Policy("smg_cache_aware", "cache_aware", runner="smg")
 GATEWAYS = (SMG,)
-LMPOOL = Policy("lmpool", "lmpool")  # routing only, whatever the pool's default mode
-LMPOOL_DEFAULT = Policy("lmpool-default", "lmpool", transfer_mode=None)  # LMPool as a user gets it
+LMPOOL = Policy("lmpool", "lmpool", transfer_mode=None)  # LMPool as a user gets it: the pool's default mode
+LMPOOL_ROUTING = Policy("lmpool-routing", "lmpool")  # routing only, whatever the pool's default mode
 # LMPool routing without one of its parts, to measure what that part is worth.
 LMPOOL_VARIANTS = (
     Policy("lmpool-pending", "lmpool", routing_config=(("pending_ttl_s", 0.0),)),
@@ -123,7 +123,7 @@ TRANSFER_MODES = (
 # alone, apart from the transfers it makes.
 TRANSFERS_IDLE = Policy("lmpool+idle", "lmpool", enable_transfers=True)
 # Every rule that decides where a request runs and moves no KV.
-ROUTING_ONLY = (*PEERS, *PEER_VARIANTS, *GATEWAYS, LMPOOL)
+ROUTING_ONLY = (*PEERS, *PEER_VARIANTS, *GATEWAYS, LMPOOL_ROUTING)
 PEER_NAMES = frozenset(p.name for p in (*PEERS, *PEER_VARIANTS, *GATEWAYS))
 
 

@@ -43,7 +43,7 @@ from dataset_profile import profile_trace
 from eval_driver import Arrival, replay
 from eval_metrics import run_metrics, summarize
 from eval_policies import (
-    GATEWAYS, LMPOOL, LMPOOL_DEFAULT, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, Policy,
+    GATEWAYS, LMPOOL, LMPOOL_ROUTING, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, Policy,
     select_policies,
 )
 from eval_settings import Setting, cell_key, parse_arrival, parse_sweep, settings
@@ -59,7 +59,7 @@ MAX_FAILURES = 2
 
 
 # The policy tables live in ``eval_policies``; the runners and tests import them from here too.
-__all__ = ["GATEWAYS", "LMPOOL", "LMPOOL_DEFAULT", "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS", "Policy",
+__all__ = ["GATEWAYS", "LMPOOL", "LMPOOL_ROUTING", "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS", "Policy",
            "TRANSFERS_IDLE", "TRANSFER_MODES", "run_order", "select_policies"]
 
 

@@ -1,19 +1,25 @@
-"""Multi-turn sessions whose histories grow under KV pressure (workload ``sessions``).
+"""Multi-turn sessions whose histories grow under KV pressure (workloads ``sessions`` and
+``agent_sessions``).
 
-16 sessions of 8 turns. Turn 0 of a session is a system prompt common to every session
-followed by the session's own opening request; turn k's prompt is turn k-1's prompt, then
-turn k-1's reply, then a new user turn. Replies are recorded tokens of ``max_tokens``
-length drawn with the trace (a replayed conversation: the model's own output does not
-feed back, so every policy sees the same prompts). Each turn is a phase (a barrier), so a
-turn is only asked once the session's previous turn has finished; within a turn the
+A session's turn 0 is one of the shared preambles (a system prompt; session ``s`` opens with
+preamble ``s mod preambles``) followed by the session's own opening request; turn k's prompt is
+turn k-1's prompt, then turn k-1's reply, then a new user turn. Replies are recorded tokens of
+``max_tokens`` length drawn with the trace (a replayed conversation: the model's own output
+does not feed back, so every policy sees the same prompts). Each turn is a phase (a barrier),
+so a turn is only asked once the session's previous turn has finished; within a turn the
 sessions arrive interleaved in a seeded shuffled order.
 
-At scale 1 with 256-token blocks the last turn's prompt holds about 25 blocks, so the 16
-histories need about 400 blocks: more than the e2e suite's whole-pool budget (384), so
-keeping each session where its history is, and what is evicted, decides reuse.
+- ``sessions``: 16 sessions of 8 turns, one 512-token system prompt, 2,048-token openings,
+  512-token user turns. At scale 1 with 256-token blocks the last turn's prompt holds about
+  25 blocks, so the 16 histories need about 400 blocks: more than the e2e suite's whole-pool
+  budget (384), so keeping each session where its history is, and what is evicted, decides reuse.
+- ``agent_sessions``: 32 agent sessions of 6 turns over 4 preambles of 2,048 tokens (tool
+  definitions, say), 1,024-token openings, 256-token user turns: about 18 blocks a session by
+  its last turn, 576 in all, beside 4 shared preambles. Run it at 128 blocks per replica
+  (``--num-kv-blocks 128``) for KV pressure, and at twice that for little.
 
-Invariants (beside ``workloads``' own): turn k's prompt begins with turn k-1's whole
-prompt; sessions share only the system prompt; lengths do not depend on the seed.
+Invariants (beside ``workloads``' own): turn k's prompt begins with turn k-1's whole prompt;
+sessions share only their preamble; lengths do not depend on the seed.
 """
 
 from __future__ import annotations
@@ -25,18 +31,24 @@ TURNS = 8
 SYSTEM_PROMPT = 512  # 2 blocks, common to every session
 OPENING = 2048  # the session's first user request
 USER_TURN = 512  # each later user turn
+# agent_sessions
+AGENT_SESSIONS, AGENT_TURNS, AGENT_PREAMBLES = 32, 6, 4
+AGENT_PREAMBLE, AGENT_OPENING, AGENT_USER_TURN = 2048, 1024, 256
 
 
 def sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = DEFAULT_MAX_TOKENS,
-             n_sessions: int = SESSIONS, turns: int = TURNS) -> Trace:
-    """``n_sessions`` sessions of ``turns`` turns, one phase per turn (``turn0``, ...)."""
+             n_sessions: int = SESSIONS, turns: int = TURNS, preambles: int = 1, preamble: int = SYSTEM_PROMPT,
+             opening: int = OPENING, user_turn: int = USER_TURN, name: str = "sessions") -> Trace:
+    """``n_sessions`` sessions of ``turns`` turns over ``preambles`` shared preambles of
+    ``preamble`` tokens, one phase per turn (``turn0``, ...)."""
     check_max_tokens(max_tokens)
-    if n_sessions < 1 or turns < 1:
-        raise ValueError(f"sessions and turns must be >= 1, got {n_sessions} and {turns}")
-    tokens = Tokens("sessions", seed, vocab_size)
-    system = tokens.draw(scaled(SYSTEM_PROMPT, scale))
-    opening, user = scaled(OPENING, scale), scaled(USER_TURN, scale)
-    history = [system + tokens.draw(opening) for _ in range(n_sessions)]
+    if n_sessions < 1 or turns < 1 or not 1 <= preambles <= n_sessions:
+        raise ValueError(f"need sessions >= 1, turns >= 1 and 1 <= preambles <= sessions, got "
+                         f"{n_sessions}, {turns}, {preambles}")
+    tokens = Tokens(name, seed, vocab_size)
+    shared = [tokens.draw(scaled(preamble, scale)) for _ in range(preambles)]
+    opening, user = scaled(opening, scale), scaled(user_turn, scale)
+    history = [shared[s % preambles] + tokens.draw(opening) for s in range(n_sessions)]
     requests: list[TraceRequest] = []
     for turn in range(turns):
         order = list(range(n_sessions))
@@ -45,6 +57,14 @@ def sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = D
             requests.append(TraceRequest(len(requests), f"turn{turn}", f"session{s:02d}", history[s], max_tokens))
         # The next turn carries this turn's recorded reply and a new user turn.
         history = [h + tokens.draw(max_tokens) + tokens.draw(user) for h in history]
-    params = {"sessions": n_sessions, "turns": turns, "system_tokens": len(system), "opening_tokens": opening,
-              "user_turn_tokens": user, "reply_tokens": max_tokens, "max_tokens": max_tokens, "scale": scale}
-    return Trace("sessions", seed, tuple(f"turn{t}" for t in range(turns)), tuple(requests), params)
+    params = {"sessions": n_sessions, "turns": turns, "preambles": preambles, "preamble_tokens": len(shared[0]),
+              "opening_tokens": opening, "user_turn_tokens": user, "reply_tokens": max_tokens,
+              "max_tokens": max_tokens, "scale": scale}
+    if preambles == 1:  # the record's older name for the one system prompt
+        params["system_tokens"] = params["preamble_tokens"]
+    return Trace(name, seed, tuple(f"turn{t}" for t in range(turns)), tuple(requests), params)
+
+
+def agent_sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = DEFAULT_MAX_TOKENS) -> Trace:
+    return sessions(seed, vocab_size, scale, max_tokens, AGENT_SESSIONS, AGENT_TURNS, AGENT_PREAMBLES,
+                    AGENT_PREAMBLE, AGENT_OPENING, AGENT_USER_TURN, name="agent_sessions")

@@ -6,14 +6,15 @@ cached on 2 or 3 ranks, added until the table holds 1,000,000 entries. Queries a
 40-block chains: a cached family with a new tail, a shared stem with a new
 tail, or a complete miss, in equal parts. Every route takes a reservation; the
 ranks' load reports admit them in batches, as workers would. Timed per call
-with ``perf_counter_ns`` around ``route_sequence_meta`` alone; results go to
+with ``perf_counter_ns`` around ``Router.route`` alone; results go to
 ``benchmarks/results/routing_cpu.json`` (or ``LMPOOL_BENCH_JSON``).
 
-``lmpool+pull`` is the LMPool policy with route-time pulls priced on every route
-(``lmpool.control.transfers.pull``): the plans it opens go nowhere and end (abort) with
-each batch of load reports, as they would land within milliseconds in a pool.
-``lmpool+all`` is transfer mode "all" as the control process builds it: pulls, and background
-placement's per-route observation inside the timed call; its placement passes run between
+Every policy is built as the control process builds it (``lmpool.control.build.assemble``),
+its ranks' step times at the engine model's prior. ``lmpool+pull`` is the LMPool policy with
+route-time pulls (``lmpool.control.transfers.pull``), priced wherever a route may leave its
+owner: the plans it opens go nowhere and end (abort) with each batch of load reports, as they
+would land within milliseconds in a pool. ``lmpool+all`` is transfer mode "all": pulls, and
+background placement's per-route observation inside the timed call; its placement passes run between
 routes, in slices, as the control loop runs them: after every batch of load reports a pass
 over the chains routed since the last (a route's reaction), and every ``FULL_PASS_EVERY``
 batches one over every remembered chain (the periodic pass). Slices are timed apart: a route
@@ -35,17 +36,9 @@ from pathlib import Path
 import pytest
 
 from lmpool.config.pool import PoolConfig
-from lmpool.control.build import cost_model, route_pulls
+from lmpool.control.build import assemble
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.registry import POLICIES
-from lmpool.control.routing.router import Router
-from lmpool.control.topology import Topology
-from lmpool.control.transfers.coordinator import TransferCoordinator
-from lmpool.control.transfers.cost_model import TransferCostModel
-from lmpool.control.transfers.leases import PlacementLeases
-from lmpool.control.transfers.policies import TransferPolicies
-from lmpool.control.transfers.pull import RoutePulls
-from lmpool.control.transfers.pull_price import PullPricer
 from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.protocol.spec import ControlSpec
@@ -113,39 +106,22 @@ class Routes:
     the plans the benchmark's transfers open, which go nowhere."""
 
     def __init__(self, gbm: GlobalBlockManager, policy: str) -> None:
-        self.coordinator = TransferCoordinator(gbm, lambda rank, order: None)
-        self.policies: TransferPolicies | None = None
-        if policy == "lmpool+all":
-            self._build_all(gbm)
-            return
-        pulls = None
-        if policy.endswith("+pull"):
-            cost = TransferCostModel.uncalibrated(1 << 20, 1e-3, 50e9)
-            pricer = PullPricer(gbm, Topology.virtual(WORLD), cost.estimate, lambda rank: 2e-5, self.coordinator.room,
-                                contention_weight=0.5)
-            pulls = RoutePulls(gbm, self.coordinator, pricer, lambda request_id, outcome: None, min_gain_tokens=256)
-            self.coordinator.on_end = pulls.plan_ended
-        self.router = Router(gbm, Topology.virtual(WORLD), policy=policy.removesuffix("+pull"), pulls=pulls)
-
-    def _build_all(self, gbm: GlobalBlockManager) -> None:
-        """Transfer mode "all" with the defaults, wired as ``lmpool.control.build`` wires it."""
-        pool = PoolConfig.from_options("unused", world_size=WORLD, device="cpu", block_size=BLOCK, transfer_mode="all")
+        routing, _, mode = policy.partition("+")
+        pool = PoolConfig.from_options("unused", world_size=WORLD, device="cpu", block_size=BLOCK, routing=routing,
+                                       transfer_mode=mode or "none")
         spec = ControlSpec(pool=pool, engine_end="unused", worker_ends=["unused"] * WORLD,
                            kv_bytes_per_block=1 << 20)
-        links = Topology.virtual(WORLD)
-        self.coordinator = TransferCoordinator(gbm, lambda rank, order: None, cost_model=cost_model(spec))
-        pulls = route_pulls(spec, gbm, links, self.coordinator, lambda request_id, outcome: None)
-        self.coordinator.on_end = pulls.plan_ended
-        leases = PlacementLeases(pool.transfer.transfer_policy.lease_s, clock=gbm.clock)
-        self.router = Router(gbm, links, policy="lmpool", config=pool.routing_config, leases=leases, pulls=pulls)
-        self.policies = TransferPolicies(spec, gbm, self.router, self.coordinator, lambda rank, order: None,
-                                         pulls=pulls)
+
+        def plan_ended(plan) -> None:
+            parts.policies.plan_ended(plan)
+
+        parts = assemble(spec, gbm, lambda rank, order: None, plan_ended, lambda plan: None,
+                         lambda request_id, outcome: None)
+        self.router, self.coordinator = parts.router, parts.coordinator
+        self.policies = parts.policies if pool.transfer.background_placement else None
 
     def route(self, query: RouteQuery):
-        decision = self.router.route_sequence_meta(query)
-        if self.policies is not None:
-            self.policies.observe_route(query)
-        return decision
+        return self.router.route(query)
 
     def between(self, full: bool) -> tuple[list[float], float] | None:
         """One placement pass in the control process's slices: each slice's microseconds, and the
@@ -189,6 +165,7 @@ def run_policy(
                 load = LoadReport(
                     num_waiting=rng.randrange(8), num_running=rng.randrange(64),
                     waiting_prefill_tokens=rng.randrange(20_000), decode_tokens_left=rng.randrange(50_000),
+                    context_tokens=rng.randrange(500_000),
                     blocks_free=rng.randrange(50_000), blocks_reclaimable=rng.randrange(100_000),
                     blocks_used=rng.randrange(50_000), admitted=pending[rank],
                 )

@@ -14,3 +14,6 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None  # "stop", "length" or "abort"
     rank: int | None = None  # the replica that served it, in a pool
     route: str | None = None  # in a pool: the routing rule that chose the rank ("pinned" when asked for)
+    # In a pool whose routing prices its ranks (``lmpool``): the predicted seconds to the first
+    # token on the rank it chose, from the route.
+    predicted_ttft_s: float | None = None

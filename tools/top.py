@@ -1,6 +1,7 @@
 """``lmpool top [POOL]``: a live view of one pool, like ``top`` for a server.
 
 One row per rank (queue, KV blocks as a used/reclaimable/free bar, prefix hit rate,
+the decode step its running batch takes by the control plane's fit of its step time,
 tokens/s with a sparkline, blocks in flight and leases, heartbeat age, worker pid and
 epoch) under a header with the control plane's route-decision latency, route queries/s and
 the pool's uptime. It draws with curses, so it works in any terminal, over SSH too; with a
@@ -44,7 +45,7 @@ SORTS = [
 
 # Column titles and widths around the two stretchy columns (the KV bar and the trend).
 LEFT = [("RANK", 4), ("PID", 8), ("EPOCH", 5), ("STATE", 5), ("BEAT", 6), ("WAIT", 5), ("RUN", 5)]
-RIGHT = [("USED", 6), ("RECL", 6), ("FREE", 6), ("HIT%", 6), ("XFER", 5), ("LEASE", 5), ("TOK/S", 8)]
+RIGHT = [("USED", 6), ("RECL", 6), ("FREE", 6), ("HIT%", 6), ("STEP", 7), ("XFER", 5), ("LEASE", 5), ("TOK/S", 8)]
 MIN_BAR = 10
 
 
@@ -125,7 +126,7 @@ def frame(
         lines.append((row_text(rv, bar_width, trend_width, glyphs), "row" if rv.alive else "dead-row"))
     lines.append((
         f"KV: {glyphs['used']} used  {glyphs['reclaimable']} reclaimable (cached, unreferenced)  "
-        f"{glyphs['free']} free    XFER: blocks in flight to the rank",
+        f"{glyphs['free']} free    STEP: its batch's decode step (fitted)    XFER: blocks in flight to the rank",
         "plain",
     ))
     return [(text[: width - 1], style) for text, style in lines]
@@ -140,7 +141,7 @@ def row_text(rv: RankView, bar_width: int, trend_width: int, glyphs: dict) -> st
 
     left = [r.rank, r.pid, r.epoch, "alive" if rv.alive else "dead", beat, now(r.num_waiting), now(r.num_running)]
     right = [now(r.blocks_used), now(r.blocks_reclaimable), now(r.blocks_free), percent(rv.hit_rate),
-             now(r.blocks_in_flight), now(r.leases), f"{rv.tokens_per_s:.1f}"]
+             now(f"{r.step_ms:.1f}ms"), now(r.blocks_in_flight), now(r.leases), f"{rv.tokens_per_s:.1f}"]
     text = " ".join(f"{v:>{w}}" for v, (_, w) in zip(left, LEFT))
     blocks = (r.blocks_used, r.blocks_reclaimable, r.blocks_free) if rv.alive else (0, 0, 0)
     text += " [" + bar(*blocks, bar_width, glyphs) + "]"

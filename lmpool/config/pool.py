@@ -32,7 +32,7 @@ class TransferConfig(msgspec.Struct, kw_only=True):
 
     enable_transfers: bool = False  # workers can copy and move KV blocks between them
     transfer_lease_s: float = 10.0  # a worker aborts a plan its control plane left silent this long
-    transfer_mode: str = "none"  # automatic policies (``lmpool.config.transfer``); any but "none" enables
+    transfer_mode: str = "pull"  # automatic policies (``lmpool.config.transfer``); any but "none" enables
     background_copy_max_blocks: int = 128  # of a chain per tick: documents of 32k tokens whole
     background_copy_batch_max_blocks: int = 128
     transfer_policy: TransferPolicyConfig = msgspec.field(default_factory=TransferPolicyConfig)
@@ -75,6 +75,9 @@ class PoolConfig(msgspec.Struct, kw_only=True):
     topology: list[tuple[int, int]] | None = None  # logical NVLink pairs; None: all partners
     ready_timeout: float = 300.0
     heartbeat_interval: float = 0.5
+    # Workers time a few synthetic steps before they serve, so that routing prices a rank by its
+    # measured step time from the first request (``lmpool.engine.calibration``).
+    calibrate_steps: bool = True
     # Seconds a worker or the control process may stay silent, once up, before it is taken for
     # hung and killed as if it had died (see docs/ARCHITECTURE.md). "auto": 60 s on CUDA, where a
     # step takes milliseconds; off (None) on CPU, where one step of a large model may take minutes.

@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    # LMPool cost model (token-equivalents); see the module docstring.
-    decode_work: str = "tokens"  # "tokens": decode_tokens_left; "running": num_running
-    # Running decodes share every step with a new prefill; a decode token interferes far less than
-    # a prefill token costs, hence a small weight (per running sequence with decode_work="running").
-    decode_weight: float = 0.1
-    # Evicting a cached block loses a block of reusable prefix and costs the allocator work.
-    reclaim_weight: float = 0.25
-    spill_load_gap_tokens: int = 2048
-    spill_max_extra_tokens: int = 4096
+    # LMPool's rule (``lmpool.control.routing.lmpool``): routes are priced in predicted seconds
+    # from each rank's measured step time. A rank owns a request when its cached prefix covers more
+    # than this share of the prompt (SGLang's cache threshold); a request leaves its owner only when
+    # the owner is overloaded against the pool, by smg 1.13's spill gate and its defaults
+    # (``lmpool.control.pricing.gate``: past the mean in-flight count by min(abs, max(4, 2 sqrt(mean)))
+    # and by rel times it).
+    owner_min_match: float = 0.3
+    gate_abs_threshold: int = 64
+    gate_rel_threshold: float = 1.5
     # A route reservation counts until its rank reports the request admitted, or this long
     # (a request that never reached its rank).
     reservation_ttl_s: float = 10.0
@@ -46,8 +46,11 @@ class RoutingConfig:
     seed: int = 0  # for Dynamo's softmax sampling
 
     def __post_init__(self) -> None:
-        if self.decode_work not in ("tokens", "running"):
-            raise ValueError(f"decode_work must be 'tokens' or 'running', got {self.decode_work!r}")
+        if not 0 <= self.owner_min_match < 1:
+            raise ValueError(f"owner_min_match must be in [0, 1), got {self.owner_min_match!r}")
+        if not self.gate_abs_threshold >= 0 or not self.gate_rel_threshold >= 1:
+            raise ValueError(f"need gate_abs_threshold >= 0 and gate_rel_threshold >= 1, got "
+                             f"{self.gate_abs_threshold!r}, {self.gate_rel_threshold!r}")
         if self.sglang_miss_rule not in ("least_loaded", "smallest_tree"):
             raise ValueError(f"sglang_miss_rule must be 'least_loaded' or 'smallest_tree', got {self.sglang_miss_rule!r}")
         if self.dynamo_prefill_tokens not in ("new", "full"):

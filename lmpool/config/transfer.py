@@ -8,8 +8,9 @@ request may be sent to a rank that first copies its cached prefix from another,
 ``lmpool.control.transfers.pull``) or ``"all"`` (background, foreground and pull).
 
 ``TransferPolicyConfig`` holds the thresholds; ``check()`` names the first bad one.
-Every duration is in seconds, every load in token-equivalents (the routing cost
-model's unit), heat in decayed accesses (see ``GlobalBlockManager.record_route``).
+Every duration and load is in seconds (a rank's load: the predicted seconds of the work in
+flight there, ``lmpool.control.pricing``), heat in decayed accesses (see
+``GlobalBlockManager.record_route``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ TRANSFER_MODES = ("none", "background", "foreground", "both", "pull", "all")
 # to what benchmarks/benchmark_kv_transfer.py measured (gloo on a 2-core VM: ~1 ms + 1.5 ms
 # per MiB; CUDA IPC on an H200: ~0.6 ms + ~0.4 TB/s); completed plans correct them online.
 UNCALIBRATED_LINK = {"cpu": (2e-3, 0.5e9), "cuda": (1e-3, 50e9)}
-DEFAULT_PREFILL_S_PER_TOKEN = 1e-6  # the benefit's price of a token until some rank has measured
+DEFAULT_PREFILL_S_PER_TOKEN = 1e-6  # the admission gate's figure for a decision given none (a pool's give theirs)
 
 
 def check_mode(mode: str, max_blocks: int, batch_max_blocks: int) -> None:
@@ -51,24 +52,17 @@ class TransferPolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
     heat_half_life_s: float = 30.0
     route_hit_weight: float = 0.5  # extra heat when a route used the block, not just asked for it
     recent_chains: int = 1024  # routed chains remembered as placement candidates
-    min_load_skew_tokens: float = 512.0  # source load minus destination load, at least
+    min_load_skew_s: float = 0.05  # source load minus destination load, at least
     cooldown_s: float = 10.0  # a chain copied to its leaf (or refused) is not looked at again before this
     lease_s: float = 30.0  # routes for a copied chain are steered to the copy this long
     # ---- foreground release (a worker short of blocks asks the control plane) ----
     foreground_wait_s: float = 1.0  # a worker waits this long for a move before evicting
     foreground_retry_s: float = 1.0  # after a refused or failed move, evict for this long
     # ---- the admission gate ----
-    prefill_s_per_token: float | None = None  # None: the ranks' own measurements
+    prefill_s_per_token: float | None = None  # None: each rank's fitted step time (``lmpool.control.pricing``)
     admission_margin: float = 1.0  # admit when saved prefill > margin * transfer cost
     reuse_discount: float = 0.5  # foreground: each further expected reuse is worth this much less
     transfer_profile: str | None = None  # a calibration profile (benchmark_kv_transfer.py JSON)
-    # ---- route-time pulls (``lmpool.control.transfers.pull``) ----
-    # A request decoding on a rank shares every step with the sequences there: per token it will
-    # decode, each of them costs it (and it costs each of them) this many prefill-token equivalents.
-    decode_contention_weight: float = 0.5
-    # Leaving the routing policy's choice (to pull, or to serve elsewhere) must save at least this
-    # many token-equivalents: small differences never move a request or start a copy.
-    pull_min_gain_tokens: float = 256.0
 
     def check(self) -> None:
         positive = ("interval_s", "hot_threshold", "heat_half_life_s", "lease_s", "foreground_wait_s",
@@ -76,8 +70,7 @@ class TransferPolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("route_hit_weight", "min_load_skew_tokens", "cooldown_s", "foreground_retry_s", "react_interval_s",
-                     "decode_contention_weight", "pull_min_gain_tokens"):
+        for name in ("route_hit_weight", "min_load_skew_s", "cooldown_s", "foreground_retry_s", "react_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.recent_chains < 1:

@@ -1,41 +1,56 @@
 """The one place that builds a control process: every collaborator is made here and handed to
 the objects that use it through their constructors, so no object sets another's attributes.
 
-Order: topology and page table; the transfer cost model (calibrated, or an uncalibrated link
-model its completed plans correct); the per-rank outbox; the coordinator; route-time pulls when
-they run (they price with the coordinator's cost model and room, and the router consults them);
-the router (with its placement leases when background placement runs); the transfer policies;
-the control plane, which the coordinator tells of every plan that publishes or ends, and the
-pulls of every waiting route they release.
+Order (``assemble``): topology and page table; the engine model (each rank's fitted step time) and the
+pricer that reads it, with the measured reuse of evictions; the transfer cost model
+(calibrated, or an uncalibrated link model its completed plans correct); the per-rank outbox;
+the coordinator; the router and its route pipeline (``make_router``: pending prefixes, lease
+steering, route-time pulls, reservation, demand, placement's chains, as the pool runs them);
+the transfer policies; the control plane, which the coordinator tells of every plan that
+publishes or ends, and the pulls of every waiting route they release.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import NamedTuple
 
-from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN, UNCALIBRATED_LINK
-from lmpool.control.plane import ControlPlane, Outbox
+from lmpool.config.engine import EngineConfig
+from lmpool.config.routing import RoutingConfig
+from lmpool.config.transfer import UNCALIBRATED_LINK
 from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.plane import ControlPlane, Outbox
+from lmpool.control.pricing.engine_model import EngineModel
+from lmpool.control.pricing.eviction import EvictionMemory
+from lmpool.control.pricing.price import Limits, Pricer
+from lmpool.control.routing.demand import RecordDemand
+from lmpool.control.routing.pending import CountPending, PendingPrefixes
+from lmpool.control.routing.registry import POLICIES
+from lmpool.control.routing.reserve import Reserve
+from lmpool.control.routing.route import RouteStage
 from lmpool.control.routing.router import Router
 from lmpool.control.topology import Topology
 from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
 from lmpool.control.transfers.cost_model import TransferCostModel
-from lmpool.control.transfers.leases import PlacementLeases
-from lmpool.control.transfers.policies import TransferPolicies, prefill_s_per_token
+from lmpool.control.transfers.leases import PlacementLeases, SteerToLeases
+from lmpool.control.transfers.placement import HotChains, ObserveChains
+from lmpool.control.transfers.policies import TransferPolicies
 from lmpool.control.transfers.pull import RoutePulls
 from lmpool.control.transfers.pull_price import PullPricer
 from lmpool.protocol.spec import ControlSpec
 
 
+class Parts(NamedTuple):
+    """What a control process routes and transfers with, wired together (``assemble``)."""
+
+    router: Router
+    model: EngineModel
+    coordinator: TransferCoordinator
+    policies: TransferPolicies
+
+
 def build_control_plane(spec: ControlSpec) -> ControlPlane:
-    pool = spec.pool
-    policy = pool.transfer.transfer_policy
-    gbm = GlobalBlockManager(pool.world_size, pool.engine.block_size, heat_half_life_s=policy.heat_half_life_s,
-                             route_hit_weight=policy.route_hit_weight,
-                             reservation_ttl_s=pool.routing_config.reservation_ttl_s)
-    # Placement leases steer routes to background placement's copies.
-    leases = PlacementLeases(policy.lease_s, clock=gbm.clock) if pool.transfer.background_placement else None
-    links = topology(spec)
     outbox = Outbox()
     plane: ControlPlane | None = None
 
@@ -49,29 +64,76 @@ def build_control_plane(spec: ControlSpec) -> ControlPlane:
     def pull_resolved(request_id: str, outcome: str) -> None:
         plane.pull_resolved(request_id, outcome)
 
-    # A restarted control process must not reuse the plan ids its predecessor's plans hold on
-    # the workers, hence a random start.
-    coordinator = TransferCoordinator(gbm, outbox.send, cost_model=cost_model(spec), on_end=plan_ended,
-                                      first_plan_id=random.getrandbits(48), on_published=plan_published)
-    pulls = route_pulls(spec, gbm, links, coordinator, pull_resolved) if pool.transfer.route_pulls else None
-    router = Router(gbm, links, policy=pool.routing, config=pool.routing_config, leases=leases, pulls=pulls)
-    policies = TransferPolicies(spec, gbm, router, coordinator, outbox.send, pulls=pulls)
-    plane = ControlPlane(spec, gbm, router, coordinator, policies, outbox)
+    gbm = page_table(spec)
+    parts = assemble(spec, gbm, outbox.send, plan_ended, plan_published, pull_resolved)
+    plane = ControlPlane(spec, gbm, parts.router, parts.model, parts.coordinator, parts.policies, outbox)
     return plane
 
 
-def route_pulls(spec: ControlSpec, gbm: GlobalBlockManager, links: Topology, coordinator: TransferCoordinator,
-                on_resolved) -> RoutePulls:
-    """Route-time pulls, priced with the coordinator's (corrected) cost model and room."""
-    cfg = spec.pool.transfer.transfer_policy
-    fallback = cfg.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN
+def page_table(spec: ControlSpec) -> GlobalBlockManager:
+    pool = spec.pool
+    cfg = pool.transfer.transfer_policy
+    return GlobalBlockManager(pool.world_size, pool.engine.block_size, heat_half_life_s=cfg.heat_half_life_s,
+                              route_hit_weight=cfg.route_hit_weight,
+                              reservation_ttl_s=pool.routing_config.reservation_ttl_s)
 
-    def per_token(rank: int) -> float:  # never None: pricing a pull converts seconds to tokens
-        return prefill_s_per_token(cfg, gbm, rank) or fallback
 
-    pricer = PullPricer(gbm, links, coordinator.cost_model.estimate, per_token, coordinator.room,
-                        contention_weight=cfg.decode_contention_weight)
-    return RoutePulls(gbm, coordinator, pricer, on_resolved, min_gain_tokens=cfg.pull_min_gain_tokens)
+def assemble(spec: ControlSpec, gbm: GlobalBlockManager, send: Callable[[int, object], None],
+             plan_ended: Callable[[Plan], None], plan_published: Callable[[Plan], None],
+             pull_resolved: Callable[[str, str], None]) -> Parts:
+    """Everything but the plane, over ``gbm``: the coordinator sends orders with ``send`` and
+    reports plans that end or publish; pulls report the routes they release."""
+    pool = spec.pool
+    transfer, cfg = pool.transfer, pool.transfer.transfer_policy
+    links = topology(spec)
+    model = EngineModel(pool.world_size)
+    evictions = EvictionMemory(pool.world_size)
+    gbm.watch_removed(evictions.removed)
+    pricer = Pricer(gbm, links, model, limits(pool.engine), evictions.reuse)
+    # A restarted control process must not reuse the plan ids its predecessor's plans hold on
+    # the workers, hence a random start.
+    coordinator = TransferCoordinator(gbm, send, cost_model=cost_model(spec), on_end=plan_ended,
+                                      first_plan_id=random.getrandbits(48), on_published=plan_published)
+    steering = chains = pulls = None
+    if transfer.background_placement:
+        steering = SteerToLeases(PlacementLeases(cfg.lease_s, clock=gbm.clock))
+        chains = HotChains(cfg.recent_chains)
+    if transfer.route_pulls:
+        pricing = PullPricer(gbm, links, pricer, coordinator.cost_model.estimate, coordinator.room)
+        pulls = RoutePulls(gbm, coordinator, pricing, pull_resolved)
+    router = make_router(gbm, links, pool.routing, pool.routing_config, pricer, evictions, steering, pulls, chains)
+    policies = TransferPolicies(spec, gbm, links, pricer, coordinator, send, steering, pulls, chains)
+    return Parts(router, model, coordinator, policies)
+
+
+def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool", config: RoutingConfig | None = None,
+                pricer: Pricer | None = None, evictions: EvictionMemory | None = None,
+                steering: SteerToLeases | None = None, pulls: RoutePulls | None = None,
+                chains: HotChains | None = None) -> Router:
+    """The router for policy ``routing`` and its pipeline (``lmpool.control.routing.route``): the
+    policy's pending prefixes when it counts them, then lease steering, pulls (both only act on
+    a priced route), the reservation, the demand, and placement's routed chains, in that order.
+    Without a ``pricer``, one over the prior step times and the engine's default limits."""
+    if routing not in POLICIES:
+        raise ValueError(f"unknown routing policy {routing!r}; choose one of {', '.join(POLICIES)}")
+    config = config or RoutingConfig()
+    if pricer is None:
+        pricer = Pricer(gbm, links, EngineModel(gbm.world_size), Limits(gbm.block_size, 256, 8192),
+                        evictions.reuse if evictions is not None else lambda rank: 0.5)
+    policy = POLICIES[routing](gbm, config, pricer)
+    stages: list[RouteStage] = [s for s in (steering, pulls) if s is not None]
+    if policy.counts_pending and config.pending_ttl_s > 0:
+        pending = PendingPrefixes(gbm.world_size, config.pending_ttl_s, gbm.clock)
+        gbm.watch_stored(pending.confirm)
+        stages.append(CountPending(pending))
+    stages += [Reserve(gbm), RecordDemand(gbm, evictions)]
+    if chains is not None:
+        stages.append(ObserveChains(chains))
+    return Router(gbm, links, policy, stages)
+
+
+def limits(engine: EngineConfig) -> Limits:
+    return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens)
 
 
 def topology(spec: ControlSpec) -> Topology:

@@ -1,6 +1,7 @@
 """The control process's state and tasks on its one uvloop event loop: workers' reports applied
-to the page table, the frontend's requests served (routes, stats, explicit transfers,
-questions to a worker), transfer plans run, heartbeats sent, the pool-state board published.
+to the page table and their step timings to the engine model, the frontend's requests served
+(routes, stats, explicit transfers, questions to a worker), transfer plans run, heartbeats
+sent, the pool-state board published.
 Background placement runs over every remembered chain each ``interval_s`` and over the newly
 routed ones right after routes (``react``), in slices of ``placement_slice_s`` so that routes
 run between them. With route-time pulls (``lmpool.control.transfers.pull``) a route may open
@@ -22,9 +23,11 @@ import os
 import random
 import time
 
+import msgspec
 import numpy as np
 
 from lmpool.control.page_table.manager import GlobalBlockManager, StaleUpdateError
+from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.routing.router import Router
 from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
 from lmpool.control.transfers.policies import TransferPolicies
@@ -48,6 +51,7 @@ from lmpool.protocol import (
     RouteQuery,
     ShortageReport,
     StatsQuery,
+    StepTimings,
     SyncQuery,
     TransferChain,
     TransferResult,
@@ -84,11 +88,12 @@ class Outbox(dict):
 class ControlPlane:
     """The control process's state and tasks; built by ``lmpool.control.build``."""
 
-    def __init__(self, spec: ControlSpec, gbm: GlobalBlockManager, router: Router, coordinator: TransferCoordinator,
-                 policies: TransferPolicies, outbox: Outbox) -> None:
+    def __init__(self, spec: ControlSpec, gbm: GlobalBlockManager, router: Router, model: EngineModel,
+                 coordinator: TransferCoordinator, policies: TransferPolicies, outbox: Outbox) -> None:
         self.spec = spec
         self.gbm = gbm
-        self.scheduler = router
+        self.router = router
+        self.model = model
         self.coordinator = coordinator
         self.policies = policies
         self.outbox = outbox
@@ -129,6 +134,10 @@ class ControlPlane:
                 if isinstance(msg, ShortageReport):
                     self.policies.on_shortage(msg)
                     continue
+                if isinstance(msg, StepTimings):
+                    if msg.rank == rank and msg.epoch >= self.gbm.ranks[rank].epoch:
+                        self.model.observe(msg)
+                    continue
                 if isinstance(msg, CudaIpcExport):
                     if 0 <= msg.peer < self.spec.pool.world_size and msg.peer != rank:
                         self.send_to(msg.peer, msg)  # relayed unopened to the one peer it serves
@@ -156,7 +165,7 @@ class ControlPlane:
         except IpcError:
             self.kv_events.rank_down(rank)
             self.coordinator.rank_died(rank)
-            self.scheduler.rank_down(rank)
+            self.router.rank_down(rank)
             self.workers.pop(rank, None)
             self.outbox.pop(rank, None)  # orders for a dead rank have nowhere to go
             self.known[rank].set()
@@ -369,7 +378,7 @@ class ControlPlane:
         if isinstance(request, RouteQuery):
             return await self.route(request)
         if isinstance(request, RankDown):
-            self.scheduler.rank_down(request.rank)
+            self.router.rank_down(request.rank)
             self.known[request.rank].set()
             return None
         if isinstance(request, WaitRanks):
@@ -388,12 +397,11 @@ class ControlPlane:
 
     def route_once(self, request: RouteQuery) -> RouteDecision:
         start = time.perf_counter_ns()
-        decision = self.scheduler.route_sequence_meta(request)
+        decision = self.router.route(request)
         self.route_us[self.route_queries % ROUTE_SAMPLES] = (time.perf_counter_ns() - start) / 1e3
         if self.check:
             self.verify(self.gbm.check_route, request.block_hashes, decision.rank, decision.matched_blocks)
         self.route_queries += 1
-        self.policies.observe_route(request)
         self.react()
         return decision
 
@@ -411,7 +419,7 @@ class ControlPlane:
             if self.check:
                 self.verify(pulls.check_invariants)
             outcome = await waiter
-            decision = RouteDecision(decision.rank, decision.matched_blocks, f"{decision.reason}; pull {outcome}")
+            decision = msgspec.structs.replace(decision, reason=f"{decision.reason}; pull {outcome}")
             if self.gbm.ranks[decision.rank].alive or not self.gbm.alive_mask:
                 return decision
 
@@ -420,7 +428,8 @@ class ControlPlane:
         samples = self.route_us[:n]
         return ControlStats(
             pid=os.getpid(),
-            ranks=[self.gbm.rank_state(r) for r in range(self.spec.pool.world_size)],
+            ranks=[msgspec.structs.replace(self.gbm.rank_state(r), step_fit=self.model.describe(r))
+                   for r in range(self.spec.pool.world_size)],
             route_queries=self.route_queries,
             route_p50_us=float(np.percentile(samples, 50)) if n else 0.0,
             route_p99_us=float(np.percentile(samples, 99)) if n else 0.0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -32,6 +33,7 @@ from lmpool.dataplane.transport import (
 )
 
 _BREAK_TAG = TAG_LIMIT  # never used by a transfer: see _break_group
+CLOSE_WAIT_S = 5.0  # ``close`` waits at most this long for connections under way
 _CPU = torch.device("cpu")
 
 
@@ -89,6 +91,7 @@ class GlooTransport:
         self._lock = threading.Lock()
         self._pairs: dict[int, _Pair] = {}
         self._closed = False
+        self._connecting: list[threading.Thread] = []  # connect threads, joined by ``close``
 
     # ---- connections ------------------------------------------------------------------
 
@@ -106,9 +109,10 @@ class GlooTransport:
             self._pairs[peer] = pair
         if old is not None:
             self._break(old, f"replaced by session {session}")
-        threading.Thread(
-            target=self._connect, args=(pair, handle), name=f"gloo-connect-{peer}", daemon=True
-        ).start()
+        thread = threading.Thread(target=self._connect, args=(pair, handle), name=f"gloo-connect-{peer}", daemon=True)
+        thread.start()
+        with self._lock:
+            self._connecting = [t for t in self._connecting if t.is_alive()] + [thread]
         return handle
 
     def _connect(self, pair: _Pair, handle: GlooHandle) -> None:
@@ -268,6 +272,12 @@ class GlooTransport:
             self._pairs.clear()
         for pair in pairs:
             self._break(pair, "transport closed")
+        # A process that exits while gloo builds a group on another thread dies in C++
+        # ("terminate called without an active exception"): let each connection end first. A
+        # peer that closed too makes it fail at once; one that died, within the timeout.
+        deadline = time.monotonic() + min(CLOSE_WAIT_S, self.timeout_s)
+        for thread in self._connecting:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _break_group(group: dist.ProcessGroupGloo) -> None:

@@ -39,6 +39,8 @@ not: a stopped sequence's extra row in step N+1 draws from the engine's stream.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
@@ -50,7 +52,10 @@ from lmpool.engine.scheduler import ScheduledBatch, Scheduler
 from lmpool.engine.sequence import Sequence, SequenceStatus
 from lmpool.engine.validation import validate_request
 from lmpool.model.config import ModelConfig
+from lmpool.protocol.base import StepSample
 from lmpool.sampling_params import SamplingParams
+
+STEP_SAMPLES = 4096  # timed steps kept until a caller takes them (``take_step_samples``)
 
 
 @dataclass(slots=True)
@@ -69,6 +74,7 @@ class InFlightStep:
 
     batch: ScheduledBatch
     pending: PendingTokens
+    launched: float  # perf_counter when the ``step`` call that launched it began
 
 
 class EngineCore:
@@ -97,6 +103,10 @@ class EngineCore:
         # The batch whose tokens the latest ``step`` read back: the one it ran when serial, the
         # one before when overlapped (what a step's wall time measures once the device is busy).
         self.last_read_back = ScheduledBatch()
+        # Every read-back step's time and shape, newest last, for a pool's step-time model.
+        self.step_samples: deque[StepSample] = deque(maxlen=STEP_SAMPLES)
+        self._last_done = 0.0  # perf_counter when the latest timed step ended
+        self._synchronous = self.runner.device.type == "cpu"  # a launch returns once the step is computed
 
     # ---- admission ------------------------------------------------------------
 
@@ -152,11 +162,28 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         """Run one step; returns the tokens the host has read back (see the module docstring)."""
+        started = time.perf_counter()
         if self.config.async_scheduling:
-            return self._step_overlapped()
-        return self._step_serial()
+            return self._step_overlapped(started)
+        return self._step_serial(started)
 
-    def _step_serial(self) -> list[StepOutput]:
+    def take_step_samples(self) -> list[StepSample]:
+        """The timed steps since the previous call, oldest first (at most ``STEP_SAMPLES``)."""
+        samples = list(self.step_samples)
+        self.step_samples.clear()
+        return samples
+
+    def _timed(self, batch: ScheduledBatch, launched: float) -> None:
+        """Record a step whose tokens the host has just come to know. Its time runs from its
+        launch, or from the previous step's end when that came later (overlapped, the device was
+        busy with it), so consecutive samples never count the same interval twice nor an idle one.
+        A CPU computes a step inside its launch: its tokens are known when the launch returns."""
+        done = time.perf_counter()
+        self.step_samples.append(StepSample(done - max(launched, self._last_done), batch.prefill_tokens,
+                                            batch.prefill_attention, batch.decode_seqs, batch.decode_context))
+        self._last_done = done
+
+    def _step_serial(self, started: float) -> list[StepOutput]:
         batch = self.last_read_back = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -165,21 +192,27 @@ class EngineCore:
         # Block accounting needs only the batch, not the new tokens: it runs while
         # the device computes them.
         self.scheduler.complete_step(batch)
-        return self._read_back(pending.seqs, pending.result())
+        tokens = pending.result()
+        self._timed(batch, started)
+        return self._read_back(pending.seqs, tokens)
 
-    def _step_overlapped(self) -> list[StepOutput]:
+    def _step_overlapped(self, started: float) -> list[StepOutput]:
         previous, self.in_flight = self.in_flight, None
         batch = self.scheduler.schedule()
         if batch.seqs:
             tokens = previous.pending.device_tokens if previous is not None else None
             pending = self.runner.launch(batch, tokens)
+            if self._synchronous:
+                self._timed(batch, started)
             self._expect_tokens(pending)
-            self.in_flight = InFlightStep(batch, pending)
+            self.in_flight = InFlightStep(batch, pending, started)
         outputs = []
         self.last_read_back = ScheduledBatch() if previous is None else previous.batch
         if previous is not None:
             # The step's one wait, for the previous step: the device has this one queued behind it.
             tokens = previous.pending.result()
+            if not self._synchronous:
+                self._timed(previous.batch, previous.launched)
             # Its KV is complete now, so its blocks can be cached; then its tokens are appended
             # (after the commit: ``commit`` reads only tokens known before the previous step).
             self.scheduler.commit(previous.batch)

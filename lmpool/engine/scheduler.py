@@ -41,9 +41,26 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per sequence
     num_preempted: int = 0
+    # The batch's shape as the step-time model reads it (``lmpool.protocol.StepSample``).
+    prefill_tokens: int = 0
+    prefill_attention: int = 0
+    decode_seqs: int = 0
+    decode_context: int = 0
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        """``seq`` computes ``n`` tokens this step, after the ones it has computed."""
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+        c = seq.num_computed_tokens
+        if n == 1:
+            self.decode_seqs += 1
+            self.decode_context += c + 1
+        else:
+            self.prefill_tokens += n
+            self.prefill_attention += n * c + n * (n + 1) // 2
 
     def samples(self, i: int) -> bool:
         """Whether sequence ``i`` reaches its last token this step, and so yields a new token."""
@@ -106,8 +123,7 @@ class Scheduler:
             # a step's scheduling) is asked only when the table does not cover the target.
             if target > len(seq.block_table) * block_size and not self._grow_or_preempt(seq, target, batch):
                 continue  # ``seq`` itself was preempted: it was the last one running
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
             i += 1
         if batch.num_preempted:
@@ -139,8 +155,7 @@ class Scheduler:
                 seq.num_cached_tokens = min(len(hit) * bm.block_size, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
             if computing is not None:
                 computing.update(seq.block_hashes[len(hit):])

@@ -100,6 +100,7 @@ class TrackedRequest:
     params: SamplingParams
     rank: int = -1
     route: str = ""  # the latest routing decision's reason (``RouteDecision.reason``), or "pinned"
+    predicted_ttft_s: float | None = None  # the latest routing decision's (``RouteDecision.predicted_ttft_s``)
     # The id the worker knows this dispatch by: new for every dispatch, so tokens still in
     # flight from an aborted request, or from a rank the request left, never match it.
     wire_id: str = ""
@@ -311,7 +312,7 @@ class PoolClient:
             wire_id = str(next(self._wire_ids))
             if pinned is not None and self.ranks[pinned].alive:
                 rank = self.ranks[pinned]
-                req.route = "pinned"
+                req.route, req.predicted_ttft_s = "pinned", None
             else:
                 tokens = req.prompt_token_ids + req.output_token_ids
                 query = RouteQuery(
@@ -323,7 +324,7 @@ class PoolClient:
                 except PoolError as e:  # the control plane's words name no caller's id
                     raise PoolError(f"request {req.request_id!r} could not be routed: {e}") from None
                 rank = self.ranks[decision.rank]
-                req.route = decision.reason
+                req.route, req.predicted_ttft_s = decision.reason, decision.predicted_ttft_s
                 if self.requests.get(req.request_id) is not req:
                     return  # aborted while its route waited (on a route-time pull): never start it
             if not rank.alive:
@@ -465,7 +466,7 @@ class PoolClient:
                 "blocks_used": load.blocks_used, "prompt_tokens": load.prompt_tokens,
                 "prefix_hit_tokens": load.prefix_hit_tokens, "heartbeat_age_s": state.heartbeat_age_s,
                 "epoch": state.epoch, "snapshot_version": state.snapshot_version,
-                "cached_blocks": state.cached_blocks,
+                "cached_blocks": state.cached_blocks, "step_fit": msgspec.structs.asdict(state.step_fit),
             })
             if not rank.alive:  # a dead rank queues, runs and holds nothing: no stale figures
                 ranks[-1].update(dict.fromkeys(LIVE_STATS, 0))

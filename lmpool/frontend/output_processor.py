@@ -46,7 +46,7 @@ class OutputProcessor:
 
 class RequestState:
     """One request's output, grown from its token ids. The caller keeps ``num_cached_tokens``,
-    ``rank`` and ``route`` current (a pool may move a request to another rank)."""
+    ``rank``, ``route`` and ``predicted_ttft_s`` current (a pool may move a request to another rank)."""
 
     def __init__(
         self, processor: OutputProcessor, request_id: str, prompt_token_ids: Sequence[int],
@@ -59,6 +59,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.rank: int | None = None
         self.route: str | None = None
+        self.predicted_ttft_s: float | None = None
         self._processor = processor
         self._stream = stream
         self._stops = StopStrings(params.stop) if params.stop else None
@@ -108,4 +109,5 @@ class RequestState:
             finish_reason=self.finish_reason,
             rank=self.rank,
             route=self.route,
+            predicted_ttft_s=self.predicted_ttft_s,
         )

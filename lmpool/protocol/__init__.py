@@ -11,7 +11,7 @@ direction (see docs/ARCHITECTURE.md for the picture):
 KV bytes never travel here: block hashes, ids and generations only.
 """
 
-from lmpool.protocol.base import LoadReport, Message
+from lmpool.protocol.base import LoadReport, Message, StepSample
 from lmpool.protocol.cuda_ipc import CudaIpcExport, IpcStorage
 from lmpool.protocol.frontend_control import (
     BlockDigests,
@@ -24,6 +24,7 @@ from lmpool.protocol.frontend_control import (
     RouteDecision,
     RouteQuery,
     StatsQuery,
+    StepFit,
     TransferChain,
     TransferResult,
     TransferStats,
@@ -77,6 +78,7 @@ from lmpool.protocol.worker_control import (
     ReleaseOutcome,
     ResyncRequest,
     ShortageReport,
+    StepTimings,
     WorkerDelta,
     WorkerSnapshot,
     WorkerToControl,

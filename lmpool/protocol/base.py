@@ -24,7 +24,10 @@ class LoadReport(Message):
     num_running: int = 0
     waiting_prefill_tokens: int = 0  # prompt tokens not yet computed, over waiting and running
     new_prefill_tokens: int = 0  # the same, less each queued prompt's cached prefix as it stood on arrival
-    decode_tokens_left: int = 0  # tokens still to generate by running sequences (max_tokens bound)
+    # Causal attention pairs of that prefill still to compute (``StepSample.prefill_attention``).
+    prefill_attention: int = 0
+    decode_tokens_left: int = 0  # tokens still to generate by running and waiting sequences (max_tokens bound)
+    context_tokens: int = 0  # tokens held by running and waiting sequences: what their decode steps attend to
     blocks_free: int = 0
     blocks_reclaimable: int = 0
     blocks_used: int = 0
@@ -32,4 +35,17 @@ class LoadReport(Message):
     prefix_hit_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
     admitted: list[str] = []  # request ids that reached the worker since the previous report
     generated_tokens: int = 0  # cumulative tokens this worker has emitted
-    prefill_s_per_token: float = 0.0  # measured on prefill-heavy steps (EWMA); 0 until measured
+
+
+class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One engine step as the control plane's step-time model fits it: its wall seconds (from
+    its launch, or the previous step's end if later, to its tokens read back) and its batch.
+
+    A sequence computing one token decodes; one computing more prefills a chunk of ``n`` tokens
+    after ``c`` computed ones, which attends ``n * c + n * (n + 1) / 2`` (query, key) pairs."""
+
+    seconds: float
+    prefill_tokens: int = 0
+    prefill_attention: int = 0
+    decode_seqs: int = 0
+    decode_context: int = 0  # tokens the decoding sequences attend to, in all

@@ -19,6 +19,7 @@ class RouteDecision(Message, tag="decision"):
     rank: int
     matched_blocks: int = 0  # prefix blocks the chosen rank already holds (as the page table saw them)
     reason: str = ""  # which rule chose the rank, for logs and benchmarks
+    predicted_ttft_s: float | None = None  # the price's time to first token there, when the policy prices
 
 
 class RankDown(Message, tag="rank_down"):
@@ -42,6 +43,20 @@ class StatsQuery(Message, tag="stats"):
     pass
 
 
+class StepFit(Message, kw_only=True, frozen=True):
+    """A rank's fitted step time (``lmpool.control.pricing.step_model``): a step's seconds are
+    base + per prefill token + per attention pair + per decoding sequence + per context token."""
+
+    base_ms: float = 0.0
+    prefill_us_per_token: float = 0.0
+    attention_ns_per_pair: float = 0.0
+    decode_us_per_seq: float = 0.0
+    context_us_per_token: float = 0.0
+    samples: int = 0  # steps fitted since calibration
+    calibrated: bool = False
+    error: float = 0.0  # recent mean |relative error| of its predictions
+
+
 class RankState(Message, kw_only=True):
     rank: int
     alive: bool
@@ -50,6 +65,7 @@ class RankState(Message, kw_only=True):
     heartbeat_age_s: float
     load: LoadReport
     cached_blocks: int
+    step_fit: StepFit = StepFit()
 
 
 class TransferStats(Message, kw_only=True):
@@ -76,6 +92,7 @@ class TransferStats(Message, kw_only=True):
     in_flight_blocks: int = 0  # page-table entries marked in flight now
     reservations: int = 0  # route reservations held now
     pulls_started: int = 0  # route-time pull plans opened
+    pulls_moved: int = 0  # ... that moved the chain's unshared blocks (freed on their source)
     pulls_shared: int = 0  # requests that waited on a pull another request opened
     pulls_landed: int = 0  # pulls whose destination published
     pulls_aborted: int = 0  # pulls that aborted first (their requests recompute)

@@ -48,6 +48,7 @@ class RankRow(msgspec.Struct, kw_only=True, gc=False):
     generated_tokens: int = 0  # cumulative, this worker incarnation
     blocks_in_flight: int = 0  # blocks a transfer is bringing here, not yet published
     leases: int = 0  # placement leases steering routes here (not yet filled per rank)
+    step_ms: float = 0.0  # a decode step of its running batch, as its fitted step time predicts it
 
     @classmethod
     def from_state(cls, state: RankState, pid: int, blocks_in_flight: int) -> RankRow:
@@ -60,6 +61,8 @@ class RankRow(msgspec.Struct, kw_only=True, gc=False):
             blocks_used=load.blocks_used, cached_blocks=state.cached_blocks,
             prompt_tokens=load.prompt_tokens, prefix_hit_tokens=load.prefix_hit_tokens,
             generated_tokens=load.generated_tokens, blocks_in_flight=blocks_in_flight,
+            step_ms=state.step_fit.base_ms + (state.step_fit.decode_us_per_seq * load.num_running
+                                              + state.step_fit.context_us_per_token * load.context_tokens) / 1e3,
         )
         # A dead rank queues, runs and holds nothing: its last report is stale, not shown.
         return row if state.alive else msgspec.structs.replace(row, **dict.fromkeys(LIVE_FIGURES, 0))
@@ -67,7 +70,7 @@ class RankRow(msgspec.Struct, kw_only=True, gc=False):
 
 # Figures of a rank's present state (the cumulative counters stay true after its death).
 LIVE_FIGURES = ("num_waiting", "num_running", "blocks_free", "blocks_reclaimable", "blocks_used", "cached_blocks",
-                "blocks_in_flight")
+                "blocks_in_flight", "step_ms")
 
 
 class PoolState(msgspec.Struct, kw_only=True, gc=False):

@@ -7,7 +7,7 @@ incarnation's late reports; deltas are versioned (``lmpool.protocol.kv_events``)
 
 from __future__ import annotations
 
-from lmpool.protocol.base import BlockHash, LoadReport, Message
+from lmpool.protocol.base import BlockHash, LoadReport, Message, StepSample
 from lmpool.protocol.cuda_ipc import CudaIpcExport
 from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 from lmpool.protocol.transfer import Connect, PlanAnswer, QueryAnswer, TransferOrder, WorkerQuery
@@ -32,6 +32,17 @@ class WorkerDelta(Message, tag="delta"):
     epoch: int
     delta: KVDelta
     load: LoadReport
+
+
+class StepTimings(Message, tag="steps"):
+    """Steps the worker ran since its previous ``StepTimings``, for the control plane's step-time
+    model (``lmpool.control.pricing.step_model``); ``calibration``: the synthetic steps a worker
+    times at start, before it serves."""
+
+    rank: int
+    epoch: int
+    samples: list[StepSample]
+    calibration: bool = False
 
 
 class ResyncRequest(Message, tag="resync"):
@@ -66,5 +77,6 @@ class ReleaseOutcome(Message, tag="release"):
 
 
 # ``CudaIpcExport`` travels worker -> control -> the worker it names, unopened.
-WorkerToControl = Heartbeat | WorkerSnapshot | WorkerDelta | ShortageReport | CudaIpcExport | PlanAnswer | QueryAnswer
+WorkerToControl = (Heartbeat | WorkerSnapshot | WorkerDelta | StepTimings | ShortageReport | CudaIpcExport | PlanAnswer
+                   | QueryAnswer)
 ControlToWorker = ResyncRequest | Heartbeat | ReleaseOutcome | CudaIpcExport | Connect | TransferOrder | WorkerQuery

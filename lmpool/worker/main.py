@@ -12,8 +12,11 @@ runs. With nothing to do the loop sleeps on an event, burning no CPU.
 With foreground release on, admission that would evict cached blocks first asks
 the control plane to move them to a partner (``lmpool.worker.release``); while the
 worker waits for that (bounded), a step that runs nothing sleeps on the same
-event until a message or the wait's deadline, instead of spinning. It also
-measures its prefill cost per token (``prefill_meter``) for the transfer gate.
+event until a message or the wait's deadline, instead of spinning.
+
+It times its steps for the control plane's step-time model (``StepTimings``, at most every
+``STEP_REPORT_S`` and with every heartbeat), the first of them the synthetic ones it ran at
+start (``lmpool.engine.calibration``) before it was ready.
 
 Run as ``LMPOOL_SPEC=SPEC_JSON python -m lmpool.worker.main`` (see ``lmpool.protocol.spec``).
 """
@@ -28,6 +31,7 @@ import time
 import msgspec
 import uvloop
 
+from lmpool.engine.calibration import calibrate
 from lmpool.engine.core import EngineCore
 from lmpool.protocol import (
     AbortRequest,
@@ -42,21 +46,25 @@ from lmpool.protocol import (
     ResyncRequest,
     Shutdown,
     StepOutputs,
+    StepSample,
+    StepTimings,
     TokenDelta,
     WorkerDelta,
     WorkerFailed,
     WorkerReady,
     WorkerSnapshot,
 )
-from lmpool.worker.prefill_meter import PrefillMeter
 from lmpool.worker.release import ForegroundRelease
 from lmpool.protocol.spec import WorkerSpec, read_spec
 from lmpool.worker.transfers import Incoming, TransferExecutor
 from lmpool_ipc import Channel, IpcError
 
+STEP_REPORT_S = 0.05  # step timings go to the control plane at most this often (and with heartbeats)
+
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, core: EngineCore, engine: Channel) -> None:
+    def __init__(self, spec: WorkerSpec, core: EngineCore, engine: Channel,
+                 calibration: list[StepSample] = ()) -> None:
         self.spec = spec
         self.rank = spec.rank
         self.epoch = spec.epoch
@@ -76,7 +84,8 @@ class Worker:
         self.stopping = False
         self.tasks: list[asyncio.Task] = []
         self.transfers = TransferExecutor(spec, core) if spec.transfer_rendezvous else None
-        self.prefill = PrefillMeter()
+        self.calibration = list(calibration)  # sent to every control process that attaches
+        self.steps_sent_at = 0.0
         # Foreground release, when it runs, is the scheduler's shortage hook (``release_hook``).
         hook = core.scheduler.on_shortage
         self.release: ForegroundRelease | None = hook if isinstance(hook, ForegroundRelease) else None
@@ -125,16 +134,23 @@ class Worker:
 
     def load(self) -> LoadReport:
         sched, bm = self.core.scheduler, self.core.block_manager
-        prefill = 0
-        decode_left = 0
+        prefill = attention = decode_left = context = 0
         for seq in sched.running:
-            prefill += max(0, len(seq) - 1 - seq.num_computed_tokens)
+            n, c = max(0, len(seq) - 1 - seq.num_computed_tokens), seq.num_computed_tokens
+            prefill += n
+            attention += n * c + n * (n + 1) // 2
             decode_left += seq.params.max_tokens - seq.num_output_tokens
+            context += len(seq)
         new_prefill = prefill
         for seq in sched.waiting:
-            prefill += len(seq) - seq.num_computed_tokens
+            length = len(seq)
+            prefill += length - seq.num_computed_tokens
             cached = max(seq.num_computed_tokens, self.cached_on_arrival.get(seq.request_id, 0))
-            new_prefill += max(0, len(seq) - cached)
+            n = max(0, length - cached)
+            new_prefill += n
+            attention += n * cached + n * (n + 1) // 2
+            decode_left += seq.params.max_tokens - seq.num_output_tokens
+            context += length
         self.cached_on_arrival = {s.request_id: self.cached_on_arrival[s.request_id]
                                   for s in sched.waiting if s.request_id in self.cached_on_arrival}
         return LoadReport(
@@ -142,15 +158,26 @@ class Worker:
             num_running=len(sched.running),
             waiting_prefill_tokens=prefill,
             new_prefill_tokens=new_prefill,
+            prefill_attention=attention,
             decode_tokens_left=decode_left,
+            context_tokens=context,
             blocks_free=bm.num_free,
             blocks_reclaimable=bm.num_reclaimable,
             blocks_used=bm.num_used,
             prompt_tokens=self.prompt_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
             generated_tokens=self.generated_tokens,
-            prefill_s_per_token=self.prefill.s_per_token,
         )
+
+    async def send_steps(self, force: bool = False) -> None:
+        """Send the steps timed since the last ``StepTimings``: at most every ``STEP_REPORT_S``
+        unless ``force`` (a heartbeat)."""
+        now = time.monotonic()
+        due = force or now - self.steps_sent_at >= STEP_REPORT_S
+        if self.control is None or not self.core.step_samples or not due:
+            return
+        self.steps_sent_at = now
+        await self.send_control(StepTimings(self.rank, self.epoch, self.core.take_step_samples()))
 
     async def publish(self, load: LoadReport | None = None) -> None:
         """Tell the control plane what changed: cached blocks (or everything, if asked) and load.
@@ -176,6 +203,8 @@ class Worker:
                 await self.control.send(
                     WorkerSnapshot(self.rank, self.epoch, bm.num_blocks, bm.snapshot(), report)
                 )
+                if self.calibration:  # a control process that attaches fits from these first
+                    await self.control.send(StepTimings(self.rank, self.epoch, self.calibration, calibration=True))
             else:
                 await self.control.send(WorkerDelta(self.rank, self.epoch, bm.drain_delta(), report))
         except IpcError:
@@ -200,6 +229,7 @@ class Worker:
                     await self.control.send(Heartbeat(self.rank, self.epoch, self.load()))
                 except IpcError:
                     self.control = None
+            await self.send_steps(force=True)
 
     # ---- the step loop ----------------------------------------------------------
 
@@ -259,12 +289,9 @@ class Worker:
             deltas, failed = [], []
             ran = False
             if self.core.has_unfinished():
-                start = time.perf_counter()
                 outputs = self.core.step()
                 batch = self.core.scheduler.last_batch
                 ran = bool(batch.seqs or batch.num_preempted)
-                # With overlapped stepping a step's time is that of the batch it read back.
-                self.prefill.observe(self.core.last_read_back, time.perf_counter() - start)
                 for out in outputs:
                     seq = out.seq
                     if out.error is not None:  # that request's failure: the rank serves on
@@ -286,6 +313,7 @@ class Worker:
             for reply in failed:
                 await self.engine.send(reply)
             await self.publish(load)
+            await self.send_steps()
             if self.release is not None and self.release.outbox:
                 reports, self.release.outbox = self.release.outbox, []
                 for report in reports:  # after the deltas that announced its blocks
@@ -315,7 +343,8 @@ async def main_async(spec: WorkerSpec) -> int:
     engine = Channel(spec.engine_end, FrontendToWorker)
     try:
         core = EngineCore(spec.pool.engine_of(spec.rank), release_hook(spec))
-        worker = Worker(spec, core, engine)  # joins the transfer rendezvous, if any
+        samples = calibrate(core, seed=spec.rank) if spec.pool.calibrate_steps else []
+        worker = Worker(spec, core, engine, samples)  # joins the transfer rendezvous, if any
     except Exception as e:  # any start-up failure is reported, with its cause, to the engine
         await engine.send(WorkerFailed(spec.rank, f"{type(e).__name__}: {e}"))
         engine.close()

@@ -16,8 +16,8 @@ def run(key: str, policy: str, rep: int, tput: float, ttft: float, e2e: float) -
 
 
 # Burst throughput per policy (3 repetitions, +r each): round robin is the best routing-only
-# policy at 100; the oracle reaches 200 under round robin; lmpool+both reaches 170: 70 % of the gain.
-REAL = {"round_robin": 100.0, "lmpool": 80.0, "sglang_cache_aware": 90.0, "lmpool+both": 170.0}
+# policy at 100; the oracle reaches 210 under LMPool's default; lmpool+both reaches 170: 70 % of the gain.
+REAL = {"round_robin": 100.0, "lmpool-routing": 80.0, "sglang_cache_aware": 90.0, "lmpool+both": 170.0}
 ORACLE = {"round_robin": 200.0, "lmpool": 210.0}
 
 
@@ -40,7 +40,7 @@ def test_the_oracle_gain_and_its_capture():
     assert ttft["best_routing_only"] == "round_robin" and ttft["captured"]["lmpool+both"] > 0
     both = acc["candidates"]["lmpool+both"]
     assert both["ahead_of_every_routing_only"] is True and both["behind_on_e2e"] == []
-    assert "lmpool" not in acc["candidates"]  # routing only is a baseline here, not a candidate
+    assert "lmpool-routing" not in acc["candidates"]  # routing only is a baseline here, not a candidate
     assert acc["oracle_lmpool_vs_round_robin"] == "ahead"
 
 

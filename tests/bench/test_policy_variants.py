@@ -12,14 +12,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import benchmark_kv_routing  # noqa: E402
-from eval_suite import LMPOOL, LMPOOL_VARIANTS, Policy  # noqa: E402
+from eval_suite import LMPOOL, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy  # noqa: E402
 
 
 def test_a_variant_passes_its_routing_config_and_a_plain_policy_passes_none():
     (without,) = [p for p in LMPOOL_VARIANTS if p.name == "lmpool-pending"]
     kw = without.pool_kwargs()
     assert kw["routing"] == "lmpool" and kw["routing_config"].pending_ttl_s == 0.0
-    assert LMPOOL.pool_kwargs() == {"routing": "lmpool"}
+    assert LMPOOL.pool_kwargs() == {"routing": "lmpool"}, "LMPool as a user gets it: no mode of its own"
+    assert LMPOOL_ROUTING.pool_kwargs() == {"routing": "lmpool", "transfer_mode": "none"}, "routing only, always"
     assert Policy("x", "lmpool", "background").pool_kwargs() == {"routing": "lmpool", "transfer_mode": "background"}
 
 
@@ -45,11 +46,12 @@ def test_the_idle_transfers_control_sets_transfers_up_and_never_counts_as_a_tran
     import benchmark_e2e
     from eval_suite import TRANSFERS_IDLE
 
-    assert TRANSFERS_IDLE.pool_kwargs() == {"routing": "lmpool", "enable_transfers": True}
+    assert TRANSFERS_IDLE.pool_kwargs() == {"routing": "lmpool", "transfer_mode": "none", "enable_transfers": True}
     monkeypatch.setattr(benchmark_e2e, "paired_change", lambda *a: change("ahead"))
-    summary = {"load_skew": {p: {} for p in ("lmpool", "round_robin", "lmpool+idle", "lmpool+background")}}
+    policies = ("lmpool-routing", "round_robin", "lmpool+idle", "lmpool+background", "lmpool")
+    summary = {"load_skew": {p: {} for p in policies}}
     acceptance = benchmark_e2e.comparisons(summary)["acceptance"]
-    assert acceptance["transfer_beats_routing_only"] == {"load_skew": ["lmpool+background"]}
+    assert acceptance["transfer_beats_routing_only"] == {"load_skew": ["lmpool", "lmpool+background"]}
 
 
 def test_every_policy_takes_every_position_once_over_as_many_repetitions():
@@ -106,10 +108,10 @@ def test_peer_variants_pin_the_older_rules_and_are_refused_by_a_build_without_th
 
 
 def test_the_default_mode_passes_no_transfer_mode_and_records_which_it_ran():
-    from eval_policies import LMPOOL_DEFAULT, PEERS, default_transfer_mode
+    from eval_policies import PEERS, default_transfer_mode
 
-    assert LMPOOL_DEFAULT.pool_kwargs() == {"routing": "lmpool"}
-    assert LMPOOL_DEFAULT.record()["transfer_mode"] == f"default ({default_transfer_mode()})"
+    assert LMPOOL.pool_kwargs() == {"routing": "lmpool"}
+    assert LMPOOL.record()["transfer_mode"] == f"default ({default_transfer_mode()})"
     sglang = next(p for p in PEERS if p.name == "sglang_cache_aware").record()
     assert {"sglang_cache_threshold", "sglang_balance_abs_threshold", "sglang_balance_rel_threshold"} <= set(
         sglang["rule_fields"])

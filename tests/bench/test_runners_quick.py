@@ -102,11 +102,11 @@ def test_e2e_runner_quick_mode(tiny_model, tmp_path):
     data = json.loads(out.read_text())
     assert data["benchmark"] == "e2e"
     check_common(data, {"load_skew", "memory_skew"},
-                 {"round_robin", "least_loaded", "lmpool", "lmpool+background", "lmpool+foreground"})
-    for name in ("round_robin", "least_loaded", "lmpool"):  # these exist in every build
+                 {"round_robin", "least_loaded", "lmpool", "lmpool-routing", "lmpool+background", "lmpool+foreground"})
+    for name in ("round_robin", "least_loaded", "lmpool", "lmpool-routing"):  # these exist in every build
         assert data["policies"][name]["status"] == "ok"
     for r in data["runs"]:
-        if r["status"] == "ok" and r["policy"] in ("round_robin", "least_loaded", "lmpool"):
+        if r["status"] == "ok" and r["policy"] in ("round_robin", "least_loaded", "lmpool-routing"):
             assert r["metrics"].get("blocks_moved", 0) == 0 and r["metrics"].get("blocks_copied", 0) == 0
     mem = next(r for r in data["runs"] if r["workload"] == "memory_skew" and r["status"] == "ok")
     assert set(mem["metrics"]["phases"]) == {"warmup", "pressure", "reuse"}
@@ -169,7 +169,7 @@ def test_hot_context_runner_quick_mode_with_its_oracle(tiny_model, tmp_path):
         "--questions", "16")
     data = json.loads(out.read_text())
     assert data["benchmark"] == "hot_context"
-    check_common(data, {"hot_context_4k_2c", "hot_context_4k_2c_oracle"}, {"round_robin", "lmpool"})
+    check_common(data, {"hot_context_4k_2c", "hot_context_4k_2c_oracle"}, {"round_robin", "lmpool", "lmpool-routing"})
     check_order_and_settings(data)
     assert data["metadata"]["config"]["window"] == 0  # the burst arrives at once
     for r in data["runs"]:
@@ -180,7 +180,7 @@ def test_hot_context_runner_quick_mode_with_its_oracle(tiny_model, tmp_path):
         assert r["metrics"]["routes"]["pinned"] == len(reads)
     acceptance = data["comparisons"]["acceptance"]["hot_context_4k_2c"]
     assert acceptance["oracle"] == "hot_context_4k_2c_oracle"
-    assert acceptance["capture"]["burst/throughput_tok_s"]["best_routing_only"] in ("round_robin", "lmpool")
+    assert acceptance["capture"]["burst/throughput_tok_s"]["best_routing_only"] in ("round_robin", "lmpool-routing")
     assert acceptance["setting"]["window"] == 0
     drawn = [str(tmp_path / f"eval_hot_{w}.png") for w in ("hot_context_4k_2c", "hot_context_4k_2c_oracle")]
     assert plots(out) == drawn
@@ -200,3 +200,20 @@ def test_sessions_run_under_a_kv_budget_sweep(tiny_model, tmp_path):
         assert set(r["metrics"]["phases"]) == {f"turn{t}" for t in range(8)}
     reuse = {r["setting"]["kv_blocks_per_worker"]: r["metrics"]["dp_tok_reuse"] for r in data["runs"]}
     assert reuse[48] < reuse[192]  # a tighter budget evicts more of what the next turns need
+
+
+def test_agent_sessions_and_chat_run_and_lmpool_s_routes_predict_their_ttft(tiny_model, tmp_path):
+    out = tmp_path / "eval_chat.json"
+    run("benchmark_e2e.py", "--model", tiny_model, "--json", str(out), "--workloads", "agent_sessions,chat",
+        "--policies", "lmpool,sglang_cache_aware")
+    data = json.loads(out.read_text())
+    check_common(data, {"agent_sessions", "chat"}, {"lmpool", "sglang_cache_aware"})
+    for r in data["runs"]:
+        predicted = [p for p in r["requests"]["predicted_ttft_s"] if p is not None]
+        m = r["metrics"]
+        if r["policy"] == "lmpool":  # every request priced, its prediction recorded and scored
+            assert len(predicted) == m["requests"] == m["ttft_predicted_requests"] and all(p > 0 for p in predicted)
+            assert 0 <= m["ttft_predicted_25pct"] <= 1
+            assert m["ttft_predicted_ratio_p25"] <= m["ttft_predicted_ratio_p50"] <= m["ttft_predicted_ratio_p75"]
+        else:
+            assert predicted == [] and "ttft_predicted_25pct" not in m

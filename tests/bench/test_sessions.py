@@ -1,11 +1,11 @@
-"""The ``sessions`` workload (``benchmarks/sessions.py``): every turn extends the session's
+"""The ``sessions`` and ``agent_sessions`` workloads (``benchmarks/sessions.py``): every turn extends the session's
 previous prompt by its reply and a new user turn, turns are phases, sessions share only the
 system prompt, and the histories outgrow the e2e suite's KV budget."""
 
 from __future__ import annotations
 
 from dataset_profile import profile_trace
-from sessions import sessions
+from sessions import agent_sessions, sessions
 
 VOCAB = 151936
 
@@ -45,3 +45,19 @@ def test_the_seed_changes_tokens_and_order_only():
     a, b = profile_trace(sessions(0, VOCAB), 256), profile_trace(sessions(9, VOCAB), 256)
     for key in ("requests_sharing", "prompt_tokens", "shared_tokens"):
         assert a[key] == b[key]
+
+
+def test_agent_sessions_share_one_of_four_preambles_and_outgrow_128_blocks_a_replica():
+    trace = agent_sessions(0, VOCAB)
+    assert trace.phases == tuple(f"turn{t}" for t in range(6)) and len(trace.requests) == 192
+    openings = {r.group: r.prompt for r in trace.phase_requests("turn0")}
+    preambles = {tuple(p[:2048]) for p in openings.values()}
+    assert len(openings) == 32 and len(preambles) == 4
+    for s, prompt in openings.items():  # session s opens with preamble s mod 4
+        assert tuple(prompt[:2048]) == tuple(openings[f"session{int(s[-2:]) % 4:02d}"][:2048])
+    last = trace.phase_requests("turn5")
+    assert sum(-(-len(r.prompt) // 256) for r in last) > 4 * 128  # more history than 4 x 128 blocks
+    p = profile_trace(trace, 256)
+    assert p["phases"]["turn0"]["requests_sharing"] == 28 and p["phases"]["turn0"]["shared_tokens"] == 28 * 2048
+    a, b = profile_trace(agent_sessions(5, VOCAB), 256), p
+    assert all(a[key] == b[key] for key in ("requests_sharing", "prompt_tokens", "shared_tokens"))

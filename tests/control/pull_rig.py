@@ -1,5 +1,5 @@
 """A control plane for route-time pull tests, in one process: the page table, the LMPool
-router, the transfer coordinator and ``RoutePulls``, with workers simulated by answering
+router (fixed step times, ``control_testkit.COEF``), the transfer coordinator and ``RoutePulls``, with workers simulated by answering
 each plan's orders by hand (``advance``), so a test decides when a pull progresses, fails or
 loses a rank."""
 
@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import itertools
 
-from control_testkit import ManualClock, chain_blocks
+from control_testkit import COEF, ManualClock, chain_blocks, priced_router
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.router import Router
 from lmpool.control.topology import Topology
 from lmpool.control.transfers.coordinator import TransferCoordinator
 from lmpool.control.transfers.cost_model import TransferCostModel
@@ -34,7 +33,7 @@ NUM_BLOCKS = 1000
 
 
 class PullRig:
-    def __init__(self, world: int = 2, *, min_gain_tokens: float = 0.0, contention_weight: float = 0.5) -> None:
+    def __init__(self, world: int = 2, *, coefficients=COEF) -> None:
         self.clock = ManualClock()
         self.gbm = GlobalBlockManager(world, BLOCK, clock=self.clock)
         topology = Topology.virtual(world)
@@ -42,13 +41,13 @@ class PullRig:
         self.coordinator = TransferCoordinator(self.gbm, lambda r, m: self.sent.append((r, m)), clock=self.clock,
                                                on_end=self._ended, on_published=self._published)
         self.cost_model = TransferCostModel.uncalibrated(4096, 1e-3, 1e9)
-        pricer = PullPricer(self.gbm, topology, self.cost_model.estimate, lambda r: 1e-4,
-                            self.coordinator.room, contention_weight=contention_weight)
         self.resolved: list[tuple[str, str]] = []
-        self.pulls = RoutePulls(
-            self.gbm, self.coordinator, pricer, lambda rid, outcome: self.resolved.append((rid, outcome)),
-            min_gain_tokens=min_gain_tokens)
-        self.scheduler = Router(self.gbm, topology, pulls=self.pulls)
+        self.router = priced_router(self.gbm, topology, coefficients=coefficients)
+        pricer = PullPricer(self.gbm, topology, self.router.policy.pricer, self.cost_model.estimate,
+                            self.coordinator.room)
+        self.pulls = RoutePulls(self.gbm, self.coordinator, pricer,
+                                lambda rid, outcome: self.resolved.append((rid, outcome)))
+        self.router.stages.insert(0, self.pulls)  # where ``make_router`` puts it
         self.epochs = [1] * world
         self._ids = itertools.count(10_000)
         self._requests = itertools.count()
@@ -68,20 +67,20 @@ class PullRig:
         info = self.gbm.ranks[rank]
         self.gbm.apply_snapshot(rank, info.epoch, KVSnapshot(info.version + 1, chain_blocks(hashes, first_id=1)))
 
-    def load(self, rank: int, running: int, decode_left: int = 0) -> None:
+    def load(self, rank: int, running: int, decode_left: int = 0, context: int = 0) -> None:
         info = self.gbm.ranks[rank]
         self.gbm.update_load(rank, info.epoch, LoadReport(num_running=running, decode_tokens_left=decode_left,
-                                                          blocks_free=NUM_BLOCKS - 100))
+                                                          context_tokens=context, blocks_free=NUM_BLOCKS - 100))
 
     def route(self, hashes: list[int], tail_tokens: int = 1, max_tokens: int = 64):
         query = RouteQuery(f"q{next(self._requests)}", hashes, len(hashes) * BLOCK + tail_tokens, max_tokens)
-        decision = self.scheduler.route_sequence_meta(query)
+        decision = self.router.route(query)
         self.gbm.check_route(hashes, decision.rank, decision.matched_blocks)
         return query.request_id, decision
 
     def kill(self, rank: int) -> None:
         self.coordinator.rank_died(rank)
-        self.scheduler.rank_down(rank)
+        self.router.rank_down(rank)
 
     def revive(self, rank: int) -> None:
         self.epochs[rank] += 1

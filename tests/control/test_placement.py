@@ -11,16 +11,15 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.router import Router
 from lmpool.control.transfers.placement import BackgroundPlacement, HotChains, hot_depth
 from lmpool.control.topology import Topology
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
-from lmpool.protocol import LoadReport, RouteQuery
+from lmpool.protocol import LoadReport
 from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
 from lmpool.control.transfers.coordinator import TransferCoordinator
 from lmpool.control.transfers.cost_model import TransferCostModel
-from control_testkit import ManualClock
+from control_testkit import ManualClock, priced_router
 
 BLOCK = 16
 NUM_BLOCKS = 100
@@ -30,19 +29,23 @@ class World:
     """A page table, router and coordinator for ``n`` ranks, with a placement policy on top."""
 
     def __init__(self, n: int = 2, max_blocks: int = 8, batch_max: int = 128, prefill: float = 1e-3,
-                 skew: float = 100.0, topology: Topology | None = None) -> None:
+                 skew: float = 1e-3, topology: Topology | None = None) -> None:
         self.clock = ManualClock(1000.0)
         self.gbm = GlobalBlockManager(n, BLOCK, clock=self.clock, heat_half_life_s=10.0, route_hit_weight=0.5)
         self.sent = []
         self.coord = TransferCoordinator(self.gbm, lambda r, m: self.sent.append((r, m)), clock=self.clock)
-        self.sched = Router(self.gbm, topology or Topology.virtual(n))
+        topology = topology or Topology.virtual(n)
+        chains = HotChains(256)
+        # Loads in seconds at 10 us a queued prefill token (``control_testkit.COEF``): 1,000 tokens
+        # queued are 11 ms of work, 950 are 10.5 ms.
+        self.pricer = priced_router(self.gbm, topology).policy.pricer
         # 1 ms + 1 MB/s over 4 KiB blocks: ~1 ms per block at these sizes.
         self.gate = AdmissionGate(AdmissionPolicy(prefill_s_per_token=prefill, block_size=BLOCK),
                                   TransferCostModel.uncalibrated(4096, 1e-3, 4e6))
         self.prefill = prefill
         self.placement = BackgroundPlacement(
-            self.gbm, self.sched, self.coord, self.gate, lambda rank: self.prefill,
-            hot_threshold=2.0, min_load_skew_tokens=skew, cooldown_s=30.0, max_blocks=max_blocks,
+            self.gbm, topology, self.pricer.load_s, self.coord, self.gate, lambda rank: self.prefill,
+            chains, hot_threshold=2.0, min_load_skew_s=skew, cooldown_s=30.0, max_blocks=max_blocks,
             batch_max_blocks=batch_max,
         )
         self.versions = [0] * n
@@ -65,12 +68,12 @@ class World:
         self.gbm.update_load(rank, 1, LoadReport(waiting_prefill_tokens=waiting_prefill_tokens,
                                                  blocks_free=blocks_free))
 
-    def route(self, chain: list[int], times: int = 1) -> None:
-        for i in range(times):
-            q = RouteQuery(f"q{len(self.gbm.reservations)}-{i}-{self.clock.now}", chain, len(chain) * BLOCK + 3, 4)
-            self.sched.route_sequence_meta(q)
-            self.placement.chains.observe(chain, self.sched.last_held)
-            self.gbm.release(q.request_id)  # the rank admitted it: no reservation left
+    def route(self, chain: list[int], times: int = 1, rank: int = 0) -> None:
+        """Routes of ``chain`` to ``rank``, as the pipeline records them (demand, placement's chains)."""
+        for _ in range(times):
+            matched = self.gbm.prefix_match(chain)
+            self.gbm.record_route(chain, max(matched), matched[rank])
+            self.placement.chains.observe(chain, max(matched))
 
 
 def chain(n: int, family: int) -> list[int]:
@@ -94,8 +97,7 @@ def test_heat_counts_accesses_weighs_route_hits_and_decays():
     w.cache(0, c[:2])
     w.route(c)  # rank 0 holds 2 blocks and the route used both: 1 + 0.5 each
     assert w.gbm.heat(c[0]) == pytest.approx(1.5) and w.gbm.heat(c[2]) == 0.0
-    w.load(0, waiting_prefill_tokens=10_000)  # the route now spills to rank 1: an access, not a hit
-    w.route(c)
+    w.route(c, rank=1)  # a route to rank 1, which holds none of it: an access, not a hit
     assert w.gbm.hash_stats(c[0]).route_hits == 1 and w.gbm.heat(c[0]) == pytest.approx(2.5)
     w.clock.now += 10.0  # one half-life
     assert w.gbm.heat(c[0]) == pytest.approx(1.25)
@@ -328,7 +330,7 @@ def test_chains_to_one_pair_coalesce_up_to_the_batch_cap_each_block_once():
 
 
 def test_one_batch_per_directed_pair_and_not_both_directions_at_once():
-    w = World(n=3, skew=10)
+    w = World(n=3, skew=1e-4)
     a, b = chain(2, 1), chain(2, 2)
     w.cache(0, a)
     w.cache(1, b)
@@ -409,7 +411,7 @@ def test_a_batch_whose_pair_turned_busy_between_slices_is_not_started():
 class PlacementMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.w = World(n=3, max_blocks=2, batch_max=5, skew=50)
+        self.w = World(n=3, max_blocks=2, batch_max=5, skew=5e-4)
         self.families = {f: chain(4, f) for f in range(1, 6)}
         self.open_pass = None  # a pass run slice by slice (``pass_slice``)
 

@@ -5,14 +5,17 @@ hears, and nothing left behind by a pull that lands, aborts or loses a rank."""
 from __future__ import annotations
 
 import pytest
+from control_testkit import COEF
 from pull_rig import BLOCK, PullRig
+
+from lmpool.protocol import RouteQuery
 
 DOC = list(range(1, 33))  # a 32-block cached document
 
 
 def busy_owner(rig: PullRig, running: int = 64) -> None:
     rig.cache(0, DOC)
-    rig.load(0, running, decode_left=running * 64)
+    rig.load(0, running, decode_left=running * 64, context=running * len(DOC) * BLOCK)
     for r in range(1, rig.gbm.world_size):
         rig.load(r, 0)
 
@@ -22,8 +25,11 @@ def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first
     busy_owner(rig)
     rid, decision = rig.route(DOC)
     assert decision.rank == 1 and decision.matched_blocks == 0
-    assert decision.reason.startswith("pull r1<-r0 32b")
-    assert "serve r0=" in decision.reason and "r1<-r0:32b=" in decision.reason
+    assert decision.reason.startswith("pull r1<-r0:32b=")
+    assert "serve r0=" in decision.reason and "; pull r1<-r0:32b=" in decision.reason
+    # Its first token once the copy has landed and its last block's tail is computed.
+    copy_s = rig.cost_model.estimate(0, 1, 32)
+    assert decision.predicted_ttft_s == pytest.approx(copy_s + COEF.base + COEF.prefill_token)
     (plan,) = rig.coordinator.plans.values()
     assert (plan.src, plan.dst, plan.hashes, plan.kind) == (0, 1, DOC, "pull")
     assert rig.pulls.waiting == {rid: plan.plan_id}
@@ -41,8 +47,8 @@ def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first
 
 
 def test_an_idle_owner_keeps_its_request_and_no_copy_starts():
-    rig = PullRig(min_gain_tokens=256)
-    busy_owner(rig, running=0)
+    rig = PullRig()
+    busy_owner(rig, running=3)  # within the bounded-load gate
     _, decision = rig.route(DOC)
     assert decision.rank == 0 and decision.reason.startswith("owner r0")
     assert not rig.coordinator.plans and not rig.pulls.waiting
@@ -91,18 +97,32 @@ def test_a_waiting_request_id_waits_once():
     rig = PullRig()
     busy_owner(rig)
     rid, _ = rig.route(DOC)
-    query_again = rig.scheduler.route_sequence_meta  # the same id, routed again while it waits
-    from lmpool.protocol import RouteQuery
-
-    query_again(RouteQuery(rid, DOC, len(DOC) * BLOCK + 1, 64))
+    rig.router.route(RouteQuery(rid, DOC, len(DOC) * BLOCK + 1, 64))  # the same id, routed again while it waits
     assert len(rig.coordinator.plans) == 1 and list(rig.pulls.waiting) == [rid]
     rig.check()
 
 
-def test_without_contention_a_long_queue_still_prices_the_copy_below_recomputing():
-    rig = PullRig(contention_weight=0.0)
+def test_a_long_prefill_queue_on_the_owner_opens_the_gate_and_the_copy_beats_recomputing():
+    """One request in flight is no overload by count; 50,000 tokens queued ahead of it outlast
+    serving the request elsewhere, and copying the document there beats recomputing it."""
+    rig = PullRig()
     rig.cache(0, DOC)
-    rig.gbm.update_load(0, 1, rig.gbm.ranks[0].load.__class__(waiting_prefill_tokens=50_000, blocks_free=900))
+    rig.gbm.update_load(0, 1, rig.gbm.ranks[0].load.__class__(num_waiting=1, waiting_prefill_tokens=50_000,
+                                                               blocks_free=900))
     rig.load(1, 0)
     _, decision = rig.route(DOC)
-    assert decision.rank == 1 and "pull r1<-r0" in decision.reason
+    assert decision.rank == 1 and decision.reason.startswith("pull r1<-r0")
+    assert "over spill r1 m0" in decision.reason
+
+
+def test_a_pull_moves_one_conversation_s_own_blocks_and_copies_what_others_branched_from():
+    rig = PullRig()
+    busy_owner(rig)
+    for tail in (900, 901):  # two prompts leave the document after its 8th block
+        rig.gbm.record_route(DOC[:8] + [tail], 8, 0)
+    _, decision = rig.route(DOC)
+    (plan,) = rig.coordinator.plans.values()
+    assert (plan.move, plan.keep) == (True, 8)
+    assert rig.pulls.counters.moved == 1
+    rig.finish(plan.plan_id)
+    rig.check()

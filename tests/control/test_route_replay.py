@@ -1,9 +1,11 @@
 """Every routing policy, replayed: a seeded stream of routes, worker reports, deaths, restarts,
-in-flight markers and lease grants through the page table and the router. The decisions'
-digest is the one the routing code gave before it was split into one module per policy (at
-60280be), the peers pinned to their older rule sets; a change that moves any route, matched
-count, reason, reservation, heat or load changes it. Update it only for an intended routing
-change, and say so."""
+in-flight markers and lease grants through the page table and the router. The peers' digest
+is the one their routing gave before LMPool's rule was priced in seconds (at bedba43, the
+peers pinned to their older rule sets; the LMPool variants left out, and the runs with
+placement leases, which now steer only priced routes, as no peer runs with placement);
+LMPool's is its own. A change that moves any route, matched count, reason,
+reservation or heat changes one of them. Update a digest only for an intended routing change
+of that side, and say so."""
 
 from __future__ import annotations
 
@@ -11,14 +13,15 @@ import hashlib
 import random
 
 from lmpool.config import RoutingConfig
+from lmpool.control.build import make_router
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.router import Router
 from lmpool.control.topology import Topology
-from lmpool.control.transfers.leases import PlacementLeases
+from lmpool.control.transfers.leases import PlacementLeases, SteerToLeases
 from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 
-DIGEST = "9c1ebf56c4bd6b0fd3ab2e94d1742100711e3eab45d931e02deba471cd5f9e0f"
+PEERS_DIGEST = "aa52d3175df3fd43521e5fec92dbb5567ca666119688db0a4ed0bcd68482d7f3"
+LMPOOL_DIGEST = "1c867668c7176cb41a2f9f658bb359634143f9b034be789a20728f0258483f52"
 
 
 class Clock:
@@ -31,7 +34,7 @@ class Clock:
 VARIANTS = [
     ("lmpool", {}),
     ("lmpool", {"pending_ttl_s": 0.0}),
-    ("lmpool", {"decode_work": "running", "decode_weight": 2.0}),
+    ("lmpool", {"owner_min_match": 0.0, "gate_abs_threshold": 8}),
     ("round_robin", {}),
     ("least_loaded", {}),
     ("sglang_cache_aware", {}),
@@ -43,16 +46,20 @@ VARIANTS = [
 ]
 
 
-def replay() -> list[str]:
+def replay(side: str) -> list[str]:
+    """The replay's lines for the peers' variants ("peers", without leases) or LMPool's ("lmpool")."""
     out = []
     for vi, (policy, cfg) in enumerate(VARIANTS):
-        for use_leases in (False, True):
+        if (policy == "lmpool") != (side == "lmpool"):
+            continue
+        for use_leases in (False, True) if side == "lmpool" else (False,):
             rng = random.Random(vi * 10 + use_leases)
             clock = Clock()
             W, B = 4, 8
             gbm = GlobalBlockManager(W, B, reservation_ttl_s=5.0, clock=clock, heat_half_life_s=10.0)
             topo = Topology.from_pairs(W, [(0, 1), (2, 3)])
             leases = PlacementLeases(30.0, clock=clock) if use_leases else None
+            steering = SteerToLeases(leases) if use_leases else None
             v0 = {}
             if policy == "sglang_cache_aware":
                 v0 = dict(
@@ -65,7 +72,7 @@ def replay() -> list[str]:
             if policy == "dynamo_kv":
                 v0 = dict(dynamo_prefill_tokens="full", dynamo_assume_kv_reuse=False)
             config = RoutingConfig(**{**v0, **cfg})
-            router = Router(gbm, topo, policy, config, leases=leases)
+            router = make_router(gbm, topo, policy, config, steering=steering)
             epochs = [1] * W
             versions = [0] * W
             held = [dict() for _ in range(W)]  # hash -> (block_id, gen)
@@ -88,7 +95,7 @@ def replay() -> list[str]:
                     )
                     seed = rng.choice([None, None, rng.randrange(W)])
                     try:
-                        d = router.route_sequence_meta(q, seed)
+                        d = router.route(q, seed)
                         out.append(
                             f"{vi} {use_leases} route {q.request_id} {d.rank} {d.matched_blocks} {d.reason}"
                         )
@@ -183,20 +190,21 @@ def replay() -> list[str]:
             out.append(
                 f"{vi} {use_leases} end reservations {sorted((k, v.rank, v.blocks, v.tokens) for k, v in gbm.reservations.items())}"
             )
-            out.append(
-                f"{vi} {use_leases} end lease_routed {router.lease_routed} last_held {router.last_held} "
-                f"pending {len(router.pending) if router.pending is not None else None}"
-            )
+            if policy == "lmpool":
+                out.append(f"{vi} {use_leases} end lease_routed {steering.routed if steering else 0} loads "
+                           f"{[round(router.policy.pricer.load_s(r), 9) for r in range(W)]}")
             out.append(
                 f"{vi} {use_leases} end heat {[round(gbm.heat(h), 9) for f in families for h in f[:5]]}"
             )
-            out.append(f"{vi} {use_leases} end loads {[round(router.rank_load(r), 6) for r in range(W)]}")
             out.append(
                 f"{vi} {use_leases} counters {gbm.snapshots_applied} {gbm.deltas_applied} {gbm.gaps} {gbm.stale_rejected} {gbm.num_entries()}"
             )
     return out
 
 
-def test_every_policy_routes_as_before_the_split():
-    text = "\n".join(replay()) + "\n"
-    assert hashlib.sha256(text.encode()).hexdigest() == DIGEST
+def test_the_peers_route_as_they_did_before_lmpool_was_priced_in_seconds():
+    assert hashlib.sha256("\n".join(replay("peers")).encode()).hexdigest() == PEERS_DIGEST
+
+
+def test_lmpool_routes_as_its_digest_says():
+    assert hashlib.sha256("\n".join(replay("lmpool")).encode()).hexdigest() == LMPOOL_DIGEST

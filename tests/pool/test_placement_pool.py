@@ -52,7 +52,7 @@ def test_background_copy_of_a_hot_prefix_draws_later_requests(tiny_model):
         expected = llm.generate(asks[-1], GREEDY)[0].token_ids
 
     # Hot after two routed requests (1.5 heat each: an access and a route hit), not after one.
-    policy = TransferPolicyConfig(interval_s=0.05, hot_threshold=2.5, min_load_skew_tokens=100, cooldown_s=600,
+    policy = TransferPolicyConfig(interval_s=0.05, hot_threshold=2.5, min_load_skew_s=0.01, cooldown_s=600,
                                   lease_s=600, prefill_s_per_token=1e-2)
 
     async def main():

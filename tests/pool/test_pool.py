@@ -55,13 +55,14 @@ def test_lmpool_routing_follows_the_prefix(tiny_model):
     with LMPool(tiny_model, world_size=4, block_size=BLOCK) as pool:
         first = pool.generate(stem + [1, 2, 3], GREEDY)[0]
         # The page table learns of the first request's blocks from the worker's delta;
-        # later requests sharing the stem go where the blocks are and hit the cache.
-        later = pool.generate([stem + [i] for i in range(4, 12)], GREEDY)
+        # later requests sharing the stem go where the blocks are and hit the cache (five at
+        # once: within the bounded-load gate of four ranks, which opens at six in flight).
+        later = pool.generate([stem + [i] for i in range(4, 9)], GREEDY)
         stats = pool.stats()
     assert all(o.rank == first.rank for o in later)
     assert all(o.num_cached_tokens == 64 for o in later)
     row = stats["ranks"][first.rank]
-    assert row["prefix_hit_tokens"] >= 8 * 64 and row["snapshot_version"] > 0
+    assert row["prefix_hit_tokens"] >= 5 * 64 and row["snapshot_version"] > 0
 
 
 def test_stats_fields(tiny_model):
@@ -99,7 +100,7 @@ def test_routing_config_reaches_the_control_process(tiny_model):
         outs = pool.generate(burst, GREEDY)
     assert len({o.rank for o in outs}) == 1, [o.rank for o in outs]
     routes = [o.route.split()[0] for o in outs]  # each output names the rule that placed it
-    assert routes[0] == "min_cost" and set(routes[1:]) <= {"owner", "owner_kept"}, [o.route for o in outs]
+    assert routes[0] == "min_price" and set(routes[1:]) == {"owner"}, [o.route for o in outs]
     with pytest.raises(ValueError, match="routing_config must be a RoutingConfig"):
         LMPool(tiny_model, world_size=2, block_size=BLOCK, routing_config={"pending_ttl_s": 1})
 

@@ -1,6 +1,6 @@
 """Route-time pulls in a running CPU pool (gloo, ``transfer_mode="pull"``): with its owner
-busy decoding, a request for a cached document goes to the idle rank, which first copies the
-document's blocks from the owner; its tokens equal a single ``LLM``'s (greedy). A pull that
+busy decoding past the bounded-load gate, a request for a cached document goes to the idle
+rank, which first copies the document's blocks from the owner; its tokens equal a single ``LLM``'s (greedy). A pull that
 aborts (an injected failure) recomputes on its rank; a source killed mid-pull loses no
 request. Workers check their block manager's invariants after every transfer poll and the
 control process its page table's and the pulls' bookkeeping after every report, ack and
@@ -16,17 +16,19 @@ import torch
 import uvloop
 
 from lmpool import LLM, SamplingParams
-from lmpool.config.transfer import TransferPolicyConfig
 from lmpool.dataplane.faults import ENV, Fault, encode
 from lmpool.frontend.api import AsyncLMPool
 
 BLOCK = 16
 DOC_BLOCKS = 6
-GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+# Long enough that decoding beside the owner's batch costs more than copying the document away.
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+READ = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # completes no block past the document
 BUSY = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)  # decodes until cancelled
+# Requests decoding on rank 0 while the others ask: with two ranks, the bounded-load gate opens
+# past the mean by 4 (9 > 4.5 + 4).
+BUSY_REQUESTS = 9
 DEADLINE_S = 120.0
-# Decode contention dominates: a rank decoding anything is dearer than a copy to an idle one.
-POLICY = TransferPolicyConfig(decode_contention_weight=1000.0, pull_min_gain_tokens=0, prefill_s_per_token=1e-3)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -52,15 +54,18 @@ def leak_free(stats: dict) -> bool:
 async def serve_with_busy_owner(pool: AsyncLMPool, asks: list[list[int]]) -> tuple[list, dict]:
     """Cache the document on rank 0, keep rank 0 decoding, ask ``asks`` one after the other;
     their outputs and the pool's stats once every request has ended and nothing is held."""
-    await pool.generate(DOC + tokens(3, 9), GREEDY, rank=0)
+    await pool.generate(DOC + tokens(3, 9), READ, rank=0)
     await pool_waits.settled(pool, lambda s: s["ranks"][0]["cached_blocks"] >= DOC_BLOCKS, "the document cached",
                              limit=DEADLINE_S)
-    busy = asyncio.create_task(pool.generate(tokens(20, 99), BUSY, rank=0))
-    await pool_waits.settled(pool, lambda s: s["ranks"][0]["num_running"] >= 1, "rank 0 decoding", limit=DEADLINE_S)
+    busy = [asyncio.create_task(pool.generate(tokens(20, 99 + i), BUSY, rank=0)) for i in range(BUSY_REQUESTS)]
+    await pool_waits.settled(pool, lambda s: s["ranks"][0]["num_running"] >= BUSY_REQUESTS, "rank 0 decoding",
+                             limit=DEADLINE_S)
     outs = [await pool.generate(ask, GREEDY) for ask in asks]
-    busy.cancel()
-    await asyncio.gather(busy, return_exceptions=True)
+    for task in busy:
+        task.cancel()
+    await asyncio.gather(*busy, return_exceptions=True)
     stats = await pool_waits.settled(pool, leak_free, "nothing held", limit=DEADLINE_S)
+    stats["digests"] = [await pool.engine.block_digests(r, DOC) for r in range(2) if stats["ranks"][r]["alive"]]
     return outs, stats
 
 
@@ -73,8 +78,7 @@ def run(tiny_model, monkeypatch, asks: list[list[int]], fault: Fault | None = No
         monkeypatch.setenv(ENV, encode([fault]))
 
     async def main():
-        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode=mode,
-                               transfer_policy=POLICY) as pool:
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode=mode) as pool:
             return await serve_with_busy_owner(pool, asks)
 
     return uvloop.run(main())
@@ -85,13 +89,18 @@ def test_a_pulled_request_runs_on_the_idle_rank_with_the_tokens_of_a_single_llm(
                                                                                mode):
     outs, stats = run(tiny_model, monkeypatch, ASKS, mode=mode)
     first = outs[0]
-    assert first.rank == 1 and first.route.startswith("pull r1<-r0 6b"), first.route
+    assert first.rank == 1 and first.route.startswith("pull r1<-r0:6b="), first.route
     assert first.route.endswith("pull landed") and "serve r0=" in first.route
     assert first.num_cached_tokens == DOC_BLOCKS * BLOCK, "the pulled blocks served the prefix"
     assert [o.token_ids for o in outs] == expected
     t = stats["transfers"]
     assert t["pulls_started"] >= 1 and t["pulls_landed"] == t["pulls_started"] and t["pulls_aborted"] == 0
     assert t["plans_committed"] == t["pulls_started"] + t["background_copies"] + t["foreground_moves"]
+    # No routed prompt branched from the document before it was pulled: it was one reader's,
+    # so it moved, and its source freed it (nothing there used it).
+    assert t["pulls_moved"] == 1 and t["blocks_moved"] == DOC_BLOCKS
+    source, destination = stats["digests"]
+    assert not any(source) and all(destination), "moved: on rank 1 only"
 
 
 def test_an_aborted_pull_recomputes_on_its_rank(tiny_model, expected, monkeypatch):

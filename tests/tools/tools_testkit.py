@@ -69,16 +69,16 @@ class Tmux:
         self._tmux("kill-server", check=False)
 
 
-PID, STATE, RUN, TOKS = 1, 3, 6, 14  # columns of a rank row
+PID, STATE, RUN, TOKS = 1, 3, 6, 15  # columns of a rank row
 
 
 def rank_rows(screen: str) -> dict[int, list[str]]:
     """``lmpool top``'s rank rows by rank, split into columns: RANK PID EPOCH STATE BEAT WAIT
-    RUN [KV] USED RECL FREE HIT% XFER LEASE TOK/S [TREND]."""
+    RUN [KV] USED RECL FREE HIT% STEP XFER LEASE TOK/S [TREND]."""
     rows = {}
     for line in screen.splitlines():
         fields = line.split()
-        if len(fields) >= 15 and fields[0].isdigit() and fields[3] in ("alive", "dead"):
+        if len(fields) >= 16 and fields[0].isdigit() and fields[3] in ("alive", "dead"):
             rows[int(fields[0])] = fields
     return rows
 

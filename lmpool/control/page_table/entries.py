@@ -35,8 +35,9 @@ class EntryTable:
         self.ready: dict[int, int] = {}  # hash -> bitmask of ranks holding a ready copy
         self._in_flight = in_flight.ranks
         self._on_unheld = on_unheld  # told a hash no rank holds ready any more
-        # Told (rank, hash) whenever a rank reports a block (``watch_stored``).
+        # Told (rank, hash) whenever a rank reports a block (``watch_stored``), or removes one (``watch_removed``).
         self._on_stored: Callable[[int, int], None] | None = None
+        self._on_removed: Callable[[int, int], None] | None = None
         self.snapshots_applied = 0
         self.deltas_applied = 0
         self.gaps = 0
@@ -44,6 +45,9 @@ class EntryTable:
 
     def watch_stored(self, callback: Callable[[int, int], None]) -> None:
         self._on_stored = callback
+
+    def watch_removed(self, callback: Callable[[int, int], None]) -> None:
+        self._on_removed = callback
 
     # ---- worker reports ----------------------------------------------------------------
 
@@ -110,6 +114,8 @@ class EntryTable:
         del entries.blocks[h]
         if h not in self._in_flight[entries.rank]:
             self._set_ready(entries, h, False)
+        if self._on_removed is not None:
+            self._on_removed(entries.rank, h)
 
     def _set_ready(self, entries: RankEntries, h: int, ready: bool) -> None:
         """Add or remove the rank's bit of ``h`` in the ready index (only called on a change)."""

@@ -3,6 +3,12 @@
 A prompt containing a held block counts 1, and ``route_hit_weight`` more when its route used
 the block; both halve every ``half_life_s``. Background placement copies the hottest chains.
 
+A block is also ``branched`` once routed prompts have continued it two ways: two different
+next blocks, or two prompts ending within the block after it (two questions about one
+document). A prompt that continues past where an earlier one ended extends it, as a
+conversation's next turn extends its history: a chain no prompt branched from is one
+conversation's own, which a pull may move rather than copy.
+
 Invariant (checked by the page table): stats exist only for hashes some rank holds ready; the
 entry table forgets a hash's stats when its last ready copy goes.
 """
@@ -28,6 +34,11 @@ class HashStats(msgspec.Struct, gc=False):
     last_access: float = 0.0
     heat: float = 0.0
     epoch: int = 0
+    child: bytes | None = None  # the next block of the latest prompt through it (``TAIL``: it ended there)
+    branched: bool = False
+
+
+TAIL = b""  # a prompt's continuation after its last complete block: a partial block, or nothing
 
 
 class Heat:
@@ -46,6 +57,7 @@ class Heat:
         stats = self.stats
         epoch, scale = self._scale(now)
         access, hit = scale, scale * (1.0 + self.route_hit_weight)
+        last = len(block_hashes) - 1
         for i in range(held):
             h = block_hashes[i]
             s = stats.get(h)
@@ -55,6 +67,13 @@ class Heat:
                 self._rebase(s, epoch)
             s.accesses += 1
             s.last_access = now
+            child = block_hashes[i + 1] if i < last else TAIL
+            if s.child is None:
+                s.child = child
+            elif s.child != child or child == TAIL:
+                if s.child != TAIL or child == TAIL:  # not a prompt extending one that ended here
+                    s.branched = True
+                s.child = child
             if i < used:
                 s.route_hits += 1
                 s.heat += hit

@@ -106,6 +106,10 @@ class GlobalBlockManager:
         """Tell ``callback(rank, hash)`` of every block a rank reports."""
         self._entries.watch_stored(callback)
 
+    def watch_removed(self, callback: Callable[[int, bytes], None]) -> None:
+        """Tell ``callback(rank, hash)`` of every cached block a rank reports removed."""
+        self._entries.watch_removed(callback)
+
     # ---- rank life cycle -------------------------------------------------------------
 
     def register_rank(self, rank: int, epoch: int, num_blocks: int) -> None:
@@ -246,11 +250,13 @@ class GlobalBlockManager:
 
     # ---- route reservations ----------------------------------------------------------------
 
-    def reserve(self, request_id: str, rank: int, blocks: int, tokens: int) -> None:
-        """Hold ``blocks`` of capacity and ``tokens`` of queue work on ``rank`` until it admits the request."""
+    def reserve(self, request_id: str, rank: int, blocks: int, tokens: int, attention: int = 0, context: int = 0,
+                decode: int = 0) -> None:
+        """Hold ``blocks`` of capacity and the request's queue work (``tokens`` to prefill, their
+        ``attention`` pairs, its ``context`` and ``decode`` tokens) on ``rank`` until it admits it."""
         if not self._registry.get(rank).alive:
             raise ValueError(f"cannot reserve on rank {rank}: it is not alive")
-        self._reservations.reserve(request_id, rank, blocks, tokens)
+        self._reservations.reserve(request_id, rank, blocks, tokens, attention, context, decode)
 
     def release(self, request_id: str) -> bool:
         return self._reservations.release(request_id)

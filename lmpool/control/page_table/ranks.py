@@ -71,6 +71,11 @@ class RankInfo:
         return self.reserved.count
 
     @property
+    def in_flight_seqs(self) -> int:
+        """Requests here: running and waiting as last reported, and routed but not admitted yet."""
+        return self.load.num_running + self.load.num_waiting + self.reserved.count
+
+    @property
     def blocks_available(self) -> int:
         """Blocks a new request could still get here: free + reclaimable as last reported, minus reservations."""
         return self.load.blocks_free + self.load.blocks_reclaimable - self.reserved.blocks

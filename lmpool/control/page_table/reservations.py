@@ -1,9 +1,11 @@
 """Route reservations: capacity and queue work a route promised a rank before the rank's own
 reports show it. One per request; released when the rank reports the request admitted, when
-the rank goes, or ``ttl_s`` after it was taken (its request never arrived).
+the rank goes, or ``ttl_s`` after it was taken (its request never arrived). A reservation holds
+what the request will add to the rank's load report once admitted: blocks, prompt tokens to
+compute and their attention pairs, its context and the tokens it will decode.
 
-Invariants: each rank's totals (blocks, tokens, count) are the sums of its reservations; every
-reservation can still expire (its id and creation time are in the expiry queue).
+Invariants: each rank's totals are the sums of its reservations; every reservation can still
+expire (its id and creation time are in the expiry queue).
 """
 
 from __future__ import annotations
@@ -19,15 +21,28 @@ class Reservation(NamedTuple):
     blocks: int
     tokens: int
     created: float
+    attention: int = 0
+    context: int = 0
+    decode: int = 0
+
+
+# The fields a rank's totals sum, in ``Reservation``'s names.
+SUMMED = ("blocks", "tokens", "attention", "context", "decode")
 
 
 class RankReservations:
-    __slots__ = ("blocks", "tokens", "count")
+    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "count")
 
     def __init__(self) -> None:
-        self.blocks = 0
-        self.tokens = 0
-        self.count = 0
+        self.blocks = self.tokens = self.attention = self.context = self.decode = self.count = 0
+
+    def add(self, r: Reservation, sign: int) -> None:
+        self.blocks += sign * r.blocks
+        self.tokens += sign * r.tokens
+        self.attention += sign * r.attention
+        self.context += sign * r.context
+        self.decode += sign * r.decode
+        self.count += sign
 
 
 class Reservations:
@@ -40,26 +55,23 @@ class Reservations:
         # skipped when they reach the front.
         self._expiry: deque[tuple[float, str]] = deque()
 
-    def reserve(self, request_id: str, rank: int, blocks: int, tokens: int) -> None:
-        if blocks < 0 or tokens < 0:
-            raise ValueError(f"reservation of {blocks} blocks, {tokens} tokens: both must be >= 0")
+    def reserve(self, request_id: str, rank: int, blocks: int, tokens: int, attention: int = 0, context: int = 0,
+                decode: int = 0) -> None:
+        if min(blocks, tokens, attention, context, decode) < 0:
+            raise ValueError(f"reservation of {blocks} blocks, {tokens} tokens, {attention} pairs, {context} context, "
+                             f"{decode} decode tokens: all must be >= 0")
         self.release(request_id)  # a re-routed request holds one reservation, not two
         now = self.clock()
-        self.by_id[request_id] = Reservation(request_id, rank, blocks, tokens, now)
+        reservation = Reservation(request_id, rank, blocks, tokens, now, attention, context, decode)
+        self.by_id[request_id] = reservation
         self._expiry.append((now, request_id))
-        totals = self.totals[rank]
-        totals.blocks += blocks
-        totals.tokens += tokens
-        totals.count += 1
+        self.totals[rank].add(reservation, 1)
 
     def release(self, request_id: str) -> bool:
         reservation = self.by_id.pop(request_id, None)
         if reservation is None:
             return False
-        totals = self.totals[reservation.rank]
-        totals.blocks -= reservation.blocks
-        totals.tokens -= reservation.tokens
-        totals.count -= 1
+        self.totals[reservation.rank].add(reservation, -1)
         return True
 
     def release_admitted(self, rank: int, admitted: list[str]) -> None:
@@ -87,14 +99,12 @@ class Reservations:
                 self.release(request_id)
 
     def check(self) -> None:
-        totals = [[0, 0, 0] for _ in self.totals]
+        totals = [RankReservations() for _ in self.totals]
         for request_id, reservation in self.by_id.items():
             assert reservation.request_id == request_id
-            t = totals[reservation.rank]
-            t[0] += reservation.blocks
-            t[1] += reservation.tokens
-            t[2] += 1
-        for rank, (own, (blocks, tokens, count)) in enumerate(zip(self.totals, totals)):
-            assert (own.blocks, own.tokens, own.count) == (blocks, tokens, count), f"rank {rank}: reservation totals"
+            totals[reservation.rank].add(reservation, 1)
+        for rank, (own, summed) in enumerate(zip(self.totals, totals)):
+            for name in (*SUMMED, "count"):
+                assert getattr(own, name) == getattr(summed, name), f"rank {rank}: reservation totals ({name})"
         pending = {request_id for _, request_id in self._expiry}
         assert self.by_id.keys() <= pending, "a reservation cannot expire"

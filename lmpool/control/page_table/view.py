@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from lmpool.control.page_table.reservations import RankReservations
 from lmpool.protocol import LoadReport
 
 
@@ -31,6 +32,12 @@ class RankView(Protocol):
 
     @property
     def blocks_available(self) -> int: ...
+
+    @property
+    def in_flight_seqs(self) -> int: ...
+
+    @property
+    def reserved(self) -> RankReservations: ...
 
 
 class PageTableView(Protocol):

@@ -29,21 +29,23 @@ import random
 
 from lmpool.config.routing import RoutingConfig
 from lmpool.control.page_table.view import PageTableView
-from lmpool.control.routing.cost import CostModel
+from lmpool.control.pricing.price import Pricer
 from lmpool.control.routing.policy import RoutingPolicy
+from lmpool.control.routing.route import Choice, Route
 from lmpool.protocol import RouteQuery
 
 
 class DynamoKVPolicy(RoutingPolicy):
-    def __init__(self, table: PageTableView, config: RoutingConfig, costs: CostModel) -> None:
-        super().__init__(table, config, costs)
+    def __init__(self, table: PageTableView, config: RoutingConfig, pricer: Pricer) -> None:
+        super().__init__(table, config, pricer)
         self._rng = random.Random(config.seed)
 
-    def choose(self, query: RouteQuery, ranks: list[int], matched: list[int], seed: int | None) -> tuple[int, str]:
-        costs = self._costs(query, ranks, matched)
+    def choose(self, route: Route) -> Choice:
+        ranks = route.ranks
+        costs = self._costs(route.query, ranks, route.expected)
         if self.config.dynamo_temperature == 0.0:
             best = min(ranks, key=lambda r: (costs[r], self.table.ranks[r].num_ready, r))
-            return best, f"dynamo_min_cost r{best} cost={costs[best]:.1f}"
+            return Choice(best, f"dynamo_min_cost r{best} cost={costs[best]:.1f}")
         lo, hi = min(costs.values()), max(costs.values())
         if lo == hi:
             weights = [1.0] * len(ranks)
@@ -51,7 +53,7 @@ class DynamoKVPolicy(RoutingPolicy):
             scale = (hi - lo) * self.config.dynamo_temperature
             weights = [math.exp(-(costs[r] - lo) / scale) for r in ranks]
         best = self._rng.choices(ranks, weights)[0]
-        return best, f"dynamo_sample r{best} cost={costs[best]:.1f} min={lo:.1f}"
+        return Choice(best, f"dynamo_sample r{best} cost={costs[best]:.1f} min={lo:.1f}")
 
     def _costs(self, query: RouteQuery, ranks: list[int], matched: list[int]) -> dict[int, float]:
         block_size = self.table.block_size

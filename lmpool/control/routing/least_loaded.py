@@ -13,15 +13,16 @@ from __future__ import annotations
 import math
 
 from lmpool.control.routing.policy import RoutingPolicy
-from lmpool.protocol import RouteQuery
+from lmpool.control.routing.route import Choice, Route
 
 
 class LeastLoadedPolicy(RoutingPolicy):
-    def choose(self, query: RouteQuery, ranks: list[int], matched: list[int], seed: int | None) -> tuple[int, str]:
+    def choose(self, route: Route) -> Choice:
+        ranks = route.ranks
         best, best_score = ranks[0], math.inf
         for r in ranks:
             info = self.table.ranks[r]
             score = 4 * (info.load.num_waiting + info.num_reservations) + info.load.num_running
             if score < best_score:
                 best, best_score = r, score
-        return best, f"least_loaded r{best} score={best_score}"
+        return Choice(best, f"least_loaded r{best} score={best_score}")

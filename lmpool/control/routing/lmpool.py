@@ -1,62 +1,68 @@
-"""LMPool's own rule (it reimplements no other system): the minimum projected cost
-(``lmpool.control.routing.cost``), with a bounded spill.
+"""LMPool's own rule (it reimplements no other system): the cheapest rank in predicted seconds
+(``lmpool.control.pricing.price``), leaving a prefix's owner only when it is overloaded.
 
-Only capacity-feasible ranks compete unless none is (then all do, and the worker queues the
-request). The prefix owner is the competing rank with the longest match (ties: lower cost).
-The minimum cost wins (ties: higher topology affinity to the seed, longer match, lower rank)
-when it is the owner or no rank holds any prefix. Otherwise leaving the owner is a spill,
-allowed only when all hold:
+Every candidate is priced; only capacity-feasible ranks compete unless none is (then all do,
+"no_capacity", and the worker queues the request). The owner is the competing rank whose
+expected match is longest, when that match covers more than ``owner_min_match`` of the prompt
+(SGLang's cache threshold: a smaller match is a miss); ranks matching as much tie with it.
 
-    load_owner - min(load over competing ranks) > spill_load_gap_tokens
-    cost_s < cost_owner
-    missing_s - missing_owner <= spill_max_extra_tokens
+- no owner: the cheapest rank ("min_price");
+- an owner that is not overloaded: the cheapest of the owner and its ties ("owner"), and no
+  later stage may send the request elsewhere. An owner is overloaded when the bounded-load
+  gate (``lmpool.control.pricing.gate``, over requests in flight) finds it so, or when the
+  prefill queued there alone outlasts serving the request on another rank (recomputing
+  what that one lacks): a giant prompt ahead is an overload that counting requests misses;
+- an overloaded owner: the cheapest rank ("spill" when it is no owner), and a later stage may
+  still pull the prefix to another rank.
 
-and then the cheapest such rank wins ("spill"); else the owner keeps the request
-("owner_kept"). With ``pending_ttl_s`` > 0 the matches include each rank's pending prefix.
+Ties go to higher topology affinity to the seed, a longer match, then the lower rank. The
+reason ends with every candidate's price in milliseconds.
 """
 
 from __future__ import annotations
 
-from lmpool.config.routing import RoutingConfig
-from lmpool.control.page_table.view import PageTableView
-from lmpool.control.routing.cost import CostModel, RankCost, describe
+from lmpool.control.pricing.gate import overloaded
+from lmpool.control.pricing.price import RankPrice, describe
 from lmpool.control.routing.policy import RoutingPolicy
-from lmpool.protocol import RouteQuery
+from lmpool.control.routing.route import Choice, Route
 
 
-def _cheapest(c: RankCost) -> tuple:
-    return c.cost, -c.affinity, -c.matched, c.rank
+def _cheapest(p: RankPrice) -> tuple:
+    return p.total_s, -p.affinity, -p.matched, p.rank
 
 
 class LMPoolPolicy(RoutingPolicy):
     counts_pending = True
 
-    def __init__(self, table: PageTableView, config: RoutingConfig, costs: CostModel) -> None:
-        super().__init__(table, config, costs)
-        self.last_costs: list[RankCost] = []  # the projections of the latest route
-
-    def choose(self, query: RouteQuery, ranks: list[int], matched: list[int], seed: int | None) -> tuple[int, str]:
-        costs = self.last_costs = self.costs.project(query, ranks, matched, seed)
-        pool = [c for c in costs if c.feasible]
-        rule = "min_cost"
+    def choose(self, route: Route) -> Choice:
+        query, cfg = route.query, self.config
+        prices = self.pricer.serve(query, route.ranks, route.expected, route.seed, route.waits)
+        pool = [p for p in prices if p.feasible]
+        rule = "min_price"
         if not pool:
-            pool = costs
-            rule = "no_capacity"
+            pool, rule = prices, "no_capacity"
         best = min(pool, key=_cheapest)
-        owner = min(pool, key=lambda c: (-c.matched, c.cost, -c.affinity, c.rank))
-        if owner.matched == 0 or owner is best:
-            if owner.matched and rule == "min_cost":
-                rule = "owner"
-            return best.rank, describe(rule, best)
-        spill = self._spill(pool, owner)
-        if spill is not None:
-            return spill.rank, f"{describe('spill', spill)} from {describe('owner', owner)}"
-        return owner.rank, f"{describe('owner_kept', owner)} over {describe('cheaper', best)}"
+        top = max(p.matched for p in pool)
+        alternatives = "; serve " + " ".join(f"r{p.rank}={p.total_s * 1e3:.0f}" for p in prices)
+        if top * self.table.block_size <= cfg.owner_min_match * query.num_prompt_tokens:
+            return Choice(best.rank, describe(rule, best) + alternatives, prices, may_leave=True)
+        owners = [p for p in pool if p.matched == top]
+        owner = min(owners, key=_cheapest)
+        if not (overloaded(owner.seqs, (p.seqs for p in prices), cfg.gate_abs_threshold, cfg.gate_rel_threshold)
+                or self._queue_outlasts(route, owner, pool)):
+            return Choice(owner.rank, describe("owner", owner) + alternatives, prices)
+        if best.matched == top:
+            return Choice(best.rank, describe("owner", best) + alternatives, prices, may_leave=True)
+        return Choice(best.rank, f"{describe('spill', best)} from {describe('owner', owner)}{alternatives}", prices,
+                      may_leave=True)
 
-    def _spill(self, pool: list[RankCost], owner: RankCost) -> RankCost | None:
-        """The cheapest rank the request may spill to from its overloaded ``owner``, if any."""
-        cfg = self.config
-        if owner.load - min(c.load for c in pool) <= cfg.spill_load_gap_tokens:
-            return None
-        spills = [c for c in pool if c.cost < owner.cost and c.missing - owner.missing <= cfg.spill_max_extra_tokens]
-        return min(spills, key=_cheapest) if spills else None
+    def _queue_outlasts(self, route: Route, owner: RankPrice, pool: list[RankPrice]) -> bool:
+        """Whether the prefill queued on ``owner``, less that of the blocks the request expects
+        there (its own pending prefix: no overload), outlasts serving it on a non-owner."""
+        others = [p.ttft_s for p in pool if p.matched < owner.matched]
+        if not others:
+            return False
+        ready = route.ready[owner.rank]
+        own = self.pricer.prefill_s(owner.rank, (owner.matched - min(ready, owner.matched)) * self.table.block_size,
+                                    ready * self.table.block_size)
+        return owner.queue_s - own > min(others)

@@ -19,12 +19,17 @@ cost of being misled is one cold prefill).
 Invariants: ``extend`` never returns less than the match it was given, and counts
 only a contiguous run of live entries right after it; an expired entry is never
 counted; a rank holds at most ``max_entries`` entries (the oldest go first).
+
+``CountPending`` is the route stage: it extends each candidate's expected match before the
+policy chooses, and adds the chosen rank's new blocks once it has.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+
+from lmpool.control.routing.route import Route, RouteStage
 
 MAX_ENTRIES = 1 << 16
 
@@ -85,3 +90,19 @@ class PendingPrefixes:
             if expires > now:
                 return
             del entries[h]
+
+
+class CountPending(RouteStage):
+    def __init__(self, pending: PendingPrefixes) -> None:
+        self.pending = pending
+
+    def expect(self, route: Route) -> None:
+        hashes, expected = route.query.block_hashes, route.expected
+        for r in route.ranks:
+            expected[r] = self.pending.extend(r, hashes, expected[r])
+
+    def settle(self, route: Route) -> None:
+        self.pending.add(route.rank, route.query.block_hashes[route.ready[route.rank]:])
+
+    def rank_down(self, rank: int) -> None:
+        self.pending.drop_rank(rank)

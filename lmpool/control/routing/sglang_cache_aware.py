@@ -32,13 +32,14 @@ the gateway's event-driven gRPC mode). Ties go to the lower load, then the lower
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 from lmpool.config.routing import RoutingConfig
 from lmpool.control.page_table.view import PageTableView
-from lmpool.control.routing.cost import CostModel
+from lmpool.control.pricing.gate import overloaded
+from lmpool.control.pricing.price import Pricer
 from lmpool.control.routing.policy import RoutingPolicy
+from lmpool.control.routing.route import Choice, Route
 from lmpool.protocol import RouteQuery
 
 
@@ -85,13 +86,14 @@ class ApproximateTrees:
 
 
 class SGLangCacheAwarePolicy(RoutingPolicy):
-    def __init__(self, table: PageTableView, config: RoutingConfig, costs: CostModel) -> None:
-        super().__init__(table, config, costs)
+    def __init__(self, table: PageTableView, config: RoutingConfig, pricer: Pricer) -> None:
+        super().__init__(table, config, pricer)
         self.trees: ApproximateTrees | None = None  # None: the page table stands in for them
         if config.sglang_tree == "approximate":
             self.trees = ApproximateTrees(table.world_size, config.sglang_max_tree_blocks)
 
-    def choose(self, query: RouteQuery, ranks: list[int], matched: list[int], seed: int | None) -> tuple[int, str]:
+    def choose(self, route: Route) -> Choice:
+        query, ranks, matched = route.query, route.ranks, route.expected
         cfg = self.config
         loads = {}
         for r in ranks:
@@ -102,7 +104,7 @@ class SGLangCacheAwarePolicy(RoutingPolicy):
             max_load, min_load = max(loads.values()), min(loads.values())
             if (max_load - min_load > cfg.sglang_balance_abs_threshold
                     and max_load > cfg.sglang_balance_rel_threshold * min_load):
-                return least, f"sglang_balance r{least} load={loads[least]} max={max_load}"
+                return Choice(least, f"sglang_balance r{least} load={loads[least]} max={max_load}")
         if self.trees is not None:
             matches = self.trees.match(query.block_hashes, ranks)
             sizes = {r: self.trees.size(r) for r in ranks}
@@ -113,20 +115,14 @@ class SGLangCacheAwarePolicy(RoutingPolicy):
         prompt = query.num_prompt_tokens
         rate = matches[best] * self.table.block_size / prompt if prompt else 0.0
         if rate > cfg.sglang_cache_threshold:
-            if cfg.sglang_balance_rule == "fleet_mean" and least != best and self._spills(loads, best):
-                return least, f"sglang_spill r{least} load={loads[least]} over r{best} load={loads[best]}"
-            return best, f"sglang_cache r{best} rate={rate:.2f}"
+            if cfg.sglang_balance_rule == "fleet_mean" and least != best and overloaded(
+                    loads[best], loads.values(), cfg.sglang_balance_abs_threshold, cfg.sglang_balance_rel_threshold):
+                return Choice(least, f"sglang_spill r{least} load={loads[least]} over r{best} load={loads[best]}")
+            return Choice(best, f"sglang_cache r{best} rate={rate:.2f}")
         if cfg.sglang_miss_rule == "smallest_tree":
             smallest = min(ranks, key=lambda r: (sizes[r], loads[r], r))
-            return smallest, f"sglang_smallest_tree r{smallest} size={sizes[smallest]} rate={rate:.2f}"
-        return least, f"sglang_miss_least_loaded r{least} load={loads[least]} rate={rate:.2f}"
-
-    def _spills(self, loads: dict[int, int], rank: int) -> bool:
-        """smg 1.13's spill gate: ``rank``'s load past the fleet mean by the margin and by the ratio."""
-        cfg = self.config
-        mean = sum(loads.values()) / len(loads)
-        margin = min(cfg.sglang_balance_abs_threshold, max(4.0, 2.0 * math.sqrt(mean)))
-        return loads[rank] > mean + margin and loads[rank] > cfg.sglang_balance_rel_threshold * mean
+            return Choice(smallest, f"sglang_smallest_tree r{smallest} size={sizes[smallest]} rate={rate:.2f}")
+        return Choice(least, f"sglang_miss_least_loaded r{least} load={loads[least]} rate={rate:.2f}")
 
     def routed(self, query: RouteQuery, rank: int) -> None:
         if self.trees is not None:

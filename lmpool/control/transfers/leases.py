@@ -1,12 +1,12 @@
 """Placement leases: for a while after a background copy, routes for the copied chain go to it.
 
 A background copy only pays if requests use it, and routing alone keeps a request
-on the rank with the longest match (``owner_kept``) until the load gap is large.
+on the rank with the longest match (its owner) until the owner is overloaded.
 A lease names the copied chain by its deepest block (``leaf``, ``depth`` blocks
 from the root) and the rank holding the copy (``dst``); while it lasts, a request
 whose prompt contains that chain goes to ``dst`` whenever ``dst`` is
-capacity-feasible and its projected cost is below the rank the policy chose
-(``Router.route_sequence_meta``).
+capacity-feasible and its price is below the rank the policy chose (``SteerToLeases``,
+a route stage).
 
 Invariants: at most one lease per leaf (a newer placement replaces the older);
 an expired lease is never returned and is dropped when met; at most
@@ -19,6 +19,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from lmpool.control.pricing.price import describe
+from lmpool.control.routing.route import Route, RouteStage
 
 MAX_LEASES = 4096
 
@@ -87,3 +90,27 @@ class PlacementLeases:
         for leaf in stale:
             self.drop(leaf)
         return len(stale)
+
+
+class SteerToLeases(RouteStage):
+    """Send a priced route to a live lease's copy when that is cheaper ("lease ... over ...")."""
+
+    def __init__(self, leases: PlacementLeases) -> None:
+        self.leases = leases
+        self.routed = 0  # requests a lease took from the policy's choice
+
+    def settle(self, route: Route) -> None:
+        if route.prices is None:
+            return
+        lease = self.leases.find(route.query.block_hashes)
+        if lease is None or lease.dst == route.rank or lease.dst not in route.ranks:
+            return
+        if route.ready[lease.dst] < lease.depth:  # the copy is gone: so is the lease's point
+            self.leases.drop(lease.leaf)
+            return
+        copy = route.price_of(lease.dst)
+        if not copy.feasible or route.chosen is None or copy.total_s >= route.chosen.total_s:
+            return
+        self.routed += 1
+        route.rank, route.chosen = copy.rank, copy
+        route.reason = f"{describe('lease', copy)} over {route.reason}"

@@ -19,7 +19,8 @@ when every gate passes, in this order (each refusal is counted under its name in
 - ``no_partner``: the source has a live topology partner;
 - ``destination_holds``: a partner lacks part of the chain (and no plan is bringing
   it); every such partner is a destination, least loaded first, each through the gates below;
-- ``load_skew``: source load - destination load >= ``min_load_skew_tokens``;
+- ``load_skew``: source load - destination load >= ``min_load_skew_s`` (loads in predicted seconds of
+  work in flight, ``Pricer.load_s``);
 - ``pair_busy``: no plan is open between the two ranks, nor a batch of this pass in
   the other direction (pair idleness);
 - ``capacity``: the destination's room holds the copy: its free and reclaimable blocks, less
@@ -56,7 +57,8 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.router import Router
+from lmpool.control.routing.route import Route, RouteStage
+from lmpool.control.topology import Topology
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.control.transfers.admission import AdmissionDecision, AdmissionGate
 from lmpool.control.transfers.coordinator import TransferCoordinator
@@ -143,33 +145,45 @@ class CopyBatch:
         self.leases.append((chain[end - 1], end))
 
 
+class ObserveChains(RouteStage):
+    """The route stage that gives placement its candidates: every routed prompt's held chain."""
+
+    def __init__(self, chains: HotChains) -> None:
+        self.chains = chains
+
+    def settle(self, route: Route) -> None:
+        self.chains.observe(route.query.block_hashes, max(route.ready))
+
+
 class BackgroundPlacement:
     def __init__(
         self,
         gbm: GlobalBlockManager,
-        scheduler: Router,
+        topology: Topology,
+        load_s: Callable[[int], float],
         coordinator: TransferCoordinator,
         gate: AdmissionGate,
         prefill_s_per_token: Callable[[int], float | None],
+        chains: HotChains,
         *,
         hot_threshold: float,
-        min_load_skew_tokens: float,
+        min_load_skew_s: float,
         cooldown_s: float,
         max_blocks: int,
         batch_max_blocks: int,
-        recent_chains: int = 256,
     ) -> None:
         self.gbm = gbm
-        self.scheduler = scheduler
+        self.topology = topology
+        self.load_s = load_s  # a rank's work in flight, in predicted seconds
         self.coordinator = coordinator
         self.gate = gate
         self.prefill_s_per_token = prefill_s_per_token
         self.hot_threshold = hot_threshold
-        self.min_load_skew_tokens = min_load_skew_tokens
+        self.min_load_skew_s = min_load_skew_s
         self.cooldown_s = cooldown_s
         self.max_blocks = max_blocks
         self.batch_max_blocks = batch_max_blocks
-        self.chains = HotChains(recent_chains)
+        self.chains = chains
         # Chain leaf -> (when it may be looked at again, its heat when the gate refused it).
         self.cooling: dict[int, tuple[float, float]] = {}
         self.refused: Counter[str] = Counter()
@@ -200,7 +214,7 @@ class BackgroundPlacement:
     def consider(self, chain: list[int], now: float, batches: dict, taken: Counter) -> Generator[None, None, str]:
         """Put one hot chain's copies into batches, one step per partner tried (a pass's slice may
         end between two); the generator returns the refusing gate's name, or ""."""
-        gbm, topology = self.gbm, self.scheduler.topology
+        gbm, topology = self.gbm, self.topology
         leaf = chain[-1]
         cooling = self.cooling.get(leaf)
         if cooling is not None and gbm.heat(leaf) < 2 * cooling[1]:
@@ -211,7 +225,7 @@ class BackgroundPlacement:
         ranks = [r for r in range(gbm.world_size) if matched[r] == len(chain)]
         if not ranks:
             return "no_source"
-        src = max(ranks, key=lambda r: (self.scheduler.rank_load(r), -r))
+        src = max(ranks, key=lambda r: (self.load_s(r), -r))
         partners = [r for r in topology.partners(src) if gbm.alive_mask >> r & 1]
         if not partners:
             return "no_partner"
@@ -226,7 +240,7 @@ class BackgroundPlacement:
                 lacking.append((dst, start, end))
         if not lacking:
             return "destination_holds"
-        lacking.sort(key=lambda c: (self.scheduler.rank_load(c[0]), c[0]))
+        lacking.sort(key=lambda c: (self.load_s(c[0]), c[0]))
         reasons = []
         for dst, start, end in lacking:
             reasons.append(self._copy(chain, src, dst, start, end, batches, taken))
@@ -258,7 +272,7 @@ class BackgroundPlacement:
               taken: Counter) -> str:
         """Add blocks ``start:end`` of ``chain`` to the (src, dst) batch if every gate passes."""
         gbm = self.gbm
-        if self.scheduler.rank_load(src) - self.scheduler.rank_load(dst) < self.min_load_skew_tokens:
+        if self.load_s(src) - self.load_s(dst) < self.min_load_skew_s:
             return "load_skew"
         if self.coordinator.busy(src, dst) or (dst, src) in batches:
             return "pair_busy"

@@ -27,20 +27,20 @@ import logging
 import time
 from collections.abc import Callable
 
-from lmpool.control.transfers.foreground import plan_release
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.router import Router
-from lmpool.control.transfers.leases import PlacementLeases
-from lmpool.control.transfers.placement import BackgroundPlacement, CopyBatch, PlacementPass
-from lmpool.control.transfers.pull import RoutePulls
-from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN, UNCALIBRATED_LINK, TransferPolicyConfig
-from lmpool.protocol import ReleaseOutcome, RouteQuery, ShortageReport, TransferStats
-from lmpool.protocol.spec import ControlSpec
+from lmpool.control.pricing.price import Pricer
+from lmpool.control.topology import Topology
 from lmpool.control.transfers.admission import AdmissionGate, AdmissionPolicy
 from lmpool.control.transfers.coordinator import Plan, PlanState, TransferCoordinator
-from lmpool.control.transfers.cost_model import TransferCostModel
+from lmpool.control.transfers.foreground import plan_release
+from lmpool.control.transfers.leases import SteerToLeases
+from lmpool.control.transfers.placement import BackgroundPlacement, CopyBatch, HotChains, PlacementPass
+from lmpool.control.transfers.pull import RoutePulls
+from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN
+from lmpool.protocol import ReleaseOutcome, ShortageReport, TransferStats
+from lmpool.protocol.spec import ControlSpec
 
-log = logging.getLogger("lmpool.dataplane.policies")
+log = logging.getLogger("lmpool.control.transfers.policies")
 
 
 class TransferPolicies:
@@ -48,16 +48,20 @@ class TransferPolicies:
         self,
         spec: ControlSpec,
         gbm: GlobalBlockManager,
-        scheduler: Router,
+        topology: Topology,
+        pricer: Pricer,
         coordinator: TransferCoordinator,
         send: Callable[[int, object], None],
+        steering: SteerToLeases | None = None,
         pulls: RoutePulls | None = None,
+        chains: HotChains | None = None,
     ) -> None:
         transfer = spec.pool.transfer
         cfg = transfer.transfer_policy
         self.cfg = cfg
         self.gbm = gbm
-        self.scheduler = scheduler
+        self.topology = topology
+        self.pricer = pricer
         self.coordinator = coordinator
         self.send = send
         self.background = transfer.background_placement
@@ -68,14 +72,17 @@ class TransferPolicies:
             block_size=spec.pool.engine.block_size, discount=cfg.reuse_discount, margin=cfg.admission_margin,
         )
         self.gate = AdmissionGate(policy, self.cost_model)
-        self.leases: PlacementLeases | None = scheduler.leases  # the router's: background copies grant them
+        self.steering = steering  # the router's lease stage: background copies grant its leases
+        self.leases = steering.leases if steering is not None else None
         self.placement: BackgroundPlacement | None = None
         if self.background:
+            if steering is None or chains is None:
+                raise ValueError("background placement needs the router's lease stage and routed chains")
             self.placement = BackgroundPlacement(
-                gbm, scheduler, coordinator, self.gate, self.prefill_s_per_token,
-                hot_threshold=cfg.hot_threshold, min_load_skew_tokens=cfg.min_load_skew_tokens,
+                gbm, topology, pricer.load_s, coordinator, self.gate, self.prefill_s_per_token, chains,
+                hot_threshold=cfg.hot_threshold, min_load_skew_s=cfg.min_load_skew_s,
                 cooldown_s=cfg.cooldown_s, max_blocks=transfer.background_copy_max_blocks,
-                batch_max_blocks=transfer.background_copy_batch_max_blocks, recent_chains=cfg.recent_chains,
+                batch_max_blocks=transfer.background_copy_batch_max_blocks,
             )
         self.pulls = pulls
         self.copies: dict[int, CopyBatch] = {}  # open background plans
@@ -85,14 +92,11 @@ class TransferPolicies:
 
     # ---- inputs ------------------------------------------------------------------------
 
-    def prefill_s_per_token(self, rank: int) -> float | None:
-        """What a token of prefill costs on ``rank``: the configured figure, else the rank's own
-        measurement, else the lowest any live rank measured (None: the gate's default)."""
-        return prefill_s_per_token(self.cfg, self.gbm, rank)
-
-    def observe_route(self, query: RouteQuery) -> None:
-        if self.placement is not None:
-            self.placement.chains.observe(query.block_hashes, self.scheduler.last_held)
+    def prefill_s_per_token(self, rank: int) -> float:
+        """What a token of prefill costs on ``rank``: the configured figure, else the rank's fitted one."""
+        if self.cfg.prefill_s_per_token is not None:
+            return self.cfg.prefill_s_per_token
+        return self.pricer.prefill_s_per_token(rank)
 
     # ---- background ----------------------------------------------------------------------
 
@@ -141,7 +145,7 @@ class TransferPolicies:
             self._refuse(report, "foreground release is off, or the report is from a past incarnation")
             return
         try:
-            plan, reason = plan_release(report, self.gbm, self.scheduler.topology.partners(report.rank),
+            plan, reason = plan_release(report, self.gbm, self.topology.partners(report.rank),
                                         self.coordinator.free_blocks, self.gate, self.prefill_s_per_token)
         except ValueError as e:
             plan, reason = None, str(e)
@@ -187,7 +191,7 @@ class TransferPolicies:
         s.plans_started, s.plans_committed, s.plans_aborted = c.started, c.completed, c.aborted
         s.plans_open = len(c.plans)
         s.blocks_copied, s.blocks_moved = c.blocks_copied, c.blocks_moved
-        s.lease_routed = self.scheduler.lease_routed
+        s.lease_routed = self.steering.routed if self.steering is not None else 0
         s.leases = len(self.leases) if self.leases is not None else 0
         s.admission_admitted, s.admission_refused = self.gate.admitted, self.gate.refused
         s.placement_refused = dict(self.placement.refused) if self.placement is not None else {}
@@ -195,18 +199,7 @@ class TransferPolicies:
         s.reservations = len(self.gbm.reservations)
         if self.pulls is not None:
             p = self.pulls.counters
-            s.pulls_started, s.pulls_shared, s.pulls_landed = p.started, p.shared, p.landed
+            s.pulls_started, s.pulls_shared, s.pulls_landed, s.pulls_moved = p.started, p.shared, p.landed, p.moved
             s.pulls_aborted, s.pulls_routed, s.pulls_open = p.aborted, p.routed, len(self.pulls.open)
         return s
 
-
-def prefill_s_per_token(cfg: TransferPolicyConfig, gbm: GlobalBlockManager, rank: int) -> float | None:
-    """``TransferPolicies.prefill_s_per_token``: a function of the configuration and the page
-    table alone, so that pull pricing, built before the policies, reads the same figure."""
-    if cfg.prefill_s_per_token is not None:
-        return cfg.prefill_s_per_token
-    own = gbm.ranks[rank].load.prefill_s_per_token
-    if own > 0:
-        return own
-    measured = [i.load.prefill_s_per_token for i in gbm.ranks if i.alive and i.load.prefill_s_per_token > 0]
-    return min(measured) if measured else None

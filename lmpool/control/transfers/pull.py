@@ -1,12 +1,18 @@
 """Route-time pulls: send a request where it is cheapest to serve, copying its cached prefix there first.
 
-After the routing policy has chosen, ``reprice`` prices every candidate's options
-(``pull_price``): serve from its cache, recompute what it lacks, or pull the prefix from the
-rank that holds most of it. If the cheapest option beats the policy's choice by at least
-``min_gain_tokens``, it wins: a pull opens a copy plan (kind "pull") for the missing blocks to
-that rank. A request routed to a rank that an open pull is bringing its prefix to waits for
-that pull, however it was routed: concurrent requests needing the same blocks on the same rank
-share one plan. The decision and its priced alternatives go into the route's reason.
+A route stage. Once the routing policy has chosen, and only where it lets the request leave
+its rank (an overloaded owner, or no owner: ``Choice.may_leave``), ``settle`` prices a pull to
+every candidate that could take one (``pull_price``); the cheapest wins if it costs less than
+the policy's choice, and opens a copy plan (kind "pull") for the missing blocks to that rank.
+A request routed to a rank that an open pull is bringing its prefix to waits for that pull,
+however it was routed: concurrent requests needing the same blocks on the same rank share
+one plan. Before the policy chooses, ``expect`` counts an open pull's blocks as its
+destination's, landing in the seconds it has left, so the policy prices them. The route's
+reason names the pull and its priced alternatives.
+
+A pull moves what only one conversation used: the blocks past the deepest one that routed
+prompts branched from (``HashStats.branched``) leave the source (the source frees those
+that nothing there references); the rest, shared, is copied.
 
 A waiting request is released (``on_resolved(request_id, outcome)``) once its pull's
 destination has published the blocks ("landed"), or once the plan aborts ("aborted: ...":
@@ -25,18 +31,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.routing.cost import RankCost
+from lmpool.control.routing.route import Route, RouteStage
 from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
-from lmpool.control.transfers.pull_price import OpenPullView, Option, PullPricer, describe, shared_depth
+from lmpool.control.transfers.pull_price import PullOption, PullPricer, describe, shared_depth
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.protocol import RouteQuery
 
 
 @dataclass
 class OpenPull:
     plan_id: int
     dst: int
-    hashes: list[int]
+    hashes: list[bytes]
     started: float
     estimate_s: float
     waiters: list[str] = field(default_factory=list)
@@ -45,107 +50,99 @@ class OpenPull:
 @dataclass
 class PullCounters:
     started: int = 0  # plans opened for pulls
+    moved: int = 0  # ... of which moved some blocks (freed on their source)
     shared: int = 0  # requests that waited on a pull another request opened
     landed: int = 0  # pulls whose destination published
     aborted: int = 0  # pulls that ended before it did
-    routed: int = 0  # requests sent where the policy would not have (pull or serve elsewhere)
+    routed: int = 0  # requests a pull sent elsewhere than the routing policy chose
 
 
-class RoutePulls:
-    def __init__(
-        self,
-        gbm: GlobalBlockManager,
-        coordinator: TransferCoordinator,
-        pricer: PullPricer,
-        on_resolved: Callable[[str, str], None],
-        *,
-        min_gain_tokens: float,
-    ) -> None:
+class RoutePulls(RouteStage):
+    def __init__(self, gbm: GlobalBlockManager, coordinator: TransferCoordinator, pricer: PullPricer,
+                 on_resolved: Callable[[str, str], None]) -> None:
         self.gbm = gbm
         self.coordinator = coordinator
         self.pricer = pricer
         self.on_resolved = on_resolved
-        self.min_gain_tokens = min_gain_tokens
         self.open: dict[int, OpenPull] = {}  # by plan id
-        self._by_head: dict[tuple[int, int], OpenPull] = {}  # (destination, first hash) -> its pull
+        self._by_head: dict[tuple[int, bytes], OpenPull] = {}  # (destination, first hash) -> its pull
         self.waiting: dict[str, int] = {}  # request id -> the plan it waits on
         self.counters = PullCounters()
 
     # ---- routing -------------------------------------------------------------------------
 
-    def reprice(self, query: RouteQuery, costs: list[RankCost], lengths: list[int], expected: list[int],
-                rank: int, reason: str) -> tuple[int, str, list[int]]:
-        """The rank for ``query`` once pulls are priced, the route's reason, and the blocks each
-        rank will hold for it (the chosen rank's raised by the pull it waits on)."""
-        if query.request_id in self.waiting:  # one wait per request id (ids are per dispatch)
-            return rank, reason, expected
-        feasible = {c.rank for c in costs if c.available >= c.need}
-        options = self.pricer.options(query, costs, lengths, expected, self._view,
-                                      lambda serve: self._bound(serve, rank, feasible))
-        if not options:
-            return rank, reason, expected
-        policy = next(o for o in options if o.kind == "serve" and o.rank == rank)
-        chosen = self._choose(options, policy, feasible)
-        if chosen is not policy:
-            self.counters.routed += 1
-            reason = f"{_name(chosen)} over {reason}"
-        reason = f"{reason}; {describe(options)}"
-        held = self._wait(query, chosen, lengths)
-        if held <= expected[chosen.rank]:
-            return chosen.rank, reason, expected
-        raised = list(expected)
-        raised[chosen.rank] = held
-        return chosen.rank, reason, raised
+    def expect(self, route: Route) -> None:
+        if not self.open:
+            return
+        hashes, ready = route.query.block_hashes, route.ready
+        for r in route.ranks:
+            pull = self._pull_to(r, hashes, ready[r])
+            if pull is not None:
+                depth = shared_depth(pull.hashes, hashes, ready[r], len(hashes))
+                route.expected[r] = max(route.expected[r], ready[r] + depth)
+                route.waits[r] = max(0.0, pull.estimate_s - (self.coordinator.clock() - pull.started))
 
-    def _bound(self, serve: list[Option], rank: int, feasible: set[int]) -> float:
-        """What a pull must cost less than to win: the cheapest feasible serve, and the
-        policy's choice (``rank``) less the minimum gain."""
-        policy = next(o.cost for o in serve if o.rank == rank)
-        return min([o.cost for o in serve if o.rank in feasible] + [policy - self.min_gain_tokens])
-
-    def _choose(self, options: list[Option], policy: Option, feasible: set[int]) -> Option:
-        """The cheapest option (serving before pulling, on a tie), if it beats the policy's
-        choice by ``min_gain_tokens``; else the policy's. A serve must fit on its rank."""
-        best = min((o for o in options if o.rank in feasible or o.kind == "pull"),
-                   key=lambda o: (o.cost, o.kind != "serve", o.rank), default=policy)
-        return best if best.cost < policy.cost - self.min_gain_tokens else policy
-
-    def _wait(self, query: RouteQuery, chosen: Option, lengths: list[int]) -> int:
-        """Start or join the pull the request waits on (if any); the blocks it will find."""
-        hashes, rank = query.block_hashes, chosen.rank
-        m = lengths[rank]
-        if chosen.kind == "pull" and not chosen.shared:
-            pull = self._start(hashes, chosen.src, rank, m, chosen.blocks, chosen.copy_s)
-            depth = chosen.blocks
-        else:
-            pull = self._by_head.get((rank, hashes[m])) if m < len(hashes) else None
-            if pull is None:
-                return m
-            depth = shared_depth(pull.hashes, hashes, m, len(hashes))
+    def settle(self, route: Route) -> None:
+        if route.prices is None or route.query.request_id in self.waiting:  # one wait per request id
+            return
+        if route.may_leave and self._pull(route):
+            return
+        rank, m, hashes = route.rank, route.ready[route.rank], route.query.block_hashes
+        pull = self._pull_to(rank, hashes, m)
+        if pull is not None:  # however it was routed, it waits for the blocks coming there
+            self._wait(route.query.request_id, pull)
             self.counters.shared += 1
-        pull.waiters.append(query.request_id)
-        self.waiting[query.request_id] = pull.plan_id
-        return m + depth
+            route.expected[rank] = max(route.expected[rank], m + shared_depth(pull.hashes, hashes, m, len(hashes)))
 
-    def _start(self, hashes: list[int], src: int, dst: int, start: int, blocks: int, seconds: float) -> OpenPull:
-        chain = hashes[start:start + blocks]
+    def _pull(self, route: Route) -> bool:
+        """Start the cheapest pull if it costs less than the policy's choice; whether it did."""
+        options = self.pricer.options(route)
+        if not options:
+            return False
+        alternatives = "; pull " + " ".join(describe(o) for o in options)
+        best = min(options, key=lambda o: (o.price.total_s, o.price.rank))
+        if route.chosen is None or best.price.total_s >= route.chosen.total_s:
+            route.reason += alternatives
+            return False
+        self._wait(route.query.request_id, self._start(route.query.block_hashes, best))
+        route.reason = f"pull {describe(best)} copy={best.copy_s * 1e3:.1f}ms over {route.reason}{alternatives}"
+        route.rank, route.chosen = best.price.rank, best.price
+        route.expected[route.rank] = best.start + best.blocks
+        self.counters.routed += 1
+        return True
+
+    def _pull_to(self, rank: int, hashes: list[bytes], m: int) -> OpenPull | None:
+        """The open pull bringing ``hashes``' block ``m`` (rank's first missing one) to ``rank``."""
+        return self._by_head.get((rank, hashes[m])) if m < len(hashes) else None
+
+    def _wait(self, request_id: str, pull: OpenPull) -> None:
+        pull.waiters.append(request_id)
+        self.waiting[request_id] = pull.plan_id
+
+    def _start(self, hashes: list[bytes], option: PullOption) -> OpenPull:
+        start, src, dst = option.start, option.src, option.price.rank
+        chain = hashes[start:start + option.blocks]
         held = self.gbm.ranks[src].blocks  # hash -> generation << 32 | block id; all ready (priced so)
         generations = [held[h] >> 32 for h in chain]
         parent = hashes[start - 1] if start else ROOT_HASH
         anchor = (parent, self.gbm.generation(dst, parent)) if start else (ROOT_HASH, 0)
-        plan = self.coordinator.start(src, dst, chain, generations, [parent] + chain[:-1], kind="pull", anchor=anchor)
-        pull = OpenPull(plan.plan_id, dst, chain, plan.started, seconds)
+        keep = self._shared(chain)
+        plan = self.coordinator.start(src, dst, chain, generations, [parent] + chain[:-1], move=keep < len(chain),
+                                      keep=keep, kind="pull", anchor=anchor)
+        pull = OpenPull(plan.plan_id, dst, chain, plan.started, option.copy_s)
         self.open[plan.plan_id] = pull
         self._by_head[(dst, chain[0])] = pull
         self.counters.started += 1
+        self.counters.moved += keep < len(chain)
         return pull
 
-    def _view(self, dst: int, first_hash: int) -> OpenPullView | None:
-        pull = self._by_head.get((dst, first_hash))
-        if pull is None:
-            return None
-        left = max(0.0, pull.estimate_s - (self.coordinator.clock() - pull.started))
-        return OpenPullView(pull.plan_id, pull.hashes, left)
+    def _shared(self, chain: list[bytes]) -> int:
+        """How many leading blocks of ``chain`` routed prompts branched from (or after)."""
+        for i in range(len(chain) - 1, -1, -1):
+            stats = self.gbm.hash_stats(chain[i])
+            if stats is not None and stats.branched:
+                return i + 1
+        return 0
 
     # ---- plan outcomes -------------------------------------------------------------------
 
@@ -178,10 +175,3 @@ class RoutePulls:
                 assert self.waiting.get(request_id) == plan_id, f"{request_id} is not waiting on {plan_id}"
         assert len(self._by_head) == len(self.open), "an index entry names no open pull"
         assert sum(len(p.waiters) for p in self.open.values()) == len(self.waiting), "a waiter waits on no pull"
-
-
-def _name(o: Option) -> str:
-    if o.kind == "serve":
-        return f"serve r{o.rank} cost={o.cost:.0f}"
-    source = "shared" if o.shared else f"r{o.src}"
-    return f"pull r{o.rank}<-{source} {o.blocks}b copy={o.copy_tokens:.0f} cost={o.cost:.0f}"

@@ -1,0 +1,181 @@
+"""What a request costs on each rank, in predicted seconds, from each rank's fitted step time.
+
+A rank's in-flight work is its last load report plus its route reservations: ``n`` sequences
+(running, waiting, reserved; at most ``max_num_seqs`` run), their ``ctx`` context tokens and
+``left`` tokens still to decode, and ``W`` prompt tokens still to prefill (``Aw`` attention
+pairs). With the rank's step coefficients (base, per prefill token, per attention pair, per
+decoding sequence, per context token), a step beside the decodes costs
+``step = base + seq * n + tok * ctx``, and takes at most ``room = chunk - n`` prefill tokens.
+For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` to compute
+(``a`` attention pairs) and ``M`` tokens to generate:
+
+    queue  = ceil(W / room) * step + prefill_token * W + attention_pair * Aw     (0 when W = 0)
+    own    = ceil(p / room) * step + prefill_token * p + attention_pair * a
+    seat   = the wait for a free sequence slot when n >= max_num_seqs
+    ttft   = max(queue, wait) + own + seat          # wait: a copy the request waits on (a pull)
+    decode = (M - 1) * (base + mine) + overlap * theirs
+    harm   = overlap * mine + n * (prefill_token * p + attention_pair * a)
+    evict  = reclaim blocks * the recompute of one * the rank's measured reuse (``eviction``)
+    total  = ttft + decode + harm + evict
+
+where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step it decodes in,
+``theirs = seq + tok * ctx / n`` what one co-running sequence adds, and ``overlap = min(n *
+(M - 1), left)`` the steps they share. ``total`` is the request's own latency plus the delay it
+causes the sequences already there: what a route minimises. Reclaim is the new blocks it needs
+beyond the free ones (reservations take free blocks first); a rank is feasible when its free and
+reclaimable blocks, less reservations, hold them.
+
+Invariants: every price is finite and >= 0, and never falls when a rank's load grows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+from lmpool.control.page_table.view import PageTableView, RankView
+from lmpool.control.pricing.engine_model import EngineModel
+from lmpool.control.pricing.step_model import StepCoefficients
+from lmpool.control.topology import Topology
+from lmpool.protocol import RouteQuery
+
+
+class RankPrice(NamedTuple):
+    """One candidate's prediction for one request (seconds)."""
+
+    rank: int
+    matched: int  # usable matched blocks
+    missing: int  # prompt tokens to compute
+    need: int  # new blocks the request would hold
+    available: int  # free + reclaimable - reserved blocks
+    seqs: int  # requests in flight there: the bounded-load gate's load
+    queue_s: float  # the prefill queued ahead of it
+    ttft_s: float
+    total_s: float
+    affinity: int  # to the seed rank
+
+    @property
+    def feasible(self) -> bool:
+        return self.available >= self.need
+
+
+class Limits(NamedTuple):
+    """What every rank's scheduler allows (the pool's engine settings)."""
+
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class Pricer:
+    def __init__(self, table: PageTableView, topology: Topology, model: EngineModel, limits: Limits,
+                 reuse: Callable[[int], float]) -> None:
+        self.table = table
+        self.topology = topology
+        self.model = model
+        self.limits = limits
+        self.reuse = reuse  # a rank's measured reuse of what it evicts
+
+    def serve(self, query: RouteQuery, ranks: list[int], matched: list[int], seed: int | None,
+              waits: dict[int, float] | None = None) -> list[RankPrice]:
+        """Each rank of ``ranks`` serving ``query`` from the ``matched[r]`` blocks it will hold
+        (``waits[r]`` seconds from now, where a pull is bringing some)."""
+        block_size = self.limits.block_size
+        usable = max(0, (query.num_prompt_tokens - 1) // block_size)
+        waits = waits or {}
+        return [self.price(query, r, min(matched[r], usable), waits.get(r, 0.0), seed) for r in ranks]
+
+    def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None) -> RankPrice:
+        """``query`` on ``rank`` holding ``m`` usable blocks once ``wait_s`` seconds have passed."""
+        info = self.table.ranks[rank]
+        c = self.model.coefficients(rank)
+        lim = self.limits
+        prompt, out = query.num_prompt_tokens, max(1, query.max_tokens)
+        missing = prompt - m * lim.block_size
+        need = max(0, -(-(prompt + out) // lim.block_size) - m)
+        load, res = info.load, info.reserved
+        seqs = load.num_running + load.num_waiting + res.count
+        n = min(seqs, lim.max_num_seqs)
+        ctx = load.context_tokens + res.context
+        left = load.decode_tokens_left + res.decode
+        step = c.base + c.decode_seq * n + c.context_token * ctx
+        room = max(1, lim.max_num_batched_tokens - n)
+        queued = load.waiting_prefill_tokens + res.tokens
+        queue = 0.0
+        if queued > 0:
+            queue = -(-queued // room) * step + c.prefill_token * queued + c.attention_pair * (load.prefill_attention
+                                                                                              + res.attention)
+        prefill = c.prefill_token * missing + c.attention_pair * attention_pairs(missing, prompt - missing)
+        own = -(-max(1, missing) // room) * step + prefill
+        seat = 0.0
+        if seqs >= lim.max_num_seqs:  # k of n finish first after about 2 k / n of their mean left
+            seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
+        ttft = max(queue, wait_s) + own + seat
+        mine = c.decode_seq + c.context_token * (prompt + out / 2)
+        overlap = min(n * (out - 1), left)
+        theirs = c.decode_seq + c.context_token * ctx / n if n else 0.0
+        decode = (out - 1) * (c.base + mine) + overlap * theirs
+        harm = overlap * mine + n * prefill
+        free = load.blocks_free - res.blocks
+        reclaim = max(0, need - max(0, free))
+        evict = reclaim * self._block_recompute_s(c, prompt) * self.reuse(rank) if reclaim else 0.0
+        near = 0 if seed is None else self.topology.affinity(seed, rank)
+        return RankPrice(rank, m, missing, need, free + load.blocks_reclaimable, seqs, queue, ttft,
+                         ttft + decode + harm + evict, near)
+
+    def _block_recompute_s(self, c: StepCoefficients, context: int) -> float:
+        """One block's prefill at a context like the request's: what a regretted eviction costs."""
+        b = self.limits.block_size
+        return c.prefill_token * b + c.attention_pair * b * (context / 2 + b / 2)
+
+    def prefill_s(self, rank: int, tokens: int, context: int = 0) -> float:
+        """Seconds ``rank`` computes ``tokens`` prompt tokens in, after ``context`` cached ones."""
+        c = self.model.coefficients(rank)
+        return c.prefill_token * tokens + c.attention_pair * attention_pairs(tokens, context)
+
+    def prefill_s_per_token(self, rank: int) -> float:
+        """A block's prefill seconds per token, at one block of context (the transfer gates' unit)."""
+        b = self.limits.block_size
+        return self.prefill_s(rank, b, b) / b
+
+    def load_s(self, rank: int) -> float:
+        """Seconds until ``rank`` has done the work in flight there: its queued prefill, then its
+        sequences' mean decode left (placement's load)."""
+        info: RankView = self.table.ranks[rank]
+        c = self.model.coefficients(rank)
+        load, res = info.load, info.reserved
+        seqs = load.num_running + load.num_waiting + res.count
+        queued = load.waiting_prefill_tokens + res.tokens
+        if not seqs and not queued:
+            return 0.0
+        n = min(seqs, self.limits.max_num_seqs)
+        step = c.base + c.decode_seq * n + c.context_token * (load.context_tokens + res.context)
+        prefill = c.prefill_token * queued + c.attention_pair * (load.prefill_attention + res.attention)
+        steps = math.ceil(queued / max(1, self.limits.max_num_batched_tokens - n))
+        if seqs:
+            steps += (load.decode_tokens_left + res.decode) / seqs
+        return prefill + step * steps
+
+
+def request_shape(query: RouteQuery, matched: int, block_size: int) -> tuple[int, int, int]:
+    """(usable matched blocks, prompt tokens to compute, new blocks to hold) on a rank matching ``matched``.
+
+    The worker recomputes the last prompt token to get logits, so a fully cached
+    prompt still computes its final block (``BlockManager.match_prefix``).
+    """
+    prompt = query.num_prompt_tokens
+    m = min(matched, max(0, (prompt - 1) // block_size))
+    need = max(0, -(-(prompt + max(1, query.max_tokens)) // block_size) - m)
+    return m, prompt - m * block_size, need
+
+
+def attention_pairs(tokens: int, context: int) -> int:
+    """(query, key) pairs of ``tokens`` prompt tokens computed after ``context`` cached ones."""
+    return tokens * context + tokens * (tokens + 1) // 2
+
+
+def describe(rule: str, p: RankPrice) -> str:
+    """A decision's reason: the rule that decided, the rank, its matched blocks, its predicted
+    time to first token and its price (milliseconds)."""
+    return f"{rule} r{p.rank} m{p.matched} ttft={p.ttft_s * 1e3:.1f}ms price={p.total_s * 1e3:.1f}ms"

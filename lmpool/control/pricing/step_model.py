@@ -1,0 +1,137 @@
+"""A rank's step time as a function of its batch, fitted online from the steps it reports.
+
+    seconds = base + prefill_tokens * s_per_prefill_token + prefill_attention * s_per_attention_pair
+          + decode_seqs * s_per_decode_seq + decode_context * s_per_context_token
+
+(``lmpool.protocol.StepSample`` says what each count is.) The fit minimises relative error
+(a 2 ms step counts as much as a 200 ms one: timing noise grows with a step's length, and
+routing compares short steps too) by non-negative least squares over exponentially decayed
+sums (a sample's weight halves every ``half_life`` samples, so the fit follows a GPU whose
+neighbours come and go), with a ridge toward a prior: a rough figure until the rank's
+calibration steps arrive, their fit from then on. A feature the recent steps do not vary
+(no prefill for a while) thus falls back to what calibration measured rather than to noise.
+Coefficients are fitted as multiples of the prior's (``_scales``), so the ridge weighs each
+one's relative departure alike. Once fitted, a sample far from the prediction (a stall, a
+collection) counts as a bounded miss, not at its full weight.
+
+Invariants: the coefficients are finite and >= 0, so a predicted step never gets shorter
+when any count grows; ``observe`` takes samples in any number, ``predict`` is plain floats.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import numpy as np
+
+from lmpool.protocol import StepSample
+
+HALF_LIFE = 2000  # samples
+RIDGE = 0.5  # the prior's weight, in samples' worth of relative error per coefficient
+FITTED = 32  # samples after which a far miss is bounded
+MISS = 4.0  # a sample counts as at most this many times (and at least 1/this of) its prediction
+
+
+class StepCoefficients(NamedTuple):
+    """Seconds per step and per unit of each count."""
+
+    base: float
+    prefill_token: float
+    attention_pair: float
+    decode_seq: float
+    context_token: float
+
+    def step_s(self, prefill_tokens: float, attention: float, decode_seqs: float, context: float) -> float:
+        return (self.base + self.prefill_token * prefill_tokens + self.attention_pair * attention
+                + self.decode_seq * decode_seqs + self.context_token * context)
+
+
+# A rough prior for a replica before it reports anything (an H200 quarter, 0.6B shape): the
+# calibration samples that follow replace it within a few steps.
+DEFAULT_PRIOR = StepCoefficients(base=3e-3, prefill_token=25e-6, attention_pair=5e-9, decode_seq=50e-6,
+                                 context_token=0.1e-6)
+_FLOOR = np.array(DEFAULT_PRIOR) * 1e-3  # a coefficient's scale where its prior is (near) zero
+
+
+def _row(s: StepSample) -> tuple:
+    return 1.0, s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context
+
+
+def _timed(samples: Iterable[StepSample]) -> list[StepSample]:
+    return [s for s in samples if s.seconds > 0 and math.isfinite(s.seconds)]
+
+
+class StepModel:
+    def __init__(self, prior: StepCoefficients = DEFAULT_PRIOR, half_life: float = HALF_LIFE,
+                 ridge: float = RIDGE) -> None:
+        if not half_life > 0 or not ridge > 0:
+            raise ValueError(f"need half_life > 0 and ridge > 0, got {half_life}, {ridge}")
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.ridge = ridge
+        # Decayed sums of x x' and x over the relative rows: a step's features times the scales, over
+        # its seconds (fitting them to 1, in multiples of the scales, minimises relative error).
+        self._xx = np.zeros((5, 5))
+        self._x = np.zeros(5)
+        self.samples = 0  # observed since the last calibration
+        self.calibrated = False
+        self.error = 0.0  # decayed mean |relative error| of the predictions, before each sample
+        self.reseed(prior)
+
+    def calibrate(self, samples: Iterable[StepSample]) -> StepCoefficients:
+        """A worker's calibration steps: their fit (ridged toward the current prior) becomes the
+        prior, and the decayed sums start afresh (a restarted worker is a new machine state)."""
+        timed = _timed(samples)
+        if timed:
+            x = np.array([_row(s) for s in timed]) * self._scales / np.array([s.seconds for s in timed])[:, None]
+            self.reseed(self._solve(x.T @ x, x.sum(axis=0)))
+            self.calibrated = True
+        return self.coefficients
+
+    def reseed(self, prior: StepCoefficients) -> None:
+        """Start afresh from ``prior``: the fit forgets every sample."""
+        self._prior = np.array(prior, dtype=float)
+        self._scales = np.maximum(self._prior, _FLOOR)
+        self._xx[:] = 0.0
+        self._x[:] = 0.0
+        self.samples = 0
+        self.coefficients = StepCoefficients(*(float(v) for v in self._prior))
+
+    def observe(self, samples: Iterable[StepSample]) -> None:
+        """Fold measured steps into the fit (oldest first), then refit."""
+        timed = _timed(samples)
+        if not timed:
+            return
+        y = np.array([s.seconds for s in timed])
+        features = np.array([_row(s) for s in timed])
+        predicted = features @ np.array(self.coefficients)
+        k = len(timed)
+        self.error = self.error * 0.99 ** k + (1 - 0.99 ** k) * float(np.mean(np.abs(y - predicted) / y))
+        if self.samples >= FITTED:
+            y = np.clip(y, predicted / MISS, predicted * MISS)
+        x = features * self._scales / y[:, None]
+        w = self.decay ** np.arange(k - 1, -1, -1)  # the newest weighs 1
+        self._xx = self._xx * self.decay ** k + (x * w[:, None]).T @ x
+        self._x = self._x * self.decay ** k + w @ x
+        self.samples += k
+        self.coefficients = self._solve(self._xx, self._x)
+
+    def predict(self, s: StepSample) -> float:
+        return self.coefficients.step_s(s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context)
+
+    def _solve(self, xx: np.ndarray, x: np.ndarray) -> StepCoefficients:
+        """argmin over u >= 0 of sum (1 - row u)^2 + ridge |u - prior / scales|^2, from the sums
+        of row row' and of row: solve on the free set, pin the most negative multiple at 0,
+        repeat (five times at most); the coefficients are u times the scales."""
+        a = xx + self.ridge * np.eye(len(x))
+        b = x + self.ridge * self._prior / self._scales
+        free = list(range(len(x)))
+        u = np.zeros(len(x))
+        while free:
+            sub = np.linalg.solve(a[np.ix_(free, free)], b[free])
+            if (sub >= 0).all():
+                u[free] = sub
+                break
+            del free[int(np.argmin(sub))]
+        return StepCoefficients(*(float(v) for v in u * self._scales))

@@ -1,0 +1,26 @@
+"""Every route's reservation: what the request will add to its rank's load, held there until
+the rank reports it admitted (``lmpool.control.page_table.reservations``).
+
+It reserves the prompt tokens the request must compute there (and their attention pairs),
+its context and the tokens it will decode, and the new blocks it needs capped at what the
+rank has left, so reservations never promise capacity a rank did not report.
+"""
+
+from __future__ import annotations
+
+from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.pricing.price import attention_pairs, request_shape
+from lmpool.control.routing.route import Route, RouteStage
+
+
+class Reserve(RouteStage):
+    def __init__(self, gbm: GlobalBlockManager) -> None:
+        self.gbm = gbm
+
+    def settle(self, route: Route) -> None:
+        query, rank = route.query, route.rank
+        _, missing, need = request_shape(query, route.expected[rank], self.gbm.block_size)
+        blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))
+        prompt = query.num_prompt_tokens
+        self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing), prompt,
+                         max(1, query.max_tokens))

@@ -1,0 +1,65 @@
+"""One route as it passes the router's pipeline, and the interface of a pipeline stage.
+
+The router fills a ``Route`` with the candidates and each rank's ready match; each stage may
+then raise what a rank will hold when the request runs there (``expect``: pending prefixes,
+pulls under way); the policy chooses (a ``Choice``, with its priced candidates if it prices);
+each stage then settles the route in turn (``settle``: steer to a lease, pull, reserve,
+record demand). ``control/build.py`` lists the stages, in that order.
+
+Invariants: ``expected[r] >= ready[r]`` for every rank; ``waits[r]`` is set only where
+``expected[r]`` counts blocks a pull is still bringing; ``rank`` is a candidate once chosen,
+and ``chosen`` (when set) is its price, for the option the stages settled on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from lmpool.control.pricing.price import RankPrice
+from lmpool.protocol import RouteQuery
+
+
+class Choice(NamedTuple):
+    """A policy's decision: the rank, why, and (a pricing policy) every candidate's price;
+    ``may_leave``: whether a later stage may still send the request elsewhere (a pull)."""
+
+    rank: int
+    reason: str
+    prices: list[RankPrice] | None = None
+    may_leave: bool = False
+
+
+@dataclass(slots=True)
+class Route:
+    query: RouteQuery
+    seed: int | None
+    ranks: list[int]  # the candidates, ascending
+    ready: list[int]  # per rank: matched blocks published there (what the decision reports)
+    expected: list[int]  # ... and what it will hold once its pending prefill and open pulls are done
+    waits: dict[int, float] = field(default_factory=dict)  # rank -> seconds until its pull has landed
+    rank: int = -1
+    reason: str = ""
+    prices: list[RankPrice] | None = None
+    may_leave: bool = False
+    chosen: RankPrice | None = None  # the chosen option's price, when the policy prices
+
+    def take(self, choice: Choice) -> None:
+        self.rank, self.reason, self.prices, self.may_leave = choice
+        self.chosen = self.price_of(self.rank)
+
+    def price_of(self, rank: int) -> RankPrice | None:
+        return next((p for p in self.prices or () if p.rank == rank), None)
+
+
+class RouteStage:
+    """A step of every route; the default does nothing at either point."""
+
+    def expect(self, route: Route) -> None:
+        """Before the policy: raise ``route.expected`` (and ``waits``) where a rank will hold more."""
+
+    def settle(self, route: Route) -> None:
+        """After the policy: change the choice, or act on it."""
+
+    def rank_down(self, rank: int) -> None:
+        """``rank`` died or restarted: forget what this stage held for it."""

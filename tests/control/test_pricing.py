@@ -1,0 +1,137 @@
+"""The measured engine model and what prices with it: the step-time fit recovers known
+coefficients from noisy steps and follows a change, stays non-negative and bounded against
+stalls; calibrations seed every twin replica alike; the bounded-load gate; the measured
+reuse of evictions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lmpool.control.pricing.engine_model import EngineModel
+from lmpool.control.pricing.eviction import EvictionMemory
+from lmpool.control.pricing.gate import overloaded
+from lmpool.control.pricing.step_model import StepCoefficients, StepModel
+from lmpool.protocol import StepSample, StepTimings
+
+TRUE = StepCoefficients(base=2e-3, prefill_token=30e-6, attention_pair=8e-9, decode_seq=40e-6, context_token=0.12e-6)
+
+
+def steps(rng: random.Random, coefficients: StepCoefficients, n: int, noise: float = 0.05) -> list[StepSample]:
+    """``n`` steps of mixed shapes (prefill chunks at various depths, decode batches of various
+    contexts, and both together), timed by ``coefficients`` with multiplicative noise."""
+    out = []
+    for _ in range(n):
+        prefill = attention = 0
+        if rng.random() < 0.4:
+            prefill, done = rng.randrange(16, 8192), rng.randrange(0, 16_384)
+            attention = prefill * done + prefill * (prefill + 1) // 2
+        seqs = rng.randrange(0, 64)
+        context = sum(rng.randrange(64, 8192) for _ in range(seqs))
+        if not prefill and not seqs:
+            seqs, context = 1, 100
+        seconds = coefficients.step_s(prefill, attention, seqs, context) * rng.uniform(1 - noise, 1 + noise)
+        out.append(StepSample(seconds, prefill, attention, seqs, context))
+    return out
+
+
+def predictions_within(model: StepModel, samples: list[StepSample], coefficients: StepCoefficients) -> float:
+    """The largest relative error of ``model``'s predictions against ``coefficients``' on ``samples``."""
+    worst = 0.0
+    for s in samples:
+        true = coefficients.step_s(s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context)
+        worst = max(worst, abs(model.predict(s) - true) / true)
+    return worst
+
+
+def test_the_fit_recovers_known_step_times_from_noisy_steps():
+    rng = random.Random(0)
+    model = StepModel()
+    for _ in range(50):
+        model.observe(steps(rng, TRUE, 20))
+    assert predictions_within(model, steps(rng, TRUE, 500, noise=0.0), TRUE) < 0.05
+    c = model.coefficients
+    assert c.prefill_token == pytest.approx(TRUE.prefill_token, rel=0.1)
+    assert c.attention_pair == pytest.approx(TRUE.attention_pair, rel=0.1)
+    # A decoding sequence and its context are nearly collinear over random batches: their sum is what is known.
+    mean_batch = StepSample(0.0, 0, 0, 32, 32 * 4128)
+    assert model.predict(mean_batch) == pytest.approx(TRUE.step_s(0, 0, 32, 32 * 4128), rel=0.05)
+    assert model.samples == 1000 and 0 < model.error < 0.1
+
+
+def test_the_fit_follows_a_replica_that_slows_down_and_never_goes_negative():
+    rng = random.Random(1)
+    model = StepModel(half_life=200)
+    for _ in range(20):
+        model.observe(steps(rng, TRUE, 20))
+    slower = StepCoefficients(*(2 * v for v in TRUE))  # a neighbour started on the GPU
+    for _ in range(60):
+        model.observe(steps(rng, slower, 20))
+    assert predictions_within(model, steps(rng, slower, 200, noise=0.0), slower) < 0.1
+    assert all(v >= 0 for v in model.coefficients)
+
+
+def test_a_stall_counts_as_a_bounded_miss():
+    rng = random.Random(2)
+    model = StepModel()
+    for _ in range(10):
+        model.observe(steps(rng, TRUE, 20))
+    before = model.coefficients
+    decode = StepSample(0.0, 0, 0, 8, 8000)
+    model.observe([StepSample(5.0, 0, 0, 8, 8000)])  # a collection, a page fault: seconds, once
+    assert model.predict(decode) < 2 * before.step_s(0, 0, 8, 8000)
+
+
+def test_a_calibration_replaces_the_prior_and_the_fit_starts_afresh():
+    rng = random.Random(3)
+    model = StepModel()
+    model.observe(steps(rng, StepCoefficients(*(10 * v for v in TRUE)), 40))
+    fitted = model.calibrate(steps(rng, TRUE, 30))
+    assert model.calibrated and model.samples == 0 and fitted == model.coefficients
+    assert predictions_within(model, steps(rng, TRUE, 100, noise=0.0), TRUE) < 0.2
+    assert model.calibrate([StepSample(0.0), StepSample(float("nan"))]) == fitted, "nothing timed: unchanged"
+
+
+def test_a_rank_without_steps_of_its_own_is_priced_like_its_twins():
+    rng = random.Random(4)
+    model = EngineModel(3)
+    slow = StepCoefficients(*(1.3 * v for v in TRUE))
+    model.observe(StepTimings(0, 1, steps(rng, TRUE, 30, noise=0.0), calibration=True))
+    model.observe(StepTimings(1, 1, steps(rng, slow, 30, noise=0.0), calibration=True))
+    calibrated = model.coefficients(0)
+    assert model.coefficients(1) == model.coefficients(2) == calibrated, "all at the mean of the calibrations"
+    faster = StepCoefficients(*(0.5 * v for v in TRUE))  # rank 1 now runs alone on the machine
+    model.observe(StepTimings(1, 1, steps(rng, faster, 200, noise=0.0)))
+    assert model.coefficients(1).base == pytest.approx(faster.base, rel=0.05)
+    assert model.coefficients(0) == model.coefficients(2) == model.coefficients(1), (
+        "the idle ranks follow the one rank fitted on its own steps, not their stale calibrations")
+    model.observe(StepTimings(0, 1, steps(rng, TRUE, 200, noise=0.0)))
+    assert model.coefficients(0).base == pytest.approx(TRUE.base, rel=0.05)
+    assert model.coefficients(2).base == pytest.approx((TRUE.base + faster.base) / 2, rel=0.05)
+    fit = model.describe(1)
+    assert fit.calibrated and fit.samples == 200 and fit.base_ms == pytest.approx(faster.base * 1e3, rel=0.05)
+
+
+def test_the_bounded_load_gate_is_smg_s():
+    """Past the mean by min(abs, max(4, 2 sqrt(mean))) and past rel times the mean."""
+    assert not overloaded(5, [5, 0, 0, 0], 64, 1.5)  # mean 1.25: 5 is within 4 of it
+    assert overloaded(6, [6, 0, 0, 0], 64, 1.5)
+    assert not overloaded(121, [121, 93, 93, 94], 64, 1.5), "past the margin (20.02), not 1.5 times the mean"
+    assert overloaded(121, [121, 93, 93, 94], 64, 1.0)
+    assert not overloaded(4, [4, 0], 64, 1.5) and overloaded(4, [4, 0], 0, 1.5), "the margin's cap"
+
+
+def test_evictions_are_regretted_when_a_later_prompt_wants_what_was_evicted():
+    memory = EvictionMemory(2, capacity=3)
+    assert memory.reuse(0) == pytest.approx(0.5), "the prior: one regret in two evictions"
+    for h in (b"a", b"b", b"c", b"d"):  # b"a" is forgotten: at most 3 ghosts a rank
+        memory.removed(0, h)
+    memory.wanted(b"a")
+    assert memory.reuse(0) == pytest.approx(1 / 6, rel=1e-3), "a forgotten ghost is no regret"
+    memory.wanted(b"d")
+    memory.wanted(b"d")  # regretted once
+    assert memory.reuse(0) == pytest.approx(2 / 6, rel=1e-3) and memory.reuse(1) == pytest.approx(0.5)
+    memory.drop_rank(0)
+    memory.wanted(b"c")
+    assert memory.reuse(0) == pytest.approx(2 / 6, rel=1e-3), "a restarted rank's ghosts are gone"

@@ -1,0 +1,64 @@
+"""What an engine measures of its own steps for a pool's step-time model: each batch's shape
+(prefill tokens and their attention pairs, decoding sequences and their context), a time per
+read-back step that never counts an interval twice, and the calibration a worker runs before
+it serves, which leaves the engine as it found it."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmpool.config import EngineConfig
+from lmpool.engine.block_manager import BlockManager
+from lmpool.engine.calibration import calibrate
+from lmpool.engine.core import EngineCore
+from lmpool.engine.scheduler import Scheduler
+from lmpool.engine.sequence import Sequence
+from lmpool.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def test_a_batch_knows_its_shape():
+    sched = Scheduler(BlockManager(64, BLOCK), max_num_seqs=8, max_num_batched_tokens=10)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = Sequence("a", list(range(12)), params, BLOCK)
+    sched.add(first)
+    batch = sched.schedule()  # 10 of its 12 prompt tokens: a chunk from 0
+    assert (batch.prefill_tokens, batch.prefill_attention, batch.decode_seqs) == (10, 55, 0)
+    sched.complete_step(batch)
+    sched.add(Sequence("b", list(range(100, 103)), params, BLOCK))
+    batch = sched.schedule()  # "a": its last 2 after 10 computed; "b": 3 from 0
+    assert (batch.prefill_tokens, batch.prefill_attention) == (5, 2 * 10 + 3 + 6)
+    sched.complete_step(batch)
+    first.append_token(7)
+    batch = sched.schedule()  # "a" decodes one token at 13 of context
+    assert (batch.decode_seqs, batch.decode_context, batch.prefill_tokens) == (1, 13, 0)
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_every_read_back_step_is_timed_once_with_its_batch(tiny_model, overlapped):
+    core = EngineCore(EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=64, async_scheduling=overlapped))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    core.add_request("a", list(range(9)), params)
+    steps = 0
+    while core.has_unfinished():
+        core.step()
+        steps += 1
+    samples = core.take_step_samples()
+    assert [(s.prefill_tokens, s.decode_seqs) for s in samples] == [(9, 0)] + [(0, 1)] * 4
+    assert all(s.seconds > 0 for s in samples) and core.take_step_samples() == []
+
+
+def test_calibration_times_the_shapes_the_fit_tells_apart_and_leaves_nothing_behind(tiny_model):
+    core = EngineCore(EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=256, max_num_seqs=32))
+    samples = calibrate(core)
+    prefill = [s for s in samples if s.prefill_tokens]
+    decode = [s for s in samples if s.decode_seqs]
+    assert len(prefill) >= 3 and 1 in {s.decode_seqs for s in decode} and max(s.decode_seqs for s in decode) > 1
+    assert max(s.prefill_attention / s.prefill_tokens for s in prefill) > 4 * min(
+        s.prefill_attention / s.prefill_tokens for s in prefill), "a long prompt's attention as well as short ones'"
+    bm = core.block_manager
+    assert not core.has_unfinished() and bm.num_free == bm.num_blocks and not bm.has_pending_events
+    assert bm.enable_prefix_caching and core.take_step_samples() == []
+    out = core.add_request("after", list(range(8)), SamplingParams(temperature=0, max_tokens=1))
+    assert out.request_id == "after"
