@@ -21,7 +21,7 @@ from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 
 PEERS_DIGEST = "aa52d3175df3fd43521e5fec92dbb5567ca666119688db0a4ed0bcd68482d7f3"
-LMPOOL_DIGEST = "1c867668c7176cb41a2f9f658bb359634143f9b034be789a20728f0258483f52"
+LMPOOL_DIGEST = "14c5ddd236c99c7f8d4c3ea06a7dff93f082f57737f514df3bd6cd8382edbba7"
 
 
 class Clock:

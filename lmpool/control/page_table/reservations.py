@@ -31,12 +31,14 @@ SUMMED = ("blocks", "tokens", "attention", "context", "decode")
 
 
 class RankReservations:
-    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "count")
+    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "count", "version")
 
     def __init__(self) -> None:
         self.blocks = self.tokens = self.attention = self.context = self.decode = self.count = 0
+        self.version = 0  # every change adds one: what was priced from the totals knows when they moved
 
     def add(self, r: Reservation, sign: int) -> None:
+        self.version += 1
         self.blocks += sign * r.blocks
         self.tokens += sign * r.tokens
         self.attention += sign * r.attention
@@ -104,7 +106,7 @@ class Reservations:
             assert reservation.request_id == request_id
             totals[reservation.rank].add(reservation, 1)
         for rank, (own, summed) in enumerate(zip(self.totals, totals)):
-            for name in (*SUMMED, "count"):
+            for name in (*SUMMED, "count"):  # (not the version: a count of changes, not a sum)
                 assert getattr(own, name) == getattr(summed, name), f"rank {rank}: reservation totals ({name})"
         pending = {request_id for _, request_id in self._expiry}
         assert self.by_id.keys() <= pending, "a reservation cannot expire"

@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-from lmpool.control.page_table.view import PageTableView, RankView
+from lmpool.control.page_table.view import PageTableView
 from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.pricing.step_model import StepCoefficients
 from lmpool.control.topology import Topology
@@ -68,6 +68,24 @@ class Limits(NamedTuple):
     max_num_batched_tokens: int
 
 
+class RankWork(NamedTuple):
+    """What a rank has in flight, priced once for every request routed until it changes (its
+    load report, its reservations or its fit): the module docstring's query-free terms."""
+
+    key: tuple  # what it was computed from: the load report, the fit and the reservations' version
+    c: StepCoefficients
+    seqs: int
+    n: int
+    left: int
+    step: float
+    room: int
+    queue: float
+    seat: float
+    theirs: float
+    free: int  # blocks free, less reservations
+    available: int
+
+
 class Pricer:
     def __init__(self, table: PageTableView, topology: Topology, model: EngineModel, limits: Limits,
                  reuse: Callable[[int], float]) -> None:
@@ -76,6 +94,7 @@ class Pricer:
         self.model = model
         self.limits = limits
         self.reuse = reuse  # a rank's measured reuse of what it evicts
+        self._work: dict[int, RankWork] = {}
 
     def serve(self, query: RouteQuery, ranks: list[int], matched: list[int], seed: int | None,
               waits: dict[int, float] | None = None) -> list[RankPrice]:
@@ -83,18 +102,20 @@ class Pricer:
         (``waits[r]`` seconds from now, where a pull is bringing some)."""
         block_size = self.limits.block_size
         usable = max(0, (query.num_prompt_tokens - 1) // block_size)
-        waits = waits or {}
-        return [self.price(query, r, min(matched[r], usable), waits.get(r, 0.0), seed) for r in ranks]
+        price = self.price
+        if not waits:
+            return [price(query, r, usable if matched[r] > usable else matched[r], 0.0, seed) for r in ranks]
+        return [price(query, r, min(matched[r], usable), waits.get(r, 0.0), seed) for r in ranks]
 
-    def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None) -> RankPrice:
-        """``query`` on ``rank`` holding ``m`` usable blocks once ``wait_s`` seconds have passed."""
+    def work(self, rank: int) -> RankWork:
+        """``rank``'s in-flight work, recomputed only when what it is computed from changed."""
         info = self.table.ranks[rank]
-        c = self.model.coefficients(rank)
+        load, res, c = info.load, info.reserved, self.model.coefficients(rank)
+        work = self._work.get(rank)
+        if work is not None and work.key[0] is load and work.key[1] is c and work.key[2] == res.version:
+            return work
+        key = (load, c, res.version)
         lim = self.limits
-        prompt, out = query.num_prompt_tokens, max(1, query.max_tokens)
-        missing = prompt - m * lim.block_size
-        need = max(0, -(-(prompt + out) // lim.block_size) - m)
-        load, res = info.load, info.reserved
         seqs = load.num_running + load.num_waiting + res.count
         n = min(seqs, lim.max_num_seqs)
         ctx = load.context_tokens + res.context
@@ -104,25 +125,39 @@ class Pricer:
         queued = load.waiting_prefill_tokens + res.tokens
         queue = 0.0
         if queued > 0:
-            queue = -(-queued // room) * step + c.prefill_token * queued + c.attention_pair * (load.prefill_attention
-                                                                                              + res.attention)
-        prefill = c.prefill_token * missing + c.attention_pair * attention_pairs(missing, prompt - missing)
-        own = -(-max(1, missing) // room) * step + prefill
+            queue = (-(-queued // room) * step + c.prefill_token * queued
+                     + c.attention_pair * (load.prefill_attention + res.attention))
         seat = 0.0
         if seqs >= lim.max_num_seqs:  # k of n finish first after about 2 k / n of their mean left
             seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
-        ttft = max(queue, wait_s) + own + seat
-        mine = c.decode_seq + c.context_token * (prompt + out / 2)
-        overlap = min(n * (out - 1), left)
         theirs = c.decode_seq + c.context_token * ctx / n if n else 0.0
-        decode = (out - 1) * (c.base + mine) + overlap * theirs
-        harm = overlap * mine + n * prefill
         free = load.blocks_free - res.blocks
-        reclaim = max(0, need - max(0, free))
-        evict = reclaim * self._block_recompute_s(c, prompt) * self.reuse(rank) if reclaim else 0.0
+        work = RankWork(key, c, seqs, n, left, step, room, queue, seat, theirs, free, free + load.blocks_reclaimable)
+        self._work[rank] = work
+        return work
+
+    def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None,
+              arriving: int = 0) -> RankPrice:
+        """``query`` on ``rank`` holding ``m`` usable blocks once ``wait_s`` seconds have passed,
+        ``arriving`` of them copied there first (they need room there too)."""
+        _, c, seqs, n, left, step, room, queue, seat, theirs, free, available = self.work(rank)
+        block_size = self.limits.block_size
+        prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
+        missing = prompt - m * block_size
+        need = -(-(prompt + out) // block_size) - m + arriving
+        prefill = c.prefill_token * missing + c.attention_pair * (missing * (prompt - missing)
+                                                                   + missing * (missing + 1) // 2)
+        ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat
+        mine = c.decode_seq + c.context_token * (prompt + out / 2)
+        overlap = n * (out - 1)
+        if overlap > left:
+            overlap = left
+        total = ttft + (out - 1) * (c.base + mine) + overlap * (theirs + mine) + n * prefill
+        reclaim = need - free if free > 0 else need
+        if reclaim > 0:
+            total += reclaim * self._block_recompute_s(c, prompt) * self.reuse(rank)
         near = 0 if seed is None else self.topology.affinity(seed, rank)
-        return RankPrice(rank, m, missing, need, free + load.blocks_reclaimable, seqs, queue, ttft,
-                         ttft + decode + harm + evict, near)
+        return RankPrice(rank, m, missing, need if need > 0 else 0, available, seqs, queue, ttft, total, near)
 
     def _block_recompute_s(self, c: StepCoefficients, context: int) -> float:
         """One block's prefill at a context like the request's: what a regretted eviction costs."""
@@ -142,20 +177,8 @@ class Pricer:
     def load_s(self, rank: int) -> float:
         """Seconds until ``rank`` has done the work in flight there: its queued prefill, then its
         sequences' mean decode left (placement's load)."""
-        info: RankView = self.table.ranks[rank]
-        c = self.model.coefficients(rank)
-        load, res = info.load, info.reserved
-        seqs = load.num_running + load.num_waiting + res.count
-        queued = load.waiting_prefill_tokens + res.tokens
-        if not seqs and not queued:
-            return 0.0
-        n = min(seqs, self.limits.max_num_seqs)
-        step = c.base + c.decode_seq * n + c.context_token * (load.context_tokens + res.context)
-        prefill = c.prefill_token * queued + c.attention_pair * (load.prefill_attention + res.attention)
-        steps = math.ceil(queued / max(1, self.limits.max_num_batched_tokens - n))
-        if seqs:
-            steps += (load.decode_tokens_left + res.decode) / seqs
-        return prefill + step * steps
+        w = self.work(rank)
+        return w.queue + (w.step * w.left / w.seqs if w.seqs else 0.0)
 
 
 def request_shape(query: RouteQuery, matched: int, block_size: int) -> tuple[int, int, int]:

@@ -7,10 +7,11 @@ estimated seconds have passed (``Pricer.price``: the copy runs while r's queue d
 
     pull_r = price(r, matched = s's depth, wait = copy_s(s -> r, k))
 
-A pull is priced only where it can run: r and s are topology partners, r has no pending
-prefix or pull under way for the prompt (its expected match is its ready one), none of the k
-blocks is in flight to r, and r has room for the request's blocks (free + reclaimable, less
-reservations and incoming plans). Invariants: a pull brings k >= 1 blocks, all ready on its
+A pull is priced only where it can run and could win: r and s are topology partners, r has no
+pending prefix or pull under way for the prompt (its expected match is its ready one), none of
+the k blocks is in flight to r, r has room for the request's blocks (free + reclaimable, less
+reservations and incoming plans), and r's serve price less all the pulled blocks could save
+there is below the route's choice (a copy estimate costs the route time for nothing else). Invariants: a pull brings k >= 1 blocks, all ready on its
 source, never past the prompt's last usable block; its price is for a candidate rank.
 """
 
@@ -50,19 +51,35 @@ class PullPricer:
         src = max(route.ranks, key=lambda r: (ready[r], -infos[r].in_flight_seqs, -r))
         top = min(ready[src], usable)
         partners = self.topology.partners(src)
+        bound = route.chosen.total_s if route.chosen is not None else float("inf")
         out = []
         for r in route.ranks:
             start = ready[r]
             if start >= top or route.expected[r] != start or r not in partners:
                 continue
+            if self._least(route, r, top) >= bound:
+                continue  # no copy, however fast, makes it the cheapest: skip its estimate
             in_flight = infos[r].in_flight
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
                 continue
             seconds = self.estimate_s(src, r, top - start)
-            price = self.pricer.price(query, r, top, seconds, route.seed)
+            price = self.pricer.price(query, r, top, seconds, route.seed, arriving=top - start)
             if self.room(r) >= price.need:
                 out.append(PullOption(price, src, start, top - start, seconds))
         return out
+
+
+    def _least(self, route: Route, rank: int, top: int) -> float:
+        """A floor under any pull's price to ``rank`` of blocks up to ``top``: its serve price
+        less everything the pulled blocks could save there, their prefill (its own, and that of
+        the steps the sequences there share with it) and every step of that prefill."""
+        serve = route.price_of(rank)
+        if serve is None:
+            return float("-inf")
+        work, prompt, block_size = self.pricer.work(rank), route.query.num_prompt_tokens, self.gbm.block_size
+        pulled = (self.pricer.prefill_s(rank, serve.missing, prompt - serve.missing)
+                  - self.pricer.prefill_s(rank, prompt - top * block_size, top * block_size))
+        return serve.total_s - (1 + work.n) * pulled - -(-serve.missing // work.room) * work.step
 
 
 def shared_depth(chain: list[bytes], hashes: list[bytes], start: int, end: int) -> int:
