@@ -374,7 +374,8 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, s
         transfers = stats.get("transfers")
         record["transfers"] = dict(transfers) if isinstance(transfers, dict) else None
         record["rank_stats"] = [{k: r.get(k) for k in ("rank", "prompt_tokens", "prefix_hit_tokens", "blocks_used",
-                                                      "blocks_reclaimable", "blocks_free", "cached_blocks")}
+                                                      "blocks_reclaimable", "blocks_free", "cached_blocks",
+                                                      "step_fit")}
                                 for r in stats.get("ranks", [])]
     finally:
         await pool.shutdown()
