@@ -106,6 +106,7 @@ class EngineCore:
         # Every read-back step's time and shape, newest last, for a pool's step-time model.
         self.step_samples: deque[StepSample] = deque(maxlen=STEP_SAMPLES)
         self._last_done = 0.0  # perf_counter when the latest timed step ended
+        self._timed_pending: PendingTokens | None = None  # ... and its tokens (their events time the next)
         self._synchronous = self.runner.device.type == "cpu"  # a launch returns once the step is computed
 
     # ---- admission ------------------------------------------------------------
@@ -173,15 +174,21 @@ class EngineCore:
         self.step_samples.clear()
         return samples
 
-    def _timed(self, batch: ScheduledBatch, launched: float) -> None:
+    def _timed(self, batch: ScheduledBatch, launched: float, pending: PendingTokens | None = None) -> None:
         """Record a step whose tokens the host has just come to know. Its time runs from its
         launch, or from the previous step's end when that came later (overlapped, the device was
         busy with it), so consecutive samples never count the same interval twice nor an idle one.
-        A CPU computes a step inside its launch: its tokens are known when the launch returns."""
+        On a GPU that is the device's clock (``PendingTokens.device_s``: the host learns of a
+        step's end only once it has queued the next); a CPU computes a step inside its launch,
+        so its tokens are known when the launch returns."""
         done = time.perf_counter()
-        self.step_samples.append(StepSample(done - max(launched, self._last_done), batch.prefill_tokens,
-                                            batch.prefill_attention, batch.decode_seqs, batch.decode_context))
+        seconds = pending.device_s(self._timed_pending) if pending is not None else None
+        if seconds is None:
+            seconds = done - max(launched, self._last_done)
+        self.step_samples.append(StepSample(seconds, batch.prefill_tokens, batch.prefill_attention,
+                                            batch.decode_seqs, batch.decode_context))
         self._last_done = done
+        self._timed_pending = pending
 
     def _step_serial(self, started: float) -> list[StepOutput]:
         batch = self.last_read_back = self.scheduler.schedule()
@@ -193,7 +200,7 @@ class EngineCore:
         # the device computes them.
         self.scheduler.complete_step(batch)
         tokens = pending.result()
-        self._timed(batch, started)
+        self._timed(batch, started, pending)
         return self._read_back(pending.seqs, tokens)
 
     def _step_overlapped(self, started: float) -> list[StepOutput]:
@@ -212,7 +219,7 @@ class EngineCore:
             # The step's one wait, for the previous step: the device has this one queued behind it.
             tokens = previous.pending.result()
             if not self._synchronous:
-                self._timed(previous.batch, previous.launched)
+                self._timed(previous.batch, previous.launched, previous.pending)
             # Its KV is complete now, so its blocks can be cached; then its tokens are appended
             # (after the commit: ``commit`` reads only tokens known before the previous step).
             self.scheduler.commit(previous.batch)

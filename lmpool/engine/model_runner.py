@@ -182,6 +182,10 @@ class ModelRunner:
         still pending. On CUDA nothing here waits for the device, so the caller can do
         host work that does not need the new tokens while the step runs.
         """
+        started = None
+        if self.device.type == "cuda":  # the step's start on the device's clock (``PendingTokens.device_s``)
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         inputs = self.prepare(batch)
         if inputs.fill is not None:
             fill_pending_ids(inputs, previous)
@@ -194,7 +198,7 @@ class ModelRunner:
                 return PendingTokens([], None)
         if inputs.sample_rows is not None:
             hidden = hidden.index_select(0, inputs.sample_rows)
-        return PendingTokens(seqs, *self.sample_checked(hidden, seqs))
+        return PendingTokens(seqs, *self.sample_checked(hidden, seqs), started=started)
 
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Next token of each row of ``hidden`` (one per sequence of ``seqs``), left on the device."""
@@ -244,10 +248,13 @@ class PendingTokens:
     rides in the one copy of the tokens instead of a second read-back. Its
     ``device_tokens`` entry is 0, a valid input id for a next step that may
     already compute the (doomed) sequence, whatever the argmax of NaN gave.
+
+    Given the event of the step's start (``started``), the end event times too, so that
+    ``device_s`` gives the step's seconds on the device's clock.
     """
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None,
-                 finite: torch.Tensor | None = None) -> None:
+                 finite: torch.Tensor | None = None, started: torch.cuda.Event | None = None) -> None:
         self.seqs = seqs
         if tokens is not None and finite is not None:
             bad = ~finite
@@ -257,10 +264,11 @@ class PendingTokens:
             self.device_tokens = tokens
         self._tokens = tokens
         self._done = None
+        self.started = started
         if tokens is not None and tokens.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
-            self._done = torch.cuda.Event()
+            self._done = torch.cuda.Event(enable_timing=started is not None)
             self._done.record(torch.cuda.current_stream(tokens.device))  # the copy's stream, whatever device is current
             self._tokens = host
         self._result: list[int] | None = None
@@ -271,3 +279,18 @@ class PendingTokens:
                 self._done.synchronize()
             self._result = [] if self._tokens is None else self._tokens.tolist()
         return self._result
+
+    def device_s(self, previous: PendingTokens | None) -> float | None:
+        """Once read back, the seconds this step held the device: from the end of ``previous``
+        (the step before it on the stream) or from its own start if that came later (the device
+        waited for it), to its end. Under overlapped stepping a step's kernels are queued while
+        the one before runs, and when the host queues them more slowly than the device runs
+        them, that delay is this step's: host-side intervals would charge it to the step before.
+        None without timing events (a CPU, or a step that sampled nothing)."""
+        if self._done is None or self.started is None or self._result is None:
+            return None
+        begin = self.started
+        if previous is not None and previous.started is not None and previous._done is not None:
+            if previous._done.elapsed_time(self.started) < 0:  # it started before the previous one ended
+                begin = previous._done
+        return begin.elapsed_time(self._done) / 1e3

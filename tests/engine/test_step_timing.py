@@ -6,6 +6,7 @@ it serves, which leaves the engine as it found it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lmpool.config import EngineConfig
 from lmpool.engine.block_manager import BlockManager
@@ -62,3 +63,23 @@ def test_calibration_times_the_shapes_the_fit_tells_apart_and_leaves_nothing_beh
     assert bm.enable_prefix_caching and core.take_step_samples() == []
     out = core.add_request("after", list(range(8)), SamplingParams(temperature=0, max_tokens=1))
     assert out.request_id == "after"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_a_long_prefill_is_timed_as_the_longest_step(tiny_model):
+    """Overlapped, the host learns of a step's end only after queueing the next: timed on the
+    host, a prefill's time went to the decode step before it. Timed on the device, it is the
+    prefill's (every read-back step timed once, none charged for another's)."""
+    core = EngineCore(EngineConfig(tiny_model, device="cuda", block_size=16, num_kv_blocks=512))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    core.add_request("short", list(range(16)), params)
+    for _ in range(3):
+        core.step()
+    core.add_request("long", [i % 1000 for i in range(4000)], params)
+    while core.has_unfinished():
+        core.step()
+    samples = core.take_step_samples()
+    prefill = [s for s in samples if s.prefill_tokens >= 4000]
+    assert len(prefill) == 1 and all(s.seconds > 0 for s in samples)
+    assert prefill[0].seconds > max(s.seconds for s in samples if not s.prefill_tokens)

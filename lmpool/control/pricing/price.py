@@ -12,7 +12,8 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     queue  = ceil(W / room) * step + prefill_token * W + attention_pair * Aw     (0 when W = 0)
     own    = ceil(p / room) * step + prefill_token * p + attention_pair * a
     seat   = the wait for a free sequence slot when n >= max_num_seqs
-    ttft   = max(queue, wait) + own + seat          # wait: a copy the request waits on (a pull)
+    busy   = step when anything runs there: the step under way, which a new request waits for
+    ttft   = max(queue, wait) + own + seat + busy   # wait: a copy the request waits on (a pull)
     decode = (M - 1) * (base + mine) + overlap * theirs
     harm   = overlap * mine + n * (prefill_token * p + attention_pair * a)
     evict  = reclaim blocks * the recompute of one * the rank's measured reuse (``eviction``)
@@ -84,6 +85,7 @@ class RankWork(NamedTuple):
     theirs: float
     free: int  # blocks free, less reservations
     available: int
+    busy: float  # the step under way, which a request arriving now waits for: one step when any runs
 
 
 class Pricer:
@@ -132,7 +134,9 @@ class Pricer:
             seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
         theirs = c.decode_seq + c.context_token * ctx / n if n else 0.0
         free = load.blocks_free - res.blocks
-        work = RankWork(key, c, seqs, n, left, step, room, queue, seat, theirs, free, free + load.blocks_reclaimable)
+        busy = step if seqs else 0.0
+        work = RankWork(key, c, seqs, n, left, step, room, queue, seat, theirs, free, free + load.blocks_reclaimable,
+                        busy)
         self._work[rank] = work
         return work
 
@@ -140,14 +144,14 @@ class Pricer:
               arriving: int = 0) -> RankPrice:
         """``query`` on ``rank`` holding ``m`` usable blocks once ``wait_s`` seconds have passed,
         ``arriving`` of them copied there first (they need room there too)."""
-        _, c, seqs, n, left, step, room, queue, seat, theirs, free, available = self.work(rank)
+        _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, busy = self.work(rank)
         block_size = self.limits.block_size
         prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
         missing = prompt - m * block_size
         need = -(-(prompt + out) // block_size) - m + arriving
         prefill = c.prefill_token * missing + c.attention_pair * (missing * (prompt - missing)
                                                                    + missing * (missing + 1) // 2)
-        ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat
+        ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat + busy
         mine = c.decode_seq + c.context_token * (prompt + out / 2)
         overlap = n * (out - 1)
         if overlap > left:
