@@ -102,12 +102,12 @@ def test_a_waiting_request_id_waits_once():
     rig.check()
 
 
-def test_a_long_prefill_queue_on_the_owner_opens_the_gate_and_the_copy_beats_recomputing():
-    """One request in flight is no overload by count; 50,000 tokens queued ahead of it outlast
-    serving the request elsewhere, and copying the document there beats recomputing it."""
+def test_a_long_prefill_queue_on_an_overloaded_owner_makes_the_copy_beat_recomputing():
+    """The owner's requests in flight pass the bounded-load gate; 50,000 tokens queued there make
+    serving on it dearest, and copying the document to the idle rank beats recomputing it there."""
     rig = PullRig()
     rig.cache(0, DOC)
-    rig.gbm.update_load(0, 1, rig.gbm.ranks[0].load.__class__(num_waiting=1, waiting_prefill_tokens=50_000,
+    rig.gbm.update_load(0, 1, rig.gbm.ranks[0].load.__class__(num_waiting=12, waiting_prefill_tokens=50_000,
                                                                blocks_free=900))
     rig.load(1, 0)
     _, decision = rig.route(DOC)

@@ -21,7 +21,7 @@ from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 
 PEERS_DIGEST = "aa52d3175df3fd43521e5fec92dbb5567ca666119688db0a4ed0bcd68482d7f3"
-LMPOOL_DIGEST = "990ef3f628d045f53e94cea64163701a973df429c0d2730e3b6b053774fea141"
+LMPOOL_DIGEST = "9743ffc81a0ff91f276d3fae3d89ff4c4b981087f298f05b3ff533399ea2c373"
 
 
 class Clock:

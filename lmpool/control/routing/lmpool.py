@@ -7,11 +7,9 @@ expected match is longest, when that match covers more than ``owner_min_match`` 
 (SGLang's cache threshold: a smaller match is a miss); ranks matching as much tie with it.
 
 - no owner: the cheapest rank ("min_price");
-- an owner that is not overloaded: the cheapest of the owner and its ties ("owner"), and no
-  later stage may send the request elsewhere. An owner is overloaded when the bounded-load
-  gate (``lmpool.control.pricing.gate``, over requests in flight) finds it so, or when the
-  prefill queued there alone outlasts serving the request on another rank (recomputing
-  what that one lacks): a giant prompt ahead is an overload that counting requests misses;
+- an owner that the bounded-load gate (``lmpool.control.pricing.gate``, over requests in
+  flight) does not find overloaded: the cheapest of the owner and its ties ("owner"), and no
+  later stage may send the request elsewhere;
 - an overloaded owner: the cheapest rank ("spill" when it is no owner), and a later stage may
   still pull the prefix to another rank.
 
@@ -48,21 +46,9 @@ class LMPoolPolicy(RoutingPolicy):
             return Choice(best.rank, describe(rule, best) + alternatives, prices, may_leave=True)
         owners = [p for p in pool if p.matched == top]
         owner = min(owners, key=_cheapest)
-        if not (overloaded(owner.seqs, (p.seqs for p in prices), cfg.gate_abs_threshold, cfg.gate_rel_threshold)
-                or self._queue_outlasts(route, owner, pool)):
+        if not overloaded(owner.seqs, (p.seqs for p in prices), cfg.gate_abs_threshold, cfg.gate_rel_threshold):
             return Choice(owner.rank, describe("owner", owner) + alternatives, prices)
         if best.matched == top:
             return Choice(best.rank, describe("owner", best) + alternatives, prices, may_leave=True)
         return Choice(best.rank, f"{describe('spill', best)} from {describe('owner', owner)}{alternatives}", prices,
                       may_leave=True)
-
-    def _queue_outlasts(self, route: Route, owner: RankPrice, pool: list[RankPrice]) -> bool:
-        """Whether the prefill queued on ``owner``, less that of the blocks the request expects
-        there (its own pending prefix: no overload), outlasts serving it on a non-owner."""
-        others = [p.ttft_s for p in pool if p.matched < owner.matched]
-        if not others:
-            return False
-        ready = route.ready[owner.rank]
-        own = self.pricer.prefill_s(owner.rank, (owner.matched - min(ready, owner.matched)) * self.table.block_size,
-                                    ready * self.table.block_size)
-        return owner.queue_s - own > min(others)
