@@ -1,19 +1,27 @@
 """The measured engine model and what prices with it: the step-time fit recovers known
 coefficients from noisy steps and follows a change, stays non-negative and bounded against
 stalls; calibrations seed every twin replica alike; the bounded-load gate; the measured
-reuse of evictions."""
+reuse of evictions; every price finite and sane on any load."""
 
 from __future__ import annotations
 
+import math
 import random
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.pricing.eviction import EvictionMemory
 from lmpool.control.pricing.gate import overloaded
+from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.pricing.price import Limits, Pricer
 from lmpool.control.pricing.step_model import StepCoefficients, StepModel
-from lmpool.protocol import StepSample, StepTimings
+from lmpool.control.topology import Topology
+from lmpool.protocol import LoadReport, RouteQuery, StepSample, StepTimings
+from lmpool.protocol.kv_events import KVSnapshot
+from control_testkit import COEF, ManualClock, engine_model
 
 TRUE = StepCoefficients(base=2e-3, prefill_token=30e-6, attention_pair=8e-9, decode_seq=40e-6, context_token=0.12e-6)
 
@@ -135,3 +143,26 @@ def test_evictions_are_regretted_when_a_later_prompt_wants_what_was_evicted():
     memory.drop_rank(0)
     memory.wanted(b"c")
     assert memory.reuse(0) == pytest.approx(2 / 6, rel=1e-3), "a restarted rank's ghosts are gone"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 300), st.integers(0, 300), st.integers(0, 200_000), st.integers(0, 100_000),
+       st.integers(0, 50_000), st.integers(-20, 2000), st.integers(0, 2000), st.integers(0, 40), st.integers(1, 60),
+       st.integers(1, 512), st.floats(0, 1), st.floats(0, 0.05))
+def test_every_price_is_finite_non_negative_and_at_least_its_time_to_first_token(
+        running, waiting, context, left, queued, free, reclaimable, matched, blocks, out, reuse, wait):
+    clock = ManualClock()
+    gbm = GlobalBlockManager(2, 16, clock=clock)
+    for rank in range(2):
+        gbm.register_rank(rank, 1, 4096)
+        gbm.apply_snapshot(rank, 1, KVSnapshot(0, []))
+    gbm.update_load(0, 1, LoadReport(num_running=running, num_waiting=waiting, context_tokens=context,
+                                     decode_tokens_left=left, waiting_prefill_tokens=queued,
+                                     prefill_attention=queued * 1000, blocks_free=free, blocks_reclaimable=reclaimable))
+    pricer = Pricer(gbm, Topology.virtual(2), engine_model(2), Limits(16, 256, 8192), lambda rank: reuse)
+    query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
+    p = pricer.price(query, 0, min(matched, blocks), wait, None)
+    values = (p.queue_s, p.ttft_s, p.total_s)
+    assert all(math.isfinite(v) and v >= 0 for v in values)
+    assert p.ttft_s >= COEF.base and p.total_s >= p.ttft_s and p.need >= 0 and p.missing >= 1
+    assert pricer.load_s(0) >= 0 and math.isfinite(pricer.load_s(0))

@@ -96,6 +96,12 @@ def prompt_tokens(server) -> float:
     return metric(server, "lmpool:prompt_tokens_total")
 
 
+def settled(servers, generated: int) -> None:
+    """Wait until the hosts' boards show ``generated`` tokens in all and nothing running."""
+    wait_for(lambda: sum(metric(s, "lmpool:generation_tokens_total") for s in servers) >= generated
+             and sum(busy(s) for s in servers) == 0, f"the hosts' boards showing {generated} tokens, idle")
+
+
 def test_gateway_in_front_of_two_hosts(hosts, expected):
     gateway, servers = hosts
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -109,13 +115,15 @@ def test_gateway_in_front_of_two_hosts(hosts, expected):
     assert "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices) == expected["chat"].text
 
     # Cache-aware: once one host has served the shared prefix, the others follow it there.
-    # The counters are read once both hosts are idle: a board published while the requests
-    # above were still running would count their prompts as the prefix's.
-    wait_for(lambda: busy(servers[0]) + busy(servers[1]) == 0, "the hosts going idle")
+    # The counters are read once the hosts' boards show every token generated so far (8 from
+    # each request above, 2 from each below): an idle board can be one published before the
+    # last requests began, and would leave their prompts to be counted as the prefix's.
+    settled(servers, 4 * GREEDY["max_tokens"])
     before = [prompt_tokens(s) for s in servers]
     for i in range(4):
-        client.completions.create(model="tiny", prompt=f"{SHARED}story number {i}.", max_tokens=2)
-    wait_for(lambda: busy(servers[0]) + busy(servers[1]) == 0, "the hosts going idle")
+        client.completions.create(model="tiny", prompt=f"{SHARED}story number {i}.", max_tokens=2,
+                                  extra_body={"ignore_eos": True})
+    settled(servers, 4 * GREEDY["max_tokens"] + 4 * 2)
     grew = [prompt_tokens(s) > b for s, b in zip(servers, before)]
     assert grew.count(True) == 1, f"prefix-sharing prompts were spread over the hosts: {grew}"
 

@@ -26,12 +26,12 @@ causes the sequences already there: what a route minimises. Reclaim is the new b
 beyond the free ones (reservations take free blocks first); a rank is feasible when its free and
 reclaimable blocks, less reservations, hold them.
 
-Invariants: every price is finite and >= 0, and never falls when a rank's load grows.
+Invariants: every price and time is finite and >= 0, the time to first token at least one
+step's base, the total at least the time to first token.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
