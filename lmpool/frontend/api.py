@@ -12,9 +12,10 @@ from this process at ``http://<metrics_host>:<port>/metrics`` (see ``lmpool.fron
 ``routing`` names the policy (``lmpool.control.routing.registry.POLICIES``) and
 ``routing_config`` (``RoutingConfig``) its thresholds.
 
-KV transfers: ``enable_transfers=True`` allows explicit ones (``transfer``);
-``transfer_mode`` ("background", "foreground", "both", "pull" or "all"; implies transfers)
-runs the automatic policies ("pull": route-time pulls, ``lmpool.control.transfers.pull``),
+KV transfers: ``transfer_mode`` ("pull", the default: route-time pulls,
+``lmpool.control.transfers.pull``; "background", "foreground", "both" or "all"; any but
+"none" implies transfers, which also allow explicit ones, ``transfer``; with "none",
+``enable_transfers=True`` allows explicit ones alone) runs the automatic policies,
 with copies capped per chain and tick (``background_copy_max_blocks``; a longer chain goes on
 in the next tick) and per pair and tick
 (``background_copy_batch_max_blocks``), and their thresholds in ``transfer_policy``
