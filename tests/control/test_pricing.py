@@ -162,7 +162,7 @@ def test_every_price_is_finite_non_negative_and_at_least_its_time_to_first_token
     pricer = Pricer(gbm, Topology.virtual(2), engine_model(2), Limits(16, 256, 8192), lambda rank: reuse)
     query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
     p = pricer.price(query, 0, min(matched, blocks), wait, None)
-    values = (p.queue_s, p.ttft_s, p.total_s)
+    values = (p.ttft_s, p.total_s)
     assert all(math.isfinite(v) and v >= 0 for v in values)
     assert p.ttft_s >= COEF.base and p.total_s >= p.ttft_s and p.need >= 0 and p.missing >= 1
     assert pricer.load_s(0) >= 0 and math.isfinite(pricer.load_s(0))

@@ -13,7 +13,6 @@ fit does not close is time outside the engine's steps.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import sys
 import time

@@ -51,7 +51,6 @@ class RankPrice(NamedTuple):
     need: int  # new blocks the request would hold
     available: int  # free + reclaimable - reserved blocks
     seqs: int  # requests in flight there: the bounded-load gate's load
-    queue_s: float  # the prefill queued ahead of it
     ttft_s: float
     total_s: float
     affinity: int  # to the seed rank
@@ -149,8 +148,7 @@ class Pricer:
         prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
         missing = prompt - m * block_size
         need = -(-(prompt + out) // block_size) - m + arriving
-        prefill = c.prefill_token * missing + c.attention_pair * (missing * (prompt - missing)
-                                                                   + missing * (missing + 1) // 2)
+        prefill = c.prefill_token * missing + c.attention_pair * attention_pairs(missing, prompt - missing)
         ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat + busy
         mine = c.decode_seq + c.context_token * (prompt + out / 2)
         overlap = n * (out - 1)
@@ -161,7 +159,7 @@ class Pricer:
         if reclaim > 0:
             total += reclaim * self._block_recompute_s(c, prompt) * self.reuse(rank)
         near = 0 if seed is None else self.topology.affinity(seed, rank)
-        return RankPrice(rank, m, missing, need if need > 0 else 0, available, seqs, queue, ttft, total, near)
+        return RankPrice(rank, m, missing, need if need > 0 else 0, available, seqs, ttft, total, near)
 
     def _block_recompute_s(self, c: StepCoefficients, context: int) -> float:
         """One block's prefill at a context like the request's: what a regretted eviction costs."""
