@@ -76,7 +76,8 @@ def test_on_a_gpu_a_long_prefill_is_timed_as_the_longest_step(tiny_model):
     core.add_request("short", list(range(16)), params)
     for _ in range(3):
         core.step()
-    core.add_request("long", [i % 1000 for i in range(4000)], params)
+    # Shares no block with "short" (a cached block would leave fewer than 4,000 to compute).
+    core.add_request("long", [1 + i % 1000 for i in range(4000)], params)
     while core.has_unfinished():
         core.step()
     samples = core.take_step_samples()
