@@ -9,6 +9,11 @@ Two layouts exist: the array layout (every struct a msgpack array, the event's t
 which vLLM's own subscriber example and most deployed consumers decode, and the map layout of
 recent vLLM releases (events as maps with a ``type`` key). ``event_types(array_like)`` builds
 either; the batch is an array in both.
+
+A block hash on the wire is vLLM's ``ExternalBlockHash``: by default vLLM sends the low 64 bits
+of its digest as an unsigned integer (``maybe_convert_block_hash``, on unless
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), and consumers such as NVIDIA Dynamo's KV router
+decode only that form. ``external_block_hash`` is the same conversion of LMPool's 32-byte hashes.
 """
 
 # No `from __future__ import annotations`: msgspec resolves these structs' field types, and
@@ -19,6 +24,13 @@ from typing import NamedTuple
 import msgspec
 
 MEDIUM_GPU = "GPU"
+_LOW_64 = (1 << 64) - 1
+
+
+def external_block_hash(block_hash: bytes) -> int:
+    """A block hash as vLLM publishes it by default: the digest read big-endian, its low 64 bits
+    (``int.from_bytes(digest, "big") & (2**64 - 1)``, vLLM's ``maybe_convert_block_hash``)."""
+    return int.from_bytes(block_hash, "big") & _LOW_64
 
 
 class EventTypes(NamedTuple):
@@ -34,7 +46,8 @@ def event_types(array_like: bool = True) -> EventTypes:
         pass
 
     # No defaults on the fields older consumers require: omit_defaults would drop them.
-    # Hashes are vLLM's ``ExternalBlockHash``: bytes (LMPool's 32-byte hashes) or int.
+    # Hashes are vLLM's ``ExternalBlockHash``: int (``external_block_hash``, the default) or bytes
+    # (LMPool's whole 32-byte hashes).
     class BlockStored(KVCacheEvent):
         block_hashes: list[bytes | int]
         parent_block_hash: bytes | int | None

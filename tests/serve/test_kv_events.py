@@ -1,8 +1,8 @@
 """``lmpool serve --kv-events-endpoint``: the pool's KV events, as a ZMQ subscriber outside the
 pool sees them. A prompt's complete blocks arrive as vLLM ``BlockStored`` events whose hashes
-are the pool's chained block hashes and whose token ids are the prompt's; a replay from seq 0
-gives the same batches; a snapshot shows them on the rank that holds them; a worker's death
-clears its rank."""
+are the pool's chained block hashes in vLLM's default integer form (their low 64 bits) and
+whose token ids are the prompt's; a replay from seq 0 gives the same batches; a snapshot shows
+them on the rank that holds them; a worker's death clears its rank."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import zmq
 from serve_process import BLOCK, free_port, start_server, wait_for
 
 from lmpool.engine.hashing import chain_hashes
-from lmpool.protocol.vllm_kv_events import event_types
+from lmpool.protocol.vllm_kv_events import event_types, external_block_hash
 from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST
 
 PROMPT = list(range(200, 250))  # three complete blocks of 16 and two tokens
@@ -76,7 +76,8 @@ def test_kv_events_follow_the_pool(events_server):
     server, sub, dealer = events_server
     body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
-    hashes = chain_hashes(PROMPT, BLOCK)
+    hashes = [external_block_hash(h) for h in chain_hashes(PROMPT, BLOCK)]
+    assert all(isinstance(h, int) and 0 <= h < 2**64 for h in hashes)
 
     def replayed():
         return stored_blocks(batch for _, batch in ask(dealer, (0).to_bytes(8, "big")))
@@ -90,7 +91,7 @@ def test_kv_events_follow_the_pool(events_server):
     # The live PUB stream carries the same batches as the replay buffer, under the topic.
     second = list(range(300, 340))
     assert httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": second}, timeout=120).status_code == 200
-    wanted, frames = set(chain_hashes(second, BLOCK)), []
+    wanted, frames = {external_block_hash(h) for h in chain_hashes(second, BLOCK)}, []
     while not wanted <= {h for f in frames for e in decode(f[2]).events if isinstance(e, TYPES.stored)
                          for h in e.block_hashes}:
         assert sub.poll(60_000), "the live stream never showed the second prompt's blocks"

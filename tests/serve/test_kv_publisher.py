@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
-from lmpool.protocol.vllm_kv_events import event_types
+from lmpool.protocol.vllm_kv_events import event_types, external_block_hash
 from lmpool.control.kv_events.pool_events import PoolKVEvents
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST, KVEventPublisher
@@ -109,15 +109,20 @@ async def test_a_bad_replay_request_gets_only_the_end_marker(wired):
     assert await replay(dealer, b"what") == []
 
 
+class Recorder:
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, *args))
+
+
 def test_pool_reports_become_chained_events():
-    """The adapter from the page table's reports: chains merge, stale removals are dropped."""
-    calls = []
-
-    class Recorder:
-        def __getattr__(self, name):
-            return lambda *args: calls.append((name, *args))
-
-    events = PoolKVEvents(Recorder(), BLOCK)
+    """The adapter from the page table's reports: chains merge, stale removals are dropped
+    (whole hashes passed through, as ``int_hashes=False`` sends them)."""
+    recorder = Recorder()
+    calls = recorder.calls
+    events = PoolKVEvents(recorder, BLOCK, int_hashes=False)
     events.snapshot(0, KVSnapshot(2, [BlockStored(1, ROOT_HASH, 0, 1, (1, 2, 3, 4)), BlockStored(2, 1, 1, 1, (5, 6, 7, 8))]))
     events.delta(0, KVDelta(2, 6, [BlockStored(3, 2, 2, 1, (9,) * 4), BlockRemoved(1, 0, 9),  # another copy
                                    BlockRemoved(3, 2, 1), BlockStored(7, ROOT_HASH, 3, 1, (0,) * 4)]))
@@ -126,4 +131,22 @@ def test_pool_reports_become_chained_events():
         ("cleared", 0), ("stored", 0, [1, 2], None, [1, 2, 3, 4, 5, 6, 7, 8], BLOCK), ("flush",),
         ("stored", 0, [3], 2, [9] * 4, BLOCK), ("removed", 0, [3]), ("stored", 0, [7], None, [0] * 4, BLOCK),
         ("flush",), ("cleared", 0), ("flush",),
+    ]
+
+
+def test_hashes_go_out_as_vllm_default_integers():
+    """By default a 32-byte hash is published as vLLM publishes its own: the digest's low 64 bits,
+    an unsigned integer (the parent too); the removal of that copy names the same integer."""
+    low = [2**63, 2**63 + 1]  # above int64: unsigned on the wire
+    digest = [bytes([i + 1]) * 24 + low[i].to_bytes(8, "big") for i in range(2)]
+    recorder = Recorder()
+    events = PoolKVEvents(recorder, BLOCK)
+    events.snapshot(0, KVSnapshot(2, [BlockStored(digest[0], ROOT_HASH, 0, 1, (1, 2, 3, 4)),
+                                      BlockStored(digest[1], digest[0], 1, 1, (5, 6, 7, 8))]))
+    events.delta(0, KVDelta(2, 4, [BlockStored(b"\x07" * 32, digest[1], 2, 1, (9,) * 4), BlockRemoved(digest[1], 1, 1)]))
+    assert external_block_hash(digest[0]) == low[0] and external_block_hash(b"\xff" * 32) == 2**64 - 1
+    assert recorder.calls == [
+        ("cleared", 0), ("stored", 0, low, None, [1, 2, 3, 4, 5, 6, 7, 8], BLOCK), ("flush",),
+        ("stored", 0, [external_block_hash(b"\x07" * 32)], low[1], [9] * 4, BLOCK), ("removed", 0, [low[1]]),
+        ("flush",),
     ]

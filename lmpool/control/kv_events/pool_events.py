@@ -7,10 +7,16 @@ consecutive stored blocks that chain onto each other become one ``BlockStored``,
 sends them. A removal is published only for the copy of a block that is cached: the same
 rule as the page table's (``GlobalBlockManager._remove``).
 
+Block hashes go out as vLLM sends them by default, the low 64 bits of the digest as an integer
+(``external_block_hash``), which is the form consumers such as Dynamo's KV router decode;
+``int_hashes=False`` sends the whole 32-byte hashes instead (vLLM with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). Either way the copies known here are keyed by the
+whole hash, so a removal matches exactly the copy that was stored.
+
 Configured by the ``LMPOOL_KV_EVENTS`` environment variable (JSON: ``endpoint``, optional
-``replay_endpoint``, ``topic``, ``buffer_steps``, ``array_like``), which the control process
-inherits from the process that starts the pool; without it ``from_env`` gives ``NO_KV_EVENTS``,
-whose hooks do nothing, and pyzmq is never imported.
+``replay_endpoint``, ``topic``, ``buffer_steps``, ``array_like``, ``int_hashes``), which the
+control process inherits from the process that starts the pool; without it ``from_env`` gives
+``NO_KV_EVENTS``, whose hooks do nothing, and pyzmq is never imported.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
+from lmpool.protocol.vllm_kv_events import external_block_hash
 
 ENV = "LMPOOL_KV_EVENTS"
 
@@ -51,14 +58,19 @@ def from_env(block_size: int):
     options = json.loads(config)
     publisher = KVEventPublisher(options["endpoint"], options.get("replay_endpoint"), options.get("topic", ""),
                                  options.get("buffer_steps", 10_000), options.get("array_like", True))
-    return PoolKVEvents(publisher.start(), block_size)
+    return PoolKVEvents(publisher.start(), block_size, options.get("int_hashes", True))
+
+
+def _whole(block_hash: bytes) -> bytes:
+    return block_hash
 
 
 class PoolKVEvents(NoKVEvents):
-    def __init__(self, publisher, block_size: int) -> None:
+    def __init__(self, publisher, block_size: int, int_hashes: bool = True) -> None:
         self.publisher = publisher
         self.block_size = block_size
-        self._copies: dict[int, dict[int, int]] = {}  # rank -> {hash: generation << 32 | block id}
+        self._wire = external_block_hash if int_hashes else _whole  # a hash as the events carry it
+        self._copies: dict[int, dict[bytes, int]] = {}  # rank -> {hash: generation << 32 | block id}
 
     def snapshot(self, rank: int, snapshot: KVSnapshot) -> None:
         self.publisher.cleared(rank)
@@ -77,7 +89,7 @@ class PoolKVEvents(NoKVEvents):
             copies = self._copies.setdefault(rank, {})
             if copies.get(event.block_hash) == event.generation << 32 | event.block_id:
                 del copies[event.block_hash]
-                self.publisher.removed(rank, [event.block_hash])
+                self.publisher.removed(rank, [self._wire(event.block_hash)])
         self._stored(rank, run)
         self.publisher.flush()
 
@@ -100,8 +112,8 @@ class PoolKVEvents(NoKVEvents):
     def _publish_chain(self, rank: int, chain: list[BlockStored]) -> None:
         parent = chain[0].parent_hash
         tokens = [t for event in chain for t in event.token_ids]
-        self.publisher.stored(rank, [e.block_hash for e in chain], None if parent == ROOT_HASH else parent,
-                              tokens, self.block_size)
+        self.publisher.stored(rank, [self._wire(e.block_hash) for e in chain],
+                              None if parent == ROOT_HASH else self._wire(parent), tokens, self.block_size)
 
     def rank_down(self, rank: int) -> None:
         self._copies.pop(rank, None)

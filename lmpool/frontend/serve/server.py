@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-buffer-steps", type=int, default=10_000, help="batches kept for replay")
     p.add_argument("--kv-events-map-layout", action="store_true",
                    help="encode events as maps (recent vLLM) rather than arrays (vLLM's subscriber example)")
+    p.add_argument("--kv-events-bytes-hashes", action="store_true",
+                   help="send the whole 32-byte block hashes (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) "
+                        "rather than vLLM's default, their low 64 bits as integers")
     p.add_argument("--shutdown-grace", type=_seconds, default=5.0,
                    help="seconds the running requests get to finish once SIGINT or SIGTERM stops the server")
     p.add_argument("--log-level", default="info")
@@ -88,7 +91,7 @@ def kv_events_config(args: argparse.Namespace) -> str | None:
         return None
     return json.dumps({"endpoint": args.kv_events_endpoint, "replay_endpoint": args.kv_events_replay_endpoint,
                        "topic": args.kv_events_topic, "buffer_steps": args.kv_events_buffer_steps,
-                       "array_like": not args.kv_events_map_layout})
+                       "array_like": not args.kv_events_map_layout, "int_hashes": not args.kv_events_bytes_hashes})
 
 
 def check_endpoints(args: argparse.Namespace) -> None:
