@@ -16,6 +16,9 @@ class RoutingConfig:
     owner_min_match: float = 0.3
     gate_abs_threshold: int = 64
     gate_rel_threshold: float = 1.5
+    # Prices within this fraction of the cheapest are equal (the step fits err by a few percent);
+    # among them the rank with the most free blocks wins (``lmpool.control.pricing.price.cheapest``).
+    price_tie: float = 0.03
     # A route reservation counts until its rank reports the request admitted, or this long
     # (a request that never reached its rank).
     reservation_ttl_s: float = 10.0
@@ -48,6 +51,8 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.owner_min_match < 1:
             raise ValueError(f"owner_min_match must be in [0, 1), got {self.owner_min_match!r}")
+        if not 0 <= self.price_tie < 1:
+            raise ValueError(f"price_tie must be in [0, 1), got {self.price_tie!r}")
         if not self.gate_abs_threshold >= 0 or not self.gate_rel_threshold >= 1:
             raise ValueError(f"need gate_abs_threshold >= 0 and gate_rel_threshold >= 1, got "
                              f"{self.gate_abs_threshold!r}, {self.gate_rel_threshold!r}")

@@ -100,7 +100,7 @@ def assemble(spec: ControlSpec, gbm: GlobalBlockManager, send: Callable[[int, ob
         chains = HotChains(cfg.recent_chains)
     if transfer.route_pulls:
         pricing = PullPricer(gbm, links, pricer, coordinator.cost_model.estimate, coordinator.room)
-        pulls = RoutePulls(gbm, coordinator, pricing, pull_resolved)
+        pulls = RoutePulls(gbm, coordinator, pricing, pull_resolved, pool.routing_config.price_tie)
     router = make_router(gbm, links, pool.routing, pool.routing_config, pricer, evictions, steering, pulls, chains)
     policies = TransferPolicies(spec, gbm, links, pricer, coordinator, send, steering, pulls, chains)
     return Parts(router, model, coordinator, policies)

@@ -67,10 +67,11 @@ class PullRig:
         info = self.gbm.ranks[rank]
         self.gbm.apply_snapshot(rank, info.epoch, KVSnapshot(info.version + 1, chain_blocks(hashes, first_id=1)))
 
-    def load(self, rank: int, running: int, decode_left: int = 0, context: int = 0) -> None:
+    def load(self, rank: int, running: int, decode_left: int = 0, context: int = 0,
+             free: int = NUM_BLOCKS - 100) -> None:
         info = self.gbm.ranks[rank]
         self.gbm.update_load(rank, info.epoch, LoadReport(num_running=running, decode_tokens_left=decode_left,
-                                                          context_tokens=context, blocks_free=NUM_BLOCKS - 100))
+                                                          context_tokens=context, blocks_free=free))
 
     def route(self, hashes: list[int], tail_tokens: int = 1, max_tokens: int = 64):
         query = RouteQuery(f"q{next(self._requests)}", hashes, len(hashes) * BLOCK + tail_tokens, max_tokens)

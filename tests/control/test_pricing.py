@@ -16,7 +16,7 @@ from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.pricing.eviction import EvictionMemory
 from lmpool.control.pricing.gate import overloaded
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import Limits, Pricer
+from lmpool.control.pricing.price import Limits, Pricer, RankPrice, cheapest
 from lmpool.control.pricing.step_model import StepCoefficients, StepModel
 from lmpool.control.topology import Topology
 from lmpool.protocol import LoadReport, RouteQuery, StepSample, StepTimings
@@ -128,6 +128,17 @@ def test_the_bounded_load_gate_is_smg_s():
     assert not overloaded(121, [121, 93, 93, 94], 64, 1.5), "past the margin (20.02), not 1.5 times the mean"
     assert overloaded(121, [121, 93, 93, 94], 64, 1.0)
     assert not overloaded(4, [4, 0], 64, 1.5) and overloaded(4, [4, 0], 0, 1.5), "the margin's cap"
+
+
+def test_prices_within_the_tie_are_equal_and_the_emptier_rank_wins():
+    def p(rank, total_s, free, matched=0, affinity=0):
+        return RankPrice(rank, matched, 0, 1, 100, free, 0, total_s / 2, total_s, affinity)
+
+    assert cheapest([p(0, 1.0, 10), p(1, 1.02, 90)], 0.03).rank == 1  # within 3 %: more free blocks
+    assert cheapest([p(0, 1.0, 10), p(1, 1.05, 90)], 0.03).rank == 0  # beyond it: the price
+    assert cheapest([p(0, 1.0, 10), p(1, 1.0, 90)], 0.0).rank == 1  # an exact tie
+    assert cheapest([p(0, 1.0, 10, matched=3), p(1, 1.01, 90)], 0.03).rank == 0  # a longer match first
+    assert cheapest([p(0, 1.0, 90), p(1, 1.01, 10, affinity=1)], 0.03).rank == 1  # nearer the seed first
 
 
 def test_evictions_are_regretted_when_a_later_prompt_wants_what_was_evicted():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from control_testkit import COEF
-from pull_rig import BLOCK, PullRig
+from pull_rig import BLOCK, NUM_BLOCKS, PullRig
 
 from lmpool.protocol import RouteQuery
 
@@ -42,6 +42,22 @@ def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first
     rig.advance(plan.plan_id)  # the destination publishes: the request may run
     assert rig.resolved == [(rid, "landed")]
     assert rig.gbm.prefix_match(DOC)[1] == len(DOC)
+    rig.finish(plan.plan_id)
+    rig.check()
+
+
+def test_a_copy_goes_to_the_emptiest_of_the_ranks_priced_alike():
+    """Idle ranks price alike; one that holds a document nothing has asked for yet (its
+    questions may be coming) is not where another document's copy should land."""
+    rig = PullRig(world=4)
+    busy_owner(rig)
+    other = list(range(100, 132))
+    rig.cache(1, other)
+    rig.load(1, 0, free=NUM_BLOCKS - 100 - len(other))
+    _, decision = rig.route(DOC)
+    assert decision.reason.startswith("pull r2<-r0:32b=")
+    (plan,) = rig.coordinator.plans.values()
+    assert plan.dst == 2
     rig.finish(plan.plan_id)
     rig.check()
 

@@ -32,7 +32,7 @@ step's base, the total at least the time to first token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from lmpool.control.page_table.view import PageTableView
@@ -50,6 +50,7 @@ class RankPrice(NamedTuple):
     missing: int  # prompt tokens to compute
     need: int  # new blocks the request would hold
     available: int  # free + reclaimable - reserved blocks
+    free: int  # free - reserved blocks: room without evicting
     seqs: int  # requests in flight there: the bounded-load gate's load
     ttft_s: float
     total_s: float
@@ -159,7 +160,7 @@ class Pricer:
         if reclaim > 0:
             total += reclaim * self._block_recompute_s(c, prompt) * self.reuse(rank)
         near = 0 if seed is None else self.topology.affinity(seed, rank)
-        return RankPrice(rank, m, missing, need if need > 0 else 0, available, seqs, ttft, total, near)
+        return RankPrice(rank, m, missing, need if need > 0 else 0, available, free, seqs, ttft, total, near)
 
     def _block_recompute_s(self, c: StepCoefficients, context: int) -> float:
         """One block's prefill at a context like the request's: what a regretted eviction costs."""
@@ -181,6 +182,18 @@ class Pricer:
         sequences' mean decode left (placement's load)."""
         w = self.work(rank)
         return w.queue + (w.step * w.left / w.seqs if w.seqs else 0.0)
+
+
+def cheapest(prices: Iterable[RankPrice], tie: float) -> RankPrice:
+    """The cheapest of ``prices``, counting those within ``tie`` of its price as equal: among
+    them, higher topology affinity to the seed, a longer match, more free blocks, then the lower
+    price and rank. Free blocks decide between ranks the model cannot tell apart (idle ones,
+    say): an emptier cache evicts less, and a cache holding content nothing has asked for yet
+    is likely to be asked for it (a document read there, whose questions are coming)."""
+    prices = list(prices)
+    bound = min(p.total_s for p in prices) * (1.0 + tie)
+    return min((p for p in prices if p.total_s <= bound),
+               key=lambda p: (-p.affinity, -p.matched, -p.free, p.total_s, p.rank))
 
 
 def request_shape(query: RouteQuery, matched: int, block_size: int) -> tuple[int, int, int]:

@@ -13,20 +13,17 @@ expected match is longest, when that match covers more than ``owner_min_match`` 
 - an overloaded owner: the cheapest rank ("spill" when it is no owner), and a later stage may
   still pull the prefix to another rank.
 
-Ties go to higher topology affinity to the seed, a longer match, then the lower rank. The
-reason ends with every candidate's price in milliseconds.
+Prices within ``price_tie`` of the cheapest tie (``pricing.price.cheapest``): higher topology
+affinity to the seed wins, then a longer match, more free blocks, the lower rank. The reason
+ends with every candidate's price in milliseconds.
 """
 
 from __future__ import annotations
 
 from lmpool.control.pricing.gate import overloaded
-from lmpool.control.pricing.price import RankPrice, describe
+from lmpool.control.pricing.price import cheapest, describe
 from lmpool.control.routing.policy import RoutingPolicy
 from lmpool.control.routing.route import Choice, Route
-
-
-def _cheapest(p: RankPrice) -> tuple:
-    return p.total_s, -p.affinity, -p.matched, p.rank
 
 
 class LMPoolPolicy(RoutingPolicy):
@@ -39,13 +36,13 @@ class LMPoolPolicy(RoutingPolicy):
         rule = "min_price"
         if not pool:
             pool, rule = prices, "no_capacity"
-        best = min(pool, key=_cheapest)
+        best = cheapest(pool, cfg.price_tie)
         top = max(p.matched for p in pool)
         alternatives = "; serve " + " ".join(f"r{p.rank}={p.total_s * 1e3:.0f}" for p in prices)
         if top * self.table.block_size <= cfg.owner_min_match * query.num_prompt_tokens:
             return Choice(best.rank, describe(rule, best) + alternatives, prices, may_leave=True)
         owners = [p for p in pool if p.matched == top]
-        owner = min(owners, key=_cheapest)
+        owner = cheapest(owners, cfg.price_tie)
         if not overloaded(owner.seqs, (p.seqs for p in prices), cfg.gate_abs_threshold, cfg.gate_rel_threshold):
             return Choice(owner.rank, describe("owner", owner) + alternatives, prices)
         if best.matched == top:

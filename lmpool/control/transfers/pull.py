@@ -2,7 +2,7 @@
 
 A route stage. Once the routing policy has chosen, and only where it lets the request leave
 its rank (an overloaded owner, or no owner: ``Choice.may_leave``), ``settle`` prices a pull to
-every candidate that could take one (``pull_price``); the cheapest wins if it costs less than
+every candidate that could take one (``pull_price``); the cheapest (``pricing.price.cheapest``) wins if it costs less than
 the policy's choice, and opens a copy plan (kind "pull") for the missing blocks to that rank.
 A request routed to a rank that an open pull is bringing its prefix to waits for that pull,
 however it was routed: concurrent requests needing the same blocks on the same rank share
@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.pricing.price import cheapest
 from lmpool.control.routing.route import Route, RouteStage
 from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
 from lmpool.control.transfers.pull_price import PullOption, PullPricer, describe, shared_depth
@@ -59,8 +60,9 @@ class PullCounters:
 
 class RoutePulls(RouteStage):
     def __init__(self, gbm: GlobalBlockManager, coordinator: TransferCoordinator, pricer: PullPricer,
-                 on_resolved: Callable[[str, str], None]) -> None:
+                 on_resolved: Callable[[str, str], None], price_tie: float = 0.0) -> None:
         self.gbm = gbm
+        self.price_tie = price_tie  # prices this close are equal (``pricing.price.cheapest``)
         self.coordinator = coordinator
         self.pricer = pricer
         self.on_resolved = on_resolved
@@ -100,7 +102,8 @@ class RoutePulls(RouteStage):
         if not options:
             return False
         alternatives = "; pull " + " ".join(describe(o) for o in options)
-        best = min(options, key=lambda o: (o.price.total_s, o.price.rank))
+        by_rank = {o.price.rank: o for o in options}
+        best = by_rank[cheapest((o.price for o in options), self.price_tie).rank]
         if route.chosen is None or best.price.total_s >= route.chosen.total_s:
             route.reason += alternatives
             return False
