@@ -6,9 +6,11 @@ rules; a peer variant pins an older rule set through ``RoutingConfig`` fields, s
 whose routing lacks one of those fields refuses it (``TypeError``) and the suite records
 the variant as unavailable instead of silently running the current rule under its name.
 
-A policy that names a ``runner`` is not a pool at all: ``smg_cache_aware`` runs the real
-SGLang model gateway in front of single-replica ``lmpool serve`` hosts (``eval_gateway``),
-to check the ``sglang_cache_aware`` reimplementation against the router it copies.
+A policy that names a ``runner`` is not LMPool's routing at all: ``smg_cache_aware`` runs the
+real SGLang model gateway in front of single-replica ``lmpool serve`` hosts (``eval_gateway``),
+to check the ``sglang_cache_aware`` reimplementation against the router it copies; ``dynamo_kv``
+runs NVIDIA Dynamo's own KV router in front of a pool, fed by the pool's KV events
+(``eval_dynamo``), and ``dynamo_kv_copy`` is LMPool's reimplementation of its rule.
 
 Invariant: a policy passes a keyword only when it has something to say, so it runs on
 every build that has the features it uses; ``transfer_mode=None`` passes none at all and
@@ -27,7 +29,7 @@ class Policy:
     transfer_mode: str | None = "none"  # None: the pool's default mode
     routing_config: tuple[tuple[str, object], ...] = ()  # RoutingConfig fields that differ from the defaults
     enable_transfers: bool = False  # transfers set up without a mode that plans any (a control)
-    runner: str | None = None  # an external system that runs instead of a pool ("smg")
+    runner: str | None = None  # an external router that runs instead of LMPool's ("smg", "dynamo")
 
     def pool_kwargs(self) -> dict:
         kw: dict = {"routing": self.routing}
@@ -53,6 +55,13 @@ class Policy:
                     "implementation": "the real SGLang model gateway (smg) in front of single-replica "
                                       "lmpool serve hosts, not a reimplementation",
                     "gateway": gateway_record()}
+        if self.runner == "dynamo":
+            from eval_dynamo import dynamo_record
+
+            return {"routing": self.routing, "transfer_mode": "none", "runner": "dynamo",
+                    "implementation": "NVIDIA Dynamo's own KV router (ai-dynamo-runtime's SelectionService) "
+                                      "in front of the pool, fed by the pool's KV events, not a reimplementation",
+                    "dynamo": dynamo_record()}
         mode = self.transfer_mode if self.transfer_mode is not None else f"default ({default_transfer_mode()})"
         out: dict = {"routing": self.routing, "transfer_mode": mode}
         if self.routing_config:
@@ -84,11 +93,16 @@ def rule_fields(routing: str, overrides: dict) -> dict:
     return {k: v for k, v in dataclasses.asdict(config).items() if k.startswith(prefix)}
 
 
+# NVIDIA Dynamo's own KV router in front of the pool (eval_dynamo). ``dynamo_kv_copy`` below is
+# LMPool's reimplementation of its rule (the pool's routing "dynamo_kv"), kept because running the
+# two side by side checks the copy, as smg's gateway checks the SGLang copy.
+DYNAMO = Policy("dynamo_kv", "dynamo", runner="dynamo")
 PEERS = (
     Policy("round_robin", "round_robin"),
     Policy("least_loaded", "least_loaded"),
     Policy("sglang_cache_aware", "sglang_cache_aware"),
-    Policy("dynamo_kv", "dynamo_kv"),
+    DYNAMO,
+    Policy("dynamo_kv_copy", "dynamo_kv"),
 )
 # Older rule sets of the peers, named by what they pin. SGLang's gateway before its current
 # defaults: cache threshold 0.5, balance thresholds 32 / 1.0001 in the max - min switch (smg 1.9
@@ -99,10 +113,11 @@ PEER_VARIANTS = (
         ("sglang_cache_threshold", 0.5), ("sglang_balance_abs_threshold", 32),
         ("sglang_balance_rel_threshold", 1.0001), ("sglang_miss_rule", "smallest_tree"),
         ("sglang_balance_rule", "max_min"))),
-    Policy("dynamo_kv_v0", "dynamo_kv", routing_config=(
+    Policy("dynamo_kv_copy_v0", "dynamo_kv", routing_config=(
         ("dynamo_prefill_tokens", "full"), ("dynamo_assume_kv_reuse", False))),
 )
-# The real gateway whose rule ``sglang_cache_aware`` reimplements (eval_gateway).
+# The real gateway whose rule ``sglang_cache_aware`` reimplements (eval_gateway): it starts server
+# processes of its own, so it runs only when named.
 SMG = Policy("smg_cache_aware", "cache_aware", runner="smg")
 GATEWAYS = (SMG,)
 LMPOOL = Policy("lmpool", "lmpool", transfer_mode=None)  # LMPool as a user gets it: the pool's default mode

@@ -64,13 +64,14 @@ __all__ = ["GATEWAYS", "LMPOOL", "LMPOOL_ROUTING", "LMPOOL_VARIANTS", "PEERS", "
 
 
 def chosen_policies(args: argparse.Namespace, available: tuple[Policy, ...], quick: str) -> list[Policy]:
-    """``--policies`` ('all' or none: every one that runs a pool); in quick mode without it, the
-    runner's ``quick`` set, which the recorded config then names. A policy with an external
-    runner (the real gateway) runs only when named, so 'all' costs what it did before it."""
+    """``--policies`` ('all' or none: every one that runs a pool, Dynamo's router in front of one
+    included); in quick mode without it, the runner's ``quick`` set, which the recorded config
+    then names. The real gateway starts server processes of its own and runs only when named, so
+    'all' costs what it did before it."""
     if args.quick and not args.policies:
         args.policies = quick
     if args.policies in (None, "all"):
-        return [p for p in available if p.runner is None]
+        return [p for p in available if p not in GATEWAYS]
     return select_policies(available, args.policies)
 
 
@@ -180,7 +181,7 @@ def _portable(arg: str) -> str:
 
 def environment(device: str) -> dict:
     versions = {"python": platform.python_version()}
-    for dist in ("lmpool", "torch", "msgspec", "numpy", "uvloop"):
+    for dist in ("lmpool", "torch", "msgspec", "numpy", "uvloop", "pyzmq", "ai-dynamo-runtime"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -339,6 +340,34 @@ def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) 
     return kw
 
 
+def new_pool(model: str, args: argparse.Namespace, policy: Policy, setting: Setting, max_model_len: int):
+    """An unstarted pool for one run of ``policy``; ``PolicyUnavailable`` when its constructor
+    refuses the policy's settings."""
+    from lmpool.frontend.api import AsyncLMPool
+
+    try:
+        extra = {}
+        if policy.transfer_mode != "none" and args.transfer_profile is not None:
+            from lmpool.config.transfer import TransferPolicyConfig
+
+            extra["transfer_policy"] = TransferPolicyConfig(transfer_profile=str(args.transfer_profile))
+        # A start that hangs is bounded too (the pool's own default waits 300 s).
+        return AsyncLMPool(model, world_size=args.world_size, device=args.device,
+                           ready_timeout=min(300.0, max(60.0, args.run_timeout)),
+                           **policy.pool_kwargs(), **extra, **engine_args(args, setting, max_model_len))
+    except (TypeError, ValueError) as e:
+        raise PolicyUnavailable(f"{type(e).__name__}: {e}") from e
+
+
+def pool_figures(stats: dict) -> dict:
+    """What a run records of the pool's ``stats()``: its transfer counters and each rank's row."""
+    transfers = stats.get("transfers")
+    return {"transfers": dict(transfers) if isinstance(transfers, dict) else None,
+            "rank_stats": [{k: r.get(k) for k in ("rank", "prompt_tokens", "prefix_hit_tokens", "blocks_used",
+                                                 "blocks_reclaimable", "blocks_free", "cached_blocks", "step_fit")}
+                           for r in stats.get("ranks", [])]}
+
+
 async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, setting: Setting,
                   max_model_len: int, bar) -> dict:
     """Start a pool for ``policy``, replay ``trace`` on it, and stop it. Raises
@@ -346,20 +375,7 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, s
     with a ``runner``, when that system cannot run here)."""
     if policy.runner is not None:
         return await run_external(model, args, policy, trace, setting, max_model_len, bar)
-    from lmpool.frontend.api import AsyncLMPool
-
-    try:
-        # A start that hangs is bounded too (the pool's own default waits 300 s).
-        extra = {}
-        if policy.transfer_mode != "none" and args.transfer_profile is not None:
-            from lmpool.config.transfer import TransferPolicyConfig
-
-            extra["transfer_policy"] = TransferPolicyConfig(transfer_profile=str(args.transfer_profile))
-        pool = AsyncLMPool(model, world_size=args.world_size, device=args.device,
-                           ready_timeout=min(300.0, max(60.0, args.run_timeout)),
-                           **policy.pool_kwargs(), **extra, **engine_args(args, setting, max_model_len))
-    except (TypeError, ValueError) as e:
-        raise PolicyUnavailable(f"{type(e).__name__}: {e}") from e
+    pool = new_pool(model, args, policy, setting, max_model_len)
     record: dict = {}
     started = time.perf_counter()
     try:
@@ -371,29 +387,38 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, s
                                               bar.update if bar is not None else (lambda *a: None))
             record["replay_s"] = time.perf_counter() - t
             stats = await pool.stats()
-        transfers = stats.get("transfers")
-        record["transfers"] = dict(transfers) if isinstance(transfers, dict) else None
-        record["rank_stats"] = [{k: r.get(k) for k in ("rank", "prompt_tokens", "prefix_hit_tokens", "blocks_used",
-                                                      "blocks_reclaimable", "blocks_free", "cached_blocks",
-                                                      "step_fit")}
-                                for r in stats.get("ranks", [])]
+        record.update(pool_figures(stats))
     finally:
         await pool.shutdown()
     return record
 
 
+# Dynamo's router pins every request it routes, so the pool's own routing never runs (only a
+# request moved off a dead rank would meet it); no transfers, as under every routing-only peer.
+DYNAMO_POOL = Policy("dynamo_kv's pool", "round_robin")
+
+
 async def run_external(model: str, args: argparse.Namespace, policy: Policy, trace, setting: Setting,
                        max_model_len: int, bar) -> dict:
-    """``run_one`` for a policy that names an external runner (``eval_gateway``)."""
-    if policy.runner != "smg":
-        raise PolicyUnavailable(f"no runner {policy.runner!r}")
-    from eval_gateway import GatewayUnavailable, run_gateway
+    """``run_one`` for a policy that names an external router (``eval_gateway``, ``eval_dynamo``)."""
+    on_done = bar.update if bar is not None else (lambda *a: None)
+    if policy.runner == "smg":
+        from eval_gateway import GatewayUnavailable, run_gateway
 
-    try:
-        return await run_gateway(model, args, trace, setting, max_model_len, replay,
-                                 bar.update if bar is not None else (lambda *a: None))
-    except GatewayUnavailable as e:
-        raise PolicyUnavailable(str(e)) from e
+        try:
+            return await run_gateway(model, args, trace, setting, max_model_len, replay, on_done)
+        except GatewayUnavailable as e:
+            raise PolicyUnavailable(str(e)) from e
+    if policy.runner == "dynamo":
+        from eval_dynamo import DynamoUnavailable, run_dynamo, selection_service
+
+        try:
+            selection_service()  # before any pool is made
+            pool = new_pool(model, args, DYNAMO_POOL, setting, max_model_len)
+            return await run_dynamo(pool, args, trace, setting, replay, on_done, pool_figures)
+        except DynamoUnavailable as e:
+            raise PolicyUnavailable(str(e)) from e
+    raise PolicyUnavailable(f"no runner {policy.runner!r}")
 
 
 class PolicyUnavailable(Exception):

@@ -84,7 +84,7 @@ def test_every_policy_follows_every_other_equally_often(n):
 
 
 def test_peer_variants_pin_the_older_rules_and_are_refused_by_a_build_without_their_fields():
-    """``sglang_cache_aware_v0`` and ``dynamo_kv_v0`` name every field of the rule set they
+    """``sglang_cache_aware_v0`` and ``dynamo_kv_copy_v0`` name every field of the rule set they
     stand for; a routing config that lacks one refuses it (the suite then records the variant
     unavailable) rather than running today's rule under the old name."""
     import dataclasses

@@ -1,0 +1,220 @@
+"""The ``dynamo_kv`` peer (``benchmarks/eval_dynamo.py``): NVIDIA Dynamo's own KV router
+(``ai-dynamo-runtime``'s ``SelectionService``) in front of a two-replica CPU pool, reading the
+pool's KV events.
+
+Two prefixes are seeded on ranks 0 and 1 by requests pinned there; once Dynamo's index shows
+each prefix on its rank (the pool's events are its only source: pinned requests put nothing in
+its index), the prefixes' followers, routed by Dynamo, go to the rank holding their prefix and
+find it cached there. Every booking is released: Dynamo counts no request, prefill token or
+block once the requests ended, including a stream its reader left early. The relay gives each
+rank its own stream and replay, byte for byte the pool's batches. Without the package the policy
+is unavailable, with the reason, in the suite's record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import eval_dynamo
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from eval_driver import Arrival, replay
+from eval_policies import DYNAMO
+from eval_settings import Setting
+from kv_event_relay import END_SEQ, RankRelay
+from workloads import Tokens, Trace, TraceRequest
+
+from lmpool.control.kv_events.publisher import KVEventPublisher
+from lmpool.protocol.vllm_kv_events import event_types
+from lmpool.sampling_params import SamplingParams
+
+BLOCK = 8
+PREFIX = 5 * BLOCK  # five full blocks in common within a group
+TAIL = 6
+MAX_TOKENS = 3
+POLL_S = 0.05
+
+
+def dynamo_runs() -> None:
+    try:
+        eval_dynamo.selection_service()
+    except eval_dynamo.DynamoUnavailable as e:
+        pytest.skip(f"Dynamo's router is not installed here: {e}")
+
+
+def suite_args(**kw) -> argparse.Namespace:
+    base = {"world_size": 2, "device": "cpu", "block_size": BLOCK, "max_num_seqs": 8, "max_num_batched_tokens": 512,
+            "dtype": None, "enforce_eager": False, "run_timeout": 300.0, "transfer_profile": None, "order": "fixed"}
+    return argparse.Namespace(**(base | kw))
+
+
+def traces(vocab: int) -> tuple[Trace, Trace, dict[str, list[int]]]:
+    """The seeding trace (group a's first request pinned to rank 0, group b's to rank 1), the
+    followers' trace (three per group, routed by Dynamo), and the groups' prefixes."""
+    tokens = Tokens("dynamo-test", 0, vocab)
+    prefixes = {g: tokens.draw(PREFIX) for g in "ab"}
+    seed = tuple(TraceRequest(i, "seed", g, prefixes[g] + tokens.draw(TAIL), MAX_TOKENS, rank)
+                 for i, (g, rank) in enumerate((("a", 0), ("b", 1))))
+    follow = tuple(TraceRequest(i, "follow", g, prefixes[g] + tokens.draw(TAIL), MAX_TOKENS, None)
+                   for i, g in enumerate("abbaab"))
+    return (Trace("dynamo_seed", 0, ("seed",), seed, {}), Trace("dynamo_follow", 0, ("follow",), follow, {}),
+            prefixes)
+
+
+async def device_blocks(service, prompt: list[int]) -> dict[int, int]:
+    """Per rank, the blocks of ``prompt`` Dynamo's index holds there."""
+    scores = await service.overlap_scores({"token_ids": prompt})
+    return {w["dp_rank"]: w["device_blocks"] for w in scores["workers"]}
+
+
+async def wait_for_index(service, prompt: list[int], rank: int, blocks: int) -> None:
+    """Until Dynamo's index shows ``blocks`` of ``prompt`` on ``rank`` (the pool's events reached it)."""
+    while (await device_blocks(service, prompt)).get(rank, 0) < blocks:
+        await asyncio.sleep(POLL_S)
+
+
+def new_pool(model: str, args, setting):
+    import eval_suite
+
+    return eval_suite.new_pool(model, args, eval_suite.DYNAMO_POOL, setting, 128)
+
+
+def test_dynamo_routes_followers_to_the_rank_holding_their_prefix(tiny_model, no_leaks):
+    dynamo_runs()
+    from lmpool.model.config import ModelConfig
+
+    seed, follow, prefixes = traces(ModelConfig.from_pretrained(tiny_model).vocab_size)
+    args, setting = suite_args(), Setting(kv_blocks=64, arrival=Arrival("window", window=1))
+
+    async def scenario():
+        async with eval_dynamo.dynamo_in_front(new_pool(tiny_model, args, setting), args, setting) as front:
+            service = front.service
+            never_sent = list(range(1, 1 + PREFIX))
+            seeded = await replay(front.client, seed, setting.arrival)
+            assert seeded["rank"] == [0, 1] and seeded["route"] == ["pinned", "pinned"]
+            # Only the pool's KV events can put the seeded prefixes in Dynamo's index.
+            for group, rank in (("a", 0), ("b", 1)):
+                await wait_for_index(service, prefixes[group], rank, PREFIX // BLOCK)
+                assert (await device_blocks(service, prefixes[group])).get(1 - rank, 0) == 0
+            assert set((await device_blocks(service, never_sent)).values()) == {0}
+            followed = await replay(front.client, follow, setting.arrival)
+            booked = eval_dynamo.booked_load(service)
+            figures = eval_dynamo.run_figures(front, BLOCK)
+            return followed, booked, figures
+
+    followed, booked, figures = asyncio.run(scenario())
+    home = {"a": 0, "b": 1}
+    for i, group in enumerate(followed["group"]):
+        assert followed["rank"][i] == home[group], f"follower {i} of group {group} left its prefix's rank"
+        assert followed["route"][i] == "dynamo_select"
+        assert followed["num_cached_tokens"][i] == PREFIX, f"follower {i} missed its prefix's blocks"
+        assert followed["output_len"][i] == MAX_TOKENS
+    # Every booking released: nothing left counted on any worker once the requests ended.
+    assert booked == {"active_requests": 0, "prefill_tokens": 0, "decode_blocks": 0}
+    assert figures["booked_after"] == booked
+    assert figures["selected"] == len(follow.requests) and figures["pinned"] == len(seed.requests)
+    total = len(follow.requests) + len(seed.requests)
+    assert figures["prefill_completed"] == figures["freed"] == total
+    assert all(n > 0 for n in figures["forwarded"])  # each rank's own stream carried its events
+
+
+def test_a_booking_moves_at_the_first_token_and_is_freed_however_the_stream_ends(tiny_model, no_leaks):
+    """Dynamo's lifecycle on one request: booked (prefill and blocks) when routed; at its first
+    token its prefill leaves the load and its blocks stay; at its end nothing stays. A reader
+    that leaves a stream early frees its booking too."""
+    dynamo_runs()
+    args, setting = suite_args(), Setting(kv_blocks=64, arrival=Arrival())
+    prompt = list(range(100, 100 + 4 * BLOCK + 3))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def scenario():
+        async with eval_dynamo.dynamo_in_front(new_pool(tiny_model, args, setting), args, setting) as front:
+            client, service = front.client, front.service
+            seen = []
+            async for out in client.stream(prompt, params):
+                seen.append(eval_dynamo.booked_load(service))
+            after = eval_dynamo.booked_load(service)
+            stream = client.stream(prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+            await anext(stream)
+            left_open = eval_dynamo.booked_load(service)
+            await stream.aclose()  # the reader leaves: the pool aborts the request, Dynamo frees it
+            return seen, after, left_open, eval_dynamo.booked_load(service), client
+
+    seen, after, left_open, closed, client = asyncio.run(scenario())
+    blocks = len(prompt) // BLOCK  # Dynamo books a prompt's complete blocks
+    assert seen[0] == {"active_requests": 1, "prefill_tokens": 0, "decode_blocks": blocks}
+    assert after == closed == {"active_requests": 0, "prefill_tokens": 0, "decode_blocks": 0}
+    assert left_open["active_requests"] == 1
+    assert client.selected == client.prefill_completed == client.freed == 2
+
+
+def test_an_absent_dynamo_package_makes_the_policy_unavailable(monkeypatch):
+    """No substitute rule runs under Dynamo's name: the run and the policy are ``unavailable``,
+    with the reason, and the policy's record says why too."""
+    import eval_suite
+
+    monkeypatch.setitem(sys.modules, "dynamo.llm", None)  # import dynamo.llm now fails
+    setting = Setting(kv_blocks=8, arrival=Arrival())
+    with pytest.raises(eval_suite.PolicyUnavailable, match="ai-dynamo-runtime is not installed"):
+        asyncio.run(eval_suite.run_one("unused", suite_args(), DYNAMO, traces(16)[0], setting, 128, None))
+    record = DYNAMO.record()
+    assert record["runner"] == "dynamo" and "not a reimplementation" in record["implementation"]
+    assert "ai-dynamo-runtime" in record["dynamo"]["error"] and record["dynamo"]["router_config"] is None
+
+    state, failures = {"status": "ok", "error": None}, {DYNAMO.name: 0}
+    cell = {"key": "dynamo_seed", "trace": traces(16)[0], "setting": setting, "position": 0}
+    run = eval_suite._run_policy(suite_args(), "unused", DYNAMO, cell, 0, 128, state, failures,
+                                 eval_suite.Progress(1, False))
+    assert run["status"] == state["status"] == "unavailable"
+    assert "ai-dynamo-runtime" in run["error"] and failures[DYNAMO.name] == 0
+
+
+async def test_the_relay_gives_each_rank_its_own_stream_and_replay():
+    """The pool's one stream becomes one per rank, each numbered from 0, live to a subscriber
+    and replayable, every payload the pool's own bytes. Forwarding waits for a subscriber on
+    every rank, then starts with what the pool published before (from the pool's replay socket),
+    so a subscriber sees its rank's stream from seq 0; batches of no rank of the pool go nowhere."""
+    decode = msgspec.msgpack.Decoder(event_types(True).batch).decode
+    publisher = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").start()
+    publisher.stored(0, [11, 12], None, list(range(8)), 4)
+    publisher.flush()
+    publisher.stored(1, [21], None, [9] * 4, 4)
+    publisher.flush()
+    relay = await RankRelay(publisher.endpoint, publisher.replay_endpoint, 2).start()
+    ctx = zmq.asyncio.Context()
+    subs, dealers = [ctx.socket(zmq.SUB) for _ in range(2)], [ctx.socket(zmq.DEALER) for _ in range(2)]
+    try:
+        for rank in range(2):
+            subs[rank].setsockopt(zmq.SUBSCRIBE, b"")
+            subs[rank].connect(relay.endpoints[rank])
+            dealers[rank].connect(relay.replay_endpoints[rank])
+        await relay.subscribed()  # both subscriptions reached the relay: forwarding starts
+        for rank, hashes in ((0, [13]), (1, [22]), (0, [14])):
+            publisher.stored(rank, hashes, None, [rank] * 4, 4)
+            publisher.flush()
+        while sum(relay.forwarded) < 5:
+            publisher.cleared(99)  # a batch of no rank here: any the relay missed shows as a gap
+            publisher.flush()
+            await asyncio.sleep(POLL_S)
+        assert relay.forwarded == [3, 2] and relay.lost == 0
+        payloads = [p for _, p in publisher._buffer if decode(p).data_parallel_rank in (0, 1)]
+        for rank in range(2):
+            mine = [p for p in payloads if decode(p).data_parallel_rank == rank]
+            live = [await subs[rank].recv_multipart() for _ in mine]
+            assert [(int.from_bytes(f[1], "big"), f[2]) for f in live] == list(enumerate(mine))
+            await dealers[rank].send_multipart((b"", (0).to_bytes(8, "big")))
+            replayed = []
+            while (frames := await dealers[rank].recv_multipart())[1] != END_SEQ:
+                replayed.append((int.from_bytes(frames[1], "big"), frames[2]))
+            assert replayed == list(enumerate(mine))  # its own numbering from 0, the pool's bytes
+        assert relay.replays_served == [1, 1]
+    finally:
+        for sock in (*subs, *dealers):
+            sock.close(linger=0)
+        ctx.term()
+        await relay.aclose()
+        publisher.close()
