@@ -1,13 +1,26 @@
 # The set-up every device session shares; source it from the repository root
 # (`. benchmarks/device/setup.sh`): installs the wheels in .whl/ (msgspec, posix-ipc,
-# pytest-asyncio ...) into /tmp/site without touching the system, links the folders that
-# install under other import names, points Python and the kernel cache there, and defines
-# build_kernels (the CUDA kernels, built before anything is timed).
+# pytest-asyncio ...) and, when carried, Dynamo's in .whl-dynamo/ into /tmp/site without
+# touching the system, links the folders that install under other import names, points Python
+# and the kernel cache there, and defines build_kernels (the CUDA kernels, built before anything
+# is timed).
 mkdir -p /tmp/site
 # Installed once per set of wheels (a stamp lists them): parts of a run that start side by
 # side (run_eval_parts.sh) must not reinstall into /tmp/site while another part imports.
 if compgen -G ".whl/*.whl" >/dev/null && [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$(ls .whl/*.whl)" ]; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl && ls .whl/*.whl >/tmp/site/.wheels
+fi
+# NVIDIA Dynamo's router for the dynamo_kv peer, when .whl-dynamo/ travels (made here by
+# benchmarks/device/pack_dynamo.py: its wheel xz-compressed with a stripped library, and its needs
+# as wheels for this Python); none of it when the folder is absent. Once per set, as above.
+if compgen -G ".whl-dynamo/*.whl.xz" >/dev/null && [ "$(cat /tmp/site/.dynamo 2>/dev/null)" != "$(ls .whl-dynamo/)" ]; then
+  mkdir -p /tmp/dynamo-wheel
+  for f in .whl-dynamo/*.whl.xz; do
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$f" "/tmp/dynamo-wheel/$(basename "${f%.xz}")"
+  done
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl-dynamo/*.whl /tmp/dynamo-wheel/*.whl \
+    && ls .whl-dynamo/ >/tmp/site/.dynamo
 fi
 # Without an install, the folders that install under other import names need links.
 ln -sfn "$PWD/ipc" /tmp/site/lmpool_ipc
