@@ -310,23 +310,22 @@ class PoolClient:
             # The route's reservation is keyed by this dispatch's wire id: the worker reports
             # admissions by the id it was given, and the control plane releases on that.
             wire_id = str(next(self._wire_ids))
-            if pinned is not None and self.ranks[pinned].alive:
-                rank = self.ranks[pinned]
-                req.route, req.predicted_ttft_s = "pinned", None
-            else:
-                tokens = req.prompt_token_ids + req.output_token_ids
-                query = RouteQuery(
-                    wire_id, chain_hashes(tokens, self.block_size, salt=req.params.cache_salt), len(tokens),
-                    req.params.max_tokens - len(req.output_token_ids),
-                )
-                try:
-                    decision = await self.control_request(query)
-                except PoolError as e:  # the control plane's words name no caller's id
-                    raise PoolError(f"request {req.request_id!r} could not be routed: {e}") from None
-                rank = self.ranks[decision.rank]
-                req.route, req.predicted_ttft_s = decision.reason, decision.predicted_ttft_s
-                if self.requests.get(req.request_id) is not req:
-                    return  # aborted while its route waited (on a route-time pull): never start it
+            tokens = req.prompt_token_ids + req.output_token_ids
+            # A pinned request is routed too, to its rank: the control plane reserves for it there
+            # and counts its prefix, as for any route (a dead pinned rank: routed as usual).
+            query = RouteQuery(
+                wire_id, chain_hashes(tokens, self.block_size, salt=req.params.cache_salt), len(tokens),
+                req.params.max_tokens - len(req.output_token_ids),
+                pinned if pinned is not None and self.ranks[pinned].alive else None,
+            )
+            try:
+                decision = await self.control_request(query)
+            except PoolError as e:  # the control plane's words name no caller's id
+                raise PoolError(f"request {req.request_id!r} could not be routed: {e}") from None
+            rank = self.ranks[decision.rank]
+            req.route, req.predicted_ttft_s = decision.reason, decision.predicted_ttft_s
+            if self.requests.get(req.request_id) is not req:
+                return  # aborted while its route waited (on a route-time pull): never start it
             if not rank.alive:
                 continue  # the control plane had not yet heard of its death
             if rank.proc.poll() is not None:  # exited, its death not yet seen (it died with another)

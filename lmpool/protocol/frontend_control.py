@@ -13,6 +13,7 @@ class RouteQuery(Message, tag="route"):
     block_hashes: list[BlockHash]  # chained hashes of the prompt's complete blocks
     num_prompt_tokens: int
     max_tokens: int
+    pinned: int | None = None  # a rank the caller chose: the router accounts for it there, choosing nothing
 
 
 class RouteDecision(Message, tag="decision"):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 import math
 
+import msgspec
+
 import pytest
 
 from lmpool.config import RoutingConfig
@@ -352,6 +354,25 @@ def test_a_chain_is_branched_once_prompts_continue_it_two_ways():
     router.route(query(history))
     router.route(query(history))  # two prompts ending in the same tail: two questions
     assert gbm.hash_stats(history[-1]).branched
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_pinned_request_goes_to_its_rank_and_counts_there(policy):
+    """Pinned (``generate(rank=...)``), a request still reserves and records its prefix on its
+    rank: a document read there is expected there before the rank reports a block of it."""
+    gbm, router = make(policy=policy)
+    doc = chain(20)
+    pinned = msgspec.structs.replace(query(doc + chain(1, family=7)), pinned=3)
+    decision = router.route(pinned)
+    assert (decision.rank, decision.reason, decision.matched_blocks) == (3, "pinned", 0)
+    assert decision.predicted_ttft_s is not None and decision.predicted_ttft_s > 0
+    assert gbm.reservations[pinned.request_id].rank == 3
+    gbm.check_invariants()
+    if policy == "lmpool":  # it counts pending prefixes: the question follows its document
+        follower = router.route(query(doc + chain(1, family=8)))
+        assert follower.rank == 3 and follower.reason.startswith("owner r3 m20")
+    gbm.mark_dead(3)
+    assert router.route(pinned).rank != 3, "a dead pinned rank: routed as usual"
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -8,6 +8,11 @@ route (``settle``); see ``lmpool.control.routing.route``. The stages are what ev
 shares (reservations, demand) and what LMPool's adds (pending prefixes, leases, pulls), so
 comparisons isolate the rule.
 
+A query pinned to a rank (``RouteQuery.pinned``, ``AsyncLMPool.generate(rank=...)``) that is a
+candidate goes there without the policy: its route is priced and settled like any other (its
+reservation, demand and pending prefix count), but it carries no candidates' prices, so no stage
+moves it, and the policy does not learn it as its own choice.
+
 The decision reports only ready blocks: pending ones never count in ``matched_blocks``.
 """
 
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.policy import RoutingPolicy
-from lmpool.control.routing.route import Route, RouteStage
+from lmpool.control.routing.route import Choice, Route, RouteStage
 from lmpool.control.topology import Topology
 from lmpool.protocol import RouteDecision, RouteQuery
 
@@ -44,12 +49,24 @@ class Router:
         route = Route(query, seed_rank, ranks, ready, list(ready))
         for stage in self.stages:
             stage.expect(route)
-        route.take(self.policy.choose(route))
+        pinned = query.pinned is not None and query.pinned in ranks
+        if pinned:
+            self._pin(route)
+        else:
+            route.take(self.policy.choose(route))
         for stage in self.stages:
             stage.settle(route)
-        self.policy.routed(query, route.rank)
+        if not pinned:  # a policy's memory of its routes holds its own choices only
+            self.policy.routed(query, route.rank)
         chosen = route.chosen
         return RouteDecision(route.rank, ready[route.rank], route.reason, None if chosen is None else chosen.ttft_s)
+
+    def _pin(self, route: Route) -> None:
+        """The caller chose the rank: the route is accounted for there (reserved, its demand and
+        pending prefix recorded) and priced, but no stage moves it (unpriced routes stay put)."""
+        query = route.query
+        route.take(Choice(query.pinned, "pinned"))
+        route.chosen = self.policy.pricer.serve(query, [query.pinned], route.expected, route.seed, route.waits)[0]
 
     def rank_down(self, rank: int) -> None:
         """``rank`` died: the page table forgets it, and nothing routed there will be computed."""
