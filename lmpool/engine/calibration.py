@@ -10,7 +10,8 @@ first step pays one-time costs).
 
 Invariants: the prefix cache is off while it runs, so nothing computed is cached or reported,
 and every request is gone, its blocks free, when it returns; a request that could not fit
-is left out rather than failing the worker. It costs a few hundred milliseconds.
+is left out rather than failing the worker. It costs a few hundred milliseconds (more on
+a slow CPU, whose long prompt is at least ``LONG_MIN`` short ones).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ BATCH = 16  # short requests decoding together
 SHORT = 64  # their prompt tokens
 DECODE = 8  # tokens each short request generates (the long one: half as many)
 LONG_S = 0.05  # the long prompt's length is what its linear part prefills in this long at the batch's pace
+LONG_MIN = 8  # ... and at least this many short prompts' length (its attention per token 8x theirs)
 
 
 def calibrate(core: EngineCore, seed: int = 0) -> list[StepSample]:
@@ -46,9 +48,12 @@ def calibrate(core: EngineCore, seed: int = 0) -> list[StepSample]:
             if i:  # the first is the warm-up
                 kept += core.take_step_samples()
         # As long a prompt as the batch's measured pace prefills in ``LONG_S`` (attention grows
-        # faster than that on a CPU), in one chunk at most.
+        # faster than that on a CPU), in one chunk at most; and never under ``LONG_MIN`` short
+        # ones where it fits: on a slow or loaded machine the pace alone would leave the long
+        # prompt's attention per token too like the short ones' for the fit to tell them apart.
         pace = max((s.seconds / s.prefill_tokens for s in kept if s.prefill_tokens), default=0.0)
-        long = longest if pace <= 0 else max(short, min(longest, int(LONG_S / pace)))
+        floor = min(longest, LONG_MIN * short)
+        long = longest if pace <= 0 else max(floor, min(longest, int(LONG_S / pace)))
         _run(core, rng, [(long, DECODE // 2)], "calibration-long")
         kept += core.take_step_samples()
     finally:
