@@ -63,10 +63,17 @@ def is_conversation(value) -> bool:
 
 
 # The arguments of apply_chat_template that encode_chat sets itself.
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt"})
+# Not template variables: ``encode_chat``'s own arguments, which a template kwarg of the same name
+# collided with (a TypeError), and ``apply_chat_template``'s options, which change what it returns
+# (token ids, a dict, tensors, a truncated or continued rendering) or what it renders.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "tokenizer", "messages", "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs", "sanitize_control_tokens",
+})
 
 
-def encode_chat(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], /, **template_kwargs) -> list[int]:
     """Token ids of a conversation rendered by the tokenizer's chat template, ending with the
     assistant's turn opened (``add_generation_prompt``). ``template_kwargs`` reach the
     template (Qwen3's takes ``enable_thinking``)."""

@@ -182,7 +182,7 @@ class AsyncLMPool:
         ``encode_chat(messages)`` to ``stream``."""
         return await self.generate(self.encode_chat(messages, **template_kwargs), params, request_id, rank)
 
-    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+    def encode_chat(self, messages: list[dict], /, **template_kwargs) -> list[int]:
         return encode_chat(self.tokenizer, messages, **template_kwargs)
 
     async def transfer(self, prompt: Prompt, src: int, dst: int, move: bool = False):

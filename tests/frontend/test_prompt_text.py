@@ -29,7 +29,9 @@ def test_a_message_with_a_lone_surrogate_is_refused_by_name(tokenizer):
         encode_chat(tokenizer, [{"role": "user", "content": LONE_SURROGATE}])
 
 
-@pytest.mark.parametrize("kwargs", [{"tokenize": True}, {"add_generation_prompt": False}])
+@pytest.mark.parametrize("kwargs", [{"tokenize": True}, {"add_generation_prompt": False},
+                                    {"messages": [{"role": "user", "content": "x"}]}, {"tokenizer": None},
+                                    {"return_dict": True}, {"continue_final_message": True}])
 def test_template_kwargs_cannot_set_what_encode_chat_sets(tokenizer, kwargs):
     with pytest.raises(ValueError, match=f"chat template kwargs cannot set {next(iter(kwargs))}"):
         encode_chat(tokenizer, [{"role": "user", "content": "hi"}], **kwargs)

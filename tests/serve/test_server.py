@@ -157,6 +157,26 @@ def test_fields_that_would_change_the_output_are_refused_not_ignored(server, pat
     assert ("its own chat template" if "chat_template_kwargs" in extra else "not supported") in error["message"]
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    ({"messages": [{"role": "user", "content": "x"}]}, "chat template kwargs cannot set messages"),
+    ({"tokenize": True}, "chat template kwargs cannot set tokenize"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools in chat_template_kwargs: not supported"),
+])
+def test_template_kwargs_that_the_server_sets_or_refuses_are_a_400(server, kwargs, words):
+    """``messages`` there was a 500 (a TypeError: the argument twice), and ``tools`` reached the
+    template although a request's own ``tools`` is refused."""
+    body = {"messages": CHAT, "max_tokens": 2, "chat_template_kwargs": kwargs}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 == error["code"] and words in error["message"]
+
+
+def test_template_kwargs_named_like_the_server_s_own_arguments_are_template_variables(server):
+    body = {"messages": CHAT, "max_tokens": 2, "chat_template_kwargs": {"request": 1, "encode": 2}}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+
+
 def test_no_op_values_of_unsupported_fields_and_unknown_fields_are_accepted(client):
     """What clients send as defaults leaves the output unchanged, so it is served."""
     out = client.completions.create(model="tiny", prompt=PROMPT, presence_penalty=0, frequency_penalty=0.0,

@@ -92,7 +92,7 @@ def _pool(request: Request, model: str | None) -> AsyncLMPool:
     return request.app.state.pool
 
 
-async def _tokenize(request: Request, encode, *args, **kwargs) -> list[int]:
+async def _tokenize(request: Request, encode, /, *args, **kwargs) -> list[int]:
     # Off the event loop: a prompt of megabytes takes seconds to tokenize, which there would
     # stall every other request's stream and /health (the tokenizer releases the GIL).
     work = functools.partial(encode, *args, **kwargs)

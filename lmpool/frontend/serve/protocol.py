@@ -181,6 +181,11 @@ class ChatCompletionRequest(SamplingFields):
         # every request's tokenizing (vLLM refuses one unless --trust-request-chat-template).
         if kwargs and "chat_template" in kwargs:
             raise ValueError("a request cannot supply its own chat template")
+        # What the request's own fields refuse may not reach the template by another way.
+        refused = sorted({"tools", "documents"}.intersection(kwargs or ()))
+        if refused:
+            raise ValueError(f"{', '.join(refused)} in chat_template_kwargs: not supported (no tool calls or "
+                             f"documents are served)")
         return kwargs
 
     def conversation(self) -> list[dict]:
