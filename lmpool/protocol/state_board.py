@@ -15,6 +15,7 @@ own clock. Fields are named on the wire, so a reader tolerates fields it does no
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Self
 
@@ -138,12 +139,23 @@ class StateBoardReader(_BoardSide):
         """The latest published state; None before the first publish. Raises
         ``lmpool_ipc.BoardBusyError`` if the writer was mid-write at every try."""
         value = self._board.read()
-        return None if value is None else self._decoder.decode(value)
+        return None if value is None else _finite(self._decoder.decode(value))
 
     def removed(self) -> bool:
         """True once the board's name is gone (the pool shut down, or was swept): the
         mapping still shows the last state, but nothing will publish on it again."""
         return not os.path.exists(SHM_DIR + self.name)
+
+
+def _finite(state: PoolState) -> PoolState:
+    """``state`` if every figure in it is finite; a ``msgspec.ValidationError`` otherwise (NaN or
+    inf, a planted board's, would crash a display that formats durations and rates)."""
+    for struct in (state, *state.ranks):
+        for name in struct.__struct_fields__:
+            value = getattr(struct, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise msgspec.ValidationError(f"{type(struct).__name__}.{name} is {value}")
+    return state
 
 
 def pool_boards() -> dict[str, str]:

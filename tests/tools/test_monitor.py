@@ -8,10 +8,12 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 
 from lmpool.protocol.state_board import BOARD_LABEL, PoolState, RankRow, StateBoardWriter, board_capacity
 from lmpool_ipc import IpcPool
+from lmpool_tools import ps
 from lmpool_tools.monitor import PoolMonitor, PoolNotFound, find_pool
 from lmpool_tools.top import ASCII_GLYPHS, bar, frame, sparkline
 
@@ -112,6 +114,26 @@ def test_dead_pools_and_ranks(board, case):
     lines = [text for text, _ in frame(view, 160)]
     rows = [line.split() for line in lines if line.split()[:1] in (["0"], ["1"])]
     assert [row[3] for row in rows] == ["dead", "dead"] and [row[4] for row in rows] == ["-", "-"]
+
+
+@pytest.mark.parametrize("bad", [{"started_at": float("nan")}, {"monotonic": float("inf")},
+                                 {"route_p99_us": float("-inf")}, {"rank_step_ms": float("nan")}])
+def test_a_board_with_non_finite_figures_is_invalid_not_a_crash(board, bad, capsys):
+    """NaN or inf in a planted board's fields raised ValueError or OverflowError in ps and top."""
+    pool, name, writer = board
+    published = state(pool, [1, 1], at=time.monotonic())
+    if "rank_step_ms" in bad:
+        published.ranks[1].step_ms = bad["rank_step_ms"]
+    else:
+        published = msgspec.structs.replace(published, **bad)
+    writer.publish(published)
+    monitor = PoolMonitor(pool.pool_id, name)
+    try:
+        view = monitor.sample()
+    finally:
+        monitor.close()
+    assert view.verdict == "dead" and "holds no valid pool state" in view.reason
+    assert "invalid" in ps.pool_line(pool.pool_id, name)
 
 
 def test_find_pool(board):
