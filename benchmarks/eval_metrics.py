@@ -31,7 +31,7 @@ RECORD_FIELDS = (
     "num_cached_tokens", "output_len", "arrival_s", "first_token_s", "completion_s",
 )
 # Recorded since a later revision; older results lack them, and no metric needs them.
-OPTIONAL_FIELDS = ("route", "predicted_ttft_s")
+OPTIONAL_FIELDS = ("route", "predicted_ttft_s", "dispatch_s")
 TRANSFER_COUNTERS = (
     "plans_started", "plans_committed", "plans_aborted", "blocks_copied", "blocks_moved", "lease_routed",
 )
@@ -92,26 +92,38 @@ def run_metrics(columns: dict[str, list], transfers: dict | None, world_size: in
     routes = [r.split(" ", 1)[0] for r in columns.get("route") or [] if r]
     if routes:  # which rule routed how many requests: is a peer's balancing path ever taken?
         m["routes"] = dict(sorted(Counter(routes).items()))
-    m.update(ttft_prediction(rows, columns.get("predicted_ttft_s")))
+    m.update(ttft_prediction(rows, columns.get("predicted_ttft_s"), columns.get("dispatch_s")))
     for key in TRANSFER_COUNTERS:
         if transfers is not None and key in transfers:
             m[key] = transfers[key]
     return m
 
 
-def ttft_prediction(rows: list[dict], predicted: list | None) -> dict:
+def ttft_prediction(rows: list[dict], predicted: list | None, dispatch: list | None = None) -> dict:
     """How well the route's predicted time to first token matched the measured one, over the
     requests a pricing policy routed: the share within 25% (``ttft_predicted_25pct``), and the
-    quartiles of predicted / measured (``ttft_predicted_ratio_p25/p50/p75``)."""
-    pairs = [(p, r["first_token_s"] - r["arrival_s"]) for r, p in zip(rows, predicted or ()) if p is not None]
-    ratios = sorted(p / t for p, t in pairs if t > 0)
-    if not ratios:
+    quartiles of predicted / measured (``ttft_predicted_ratio_p25/p50/p75``). Where the records
+    say when each request was handed to its rank, the same share against the time from then
+    (``ttft_predicted_dispatched_25pct``: the engines' part, without the front end's) and the
+    front end's mean (``dispatch_mean_ms``)."""
+    measured = [r["first_token_s"] - r["arrival_s"] for r in rows]
+    pairs = [(p, t) for p, t in zip(predicted or (), measured) if p is not None and t > 0]
+    if not pairs:
         return {}
-    out = {"ttft_predicted_requests": len(ratios),
-           "ttft_predicted_25pct": sum(0.75 <= x <= 1.25 for x in ratios) / len(ratios)}
+    ratios = sorted(p / t for p, t in pairs)
+    out = {"ttft_predicted_requests": len(ratios), "ttft_predicted_25pct": _within(ratios, 0.25)}
     for q in (25, 50, 75):
         out[f"ttft_predicted_ratio_p{q}"] = percentile(ratios, q)
+    timed = [(p, t, d) for p, t, d in zip(predicted or (), measured, dispatch or ())
+             if p is not None and d is not None and t > d]
+    if timed:
+        out["ttft_predicted_dispatched_25pct"] = _within([p / (t - d) for p, t, d in timed], 0.25)
+        out["dispatch_mean_ms"] = 1e3 * sum(d for _, _, d in timed) / len(timed)
     return out
+
+
+def _within(ratios: list[float], tolerance: float) -> float:
+    return sum(1 - tolerance <= x <= 1 + tolerance for x in ratios) / len(ratios)
 
 
 def scalar_items(metrics: dict) -> dict[str, float]:

@@ -17,3 +17,6 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     # In a pool whose routing prices its ranks (``lmpool``): the predicted seconds to the first
     # token on the rank it chose, from the route.
     predicted_ttft_s: float | None = None
+    # In a pool: seconds from the request's submission to its hand-over to that rank (its
+    # validation, block hashes and route, and the caller's event loop between them).
+    dispatch_s: float | None = None

@@ -32,6 +32,8 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
         return tokenizer.encode(check_text(prompt, "the prompt"), add_special_tokens=False)
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
         prompt = prompt.tolist()
+    if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:
+        return list(prompt)  # the common case, at C speed: a burst's submissions are serial on one loop
     try:  # numpy and 0-d torch integers become Python ints; anything else is left for validation to name
         return [operator.index(t) if not isinstance(t, int) and is_token_id(t) else t for t in prompt]
     except TypeError:

@@ -31,18 +31,24 @@ ROOT_HASH: BlockHash = b""
 HASH_WIRE_BYTES = HASH_BYTES + 2
 
 _FIRST, _CHILD = b"\x00", b"\x01"
+_ID_BYTES = array("q").itemsize  # a token id as hashed: int64
 
 
 def block_hash(parent: BlockHash, token_ids: list[int] | tuple[int, ...], salt: str | None = None) -> BlockHash:
     """The chained hash of one complete block following ``parent`` (``ROOT_HASH`` for the
     first block, which alone takes the ``salt``)."""
+    return _hash(parent, array("q", token_ids), salt)
+
+
+def _hash(parent: BlockHash, token_bytes, salt: str | None) -> BlockHash:
+    """``block_hash`` of a block given as its int64 token ids' bytes."""
     h = hashlib.sha256()
     if parent == ROOT_HASH:
         salt_bytes = b"" if salt is None else salt.encode()
         h.update(_FIRST + len(salt_bytes).to_bytes(4, "little") + salt_bytes)
     else:
         h.update(_CHILD + parent)
-    h.update(array("q", token_ids).tobytes())
+    h.update(token_bytes)
     return h.digest()
 
 
@@ -52,9 +58,15 @@ def chain_hashes(
     """Hashes of every complete block of ``token_ids``, extending the known ``start`` hashes;
     ``salt`` (the request's ``cache_salt``) enters the first block's."""
     hashes = list(start or [])
+    first, end = len(hashes), len(token_ids) // block_size
+    if first >= end:
+        return hashes
+    # One conversion, then each block's bytes as a slice of it: what ``block_hash`` hashes.
+    ids = memoryview(array("q", token_ids[first * block_size : end * block_size])).cast("B")
+    size = block_size * _ID_BYTES
     parent = hashes[-1] if hashes else ROOT_HASH
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
+    for i in range(end - first):
+        parent = _hash(parent, ids[i * size : (i + 1) * size], salt)
         hashes.append(parent)
     return hashes
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from array import array
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 
 from lmpool.engine.hashing import HASH_WIRE_BYTES
 from lmpool.sampling_params import SamplingParams
@@ -49,6 +52,13 @@ def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
     """Raise ``ValueError`` unless the prompt is a non-empty sequence of token ids of the vocabulary."""
     if len(prompt_token_ids) == 0:
         raise ValueError("prompt is empty")
+    # Python ints in range pass at C speed (every request is checked on the pool's one event loop,
+    # so a burst of long prompts waits on this); anything else is found and named below.
+    if set(map(type, prompt_token_ids)) == {int}:
+        with contextlib.suppress(OverflowError):  # past int64: named below
+            ids = np.frombuffer(array("q", prompt_token_ids), dtype=np.int64)
+            if ids.min() >= 0 and ids.max() < vocab_size:
+                return
     for i, t in enumerate(prompt_token_ids):
         if not isinstance(t, int) or isinstance(t, bool):
             raise ValueError(f"prompt token {t!r} at position {i} is not an integer token id")

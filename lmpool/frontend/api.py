@@ -159,6 +159,7 @@ class AsyncLMPool:
         # Read at every output: the rank and route change where a request is moved off a dead rank.
         state.num_cached_tokens, state.rank, state.route = req.num_cached_tokens, req.rank, req.route or None
         state.predicted_ttft_s = req.predicted_ttft_s
+        state.dispatch_s = req.dispatched - req.arrival if req.dispatched else None
         if item is None:
             return state.abort() if req.finish_reason == "abort" else None
         return state.update([item.token_id], item.finish_reason if item.finished else None)

@@ -110,6 +110,7 @@ class TrackedRequest:
     reroutes: int = 0
     arrival: float = field(default_factory=time.monotonic)
     last_token_at: float = 0.0  # time.monotonic() of the latest token, for inter-token latency
+    dispatched: float = 0.0  # time.monotonic() of the latest hand-over to a rank (0 before the first)
     # TokenDelta for every new token, then None at the end (or an exception).
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -336,6 +337,7 @@ class PoolClient:
             self._by_wire[req.wire_id] = req
             msg = AddRequest(req.wire_id, req.prompt_token_ids, req.params, list(req.output_token_ids))
             if await self._send_to_rank(rank, msg):
+                req.dispatched = time.monotonic()
                 return
 
     async def transfer(self, prompt_token_ids: list[int], src: int, dst: int, move: bool = False) -> TransferResult:

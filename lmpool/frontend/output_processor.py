@@ -46,7 +46,8 @@ class OutputProcessor:
 
 class RequestState:
     """One request's output, grown from its token ids. The caller keeps ``num_cached_tokens``,
-    ``rank``, ``route`` and ``predicted_ttft_s`` current (a pool may move a request to another rank)."""
+    ``rank``, ``route``, ``predicted_ttft_s`` and ``dispatch_s`` current (a pool may move a request
+    to another rank)."""
 
     def __init__(
         self, processor: OutputProcessor, request_id: str, prompt_token_ids: Sequence[int],
@@ -60,6 +61,7 @@ class RequestState:
         self.rank: int | None = None
         self.route: str | None = None
         self.predicted_ttft_s: float | None = None
+        self.dispatch_s: float | None = None
         self._processor = processor
         self._stream = stream
         self._stops = StopStrings(params.stop) if params.stop else None
@@ -110,4 +112,5 @@ class RequestState:
             rank=self.rank,
             route=self.route,
             predicted_ttft_s=self.predicted_ttft_s,
+            dispatch_s=self.dispatch_s,
         )

@@ -215,5 +215,6 @@ def test_agent_sessions_and_chat_run_and_lmpool_s_routes_predict_their_ttft(tiny
             assert len(predicted) == m["requests"] == m["ttft_predicted_requests"] and all(p > 0 for p in predicted)
             assert 0 <= m["ttft_predicted_25pct"] <= 1
             assert m["ttft_predicted_ratio_p25"] <= m["ttft_predicted_ratio_p50"] <= m["ttft_predicted_ratio_p75"]
+            assert 0 <= m["ttft_predicted_dispatched_25pct"] <= 1 and m["dispatch_mean_ms"] > 0
         else:
             assert predicted == [] and "ttft_predicted_25pct" not in m

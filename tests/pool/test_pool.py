@@ -89,6 +89,7 @@ def test_bad_input_rejected_at_ingress(tiny_model):
         assert len(pool.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 8
         pinned = pool.generate([[1, 2, 3], [4, 5, 6], [7, 8, 9]], GREEDY, rank=1)
         assert [o.rank for o in pinned] == [1, 1, 1] and {o.route for o in pinned} == {"pinned"}
+        assert all(o.dispatch_s > 0 for o in pinned)  # submission to hand-over, routed through the control plane
 
 
 def test_routing_config_reaches_the_control_process(tiny_model):

@@ -1,0 +1,64 @@
+"""The prompt's checks and block hashes take a fast path for plain token ids: it must accept
+and refuse exactly what the element-by-element rules do, and hash exactly as one block at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmpool.engine.hashing import ROOT_HASH, block_hash, chain_hashes
+from lmpool.engine.validation import check_prompt
+from lmpool.tokenizer import encode_prompt
+
+VOCAB = 1000
+
+
+def element_by_element(prompt) -> str | None:
+    """What the rules refuse, one token at a time: the first offence's kind, or None."""
+    if not prompt:
+        return "empty"
+    for t in prompt:
+        if not isinstance(t, int) or isinstance(t, bool):
+            return "not an integer token id"
+        if not 0 <= t < VOCAB:
+            return "outside the vocabulary"
+    return None
+
+
+tokens = st.one_of(
+    st.integers(0, VOCAB - 1), st.integers(0, VOCAB - 1), st.integers(0, VOCAB - 1),  # mostly valid
+    st.integers(-(2**70), 2**70), st.booleans(), st.floats(allow_nan=False), st.just(None),
+)
+
+
+@given(st.lists(tokens, max_size=40))
+def test_check_prompt_refuses_exactly_what_the_rules_refuse(prompt):
+    expected = element_by_element(prompt)
+    if expected is None:
+        check_prompt(prompt, VOCAB)
+    else:
+        with pytest.raises(ValueError, match=expected):
+            check_prompt(prompt, VOCAB)
+
+
+def test_encode_prompt_turns_numpy_integers_into_python_ones_and_leaves_the_rest_to_validation():
+    assert encode_prompt(None, [1, np.int64(2), 3]) == [1, 2, 3]
+    assert all(type(t) is int for t in encode_prompt(None, np.array([4, 5], dtype=np.int32)))
+    mixed = encode_prompt(None, (1, True, 2.5))
+    assert mixed == [1, True, 2.5] and type(mixed[1]) is bool  # still refused by check_prompt
+    ids = [7, 8, 9]
+    assert encode_prompt(None, ids) == ids and encode_prompt(None, ids) is not ids  # the caller's list is not shared
+
+
+@given(st.lists(st.integers(0, 2**40), max_size=70), st.sampled_from([1, 4, 16]), st.integers(0, 5),
+       st.one_of(st.none(), st.text(max_size=5)))
+def test_chain_hashes_equal_hashing_one_block_at_a_time(ids, block_size, known, salt):
+    expected, parent = [], ROOT_HASH
+    for i in range(len(ids) // block_size):
+        parent = block_hash(parent, ids[i * block_size : (i + 1) * block_size], salt)
+        expected.append(parent)
+    assert chain_hashes(ids, block_size, salt=salt) == expected
+    start = expected[:known]
+    assert chain_hashes(ids, block_size, start, salt) == expected
