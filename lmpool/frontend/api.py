@@ -45,6 +45,7 @@ from lmpool.outputs import RequestOutput
 from lmpool.frontend.client import PoolClient, PoolError, TrackedRequest
 from lmpool.frontend.metrics import NO_METRICS, MetricsServer
 from lmpool.frontend.output_processor import OutputProcessor, RequestState
+from lmpool.frontend.turns import Turns
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import check_usable
 from lmpool.tokenizer import encode_chat, encode_chats, encode_prompt, load_tokenizer
@@ -73,6 +74,7 @@ class AsyncLMPool:
         self.engine = PoolClient(self.config)
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
+        self._turns = Turns()  # for submissions' work before their route
         self._metrics_address = (metrics_host, check_port(metrics_port, "metrics_port"))
         self._metrics: MetricsServer | None = None
 
@@ -129,7 +131,11 @@ class AsyncLMPool:
         rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
         params = SamplingParams() if params is None else params
         check_usable(params, self.tokenizer)  # the rest of params is validated at ingress
-        return await self.engine.add_request(rid, self.encode(prompt), params, rank)
+        # Turns at the loop for the CPU work before the route (``lmpool.frontend.turns``): a
+        # burst's first requests are routed and handed over while its later ones wait their turn.
+        await self._turns.take()
+        req = self.engine.prepare(rid, self.encode(prompt), params, rank)
+        return await self.engine.launch(req, rank)
 
     async def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,

@@ -111,6 +111,7 @@ class TrackedRequest:
     arrival: float = field(default_factory=time.monotonic)
     last_token_at: float = 0.0  # time.monotonic() of the latest token, for inter-token latency
     dispatched: float = 0.0  # time.monotonic() of the latest hand-over to a rank (0 before the first)
+    block_hashes: list = field(default_factory=list)  # the prompt's complete blocks' (``chain_hashes``)
     # TokenDelta for every new token, then None at the end (or an exception).
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -288,6 +289,13 @@ class PoolClient:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, rank: int | None = None
     ) -> TrackedRequest:
         """Validate, route (or send to ``rank``, bypassing routing) and start one request."""
+        return await self.launch(self.prepare(request_id, prompt_token_ids, params, rank), rank)
+
+    def prepare(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, rank: int | None = None
+    ) -> TrackedRequest:
+        """A request's work before its route, without a wait: its checks and its prompt's block
+        hashes. It is tracked from here on; ``launch`` it next, with no await in between."""
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
             raise ArgumentTypeError(f"rank must be an integer or None, got {rank!r}")
         prompt_token_ids = list(prompt_token_ids)
@@ -295,7 +303,12 @@ class PoolClient:
         if rank is not None and not (0 <= rank < len(self.ranks) and self.ranks[rank].alive):
             raise ValueError(f"rank {rank} is not a live rank of this pool")
         req = TrackedRequest(request_id, prompt_token_ids, params)
+        req.block_hashes = chain_hashes(prompt_token_ids, self.block_size, salt=params.cache_salt)
         self.requests[request_id] = req
+        return req
+
+    async def launch(self, req: TrackedRequest, rank: int | None = None) -> TrackedRequest:
+        """Route (or send to ``rank``) and start a prepared request; forgotten if that fails."""
         try:
             await self._dispatch(req, rank)
         except BaseException:
@@ -312,10 +325,11 @@ class PoolClient:
             # admissions by the id it was given, and the control plane releases on that.
             wire_id = str(next(self._wire_ids))
             tokens = req.prompt_token_ids + req.output_token_ids
+            hashes = chain_hashes(tokens, self.block_size, req.block_hashes, req.params.cache_salt)
             # A pinned request is routed too, to its rank: the control plane reserves for it there
             # and counts its prefix, as for any route (a dead pinned rank: routed as usual).
             query = RouteQuery(
-                wire_id, chain_hashes(tokens, self.block_size, salt=req.params.cache_salt), len(tokens),
+                wire_id, hashes, len(tokens),
                 req.params.max_tokens - len(req.output_token_ids),
                 pinned if pinned is not None and self.ranks[pinned].alive else None,
             )
