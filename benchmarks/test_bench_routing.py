@@ -5,7 +5,9 @@ whose first 8 blocks are shared by 100 families (a system prompt), each family
 cached on 2 or 3 ranks, added until the table holds 1,000,000 entries. Queries are
 40-block chains: a cached family with a new tail, a shared stem with a new
 tail, or a complete miss, in equal parts. Every route takes a reservation; the
-ranks' load reports admit them in batches, as workers would. Timed per call
+ranks' load reports admit them in batches, as workers would, and their stored-block reports
+confirm the admitted requests' pending prefixes (the table itself stays at its 1,000,000
+entries: those blocks are not added to it). Timed per call
 with ``perf_counter_ns`` around ``Router.route`` alone; results go to
 ``benchmarks/results/routing_cpu.json`` (or ``LMPOOL_BENCH_JSON``).
 
@@ -38,6 +40,7 @@ import pytest
 from lmpool.config.pool import PoolConfig
 from lmpool.control.build import assemble
 from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.routing.pending import CountPending
 from lmpool.control.routing.registry import POLICIES
 from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 from lmpool.protocol import LoadReport, RouteQuery
@@ -119,6 +122,15 @@ class Routes:
                          lambda request_id, outcome: None)
         self.router, self.coordinator = parts.router, parts.coordinator
         self.policies = parts.policies if pool.transfer.background_placement else None
+        self.pending = next((s.pending for s in self.router.stages if isinstance(s, CountPending)), None)
+
+    def prefilled(self, rank: int, queries: list[RouteQuery]) -> None:
+        """``queries``, admitted on ``rank``, have prefilled: the rank's stored-block reports
+        confirm their pending blocks (the page table itself stays at its fixed size)."""
+        if self.pending is not None:
+            for q in queries:
+                for h in q.block_hashes:
+                    self.pending.confirm(rank, h)
 
     def route(self, query: RouteQuery):
         return self.router.route(query)
@@ -148,7 +160,7 @@ def run_policy(
     """Route every query; the microseconds of each after the warm-up, how often each rule
     decided, and the microseconds of each placement slice and pass."""
     routes = Routes(gbm, policy)
-    pending: list[list[str]] = [[] for _ in range(WORLD)]
+    pending: list[list[RouteQuery]] = [[] for _ in range(WORLD)]
     times, slices, passes = [], [], []
     rules: collections.Counter = collections.Counter()
     for i, q in enumerate(qs):
@@ -158,7 +170,7 @@ def run_policy(
         if i >= WARMUP:
             times.append(elapsed / 1e3)
             rules[decision.reason.split()[0]] += 1
-        pending[decision.rank].append(q.request_id)
+        pending[decision.rank].append(q)
         if i % ADMIT_EVERY == ADMIT_EVERY - 1:  # every rank reports what it admitted (not timed)
             routes.end_plans()
             for rank in range(WORLD):
@@ -167,9 +179,10 @@ def run_policy(
                     waiting_prefill_tokens=rng.randrange(20_000), decode_tokens_left=rng.randrange(50_000),
                     context_tokens=rng.randrange(500_000),
                     blocks_free=rng.randrange(50_000), blocks_reclaimable=rng.randrange(100_000),
-                    blocks_used=rng.randrange(50_000), admitted=pending[rank],
+                    blocks_used=rng.randrange(50_000), admitted=[q.request_id for q in pending[rank]],
                 )
                 gbm.update_load(rank, 0, load)
+                routes.prefilled(rank, pending[rank])
                 pending[rank] = []
             placed = routes.between(full=i // ADMIT_EVERY % FULL_PASS_EVERY == 0)
             if placed is not None and i >= WARMUP:
@@ -177,7 +190,7 @@ def run_policy(
                 passes.append(placed[1])
     routes.end_plans()
     for rank in range(WORLD):
-        gbm.update_load(rank, 0, LoadReport(blocks_free=200_000, admitted=pending[rank]))
+        gbm.update_load(rank, 0, LoadReport(blocks_free=200_000, admitted=[q.request_id for q in pending[rank]]))
     return times, rules, slices, passes
 
 

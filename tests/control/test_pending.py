@@ -77,6 +77,26 @@ class PendingMachine(RuleBasedStateMachine):
     def bounded(self):
         assert all(len(entries) <= CAP for entries in self.pending._ranks)
 
+    @invariant()
+    def live_entries_as_the_model_and_the_rest_expired(self):
+        # An add drops only its share of the expired (``add``'s bound), so some may linger: never live.
+        now = self.clock.now
+        for real, model in zip(self.pending._ranks, self.model):
+            assert {h: e for h, e in real.items() if e > now} == {h: e for h, e in model.items() if e > now}
+
+
+def test_an_add_drops_at_most_twice_what_it_adds_of_the_expired():
+    clock = ManualClock()
+    pending = PendingPrefixes(1, TTL, clock)
+    pending.add(0, list(range(100, 150)))
+    clock.now += TTL  # all 50 expired
+    pending.add(0, [1, 2])
+    assert len(pending) == 50 - 5 + 2  # 2 * 2 + 1 of the expired dropped, the two added kept
+    assert pending.extend(0, list(range(100, 150)), 0) == 0  # the expired that linger never count
+    for _ in range(20):
+        pending.add(0, [3])
+    assert len(pending) == 3  # the backlog drains: every add takes its share
+
 
 TestPendingMachine = PendingMachine.TestCase
 TestPendingMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -18,7 +18,8 @@ cost of being misled is one cold prefill).
 
 Invariants: ``extend`` never returns less than the match it was given, and counts
 only a contiguous run of live entries right after it; an expired entry is never
-counted; a rank holds at most ``max_entries`` entries (the oldest go first).
+counted; a rank holds at most ``max_entries`` entries (the oldest go first); an ``add``
+drops at most twice as many expired entries as it adds, oldest first.
 
 ``CountPending`` is the route stage: it extends each candidate's expected match before the
 policy chooses, and adds the chosen rank's new blocks once it has.
@@ -53,7 +54,9 @@ class PendingPrefixes:
         """Requests routed to ``rank`` will compute ``block_hashes`` there."""
         entries = self._ranks[rank]
         now = self.clock()
-        self._expire(entries, now)
+        # A route's share of the expiry: twice what it adds, so the expired never pile up and
+        # a route never pays for a whole ttl's worth at once (expired entries never count).
+        self._expire(entries, now, 2 * len(block_hashes) + 1)
         expires = now + self.ttl_s
         for h in block_hashes:
             entries.pop(h, None)
@@ -84,8 +87,11 @@ class PendingPrefixes:
         self._ranks[rank].clear()
 
     @staticmethod
-    def _expire(entries: OrderedDict[int, float], now: float) -> None:
-        while entries:
+    def _expire(entries: OrderedDict[int, float], now: float, most: int) -> None:
+        """Drop up to ``most`` of the oldest entries, while they have expired."""
+        for _ in range(most):
+            if not entries:
+                return
             h, expires = next(iter(entries.items()))
             if expires > now:
                 return
