@@ -92,6 +92,11 @@ class Channel(Generic[T]):
         self._bell_thread.start()
 
     @property
+    def max_payload(self) -> int:
+        """The most bytes one encoded message may take on this channel (``send`` refuses more)."""
+        return self._max_payload
+
+    @property
     def peer_pid(self) -> int:
         """The peer's pid once it has opened its end (or as set by ``expect_peer``)."""
         return self._rx.producer_pid or self._expected_peer

@@ -371,6 +371,16 @@ class ControlPlane:
                     await channel.send(Heartbeat(rank, 0))
                 except IpcError:
                     pass  # its reader sees the failure and marks the rank dead
+            self.watch_silence()
+
+    def watch_silence(self) -> None:
+        """With ``hang_timeout`` set, a worker that has sent nothing for that long (every worker
+        heartbeats) leaves routing until it reports again: its view here is frozen."""
+        timeout = self.spec.pool.hang_timeout
+        if timeout is None:
+            return
+        for rank in self.gbm.mark_silent(timeout):
+            log.warning("rank %d has reported nothing for over %g s: routed around until it does", rank, timeout)
 
     # ---- engine requests -------------------------------------------------------------
 

@@ -74,8 +74,9 @@ from lmpool_ipc.frames import max_payload
 MAX_REROUTES = 1
 LIVE_STATS = ("num_waiting", "num_running", "blocks_free", "blocks_reclaimable", "blocks_used", "cached_blocks")
 MAX_MESSAGE_BYTES = max_payload(DEFAULT_CAPACITY)  # the most one message between the pool's processes holds
-# A worker's snapshot of its cache to the control plane takes about 90 bytes per cached block
-# (two 32-byte hashes): room for some 180k blocks. Ring pages are touched only as they are used.
+# A worker's snapshot of its cache to the control plane takes about 1.1 kB per cached block at
+# 256 tokens (two 32-byte hashes and the block's token ids): some 14k blocks per message; a larger
+# one goes in parts (``lmpool.worker.report_parts``). Ring pages are touched only as they are used.
 CONTROL_LINK_CAPACITY = 16 << 20
 
 

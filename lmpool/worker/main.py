@@ -18,12 +18,17 @@ It times its steps for the control plane's step-time model (``StepTimings``, at 
 ``STEP_REPORT_S`` and with every heartbeat), the first of them the synthetic ones it ran at
 start (``lmpool.engine.calibration``) before it was ready.
 
+Its control link: a message the link refuses (too large) fails alone, and a cache report too
+large for one message goes in parts (``report_parts``); the control process's death leaves the
+worker waiting for its successor, any other link failure ends the worker.
+
 Run as ``LMPOOL_SPEC=SPEC_JSON python -m lmpool.worker.main`` (see ``lmpool.protocol.spec``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import time
@@ -57,7 +62,11 @@ from lmpool.protocol import (
 from lmpool.worker.release import ForegroundRelease
 from lmpool.protocol.spec import WorkerSpec, read_spec
 from lmpool.worker.transfers import Incoming, TransferExecutor
-from lmpool_ipc import Channel, IpcError
+from lmpool.worker.report_parts import split_delta, split_snapshot
+from lmpool.protocol.kv_events import KVDelta, KVSnapshot
+from lmpool_ipc import Channel, ChannelClosedError, IpcError, LinkError, MessageError, PeerDeadError
+
+log = logging.getLogger("lmpool.worker")
 
 STEP_REPORT_S = 0.05  # step timings go to the control plane at most this often (and with heartbeats)
 
@@ -82,6 +91,7 @@ class Worker:
         self.prefix_hit_tokens = 0
         self.generated_tokens = 0
         self.stopping = False
+        self.fatal: LinkError | None = None  # a control-link failure that ends the worker
         self.tasks: list[asyncio.Task] = []
         self.transfers = TransferExecutor(spec, core) if spec.transfer_rendezvous else None
         self.calibration = list(calibration)  # sent to every control process that attaches
@@ -115,11 +125,14 @@ class Worker:
                 elif isinstance(msg, ReleaseOutcome) and self.release is not None:
                     self.release.on_outcome(msg)
                     self.wakeup.set()
-        except IpcError:
+        except (PeerDeadError, ChannelClosedError):
             if self.control is channel:  # the control process died; the engine restarts it
                 self.control = None
                 if self.release is not None:
                     self.release.disconnected()
+        except LinkError as e:
+            if self.control is channel:
+                self.fail(e)
 
     def attach_control(self, end: str) -> None:
         old, self.control = self.control, Channel(end, ControlToWorker)
@@ -196,26 +209,79 @@ class Worker:
         self.last_load = load
         report = msgspec.structs.replace(load, admitted=self.admitted)
         self.admitted = []
-        try:
-            if self.need_snapshot:
-                self.need_snapshot = False
-                bm.drain_delta()  # the snapshot supersedes pending events
-                await self.control.send(
-                    WorkerSnapshot(self.rank, self.epoch, bm.num_blocks, bm.snapshot(), report)
-                )
-                if self.calibration:  # a control process that attaches fits from these first
-                    await self.control.send(StepTimings(self.rank, self.epoch, self.calibration, calibration=True))
-            else:
-                await self.control.send(WorkerDelta(self.rank, self.epoch, bm.drain_delta(), report))
-        except IpcError:
-            self.control = None
+        if self.need_snapshot:
+            self.need_snapshot = False
+            bm.drain_delta()  # the snapshot supersedes pending events
+            await self.send_cache(bm.snapshot(), report)
+            if self.calibration:  # a control process that attaches fits from these first
+                await self.send_control(StepTimings(self.rank, self.epoch, self.calibration, calibration=True))
+        else:
+            await self.send_cache(bm.drain_delta(), report)
 
-    async def send_control(self, msg) -> None:
-        if self.control is not None:
-            try:
-                await self.control.send(msg)
-            except IpcError:
+    async def send_cache(self, cache: KVSnapshot | KVDelta, report: LoadReport) -> None:
+        """A snapshot or delta of the cache with ``report``, in as many messages as the link
+        needs (``report_parts``); past what any split fits, a resync is asked for instead."""
+        channel = self.control
+        if channel is None:
+            return
+        later = msgspec.structs.replace(report, admitted=[])  # each admission is reported once
+        events = len(cache.blocks if isinstance(cache, KVSnapshot) else cache.events)
+        parts = 1
+        while True:
+            payloads = [msgspec.msgpack.encode(m) for m in self._cache_messages(cache, report, later, parts)]
+            largest = max(len(p) for p in payloads)
+            if largest <= channel.max_payload:
+                break
+            if parts >= events:
+                log.error("rank %d: a cache report of %d events needs a message of %d bytes, over the link's "
+                          "%d: not sent; the control plane resyncs", self.rank, events, largest, channel.max_payload)
+                self.need_snapshot = True
+                return
+            parts = min(events, parts * 2)
+        if len(payloads) > 1:
+            log.warning("rank %d: a cache report of %d events is %d messages (the link takes %d bytes per message)",
+                        self.rank, events, len(payloads), channel.max_payload)
+        for payload in payloads:
+            if not await self.send_control(payload, encoded=True):
+                return
+
+    def _cache_messages(self, cache, report: LoadReport, later: LoadReport, parts: int) -> list:
+        if isinstance(cache, KVSnapshot):
+            first, rest = split_snapshot(cache, parts)
+            return ([WorkerSnapshot(self.rank, self.epoch, self.core.block_manager.num_blocks, first, report)]
+                    + [WorkerDelta(self.rank, self.epoch, d, later) for d in rest])
+        return [WorkerDelta(self.rank, self.epoch, d, report if i == 0 else later)
+                for i, d in enumerate(split_delta(cache, parts))]
+
+    async def send_control(self, msg, encoded: bool = False) -> bool:
+        """Send ``msg`` (or its encoded bytes) to the control plane; whether it went. A message
+        the link refuses is that message's failure: logged, the link works on. The control
+        process gone, or closing the link, leaves the worker waiting to be attached to its
+        successor (the engine restarts it). Any other link failure ends the worker, so its
+        supervision sees it, rather than serving on unseen by routing."""
+        channel = self.control
+        if channel is None:
+            return False
+        try:
+            await (channel.send_bytes(msg) if encoded else channel.send(msg))
+            return True
+        except MessageError as e:
+            log.error("rank %d: a message to the control plane was refused: %s", self.rank, e)
+            return False
+        except (PeerDeadError, ChannelClosedError):
+            if self.control is channel:
                 self.control = None
+            return False
+        except LinkError as e:
+            self.fail(e)
+            return False
+
+    def fail(self, error: LinkError) -> None:
+        """The control link broke while its peer lives: end the worker (``run`` raises it)."""
+        log.error("rank %d: the control link failed: %s", self.rank, error)
+        self.fatal = error
+        self.stopping = True
+        self.wakeup.set()
 
     async def heartbeat(self) -> None:
         while True:
@@ -225,10 +291,7 @@ class Worker:
             if self.transfers is not None and self.transfers.participant.expire():
                 self.wakeup.set()
             if self.control is not None:
-                try:
-                    await self.control.send(Heartbeat(self.rank, self.epoch, self.load()))
-                except IpcError:
-                    self.control = None
+                await self.send_control(Heartbeat(self.rank, self.epoch, self.load()))
             await self.send_steps(force=True)
 
     # ---- the step loop ----------------------------------------------------------
@@ -325,6 +388,8 @@ class Worker:
             task.cancel()
         if self.transfers is not None:
             self.transfers.close()
+        if self.fatal is not None:
+            raise self.fatal
 
 
 def release_hook(spec: WorkerSpec):

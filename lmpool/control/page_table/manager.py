@@ -79,6 +79,17 @@ class GlobalBlockManager:
         return self._registry.alive_mask
 
     @property
+    def routable_mask(self) -> int:
+        """Bit r set while rank r is alive and not silent (``mark_silent``): routing's ranks."""
+        return self._registry.alive_mask & ~self._registry.silent_mask
+
+    def mark_silent(self, timeout_s: float) -> list[int]:
+        """Alive ranks that reported nothing, not even a heartbeat, for over ``timeout_s`` leave
+        routing until they report again (a hung worker, or one whose control link is lost:
+        their cache and load as last reported are stale); the ranks newly found silent."""
+        return self._registry.mark_silent(timeout_s)
+
+    @property
     def reservations(self) -> dict[str, Reservation]:
         return self._reservations.by_id
 
@@ -119,7 +130,7 @@ class GlobalBlockManager:
         info.num_blocks = num_blocks
         if self._registry.is_new(info, epoch):
             self._restart(info, epoch)
-        info.last_heartbeat = self.clock()
+        self._registry.heard(info)
 
     def mark_dead(self, rank: int) -> None:
         """Forget the rank's blocks, reservations and transfers; routing skips it until a newer epoch."""
@@ -151,7 +162,7 @@ class GlobalBlockManager:
         self._registry.check_epoch(info, epoch)
         if epoch > info.epoch:
             self._restart(info, epoch)
-        info.last_heartbeat = self.clock()
+        self._registry.heard(info)
         return info
 
     # ---- worker reports ----------------------------------------------------------------

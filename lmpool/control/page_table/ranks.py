@@ -2,7 +2,8 @@
 
 Invariants: bit r of ``alive_mask`` is set exactly while rank r is registered and alive; a
 rank's epoch never decreases; a report from an older epoch, or from the epoch declared dead,
-raises ``StaleUpdateError`` and is counted in ``stale_rejected``.
+raises ``StaleUpdateError`` and is counted in ``stale_rejected``. Bit r of ``silent_mask`` is
+set only while rank r is alive and has not been heard from since ``mark_silent`` found it silent.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class RankRegistry:
         self.ranks = ranks
         self.clock = clock
         self.alive_mask = 0
+        self.silent_mask = 0
         self.stale_rejected = 0
 
     def get(self, rank: int) -> RankInfo:
@@ -114,13 +116,30 @@ class RankRegistry:
         info.alive = True
         info.epoch = epoch
         info.load = LoadReport(blocks_free=info.num_blocks)
-        info.last_heartbeat = self.clock()
+        self.heard(info)
         self.alive_mask |= 1 << info.rank
+
+    def heard(self, info: RankInfo) -> None:
+        """The rank reported (anything): it is not silent."""
+        info.last_heartbeat = self.clock()
+        self.silent_mask &= ~(1 << info.rank)
+
+    def mark_silent(self, timeout_s: float) -> list[int]:
+        """Alive ranks not heard from for over ``timeout_s``: the ones newly found silent."""
+        now, newly = self.clock(), []
+        for info in self.ranks:
+            bit = 1 << info.rank
+            if info.alive and not self.silent_mask & bit and now - info.last_heartbeat > timeout_s:
+                self.silent_mask |= bit
+                newly.append(info.rank)
+        return newly
 
     def mark_dead(self, info: RankInfo) -> None:
         info.alive = False
         self.alive_mask &= ~(1 << info.rank)
+        self.silent_mask &= ~(1 << info.rank)
 
     def check(self) -> None:
         for info in self.ranks:
             assert bool(self.alive_mask >> info.rank & 1) == (info.registered and info.alive), "alive mask"
+            assert not self.silent_mask >> info.rank & 1 or info.alive, "a silent rank is alive"

@@ -75,12 +75,14 @@ class Router:
             stage.rank_down(rank)
 
     def _candidates(self, seed: int | None) -> int:
-        candidates = self.topology.candidate_mask(seed) & self.gbm.alive_mask
-        if candidates:
-            return candidates
-        # The seed's whole NVLink group is down: serving elsewhere beats failing the request.
-        if not self.gbm.alive_mask:
-            # The query's id is the pool's internal dispatch id: the pool names the
-            # caller's request when it passes this on.
-            raise NoAliveRankError("no alive rank to route the request to")
-        return self.gbm.alive_mask
+        """The seed's NVLink group's routable ranks; else any routable rank (serving elsewhere
+        beats failing the request); else, every rank being silent, the alive ones likewise."""
+        group = self.topology.candidate_mask(seed)
+        for mask in (self.gbm.routable_mask, self.gbm.alive_mask):
+            if group & mask:
+                return group & mask
+            if mask:
+                return mask
+        # The query's id is the pool's internal dispatch id: the pool names the
+        # caller's request when it passes this on.
+        raise NoAliveRankError("no alive rank to route the request to")
