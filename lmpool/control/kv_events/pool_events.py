@@ -14,9 +14,10 @@ Block hashes go out as vLLM sends them by default, the low 64 bits of the digest
 whole hash, so a removal matches exactly the copy that was stored.
 
 Configured by the ``LMPOOL_KV_EVENTS`` environment variable (JSON: ``endpoint``, optional
-``replay_endpoint``, ``topic``, ``buffer_steps``, ``array_like``, ``int_hashes``), which the
-control process inherits from the process that starts the pool; without it ``from_env`` gives
-``NO_KV_EVENTS``, whose hooks do nothing, and pyzmq is never imported.
+``replay_endpoint``, ``topic``, ``buffer_steps``, ``replay_max_batches``, ``array_like``,
+``int_hashes``), which the control process inherits from the process that starts the pool;
+without it ``from_env`` gives ``NO_KV_EVENTS``, whose hooks do nothing, and pyzmq is never
+imported.
 """
 
 from __future__ import annotations
@@ -53,11 +54,12 @@ def from_env(block_size: int):
     config = os.environ.get(ENV)
     if not config:
         return NO_KV_EVENTS
-    from lmpool.control.kv_events.publisher import KVEventPublisher
+    from lmpool.control.kv_events.publisher import REPLAY_MAX_BATCHES, KVEventPublisher
 
     options = json.loads(config)
     publisher = KVEventPublisher(options["endpoint"], options.get("replay_endpoint"), options.get("topic", ""),
-                                 options.get("buffer_steps", 10_000), options.get("array_like", True))
+                                 options.get("buffer_steps", 10_000), options.get("array_like", True),
+                                 replay_max_batches=options.get("replay_max_batches", REPLAY_MAX_BATCHES))
     return PoolKVEvents(publisher.start(), block_size, options.get("int_hashes", True))
 
 
