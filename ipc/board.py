@@ -19,20 +19,33 @@ region holds a complete value whenever ``sequence`` is even.
 
 The segment is named by the pool (``names.board_name``), so ``IpcPool.close`` and the sweeper
 remove it with the pool's links.
+
+Opening. Anyone can plant a file under a board's name, or swap one in after it was listed, so
+a reader opens the name without blocking and without following links, and maps only a
+regular file of its own user, writable by no one else, of a header's size to
+``MAX_CAPACITY``: a FIFO would block the open, and a file its owner can shrink under the
+mapping would kill the reader with SIGBUS. A writer opens through ``posix_ipc``.
 """
 
+import errno
 import mmap
+import os
+import stat
 import time
 
 import posix_ipc
 
 from .errors import IpcError, RingCorruptError
+from .names import SHM_DIR
 from .ring import fence, write_header
 
 MAGIC = b"LMPBOARD"
 VERSION = 1
 HEADER_SIZE = 64
 READ_ATTEMPTS = 1000
+# The largest board a reader maps: far above any board this package's users create, and a
+# bound on what a planted file of any size can make a reader map and copy.
+MAX_CAPACITY = 1 << 26
 
 # Word indices into the header; words 0-3 as in a ring (``ring.write_header`` fills them).
 _VERSION, _CAPACITY, _OWNER_PID, _SEQUENCE, _LENGTH = 1, 2, 3, 4, 5
@@ -52,22 +65,64 @@ def format_board(buf, owner_pid: int) -> None:
     write_header(buf, HEADER_SIZE, MAGIC, VERSION, owner_pid)
 
 
+def _map_to_write(name: str) -> mmap.mmap:
+    """The writer's read-write mapping of segment ``name``, through ``posix_ipc``."""
+    try:
+        shm = posix_ipc.SharedMemory(name)
+    except posix_ipc.PermissionsError as e:  # another user's: say so as Python does
+        raise PermissionError(f"board {name} belongs to another user: {e}") from None
+    try:
+        if shm.size < HEADER_SIZE:  # planted, or not a board at all: nothing to map
+            raise RingCorruptError(f"{name} is not an LMPool board: {shm.size} bytes, under a header")
+        return mmap.mmap(shm.fd, shm.size)
+    finally:
+        shm.close_fd()
+
+
+def _map_to_read(name: str) -> mmap.mmap:
+    """A read-only mapping of segment ``name``, opened without blocking; raises
+    ``RingCorruptError`` saying why for anything but a plausible board of this user's, and
+    ``PermissionError`` for another user's."""
+    if not name.startswith("/") or "/" in name[1:] or name in ("/", "/.", "/.."):
+        raise ValueError(f"not a shared-memory name: {name!r}")
+    try:
+        # O_NONBLOCK: a FIFO swapped in after the listing opens at once instead of waiting
+        # for a writer; O_NOFOLLOW: a symbolic link fails instead of opening its target.
+        fd = os.open(SHM_DIR + name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except PermissionError as e:
+        raise PermissionError(f"board {name} belongs to another user: {e}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RingCorruptError(f"{name} is not an LMPool board: a symbolic link") from None
+        raise
+    try:
+        info = os.fstat(fd)  # of what was opened, whatever the name holds by now
+        _check_segment(name, info)
+        return mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def _check_segment(name: str, info: os.stat_result) -> None:
+    """Raise unless ``info`` is of a file a reader may map as a board (see the module)."""
+    if not stat.S_ISREG(info.st_mode):
+        raise RingCorruptError(f"{name} is not an LMPool board: not a regular file ({stat.filemode(info.st_mode)})")
+    if info.st_uid != os.geteuid():  # also for root: its owner could shrink it under the mapping
+        raise PermissionError(f"board {name} belongs to another user (uid {info.st_uid})")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RingCorruptError(f"{name} is not an LMPool board: other users may write it")
+    if info.st_size < HEADER_SIZE:
+        raise RingCorruptError(f"{name} is not an LMPool board: {info.st_size} bytes, under a header")
+    if info.st_size > board_bytes(MAX_CAPACITY):
+        raise RingCorruptError(f"{name} is not an LMPool board: {info.st_size} bytes, over {board_bytes(MAX_CAPACITY)}")
+
+
 class _Mapped:
     """A mapping of a board segment and u64 views of its header and data."""
 
-    def __init__(self, name: str, writable: bool) -> None:
+    def __init__(self, name: str, buf: mmap.mmap) -> None:
         self.name = name
-        try:
-            shm = posix_ipc.SharedMemory(name, read_only=not writable)
-        except posix_ipc.PermissionsError as e:  # another user's: say so as Python does
-            raise PermissionError(f"board {name} belongs to another user: {e}") from None
-        try:
-            if shm.size < HEADER_SIZE:  # planted, or not a board at all: nothing to map
-                raise RingCorruptError(f"{name} is not an LMPool board: {shm.size} bytes, under a header")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            self._map = mmap.mmap(shm.fd, shm.size, prot=prot)
-        finally:
-            shm.close_fd()
+        self._map = buf
         self._view = memoryview(self._map)
         self._words = self._view[:HEADER_SIZE].cast("Q")
         self._data = self._view[HEADER_SIZE:]
@@ -103,7 +158,7 @@ class BoardWriter(_Mapped):
     """The one process that publishes on a board."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(name, writable=True)
+        super().__init__(name, _map_to_write(name))
         # A writer that died mid-write left an odd sequence: continue from the next even one.
         sequence = self._words[_SEQUENCE]
         self._sequence = sequence + (sequence & 1)
@@ -129,7 +184,7 @@ class BoardReader(_Mapped):
     """A read-only view of a board; any number of processes may read at once."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(name, writable=False)
+        super().__init__(name, _map_to_read(name))
 
     def read(self) -> bytes | None:
         """The latest published value; None if nothing has been published yet."""

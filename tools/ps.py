@@ -1,8 +1,9 @@
 """``lmpool ps``: the LMPool pools on this machine, one line each, found by their state boards
 in ``/dev/shm``. A pool whose owner died stays listed, as dead, until the next pool start
 sweeps its shared memory away. Anyone can plant a file named like a board in ``/dev/shm``:
-a board another user may not read is listed as theirs, one that holds no valid pool state
-as ``invalid`` (and logged), never a crash.
+a board of another user is listed as theirs, unread (also by root: ``lmpool_ipc.board`` maps
+only its own user's), and anything else that is no board holding a valid pool state (a
+FIFO, a link, a file of the wrong size) as ``invalid`` (and logged), never a crash or a hang.
 """
 
 from __future__ import annotations

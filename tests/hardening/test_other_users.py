@@ -93,11 +93,16 @@ def test_another_user_can_neither_open_nor_read_a_pool():
 
 def test_ps_and_top_survive_planted_boards(cleanup, caplog):
     """Fake state boards (garbage, empty, a valid header over garbage) are listed as
-    invalid and logged, never a crash; ``top`` on one says what is wrong."""
+    invalid and logged, never a crash; ``top`` on one says what is wrong. One another user
+    planted is listed as theirs, unread even by root (its owner could shrink it under the
+    mapping)."""
     owner = _reaped_pid()
-    garbage, empty, forged = (f"/lmpool-{new_pool_id()}-{owner}-board-state" for _ in range(3))
-    cleanup += [garbage, empty, forged]
-    as_other_user("plant", garbage)
+    theirs, garbage, empty, forged = (f"/lmpool-{new_pool_id()}-{owner}-board-state" for _ in range(4))
+    cleanup += [theirs, garbage, empty, forged]
+    as_other_user("plant", theirs)
+    shm = posix_ipc.SharedMemory(garbage, posix_ipc.O_CREX, 0o600, 4096)
+    os.write(shm.fd, os.urandom(4096))
+    shm.close_fd()
     posix_ipc.SharedMemory(empty, posix_ipc.O_CREX, 0o644, 0).close_fd()
     # A real board's format around a value that is no pool state.
     assert IpcPool(forged.split("-")[1], owner).create_board("state", 4096) == forged
@@ -110,8 +115,10 @@ def test_ps_and_top_survive_planted_boards(cleanup, caplog):
         pool_id = name.split("-")[1]
         assert f"{pool_id:<32} {'?':>8} invalid" in out.getvalue()
         assert name in caplog.text
-    for name in (garbage, forged):
+    assert f"{theirs.split('-')[1]:<32} {'?':>8} other user" in out.getvalue()
+    for name in (theirs, garbage, forged):
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             assert top.main([name.split("-")[1], "--once"]) == 1
-        assert "no readable state board" in err.getvalue() or "no valid pool state" in err.getvalue()
+        said = ["belongs to another user"] if name == theirs else ["no readable state board", "no valid pool state"]
+        assert any(e in err.getvalue() for e in said), err.getvalue()

@@ -1,5 +1,7 @@
 """Boards (lmpool_ipc.board): a reader sees the latest value whole, never a torn one, while
-another process publishes as fast as it can; board names; a board goes with its pool."""
+another process publishes as fast as it can; board names; a board goes with its pool; a
+reader refuses, at once, whatever else is under a board's name (a FIFO, a link, a directory,
+a file of the wrong size, mode or owner)."""
 
 import os
 import subprocess
@@ -9,10 +11,11 @@ from pathlib import Path
 
 import pytest
 from ipc_testkit import board_value, check_board_value, leftovers
+from planted import fifo_guard, plant, remove, write_board
 
 from lmpool_ipc import BoardBusyError, BoardReader, BoardWriter, IpcPool, RingCorruptError, boards
-from lmpool_ipc.board import _SEQUENCE
-from lmpool_ipc.names import board_name, parse_object
+from lmpool_ipc.board import _SEQUENCE, MAX_CAPACITY, board_bytes
+from lmpool_ipc.names import SHM_DIR, board_name, new_pool_id, parse_object
 
 PEER = Path(__file__).with_name("ipc_peer.py")
 
@@ -129,3 +132,79 @@ def test_a_dead_pools_board_is_swept_and_a_live_ones_is_not(pool):
     with IpcPool.start():
         assert leftovers(crashed_pool) == []
         assert len(leftovers(pool.pool_id)) == 1
+
+
+# ---- what else may be under a board's name -------------------------------------------------
+
+
+@pytest.fixture
+def planted():
+    """A board name of no pool, and its path, cleared after the test whatever it became."""
+    name = board_name(new_pool_id(), os.getpid(), "state")
+    path = Path(SHM_DIR + name)
+    yield name, path
+    remove(path)
+
+
+def refusal(name: str) -> Exception:
+    """What ``BoardReader(name)`` raised; the test fails if it opened."""
+    try:
+        BoardReader(name).close()
+    except Exception as e:
+        return e
+    pytest.fail(f"{name} opened as a board")
+
+
+def test_a_fifo_is_refused_at_once_not_waited_on(planted):
+    """A FIFO swapped in for a board after ``lmpool ps`` listed it hung the open until a writer came."""
+    name, path = planted
+    plant("fifo", path)
+    with fifo_guard(path):
+        refused = refusal(name)
+    assert isinstance(refused, RingCorruptError) and "not a regular file" in str(refused)
+
+
+@pytest.mark.parametrize("kind, why", [("link", "symbolic link"), ("directory", "not a regular file"),
+                                       ("empty", "0 bytes, under a header"), ("short", "63 bytes, under a header")])
+def test_what_else_is_under_a_boards_name_is_refused(pool, planted, kind, why):
+    name, path = planted
+    plant(kind, path, link_to=SHM_DIR + pool.create_board("state", 64))  # a link even to a real board
+    refused = refusal(name)
+    assert isinstance(refused, RingCorruptError) and why in str(refused)
+
+
+def test_a_file_over_the_largest_board_is_refused(planted):
+    name, path = planted
+    write_board(path, board_bytes(MAX_CAPACITY) + 1)
+    assert f"bytes, over {board_bytes(MAX_CAPACITY)}" in str(refusal(name))
+
+
+def test_a_file_others_may_write_is_refused(planted):
+    """Whoever may write a board may also shrink it under a reader's mapping: SIGBUS."""
+    name, path = planted
+    write_board(path, board_bytes(64), mode=0o620)
+    refused = refusal(name)
+    assert isinstance(refused, RingCorruptError) and "other users may write it" in str(refused)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_another_users_board_is_not_mapped_even_by_root(planted):
+    name, path = planted
+    write_board(path, board_bytes(64))
+    os.chown(path, 65534, 65534)  # nobody, who could shrink it under root's mapping
+    refused = refusal(name)
+    assert isinstance(refused, PermissionError) and "another user" in str(refused)
+
+
+def test_a_file_shaped_like_a_board_is_read(planted):
+    """The checks refuse what is no board, not a board made by other means than a pool's."""
+    name, path = planted
+    write_board(path, board_bytes(64))
+    with BoardReader(name) as reader:
+        assert reader.read() is None and reader.capacity == 64 and reader.owner_pid == os.getpid()
+
+
+def test_a_name_that_is_no_shared_memory_name_is_refused():
+    for bad in ("lmpool-x", "/../etc/passwd", "/a/b", "/", "/.."):
+        with pytest.raises(ValueError, match="not a shared-memory name"):
+            BoardReader(bad)

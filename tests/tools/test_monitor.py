@@ -1,19 +1,26 @@
 """The monitor's judgement and drawing without a pool (lmpool_tools.monitor, top): states
-published by hand on a real board give the verdicts, rates and rows ``lmpool top`` shows."""
+published by hand on a real board give the verdicts, rates and rows ``lmpool top`` shows;
+a board with non-finite figures, or something else swapped in under a board's name after
+the listing, is invalid to ``lmpool ps`` and ``lmpool top``, never a crash or a hang."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
+from planted import KINDS, fifo_guard, plant, remove
 
 from lmpool.protocol.state_board import BOARD_LABEL, PoolState, RankRow, StateBoardWriter, board_capacity
 from lmpool_ipc import IpcPool
-from lmpool_tools import ps
+from lmpool_ipc.names import SHM_DIR, board_name, new_pool_id
+from lmpool_tools import monitor, ps, top
 from lmpool_tools.monitor import PoolMonitor, PoolNotFound, find_pool
 from lmpool_tools.top import ASCII_GLYPHS, bar, frame, sparkline
 
@@ -134,6 +141,35 @@ def test_a_board_with_non_finite_figures_is_invalid_not_a_crash(board, bad, caps
         monitor.close()
     assert view.verdict == "dead" and "holds no valid pool state" in view.reason
     assert "invalid" in ps.pool_line(pool.pool_id, name)
+
+
+@pytest.fixture
+def swapped(board, monkeypatch):
+    """A board name that ``lmpool ps`` and ``lmpool top`` have just listed, as if a regular
+    file had been there, and its path, to put anything at before they open it."""
+    _, real, _ = board
+    pool_id = new_pool_id()
+    name = board_name(pool_id, os.getpid(), BOARD_LABEL)
+    path = Path(SHM_DIR + name)
+    for tool in (ps, monitor):  # the listing they took, before the swap
+        monkeypatch.setattr(tool, "pool_boards", lambda: {pool_id: name})
+    yield pool_id, name, path, SHM_DIR + real
+    remove(path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_what_is_swapped_in_after_the_listing_is_invalid_not_waited_on(swapped, kind, caplog, capsys):
+    """Root's ``lmpool ps`` hung on a FIFO swapped in for a board between its listing and its open."""
+    pool_id, name, path, real = swapped
+    plant(kind, path, link_to=real)  # a link to a real board is no board either
+    with fifo_guard(path) if kind == "fifo" else contextlib.nullcontext():
+        with caplog.at_level(logging.WARNING, logger="lmpool.ps"):
+            assert ps.main([]) == 0
+        assert top.main([pool_id, "--once"]) == 1
+    out, err = capsys.readouterr()
+    assert f"{pool_id:<32} {'?':>8} invalid" in out
+    assert name in caplog.text and "is not an LMPool board" in caplog.text
+    assert f"pool {pool_id} has no readable state board: {name} is not an LMPool board" in err
 
 
 def test_find_pool(board):

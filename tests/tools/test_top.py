@@ -1,6 +1,7 @@
 """``lmpool top`` and ``lmpool ps`` against real CPU pools: the live screen in tmux shows
 every rank with its throughput; watching a pool does not change what it generates; a pool
-whose owner was SIGKILLed shows dead, and a pool that is gone is reported, not waited for."""
+whose owner was SIGKILLed shows dead, and a pool that is gone is reported, not waited for; a
+real pool's board passes the readers' checks (what they refuse: ``test_monitor.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import torch
 from tools_testkit import LMPOOL, PID, RUN, STATE, TOKS, lmpool, pool_tokens_per_s, rank_rows, wait_until
 
 from lmpool import LMPool, SamplingParams
+from lmpool.protocol.state_board import StateBoardReader, pool_boards
 from lmpool_ipc import pid_alive, sweep_dead_pools
+from lmpool_tools import ps
 
 BLOCK = 16
 OWNER_SCRIPT = Path(__file__).with_name("pool_owner.py")
@@ -154,6 +157,23 @@ def test_a_pool_whose_owner_is_sigkilled_shows_dead(tiny_model, tmux):
     gone = lmpool("top", "--once", pool_id)
     assert gone.returncode == 1 and f"no LMPool pool {pool_id!r}" in gone.stderr
     assert pool_id not in lmpool("ps").stdout
+
+
+def test_a_real_pools_board_reads(tiny_model):
+    """A regular file of this user's, of a board's size, with figures in range: not refused."""
+    with LMPool(tiny_model, world_size=1, block_size=BLOCK) as pool:
+        board = pool_boards()[pool.pool_id]
+        with StateBoardReader(board) as reader:
+            state = wait_until(reader.read, "the control plane's first publish")
+
+        def listed_alive():
+            line = ps.pool_line(pool.pool_id, board)
+            return line if line.split()[2:4] == ["alive", "1/1"] else None
+
+        line = wait_until(listed_alive, "lmpool ps to list the pool alive")
+    assert (state.pool_id, state.owner_pid, state.world_size, [r.rank for r in state.ranks]) == (
+        pool.pool_id, os.getpid(), 1, [0])
+    assert line.split()[:2] == [pool.pool_id, str(os.getpid())]
 
 
 def test_top_of_a_pool_that_does_not_exist():
