@@ -11,13 +11,15 @@ Invariants: ``published`` grows by one per publish of one control process (a res
 control process starts again from 1); ``monotonic`` is ``CLOCK_MONOTONIC`` at the publish,
 which every process on the machine shares, so a reader measures the board's age with its
 own clock. Fields are named on the wire, so a reader tolerates fields it does not know.
+A reader takes only a plausible state (counts and times not negative, figures finite, rank
+numbers under the world size): anything else is a planted board's, or garbage.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Self
+from typing import Annotated, Self
 
 import msgspec
 
@@ -28,28 +30,33 @@ from lmpool_ipc.names import SHM_DIR
 BOARD_LABEL = "state"
 PUBLISH_INTERVAL_S = 0.25
 
+# What decoding checks (encoding does not): a negative count, pid or time is no pool's.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Version = Annotated[int, msgspec.Meta(ge=-1)]  # -1: none yet
+Time = Annotated[float, msgspec.Meta(ge=0)]  # a time or a duration, in the unit its name says
+
 
 class RankRow(msgspec.Struct, kw_only=True, gc=False):
     """One rank as the control plane sees it; load figures are the worker's last report."""
 
-    rank: int
-    pid: int  # the worker process
+    rank: Count
+    pid: Count  # the worker process
     alive: bool
-    epoch: int
-    snapshot_version: int
-    heartbeat_age_s: float  # since the rank's last report; -1 before its first
-    num_waiting: int = 0
-    num_running: int = 0
-    blocks_free: int = 0
-    blocks_reclaimable: int = 0
-    blocks_used: int = 0
-    cached_blocks: int = 0  # ready blocks the page table lists for this rank
-    prompt_tokens: int = 0  # cumulative, this worker incarnation
-    prefix_hit_tokens: int = 0  # cumulative, this worker incarnation
-    generated_tokens: int = 0  # cumulative, this worker incarnation
-    blocks_in_flight: int = 0  # blocks a transfer is bringing here, not yet published
-    leases: int = 0  # placement leases steering routes here (not yet filled per rank)
-    step_ms: float = 0.0  # a decode step of its running batch, as its fitted step time predicts it
+    epoch: Version
+    snapshot_version: Version
+    heartbeat_age_s: Annotated[float, msgspec.Meta(ge=-1)]  # since the rank's last report; -1 before its first
+    num_waiting: Count = 0
+    num_running: Count = 0
+    blocks_free: Count = 0
+    blocks_reclaimable: Count = 0
+    blocks_used: Count = 0
+    cached_blocks: Count = 0  # ready blocks the page table lists for this rank
+    prompt_tokens: Count = 0  # cumulative, this worker incarnation
+    prefix_hit_tokens: Count = 0  # cumulative, this worker incarnation
+    generated_tokens: Count = 0  # cumulative, this worker incarnation
+    blocks_in_flight: Count = 0  # blocks a transfer is bringing here, not yet published
+    leases: Count = 0  # placement leases steering routes here (not yet filled per rank)
+    step_ms: Time = 0.0  # a decode step of its running batch, as its fitted step time predicts it
 
     @classmethod
     def from_state(cls, state: RankState, pid: int, blocks_in_flight: int) -> RankRow:
@@ -76,18 +83,18 @@ LIVE_FIGURES = ("num_waiting", "num_running", "blocks_free", "blocks_reclaimable
 
 class PoolState(msgspec.Struct, kw_only=True, gc=False):
     pool_id: str
-    owner_pid: int  # the user process: the pool lives as long as it does
-    control_pid: int
-    started_at: float  # wall-clock time the pool started
-    published: int  # publish counter of this control process
-    published_at: float  # wall-clock time of this publish
-    monotonic: float  # CLOCK_MONOTONIC seconds at this publish
-    world_size: int
-    route_queries: int = 0  # cumulative, this control process
-    route_p50_us: float = 0.0  # over the last few thousand route decisions
-    route_p99_us: float = 0.0
-    transfers_committed: int = 0  # KV transfer plans that completed, cumulative, this control process
-    blocks_transferred: int = 0  # blocks those plans copied or moved
+    owner_pid: Count  # the user process: the pool lives as long as it does
+    control_pid: Count
+    started_at: Time  # wall-clock time the pool started
+    published: Count  # publish counter of this control process
+    published_at: Time  # wall-clock time of this publish
+    monotonic: Time  # CLOCK_MONOTONIC seconds at this publish
+    world_size: Count
+    route_queries: Count = 0  # cumulative, this control process
+    route_p50_us: Time = 0.0  # over the last few thousand route decisions
+    route_p99_us: Time = 0.0
+    transfers_committed: Count = 0  # KV transfer plans that completed, cumulative, this control process
+    blocks_transferred: Count = 0  # blocks those plans copied or moved
     ranks: list[RankRow] = []
 
 
@@ -139,7 +146,7 @@ class StateBoardReader(_BoardSide):
         """The latest published state; None before the first publish. Raises
         ``lmpool_ipc.BoardBusyError`` if the writer was mid-write at every try."""
         value = self._board.read()
-        return None if value is None else _finite(self._decoder.decode(value))
+        return None if value is None else _in_range(_finite(self._decoder.decode(value)))
 
     def removed(self) -> bool:
         """True once the board's name is gone (the pool shut down, or was swept): the
@@ -155,6 +162,15 @@ def _finite(state: PoolState) -> PoolState:
             value = getattr(struct, name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise msgspec.ValidationError(f"{type(struct).__name__}.{name} is {value}")
+    return state
+
+
+def _in_range(state: PoolState) -> PoolState:
+    """``state`` if its rows are of ranks it has; a ``msgspec.ValidationError`` otherwise (the
+    field types already refuse negative figures)."""
+    ranks = [row.rank for row in state.ranks]
+    if len(ranks) > state.world_size or any(rank >= state.world_size for rank in ranks):
+        raise msgspec.ValidationError(f"rows of ranks {ranks[:8]} in a pool of {state.world_size}")
     return state
 
 

@@ -1,7 +1,7 @@
 """The monitor's judgement and drawing without a pool (lmpool_tools.monitor, top): states
 published by hand on a real board give the verdicts, rates and rows ``lmpool top`` shows;
-a board with non-finite figures, or something else swapped in under a board's name after
-the listing, is invalid to ``lmpool ps`` and ``lmpool top``, never a crash or a hang."""
+a board with figures no pool publishes, or something else swapped in under a board's name
+after the listing, is invalid to ``lmpool ps`` and ``lmpool top``, never a crash or a hang."""
 
 from __future__ import annotations
 
@@ -134,13 +134,33 @@ def test_a_board_with_non_finite_figures_is_invalid_not_a_crash(board, bad, caps
     else:
         published = msgspec.structs.replace(published, **bad)
     writer.publish(published)
-    monitor = PoolMonitor(pool.pool_id, name)
+    assert_invalid(pool.pool_id, name)
+
+
+@pytest.mark.parametrize("bad", [{"route_queries": -1}, {"started_at": -1.0}, {"world_size": 1},
+                                 {"rank_num_waiting": -3}, {"rank_heartbeat_age_s": -2.0}])
+def test_a_board_with_out_of_range_figures_is_invalid(board, bad):
+    """Negative counts and times, and a row of a rank the pool has not, are no pool's figures."""
+    pool, name, writer = board
+    published = state(pool, [1, 1], at=time.monotonic())
+    for field, value in bad.items():
+        if field.startswith("rank_"):
+            setattr(published.ranks[1], field.removeprefix("rank_"), value)
+        else:
+            published = msgspec.structs.replace(published, **{field: value})
+    writer.publish(published)
+    assert_invalid(pool.pool_id, name)
+
+
+def assert_invalid(pool_id: str, name: str) -> None:
+    """``lmpool top``'s monitor calls the pool dead for it, and ``lmpool ps`` lists it invalid."""
+    monitor = PoolMonitor(pool_id, name)
     try:
         view = monitor.sample()
     finally:
         monitor.close()
     assert view.verdict == "dead" and "holds no valid pool state" in view.reason
-    assert "invalid" in ps.pool_line(pool.pool_id, name)
+    assert "invalid" in ps.pool_line(pool_id, name)
 
 
 @pytest.fixture
