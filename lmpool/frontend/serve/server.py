@@ -45,8 +45,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     p.add_argument("--kv-events-endpoint", help="publish vLLM-format KV events on this ZMQ PUB endpoint "
-                   "(e.g. tcp://*:5557); off unless given")
-    p.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint answering replay and snapshot requests")
+                   "(e.g. tcp://127.0.0.1:5557); the events carry every cached block's token ids, for every "
+                   "tenant, salted or not: bind to loopback or a trusted network; off unless given")
+    p.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint answering replay and snapshot "
+                   "requests (e.g. tcp://127.0.0.1:5558)")
     p.add_argument("--kv-events-topic", default="kv-events")
     p.add_argument("--kv-events-buffer-steps", type=int, default=10_000, help="batches kept for replay")
     p.add_argument("--kv-events-map-layout", action="store_true",
