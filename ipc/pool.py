@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import posix_ipc
 
-from .board import board_bytes, format_board
+from .board import MAX_CAPACITY, board_bytes, format_board
 from .lifecycle import PoolObject, remove_pool, sweep_dead_pools, unlink_object
 from .names import (
     BELL_ROLES,
@@ -85,8 +85,8 @@ class IpcPool:
     def create_board(self, label: str, capacity: int) -> str:
         """Create board ``label`` of this pool, holding values of up to ``capacity`` bytes;
         return its name. Only the owner's user can open it (mode 0600)."""
-        if capacity < 1:
-            raise ValueError(f"board capacity must be positive, got {capacity}")
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"board capacity must be 1 to {MAX_CAPACITY} bytes (what readers open), got {capacity}")
         name = board_name(self.pool_id, self.owner_pid, label)
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, MODE, board_bytes(capacity))
         try:

@@ -16,6 +16,7 @@ with that reason.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -178,5 +179,6 @@ def _token_rates(before: PoolState, after: PoolState) -> dict[int, float]:
         prev = earlier.get(row.rank)
         same_worker = prev is not None and prev.pid == row.pid and prev.epoch == row.epoch
         start = prev.generated_tokens if same_worker and prev.generated_tokens <= row.generated_tokens else 0
-        rates[row.rank] = (row.generated_tokens - start) / dt if dt > 0 else 0.0
+        rate = (row.generated_tokens - start) / dt if dt > 0 else 0.0
+        rates[row.rank] = rate if math.isfinite(rate) else 0.0  # two states a hair apart: no rate
     return rates

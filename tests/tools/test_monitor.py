@@ -212,3 +212,9 @@ def test_bars_and_sparklines():
     assert sparkline([9, 9, 0, 1, 2, 4], 4, ASCII_GLYPHS) == "_-=#"  # the latest values
     assert sparkline([0, 0], 4, ASCII_GLYPHS) == "__"
     assert sparkline([1, 2], 0, ASCII_GLYPHS) == ""
+
+
+def test_two_states_a_hair_apart_give_no_infinite_rate(board):
+    pool, _, _ = board
+    before, after = state(pool, [0, 5], at=0.0), state(pool, [10**9, 5], at=5e-324)  # a subnormal apart
+    assert monitor._token_rates(before, after) == {0: 0.0, 1: 0.0}
