@@ -1,8 +1,7 @@
 """OpenAI-style error bodies, and the status each failure maps to.
 
-Bad input is a 400, a body over the size limit a 413, a pool with no live rank (or one shut
-down) a 503, anything unexpected a 500: every failure becomes a JSON body for its caller and the
-server serves on.
+Bad input is a 400, a pool with no live rank (or one shut down) a 503, anything unexpected a
+500: every failure becomes a JSON body for its caller and the server serves on.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from lmpool.frontend.client import PoolError
-from lmpool.frontend.serve.body_worker import validation_message
 
 
 class ServeError(Exception):
@@ -54,7 +52,11 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 
 def _validation_message(exc: RequestValidationError) -> str:
-    return validation_message(exc.errors(), skip=("body",))
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
 
 
 def install_handlers(app) -> None:

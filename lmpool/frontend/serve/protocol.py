@@ -7,25 +7,15 @@ vLLM's API that would change the output (``logprobs``, ``presence_penalty``, ``e
 refused unless it holds its no-op value (``UNSUPPORTED``): ignoring it would answer something
 other than what was asked. Every field that is acted on is validated here or by
 ``SamplingParams``; either failure is a 400 for the caller.
-
-A list names its first bad item only (``fail_fast``): pydantic otherwise reports every bad item,
-for each member of a union, so a 4 MB prompt of mixed ids and strings made 4 million errors,
-six seconds and a gigabyte of them, and a 400 message of hundreds of megabytes.
-
-``resolved()`` does now what a request's accessors (``single_prompt``, ``conversation``) would do
-later with its body's items, and keeps their outcome, a value or the error they raise, in place
-of those items: the body decoder calls it, so that a server process handed a large request gets
-plain strings and dicts rather than a model object per message (each one costly to move between
-processes, and scanned by every garbage collection while it lives).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr, \
-    field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, \
+    model_validator
 
 from lmpool.sampling_params import SamplingParams
 
@@ -56,13 +46,6 @@ UNSUPPORTED: dict[str, tuple] = {
 MAX_STOP_CHARS = 4096
 
 
-# A list validated up to its first bad item (this module's docstring says why); union members
-# keep their names in error locations ("prompt.list[int].3").
-_FIRST_ERROR = Field(fail_fast=True)
-IntList = Annotated[list[StrictInt], _FIRST_ERROR]
-StrList = Annotated[list[StrictStr], _FIRST_ERROR]
-
-
 def _no_op(value, neutral: tuple) -> bool:
     # A bool only matches a bool: logprobs=0 (the sampled token's logprob) is not logprobs=false.
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
@@ -84,8 +67,8 @@ class SamplingFields(BaseModel):
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
-    stop: StrictStr | StrList | None = None
-    stop_token_ids: IntList | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     # OpenAI's API takes null for either, meaning the default (clients send it).
     n: StrictInt | None = 1
@@ -132,11 +115,6 @@ class SamplingFields(BaseModel):
     def asked_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def resolved(self):
-        """This request with its accessors' outcomes kept in place of the items they read (the
-        module's docstring says why)."""
-        return self
-
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """``SamplingParams`` of this request; ``max_tokens`` is the default when it names none.
         Raises ``ValueError`` naming a bad value."""
@@ -162,12 +140,9 @@ SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 class CompletionRequest(SamplingFields):
     """One prompt: text, token ids, or a list holding exactly one of either."""
 
-    prompt: StrictStr | IntList | StrList | Annotated[list[IntList], _FIRST_ERROR]
-    _prompt_error: str | None = PrivateAttr(None)  # what single_prompt raised (resolved)
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
 
     def single_prompt(self) -> str | list[int]:
-        if self._prompt_error is not None:
-            raise ValueError(self._prompt_error)
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -177,20 +152,12 @@ class CompletionRequest(SamplingFields):
             raise ValueError("the prompt is empty")
         return prompt
 
-    def resolved(self) -> CompletionRequest:
-        try:
-            return self.model_copy(update={"prompt": self.single_prompt()})
-        except ValueError as e:
-            request = self.model_copy(update={"prompt": ""})
-            request._prompt_error = str(e)
-            return request
-
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: StrictStr
-    content: StrictStr | Annotated[list[dict], _FIRST_ERROR] | None = None
+    content: StrictStr | list[dict] | None = None
 
     def as_template_input(self) -> dict:
         """The message as the chat template takes it: content parts of type text are joined."""
@@ -203,12 +170,9 @@ class Message(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[Message] = Field(min_length=1, fail_fast=True)
+    messages: list[Message] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # What conversation() gave or raised (resolved): the messages are then left out.
-    _conversation: list[dict] | None = PrivateAttr(None)
-    _conversation_error: str | None = PrivateAttr(None)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -225,19 +189,7 @@ class ChatCompletionRequest(SamplingFields):
         return kwargs
 
     def conversation(self) -> list[dict]:
-        if self._conversation_error is not None:
-            raise ValueError(self._conversation_error)
-        if self._conversation is not None:
-            return self._conversation
         return [m.as_template_input() for m in self.messages]
-
-    def resolved(self) -> ChatCompletionRequest:
-        request = self.model_copy(update={"messages": []})
-        try:
-            request._conversation = self.conversation()
-        except ValueError as e:
-            request._conversation_error = str(e)
-        return request
 
     def asked_max_tokens(self) -> int | None:
         # OpenAI's successor of max_tokens wins where both are given, as in vLLM.
