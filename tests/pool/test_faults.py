@@ -26,15 +26,35 @@ def prompts() -> list[list[int]]:
     return [stems[i % 8] + torch.randint(0, 1000, (i % 13 + 1,), generator=g).tolist() for i in range(N)]
 
 
+# One long request pinned to the victim rank: it cannot finish there before the fault (its
+# decode outlasts the run's first tokens by a thousand steps), so it must finish elsewhere. The
+# short ones may finish on the victim first, from outputs it wrote before the fault.
+LONG_PROMPT = list(range(3, 40))
+LONG = SamplingParams(temperature=0, max_tokens=1200, ignore_eos=True)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     with LLM(tiny_model, block_size=BLOCK) as llm:
         return [o.token_ids for o in llm.generate(prompts(), PARAMS)]
 
 
+@pytest.fixture(scope="module")
+def long_reference(tiny_model):
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        return llm.generate([LONG_PROMPT], LONG)[0].token_ids
+
+
 async def run_with_kill(pool: AsyncLMPool, victim_pid, sig: int = signal.SIGKILL) -> list:
     """Start all requests; once 20 tokens have streamed, send ``sig`` to ``victim_pid()``."""
     return await stream_all(pool, prompts(), PARAMS, 20, lambda: os.kill(victim_pid(), sig))
+
+
+async def run_with_worker_fault(pool: AsyncLMPool, victim: int, sig: int) -> tuple[list, object]:
+    """``run_with_kill`` on worker ``victim``, beside the long request pinned to it: every short
+    request's last output, and the long one's."""
+    long = pool.generate(LONG_PROMPT, LONG, rank=victim)
+    return await asyncio.gather(run_with_kill(pool, lambda: pool.engine.ranks[victim].proc.pid, sig), long)
 
 
 async def wait_for_resync(pool: AsyncLMPool) -> dict:
@@ -47,19 +67,18 @@ async def wait_for_resync(pool: AsyncLMPool) -> dict:
     raise AssertionError(f"no resync: {stats}")
 
 
-def test_worker_sigkill_mid_run(tiny_model, reference):
+def test_worker_sigkill_mid_run(tiny_model, reference, long_reference):
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK) as pool:
-            victim = pool.engine.ranks[1].proc.pid
-            outs = await run_with_kill(pool, lambda: victim)
+            outs, long = await run_with_worker_fault(pool, 1, signal.SIGKILL)
             stats = await pool.stats()
             again = await pool.generate(prompts()[0], PARAMS)
-            return outs, stats, again
+            return outs, long, stats, again
 
-    outs, stats, again = uvloop.run(main())
-    assert [o.token_ids for o in outs] == reference
+    outs, long, stats, again = uvloop.run(main())
+    assert [o.token_ids for o in outs] == reference and long.token_ids == long_reference
     assert not stats["ranks"][1]["alive"]
-    assert {o.rank for o in outs} <= {0, 2}, "requests finish on live ranks"
+    assert long.rank != 1, "the dead rank's unfinished request finishes on a live rank"
     assert again.rank != 1 and again.num_cached_tokens > 0
 
 
@@ -85,18 +104,20 @@ HANG_TIMEOUT = 10.0  # far above a tiny-model step on CPU (milliseconds), even o
 GUARD_S = 120.0  # a pool that never notices the hang fails here instead of hanging the suite
 
 
-def test_a_stopped_worker_is_taken_for_hung_killed_and_its_requests_finish_elsewhere(tiny_model, reference):
+def test_a_stopped_worker_is_taken_for_hung_killed_and_its_requests_finish_elsewhere(
+    tiny_model, reference, long_reference
+):
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, hang_timeout=HANG_TIMEOUT) as pool:
             victim = pool.engine.ranks[1].proc
             async with asyncio.timeout(GUARD_S):
-                outs = await run_with_kill(pool, lambda: victim.pid, signal.SIGSTOP)
+                outs, long = await run_with_worker_fault(pool, 1, signal.SIGSTOP)
                 stats = await pool.stats()
-            return outs, stats, victim.poll()
+            return outs, long, stats, victim.poll()
 
-    outs, stats, exit_code = uvloop.run(main())
-    assert [o.token_ids for o in outs] == reference
-    assert not stats["ranks"][1]["alive"] and {o.rank for o in outs} <= {0, 2}
+    outs, long, stats, exit_code = uvloop.run(main())
+    assert [o.token_ids for o in outs] == reference and long.token_ids == long_reference
+    assert not stats["ranks"][1]["alive"] and long.rank != 1
     assert exit_code == -signal.SIGKILL  # killed, not left stopped behind the pool
 
 
