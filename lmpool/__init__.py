@@ -1,8 +1,39 @@
-"""LMPool: one LLM served from N data-parallel replicas whose paged KV caches act as one pool."""
+"""LMPool: one LLM served from N data-parallel replicas whose paged KV caches act as one pool.
 
-from lmpool.frontend.llm import LLM
-from lmpool.outputs import RequestOutput
-from lmpool.frontend.api import AsyncLMPool, LMPool
-from lmpool.sampling_params import SamplingParams
+The public names are loaded on first use (PEP 562): a process that needs one light module of the
+package (the control process, the HTTP server's body-parsing process) does not import the engine,
+and torch with it, by importing ``lmpool``.
+"""
 
-__all__ = ["LLM", "AsyncLMPool", "LMPool", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_HOMES = {
+    "LLM": "lmpool.frontend.llm",
+    "AsyncLMPool": "lmpool.frontend.api",
+    "LMPool": "lmpool.frontend.api",
+    "RequestOutput": "lmpool.outputs",
+    "SamplingParams": "lmpool.sampling_params",
+}
+
+__all__ = list(_HOMES)
+
+if TYPE_CHECKING:
+    from lmpool.frontend.api import AsyncLMPool, LMPool
+    from lmpool.frontend.llm import LLM
+    from lmpool.outputs import RequestOutput
+    from lmpool.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lmpool' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -1,5 +1,6 @@
 """Starting ``lmpool serve`` as a real process on a loopback port, and stopping it; ``stop``
-checks that the server left no pool process and no shared-memory object behind."""
+checks that the server left no pool process and no shared-memory object behind. Also raw HTTP/1.1
+on a socket, for the tests that send requests no client library would."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from lmpool_ipc.lifecycle import pid_alive, sweep_dead_pools
 from lmpool_ipc.names import SEM_FILE_PREFIX, parse_object
 
 BLOCK = 16
+PROMPT = "The harbour town woke slowly on winter mornings, and"
 STARTUP_LIMIT_S = 300  # the server answers /health once its replicas have loaded the model
 
 
@@ -161,3 +163,32 @@ def metric(server: ServerProcess, name: str) -> float:
 def busy(server: ServerProcess) -> float:
     """Requests running or waiting on the server's ranks."""
     return metric(server, "lmpool:num_requests_running") + metric(server, "lmpool:num_requests_waiting")
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 response (with a Content-Length, as every error body has) off ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before a response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    status = int(head.split()[1])
+    headers = dict(line.decode().lower().split(": ", 1) for line in head.split(b"\r\n")[1:])
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed in the middle of a response"
+        body += chunk
+    return status, headers, body
+
+
+def request_head(length: int | None = None, path: str = "/v1/completions") -> bytes:
+    """A JSON POST's head: its body's length declared, or (None) chunked."""
+    framing = b"Transfer-Encoding: chunked" if length is None else b"Content-Length: %d" % length
+    return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s\r\n\r\n" % (path.encode(), framing)
+
+
+def small_request() -> bytes:
+    """A whole completion request of two tokens."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+    return request_head(len(body)) + body

@@ -13,6 +13,12 @@ from lmpool.frontend.serve.server import parser
     (["--port", "http"], "--port: must be a TCP port"),
     (["--shutdown-grace", "nan"], "--shutdown-grace: must be a finite number of seconds >= 0"),
     (["--shutdown-grace", "-1"], "--shutdown-grace: must be a finite number of seconds >= 0"),
+    (["--max-request-bytes", "-1"], "--max-request-bytes: must be a whole number >= 0"),
+    (["--max-request-bytes", "32M"], "--max-request-bytes: must be a whole number >= 0"),
+    (["--timeout-request-headers", "0"], "--timeout-request-headers: must be a finite number of seconds > 0"),
+    (["--timeout-request-body", "inf"], "--timeout-request-body: must be a finite number of seconds >= 0"),
+    (["--timeout-keep-alive", "nan"], "--timeout-keep-alive: must be a finite number of seconds >= 0"),
+    (["--limit-concurrency", "many"], "--limit-concurrency: must be a whole number >= 0"),
 ])
 def test_bad_values_are_refused_by_name(args, words, capsys):
     with pytest.raises(SystemExit) as exit_:

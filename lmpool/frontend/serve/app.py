@@ -4,7 +4,9 @@
 own event loop and shuts it down with the server. Handlers use the pool's public API only
 (``encode``, ``encode_chat``, ``stream``, ``generate``, ``stats``). A request whose client
 disconnects is aborted: a stream's consumer is cancelled by the server, a non-streaming
-handler races its request against the client's disconnect (``disconnect``).
+handler races its request against the client's disconnect (``disconnect``). Request bodies are
+read and decoded by ``body.parse_request`` (a size limit; large bodies decoded off the event
+loop), not by FastAPI.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmpool.frontend.api import AsyncLMPool
 from lmpool.frontend.serve.auth import install_api_key
+from lmpool.frontend.serve.body import BodyParser, parse_request
 from lmpool.frontend.serve.disconnect import ClientGone, unless_disconnected
 from lmpool.frontend.serve.errors import ServeError, install_handlers
 from lmpool.frontend.serve.metrics import scrape
@@ -33,16 +36,19 @@ def create_app(settings: ServeSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
+            await app.state.body_parser.start()  # ready before the first large body
             async with AsyncLMPool(settings.model, **settings.pool_args) as pool:
                 app.state.pool = pool
                 yield
         finally:
             app.state.tokenizing.shutdown(wait=False, cancel_futures=True)
+            await app.state.body_parser.close()
 
     app = FastAPI(title="LMPool", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.settings = settings
     # One thread: a Hugging Face tokenizer is not safe to reconfigure from several at once.
     app.state.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lmpool-tokenize")
+    app.state.body_parser = BodyParser(settings.limits.parse_timeout_s)
     install_handlers(app)
     install_api_key(app, settings.api_key)
     _routes(app, settings)
@@ -51,16 +57,26 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
 def _routes(app: FastAPI, settings: ServeSettings) -> None:
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        try:
+            parsed = await parse_request(request, CompletionRequest, "completions")
+        except ClientGone:
+            return Response(status_code=499)
+        body = parsed.request
         pool = _pool(request, body.model)
-        prompt_ids = await _tokenize(request, pool.encode, body.single_prompt())
+        prompt_ids = await _tokenize(request, pool.encode, parsed.prompt)
         params = body.sampling_params(DEFAULT_COMPLETION_TOKENS)
         return await _respond(request, pool, prompt_ids, params, body, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        try:
+            parsed = await parse_request(request, ChatCompletionRequest, "chat")
+        except ClientGone:
+            return Response(status_code=499)
+        body = parsed.request
         pool = _pool(request, body.model)
-        prompt_ids = await _tokenize(request, pool.encode_chat, body.conversation(), **(body.chat_template_kwargs or {}))
+        prompt_ids = await _tokenize(request, pool.encode_chat, parsed.prompt, **(body.chat_template_kwargs or {}))
         # OpenAI's chat default is "as long as the context allows".
         params = body.sampling_params(max(1, _longest_request(pool) - len(prompt_ids)))
         return await _respond(request, pool, prompt_ids, params, body, chat=True)

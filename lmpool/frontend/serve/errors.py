@@ -1,7 +1,8 @@
 """OpenAI-style error bodies, and the status each failure maps to.
 
-Bad input is a 400, a pool with no live rank (or one shut down) a 503, anything unexpected a
-500: every failure becomes a JSON body for its caller and the server serves on.
+Bad input is a 400, a body over the size limit a 413, one that is not JSON a 415, a pool with no
+live rank (or one shut down) a 503, anything unexpected a 500: every failure becomes a JSON body
+for its caller and the server serves on.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from lmpool.frontend.client import PoolError
+from lmpool.frontend.serve.body_parser import validation_message
 
 
 class ServeError(Exception):
@@ -52,11 +54,7 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 
 def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request"
+    return validation_message(exc.errors(), skip=("body",))
 
 
 def install_handlers(app) -> None:

@@ -7,12 +7,20 @@ vLLM's API that would change the output (``logprobs``, ``presence_penalty``, ``e
 refused unless it holds its no-op value (``UNSUPPORTED``): ignoring it would answer something
 other than what was asked. Every field that is acted on is validated here or by
 ``SamplingParams``; either failure is a 400 for the caller.
+
+A list names its first bad item only (``fail_fast``): pydantic otherwise reports every bad item,
+for each member of a union, so a 4 MB prompt of mixed ids and strings made 4 million errors,
+six seconds and a gigabyte of them.
+
+Each request model is its head (every field but the prompt or the messages: ``HEADS``) plus the
+prompt or messages, which ``prompt_input()`` resolves into what the pool takes. The body-parsing
+process (``body_parser``) sends the head and the resolved prompt back separately.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, \
     model_validator
@@ -46,6 +54,13 @@ UNSUPPORTED: dict[str, tuple] = {
 MAX_STOP_CHARS = 4096
 
 
+# A list validated up to its first bad item (this module's docstring says why); union members
+# keep their names in error locations ("prompt.list[int].3").
+_FIRST_ERROR = Field(fail_fast=True)
+IntList = Annotated[list[StrictInt], _FIRST_ERROR]
+StrList = Annotated[list[StrictStr], _FIRST_ERROR]
+
+
 def _no_op(value, neutral: tuple) -> bool:
     # A bool only matches a bool: logprobs=0 (the sampled token's logprob) is not logprobs=false.
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
@@ -67,8 +82,8 @@ class SamplingFields(BaseModel):
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop: StrictStr | StrList | None = None
+    stop_token_ids: IntList | None = None
     ignore_eos: StrictBool = False
     # OpenAI's API takes null for either, meaning the default (clients send it).
     n: StrictInt | None = 1
@@ -140,7 +155,7 @@ SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 class CompletionRequest(SamplingFields):
     """One prompt: text, token ids, or a list holding exactly one of either."""
 
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    prompt: StrictStr | IntList | StrList | Annotated[list[IntList], _FIRST_ERROR]
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -152,12 +167,16 @@ class CompletionRequest(SamplingFields):
             raise ValueError("the prompt is empty")
         return prompt
 
+    def prompt_input(self) -> str | list[int]:
+        """What the pool encodes: the one prompt, text or token ids."""
+        return self.single_prompt()
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: StrictStr
-    content: StrictStr | list[dict] | None = None
+    content: StrictStr | Annotated[list[dict], _FIRST_ERROR] | None = None
 
     def as_template_input(self) -> dict:
         """The message as the chat template takes it: content parts of type text are joined."""
@@ -169,8 +188,9 @@ class Message(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[Message] = Field(min_length=1)
+class ChatFields(SamplingFields):
+    """A chat request's fields but its messages."""
+
     max_completion_tokens: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -188,9 +208,23 @@ class ChatCompletionRequest(SamplingFields):
                              f"documents are served)")
         return kwargs
 
-    def conversation(self) -> list[dict]:
-        return [m.as_template_input() for m in self.messages]
-
     def asked_max_tokens(self) -> int | None:
         # OpenAI's successor of max_tokens wins where both are given, as in vLLM.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatCompletionRequest(ChatFields):
+    messages: Annotated[list[Message], Field(min_length=1, fail_fast=True)]
+
+    def conversation(self) -> list[dict]:
+        return [m.as_template_input() for m in self.messages]
+
+    def prompt_input(self) -> list[dict]:
+        """What the pool encodes with the chat template: the messages as plain dicts."""
+        return self.conversation()
+
+
+# Each endpoint's request model and its head (the model less its prompt or messages).
+HEADS: dict[type[SamplingFields], type[SamplingFields]] = {
+    CompletionRequest: SamplingFields, ChatCompletionRequest: ChatFields,
+}

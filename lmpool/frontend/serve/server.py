@@ -7,6 +7,11 @@ object outlives it): it stops accepting connections, gives the running requests
 ``--shutdown-grace`` seconds to finish, then shuts the pool down, which fails those still
 running as any request on a shut-down pool fails (a 503 body, or a stream's in-band error and
 ``[DONE]``). Left to uvicorn, they would be cancelled: a plain-text 500, or a stream cut short.
+
+Every bound on clients (body and header sizes, the deadlines for sending a request, keep-alive,
+concurrency, backlog) is an ``HttpLimits`` field, set from the command line and handed to
+uvicorn by ``uvicorn_config`` alone; the protocol it runs is ``http_limits``' (uvicorn's
+httptools one, with the deadlines uvicorn lacks).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 
 from lmpool.config.engine import check_port
 from lmpool.control.kv_events import pool_events as kv_pool_events
-from lmpool.frontend.serve.settings import ServeSettings
+from lmpool.frontend.serve.settings import HttpLimits, ServeSettings
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,6 +59,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=_seconds, default=5.0,
                    help="seconds the running requests get to finish once SIGINT or SIGTERM stops the server")
     p.add_argument("--log-level", default="info")
+    limits = p.add_argument_group(
+        "client limits", "What a client may send, and how slowly. A body over the limit is a 413 (refused from its "
+        "Content-Length before it is read, or once a chunked body passes it); a request head over its limit a 431; "
+        "a request not sent within its deadlines a 408, and the connection closed. Bodies over "
+        f"{HttpLimits.inline_parse_bytes // 1024} KiB are decoded in a separate process, so that they do not pause "
+        "other requests' streams.")
+    limits.add_argument("--max-request-bytes", type=_count, default=HttpLimits.max_request_bytes, metavar="N",
+                        help="the largest request body, in bytes (default: 32 MiB, ample for a 1M-token prompt as "
+                             "token ids or text)")
+    limits.add_argument("--max-header-bytes", type=_count, default=HttpLimits.max_header_bytes, metavar="N",
+                        help="the largest request line and headers, in bytes (default: %(default)s)")
+    limits.add_argument("--timeout-request-headers", type=_positive_seconds, metavar="S",
+                        default=HttpLimits.timeout_request_headers_s,
+                        help="seconds a client has to send a request's line and headers, from the connection "
+                             "opening or the request's first byte (default: %(default)s)")
+    limits.add_argument("--timeout-request-body", type=_positive_seconds, default=HttpLimits.timeout_request_body_s,
+                        metavar="S", help="seconds a client has to send a request's body once its headers are in "
+                                          "(default: %(default)s)")
+    limits.add_argument("--timeout-keep-alive", type=_positive_seconds, default=HttpLimits.timeout_keep_alive_s,
+                        metavar="S", help="seconds an idle kept-alive connection stays open (default: %(default)s, "
+                                          "as uvicorn and vLLM)")
+    limits.add_argument("--limit-concurrency", type=_count, default=HttpLimits.limit_concurrency, metavar="N",
+                        help="connections and requests at once; past it a new request is a 503; 0: no limit "
+                             "(default: %(default)s)")
+    limits.add_argument("--backlog", type=_count, default=HttpLimits.backlog, metavar="N",
+                        help="connections the kernel queues before they are accepted (default: %(default)s)")
     return p
 
 
@@ -75,6 +106,30 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def limits_from(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(max_request_bytes=args.max_request_bytes, max_header_bytes=args.max_header_bytes,
+                      timeout_request_headers_s=args.timeout_request_headers,
+                      timeout_request_body_s=args.timeout_request_body, timeout_keep_alive_s=args.timeout_keep_alive,
+                      limit_concurrency=args.limit_concurrency or None, backlog=args.backlog)
+
+
 def settings_from(args: argparse.Namespace) -> ServeSettings:
     pool_args: dict = {"world_size": args.world_size, "device": args.device, "routing": args.routing}
     for name in ("dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -84,7 +139,7 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
     if importlib.util.find_spec("prometheus_client") is not None:
         pool_args["metrics_port"] = 0  # relayed at the server's /metrics
     return ServeSettings(model=args.model, served_model_name=args.served_model_name, api_key=args.api_key,
-                         pool_args=pool_args)
+                         pool_args=pool_args, limits=limits_from(args))
 
 
 def kv_events_config(args: argparse.Namespace) -> str | None:
@@ -121,12 +176,29 @@ def main(argv: list[str]) -> int:
     if events is not None:  # the control process, started by the pool, inherits it
         check_endpoints(args)
         os.environ[kv_pool_events.ENV] = events
-    app = create_app(settings_from(args))
-    # uvicorn's own grace is a backstop, should the pool take long to stop.
-    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level,
-                            access_log=False, timeout_graceful_shutdown=args.shutdown_grace + POOL_STOP_S)
-    _server_class()(config, app, args.shutdown_grace).run()
+    settings = settings_from(args)
+    app = create_app(settings)
+    _server_class()(uvicorn_config(app, args, settings.limits), app, args.shutdown_grace).run()
     return 0
+
+
+def uvicorn_config(app, args: argparse.Namespace, limits: HttpLimits):
+    """The uvicorn configuration of ``lmpool serve``: every limit on clients set here, from ``limits``."""
+    import uvicorn
+
+    from lmpool.frontend.serve.http_limits import limited_protocol
+
+    return uvicorn.Config(
+        app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level, access_log=False,
+        http=limited_protocol(limits),
+        ws="none",  # the API has no WebSocket route: an upgrade request is served as plain HTTP
+        timeout_keep_alive=limits.timeout_keep_alive_s, limit_concurrency=limits.limit_concurrency,
+        backlog=limits.backlog,
+        # The head cap for uvicorn's h11 parser, which ``http`` does not choose: set alike, so the bound
+        # holds should the parser be switched.
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        # uvicorn's own grace is a backstop, should the pool take long to stop.
+        timeout_graceful_shutdown=args.shutdown_grace + POOL_STOP_S)
 
 
 POOL_STOP_S = 30  # time the pool takes to stop its processes, at most
