@@ -293,7 +293,7 @@ class Worker:
         g = torch.Generator(device=self.device).manual_seed(1234 + self.rank)
         self.cache = torch.randn(self.m["layers"], 2, self.num_blocks, self.m["block_size"], self.m["kv_heads"],
                                  self.m["head_dim"], generator=g, device=self.device).to(DTYPES[args.dtype])
-        from lmpool.dataplane.transport import open_store
+        from lmpool.dataplane.rendezvous import open_store
 
         self.store = open_store(args.rendezvous, WAIT_S)
         payload_bytes = max(args.sizes) * self.m["kv_bytes_per_block"]

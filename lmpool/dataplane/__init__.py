@@ -1,19 +1,18 @@
 """KV transfers between worker processes: the transports that move packed payloads.
 
 ``transport`` defines what every transport offers (``KVTransport``, ``Handle``, the
-errors, the pool's ``Rendezvous``); ``gloo`` connects CPU replicas, ``cuda_ipc`` replicas
-sharing one GPU, ``nccl`` replicas on different GPUs. ``messages`` holds the control-plane
-messages a transport needs relayed to set up a connection. The transports import lazily
-(``make_transport``), so importing this package needs no GPU.
+errors); ``rendezvous`` is the pool's store where transports meet; ``gloo`` connects CPU
+replicas, ``cuda_ipc`` replicas sharing one GPU, ``nccl`` replicas on different GPUs. The
+transports import lazily (``make_transport``), so importing this package needs no GPU.
 """
 
 from lmpool.dataplane.gloo import GlooTransport
+from lmpool.dataplane.rendezvous import Rendezvous
 from lmpool.dataplane.transport import (
     KINDS,
     TAG_LIMIT,
     Handle,
     KVTransport,
-    Rendezvous,
     TransferTimeout,
     TransportError,
     kind_for_devices,

@@ -22,14 +22,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from lmpool.dataplane.rendezvous import open_store, parse_address
 from lmpool.dataplane.transport import (
     TAG_LIMIT,
     TransferTimeout,
     TransportError,
     as_bytes,
     check_args,
-    open_store,
-    parse_address,
 )
 
 _BREAK_TAG = TAG_LIMIT  # never used by a transfer: see _break_group
@@ -71,6 +70,9 @@ class _Pair:
         self.peer = peer
         self.session = session
         self.group: dist.ProcessGroupGloo | None = None
+        # The group's store, held as long as the pair: torch keeps only the C++ half of a
+        # store written in Python alive, and one whose Python half is gone fails every call.
+        self.store: dist.Store | None = None
         self.queued: list[tuple[str, torch.Tensor, int, GlooHandle]] = []
         self.pending: set[GlooHandle] = set()
         self.broken: str | None = None
@@ -126,7 +128,8 @@ class GlooTransport:
             # A store client of its own: one client serializes its calls, so connections
             # sharing one would wait for each other's peers, and three ranks connecting
             # around a cycle would deadlock.
-            store = dist.PrefixStore(f"lmpool/gloo/{lo}-{hi}/{pair.session}", open_store(self._rendezvous, self.timeout_s))
+            pair.store = open_store(self._rendezvous, self.timeout_s)
+            store = dist.PrefixStore(f"lmpool/gloo/{lo}-{hi}/{pair.session}", pair.store)
             group = dist.ProcessGroupGloo(store, 0 if self.rank == lo else 1, 2, options)
         except (RuntimeError, TransportError) as e:
             error = TransportError(
@@ -145,6 +148,7 @@ class GlooTransport:
                 group = None
         if group is not None:  # replaced or closed while connecting: tell the peer now
             _break_group(group)
+            pair.store.close()
             handle._finish(TransportError(f"{handle.what}: {pair.broken or 'transport closed'}"))
         else:
             handle._finish()
@@ -253,6 +257,8 @@ class GlooTransport:
             handle._finish(TransportError(f"{handle.what} failed: {reason}"))
         if group is not None:
             _break_group(group)
+        if pair.store is not None:  # its connection ends; the object stays, for torch's sake
+            pair.store.close()
 
     def pending(self) -> int:
         """Operations started and not yet finished (for tests and metrics)."""

@@ -26,12 +26,11 @@ import torch
 import torch.distributed as dist
 
 from lmpool.dataplane import nccl_lib, streams
+from lmpool.dataplane.rendezvous import open_store, parse_address
 from lmpool.dataplane.transport import (
     TransferTimeout,
     TransportError,
     check_args,
-    open_store,
-    parse_address,
     poll_until,
 )
 

@@ -22,27 +22,16 @@ Invariants every transport keeps:
 - ``Handle.wait(timeout)`` returns or raises within about ``timeout`` seconds, whatever
   the peer does. Expiry raises ``TransferTimeout``; any other failure ``TransportError``.
 
-The rendezvous every transport of a pool uses to find its peers is a ``torch.distributed``
-TCP store served by the launcher (``Rendezvous``) on 127.0.0.1 (unless told another
-address), at a port the kernel chose when the store bound it; workers receive its
-``address`` in their spec. The address ends in a per-pool random key, and every client
-keeps its keys under it (``open_store``), so nobody who does not hold the address can
-guess, and overwrite, a key of the pool. The store itself has no authentication: on one
-machine, a process of another user that connects can list keys. Only the loopback
-binding keeps other machines out.
+The rendezvous every transport of a pool uses to find its peers is a store served by the
+launcher, reachable only by processes of its user (``lmpool.dataplane.rendezvous``).
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import secrets
-import socket
 import time
 from typing import Callable, Protocol
 
 import torch
-import torch.distributed as dist
 
 # Tags are non-negative int32 (gloo's limit); the largest is reserved for the transports'
 # own use (gloo breaks a pair with it).
@@ -141,63 +130,6 @@ def kind_for_devices(device_a: str, device_b: str, peer_access: bool = False) ->
     if a.type == b.type == "cuda":
         return "cuda_ipc" if a.index == b.index or peer_access else "nccl"
     raise ValueError(f"no transport connects a replica on {a} with one on {b}")
-
-
-class Rendezvous:
-    """The store a pool's transports meet at. The launcher creates it before the workers
-    and closes it after they are gone; it serves from a thread of the launcher's process,
-    so it leaves no file and no process behind."""
-
-    def __init__(self, timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
-        # A master TCPStore binds every interface whatever host it is given: it serves a
-        # socket we bound to ``host`` instead. Port 0: the kernel picks a free one, so no
-        # other process can take it between choosing and binding.
-        listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-        port = listener.getsockname()[1]
-        fd = listener.detach()  # the store's server owns (and closes) the socket from here
-        try:
-            self._store = dist.TCPStore(
-                host, port, is_master=True, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=fd,
-            )
-        except BaseException:
-            os.close(fd)
-            raise
-        self.address = f"tcp://{host}:{port}/{secrets.token_hex(16)}"
-
-    @classmethod
-    def create(cls) -> "Rendezvous":
-        return cls()
-
-    def close(self) -> None:
-        self._store = None
-
-
-def parse_address(address: str) -> tuple[str, int, str]:
-    """``tcp://HOST:PORT/KEY`` (the key may be absent) as (host, port, key)."""
-    scheme, _, rest = address.partition("://")
-    rest, _, key = rest.partition("/")
-    host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or not host or not port.isdigit() or not (key == "" or key.isalnum()):
-        raise ValueError(f"rendezvous address must look like tcp://HOST:PORT[/KEY], got {_redact(address)!r}")
-    return host, int(port), key
-
-
-def _redact(address: str) -> str:
-    """``address`` without its key, for messages and logs."""
-    head, sep, _ = address.partition("://")
-    return head + sep + address[len(head) + len(sep):].partition("/")[0]
-
-
-def open_store(address: str, timeout_s: float) -> dist.Store:
-    """A client of the rendezvous at ``address``, its keys under the address's secret key;
-    every blocking call on it gives up after ``timeout_s``."""
-    host, port, key = parse_address(address)
-    try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistError) as e:
-        raise TransportError(f"cannot reach the rendezvous at {_redact(address)} within {timeout_s}s: {e}") from e
-    return dist.PrefixStore(f"lmpool-{key}", store) if key else store
 
 
 def make_transport(kind: str, rank: int, world_size: int, *, rendezvous: str, device: str = "cpu",

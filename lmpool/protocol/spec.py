@@ -41,8 +41,8 @@ class ControlSpec(msgspec.Struct, kw_only=True):
 
 
 PR_SET_PDEATHSIG = 1
-# The spec travels in the environment: it holds the transfer rendezvous's secret key, and a
-# command line is readable by every user, an environment only by the process's own.
+# The spec travels in the environment: it holds the shared-memory names of the pool's links,
+# and a command line is readable by every user, an environment only by the process's own.
 SPEC_VARIABLE = "LMPOOL_SPEC"
 
 

@@ -5,6 +5,7 @@ the other user), then the process takes ``UID`` and does ``MODE``; it prints one
 import contextlib
 import io
 import os
+import shutil  # noqa: F401  (argparse imports it lazily, in lmpool ps)
 import sys
 
 import posix_ipc

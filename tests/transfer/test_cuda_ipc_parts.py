@@ -139,8 +139,8 @@ def test_peer_access_picks_cuda_ipc_across_gpus():
 
 def test_transport_refuses_a_device_it_cannot_share():
     with pytest.raises(ValueError, match=r"needs a CUDA device with an index \(cuda:N\), got 'cpu'"):
-        CudaIpcTransport("tcp://127.0.0.1:1", 0, 2, device="cpu", staging_bytes=1024)
+        CudaIpcTransport("unix:@lmpool-rendezvous-0", 0, 2, device="cpu", staging_bytes=1024)
     with pytest.raises(ValueError, match="rank must be in"):
-        CudaIpcTransport("tcp://127.0.0.1:1", 2, 2, device="cuda:0", staging_bytes=1024)
+        CudaIpcTransport("unix:@lmpool-rendezvous-0", 2, 2, device="cuda:0", staging_bytes=1024)
     with pytest.raises(ValueError, match="staging_bytes must be >= 0"):
-        CudaIpcTransport("tcp://127.0.0.1:1", 0, 2, device="cuda:0", staging_bytes=-1)
+        CudaIpcTransport("unix:@lmpool-rendezvous-0", 0, 2, device="cuda:0", staging_bytes=-1)

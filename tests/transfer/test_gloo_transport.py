@@ -27,7 +27,7 @@ from lmpool.dataplane import (
     make_transport,
     plan_tag,
 )
-from lmpool.dataplane.transport import open_store
+from lmpool.dataplane.rendezvous import open_store
 from transfer_testkit import Peer, block_ids, digest, expected_cache, make_cache, process_gone
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -262,7 +262,7 @@ def test_bad_arguments_are_refused_before_anything_starts(rendezvous, pair):
 
 
 def test_rendezvous_addresses_and_kinds(rendezvous):
-    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+    with pytest.raises(ValueError, match="unix:@lmpool-rendezvous-KEY"):
         open_store("file://store", 1)
     rz = Rendezvous.create()
     dead = rz.address

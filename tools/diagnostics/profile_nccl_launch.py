@@ -32,7 +32,7 @@ from lmpool.model.make_model import PRESETS
 from lmpool.ops import get_backend
 from lmpool.dataplane import make_transport
 from lmpool.dataplane.chunked import BlockReceiver, payload_bytes, send_blocks
-from lmpool.dataplane.transport import open_store
+from lmpool.dataplane.rendezvous import open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from benchmark_kv_transfer import spin  # noqa: E402  the same wait as the benchmark's: polling without pauses
