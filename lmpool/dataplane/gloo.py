@@ -77,6 +77,11 @@ class _Pair:
         self.pending: set[GlooHandle] = set()
         self.broken: str | None = None
 
+    def close_store(self) -> None:
+        """End the store's connection (idempotent); the object stays, for torch's sake."""
+        if self.store is not None:
+            self.store.close()
+
 
 class GlooTransport:
     """This rank's end of every gloo connection of the pool (see the module docstring)."""
@@ -137,6 +142,7 @@ class GlooTransport:
                 f"within {self.timeout_s}s: {_first_line(e)}"
             )
             self._break(pair, str(error))
+            pair.close_store()  # broken already (closed while connecting), _break left it
             handle._finish(error)
             return
         with self._lock:
@@ -148,7 +154,7 @@ class GlooTransport:
                 group = None
         if group is not None:  # replaced or closed while connecting: tell the peer now
             _break_group(group)
-            pair.store.close()
+            pair.close_store()
             handle._finish(TransportError(f"{handle.what}: {pair.broken or 'transport closed'}"))
         else:
             handle._finish()
@@ -257,8 +263,7 @@ class GlooTransport:
             handle._finish(TransportError(f"{handle.what} failed: {reason}"))
         if group is not None:
             _break_group(group)
-        if pair.store is not None:  # its connection ends; the object stays, for torch's sake
-            pair.store.close()
+        pair.close_store()
 
     def pending(self) -> int:
         """Operations started and not yet finished (for tests and metrics)."""

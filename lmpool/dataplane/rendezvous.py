@@ -265,12 +265,9 @@ class StoreClient(dist.Store):
             raise (dist.DistStoreError if reply.timed_out else RuntimeError)(reply.error)
         return reply.value
 
-    def _wait_s(self, timeout: datetime.timedelta | None) -> float:
-        return self._timeout_s if timeout is None else timeout.total_seconds()
-
     # torch.distributed.Store's interface (what gloo calls through it, and the transports).
     def set(self, key: str, value) -> None:
-        self._call(Set(key, value.encode() if isinstance(value, str) else bytes(value)))
+        self._call(Set(key, _raw(value)))
 
     def get(self, key: str) -> bytes:
         return self._call(Get(key, self._timeout_s), self._timeout_s)
@@ -279,10 +276,7 @@ class StoreClient(dist.Store):
         return self._call(Add(key, amount))
 
     def compare_set(self, key: str, expected, desired) -> bytes:
-        def raw(v) -> bytes:
-            return v.encode() if isinstance(v, str) else bytes(v)
-
-        return self._call(CompareSet(key, raw(expected), raw(desired)))
+        return self._call(CompareSet(key, _raw(expected), _raw(desired)))
 
     def check(self, keys: list[str]) -> bool:
         return self._call(Check(list(keys)))
@@ -291,7 +285,7 @@ class StoreClient(dist.Store):
         return self._call(DeleteKey(key))
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        waits_s = self._wait_s(timeout)
+        waits_s = self._timeout_s if timeout is None else timeout.total_seconds()
         self._call(Wait(list(keys), waits_s), waits_s)
 
     def num_keys(self) -> int:
@@ -302,6 +296,11 @@ class StoreClient(dist.Store):
 
     def __del__(self) -> None:
         self._sock.close()
+
+
+def _raw(value) -> bytes:
+    """A store value as bytes: torch's stores take str or bytes alike."""
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def open_store(address: str, timeout_s: float) -> dist.Store:

@@ -222,9 +222,10 @@ def test_close_fails_pending_transfers_and_stops_every_thread(rendezvous):
     with pytest.raises(TransportError, match="is closed"):
         a.send(1, torch.ones(1), tag=2)
     b.close()
-    # The connect thread of the peerless transport ends when its rendezvous wait expires.
+    # The connect thread of the peerless transport ends when its rendezvous wait expires, and
+    # the rendezvous's thread serving that wait once it has answered it (its client is gone).
     for thread in threading.enumerate():
-        if thread.name.startswith("gloo-"):
+        if thread.name.startswith(("gloo-", "lmpool-rendezvous-conn")):
             thread.join(5)
     assert threading.active_count() == baseline
 
