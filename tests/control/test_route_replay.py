@@ -21,7 +21,7 @@ from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 
 PEERS_DIGEST = "aa52d3175df3fd43521e5fec92dbb5567ca666119688db0a4ed0bcd68482d7f3"
-LMPOOL_DIGEST = "1de49f4545c001561b25f6ded145a4952819f9ba8603c2e1d908111b590e4e5a"
+LMPOOL_DIGEST = "a9d43365dbe5da0d946bc726eaecf6c2cfd2e9f33103985ff9f0ce987b7bb1bb"
 
 
 class Clock:

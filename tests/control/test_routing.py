@@ -181,6 +181,31 @@ def test_capacity_infeasible_ranks_are_skipped_unless_none_is_feasible():
     assert decision.rank == 0 and decision.reason.startswith("owner r0 m10")
 
 
+@pytest.mark.parametrize("left", [4, 400])
+def test_an_owner_short_of_blocks_keeps_its_request_and_prices_the_wait(left):
+    """Its cache is full of two running sequences: the request waits there for the first to
+    finish (2 k / h of their mean decode left, k = 1 of h = 2), then prefills its 5 tokens."""
+    gbm, router = make()
+    cache(gbm, 0, chain(60))  # the request needs ceil((965 + 16) / 16) - 60 = 2 new blocks
+    busy = dict(blocks_used=60, num_running=2, context_tokens=200, decode_tokens_left=left)
+    load(gbm, 0, blocks_free=10, **busy)
+    roomy = prices(router, query(chain(60)))[0]
+    load(gbm, 0, blocks_free=1, **busy)
+    short = prices(router, query(chain(60)))[0]
+    assert short.short and short.feasible and not roomy.short
+    step = COEF.base + 2 * COEF.decode_seq + 200 * COEF.context_token
+    assert short.ttft_s - roomy.ttft_s == pytest.approx(left / 2 * step)
+    assert router.route(query(chain(60))).reason.startswith("owner r0 m60")
+
+
+def test_a_rank_that_cannot_hold_the_request_even_once_its_sequences_finish_is_skipped():
+    gbm, router = make()
+    cache(gbm, 0, chain(60))
+    load(gbm, 0, blocks_free=0, blocks_used=1, num_running=1, decode_tokens_left=1)  # 1 block back of 2 needed
+    assert not prices(router, query(chain(60)))[0].feasible
+    assert router.route(query(chain(60))).rank != 0
+
+
 def test_evicting_is_priced_by_the_measured_reuse_of_what_it_drops():
     need = math.ceil((4 * BLOCK + 5 + 16) / BLOCK)  # all of them evicted on rank 0
     for reuse in (0.1, 0.9):
@@ -205,9 +230,12 @@ def test_concurrent_routes_never_overcommit_a_rank():
             assert info.reserved_blocks <= info.load.blocks_free + info.load.blocks_reclaimable
         gbm.check_invariants()
     fitting = 60 // per_request * 4
-    assert all(not d.reason.startswith("no_capacity") for d in decisions[:fitting])
     assert collections.Counter(d.rank for d in decisions[:fitting]) == {r: fitting // 4 for r in range(4)}
-    assert all(d.reason.startswith("no_capacity") for d in decisions[fitting:])
+    # Past what fits now, each rank is a queue: the next request waits there for a reserved one
+    # to finish, priced, and the routes stay even.
+    assert all(not d.reason.startswith("no_capacity") for d in decisions)
+    assert max(collections.Counter(d.rank for d in decisions).values()) - \
+        min(collections.Counter(d.rank for d in decisions).values()) <= 1
     assert len(gbm.reservations) == 60
 
 
@@ -231,13 +259,15 @@ def test_reservations_are_released_on_admission_and_by_ttl():
     first = router.route(query(chain(6, family=1)))
     second = router.route(query(chain(6, family=2)))
     assert {first.rank, second.rank} == {0, 1}
-    assert router.route(query(chain(6, family=3))).reason.startswith("no_capacity")
+    # Both ranks' blocks are reserved: the third waits for one of those requests to finish.
+    third = router.route(query(chain(6, family=3)))
+    assert third.predicted_ttft_s > first.predicted_ttft_s + 10 * COEF.base
     # Rank 0 admits its request (its free blocks are now spent); the other reservation still holds.
     admitted = [rid for rid, r in gbm.reservations.items() if r.rank == 0]
     load(gbm, 0, blocks_free=8, admitted=admitted)
     assert gbm.ranks[0].reserved_blocks == 0 and all(r.rank != 0 for r in gbm.reservations.values())
     assert router.route(query(chain(6, family=4))).reason.startswith("min_price r0")
-    # Neither rank reports again: after the TTL their reservations lapse (else this would be no_capacity).
+    # Neither rank reports again: after the TTL their reservations lapse.
     clock.now += 6.0
     fifth = query(chain(6, family=5))
     assert router.route(fifth).reason.startswith("min_price r0")

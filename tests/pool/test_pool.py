@@ -133,7 +133,18 @@ def test_each_rank_samples_its_own_random_stream(tiny_model):
     assert pinned[0] == pinned[1]
 
 
-def test_an_interrupted_generate_aborts_its_requests(tiny_model):
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C raises KeyboardInterrupt here, whatever this process inherited: a shell starting
+    it in the background has it ignore SIGINT, and Python then installs no handler."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupted_generate_aborts_its_requests(tiny_model, sigint_raises):
     """Ctrl-C while ``LMPool.generate`` waits: the interruption reaches the caller, and the
     call's requests are aborted before it does, not left running on the ranks."""
     import signal

@@ -12,8 +12,10 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     queue  = ceil(W / room) * step + prefill_token * W + attention_pair * Aw     (0 when W = 0)
     own    = ceil(p / room) * step + prefill_token * p + attention_pair * a
     seat   = the wait for a free sequence slot when n >= max_num_seqs
+    room_s = the wait for blocks when the rank lacks them now: until enough of its running
+             sequences finish to release the shortfall (each holding its share of the used blocks)
     busy   = step when anything runs there: the step under way, which a new request waits for
-    ttft   = max(queue, wait) + own + seat + busy   # wait: a copy the request waits on (a pull)
+    ttft   = max(queue, wait, room_s) + own + seat + busy   # wait: a copy the request waits on (a pull)
     decode = (M - 1) * (base + mine) + overlap * theirs
     harm   = overlap * mine + n * (prefill_token * p + attention_pair * a)
     evict  = reclaim blocks * the recompute of one * the rank's measured reuse (``eviction``)
@@ -23,8 +25,13 @@ where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step i
 ``theirs = seq + tok * ctx / n`` what one co-running sequence adds, and ``overlap = min(n *
 (M - 1), left)`` the steps they share. ``total`` is the request's own latency plus the delay it
 causes the sequences already there: what a route minimises. Reclaim is the new blocks it needs
-beyond the free ones (reservations take free blocks first); a rank is feasible when its free and
-reclaimable blocks, less reservations, hold them.
+beyond the free ones (reservations take free blocks first). A rank is feasible when its free and
+reclaimable blocks and the blocks its sequences hold (running there, or reserved for requests
+routed there; released as they finish) hold them: it has that many blocks in all. It is short
+when its free and reclaimable blocks, less reservations, do not, and then it waits (``room_s``):
+k of its h holding sequences, k enough to release the shortfall at their mean share, finish
+after about 2 k / h of their mean decode left, as for a seat. A rank short of blocks is a
+queue, not a wall: it is priced, not excluded.
 
 Invariants: every price and time is finite and >= 0, the time to first token at least one
 step's base, the total at least the time to first token.
@@ -49,16 +56,23 @@ class RankPrice(NamedTuple):
     matched: int  # usable matched blocks
     missing: int  # prompt tokens to compute
     need: int  # new blocks the request would hold
-    available: int  # free + reclaimable - reserved blocks
+    available: int  # free + reclaimable - reserved blocks: room now
     free: int  # free - reserved blocks: room without evicting
     seqs: int  # requests in flight there: the bounded-load gate's load
     ttft_s: float
     total_s: float
     affinity: int  # to the seed rank
+    held: int = 0  # blocks its sequences hold or have reserved: room once they finish
 
     @property
     def feasible(self) -> bool:
-        return self.available >= self.need
+        """The rank can hold the request, now or once its sequences finish."""
+        return self.available + self.held >= self.need
+
+    @property
+    def short(self) -> bool:
+        """The rank lacks the request's blocks now: it waits for running sequences to finish."""
+        return self.available < self.need
 
 
 class Limits(NamedTuple):
@@ -86,6 +100,9 @@ class RankWork(NamedTuple):
     free: int  # blocks free, less reservations
     available: int
     busy: float  # the step under way, which a request arriving now waits for: one step when any runs
+    holders: int  # sequences holding blocks: running, and routed here (reserved) but not yet admitted
+    held: int  # the blocks they hold or have reserved, released as they finish
+    drain: float  # seconds until a sequence's mean decode left is done
 
 
 class Pricer:
@@ -135,8 +152,9 @@ class Pricer:
         theirs = c.decode_seq + c.context_token * ctx / n if n else 0.0
         free = load.blocks_free - res.blocks
         busy = step if seqs else 0.0
+        drain = (left / seqs) * step if seqs else 0.0
         work = RankWork(key, c, seqs, n, left, step, room, queue, seat, theirs, free, free + load.blocks_reclaimable,
-                        busy)
+                        busy, load.num_running + res.count, load.blocks_used + res.blocks, drain)
         self._work[rank] = work
         return work
 
@@ -144,12 +162,15 @@ class Pricer:
               arriving: int = 0) -> RankPrice:
         """``query`` on ``rank`` holding ``m`` usable blocks once ``wait_s`` seconds have passed,
         ``arriving`` of them copied there first (they need room there too)."""
-        _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, busy = self.work(rank)
+        w = self.work(rank)
+        _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, busy, _, held, _ = w
         block_size = self.limits.block_size
         prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
         missing = prompt - m * block_size
         need = -(-(prompt + out) // block_size) - m + arriving
         prefill = c.prefill_token * missing + c.attention_pair * attention_pairs(missing, prompt - missing)
+        if need > available and held:
+            wait_s = max(wait_s, self._room_s(w, need - available))
         ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat + busy
         mine = c.decode_seq + c.context_token * (prompt + out / 2)
         overlap = n * (out - 1)
@@ -160,7 +181,16 @@ class Pricer:
         if reclaim > 0:
             total += reclaim * self._block_recompute_s(c, prompt) * self.reuse(rank)
         near = 0 if seed is None else self.topology.affinity(seed, rank)
-        return RankPrice(rank, m, missing, need if need > 0 else 0, available, free, seqs, ttft, total, near)
+        return RankPrice(rank, m, missing, need if need > 0 else 0, available, free, seqs, ttft, total, near, held)
+
+    @staticmethod
+    def _room_s(w: RankWork, short: int) -> float:
+        """Seconds until ``short`` more blocks are released on a rank whose sequences hold
+        ``w.held``: the first k to finish, k enough at their mean share, as for a seat."""
+        if not w.holders:
+            return w.drain
+        k = -(-short * w.holders // w.held)
+        return min(1.0, 2.0 * k / w.holders) * w.drain
 
     def _block_recompute_s(self, c: StepCoefficients, context: int) -> float:
         """One block's prefill at a context like the request's: what a regretted eviction costs."""

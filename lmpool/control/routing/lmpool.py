@@ -1,15 +1,20 @@
 """LMPool's own rule (it reimplements no other system): the cheapest rank in predicted seconds
 (``lmpool.control.pricing.price``), leaving a prefix's owner only when it is overloaded.
 
-Every candidate is priced; only capacity-feasible ranks compete unless none is (then all do,
-"no_capacity", and the worker queues the request). The owner is the competing rank whose
-expected match is longest, when that match covers more than ``owner_min_match`` of the prompt
-(SGLang's cache threshold: a smaller match is a miss); ranks matching as much tie with it.
+Every candidate is priced; only capacity-feasible ranks compete (those that can hold the
+request, now or once their running sequences finish) unless none is (then all do,
+"no_capacity", and the worker queues the request). A rank short of blocks now competes with the
+wait for them in its price: excluding it sent a session's turn away from its history whenever
+its replica's cache was full of running sequences about to finish. The owner is the competing
+rank whose expected match is longest, when that match covers more than ``owner_min_match`` of
+the prompt (SGLang's cache threshold: a smaller match is a miss); ranks matching as much tie
+with it.
 
 - no owner: the cheapest rank ("min_price");
 - an owner that the bounded-load gate (``lmpool.control.pricing.gate``, over requests in
   flight) does not find overloaded: the cheapest of the owner and its ties ("owner"), and no
-  later stage may send the request elsewhere;
+  later stage may send the request elsewhere, even when it must wait for blocks there (what
+  the owner's cache holds is why it is the owner; SGLang's gateway does not look at memory);
 - an overloaded owner: the cheapest rank ("spill" when it is no owner), and a later stage may
   still pull the prefix to another rank.
 
