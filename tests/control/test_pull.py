@@ -11,25 +11,30 @@ from pull_rig import BLOCK, NUM_BLOCKS, PullRig
 from lmpool.protocol import RouteQuery
 
 DOC = list(range(1, 33))  # a 32-block cached document
+# Its prefill (128 ms at 1 ms a token) outlasts a busy source's step (7.7 ms with 64 sequences
+# of one block): workers read a copy's messages between steps, so only then can a pull win.
+DEAR = COEF._replace(prefill_token=1e-3)
 
 
-def busy_owner(rig: PullRig, running: int = 64) -> None:
+def busy_owner(rig: PullRig, running: int = 64, context: int = BLOCK) -> None:
+    """The document's rank runs ``running`` sequences of ``context`` tokens each."""
     rig.cache(0, DOC)
-    rig.load(0, running, decode_left=running * 64, context=running * len(DOC) * BLOCK)
+    rig.load(0, running, decode_left=running * 64, context=running * context)
     for r in range(1, rig.gbm.world_size):
         rig.load(r, 0)
 
 
 def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first():
-    rig = PullRig()
+    rig = PullRig(coefficients=DEAR)
     busy_owner(rig)
     rid, decision = rig.route(DOC)
     assert decision.rank == 1 and decision.matched_blocks == 0
     assert decision.reason.startswith("pull r1<-r0:32b=")
     assert "serve r0=" in decision.reason and "; pull r1<-r0:32b=" in decision.reason
-    # Its first token once the copy has landed and its last block's tail is computed.
-    copy_s = rig.cost_model.estimate(0, 1, 32)
-    assert decision.predicted_ttft_s == pytest.approx(copy_s + COEF.base + COEF.prefill_token)
+    # Its first token once the copy has landed (after the source's step under way) and its last
+    # block's tail is computed.
+    copy_s = rig.cost_model.estimate(0, 1, 32) + DEAR.base + 64 * DEAR.decode_seq + 64 * BLOCK * DEAR.context_token
+    assert decision.predicted_ttft_s == pytest.approx(copy_s + DEAR.base + DEAR.prefill_token)
     (plan,) = rig.coordinator.plans.values()
     assert (plan.src, plan.dst, plan.hashes, plan.kind) == (0, 1, DOC, "pull")
     assert rig.pulls.waiting == {rid: plan.plan_id}
@@ -49,7 +54,7 @@ def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first
 def test_a_copy_goes_to_the_emptiest_of_the_ranks_priced_alike():
     """Idle ranks price alike; one that holds a document nothing has asked for yet (its
     questions may be coming) is not where another document's copy should land."""
-    rig = PullRig(world=4)
+    rig = PullRig(world=4, coefficients=DEAR)
     busy_owner(rig)
     other = list(range(100, 132))
     rig.cache(1, other)
@@ -63,7 +68,7 @@ def test_a_copy_goes_to_the_emptiest_of_the_ranks_priced_alike():
 
 
 def test_an_idle_owner_keeps_its_request_and_no_copy_starts():
-    rig = PullRig()
+    rig = PullRig(coefficients=DEAR)
     busy_owner(rig, running=3)  # within the bounded-load gate
     _, decision = rig.route(DOC)
     assert decision.rank == 0 and decision.reason.startswith("owner r0")
@@ -71,7 +76,7 @@ def test_an_idle_owner_keeps_its_request_and_no_copy_starts():
 
 
 def test_requests_needing_the_same_blocks_on_the_same_rank_share_one_pull():
-    rig = PullRig()
+    rig = PullRig(coefficients=DEAR)
     busy_owner(rig)
     first, d1 = rig.route(DOC)
     second, d2 = rig.route(DOC[:20])  # a shorter prompt of the same document
@@ -85,7 +90,7 @@ def test_requests_needing_the_same_blocks_on_the_same_rank_share_one_pull():
 
 
 def test_an_aborted_pull_releases_its_waiters_to_recompute_and_leaves_nothing_in_flight():
-    rig = PullRig()
+    rig = PullRig(coefficients=DEAR)
     busy_owner(rig)
     rid, _ = rig.route(DOC)
     (plan_id,) = rig.coordinator.plans
@@ -99,7 +104,7 @@ def test_an_aborted_pull_releases_its_waiters_to_recompute_and_leaves_nothing_in
 
 @pytest.mark.parametrize("dead", [0, 1])
 def test_a_rank_that_dies_mid_pull_ends_it_and_frees_its_waiters(dead):
-    rig = PullRig()
+    rig = PullRig(coefficients=DEAR)
     busy_owner(rig)
     rid, _ = rig.route(DOC)
     (plan_id,) = rig.coordinator.plans
@@ -110,7 +115,7 @@ def test_a_rank_that_dies_mid_pull_ends_it_and_frees_its_waiters(dead):
 
 
 def test_a_waiting_request_id_waits_once():
-    rig = PullRig()
+    rig = PullRig(coefficients=DEAR)
     busy_owner(rig)
     rid, _ = rig.route(DOC)
     rig.router.route(RouteQuery(rid, DOC, len(DOC) * BLOCK + 1, 64))  # the same id, routed again while it waits
@@ -118,21 +123,33 @@ def test_a_waiting_request_id_waits_once():
     rig.check()
 
 
+def test_a_source_s_long_step_makes_recomputing_beat_the_copy():
+    """Workers read a plan's messages between steps: sequences of 8,192 tokens each make the
+    source's step under way 531 ms, longer than the document's 128 ms prefill on the idle rank."""
+    rig = PullRig(coefficients=DEAR)
+    busy_owner(rig, context=8192)
+    _, decision = rig.route(DOC)
+    assert decision.rank == 1 and decision.reason.startswith("spill r1 m0")
+    assert "; pull r1<-r0:32b=" in decision.reason and not rig.coordinator.plans
+
+
 def test_a_long_prefill_queue_on_an_overloaded_owner_makes_the_copy_beat_recomputing():
     """The owner's requests in flight pass the bounded-load gate; 50,000 tokens queued there make
-    serving on it dearest, and copying the document to the idle rank beats recomputing it there."""
-    rig = PullRig()
+    serving on it dearest, and copying the document to the idle rank beats recomputing it there:
+    the copy waits for the owner's step under way (a chunk of those tokens, under 0.1 s), shorter
+    than the document's prefill (its 8,256 attention pairs at 0.1 ms a pair: 0.83 s)."""
+    rig = PullRig(coefficients=COEF._replace(attention_pair=1e-4))
     rig.cache(0, DOC)
     rig.gbm.update_load(0, 1, rig.gbm.ranks[0].load.__class__(num_waiting=12, waiting_prefill_tokens=50_000,
                                                                blocks_free=900))
     rig.load(1, 0)
     _, decision = rig.route(DOC)
     assert decision.rank == 1 and decision.reason.startswith("pull r1<-r0")
-    assert "over spill r1 m0" in decision.reason
+    assert "over owner r0 m32" in decision.reason and "serve r0=767 r1=920" in decision.reason  # both dearer
 
 
 def test_a_pull_moves_one_conversation_s_own_blocks_and_copies_what_others_branched_from():
-    rig = PullRig()
+    rig = PullRig(coefficients=DEAR)
     busy_owner(rig)
     for tail in (900, 901):  # two prompts leave the document after its 8th block
         rig.gbm.record_route(DOC[:8] + [tail], 8, 0)

@@ -100,6 +100,7 @@ class RankWork(NamedTuple):
     free: int  # blocks free, less reservations
     available: int
     busy: float  # the step under way, which a request arriving now waits for: one step when any runs
+    next_step: float  # the step a message arriving now waits for: ``step`` and its share of the queued prefill
     holders: int  # sequences holding blocks: running, and routed here (reserved) but not yet admitted
     held: int  # the blocks they hold or have reserved, released as they finish
     drain: float  # seconds until a sequence's mean decode left is done
@@ -143,9 +144,12 @@ class Pricer:
         room = max(1, lim.max_num_batched_tokens - n)
         queued = load.waiting_prefill_tokens + res.tokens
         queue = 0.0
+        next_step = step if seqs else 0.0
         if queued > 0:
-            queue = (-(-queued // room) * step + c.prefill_token * queued
-                     + c.attention_pair * (load.prefill_attention + res.attention))
+            attention = load.prefill_attention + res.attention
+            queue = -(-queued // room) * step + c.prefill_token * queued + c.attention_pair * attention
+            chunk = min(queued, room)
+            next_step = step + c.prefill_token * chunk + c.attention_pair * attention * chunk / queued
         seat = 0.0
         if seqs >= lim.max_num_seqs:  # k of n finish first after about 2 k / n of their mean left
             seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
@@ -154,7 +158,7 @@ class Pricer:
         busy = step if seqs else 0.0
         drain = (left / seqs) * step if seqs else 0.0
         work = RankWork(key, c, seqs, n, left, step, room, queue, seat, theirs, free, free + load.blocks_reclaimable,
-                        busy, load.num_running + res.count, load.blocks_used + res.blocks, drain)
+                        busy, next_step, load.num_running + res.count, load.blocks_used + res.blocks, drain)
         self._work[rank] = work
         return work
 
@@ -163,7 +167,7 @@ class Pricer:
         """``query`` on ``rank`` holding ``m`` usable blocks once ``wait_s`` seconds have passed,
         ``arriving`` of them copied there first (they need room there too)."""
         w = self.work(rank)
-        _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, busy, _, held, _ = w
+        _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, busy, _, _, held, _ = w
         block_size = self.limits.block_size
         prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
         missing = prompt - m * block_size
@@ -206,6 +210,11 @@ class Pricer:
         """A block's prefill seconds per token, at one block of context (the transfer gates' unit)."""
         b = self.limits.block_size
         return self.prefill_s(rank, b, b) / b
+
+    def next_step_s(self, rank: int) -> float:
+        """Seconds until ``rank`` next reads its messages: workers handle them between steps, so a
+        transfer's phase there waits for the step under way (0 when the rank is idle)."""
+        return self.work(rank).next_step
 
     def load_s(self, rank: int) -> float:
         """Seconds until ``rank`` has done the work in flight there: its queued prefill, then its

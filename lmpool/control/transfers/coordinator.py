@@ -67,6 +67,7 @@ class Plan:
     marked: list[int] = field(default_factory=list)  # hashes marked in flight on the destination
     keep: int = 0  # a move frees none of its first ``keep`` blocks (ancestors copied along)
     kind: str = "explicit"  # who asked: "explicit" (the API), "background", "foreground" or "pull"
+    steps_s: float = 0.0  # the participants' steps its opener priced beside the copy (not the cost model's)
 
     @property
     def num_moved(self) -> int:
@@ -108,11 +109,14 @@ class TransferCoordinator:
         self.blocks_moved = 0  # blocks of completed moves the source gave up
 
     def start(self, src: int, dst: int, hashes: list[int], generations: list[int], parents: list[int],
-              move: bool = False, keep: int = 0, kind: str = "explicit", anchor: tuple[bytes, int] = (ROOT_HASH, 0)) -> Plan:
+              move: bool = False, keep: int = 0, kind: str = "explicit", anchor: tuple[bytes, int] = (ROOT_HASH, 0),
+              steps_s: float = 0.0) -> Plan:
         """Open a plan for the chain(s) ``hashes`` (parents before children; ``parents[i]`` is
         block i's parent hash) from ``src`` to ``dst``; a move frees the source's copies of all
         but the first ``keep`` blocks. ``anchor`` = (hash, generation) of the destination's
-        cached block the chain continues, which the destination pins while the plan runs."""
+        cached block the chain continues, which the destination pins while the plan runs.
+        ``steps_s``: the participants' steps its opener expects it to wait for, which the cost
+        model's correction leaves out (it learns the copy, not the load)."""
         if not hashes or len(parents) != len(hashes) or len(generations) != len(hashes):
             raise ValueError(f"a plan needs one or more blocks, each with a parent and a generation; got "
                              f"{len(hashes)} hashes, {len(parents)} parents, {len(generations)} generations")
@@ -120,7 +124,7 @@ class TransferCoordinator:
             raise ValueError(f"keep={keep} for a plan of {len(hashes)} blocks")
         now = self.clock()
         plan = Plan(next(self._ids), src, dst, move, list(hashes), list(generations), list(parents),
-                    started=now, deadline=now + self.phase_timeout_s, keep=keep, kind=kind)
+                    started=now, deadline=now + self.phase_timeout_s, keep=keep, kind=kind, steps_s=steps_s)
         self.started += 1
         self.plans[plan.plan_id] = plan
         self._incoming[dst] = self._incoming.get(dst, 0) + len(plan.hashes)
@@ -186,8 +190,9 @@ class TransferCoordinator:
             self.blocks_moved += plan.num_moved
             self.blocks_copied += len(plan.hashes) - plan.num_moved
             self._end(plan, PlanState.DONE)
-            if self.cost_model is not None:
-                self.cost_model.observe(plan.src, plan.dst, len(plan.hashes), self.clock() - plan.started)
+            copy_s = self.clock() - plan.started - plan.steps_s
+            if self.cost_model is not None and copy_s > 0:  # else the steps, over-predicted, hide the copy
+                self.cost_model.observe(plan.src, plan.dst, len(plan.hashes), copy_s)
 
     def abort(self, plan_id: int, reason: str) -> None:
         """End a plan before DONE: both sides release what they hold; the source keeps its blocks.

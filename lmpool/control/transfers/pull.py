@@ -131,7 +131,7 @@ class RoutePulls(RouteStage):
         anchor = (parent, self.gbm.generation(dst, parent)) if start else (ROOT_HASH, 0)
         keep = self._shared(chain)
         plan = self.coordinator.start(src, dst, chain, generations, [parent] + chain[:-1], move=keep < len(chain),
-                                      keep=keep, kind="pull", anchor=anchor)
+                                      keep=keep, kind="pull", anchor=anchor, steps_s=option.steps_s)
         pull = OpenPull(plan.plan_id, dst, chain, plan.started, option.copy_s)
         self.open[plan.plan_id] = pull
         self._by_head[(dst, chain[0])] = pull

@@ -2,10 +2,15 @@
 
 A pull brings to rank r the k blocks of the prompt that the best holder s (the longest ready
 match, then the fewest requests in flight) has ready and r lacks; r then serves the request
-from s's depth. Its price is the pricer's for r holding those blocks once the copy's
-estimated seconds have passed (``Pricer.price``: the copy runs while r's queue drains):
+from s's depth. Its price is the pricer's for r holding those blocks once the copy has landed
+(``Pricer.price``: the copy runs while r's queue drains):
 
-    pull_r = price(r, matched = s's depth, wait = copy_s(s -> r, k))
+    pull_r = price(r, matched = s's depth, wait = copy_s(s -> r, k) + step_s(s) + step_s(r))
+
+``copy_s`` is the transfer cost model's estimate (its profile, corrected by the plans it saw);
+``step_s`` the step each participant has under way (``Pricer.next_step_s``): a worker reads a
+plan's messages between its steps, so a source busy with a burst's prefill lands the copy a
+step later however fast the copy itself is (one H200 4k burst: 140 ms against 1.3 ms idle).
 
 A pull is priced only where it can run and could win: r and s are topology partners, r has no
 pending prefix or pull under way for the prompt (its expected match is its ready one), none of
@@ -31,7 +36,8 @@ class PullOption(NamedTuple):
     src: int
     start: int  # the destination's ready match: the first block the pull brings
     blocks: int
-    copy_s: float  # the copy's estimated seconds
+    copy_s: float  # the copy's estimated seconds, the participants' steps included
+    steps_s: float  # ... of which the participants' steps
 
 
 class PullPricer:
@@ -62,10 +68,11 @@ class PullPricer:
             in_flight = infos[r].in_flight
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
                 continue
-            seconds = self.estimate_s(src, r, top - start)
+            steps = self.pricer.next_step_s(src) + self.pricer.next_step_s(r)
+            seconds = self.estimate_s(src, r, top - start) + steps
             price = self.pricer.price(query, r, top, seconds, route.seed, arriving=top - start)
             if self.room(r) >= price.need:
-                out.append(PullOption(price, src, start, top - start, seconds))
+                out.append(PullOption(price, src, start, top - start, seconds, steps))
         return out
 
 
