@@ -30,12 +30,15 @@ def _someone_elses(owner_pid: int) -> bool:
 
 
 def lmpool_shm() -> set[str]:
-    names = set()
+    """LMPool's shared-memory objects, but other live processes' pools: an object of another's
+    live process, and every object of a pool that has one (a run alongside this one killed
+    that pool's control process, whose links wait there for its successor to sweep them)."""
+    parsed = {}
     for name in os.listdir("/dev/shm"):
-        parsed = parse_object(name.removeprefix(SEM_FILE_PREFIX))
-        if "lmpool" in name and not (parsed and _someone_elses(parsed.owner_pid)):
-            names.add(name)
-    return names
+        if "lmpool" in name:
+            parsed[name] = parse_object(name.removeprefix(SEM_FILE_PREFIX))
+    foreign = {o.pool_id for o in parsed.values() if o and _someone_elses(o.owner_pid)}
+    return {name for name, o in parsed.items() if not (o and o.pool_id in foreign)}
 
 
 def child_pids() -> set[int]:
