@@ -1,4 +1,4 @@
-"""The pool tests' leak check (``conftest.lmpool_shm``) counts what this test run's pools left,
+"""The pool tests' leak check (``leak_check.lmpool_shm``) counts what this test run's pools left,
 and no pool of another live process: not even the links of that pool's dead control process,
 which a run alongside this one killed and whose successor has yet to sweep them."""
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import lmpool_shm
+from leak_check import lmpool_shm
 
 from lmpool_ipc.names import SHM_DIR, board_name, new_link_prefix, new_pool_id, object_name
 
