@@ -99,6 +99,9 @@ def test_a_pulled_request_runs_on_the_idle_rank_with_the_tokens_of_a_single_llm(
     # No routed prompt branched from the document before it was pulled: it was one reader's,
     # so it moved, and its source freed it (nothing there used it).
     assert t["pulls_moved"] == 1 and t["blocks_moved"] == DOC_BLOCKS
+    phases = t["plan_phases_ms"]["pull"]  # [median ms, max ms, plans] from each plan's start
+    ends = [phases[p][0] for p in ("prepared", "executed", "published", "finalized")]
+    assert ends == sorted(ends) and ends[0] > 0 and phases["finalized"][2] == t["pulls_started"]
     source, destination = stats["digests"]
     assert not any(source) and all(destination), "moved: on rank 1 only"
 

@@ -265,3 +265,38 @@ def test_a_partial_move_keeps_its_ancestors_and_counts_copied_and_moved_blocks()
     with pytest.raises(ValueError, match="2 generations"):
         cluster.coord.start(0, 1, hashes, [1, 1], [ROOT_HASH] + hashes[:-1])
     assert not cluster.coord.plans and not cluster.inbox, "a refused plan sends no order"
+
+
+def test_a_done_plan_records_when_each_of_its_phases_ended():
+    """The clock moves 1 ms per message delivered: each phase's end is where its last ack landed."""
+    cluster = Cluster(world=2, blocks=16, seed=5)
+    for _ in range(2):
+        cluster.cache_prefix(0)
+    cluster.start_plan(0, 1)
+    plan = next(iter(cluster.coord.plans.values()))
+    ends = []
+    while cluster.inbox:
+        cluster.clock.now += 0.001
+        state = plan.state
+        cluster.deliver(0)
+        if plan.state is not state:
+            ends.append(round(cluster.clock.now - plan.started, 6))
+    assert cluster.coord.completed == 1 and [round(t, 6) for t in plan.phases] == ends and len(ends) == 4
+    summary = cluster.coord.phase_times.summary()
+    assert list(summary) == [plan.kind]
+    assert summary[plan.kind] == {p: [round(t * 1e3, 3), round(t * 1e3, 3), 1]
+                                  for p, t in zip(("prepared", "executed", "published", "finalized"), plan.phases)}
+
+
+def test_phase_times_keep_the_last_plans_of_each_kind():
+    from lmpool.control.transfers.phase_times import PhaseTimes
+
+    times = PhaseTimes(keep=2)
+    for total in (1.0, 2.0, 4.0):
+        times.record("pull", [total / 4, total / 2, total * 3 / 4, total])
+    times.record("background", [0.0, 0.0, 0.0, 0.001])
+    summary = times.summary()
+    assert summary["pull"]["finalized"] == [3000.0, 4000.0, 2]  # the first plan is forgotten
+    assert summary["background"]["finalized"] == [1.0, 1.0, 1]
+    with pytest.raises(ValueError):
+        times.record("pull", [0.2, 0.1, 0.3, 0.4])

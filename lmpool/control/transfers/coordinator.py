@@ -28,6 +28,7 @@ from typing import Callable
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.transfers.cost_model import TransferCostModel
+from lmpool.control.transfers.phase_times import PhaseTimes
 from lmpool.engine.hashing import ROOT_HASH, short
 from lmpool.protocol import (
     SUCCESS,
@@ -68,6 +69,7 @@ class Plan:
     keep: int = 0  # a move frees none of its first ``keep`` blocks (ancestors copied along)
     kind: str = "explicit"  # who asked: "explicit" (the API), "background", "foreground" or "pull"
     steps_s: float = 0.0  # the participants' steps its opener priced beside the copy (not the cost model's)
+    phases: list[float] = field(default_factory=list)  # seconds from start to each phase's end
 
     @property
     def num_moved(self) -> int:
@@ -107,6 +109,7 @@ class TransferCoordinator:
         self.aborted = 0
         self.blocks_copied = 0  # blocks of completed plans the source kept
         self.blocks_moved = 0  # blocks of completed moves the source gave up
+        self.phase_times = PhaseTimes()  # where completed plans' time went, per kind
 
     def start(self, src: int, dst: int, hashes: list[int], generations: list[int], parents: list[int],
               move: bool = False, keep: int = 0, kind: str = "explicit", anchor: tuple[bytes, int] = (ROOT_HASH, 0),
@@ -169,7 +172,9 @@ class TransferCoordinator:
 
     def _advance(self, plan: Plan) -> None:
         plan.acked = set()
-        plan.deadline = self.clock() + self.phase_timeout_s
+        now = self.clock()
+        plan.phases.append(now - plan.started)
+        plan.deadline = now + self.phase_timeout_s
         if plan.state is PlanState.PREPARING:
             plan.state = PlanState.EXECUTING
             self.send(plan.src, ExecuteSend(plan.plan_id, plan.dst, plan.src_blocks))
@@ -190,7 +195,8 @@ class TransferCoordinator:
             self.blocks_moved += plan.num_moved
             self.blocks_copied += len(plan.hashes) - plan.num_moved
             self._end(plan, PlanState.DONE)
-            copy_s = self.clock() - plan.started - plan.steps_s
+            self.phase_times.record(plan.kind, plan.phases)
+            copy_s = now - plan.started - plan.steps_s
             if self.cost_model is not None and copy_s > 0:  # else the steps, over-predicted, hide the copy
                 self.cost_model.observe(plan.src, plan.dst, len(plan.hashes), copy_s)
 

@@ -197,6 +197,7 @@ class TransferPolicies:
         s.placement_refused = dict(self.placement.refused) if self.placement is not None else {}
         s.in_flight_blocks = sum(len(i.in_flight) for i in self.gbm.ranks)
         s.reservations = len(self.gbm.reservations)
+        s.plan_phases_ms = c.phase_times.summary()
         if self.pulls is not None:
             p = self.pulls.counters
             s.pulls_started, s.pulls_shared, s.pulls_landed, s.pulls_moved = p.started, p.shared, p.landed, p.moved

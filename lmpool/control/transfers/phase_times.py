@@ -1,0 +1,41 @@
+"""How long transfer plans take to pass each phase, per kind of plan ("pull", "background" ...).
+
+For each of the last ``keep`` plans of a kind that reached DONE, the seconds from its start to
+the end of each phase (``PHASES``: both sides prepared, both executed, the destination
+published, the source finalized). ``summary`` gives, per kind and phase, the median and the
+largest of them in milliseconds and how many plans they cover: where a copy's time goes, which
+its estimate alone does not say (a worker reads a plan's messages between its steps).
+
+Invariants: at most ``keep`` plans per kind; a plan's times are non-decreasing and one per phase.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+PHASES = ("prepared", "executed", "published", "finalized")
+
+
+class PhaseTimes:
+    def __init__(self, keep: int = 256) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.keep = keep
+        self._by_kind: dict[str, deque[tuple[float, ...]]] = {}
+
+    def record(self, kind: str, times: list[float]) -> None:
+        """A plan of ``kind`` ended DONE, each phase ending ``times[i]`` seconds after its start."""
+        if len(times) != len(PHASES) or any(b < a for a, b in zip(times, times[1:])):
+            raise ValueError(f"a plan's phase times are {len(PHASES)} non-decreasing seconds, got {times}")
+        self._by_kind.setdefault(kind, deque(maxlen=self.keep)).append(tuple(times))
+
+    def summary(self) -> dict[str, dict[str, list[float]]]:
+        """kind -> phase -> [median ms, max ms, plans]."""
+        out = {}
+        for kind, plans in self._by_kind.items():
+            ms = np.asarray(plans) * 1e3
+            out[kind] = {phase: [round(float(np.median(ms[:, i])), 3), round(float(ms[:, i].max()), 3), len(plans)]
+                         for i, phase in enumerate(PHASES)}
+        return out
