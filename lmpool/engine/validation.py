@@ -29,17 +29,18 @@ def validate_request(
     """Raise ``ValueError`` if the request is malformed or could never fit in ``max_blocks`` blocks."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-    check_prompt(prompt_token_ids, vocab_size)
-    outside = [t for t in params.stop_token_ids if t >= vocab_size]
-    if outside:
-        raise ValueError(f"stop token id {outside[0]} is outside the vocabulary [0, {vocab_size}): it can never end "
-                         f"the request")
+    # The length first: a prompt far past the context is refused without reading its items.
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise ValueError(
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds max_model_len {max_model_len}"
         )
+    check_prompt(prompt_token_ids, vocab_size)
+    outside = [t for t in params.stop_token_ids if t >= vocab_size]
+    if outside:
+        raise ValueError(f"stop token id {outside[0]} is outside the vocabulary [0, {vocab_size}): it can never end "
+                         f"the request")
     blocks = -(-total // block_size)
     if blocks > max_blocks:
         raise ValueError(

@@ -62,3 +62,20 @@ def test_chain_hashes_equal_hashing_one_block_at_a_time(ids, block_size, known, 
     assert chain_hashes(ids, block_size, salt=salt) == expected
     start = expected[:known]
     assert chain_hashes(ids, block_size, start, salt) == expected
+
+
+class Unread(list):
+    """A prompt whose items must not be read."""
+
+    def __iter__(self):
+        raise AssertionError("the prompt's items were read")
+
+
+def test_a_prompt_past_the_context_is_refused_for_its_length_before_its_items_are_read():
+    from lmpool.engine.validation import validate_request
+    from lmpool.sampling_params import SamplingParams
+
+    prompt = Unread([0] * 5000)
+    with pytest.raises(ValueError, match="exceeds max_model_len 4096"):
+        validate_request(prompt, SamplingParams(max_tokens=16), vocab_size=VOCAB, max_model_len=4096, block_size=16,
+                         max_blocks=10_000)
