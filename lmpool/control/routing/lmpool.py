@@ -2,7 +2,7 @@
 (``lmpool.control.pricing.price``), leaving a prefix's owner only when it is overloaded.
 
 Every candidate is priced; only capacity-feasible ranks compete (those that can hold the
-request, now or once their running sequences finish) unless none is (then all do,
+request, now or once their sequences finish) unless none is (then all do,
 "no_capacity", and the worker queues the request). A rank short of blocks now competes with the
 wait for them in its price: excluding it sent a session's turn away from its history whenever
 its replica's cache was full of running sequences about to finish. The owner is the competing
