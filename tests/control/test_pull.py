@@ -31,9 +31,10 @@ def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first
     assert decision.rank == 1 and decision.matched_blocks == 0
     assert decision.reason.startswith("pull r1<-r0:32b=")
     assert "serve r0=" in decision.reason and "; pull r1<-r0:32b=" in decision.reason
-    # Its first token once the copy has landed (after the source's step under way) and its last
-    # block's tail is computed.
-    copy_s = rig.cost_model.estimate(0, 1, 32) + DEAR.base + 64 * DEAR.decode_seq + 64 * BLOCK * DEAR.context_token
+    # Its first token once the copy has landed (after two of the source's steps: its prepare and
+    # its execute; the idle destination's publish waits for none) and its last block's tail is computed.
+    source_step = DEAR.base + 64 * DEAR.decode_seq + 64 * BLOCK * DEAR.context_token
+    copy_s = rig.cost_model.estimate(0, 1, 32) + 2 * source_step
     assert decision.predicted_ttft_s == pytest.approx(copy_s + DEAR.base + DEAR.prefill_token)
     (plan,) = rig.coordinator.plans.values()
     assert (plan.src, plan.dst, plan.hashes, plan.kind) == (0, 1, DOC, "pull")
@@ -125,7 +126,7 @@ def test_a_waiting_request_id_waits_once():
 
 def test_a_source_s_long_step_makes_recomputing_beat_the_copy():
     """Workers read a plan's messages between steps: sequences of 8,192 tokens each make the
-    source's step under way 531 ms, longer than the document's 128 ms prefill on the idle rank."""
+    source's step under way 531 ms; the copy waits for two, the document's prefill on the idle rank 128 ms."""
     rig = PullRig(coefficients=DEAR)
     busy_owner(rig, context=8192)
     _, decision = rig.route(DOC)

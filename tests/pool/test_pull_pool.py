@@ -20,7 +20,7 @@ from lmpool.dataplane.faults import ENV, Fault, encode
 from lmpool.frontend.api import AsyncLMPool
 
 BLOCK = 16
-DOC_BLOCKS = 32  # its recompute outlasts the busy owner's step, which the copy waits for
+DOC_BLOCKS = 48  # its recompute outlasts the two busy-owner steps the copy waits for
 # Long enough that decoding beside the owner's batch costs more than copying the document away.
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 READ = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # completes no block past the document

@@ -5,12 +5,13 @@ match, then the fewest requests in flight) has ready and r lacks; r then serves 
 from s's depth. Its price is the pricer's for r holding those blocks once the copy has landed
 (``Pricer.price``: the copy runs while r's queue drains):
 
-    pull_r = price(r, matched = s's depth, wait = copy_s(s -> r, k) + step_s(s) + step_s(r))
+    pull_r = price(r, matched = s's depth, wait = copy_s(s -> r, k) + 2 max(step_s(s), step_s(r)) + step_s(r))
 
 ``copy_s`` is the transfer cost model's estimate (its profile, corrected by the plans it saw);
-``step_s`` the step each participant has under way (``Pricer.next_step_s``): a worker reads a
-plan's messages between its steps, so a source busy with a burst's prefill lands the copy a
-step later however fast the copy itself is.
+``step_s`` the step each participant has under way (``Pricer.next_step_s``). A worker reads a
+plan's messages between its steps, and a plan lands after three rounds of them: both sides
+prepare, both execute, the destination publishes. A source busy with a burst's prefill so
+lands the copy two of its steps later however fast the copy itself is.
 
 A pull is priced only where it can run and could win: r and s are topology partners, r has no
 pending prefix or pull under way for the prompt (its expected match is its ready one), none of
@@ -68,7 +69,8 @@ class PullPricer:
             in_flight = infos[r].in_flight
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
                 continue
-            steps = self.pricer.next_step_s(src) + self.pricer.next_step_s(r)
+            src_step, dst_step = self.pricer.next_step_s(src), self.pricer.next_step_s(r)
+            steps = 2 * max(src_step, dst_step) + dst_step  # prepare, execute (both), publish
             seconds = self.estimate_s(src, r, top - start) + steps
             price = self.pricer.price(query, r, top, seconds, route.seed, arriving=top - start)
             if self.room(r) >= price.need:
