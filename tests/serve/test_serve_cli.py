@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from lmpool.frontend.serve.server import parser
+from lmpool.frontend.serve.server import main, parser
 
 
 @pytest.mark.parametrize("args, words", [
@@ -29,3 +31,11 @@ def test_bad_values_are_refused_by_name(args, words, capsys):
 def test_good_values_are_taken():
     args = parser().parse_args(["model", "--port", "0", "--shutdown-grace", "0"])
     assert args.port == 0 and args.shutdown_grace == 0
+
+
+def test_a_taken_port_is_refused_before_the_pool_starts(tmp_path):
+    """vLLM binds first; so does this check: no model is read, no process started."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot bind 127.0.0.1:{port}: Address already in use"):
+            main([str(tmp_path / "no-model-here"), "--port", str(port)])

@@ -1,7 +1,8 @@
 """``lmpool serve``: the OpenAI-compatible server's command line and its uvicorn run.
 
 uvicorn runs the app on a uvloop loop; the app's lifespan starts the pool on that same loop
-before the port is bound, so ``/health`` answers only once every replica is ready. SIGINT or
+before the port is bound, so ``/health`` answers only once every replica is ready (a port
+already taken is reported first, before the pool starts). SIGINT or
 SIGTERM stops the server gracefully, which shuts the pool down (no process or shared-memory
 object outlives it): it stops accepting connections, gives the running requests
 ``--shutdown-grace`` seconds to finish, then shuts the pool down, which fails those still
@@ -21,6 +22,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import socket
 
 from lmpool.config.engine import check_port
 from lmpool.control.kv_events import pool_events as kv_pool_events
@@ -151,6 +153,17 @@ def kv_events_config(args: argparse.Namespace) -> str | None:
                        "array_like": not args.kv_events_map_layout, "int_hashes": not args.kv_events_bytes_hashes})
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Bind the HTTP port once, here, so that a taken one is reported at once, before the pool
+    starts (uvicorn binds it for good once the pool is up; a port taken in between is its error)."""
+    if port == 0:
+        return  # any free port: nothing to check
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as e:
+        raise SystemExit(f"lmpool serve: cannot bind {host}:{port}: {e.strerror or e}") from None
+
+
 def check_endpoints(args: argparse.Namespace) -> None:
     """Bind the KV-event endpoints once, here, so that a taken or malformed one is reported
     before the pool starts (the control process binds them for good)."""
@@ -172,6 +185,7 @@ def main(argv: list[str]) -> int:
         from lmpool.frontend.serve.app import create_app
     except ImportError as e:
         raise SystemExit(f"lmpool serve needs the serve extra (pip install 'lmpool[serve]'): {e}") from None
+    check_port_free(args.host, args.port)
     events = kv_events_config(args)
     if events is not None:  # the control process, started by the pool, inherits it
         check_endpoints(args)
