@@ -33,9 +33,23 @@ def test_good_values_are_taken():
     assert args.port == 0 and args.shutdown_grace == 0
 
 
-def test_a_taken_port_is_refused_before_the_pool_starts(tmp_path):
-    """vLLM binds first; so does this check: no model is read, no process started."""
+def test_a_taken_port_is_refused_before_the_pool_starts(tiny_model):
+    """vLLM binds first; so does this check: no process is started."""
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         with pytest.raises(SystemExit, match=f"cannot bind 127.0.0.1:{port}: Address already in use"):
-            main([str(tmp_path / "no-model-here"), "--port", str(port)])
+            main([tiny_model, "--port", str(port)])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["{missing}"], "model directory not found"),
+    (["{model}", "--world-size", "0"], "world_size must be an integer >= 1, got 0"),
+    (["{model}", "--block-size", "7"], "block_size"),
+])
+def test_a_missing_model_or_a_setting_the_pool_refuses_is_one_line_before_anything_starts(tiny_model, tmp_path,
+                                                                                         args, words, capsys):
+    argv = [a.format(model=tiny_model, missing=tmp_path / "no-model-here") for a in args]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--port", "0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and words in err and "Traceback" not in err

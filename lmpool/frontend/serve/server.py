@@ -1,8 +1,9 @@
 """``lmpool serve``: the OpenAI-compatible server's command line and its uvicorn run.
 
 uvicorn runs the app on a uvloop loop; the app's lifespan starts the pool on that same loop
-before the port is bound, so ``/health`` answers only once every replica is ready (a port
-already taken is reported first, before the pool starts). SIGINT or
+before the port is bound, so ``/health`` answers only once every replica is ready (a missing
+model, a setting the pool refuses and a port already taken are reported first, before the
+pool starts: one line, exit code 2 for the arguments). SIGINT or
 SIGTERM stops the server gracefully, which shuts the pool down (no process or shared-memory
 object outlives it): it stops accepting connections, gives the running requests
 ``--shutdown-grace`` seconds to finish, then shuts the pool down, which fails those still
@@ -153,6 +154,21 @@ def kv_events_config(args: argparse.Namespace) -> str | None:
                        "array_like": not args.kv_events_map_layout, "int_hashes": not args.kv_events_bytes_hashes})
 
 
+def check_pool_args(p: argparse.ArgumentParser, settings: ServeSettings) -> None:
+    """Read the model's config and build the pool's configuration once, here, so that a missing
+    model or a setting the pool refuses is one line and exit code 2 before anything starts (it
+    was a traceback from the app's start-up, exit 3)."""
+    from lmpool.config.pool import PoolConfig
+    from lmpool.model.config import ModelConfig
+
+    options = {k: v for k, v in settings.pool_args.items() if k != "metrics_port"}
+    try:
+        ModelConfig.from_pretrained(settings.model)
+        PoolConfig.from_options(settings.model, **options)
+    except (OSError, ValueError, TypeError) as e:
+        p.error(str(e))
+
+
 def check_port_free(host: str, port: int) -> None:
     """Bind the HTTP port once, here, so that a taken one is reported at once, before the pool
     starts (uvicorn binds it for good once the pool is up; a port taken in between is its error)."""
@@ -178,19 +194,21 @@ def check_endpoints(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     try:
         import uvicorn
 
         from lmpool.frontend.serve.app import create_app
     except ImportError as e:
         raise SystemExit(f"lmpool serve needs the serve extra (pip install 'lmpool[serve]'): {e}") from None
+    settings = settings_from(args)
+    check_pool_args(p, settings)
     check_port_free(args.host, args.port)
     events = kv_events_config(args)
     if events is not None:  # the control process, started by the pool, inherits it
         check_endpoints(args)
         os.environ[kv_pool_events.ENV] = events
-    settings = settings_from(args)
     app = create_app(settings)
     _server_class()(uvicorn_config(app, args, settings.limits), app, args.shutdown_grace).run()
     return 0
