@@ -11,6 +11,7 @@ from lmpool.frontend.serve.server import main, parser
 
 @pytest.mark.parametrize("args, words", [
     (["--port", "99999"], "--port: must be a TCP port in [0, 65535]"),  # was served on 99999 % 65536
+    (["--routing", "bogus"], "--routing: invalid choice: 'bogus' (choose from"),  # a traceback after start-up
     (["--port", "-1"], "--port: must be a TCP port"),
     (["--port", "http"], "--port: must be a TCP port"),
     (["--shutdown-grace", "nan"], "--shutdown-grace: must be a finite number of seconds >= 0"),

@@ -26,6 +26,7 @@ import os
 import socket
 
 from lmpool.config.engine import check_port
+from lmpool.config.pool import ROUTINGS
 from lmpool.control.kv_events import pool_events as kv_pool_events
 from lmpool.frontend.serve.settings import HttpLimits, ServeSettings
 
@@ -40,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", help="the weights' dtype (default: the engine's for the device)")
-    p.add_argument("--routing", default="lmpool", help="the pool's routing policy")
+    p.add_argument("--routing", default="lmpool", choices=ROUTINGS, help="the pool's routing policy (default: lmpool)")
     p.add_argument("--block-size", type=int, help="KV block size in tokens")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks per replica (default: sized from memory)")
     p.add_argument("--max-num-seqs", type=int, help="running requests per replica")
