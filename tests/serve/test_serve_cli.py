@@ -54,3 +54,18 @@ def test_a_missing_model_or_a_setting_the_pool_refuses_is_one_line_before_anythi
         main([*argv, "--port", "0"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and words in err and "Traceback" not in err
+
+
+def test_the_start_up_line_names_the_pool_its_ranks_and_how_to_watch_it(tiny_model):
+    import uvloop
+
+    from lmpool.frontend.api import AsyncLMPool
+    from lmpool.frontend.serve.app import started_line
+
+    async def main_():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=16, num_kv_blocks=40) as pool:
+            return pool.pool_id, started_line(pool)
+
+    pool_id, line = uvloop.run(main_())
+    assert line == (f"pool {pool_id} started: 2 ranks (r0 cpu 40 blocks, r1 cpu 40 blocks) of 16-token KV blocks, "
+                    f"routing lmpool; watch it with: lmpool top {pool_id}")

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app over one ``AsyncLMPool``.
 
 ``create_app(settings)`` builds a FastAPI app whose lifespan starts the pool on the server's
-own event loop and shuts it down with the server. Handlers use the pool's public API only
+own event loop (logging a line with its id, ranks, devices, KV blocks and the ``lmpool top``
+command) and shuts it down with the server. Handlers use the pool's public API only
 (``encode``, ``encode_chat``, ``stream``, ``generate``, ``stats``). A request whose client
 disconnects is aborted: a stream's consumer is cancelled by the server, a non-streaming
 handler races its request against the client's disconnect (``disconnect``). Request bodies are
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +34,17 @@ from lmpool.frontend.serve.settings import ServeSettings
 from lmpool.frontend.serve.sse import event_stream
 
 
+log = logging.getLogger("uvicorn.error")  # uvicorn's own start-up log: its handler and --log-level apply
+
+
+def started_line(pool: AsyncLMPool) -> str:
+    """What a user needs to find the pool again: its id, ranks, devices and KV blocks, and how to watch it."""
+    config, ranks = pool.config, pool.engine.ranks
+    per_rank = ", ".join(f"r{r.rank} {config.device_of(r.rank)} {r.num_blocks} blocks" for r in ranks)
+    return (f"pool {pool.pool_id} started: {len(ranks)} ranks ({per_rank}) of {config.engine.block_size}-token "
+            f"KV blocks, routing {config.routing}; watch it with: lmpool top {pool.pool_id}")
+
+
 def create_app(settings: ServeSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -39,6 +52,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
             await app.state.body_parser.start()  # ready before the first large body
             async with AsyncLMPool(settings.model, **settings.pool_args) as pool:
                 app.state.pool = pool
+                log.info("%s", started_line(pool))
                 yield
         finally:
             app.state.tokenizing.shutdown(wait=False, cancel_futures=True)
