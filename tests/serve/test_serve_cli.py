@@ -29,6 +29,14 @@ def test_bad_values_are_refused_by_name(args, words, capsys):
     assert exit_.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_the_device_defaults_to_cuda_when_present_as_the_demo_s(monkeypatch):
+    import torch
+
+    for present, device in ((True, "cuda"), (False, "cpu")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: present)
+        assert parser().parse_args(["model"]).device == device
+
+
 def test_good_values_are_taken():
     args = parser().parse_args(["model", "--port", "0", "--shutdown-grace", "0"])
     assert args.port == 0 and args.shutdown_grace == 0

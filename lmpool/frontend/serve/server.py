@@ -31,6 +31,12 @@ from lmpool.control.kv_events import pool_events as kv_pool_events
 from lmpool.frontend.serve.settings import HttpLimits, ServeSettings
 
 
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmpool serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("model", help="a Qwen3 checkpoint directory")
@@ -39,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
     p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel replicas")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default=default_device(),
+                   help="cuda (replica r on GPU r modulo the GPUs) or cpu (default: cuda when present, as lmpool demo)")
     p.add_argument("--dtype", help="the weights' dtype (default: the engine's for the device)")
     p.add_argument("--routing", default="lmpool", choices=ROUTINGS, help="the pool's routing policy (default: lmpool)")
     p.add_argument("--block-size", type=int, help="KV block size in tokens")
