@@ -32,6 +32,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,7 +54,8 @@ from revision import git_record
 from trace_file import load_trace, trace_name
 from workloads import max_request_tokens
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Runs write here unless --json names a file: the committed results change only when asked.
+SCRATCH_DIR = Path(tempfile.gettempdir()) / "lmpool-eval"
 SCHEMA = "lmpool-eval/1"
 MAX_FAILURES = 2
 
@@ -118,7 +120,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace", type=Path, action="append", default=[],
                     help="a JSON Lines trace of one's own (trace_file.py says the format), run as workload "
                          "trace_<stem>; repeatable. With --trace, the built-in workloads run only if named")
-    ap.add_argument("--json", type=Path, help="output file (default under benchmarks/results/)")
+    ap.add_argument("--json", type=Path, help=f"output file (default under {SCRATCH_DIR}: the committed results in "
+                                              "benchmarks/results/ change only when named here)")
     ap.add_argument("--no-progress", action="store_true",
                     help="plain lines instead of progress bars (always so when stderr is not a terminal)")
 
@@ -151,7 +154,7 @@ def finish_arguments(args: argparse.Namespace, pool_blocks: int, name: str) -> a
         raise SystemExit("--scale must be > 0")
     if args.json is None:
         tag = "cpu_quick" if quick else f"{args.device}_{args.preset}"
-        args.json = RESULTS_DIR / f"eval_{tag}_{name}.json"
+        args.json = SCRATCH_DIR / f"eval_{tag}_{name}.json"
     if args.first_rep < 0:
         raise SystemExit("--first-rep must be >= 0")
     args.rep_ids = list(range(args.first_rep, args.first_rep + args.reps))

@@ -61,3 +61,12 @@ def test_the_runner_flags_build_the_settings_and_default_to_the_williams_order()
         parsed("--arrival", "poisson")
     with pytest.raises(SystemExit, match="AXIS"):
         parsed("--sweep", "budget=1")
+
+
+def test_a_run_writes_the_committed_results_only_when_its_json_names_them(tmp_path):
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    default = parsed().json
+    assert default.name == "eval_cpu_quick_e2e.json" and results not in default.parents
+    assert parsed("--json", str(tmp_path / "x.json")).json == tmp_path / "x.json"
