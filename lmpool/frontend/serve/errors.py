@@ -2,11 +2,14 @@
 
 Bad input is a 400, a body over the size limit a 413, one that is not JSON a 415, a pool with no
 live rank (or one shut down) a 503, anything unexpected a 500: every failure becomes a JSON body
-for its caller and the server serves on.
+for its caller and the server serves on, its connection kept alive (an unexpected error answered
+before its response began is logged with its traceback, not re-raised to uvicorn, which closes the
+connection under a client that may already be sending its next request on it).
 """
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from fastapi import Request
@@ -17,6 +20,7 @@ from starlette.exceptions import HTTPException
 from lmpool.frontend.client import PoolError
 from lmpool.frontend.serve.body_parser import validation_message
 
+log = logging.getLogger("uvicorn.error")
 
 class ServeError(Exception):
     """A failure with the HTTP status it deserves."""
@@ -74,4 +78,36 @@ def install_handlers(app) -> None:
     app.add_exception_handler(ServeError, any_error)
     app.add_exception_handler(ValueError, any_error)
     app.add_exception_handler(PoolError, any_error)
-    app.add_exception_handler(Exception, any_error)
+    app.add_middleware(AnswerUnexpected)
+
+
+class AnswerUnexpected:
+    """Answers an unexpected error with its 500 body and keeps the connection.
+
+    Starlette hands a handler for ``Exception`` to its outermost middleware, which re-raises once
+    the response is sent, and uvicorn then closes the connection (a keep-alive client's next
+    request met a reset). This sits inside that middleware and does not re-raise. An error after
+    the response began is left to propagate: a half-sent body cannot be completed, so that
+    connection must close."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unexpected error serving %s %s", scope.get("method"), scope.get("path"))
+            await error_response(exc)(scope, receive, send)
