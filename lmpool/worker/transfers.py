@@ -39,6 +39,7 @@ from lmpool.protocol import (
     DigestQuery,
     ExecuteRecv,
     ExecuteSend,
+    Executed,
     Finalize,
     PhaseFailed,
     PlanAnswer,
@@ -314,7 +315,7 @@ class TransferExecutor:
                 raise ValueError(f"execute_recv of plan {order.plan_id} names {len(order.peer_block_ids)} source "
                                  f"blocks for {len(plan.block_ids)} reserved ones")
             handle = self.ipc.pull(order.peer, order.peer_block_ids, plan.block_ids)
-            self._pend(_Pending(order, handle, lambda: self._executed(order)))
+            self._pend(_Pending(order, handle, lambda: self._executed(order, pulled=True)))
             return None
         runner = self.core.runner
         # Chunks are unpacked as they arrive, only while the plan is open: bytes of a plan
@@ -325,11 +326,11 @@ class TransferExecutor:
         self._pend(_Pending(order, handle, lambda: self._executed(order)))
         return None
 
-    def _executed(self, order: PlanOrder) -> PlanAnswer:
+    def _executed(self, order: PlanOrder, pulled: bool = False) -> PlanAnswer:
         if order.plan_id not in self.participant.plans:  # aborted while the bytes moved
             raise StalePlanError(f"plan {order.plan_id} ended before its bytes arrived")
         self.participant.executed(order.plan_id)
-        return self._done(order)
+        return Executed(order.plan_id, self.rank, pulled=pulled)
 
     def _finish(self, pending: _Pending) -> PlanAnswer | None:
         try:

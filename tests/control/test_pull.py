@@ -31,10 +31,11 @@ def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first
     assert decision.rank == 1 and decision.matched_blocks == 0
     assert decision.reason.startswith("pull r1<-r0:32b=")
     assert "serve r0=" in decision.reason and "; pull r1<-r0:32b=" in decision.reason
-    # Its first token once the copy has landed (after two of the source's steps: its prepare and
-    # its execute; the idle destination's publish waits for none) and its last block's tail is computed.
+    # Its first token once the copy has landed (after one of the source's steps, its prepare: the
+    # destination reads the blocks, the idle destination's execute and publish wait for none) and
+    # its last block's tail is computed.
     source_step = DEAR.base + 64 * DEAR.decode_seq + 64 * BLOCK * DEAR.context_token
-    copy_s = rig.cost_model.estimate(0, 1, 32) + 2 * source_step
+    copy_s = rig.cost_model.estimate(0, 1, 32) + source_step
     assert decision.predicted_ttft_s == pytest.approx(copy_s + DEAR.base + DEAR.prefill_token)
     (plan,) = rig.coordinator.plans.values()
     assert (plan.src, plan.dst, plan.hashes, plan.kind) == (0, 1, DOC, "pull")

@@ -16,7 +16,9 @@ from lmpool.protocol import LoadReport
 from lmpool.control.transfers.coordinator import TransferCoordinator
 from lmpool.protocol import (
     SUCCESS,
+    PlanState,
     DestPrepared,
+    Executed,
     ExecuteRecv,
     ExecuteSend,
     Finalize,
@@ -44,8 +46,9 @@ class Clock:
 class Cluster:
     """N simulated workers (BlockManager + TransferParticipant) and one control plane."""
 
-    def __init__(self, world: int, blocks: int, seed: int) -> None:
+    def __init__(self, world: int, blocks: int, seed: int, pulls: bool = False) -> None:
         self.rng = random.Random(seed)
+        self.pulls = pulls  # destinations read the source's blocks themselves (CUDA IPC)
         self.clock = Clock()
         self.gbm = GlobalBlockManager(world, BLOCK, clock=self.clock)
         self.inbox: list[tuple[int, TransferOrder]] = []
@@ -115,7 +118,7 @@ class Cluster:
                 answer = DestPrepared(msg.plan_id, rank, ids, [self.bms[rank].blocks[b].generation for b in ids])
             elif isinstance(msg, (ExecuteSend, ExecuteRecv)):
                 part.executed(msg.plan_id)
-                answer = SUCCESS[msg.phase](msg.plan_id, rank)
+                answer = Executed(msg.plan_id, rank, pulled=self.pulls and isinstance(msg, ExecuteRecv))
             elif isinstance(msg, Publish):
                 part.publish(msg.plan_id, msg.hashes, msg.parents, msg.token_ids)
                 answer = SUCCESS[msg.phase](msg.plan_id, rank)
@@ -196,9 +199,12 @@ class Cluster:
             assert part.held_blocks() == [], "a plan leaked a reservation or a pin"
 
 
+@pytest.mark.parametrize("pulls", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_faults_keep_every_invariant(seed):
-    cluster = Cluster(world=3, blocks=24, seed=seed)
+def test_random_faults_keep_every_invariant(seed, pulls):
+    """Messages arrive in any order here (a pull's finalize may reach its source before the
+    execute order it no longer waits for: the plan then ends, the copy published)."""
+    cluster = Cluster(world=3, blocks=24, seed=seed, pulls=pulls)
     for _ in range(1500):
         cluster.step()
     cluster.drain()
@@ -300,3 +306,44 @@ def test_phase_times_keep_the_last_plans_of_each_kind():
     assert summary["background"]["finalized"] == [1.0, 1.0, 1]
     with pytest.raises(ValueError):
         times.record("pull", [0.2, 0.1, 0.3, 0.4])
+
+
+@pytest.mark.parametrize("source_first", [False, True])
+def test_a_pull_s_execute_ends_on_the_destination_s_copy(source_first):
+    """The destination read the blocks (``pulled``): publish is ordered without the source's
+    answer, which the source, busy with a step, gives later (or earlier): it changes nothing. The
+    source's execute order goes out before its finalize, so on its FIFO link it is read first."""
+    cluster = Cluster(world=2, blocks=16, seed=5, pulls=True)
+    for _ in range(2):
+        cluster.cache_prefix(0)
+    cluster.start_plan(0, 1)
+    plan = next(iter(cluster.coord.plans.values()))
+    while plan.state is not PlanState.EXECUTING:
+        cluster.deliver(0)
+    send = next(i for i, (rank, msg) in enumerate(cluster.inbox) if isinstance(msg, ExecuteSend))
+    if source_first:
+        cluster.deliver(send)
+        assert plan.state is PlanState.EXECUTING, "the source's answer alone ends nothing"
+    recv = next(i for i, (rank, msg) in enumerate(cluster.inbox) if isinstance(msg, ExecuteRecv))
+    cluster.deliver(recv)
+    assert plan.state is PlanState.PUBLISHING and plan.phases[1] == plan.phases[-1]
+    assert [type(m) for _, m in cluster.inbox] == ([Publish] if source_first else [ExecuteSend, Publish])
+    while cluster.inbox:
+        cluster.deliver(0)
+    assert cluster.coord.completed == 1 and cluster.coord.aborted == 0
+    assert cluster.parts[0].held_blocks() == cluster.parts[1].held_blocks() == []
+
+
+def test_a_copy_over_a_packed_path_waits_for_both_sides_to_execute():
+    cluster = Cluster(world=2, blocks=16, seed=5)
+    for _ in range(2):
+        cluster.cache_prefix(0)
+    cluster.start_plan(0, 1)
+    plan = next(iter(cluster.coord.plans.values()))
+    while plan.state is not PlanState.EXECUTING:
+        cluster.deliver(0)
+    recv = next(i for i, (rank, msg) in enumerate(cluster.inbox) if isinstance(msg, ExecuteRecv))
+    cluster.deliver(recv)
+    assert plan.state is PlanState.EXECUTING, "the source still sends the bytes"
+    cluster.deliver(0)
+    assert plan.state is PlanState.PUBLISHING

@@ -16,7 +16,11 @@ Invariants: every plan ends (DONE or ABORTED) within ``phase_timeout_s`` of its
 last progress (``tick`` is the watchdog); every phase message is sent once per
 phase and acknowledged idempotently by the workers; acks for another phase,
 or for an ended plan, change nothing. A move's finalize order carries the plan's
-``keep`` (``num_blocks``): the leading blocks the source copied but keeps.
+``keep`` (``num_blocks``): the leading blocks the source copied but keeps. A pull's destination
+reads the source's pinned blocks itself: its ``Executed(pulled=True)`` ends the execute phase
+without the source's answer (the source has nothing to do there, and is busy with a step: waiting
+for it cost a whole step of a busy source); the source's order, sent before its finalize on the
+same link, still reaches it first.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from lmpool.protocol import (
     DestPrepared,
     ExecuteRecv,
     ExecuteSend,
+    Executed,
     Finalize,
     PhaseFailed,
     PlanAnswer,
@@ -70,6 +75,7 @@ class Plan:
     kind: str = "explicit"  # who asked: "explicit" (the API), "background", "foreground" or "pull"
     steps_s: float = 0.0  # the participants' steps its opener priced beside the copy (not the cost model's)
     phases: list[float] = field(default_factory=list)  # seconds from start to each phase's end
+    pulled: bool = False  # the destination read the bytes itself: execute waits for it alone
 
     @property
     def num_moved(self) -> int:
@@ -150,6 +156,8 @@ class TransferCoordinator:
                 return
         elif ack.phase is PlanState.PREPARING or not isinstance(ack, SUCCESS.get(ack.phase, ())):
             return  # an answer this rank's order cannot have
+        elif isinstance(ack, Executed) and ack.pulled and rank == plan.dst:
+            plan.pulled = True
         plan.acked.add(rank)
         if plan.acked >= self._expected(plan):
             self._advance(plan)
@@ -166,6 +174,8 @@ class TransferCoordinator:
         return True
 
     def _expected(self, plan: Plan) -> set[int]:
+        if plan.state is PlanState.EXECUTING and plan.pulled:
+            return {plan.dst}
         if plan.state in (PlanState.PREPARING, PlanState.EXECUTING):
             return {plan.src, plan.dst}
         return {plan.dst} if plan.state is PlanState.PUBLISHING else {plan.src}

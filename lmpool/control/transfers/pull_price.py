@@ -5,13 +5,14 @@ match, then the fewest requests in flight) has ready and r lacks; r then serves 
 from s's depth. Its price is the pricer's for r holding those blocks once the copy has landed
 (``Pricer.price``: the copy runs while r's queue drains):
 
-    pull_r = price(r, matched = s's depth, wait = copy_s(s -> r, k) + 2 max(step_s(s), step_s(r)) + step_s(r))
+    pull_r = price(r, matched = s's depth, wait = copy_s(s -> r, k) + max(step_s(s), step_s(r)) + 2 step_s(r))
 
 ``copy_s`` is the transfer cost model's estimate (its profile, corrected by the plans it saw);
 ``step_s`` the step each participant has under way (``Pricer.next_step_s``). A worker reads a
-plan's messages between its steps, and a plan lands after three rounds of them: both sides
-prepare, both execute, the destination publishes. A source busy with a burst's prefill so
-lands the copy two of its steps later however fast the copy itself is.
+plan's messages between its steps, and a pull lands after three rounds of them: both sides
+prepare, the destination copies (the source, whose blocks it reads, is not waited for), the
+destination publishes. A source busy with a burst's prefill so delays the copy by one of its
+steps however fast the copy itself is.
 
 A pull is priced only where it can run and could win: r and s are topology partners, r has no
 pending prefix or pull under way for the prompt (its expected match is its ready one), none of
@@ -70,7 +71,7 @@ class PullPricer:
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
                 continue
             src_step, dst_step = self.pricer.next_step_s(src), self.pricer.next_step_s(r)
-            steps = 2 * max(src_step, dst_step) + dst_step  # prepare, execute (both), publish
+            steps = max(src_step, dst_step) + 2 * dst_step  # prepare (both), execute, publish (the destination)
             seconds = self.estimate_s(src, r, top - start) + steps
             price = self.pricer.price(query, r, top, seconds, route.seed, arriving=top - start)
             if self.room(r) >= price.need:
