@@ -83,8 +83,8 @@ def test_killed_peer_fails_the_survivor_within_its_timeout(rendezvous, peers):
         {"export": None}, {"import": None}, {"recv": 1, "tag": 5, "blocks": 128, "seed": 1},
         {"say": "posted"}, {"hear": None}, {"fail": 5}], **CUDA)
     failure = survivor.expect("failed")
-    assert failure["error"] == "TransportError" and failure["elapsed"] < 2.0, failure
-    assert "is gone" in failure["message"]
+    # The peer's death, not the wait's timeout (that would be a TransferTimeout saying so).
+    assert failure["error"] == "TransportError" and "is gone" in failure["message"], failure
     survivor.finish()
 
 
