@@ -153,7 +153,7 @@ class DestPrepared(PhaseAnswer, tag="dest_prepared"):
 
 class Executed(PhaseAnswer, tag="executed"):
     phase = PlanState.EXECUTING
-    # The destination read the source's pinned blocks itself (a pull): the bytes are in place
+    # The destination read the source's pinned blocks itself (CUDA IPC): the bytes are in place
     # and the source's own execute, which has nothing to do, is not waited for.
     pulled: bool = False
 

@@ -1,6 +1,6 @@
 """The control plane's side of transfer transactions: one state machine per plan id.
 
-    PREPARING --both prepared--> EXECUTING --both executed--> PUBLISHING
+    PREPARING --both prepared--> EXECUTING --both executed (CUDA IPC: the destination)--> PUBLISHING
         --destination published--> FINALIZING --source finalized--> DONE
     any phase before DONE --failure, timeout, dead rank--> ABORTED
 
@@ -16,11 +16,11 @@ Invariants: every plan ends (DONE or ABORTED) within ``phase_timeout_s`` of its
 last progress (``tick`` is the watchdog); every phase message is sent once per
 phase and acknowledged idempotently by the workers; acks for another phase,
 or for an ended plan, change nothing. A move's finalize order carries the plan's
-``keep`` (``num_blocks``): the leading blocks the source copied but keeps. A pull's destination
-reads the source's pinned blocks itself: its ``Executed(pulled=True)`` ends the execute phase
-without the source's answer (the source has nothing to do there, and is busy with a step: waiting
-for it cost a whole step of a busy source); the source's order, sent before its finalize on the
-same link, still reaches it first.
+``keep`` (``num_blocks``): the leading blocks the source copied but keeps. Over CUDA IPC the
+destination reads the source's pinned blocks itself: its ``Executed(pulled=True)`` ends the
+execute phase without the source's answer (the source has nothing to do there, and answers only
+between its steps: waiting for it cost a whole step of a busy source); the source's order, sent
+before its finalize on the same link, still reaches it first.
 """
 
 from __future__ import annotations

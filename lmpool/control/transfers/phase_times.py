@@ -1,10 +1,11 @@
 """How long transfer plans take to pass each phase, per kind of plan ("pull", "background" ...).
 
 For each of the last ``keep`` plans of a kind that reached DONE, the seconds from its start to
-the end of each phase (``PHASES``: both sides prepared, both executed, the destination
-published, the source finalized). ``summary`` gives, per kind and phase, the median and the
-largest of them in milliseconds and how many plans they cover: where a copy's time goes, which
-its estimate alone does not say (a worker reads a plan's messages between its steps).
+the end of each phase (``PHASES``: both sides prepared, both executed (over CUDA IPC the
+destination), the destination published, the source finalized). ``summary`` gives, per kind and
+phase, the median and the largest of them in milliseconds and how many plans they cover: where a
+copy's time goes, which its estimate alone does not say (a worker reads a plan's messages
+between its steps).
 
 Invariants: at most ``keep`` plans per kind; a plan's times are non-decreasing and one per phase.
 """

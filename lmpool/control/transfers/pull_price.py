@@ -10,9 +10,9 @@ from s's depth. Its price is the pricer's for r holding those blocks once the co
 ``copy_s`` is the transfer cost model's estimate (its profile, corrected by the plans it saw);
 ``step_s`` the step each participant has under way (``Pricer.next_step_s``). A worker reads a
 plan's messages between its steps, and a pull lands after three rounds of them: both sides
-prepare, the destination copies (the source, whose blocks it reads, is not waited for), the
-destination publishes. A source busy with a burst's prefill so delays the copy by one of its
-steps however fast the copy itself is.
+prepare, the destination copies (over CUDA IPC it reads the source's blocks, and the source is
+not waited for), the destination publishes. A source busy with a burst's prefill so delays the
+copy by one of its steps however fast the copy itself is.
 
 A pull is priced only where it can run and could win: r and s are topology partners, r has no
 pending prefix or pull under way for the prompt (its expected match is its ready one), none of
