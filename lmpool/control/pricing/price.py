@@ -42,6 +42,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+import msgspec
+
 from lmpool.control.page_table.view import PageTableView
 from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.pricing.step_model import StepCoefficients
@@ -49,8 +51,10 @@ from lmpool.control.topology import Topology
 from lmpool.protocol import RouteQuery
 
 
-class RankPrice(NamedTuple):
-    """One candidate's prediction for one request (seconds)."""
+class RankPrice(msgspec.Struct, frozen=True, gc=False):
+    """One candidate's prediction for one request (seconds). A struct, not a named tuple: a route
+    builds one per candidate, and a struct is built in C (a named tuple's ``__new__`` is Python);
+    untracked by the garbage collector, as it holds numbers only."""
 
     rank: int
     matched: int  # usable matched blocks
@@ -81,6 +85,17 @@ class Limits(NamedTuple):
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+
+
+class QueryTerms(msgspec.Struct, frozen=True, gc=False):
+    """What pricing reads of a request, the same on every rank: computed once per route
+    (``Pricer.terms``), not once per candidate."""
+
+    prompt: int  # P
+    out: int  # M, at least 1
+    blocks: int  # the blocks its sequence fills, nothing cached: ceil((P + M) / block size)
+    usable: int  # matched blocks it can use: the worker recomputes the last prompt token
+    span: float  # P + M / 2: the mean context of its decode steps
 
 
 class RankWork(NamedTuple):
@@ -120,12 +135,17 @@ class Pricer:
               waits: dict[int, float] | None = None) -> list[RankPrice]:
         """Each rank of ``ranks`` serving ``query`` from the ``matched[r]`` blocks it will hold
         (``waits[r]`` seconds from now, where a pull is bringing some)."""
+        terms = self.terms(query)  # once for every candidate
+        usable, waits, price = terms.usable, waits or {}, self.price_terms
+        return [price(terms, r, usable if matched[r] > usable else matched[r], waits.get(r, 0.0), seed, 0)
+                for r in ranks]
+
+    def terms(self, query: RouteQuery) -> QueryTerms:
+        """What every rank's price reads of ``query``."""
+        prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
         block_size = self.limits.block_size
-        usable = max(0, (query.num_prompt_tokens - 1) // block_size)
-        price = self.price
-        if not waits:
-            return [price(query, r, usable if matched[r] > usable else matched[r], 0.0, seed) for r in ranks]
-        return [price(query, r, min(matched[r], usable), waits.get(r, 0.0), seed) for r in ranks]
+        return QueryTerms(prompt, out, -(-(prompt + out) // block_size), max(0, (prompt - 1) // block_size),
+                          prompt + out / 2)
 
     def work(self, rank: int) -> RankWork:
         """``rank``'s in-flight work, recomputed only when what it is computed from changed."""
@@ -166,17 +186,20 @@ class Pricer:
               arriving: int = 0) -> RankPrice:
         """``query`` on ``rank`` holding ``m`` usable blocks once ``wait_s`` seconds have passed,
         ``arriving`` of them copied there first (they need room there too)."""
+        return self.price_terms(self.terms(query), rank, m, wait_s, seed, arriving)
+
+    def price_terms(self, q: QueryTerms, rank: int, m: int, wait_s: float, seed: int | None, arriving: int) -> RankPrice:
+        """``price``, from the request's terms (``terms``): what a route prices every candidate with."""
         w = self.work(rank)
         _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, busy, _, _, held, _ = w
-        block_size = self.limits.block_size
-        prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
-        missing = prompt - m * block_size
-        need = -(-(prompt + out) // block_size) - m + arriving
+        prompt, out = q.prompt, q.out
+        missing = prompt - m * self.limits.block_size
+        need = q.blocks - m + arriving
         prefill = c.prefill_token * missing + c.attention_pair * attention_pairs(missing, prompt - missing)
         if need > available and held:
             wait_s = max(wait_s, self._room_s(w, need - available))
         ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat + busy
-        mine = c.decode_seq + c.context_token * (prompt + out / 2)
+        mine = c.decode_seq + c.context_token * q.span
         overlap = n * (out - 1)
         if overlap > left:
             overlap = left
@@ -203,8 +226,7 @@ class Pricer:
 
     def prefill_s(self, rank: int, tokens: int, context: int = 0) -> float:
         """Seconds ``rank`` computes ``tokens`` prompt tokens in, after ``context`` cached ones."""
-        c = self.model.coefficients(rank)
-        return c.prefill_token * tokens + c.attention_pair * attention_pairs(tokens, context)
+        return prefill_seconds(self.model.coefficients(rank), tokens, context)
 
     def prefill_s_per_token(self, rank: int) -> float:
         """A block's prefill seconds per token, at one block of context (the transfer gates' unit)."""
@@ -245,6 +267,11 @@ def request_shape(query: RouteQuery, matched: int, block_size: int) -> tuple[int
     m = min(matched, max(0, (prompt - 1) // block_size))
     need = max(0, -(-(prompt + max(1, query.max_tokens)) // block_size) - m)
     return m, prompt - m * block_size, need
+
+
+def prefill_seconds(c: StepCoefficients, tokens: int, context: int) -> float:
+    """Seconds a rank of step coefficients ``c`` computes ``tokens`` prompt tokens in, after ``context`` cached ones."""
+    return c.prefill_token * tokens + c.attention_pair * attention_pairs(tokens, context)
 
 
 def attention_pairs(tokens: int, context: int) -> int:

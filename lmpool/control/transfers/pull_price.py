@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import Pricer, RankPrice
+from lmpool.control.pricing.price import Pricer, RankPrice, prefill_seconds
 from lmpool.control.routing.route import Route
 from lmpool.control.topology import Topology
 
@@ -53,17 +53,24 @@ class PullPricer:
 
     def options(self, route: Route) -> list[PullOption]:
         """A pull to each candidate that could take one (module docstring)."""
-        query, ready = route.query, route.ready
+        query, ready, expected = route.query, route.ready, route.expected
         usable = min(len(query.block_hashes), max(0, (query.num_prompt_tokens - 1) // self.gbm.block_size))
+        # The source's depth is the longest ready match: a rank below it, with nothing pending or
+        # arriving for the prompt, is the only kind that could take a pull. Most routes have none
+        # (a miss, or every holder matching alike), and end here before any source is chosen.
+        top = min(max(ready[r] for r in route.ranks), usable)
+        takers = [r for r in route.ranks if ready[r] < top and expected[r] == ready[r]]
+        if not takers:
+            return []
         infos = self.gbm.ranks
         src = max(route.ranks, key=lambda r: (ready[r], -infos[r].in_flight_seqs, -r))
-        top = min(ready[src], usable)
         partners = self.topology.partners(src)
         bound = route.chosen.total_s if route.chosen is not None else float("inf")
+        terms = self.pricer.terms(query)
         out = []
-        for r in route.ranks:
+        for r in takers:
             start = ready[r]
-            if start >= top or route.expected[r] != start or r not in partners:
+            if r not in partners:
                 continue
             if self._least(route, r, top) >= bound:
                 continue  # no copy, however fast, makes it the cheapest: skip its estimate
@@ -73,11 +80,10 @@ class PullPricer:
             src_step, dst_step = self.pricer.next_step_s(src), self.pricer.next_step_s(r)
             steps = max(src_step, dst_step) + 2 * dst_step  # prepare (both), execute, publish (the destination)
             seconds = self.estimate_s(src, r, top - start) + steps
-            price = self.pricer.price(query, r, top, seconds, route.seed, arriving=top - start)
+            price = self.pricer.price_terms(terms, r, top, seconds, route.seed, top - start)
             if self.room(r) >= price.need:
                 out.append(PullOption(price, src, start, top - start, seconds, steps))
         return out
-
 
     def _least(self, route: Route, rank: int, top: int) -> float:
         """A floor under any pull's price to ``rank`` of blocks up to ``top``: its serve price
@@ -87,8 +93,9 @@ class PullPricer:
         if serve is None:
             return float("-inf")
         work, prompt, block_size = self.pricer.work(rank), route.query.num_prompt_tokens, self.gbm.block_size
-        pulled = (self.pricer.prefill_s(rank, serve.missing, prompt - serve.missing)
-                  - self.pricer.prefill_s(rank, prompt - top * block_size, top * block_size))
+        c = work.c  # the rank's coefficients as of its work: what ``Pricer.prefill_s`` would read
+        pulled = prefill_seconds(c, serve.missing, prompt - serve.missing) - prefill_seconds(
+            c, prompt - top * block_size, top * block_size)
         return serve.total_s - (1 + work.n) * pulled - -(-serve.missing // work.room) * work.step
 
 
