@@ -80,6 +80,15 @@ class Heat:
             else:
                 s.heat += access
 
+    def branched_depth(self, chain: list[int]) -> int:
+        """How many leading blocks of ``chain`` lie at or above its deepest branched block (0: none is)."""
+        stats = self.stats
+        for i in range(len(chain) - 1, -1, -1):
+            s = stats.get(chain[i])
+            if s is not None and s.branched:
+                return i + 1
+        return 0
+
     def heat(self, block_hash: int) -> float:
         """The block's demand now: its accesses and route hits decayed to this instant (0 if never routed)."""
         s = self.stats.get(block_hash)

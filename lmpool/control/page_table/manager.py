@@ -255,6 +255,11 @@ class GlobalBlockManager:
     def hash_stats(self, block_hash: int) -> HashStats | None:
         return self._heat.stats.get(block_hash)
 
+    def branched_depth(self, chain: list[int]) -> int:
+        """How many leading blocks of ``chain`` routed prompts branched from (or after): up to and
+        including its deepest ``HashStats.branched`` block; 0 when none is."""
+        return self._heat.branched_depth(chain)
+
     def heat(self, block_hash: int) -> float:
         """The block's demand now: its accesses and route hits decayed to this instant (0 if never routed)."""
         return self._heat.heat(block_hash)

@@ -58,9 +58,10 @@ class PendingPrefixes:
         # a route never pays for a whole ttl's worth at once (expired entries never count).
         self._expire(entries, now, 2 * len(block_hashes) + 1)
         expires = now + self.ttl_s
-        for h in block_hashes:
-            entries.pop(h, None)
+        move = entries.move_to_end
+        for h in block_hashes:  # the newest expiry, at the end: the order stays the expiry order
             entries[h] = expires
+            move(h)
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
 

@@ -13,16 +13,16 @@ and ``chosen`` (when set) is its price, for the option the stages settled on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
+import msgspec
 
 from lmpool.control.pricing.price import RankPrice
 from lmpool.protocol import RouteQuery
 
 
-class Choice(NamedTuple):
+class Choice(msgspec.Struct, frozen=True):
     """A policy's decision: the rank, why, and (a pricing policy) every candidate's price;
-    ``may_leave``: whether a later stage may still send the request elsewhere (a pull)."""
+    ``may_leave``: whether a later stage may still send the request elsewhere (a pull).
+    Structs, this and ``Route``: every route builds one of each, and a struct is built in C."""
 
     rank: int
     reason: str
@@ -30,14 +30,13 @@ class Choice(NamedTuple):
     may_leave: bool = False
 
 
-@dataclass(slots=True)
-class Route:
+class Route(msgspec.Struct):
     query: RouteQuery
     seed: int | None
     ranks: list[int]  # the candidates, ascending
     ready: list[int]  # per rank: matched blocks published there (what the decision reports)
     expected: list[int]  # ... and what it will hold once its pending prefill and open pulls are done
-    waits: dict[int, float] = field(default_factory=dict)  # rank -> seconds until its pull has landed
+    waits: dict[int, float] = msgspec.field(default_factory=dict)  # rank -> seconds until its pull has landed
     rank: int = -1
     reason: str = ""
     prices: list[RankPrice] | None = None
@@ -45,11 +44,14 @@ class Route:
     chosen: RankPrice | None = None  # the chosen option's price, when the policy prices
 
     def take(self, choice: Choice) -> None:
-        self.rank, self.reason, self.prices, self.may_leave = choice
+        self.rank, self.reason, self.prices, self.may_leave = choice.rank, choice.reason, choice.prices, choice.may_leave
         self.chosen = self.price_of(self.rank)
 
     def price_of(self, rank: int) -> RankPrice | None:
-        return next((p for p in self.prices or () if p.rank == rank), None)
+        for p in self.prices or ():
+            if p.rank == rank:
+                return p
+        return None
 
 
 class RouteStage:

@@ -19,7 +19,10 @@ then correct from the pool's own completed plans.
 
 Invariants: a profile is only accepted for a model whose KV bytes per block
 match the profile's (a curve measured for another shape would be meaningless);
-estimates are positive and non-decreasing in ``n`` for a fixed pair.
+estimates are positive and non-decreasing in ``n`` for a fixed pair. An estimate is
+remembered until the next ``observe`` (the one way a model changes once made: its
+curves are fixed, its corrections move only there), so routing's pull options, which
+ask for the same few pairs and sizes route after route, pay one lookup for it.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class TransferCostModel:
     # The slowest measured curves, which unmeasured pairs borrow (found once: curves never change).
     _slowest_curve: PairCurve | None = field(default=None, init=False, repr=False)
     _slowest_residual: PairCurve | None = field(default=None, init=False, repr=False)
+    _estimates: dict[tuple[int, int, int], float] = field(default_factory=dict, init=False, repr=False,
+                                                         compare=False)
 
     @classmethod
     def from_profile(cls, profile: dict | str | Path, kv_bytes_per_block: int, **kwargs) -> TransferCostModel:
@@ -141,9 +146,13 @@ class TransferCostModel:
 
     def estimate(self, src: int, dst: int, num_blocks: int) -> float:
         """Expected seconds from dispatch to publish for ``num_blocks`` blocks over src -> dst."""
-        pair, size = self.pair_key(src, dst), bucket(num_blocks)
-        raw = self._residual(pair, size) + self.interference * self._curve(pair).at(num_blocks)
-        return raw * self.correction.get((pair, size), 1.0)
+        key = (src, dst, num_blocks)
+        seconds = self._estimates.get(key)
+        if seconds is None:
+            pair, size = self.pair_key(src, dst), bucket(num_blocks)
+            raw = self._residual(pair, size) + self.interference * self._curve(pair).at(num_blocks)
+            seconds = self._estimates[key] = raw * self.correction.get((pair, size), 1.0)
+        return seconds
 
     def observe(self, src: int, dst: int, num_blocks: int, seconds: float) -> None:
         """Fold one measured transaction into the pair and bucket's correction."""
@@ -153,3 +162,4 @@ class TransferCostModel:
             return
         old = self.correction.get(key, 1.0)
         self.correction[key] = (1 - self.ewma_alpha) * old + self.ewma_alpha * (seconds / raw)
+        self._estimates.clear()  # a correction moved: forget every estimate (a few dozen, redone on demand)

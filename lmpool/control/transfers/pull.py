@@ -76,12 +76,14 @@ class RoutePulls(RouteStage):
     def expect(self, route: Route) -> None:
         if not self.open:
             return
-        hashes, ready = route.query.block_hashes, route.ready
-        for r in route.ranks:
-            pull = self._pull_to(r, hashes, ready[r])
+        hashes, ready, by_head = route.query.block_hashes, route.ready, self._by_head
+        n = len(hashes)
+        for r in route.ranks:  # ``_pull_to`` inlined: every route runs this while any pull is open
+            m = ready[r]
+            pull = by_head.get((r, hashes[m])) if m < n else None
             if pull is not None:
-                depth = shared_depth(pull.hashes, hashes, ready[r], len(hashes))
-                route.expected[r] = max(route.expected[r], ready[r] + depth)
+                depth = shared_depth(pull.hashes, hashes, m, n)
+                route.expected[r] = max(route.expected[r], m + depth)
                 route.waits[r] = max(0.0, pull.estimate_s - (self.coordinator.clock() - pull.started))
 
     def settle(self, route: Route) -> None:
@@ -129,7 +131,7 @@ class RoutePulls(RouteStage):
         generations = [held[h] >> 32 for h in chain]
         parent = hashes[start - 1] if start else ROOT_HASH
         anchor = (parent, self.gbm.generation(dst, parent)) if start else (ROOT_HASH, 0)
-        keep = self._shared(chain)
+        keep = self.gbm.branched_depth(chain)  # the leading blocks others share: copied, not moved
         plan = self.coordinator.start(src, dst, chain, generations, [parent] + chain[:-1], move=keep < len(chain),
                                       keep=keep, kind="pull", anchor=anchor, steps_s=option.steps_s)
         pull = OpenPull(plan.plan_id, dst, chain, plan.started, option.copy_s)
@@ -138,14 +140,6 @@ class RoutePulls(RouteStage):
         self.counters.started += 1
         self.counters.moved += keep < len(chain)
         return pull
-
-    def _shared(self, chain: list[bytes]) -> int:
-        """How many leading blocks of ``chain`` routed prompts branched from (or after)."""
-        for i in range(len(chain) - 1, -1, -1):
-            stats = self.gbm.hash_stats(chain[i])
-            if stats is not None and stats.branched:
-                return i + 1
-        return 0
 
     # ---- plan outcomes -------------------------------------------------------------------
 
