@@ -39,7 +39,7 @@ step's base, the total at least the time to first token.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -131,7 +131,7 @@ class Pricer:
         self.reuse = reuse  # a rank's measured reuse of what it evicts
         self._work: dict[int, RankWork] = {}
 
-    def serve(self, query: RouteQuery, ranks: list[int], matched: list[int], seed: int | None,
+    def serve(self, query: RouteQuery, ranks: Sequence[int], matched: list[int], seed: int | None,
               waits: dict[int, float] | None = None) -> list[RankPrice]:
         """Each rank of ``ranks`` serving ``query`` from the ``matched[r]`` blocks it will hold
         (``waits[r]`` seconds from now, where a pull is bringing some)."""

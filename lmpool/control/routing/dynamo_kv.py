@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 from lmpool.config.routing import RoutingConfig
 from lmpool.control.page_table.view import PageTableView
@@ -55,7 +56,7 @@ class DynamoKVPolicy(RoutingPolicy):
         best = self._rng.choices(ranks, weights)[0]
         return Choice(best, f"dynamo_sample r{best} cost={costs[best]:.1f} min={lo:.1f}")
 
-    def _costs(self, query: RouteQuery, ranks: list[int], matched: list[int]) -> dict[int, float]:
+    def _costs(self, query: RouteQuery, ranks: Sequence[int], matched: list[int]) -> dict[int, float]:
         block_size = self.table.block_size
         prompt_blocks = -(-query.num_prompt_tokens // block_size)
         new_only = self.config.dynamo_prefill_tokens == "new"

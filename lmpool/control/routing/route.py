@@ -33,7 +33,7 @@ class Choice(msgspec.Struct, frozen=True):
 class Route(msgspec.Struct):
     query: RouteQuery
     seed: int | None
-    ranks: list[int]  # the candidates, ascending
+    ranks: tuple[int, ...]  # the candidates, ascending (shared between routes: never changed)
     ready: list[int]  # per rank: matched blocks published there (what the decision reports)
     expected: list[int]  # ... and what it will hold once its pending prefill and open pulls are done
     waits: dict[int, float] = msgspec.field(default_factory=dict)  # rank -> seconds until its pull has landed

@@ -38,13 +38,17 @@ class Router:
         self.topology = topology
         self.policy = policy
         self.stages = stages
+        # Candidate bitmask -> its ranks, ascending: a handful of masks, met route after route.
+        self._ranks_of: dict[int, tuple[int, ...]] = {}
 
     def route(self, query: RouteQuery, seed_rank: int | None = None) -> RouteDecision:
         """Choose a rank for ``query`` and say why; the stages reserve capacity there."""
         gbm = self.gbm
         gbm.expire_reservations()
         candidates = self._candidates(seed_rank)
-        ranks = [r for r in range(gbm.world_size) if candidates >> r & 1]
+        ranks = self._ranks_of.get(candidates)
+        if ranks is None:
+            ranks = self._ranks_of[candidates] = tuple(r for r in range(gbm.world_size) if candidates >> r & 1)
         ready = gbm.prefix_match(query.block_hashes, candidates)
         route = Route(query, seed_rank, ranks, ready, list(ready))
         for stage in self.stages:

@@ -33,6 +33,7 @@ the gateway's event-driven gRPC mode). Ties go to the lower load, then the lower
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from lmpool.config.routing import RoutingConfig
 from lmpool.control.page_table.view import PageTableView
@@ -56,7 +57,7 @@ class ApproximateTrees:
     def size(self, rank: int) -> int:
         return len(self._lru[rank])
 
-    def match(self, block_hashes: list[int], ranks: list[int]) -> dict[int, int]:
+    def match(self, block_hashes: list[int], ranks: Sequence[int]) -> dict[int, int]:
         """Per rank of ``ranks``, how many leading blocks of ``block_hashes`` its tree holds."""
         remaining = sum(1 << r for r in ranks)
         matches = dict.fromkeys(ranks, 0)
