@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+
+import msgspec
 
 
-class Reservation(NamedTuple):
+class Reservation(msgspec.Struct, frozen=True, gc=False):
+    """One route's promise to its rank. A struct (built in C, untracked by the garbage
+    collector): every route takes one."""
+
     request_id: str
     rank: int
     blocks: int

@@ -43,7 +43,7 @@ class LMPoolPolicy(RoutingPolicy):
             pool, rule = prices, "no_capacity"
         best = cheapest(pool, cfg.price_tie)
         top = max(p.matched for p in pool)
-        alternatives = "; serve " + " ".join(f"r{p.rank}={p.total_s * 1e3:.0f}" for p in prices)
+        alternatives = "; serve " + " ".join([f"r{p.rank}={p.total_s * 1e3:.0f}" for p in prices])
         if top * self.table.block_size <= cfg.owner_min_match * query.num_prompt_tokens:
             return Choice(best.rank, describe(rule, best) + alternatives, prices, may_leave=True)
         owners = [p for p in pool if p.matched == top]

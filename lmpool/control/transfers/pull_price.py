@@ -58,15 +58,18 @@ class PullPricer:
         # The source's depth is the longest ready match: a rank below it, with nothing pending or
         # arriving for the prompt, is the only kind that could take a pull. Most routes have none
         # (a miss, or every holder matching alike), and end here before any source is chosen.
-        top = min(max(ready[r] for r in route.ranks), usable)
+        deepest = max(ready[r] for r in route.ranks)
+        top = min(deepest, usable)
         takers = [r for r in route.ranks if ready[r] < top and expected[r] == ready[r]]
         if not takers:
             return []
         infos = self.gbm.ranks
-        src = max(route.ranks, key=lambda r: (ready[r], -infos[r].in_flight_seqs, -r))
+        holders = [r for r in route.ranks if ready[r] == deepest]  # the source is one of them
+        src = holders[0] if len(holders) == 1 else max(holders, key=lambda r: (-infos[r].in_flight_seqs, -r))
         partners = self.topology.partners(src)
         bound = route.chosen.total_s if route.chosen is not None else float("inf")
         terms = self.pricer.terms(query)
+        src_step = None  # the source's step under way, read once (the first option that needs it)
         out = []
         for r in takers:
             start = ready[r]
@@ -77,7 +80,9 @@ class PullPricer:
             in_flight = infos[r].in_flight
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
                 continue
-            src_step, dst_step = self.pricer.next_step_s(src), self.pricer.next_step_s(r)
+            if src_step is None:
+                src_step = self.pricer.next_step_s(src)
+            dst_step = self.pricer.next_step_s(r)
             steps = max(src_step, dst_step) + 2 * dst_step  # prepare (both), execute, publish (the destination)
             seconds = self.estimate_s(src, r, top - start) + steps
             price = self.pricer.price_terms(terms, r, top, seconds, route.seed, top - start)
