@@ -68,10 +68,11 @@ class Heat:
             s.accesses += 1
             s.last_access = now
             child = block_hashes[i + 1] if i < last else TAIL
-            if s.child is None:
+            known = s.child
+            if known is None:
                 s.child = child
-            elif s.child != child or child == TAIL:
-                if s.child != TAIL or child == TAIL:  # not a prompt extending one that ended here
+            elif known != child or child == TAIL:
+                if known != TAIL or child == TAIL:  # not a prompt extending one that ended here
                     s.branched = True
                 s.child = child
             if i < used:

@@ -65,12 +65,14 @@ class PendingPrefixes:
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
 
-    def extend(self, rank: int, block_hashes: list[int], matched: int) -> int:
-        """``matched`` plus the pending blocks of ``rank`` that continue it, in order."""
+    def extend(self, rank: int, block_hashes: list[int], matched: int, now: float | None = None) -> int:
+        """``matched`` plus the pending blocks of ``rank`` that continue it, in order, live at
+        ``now`` (the clock's time unless given: a route reads it once for all its candidates)."""
         entries = self._ranks[rank]
         if not entries:
             return matched
-        now = self.clock()
+        if now is None:
+            now = self.clock()
         n = matched
         while n < len(block_hashes):
             expires = entries.get(block_hashes[n])
@@ -104,9 +106,10 @@ class CountPending(RouteStage):
         self.pending = pending
 
     def expect(self, route: Route) -> None:
-        hashes, expected = route.query.block_hashes, route.expected
+        hashes, expected, extend = route.query.block_hashes, route.expected, self.pending.extend
+        now = self.pending.clock()
         for r in route.ranks:
-            expected[r] = self.pending.extend(r, hashes, expected[r])
+            expected[r] = extend(r, hashes, expected[r], now)
 
     def settle(self, route: Route) -> None:
         self.pending.add(route.rank, route.query.block_hashes[route.ready[route.rank]:])
