@@ -42,13 +42,13 @@ class LMPoolPolicy(RoutingPolicy):
         if not pool:
             pool, rule = prices, "no_capacity"
         best = cheapest(pool, cfg.price_tie)
-        top = max(p.matched for p in pool)
+        top = max([p.matched for p in pool])
         alternatives = "; serve " + " ".join([f"r{p.rank}={p.total_s * 1e3:.0f}" for p in prices])
         if top * self.table.block_size <= cfg.owner_min_match * query.num_prompt_tokens:
             return Choice(best.rank, describe(rule, best) + alternatives, prices, may_leave=True)
         owners = [p for p in pool if p.matched == top]
         owner = cheapest(owners, cfg.price_tie)
-        if not overloaded(owner.seqs, (p.seqs for p in prices), cfg.gate_abs_threshold, cfg.gate_rel_threshold):
+        if not overloaded(owner.seqs, [p.seqs for p in prices], cfg.gate_abs_threshold, cfg.gate_rel_threshold):
             return Choice(owner.rank, describe("owner", owner) + alternatives, prices)
         if best.matched == top:
             return Choice(best.rank, describe("owner", best) + alternatives, prices, may_leave=True)

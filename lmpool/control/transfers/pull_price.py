@@ -70,12 +70,13 @@ class PullPricer:
         bound = route.chosen.total_s if route.chosen is not None else float("inf")
         terms = self.pricer.terms(query)
         src_step = None  # the source's step under way, read once (the first option that needs it)
+        serving = {p.rank: p for p in route.prices or ()}  # each candidate's serve price, by rank
         out = []
         for r in takers:
             start = ready[r]
             if r not in partners:
                 continue
-            if self._least(route, r, top) >= bound:
+            if self._least(route, serving.get(r), r, top) >= bound:
                 continue  # no copy, however fast, makes it the cheapest: skip its estimate
             in_flight = infos[r].in_flight
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
@@ -90,11 +91,10 @@ class PullPricer:
                 out.append(PullOption(price, src, start, top - start, seconds, steps))
         return out
 
-    def _least(self, route: Route, rank: int, top: int) -> float:
+    def _least(self, route: Route, serve: RankPrice | None, rank: int, top: int) -> float:
         """A floor under any pull's price to ``rank`` of blocks up to ``top``: its serve price
-        less everything the pulled blocks could save there, their prefill (its own, and that of
-        the steps the sequences there share with it) and every step of that prefill."""
-        serve = route.price_of(rank)
+        (``serve``) less everything the pulled blocks could save there, their prefill (its own,
+        and that of the steps the sequences there share with it) and every step of that prefill."""
         if serve is None:
             return float("-inf")
         work, prompt, block_size = self.pricer.work(rank), route.query.num_prompt_tokens, self.gbm.block_size
