@@ -188,7 +188,8 @@ class Pricer:
         ``arriving`` of them copied there first (they need room there too)."""
         return self.price_terms(self.terms(query), rank, m, wait_s, seed, arriving)
 
-    def price_terms(self, q: QueryTerms, rank: int, m: int, wait_s: float, seed: int | None, arriving: int) -> RankPrice:
+    def price_terms(self, q: QueryTerms, rank: int, m: int, wait_s: float, seed: int | None,
+                    arriving: int) -> RankPrice:
         """``price``, from the request's terms (``terms``): what a route prices every candidate with."""
         w = self.work(rank)
         _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, busy, _, _, held, _ = w
@@ -275,7 +276,8 @@ def request_shape(query: RouteQuery, matched: int, block_size: int) -> tuple[int
 
 
 def prefill_seconds(c: StepCoefficients, tokens: int, context: int) -> float:
-    """Seconds a rank of step coefficients ``c`` computes ``tokens`` prompt tokens in, after ``context`` cached ones."""
+    """Seconds a rank of step coefficients ``c`` computes ``tokens`` prompt tokens in, after
+    ``context`` cached ones."""
     return c.prefill_token * tokens + c.attention_pair * attention_pairs(tokens, context)
 
 

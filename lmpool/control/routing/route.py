@@ -44,7 +44,8 @@ class Route(msgspec.Struct):
     chosen: RankPrice | None = None  # the chosen option's price, when the policy prices
 
     def take(self, choice: Choice) -> None:
-        self.rank, self.reason, self.prices, self.may_leave = choice.rank, choice.reason, choice.prices, choice.may_leave
+        self.rank, self.reason, self.prices, self.may_leave = (choice.rank, choice.reason, choice.prices,
+                                                               choice.may_leave)
         self.chosen = self.price_of(self.rank)
 
     def price_of(self, rank: int) -> RankPrice | None:
