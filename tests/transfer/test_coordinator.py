@@ -308,24 +308,32 @@ def test_phase_times_keep_the_last_plans_of_each_kind():
         times.record("pull", [0.2, 0.1, 0.3, 0.4])
 
 
-@pytest.mark.parametrize("source_first", [False, True])
-def test_a_pull_s_execute_ends_on_the_destination_s_copy(source_first):
-    """The destination read the blocks (``pulled``): publish is ordered without the source's
-    answer, which the source, busy with a step, gives later (or earlier): it changes nothing. The
-    source's execute order goes out before its finalize, so on its FIFO link it is read first."""
-    cluster = Cluster(world=2, blocks=16, seed=5, pulls=True)
+def executing_plan(pulls: bool):
+    """A cluster whose one plan (rank 0 to 1) has both execute orders waiting in its inbox."""
+    cluster = Cluster(world=2, blocks=16, seed=5, pulls=pulls)
     for _ in range(2):
         cluster.cache_prefix(0)
     cluster.start_plan(0, 1)
     plan = next(iter(cluster.coord.plans.values()))
     while plan.state is not PlanState.EXECUTING:
         cluster.deliver(0)
-    send = next(i for i, (rank, msg) in enumerate(cluster.inbox) if isinstance(msg, ExecuteSend))
+    return cluster, plan
+
+
+def index_of(cluster: Cluster, kind: type) -> int:
+    return next(i for i, (_, msg) in enumerate(cluster.inbox) if isinstance(msg, kind))
+
+
+@pytest.mark.parametrize("source_first", [False, True])
+def test_a_pull_s_execute_ends_on_the_destination_s_copy(source_first):
+    """The destination read the blocks (``pulled``): publish is ordered without the source's
+    answer, which the source, busy with a step, gives later (or earlier): it changes nothing. The
+    source's execute order goes out before its finalize, so on its FIFO link it is read first."""
+    cluster, plan = executing_plan(pulls=True)
     if source_first:
-        cluster.deliver(send)
+        cluster.deliver(index_of(cluster, ExecuteSend))
         assert plan.state is PlanState.EXECUTING, "the source's answer alone ends nothing"
-    recv = next(i for i, (rank, msg) in enumerate(cluster.inbox) if isinstance(msg, ExecuteRecv))
-    cluster.deliver(recv)
+    cluster.deliver(index_of(cluster, ExecuteRecv))
     assert plan.state is PlanState.PUBLISHING and plan.phases[1] == plan.phases[-1]
     assert [type(m) for _, m in cluster.inbox] == ([Publish] if source_first else [ExecuteSend, Publish])
     while cluster.inbox:
@@ -335,15 +343,8 @@ def test_a_pull_s_execute_ends_on_the_destination_s_copy(source_first):
 
 
 def test_a_copy_over_a_packed_path_waits_for_both_sides_to_execute():
-    cluster = Cluster(world=2, blocks=16, seed=5)
-    for _ in range(2):
-        cluster.cache_prefix(0)
-    cluster.start_plan(0, 1)
-    plan = next(iter(cluster.coord.plans.values()))
-    while plan.state is not PlanState.EXECUTING:
-        cluster.deliver(0)
-    recv = next(i for i, (rank, msg) in enumerate(cluster.inbox) if isinstance(msg, ExecuteRecv))
-    cluster.deliver(recv)
+    cluster, plan = executing_plan(pulls=False)
+    cluster.deliver(index_of(cluster, ExecuteRecv))
     assert plan.state is PlanState.EXECUTING, "the source still sends the bytes"
     cluster.deliver(0)
     assert plan.state is PlanState.PUBLISHING
