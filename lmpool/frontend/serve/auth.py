@@ -1,6 +1,7 @@
-"""The optional API key: with one set, every ``/v1`` request must carry
-``Authorization: Bearer <key>`` (as vLLM's ``--api-key``); ``/health`` and ``/metrics`` stay
-open for load balancers and scrapers."""
+"""The optional API key: with one set, every ``/v1`` request, and ``/server_info`` and
+``/model_info`` (they name the model, as ``/v1/models`` does), must carry
+``Authorization: Bearer <key>`` (as vLLM's ``--api-key``; a gateway sends its worker's key on
+these probes too); ``/health`` and ``/metrics`` stay open for load balancers and scrapers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from fastapi.responses import JSONResponse
 
 from lmpool.frontend.serve.errors import error_body
 
+KEYED_PATHS = ("/server_info", "/model_info")
+
 
 def install_api_key(app, api_key: str | None) -> None:
     if not api_key:
@@ -18,7 +21,8 @@ def install_api_key(app, api_key: str | None) -> None:
 
     @app.middleware("http")
     async def check_key(request, call_next):
-        if request.url.path.startswith("/v1"):
+        path = request.url.path
+        if path.startswith("/v1") or path in KEYED_PATHS:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):  # constant time: no key guessing by timing
                 return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
