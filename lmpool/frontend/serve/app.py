@@ -7,7 +7,8 @@ command) and shuts it down with the server. Handlers use the pool's public API o
 disconnects is aborted: a stream's consumer is cancelled by the server, a non-streaming
 handler races its request against the client's disconnect (``disconnect``). Request bodies are
 read and decoded by ``body.parse_request`` (a size limit; large bodies decoded off the event
-loop), not by FastAPI.
+loop), not by FastAPI. The routes gateways probe (``/server_info``, ``/v1/loads``...) are
+``ecosystem``'s.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmpool.frontend.api import AsyncLMPool
 from lmpool.frontend.serve.auth import install_api_key
+from lmpool.frontend.serve import ecosystem
 from lmpool.frontend.serve.body import BodyParser, parse_request
 from lmpool.frontend.serve.disconnect import ClientGone, unless_disconnected
 from lmpool.frontend.serve.errors import ServeError, install_handlers
@@ -66,6 +68,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     install_handlers(app)
     install_api_key(app, settings.api_key)
     _routes(app, settings)
+    ecosystem.register(app)
     return app
 
 
