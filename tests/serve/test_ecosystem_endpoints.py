@@ -232,8 +232,12 @@ def test_smg_identifies_the_host_and_reads_its_load(gateway):
     assert (row["num_used_tokens"], row["max_total_num_tokens"]) == (40 * BLOCK, 200 * BLOCK)
     assert row["token_usage"] == pytest.approx(0.2)  # what the cache-aware balance check reads
     assert row["cache_hit_rate"] == pytest.approx(0.2)
-    # The worker listing carries the same snapshot, which the load-aware policies were fed.
-    assert worker()["engine_load"]["loads"][0]["token_usage"] == pytest.approx(0.2)
+    # The worker listing carries the snapshot the load-aware policies are fed (its own poll).
+    def fed():
+        return ((worker() or {}).get("engine_load") or {}).get("loads")
+
+    wait_for(lambda: bool(fed()), "smg feeding the host's load to its policies", limit=60)
+    assert fed()[0]["token_usage"] == pytest.approx(0.2)
 
     # A Responses request through smg meets the host's 501, not a 404.
     got = httpx.post(f"{gateway.url}/v1/responses", json={"model": "tiny", "input": "hi"}, timeout=60)
