@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from lmpool_ipc.lifecycle import pid_alive, sweep_dead_pools
 from lmpool_ipc.names import SEM_FILE_PREFIX, parse_object
@@ -192,3 +194,13 @@ def small_request() -> bytes:
     """A whole completion request of two tokens."""
     body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
     return request_head(len(body)) + body
+
+
+def smg_binary() -> str:
+    """The smg gateway's binary (the dev extra installs it); the test skips where it cannot run."""
+    path = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
+    try:
+        subprocess.run([path, "--help"], capture_output=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"the smg gateway binary cannot run here: {e}")
+    return path

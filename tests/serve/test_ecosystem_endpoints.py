@@ -12,18 +12,15 @@ smg's own worker listing and ``/get_loads``.
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
-import sys
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import uvicorn
-from serve_process import free_port, wait_for
+from serve_process import free_port, smg_binary, wait_for
 
 from lmpool.frontend.serve.app import create_app
 from lmpool.frontend.serve.settings import ServeSettings
@@ -151,15 +148,6 @@ async def test_the_api_key_guards_the_probes_that_name_the_model():
 
 
 # ---- the real gateway ----------------------------------------------------------------------
-
-
-def smg_binary() -> str:
-    path = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
-    try:
-        subprocess.run([path, "--help"], capture_output=True, timeout=60, check=True)
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"the smg gateway binary cannot run here: {e}")
-    return path
 
 
 @pytest.fixture

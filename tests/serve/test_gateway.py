@@ -10,30 +10,19 @@ approximate prefix tree of the text it routed, which is the mode tested here.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from serve_process import BLOCK, busy, free_port, metric, start_servers, wait_for
+from serve_process import BLOCK, busy, free_port, metric, smg_binary, start_servers, wait_for
 
 from lmpool import LLM, SamplingParams
 
 PROMPT = "The harbour town woke slowly on winter mornings, and"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 SHARED = "You are a careful storyteller. Continue the text below in the same voice, keep it short. Text: "
-
-
-def smg_binary() -> str:
-    path = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
-    try:
-        subprocess.run([path, "--help"], capture_output=True, timeout=60, check=True)
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"the smg gateway binary cannot run here: {e}")
-    return path
 
 
 class Gateway:
