@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.resources
+import importlib.util
 import os
 import subprocess
 from pathlib import Path
@@ -54,13 +54,15 @@ def kernel_source_dir() -> Path:
 
     Installed, they are the data package ``lmpool_kernels``; in a source tree
     that is not installed (``PYTHONPATH`` pointing at the checkout) they are the
-    ``kernels/`` folder beside the ``lmpool/`` package.
+    ``kernels/`` folder beside the ``lmpool/`` package. ``lmpool_kernels`` is a
+    namespace package (no ``__init__.py``, so that the checkout's ``kernels/``
+    never shadows the Hugging Face ``kernels`` package transformers imports):
+    its folders are its spec's search locations, not ``importlib.resources``,
+    which cannot read an editable install's namespace path.
     """
-    candidates = []
-    try:
-        candidates.append(Path(str(importlib.resources.files("lmpool_kernels"))))
-    except ModuleNotFoundError:
-        pass
+    spec = importlib.util.find_spec("lmpool_kernels")
+    locations = spec.submodule_search_locations if spec is not None else None
+    candidates = [Path(folder) for folder in locations or ()]
     candidates.append(Path(__file__).resolve().parents[2] / "kernels")
     for folder in candidates:
         if all((folder / name).is_file() for name in _SOURCES + _HEADERS):

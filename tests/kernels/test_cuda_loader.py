@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,3 +55,14 @@ def test_loading_without_cuda_raises_a_clear_error():
     assert "use_kernels=False" in str(info.value)
     with pytest.raises(RuntimeError, match="CUDA"):
         cuda.CUDA_OPS.pack_kv(torch.zeros(1, 2, 1, 1, 1, 8), torch.zeros(1, dtype=torch.int64))
+
+
+def test_the_checkout_kernels_folder_never_shadows_an_installed_kernels_package():
+    """transformers imports the Hugging Face ``kernels`` package when it is installed; run from
+    the checkout (the repository root first on sys.path), ``import kernels`` must not find ours."""
+    root = Path(cuda.__file__).resolve().parents[2]
+    found = subprocess.run(
+        [sys.executable, "-c", "import kernels; print(getattr(kernels, '__file__', None))"],
+        cwd=root, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert not found.startswith(str(root / "kernels")), found

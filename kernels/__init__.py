@@ -1,1 +1,0 @@
-"""CUDA C++ sources of LMPool kernels; `lmpool.ops` builds and binds them."""
