@@ -128,7 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="context lengths in tokens at scale 1 (default 4096,16384,32768)")
     ap.add_argument("--hot", default=",".join(map(str, HOT_COUNTS)), help="hot contexts per trace (default 1,2)")
     ap.add_argument("--questions", type=int, default=QUESTIONS, help="requests in the burst (default 128)")
-    ap.add_argument("--no-oracle", action="store_true", help="leave out the oracle traces")
+    oracle = ap.add_mutually_exclusive_group()
+    oracle.add_argument("--no-oracle", action="store_true", help="leave out the oracle traces")
+    oracle.add_argument("--oracle-only", action="store_true",
+                        help="only the oracle traces: run them with fewer policies than the real ones "
+                             "(the capture reads the oracle's best), then merge the two files")
     args = finish_arguments(ap.parse_args(argv), POOL_BLOCKS, "hot_context")
     lengths, counts = _ints(args.contexts, "--contexts"), _ints(args.hot, "--hot")
     if args.questions < max(counts):
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     traces: dict[str, dict[int, object]] = {}
     for length in lengths:
         for n in counts:
-            for oracle in (False,) if args.no_oracle else (False, True):
+            for oracle in (False,) if args.no_oracle else (True,) if args.oracle_only else (False, True):
                 traces[workload_name(length, n, oracle)] = {
                     r: hot_context(length, n, args.seed + r, vocab, args.world_size, args.scale, args.max_tokens,
                                    args.questions, oracle) for r in args.rep_ids}

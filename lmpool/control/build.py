@@ -133,7 +133,7 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
 
 
 def limits(engine: EngineConfig) -> Limits:
-    return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens)
+    return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens, engine.async_scheduling)
 
 
 def topology(spec: ControlSpec) -> Topology:

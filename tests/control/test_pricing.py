@@ -177,3 +177,20 @@ def test_every_price_is_finite_non_negative_and_at_least_its_time_to_first_token
     assert all(math.isfinite(v) and v >= 0 for v in values)
     assert p.ttft_s >= COEF.base and p.total_s >= p.ttft_s and p.need >= 0 and p.missing >= 1
     assert pricer.load_s(0) >= 0 and math.isfinite(pricer.load_s(0))
+
+
+@pytest.mark.parametrize("running", [0, 3])
+def test_an_overlapped_rank_makes_a_new_request_wait_one_step_more(running):
+    """With ``async_scheduling`` the step after the one under way is already launched when a
+    request arrives, so it waits for both; an idle rank starts it at once either way."""
+    ttft = {}
+    for overlapped in (False, True):
+        gbm = GlobalBlockManager(1, 16, clock=ManualClock())
+        gbm.register_rank(0, 1, 4096)
+        gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
+        gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=1000 * running,
+                                         decode_tokens_left=10 * running, blocks_free=4000))
+        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, overlapped), lambda rank: 0.5)
+        ttft[overlapped] = pricer.price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s
+    step = COEF.base + COEF.decode_seq * running + COEF.context_token * 1000 * running
+    assert ttft[True] - ttft[False] == pytest.approx(step if running else 0.0)

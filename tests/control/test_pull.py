@@ -147,7 +147,7 @@ def test_a_long_prefill_queue_on_an_overloaded_owner_makes_the_copy_beat_recompu
     rig.load(1, 0)
     _, decision = rig.route(DOC)
     assert decision.rank == 1 and decision.reason.startswith("pull r1<-r0")
-    assert "over owner r0 m32" in decision.reason and "serve r0=767 r1=920" in decision.reason  # both dearer
+    assert "over owner r0 m32" in decision.reason and "serve r0=769 r1=920" in decision.reason  # both dearer
 
 
 def test_a_pull_moves_one_conversation_s_own_blocks_and_copies_what_others_branched_from():

@@ -102,7 +102,7 @@ def test_a_rank_is_priced_by_its_queue_its_decodes_and_the_delay_it_causes():
     step = COEF.base + 4 * COEF.decode_seq + 4000 * COEF.context_token  # a step beside the 4 decodes
     queue = step + 100 * COEF.prefill_token
     prefill = 165 * COEF.prefill_token
-    ttft = queue + step + prefill + step  # ... and the step under way there
+    ttft = queue + step + prefill + 2 * step  # ... and the step under way there, and the next, launched with it
     mine = COEF.decode_seq + COEF.context_token * (165 + 8)  # what it adds to each shared step
     theirs = COEF.decode_seq + COEF.context_token * 1000  # what one of the four adds
     overlap = min(4 * 15, 40)
@@ -315,8 +315,8 @@ def test_a_burst_sharing_a_new_prefix_goes_to_one_owner_until_the_pending_prefix
     # own block and tail (another)
     first_prefill = 21 * BLOCK + 5
     step = COEF.base + COEF.decode_seq + COEF.context_token * first_prefill
-    # ... and, the rank busy with the first, the step under way.
-    assert second.predicted_ttft_s == pytest.approx(3 * step + COEF.prefill_token * (first_prefill + BLOCK + 5))
+    # ... and, the rank busy with the first, the step under way and the next (overlapped stepping).
+    assert second.predicted_ttft_s == pytest.approx(4 * step + COEF.prefill_token * (first_prefill + BLOCK + 5))
     clock.now += 5.0
     release_all(gbm)
     load(gbm, first.rank, waiting_prefill_tokens=10_000)  # the producer is still prefilling

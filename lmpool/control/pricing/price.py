@@ -14,7 +14,9 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     seat   = the wait for a free sequence slot when n >= max_num_seqs
     room_s = the wait for blocks when the rank lacks them now: until enough of its running
              sequences finish to release the shortfall (each holding its share of the used blocks)
-    busy   = step when anything runs there: the step under way, which a new request waits for
+    busy   = step when anything runs there: the step under way, which a new request waits for;
+             two steps when the rank steps overlapped (``async_scheduling``): the step after it
+             is already launched when the request arrives, so its first step is the one after
     ttft   = max(queue, wait, room_s) + own + seat + busy   # wait: a copy the request waits on (a pull)
     decode = (M - 1) * (base + mine) + overlap * theirs
     harm   = overlap * mine + n * (prefill_token * p + attention_pair * a)
@@ -85,6 +87,7 @@ class Limits(NamedTuple):
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    overlapped: bool = True  # ``EngineConfig.async_scheduling``: a step is launched before the last is read
 
 
 class QueryTerms(msgspec.Struct, frozen=True, gc=False):
@@ -114,7 +117,7 @@ class RankWork(NamedTuple):
     theirs: float
     free: int  # blocks free, less reservations
     available: int
-    busy: float  # the step under way, which a request arriving now waits for: one step when any runs
+    busy: float  # the steps a request arriving now waits for: one when any runs, two when overlapped
     next_step: float  # the step a message arriving now waits for: ``step`` and its share of the queued prefill
     holders: int  # sequences holding blocks: running, and routed here (reserved) but not yet admitted
     held: int  # the blocks they hold or have reserved, released as they finish
@@ -175,7 +178,7 @@ class Pricer:
             seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
         theirs = c.decode_seq + c.context_token * ctx / n if n else 0.0
         free = load.blocks_free - res.blocks
-        busy = step if seqs else 0.0
+        busy = (2.0 * step if lim.overlapped else step) if seqs else 0.0
         drain = (left / seqs) * step if seqs else 0.0
         work = RankWork(key, c, seqs, n, left, step, room, queue, seat, theirs, free, free + load.blocks_reclaimable,
                         busy, next_step, load.num_running + res.count, load.blocks_used + res.blocks, drain)
