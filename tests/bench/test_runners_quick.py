@@ -186,6 +186,19 @@ def test_hot_context_runner_quick_mode_with_its_oracle(tiny_model, tmp_path):
     assert plots(out) == drawn
 
 
+def test_the_oracle_runs_apart_with_fewer_policies_and_merges_with_the_real_trace(tiny_model, tmp_path):
+    real, oracle, merged = (tmp_path / f"{name}.json" for name in ("real", "oracle", "merged"))
+    common = ("--model", tiny_model, "--contexts", "4096", "--hot", "2", "--questions", "4", "--reps", "1")
+    run("benchmark_hot_context.py", *common, "--json", str(real), "--no-oracle", "--policies", "round_robin,lmpool")
+    run("benchmark_hot_context.py", *common, "--json", str(oracle), "--oracle-only", "--policies", "lmpool")
+    assert set(json.loads(oracle.read_text())["summary"]) == {"hot_context_4k_2c_oracle"}
+    subprocess.run([sys.executable, str(BENCH / "merge_results.py"), "-o", str(merged), str(real), str(oracle)],
+                   check=True, capture_output=True, timeout=120)
+    capture = json.loads(merged.read_text())["comparisons"]["acceptance"]["hot_context_4k_2c"]["capture"]
+    assert capture["burst/throughput_tok_s"]["oracle_best"] == "lmpool"  # the oracle's one policy
+    assert set(capture["burst/throughput_tok_s"]["captured"]) == {"lmpool"}
+
+
 def test_sessions_run_under_a_kv_budget_sweep(tiny_model, tmp_path):
     out = tmp_path / "eval_sessions.json"
     run("benchmark_e2e.py", "--model", tiny_model, "--json", str(out), "--workloads", "sessions",
