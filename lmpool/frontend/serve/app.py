@@ -13,9 +13,7 @@ loop), not by FastAPI. The routes gateways probe (``/server_info``, ``/v1/loads`
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmpool.frontend.api import AsyncLMPool
 from lmpool.frontend.serve.auth import install_api_key
-from lmpool.frontend.serve import ecosystem
+from lmpool.frontend.serve import ecosystem, tokenize
+from lmpool.frontend.serve.tokenize import off_loop
 from lmpool.frontend.serve.body import BodyParser, parse_request
 from lmpool.frontend.serve.disconnect import ClientGone, unless_disconnected
 from lmpool.frontend.serve.errors import ServeError, install_handlers
@@ -72,6 +71,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     install_api_key(app, settings.api_key)
     _routes(app, settings)
     ecosystem.register(app)
+    tokenize.register(app, _pool)
     return app
 
 
@@ -85,7 +85,7 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
         body = parsed.request
         pool = _pool(request, body.model)
         prompts = list(parsed.prompt) if isinstance(parsed.prompt, PromptList) else [parsed.prompt]
-        ids = [await _tokenize(request, pool.encode, prompt) for prompt in prompts]
+        ids = [await off_loop(request, pool.encode, prompt) for prompt in prompts]
         echoes = [await _prompt_text(request, pool, p, i) for p, i in zip(prompts, ids)] if body.echo else None
         params = body.sampling_params(DEFAULT_COMPLETION_TOKENS)
         runs = plan(ids, params, body.num_choices, echoes, body.prompt_only)
@@ -99,7 +99,7 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
             return Response(status_code=499)
         body = parsed.request
         pool = _pool(request, body.model)
-        prompt_ids = await _tokenize(request, pool.encode_chat, parsed.prompt, **(body.chat_template_kwargs or {}))
+        prompt_ids = await off_loop(request, pool.encode_chat, parsed.prompt, **(body.chat_template_kwargs or {}))
         # OpenAI's chat default is "as long as the context allows".
         params = body.sampling_params(max(1, _longest_request(pool) - len(prompt_ids)))
         return await _respond(request, pool, plan([prompt_ids], params, body.num_choices), body, chat=True)
@@ -131,16 +131,9 @@ def _pool(request: Request, model: str | None) -> AsyncLMPool:
     return request.app.state.pool
 
 
-async def _tokenize(request: Request, encode, /, *args, **kwargs) -> list[int]:
-    # Off the event loop: a prompt of megabytes takes seconds to tokenize, which there would
-    # stall every other request's stream and /health (the tokenizer releases the GIL).
-    work = functools.partial(encode, *args, **kwargs)
-    return await asyncio.get_running_loop().run_in_executor(request.app.state.tokenizing, work)
-
-
 async def _prompt_text(request: Request, pool: AsyncLMPool, prompt: str | list[int], ids: list[int]) -> str:
     """An echoed prompt's text: as sent, or its token ids decoded."""
-    return prompt if isinstance(prompt, str) else (await _tokenize(request, pool.output_processor.decode, ids) or "")
+    return prompt if isinstance(prompt, str) else (await off_loop(request, pool.output_processor.decode, ids) or "")
 
 
 def _max_model_len(pool: AsyncLMPool) -> int:

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 import msgspec
 from pydantic import BaseModel, ValidationError
 
-from lmpool.frontend.serve.protocol import HEADS, ChatCompletionRequest, CompletionRequest, PromptList
+from lmpool.frontend.serve.protocol import HEADS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
+    PromptList, TokenizeRequest
 
-ENDPOINTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+ENDPOINTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest,
+                                         "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
 IDS_PIECE = 1 << 16  # token ids per piece: about a millisecond to decode
 TEXT_PIECE = 1 << 20  # bytes of UTF-8 text per piece
 MESSAGES_PIECE = 512  # messages per piece

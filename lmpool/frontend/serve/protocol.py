@@ -251,6 +251,20 @@ class Message(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A request's ``chat_template_kwargs``, refused where they would do what the request's own fields may not."""
+    # A client's own Jinja template runs in the server: one with nested loops would stall
+    # every request's tokenizing (vLLM refuses one unless --trust-request-chat-template).
+    if kwargs and "chat_template" in kwargs:
+        raise ValueError("a request cannot supply its own chat template")
+    # What the request's own fields refuse may not reach the template by another way.
+    refused = sorted({"tools", "documents"}.intersection(kwargs or ()))
+    if refused:
+        raise ValueError(f"{', '.join(refused)} in chat_template_kwargs: not supported (no tool calls or "
+                         f"documents are served)")
+    return kwargs
+
+
 class ChatFields(SamplingFields):
     """A chat request's fields but its messages."""
 
@@ -273,17 +287,8 @@ class ChatFields(SamplingFields):
 
     @field_validator("chat_template_kwargs")
     @classmethod
-    def _no_request_template(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        # A client's own Jinja template runs in the server: one with nested loops would stall
-        # every request's tokenizing (vLLM refuses one unless --trust-request-chat-template).
-        if kwargs and "chat_template" in kwargs:
-            raise ValueError("a request cannot supply its own chat template")
-        # What the request's own fields refuse may not reach the template by another way.
-        refused = sorted({"tools", "documents"}.intersection(kwargs or ()))
-        if refused:
-            raise ValueError(f"{', '.join(refused)} in chat_template_kwargs: not supported (no tool calls or "
-                             f"documents are served)")
-        return kwargs
+    def _template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return template_kwargs(kwargs)
 
     def asked_max_tokens(self) -> int | None:
         # OpenAI's successor of max_tokens wins where both are given, as in vLLM.
@@ -301,7 +306,58 @@ class ChatCompletionRequest(ChatFields):
         return self.conversation()
 
 
+class TokenizeFields(BaseModel):
+    """``/tokenize``'s fields but its prompt or messages (vLLM's)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("add_generation_prompt")
+    @classmethod
+    def _as_chat_requests_render(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("add_generation_prompt=false is not supported: a conversation is rendered with the "
+                             "assistant's turn opened, as chat requests are")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return template_kwargs(kwargs)
+
+
+class TokenizeRequest(TokenizeFields):
+    """Text (or a conversation, rendered with the chat template) to tokenize."""
+
+    prompt: StrictStr | None = None
+    messages: Annotated[list[Message], Field(min_length=1, fail_fast=True)] | None = None
+
+    def prompt_input(self) -> str | list[dict]:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either a prompt or messages")
+        return self.prompt if self.messages is None else [m.as_template_input() for m in self.messages]
+
+
+class DetokenizeFields(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+
+
+class DetokenizeRequest(DetokenizeFields):
+    tokens: IntList
+
+    def prompt_input(self) -> list[int]:
+        return self.tokens
+
+
 # Each endpoint's request model and its head (the model less its prompt or messages).
-HEADS: dict[type[SamplingFields], type[SamplingFields]] = {
-    CompletionRequest: CompletionFields, ChatCompletionRequest: ChatFields,
+HEADS: dict[type[BaseModel], type[BaseModel]] = {
+    CompletionRequest: CompletionFields, ChatCompletionRequest: ChatFields, TokenizeRequest: TokenizeFields,
+    DetokenizeRequest: DetokenizeFields,
 }
