@@ -11,7 +11,8 @@ usually still in the prefix cache). No sequence is admitted in a step that
 preempted, so the pool does not thrash.
 
 A request that asks for prompt logprobs never starts from cached blocks (``prefix_hit``): its
-prompt's every position must run through the model to give its logits.
+prompt's every position must run through the model to give its logits. So it is never passed
+over either (below): waiting would save it nothing.
 
 A waiting sequence whose next uncached block is being computed right now by a running
 sequence (one still prefilling the same prefix, or admitted earlier in this step) is
@@ -150,7 +151,9 @@ class Scheduler:
             # the step that preempted it, and no step that preempts admits anything.
             assert not seq.num_pending, f"{seq.request_id} admitted before its last token was read back"
             hit = prefix_hit(bm, seq)
-            if computing and len(hit) < len(seq.block_hashes) and seq.block_hashes[len(hit)] in computing:
+            # One that takes no cached prefix (prompt logprobs) would gain nothing by waiting.
+            if (computing and len(hit) < len(seq.block_hashes) and seq.block_hashes[len(hit)] in computing
+                    and seq.params.prompt_logprobs is None):
                 passed.append(self.waiting.popleft())
                 continue
             n = min(len(seq) - len(hit) * bm.block_size, budget)
