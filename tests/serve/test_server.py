@@ -12,9 +12,8 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
-from serve_process import BLOCK, busy, metric, start_server, wait_for
+from serve_process import BLOCK, busy, metric, openai_client, serving, start_server, wait_for
 
 from lmpool import LLM, SamplingParams
 
@@ -32,15 +31,14 @@ def expected(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    server = start_server(tiny_model, tmp_path_factory.mktemp("serve"), "--world-size", "2",
-                          "--served-model-name", "tiny")
-    yield server
-    server.stop()
+    with serving(tiny_model, tmp_path_factory.mktemp("serve"), "--world-size", "2",
+                 "--served-model-name", "tiny") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(server) as client:
         yield client
 
 

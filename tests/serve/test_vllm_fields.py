@@ -10,9 +10,8 @@ import json
 from collections import defaultdict
 
 import httpx
-import openai
 import pytest
-from serve_process import BLOCK, start_server
+from serve_process import BLOCK, openai_client, serving
 
 from lmpool import LLM, SamplingParams
 
@@ -30,15 +29,14 @@ def llm(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    server = start_server(tiny_model, tmp_path_factory.mktemp("serve"), "--data-parallel-size", "2", "--seed", "3",
-                          "--served-model-name", "tiny", "--enable-version-route")
-    yield server
-    server.stop()
+    with serving(tiny_model, tmp_path_factory.mktemp("serve"), "--data-parallel-size", "2", "--seed", "3",
+                 "--served-model-name", "tiny", "--enable-version-route") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(server) as client:
         yield client
 
 

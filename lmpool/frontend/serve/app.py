@@ -26,7 +26,8 @@ from lmpool.frontend.serve.auth import install_api_key
 from lmpool.frontend.serve import ecosystem, tokenize
 from lmpool.frontend.serve.tokenize import off_loop
 from lmpool.frontend.serve.body import BodyParser, parse_request
-from lmpool.frontend.serve.disconnect import ClientGone, unless_disconnected
+from lmpool.frontend.serve.body_parser import Parsed
+from lmpool.frontend.serve.disconnect import unless_disconnected
 from lmpool.frontend.serve.errors import ServeError, install_handlers
 from lmpool.frontend.serve.metrics import scrape
 from lmpool.frontend.serve.choices import Run, generate_all, plan, start_streams
@@ -71,19 +72,15 @@ def create_app(settings: ServeSettings) -> FastAPI:
     install_api_key(app, settings.api_key)
     _routes(app, settings)
     ecosystem.register(app)
-    tokenize.register(app, _pool)
+    tokenize.register(app, request_for)
     return app
 
 
 def _routes(app: FastAPI, settings: ServeSettings) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            parsed = await parse_request(request, CompletionRequest, "completions")
-        except ClientGone:
-            return Response(status_code=499)
+        parsed, pool = await request_for(request, CompletionRequest, "completions")
         body = parsed.request
-        pool = _pool(request, body.model)
         prompts = list(parsed.prompt) if isinstance(parsed.prompt, PromptList) else [parsed.prompt]
         ids = [await off_loop(request, pool.encode, prompt) for prompt in prompts]
         echoes = [await _prompt_text(request, pool, p, i) for p, i in zip(prompts, ids)] if body.echo else None
@@ -93,12 +90,8 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            parsed = await parse_request(request, ChatCompletionRequest, "chat")
-        except ClientGone:
-            return Response(status_code=499)
+        parsed, pool = await request_for(request, ChatCompletionRequest, "chat")
         body = parsed.request
-        pool = _pool(request, body.model)
         prompt_ids = await off_loop(request, pool.encode_chat, parsed.prompt, **(body.chat_template_kwargs or {}))
         # OpenAI's chat default is "as long as the context allows".
         params = body.sampling_params(max(1, _longest_request(pool) - len(prompt_ids)))
@@ -121,6 +114,13 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
     @app.get("/metrics")
     async def metrics(request: Request):
         return await scrape(request.app.state.pool)
+
+
+async def request_for(request: Request, model: type, endpoint: str) -> tuple[Parsed, AsyncLMPool]:
+    """The request's body as ``model`` (``body.parse_request``) and the pool it names (a 404 for another
+    model); ``ClientGone`` (a 499) if the client left while it was read."""
+    parsed = await parse_request(request, model, endpoint)
+    return parsed, _pool(request, parsed.request.model)
 
 
 def _pool(request: Request, model: str | None) -> AsyncLMPool:
@@ -152,12 +152,9 @@ async def _respond(request: Request, pool: AsyncLMPool, runs: list[Run], body, c
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     text = TokenText(pool.tokenizer) if body.logprob_fields() else None
     shape = Shape(chat, rid, request.app.state.settings.name, body.return_token_ids, server_fingerprint(), text)
-    try:
-        if not body.stream:
-            outs = await unless_disconnected(request, generate_all(pool, runs, rid))
-            return JSONResponse(shape.full([(run.choice, out) for run, out in zip(runs, outs)]))
-        firsts, streams = await unless_disconnected(request, start_streams(pool, runs, rid))
-    except ClientGone:
-        return Response(status_code=499)
+    if not body.stream:
+        outs = await unless_disconnected(request, generate_all(pool, runs, rid))
+        return JSONResponse(shape.full([(run.choice, out) for run, out in zip(runs, outs)]))
+    firsts, streams = await unless_disconnected(request, start_streams(pool, runs, rid))
     return StreamingResponse(event_stream([run.choice for run in runs], firsts, streams, shape, body.include_usage),
                              media_type="text/event-stream")

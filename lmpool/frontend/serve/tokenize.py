@@ -14,25 +14,18 @@ import asyncio
 import functools
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
 
-from lmpool.frontend.serve.body import parse_request
-from lmpool.frontend.serve.disconnect import ClientGone
 from lmpool.frontend.serve.errors import ServeError
 from lmpool.frontend.serve.protocol import DetokenizeRequest, TokenizeRequest
 
 
-def register(app: FastAPI, pool_of) -> None:
-    """``pool_of(request, model)`` is the app's pool for a request naming ``model`` (a 404 otherwise)."""
+def register(app: FastAPI, request_for) -> None:
+    """``request_for(request, model, endpoint)`` is the app's: a body parsed and the pool it names."""
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        try:
-            parsed = await parse_request(request, TokenizeRequest, "tokenize")
-        except ClientGone:
-            return Response(status_code=499)
+        parsed, pool = await request_for(request, TokenizeRequest, "tokenize")
         body = parsed.request
-        pool = pool_of(request, body.model)
         if isinstance(parsed.prompt, str):
             tokens = await off_loop(request, _encode_text, pool.tokenizer, parsed.prompt, body.add_special_tokens)
         else:
@@ -43,11 +36,7 @@ def register(app: FastAPI, pool_of) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        try:
-            parsed = await parse_request(request, DetokenizeRequest, "detokenize")
-        except ClientGone:
-            return Response(status_code=499)
-        pool = pool_of(request, parsed.request.model)
+        parsed, pool = await request_for(request, DetokenizeRequest, "detokenize")
         check_ids(parsed.prompt, pool.engine.model_config.vocab_size)
         if pool.tokenizer is None:
             raise ServeError(400, "this model directory has no tokenizer")
