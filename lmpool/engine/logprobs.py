@@ -2,8 +2,9 @@
 
 Computed from the raw logits (log_softmax in float32, before temperature, penalties, top-k or
 top-p), only for the rows of requests that ask, and left on the device until the step's
-tokens are read back (``DeviceLogprobs.read``), so a request that does not ask costs nothing
-and one that does adds no wait of its own. A prompt's logprobs need the logits of every prompt
+tokens are read back (``DeviceLogprobs.read``; on a GPU they are copied to pinned host memory
+with the tokens, ``staged``), so a request that does not ask costs nothing and one that does
+adds no wait of its own. A prompt's logprobs need the logits of every prompt
 position, which a normal step never computes (it projects only each sequence's last row):
 ``prompt_rows`` names the hidden rows a step must project for them.
 """
@@ -34,10 +35,23 @@ class DeviceLogprobs:
     top_values: torch.Tensor  # [R, kmax]
     ks: list[int]
 
+    def staged(self) -> DeviceLogprobs:
+        """A copy in pinned host memory, queued now (non-blocking): read it once the stream has
+        passed this point (``PendingTokens.result``), without waiting for later work."""
+        return DeviceLogprobs(staged(self.targets), staged(self.chosen), staged(self.top_ids), staged(self.top_values),
+                              self.ks)
+
     def read(self) -> list[TokenLogprobs]:
         targets, chosen = self.targets.tolist(), self.chosen.tolist()
         ids, values = self.top_ids.tolist(), self.top_values.tolist()
         return [TokenLogprobs(t, c, i[:k], v[:k]) for t, c, i, v, k in zip(targets, chosen, ids, values, self.ks)]
+
+
+def staged(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s copy into pinned host memory, queued on the current stream."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> DeviceLogprobs:

@@ -23,7 +23,8 @@ import torch
 
 from lmpool.config.engine import DTYPES, EngineConfig
 from lmpool.engine.cuda_graphs import DecodeGraphs
-from lmpool.engine.logprobs import PromptSlice, SampledLogprobs, prompt_logprobs, prompt_targets, sampled_logprobs
+from lmpool.engine.logprobs import PromptSlice, SampledLogprobs, prompt_logprobs, prompt_targets, sampled_logprobs, \
+    staged
 from lmpool.engine.penalties import apply_penalties
 from lmpool.engine.sampler import Sampler
 from lmpool.engine.scheduler import ScheduledBatch
@@ -227,13 +228,13 @@ class ModelRunner:
         row's NaN or inf must fail its request, and checking costs no wait for the device), and
         the logprobs of the rows whose requests ask (``lmpool.engine.logprobs``). Penalties
         count a pending token from ``previous``, the previous step's sampled tokens."""
-        params = [s.params for s in seqs]
-        if all(p.temperature == 0 and p.logprobs is None and not p.penalized for p in params):
+        if all(s.plain_greedy for s in seqs):
             # Greedy rows only: argmax of the model-dtype logits equals the sampler's
             # argmax of their (exact) fp32 cast, without materialising that copy.
             logits = self.model.compute_logits(hidden, fp32=False)
             return logits.argmax(dim=-1), finite_rows(logits), None
         logits = self.model.compute_logits(hidden)
+        params = [s.params for s in seqs]
         penalized = apply_penalties(logits, seqs, previous)
         tokens = self.sampler.sample(penalized, params, [s.request_id for s in seqs])
         return tokens, finite_rows(logits), sampled_logprobs(logits, tokens, params)
@@ -291,15 +292,22 @@ class PendingTokens:
         self._tokens = tokens
         self._done = None
         self.started = started
-        if tokens is not None and tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+        device = tokens.device if tokens is not None else self.prompt[0].logprobs.chosen.device if self.prompt else None
+        if device is not None and device.type == "cuda":
+            # Logprobs are staged on the host with the tokens: reading them from the device later
+            # would wait for whatever step was launched since (overlapped stepping's next one).
+            if logprobs is not None:
+                logprobs.logprobs = logprobs.logprobs.staged()
+            for part in self.prompt:
+                part.logprobs = part.logprobs.staged()
+            if tokens is not None:
+                self._tokens = staged(tokens)
             self._done = torch.cuda.Event(enable_timing=started is not None)
-            self._done.record(torch.cuda.current_stream(tokens.device))  # the copy's stream, whatever device is current
-            self._tokens = host
+            self._done.record(torch.cuda.current_stream(device))  # the copies' stream, whatever device is current
         self._result: list[int] | None = None
 
     def result(self) -> list[int]:
+        """The tokens (the step's one wait for the device); its logprobs are readable after it."""
         if self._result is None:
             if self._done is not None:
                 self._done.synchronize()

@@ -38,6 +38,9 @@ class Sequence:
     ) -> None:
         self.request_id = request_id
         self.params = params
+        # Greedy with nothing else asked of its logits (no logprobs, no penalty): read at every
+        # step to take the model-dtype argmax path (``ModelRunner.sample_checked``).
+        self.plain_greedy = params.greedy and params.logprobs is None and not params.penalized
         self.block_size = block_size
         self.num_prompt_tokens = len(prompt_token_ids)
         # Outputs already produced elsewhere (a request recomputed on another
