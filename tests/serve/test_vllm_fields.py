@@ -117,6 +117,26 @@ def test_a_loglikelihood_request_as_evaluation_harnesses_send_it(server, llm, ma
     assert response["usage"]["prompt_tokens"] == sum(map(len, prompts))
 
 
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_an_echoed_stream_is_the_whole_response_in_pieces(client, max_tokens):
+    args = dict(model="tiny", prompt=PROMPT, echo=True, logprobs=1, temperature=0, max_tokens=max_tokens)
+    whole = client.completions.create(**args).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **args)]
+    assert "".join(c.text for c in chunks) == whole.text and whole.text.startswith(PROMPT)
+    pieces = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert sum((p.tokens for p in pieces), []) == whole.logprobs.tokens
+    assert close(sum((p.token_logprobs for p in pieces), []), whole.logprobs.token_logprobs)
+    assert chunks[-1].finish_reason == whole.finish_reason == "length"
+
+
+def test_chat_with_n_gives_n_messages(client, llm):
+    out = client.chat.completions.create(model="tiny", messages=CHAT, n=2, **greedy(5))
+    expected = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.message.content for c in out.choices] == [expected.text] * 2
+    assert out.usage.completion_tokens == 10 and out.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
 def test_n_seeded_choices_are_those_of_seed_plus_j(client, llm):
     out = client.completions.create(model="tiny", prompt=PROMPT, n=3, seed=11, temperature=1.0, max_tokens=8,
                                     extra_body={"ignore_eos": True, "return_token_ids": True})
