@@ -136,10 +136,10 @@ def test_bad_input_is_a_400_body(server, body, words):
 
 
 @pytest.mark.parametrize("path, extra", [
-    ("completions", {"best_of": 2}), ("completions", {"suffix": "end"}), ("completions", {"prompt_logprobs": 1}),
+    ("completions", {"top_logprobs": 2}), ("completions", {"best_of": 2}), ("completions", {"suffix": "end"}), ("completions", {"prompt_logprobs": 1}),
     ("completions", {"logit_bias": {"5": 100}}), ("completions", {"min_tokens": 4}),
     ("completions", {"skip_special_tokens": False}), ("completions", {"allowed_token_ids": [5]}),
-    ("chat/completions", {"response_format": {"type": "json_object"}}),
+    ("chat/completions", {"echo": True}), ("chat/completions", {"response_format": {"type": "json_object"}}),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
     ("chat/completions", {"chat_template": "{{ messages }}"}),
     ("chat/completions", {"chat_template_kwargs": {"chat_template": "{{ messages }}"}}),

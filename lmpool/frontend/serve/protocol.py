@@ -38,8 +38,11 @@ MAX_CHOICES = 128
 
 # Fields of OpenAI's and vLLM's requests that this server does not implement, each with the
 # values that leave the output as it is (what clients send as defaults); any other is refused.
+# Only fields a request model does not declare are checked (an endpoint that serves one declares it).
 UNSUPPORTED: dict[str, tuple] = {
-    "best_of": (None, 1), "suffix": (None, ""), "prompt_logprobs": (None,),
+    # echo is a completion field, top_logprobs a chat one; vLLM's chat echo (of the last message) is not served.
+    "best_of": (None, 1), "suffix": (None, ""), "prompt_logprobs": (None,), "echo": (None, False),
+    "top_logprobs": (None, 0),
     "logit_bias": (None, {}), "min_tokens": (None, 0), "min_p": (None, 0),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
