@@ -306,4 +306,3 @@ class EngineCore:
         self.runner.sampler.release(seq.request_id)
         del self.requests[seq.request_id]
         return StepOutput(seq.request_id, NON_FINITE, True, "error", seq, error)
-
