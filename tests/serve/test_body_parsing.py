@@ -20,7 +20,7 @@ from lmpool.frontend.serve import body_parser
 from lmpool.frontend.serve.app import create_app
 from lmpool.frontend.serve.body import rebuild
 from lmpool.frontend.serve.body_parser import BodyRefused, Decoded
-from lmpool.frontend.serve.protocol import CompletionRequest
+from lmpool.frontend.serve.protocol import CompletionRequest, PromptList
 from lmpool.frontend.serve.settings import HttpLimits, ServeSettings
 
 JSON = "application/json"
@@ -150,11 +150,13 @@ def test_a_list_s_errors_stop_at_its_first_bad_item():
     "é" * (body_parser.TEXT_PIECE // 2 + 1) + "ab" * body_parser.TEXT_PIECE,  # a character split across pieces
     list(range(3 * body_parser.IDS_PIECE + 5)), [1],
     [{"role": "user", "content": str(i)} for i in range(2 * body_parser.MESSAGES_PIECE + 1)],
+    PromptList(["a text", "another"]), PromptList([[1, 2, 3], list(range(body_parser.IDS_PIECE + 1))]),
 ])
 async def test_pieces_rebuild_the_prompt(prompt):
     kind, size, pieces = body_parser.split(prompt)
     assert len(pieces) > 1 or size == 1
-    assert await rebuild(Decoded(b"{}", kind, size, pieces)) == prompt
+    rebuilt = await rebuild(Decoded(b"{}", kind, size, pieces))
+    assert rebuilt == prompt and isinstance(rebuilt, PromptList) == isinstance(prompt, PromptList)
 
 
 def test_a_head_over_its_limit_is_refused():
