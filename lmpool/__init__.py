@@ -16,6 +16,7 @@ _HOMES = {
     "LMPool": "lmpool.frontend.api",
     "RequestOutput": "lmpool.outputs",
     "SamplingParams": "lmpool.sampling_params",
+    "TokenLogprobs": "lmpool.token_logprobs",
 }
 
 __all__ = list(_HOMES)
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from lmpool.frontend.llm import LLM
     from lmpool.outputs import RequestOutput
     from lmpool.sampling_params import SamplingParams
+    from lmpool.token_logprobs import TokenLogprobs
 
 
 def __getattr__(name: str):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from lmpool.token_logprobs import TokenLogprobs
+
 
 class RequestOutput(msgspec.Struct, kw_only=True):
     request_id: str
@@ -20,3 +22,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     # In a pool: seconds from the request's submission to its hand-over to that rank (its
     # validation, block hashes and route, and the caller's event loop between them).
     dispatch_s: float | None = None
+    # Where the request asked (``SamplingParams.logprobs``): one per token of ``token_ids``.
+    logprobs: list[TokenLogprobs] | None = None
+    # Where it asked (``SamplingParams.prompt_logprobs``): one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmpool.errors import ArgumentTypeError, strict_bool, strict_float, strict_int
+from lmpool.token_logprobs import MAX_LOGPROBS
 
 # What torch.Generator.manual_seed takes.
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -24,6 +25,8 @@ MIN_TEMPERATURE = 1e-2
 # where it would drop every token.
 MIN_TOP_P = 1.1754943508222875e-38
 MAX_CACHE_SALT_CHARS = 4096
+# OpenAI's range for presence and frequency penalties (vLLM's too).
+ADDITIVE_PENALTY_RANGE = (-2.0, 2.0)
 
 
 def _integer(value, what: str) -> int:
@@ -48,6 +51,14 @@ class SamplingParams:
     ``cache_salt`` (as vLLM's request field of that name) isolates a tenant in the prefix
     cache: it is mixed into the hash of the request's first block, so only requests with
     the same salt share cached blocks (and can learn from a hit that a prefix was seen).
+
+    ``logprobs=k`` reports each output token's log-probability and the ``k`` most likely
+    tokens at its position (0: the token's alone); ``prompt_logprobs=k`` the same for every
+    prompt token but the first (``lmpool.token_logprobs``). A request with prompt logprobs
+    never takes its prefix from the cache: every prompt position runs through the model.
+    Penalties follow vLLM: ``repetition_penalty`` divides the positive logits (multiplies the
+    negative ones) of tokens seen in the prompt or the output; ``presence_penalty`` subtracts
+    from the logit of every token the output holds, ``frequency_penalty`` that many times over.
     """
 
     temperature: float = 1.0
@@ -59,6 +70,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     cache_salt: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self._set("temperature", _temperature(self.temperature))
@@ -77,6 +93,11 @@ class SamplingParams:
         self._set("stop_token_ids", _stop_token_ids(self.stop_token_ids))
         self._set("stop", _stop_strings(self.stop))
         self._set("cache_salt", _cache_salt(self.cache_salt))
+        self._set("logprobs", _num_logprobs(self.logprobs, "logprobs"))
+        self._set("prompt_logprobs", _num_logprobs(self.prompt_logprobs, "prompt_logprobs"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            self._set(name, _additive_penalty(getattr(self, name), name))
+        self._set("repetition_penalty", _repetition_penalty(self.repetition_penalty))
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -84,6 +105,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes this request's logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def _temperature(value) -> float:
@@ -134,3 +160,27 @@ def _cache_salt(value) -> str | None:
         raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
                          f"got {len(value)} characters")
     return value
+
+
+def _num_logprobs(value, what: str) -> int | None:
+    if value is None:
+        return None
+    k = strict_int(value, what)
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise ValueError(f"{what} must be an integer in [0, {MAX_LOGPROBS}] (the alternatives per token), got {k}")
+    return k
+
+
+def _additive_penalty(value, what: str) -> float:
+    penalty = strict_float(value, what)
+    low, high = ADDITIVE_PENALTY_RANGE
+    if not low <= penalty <= high:
+        raise ValueError(f"{what} must be in [{low:g}, {high:g}], got {value!r}")
+    return penalty
+
+
+def _repetition_penalty(value) -> float:
+    penalty = strict_float(value, "repetition_penalty")
+    if penalty <= 0:
+        raise ValueError(f"repetition_penalty must be a finite number > 0, got {value!r}")
+    return penalty

@@ -21,10 +21,10 @@ def poisoned(seq, after: int = AFTER) -> bool:
 def poisoning(sample_checked, value: float = float("nan")):
     """``sample_checked`` with the logits of poisoned rows corrupted before they are checked."""
     @functools.wraps(sample_checked)
-    def wrapper(runner, hidden, seqs):
+    def wrapper(runner, hidden, seqs, *rest):
         rows = [i for i, seq in enumerate(seqs) if poisoned(seq)]
         if not rows:
-            return sample_checked(runner, hidden, seqs)
+            return sample_checked(runner, hidden, seqs, *rest)
         compute = runner.model.compute_logits
 
         def compute_logits(h, fp32=True):
@@ -34,7 +34,7 @@ def poisoning(sample_checked, value: float = float("nan")):
 
         runner.model.compute_logits = compute_logits  # shadows the method for this call only
         try:
-            return sample_checked(runner, hidden, seqs)
+            return sample_checked(runner, hidden, seqs, *rest)
         finally:
             del runner.model.compute_logits
     return wrapper

@@ -48,12 +48,13 @@ from dataclasses import dataclass
 from lmpool.config.engine import EngineConfig
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.model_runner import NON_FINITE, ModelRunner, PendingTokens
-from lmpool.engine.scheduler import ScheduledBatch, Scheduler
+from lmpool.engine.scheduler import ScheduledBatch, Scheduler, prefix_hit
 from lmpool.engine.sequence import Sequence, SequenceStatus
 from lmpool.engine.validation import validate_request
 from lmpool.model.config import ModelConfig
 from lmpool.protocol.base import StepSample
 from lmpool.sampling_params import SamplingParams
+from lmpool.token_logprobs import TokenLogprobs
 
 STEP_SAMPLES = 4096  # timed steps kept until a caller takes them (``take_step_samples``)
 
@@ -66,6 +67,9 @@ class StepOutput:
     finish_reason: str | None
     seq: Sequence
     error: str | None = None  # why the request failed (finish_reason "error", no token); the caller names it
+    logprobs: TokenLogprobs | None = None  # the token's, where its request asked (``SamplingParams.logprobs``)
+    # The prompt's, with the request's first token, where it asked (``SamplingParams.prompt_logprobs``).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -99,6 +103,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, on_shortage)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
+        self.awaiting_prompt_logprobs: set[str] = set()  # requests whose prompt logprobs are not sent yet
         self.in_flight: InFlightStep | None = None  # overlapped stepping: launched, not read back
         # The batch whose tokens the latest ``step`` read back: the one it ran when serial, the
         # one before when overlapped (what a step's wall time measures once the device is busy).
@@ -122,7 +127,7 @@ class EngineCore:
     def cached_prefix_tokens(self, request_id: str) -> int:
         """Prompt tokens of a queued request that its rank's prefix cache holds now."""
         seq = self.requests[request_id]
-        return len(self.block_manager.match_prefix(seq)) * self.config.block_size
+        return len(prefix_hit(self.block_manager, seq)) * self.config.block_size
 
     def add_request(
         self,
@@ -139,12 +144,15 @@ class EngineCore:
             request_id, list(prompt_token_ids), params, self.config.block_size, list(output_token_ids)
         )
         self.requests[request_id] = seq
+        if params.prompt_logprobs is not None:
+            self.awaiting_prompt_logprobs.add(request_id)
         self.scheduler.add(seq)
         return seq
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; an unknown id is a no-op that returns False."""
         seq = self.requests.pop(request_id, None)
+        self.awaiting_prompt_logprobs.discard(request_id)
         if seq is None:
             return False
         self.scheduler.abort(seq)
@@ -201,7 +209,7 @@ class EngineCore:
         self.scheduler.complete_step(batch)
         tokens = pending.result()
         self._timed(batch, started, pending)
-        return self._read_back(pending.seqs, tokens)
+        return self._read_back(pending, tokens)
 
     def _step_overlapped(self, started: float) -> list[StepOutput]:
         previous, self.in_flight = self.in_flight, None
@@ -223,7 +231,7 @@ class EngineCore:
             # Its KV is complete now, so its blocks can be cached; then its tokens are appended
             # (after the commit: ``commit`` reads only tokens known before the previous step).
             self.scheduler.commit(previous.batch)
-            outputs = self._read_back(previous.pending.seqs, tokens)
+            outputs = self._read_back(previous.pending, tokens)
         if batch.seqs:
             # After the previous step's commit, which must not count this step's tokens.
             self.scheduler.advance(batch)
@@ -239,10 +247,31 @@ class EngineCore:
             if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= max_len:
                 running.remove(seq)
 
-    def _read_back(self, seqs: list[Sequence], tokens: list[int]) -> list[StepOutput]:
+    def _read_back(self, pending: PendingTokens, tokens: list[int]) -> list[StepOutput]:
         """Append the tokens of a finished step and apply the stop conditions (a non-finite row
         fails its request). A sequence that finished (a stop token, an abort, an error) while
         this step ran gets nothing from it."""
+        for part in pending.prompt:  # before the tokens: a prompt's last part comes with its first token
+            part.seq.add_prompt_logprobs(part.first, part.logprobs.read())
+        outputs = self._read_tokens(pending.seqs, tokens)
+        if pending.logprobs is not None or self.awaiting_prompt_logprobs:
+            self._attach_logprobs(outputs, pending)
+        return outputs
+
+    def _attach_logprobs(self, outputs: list[StepOutput], pending: PendingTokens) -> None:
+        """Give each output its token's logprobs and, with its request's first token, its prompt's."""
+        by_row = pending.token_logprobs()
+        rows = {seq.request_id: row for row, seq in enumerate(pending.seqs)} if by_row is not None else {}
+        awaiting = self.awaiting_prompt_logprobs
+        for out in outputs:
+            if out.request_id in rows:
+                out.logprobs = by_row[rows[out.request_id]]
+            if out.request_id in awaiting and out.error is None:
+                out.prompt_logprobs = out.seq.take_prompt_logprobs()
+                awaiting.discard(out.request_id)
+
+    def _read_tokens(self, seqs: list[Sequence], tokens: list[int]) -> list[StepOutput]:
+        """``_read_back``'s tokens: appended, each sequence's stop conditions checked."""
         outputs = []
         append = outputs.append
         eos, max_len = self.eos_token_ids, self.max_model_len
@@ -273,6 +302,7 @@ class EngineCore:
     def _fail(self, seq: Sequence, error: str) -> StepOutput:
         """Finish ``seq`` at once with an error of its own and free its blocks; the others go on."""
         self.scheduler.retire(seq, "error")
+        self.awaiting_prompt_logprobs.discard(seq.request_id)
         self.runner.sampler.release(seq.request_id)
         del self.requests[seq.request_id]
         return StepOutput(seq.request_id, NON_FINITE, True, "error", seq, error)

@@ -17,10 +17,15 @@ so every later step (and any reader ordered after the stream) sees it complete.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from lmpool.config.engine import DTYPES, EngineConfig
 from lmpool.engine.cuda_graphs import DecodeGraphs
+from lmpool.engine.logprobs import PromptSlice, SampledLogprobs, prompt_logprobs, prompt_targets, sampled_logprobs, \
+    staged
+from lmpool.engine.penalties import apply_penalties
 from lmpool.engine.sampler import Sampler
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.engine.sequence import Sequence
@@ -190,32 +195,49 @@ class ModelRunner:
         if inputs.fill is not None:
             fill_pending_ids(inputs, previous)
         hidden = self.forward_hidden(inputs)
+        prompt = self._prompt_logprobs(batch, hidden) if batch.prompt_logprobs else []
         if inputs.sample_index is None:
             seqs = batch.seqs
         else:
             seqs = [batch.seqs[i] for i in inputs.sample_index]
             if not seqs:
-                return PendingTokens([], None)
+                return PendingTokens([], None, prompt=prompt)
         if inputs.sample_rows is not None:
             hidden = hidden.index_select(0, inputs.sample_rows)
-        return PendingTokens(seqs, *self.sample_checked(hidden, seqs), started=started)
+        tokens, finite, logprobs = self.sample_checked(hidden, seqs, previous)
+        return PendingTokens(seqs, tokens, finite, started=started, logprobs=logprobs, prompt=prompt)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[PromptSlice]:
+        """The prompt logprobs this step's rows give the sequences that ask (``batch.prompt_logprobs``)."""
+        rows = [0, *itertools.accumulate(batch.num_tokens)]  # each sequence's first token row
+        slices = []
+        for i in batch.prompt_logprobs:
+            seq, start = batch.seqs[i], batch.seqs[i].num_computed_tokens
+            count = prompt_targets(seq, start, batch.num_tokens[i])
+            if count:
+                slices.append(prompt_logprobs(self.model.compute_logits, hidden, seq, rows[i], start, count))
+        return slices
 
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Next token of each row of ``hidden`` (one per sequence of ``seqs``), left on the device."""
         return self.sample_checked(hidden, seqs)[0]
 
-    def sample_checked(self, hidden: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sample``'s tokens and, per row, whether its logits were all finite (both on the device:
-        a row's NaN or inf must fail its request, and checking costs no wait for the device)."""
-        params = [s.params for s in seqs]
-        if all(p.temperature == 0 for p in params):
+    def sample_checked(self, hidden: torch.Tensor, seqs: list[Sequence], previous: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, SampledLogprobs | None]:
+        """``sample``'s tokens, per row whether its logits were all finite (both on the device: a
+        row's NaN or inf must fail its request, and checking costs no wait for the device), and
+        the logprobs of the rows whose requests ask (``lmpool.engine.logprobs``). Penalties
+        count a pending token from ``previous``, the previous step's sampled tokens."""
+        if all(s.plain_greedy for s in seqs):
             # Greedy rows only: argmax of the model-dtype logits equals the sampler's
             # argmax of their (exact) fp32 cast, without materialising that copy.
             logits = self.model.compute_logits(hidden, fp32=False)
-            return logits.argmax(dim=-1), finite_rows(logits)
+            return logits.argmax(dim=-1), finite_rows(logits), None
         logits = self.model.compute_logits(hidden)
-        tokens = self.sampler.sample(logits, params, [s.request_id for s in seqs])
-        return tokens, finite_rows(logits)
+        params = [s.params for s in seqs]
+        penalized = apply_penalties(logits, seqs, previous)
+        tokens = self.sampler.sample(penalized, params, [s.request_id for s in seqs])
+        return tokens, finite_rows(logits), sampled_logprobs(logits, tokens, params)
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -250,12 +272,17 @@ class PendingTokens:
     already compute the (doomed) sequence, whatever the argmax of NaN gave.
 
     Given the event of the step's start (``started``), the end event times too, so that
-    ``device_s`` gives the step's seconds on the device's clock.
+    ``device_s`` gives the step's seconds on the device's clock. ``logprobs`` (of the sampled
+    rows that asked) and ``prompt`` (prompt logprobs) were queued before the token copy, so
+    they are complete once the tokens are; they are read on demand, only when there are any.
     """
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None,
-                 finite: torch.Tensor | None = None, started: torch.cuda.Event | None = None) -> None:
+                 finite: torch.Tensor | None = None, started: torch.cuda.Event | None = None,
+                 logprobs: SampledLogprobs | None = None, prompt: list[PromptSlice] | None = None) -> None:
         self.seqs = seqs
+        self.logprobs = logprobs
+        self.prompt = prompt or []
         if tokens is not None and finite is not None:
             bad = ~finite
             self.device_tokens = tokens.masked_fill(bad, 0)
@@ -265,20 +292,32 @@ class PendingTokens:
         self._tokens = tokens
         self._done = None
         self.started = started
-        if tokens is not None and tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+        device = tokens.device if tokens is not None else self.prompt[0].logprobs.chosen.device if self.prompt else None
+        if device is not None and device.type == "cuda":
+            # Logprobs are staged on the host with the tokens: reading them from the device later
+            # would wait for whatever step was launched since (overlapped stepping's next one).
+            if logprobs is not None:
+                logprobs.logprobs = logprobs.logprobs.staged()
+            for part in self.prompt:
+                part.logprobs = part.logprobs.staged()
+            if tokens is not None:
+                self._tokens = staged(tokens)
             self._done = torch.cuda.Event(enable_timing=started is not None)
-            self._done.record(torch.cuda.current_stream(tokens.device))  # the copy's stream, whatever device is current
-            self._tokens = host
+            self._done.record(torch.cuda.current_stream(device))  # the copies' stream, whatever device is current
         self._result: list[int] | None = None
 
     def result(self) -> list[int]:
+        """The tokens (the step's one wait for the device); its logprobs are readable after it."""
         if self._result is None:
             if self._done is not None:
                 self._done.synchronize()
             self._result = [] if self._tokens is None else self._tokens.tolist()
         return self._result
+
+    def token_logprobs(self) -> list | None:
+        """Per row, once read back: the sampled token's ``TokenLogprobs`` where its request asked
+        (None elsewhere); None when no row asked."""
+        return None if self.logprobs is None else self.logprobs.by_row(len(self.seqs))
 
     def device_s(self, previous: PendingTokens | None) -> float | None:
         """Once read back, the seconds this step held the device: from the end of ``previous``

@@ -10,6 +10,10 @@ and it waits at the head of the queue to be recomputed (its complete blocks are
 usually still in the prefix cache). No sequence is admitted in a step that
 preempted, so the pool does not thrash.
 
+A request that asks for prompt logprobs never starts from cached blocks (``prefix_hit``): its
+prompt's every position must run through the model to give its logits. So it is never passed
+over either (below): waiting would save it nothing.
+
 A waiting sequence whose next uncached block is being computed right now by a running
 sequence (one still prefilling the same prefix, or admitted earlier in this step) is
 passed over for this step: admitted now, it would compute the same blocks a second
@@ -46,6 +50,8 @@ class ScheduledBatch:
     prefill_attention: int = 0
     decode_seqs: int = 0
     decode_context: int = 0
+    # Indices of the sequences computing prompt positions whose logprobs they asked for.
+    prompt_logprobs: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -55,6 +61,8 @@ class ScheduledBatch:
         self.seqs.append(seq)
         self.num_tokens.append(n)
         c = seq.num_computed_tokens
+        if c + 1 < seq.num_prompt_tokens and seq.params.prompt_logprobs is not None:
+            self.prompt_logprobs.append(len(self.seqs) - 1)
         if n == 1:
             self.decode_seqs += 1
             self.decode_context += c + 1
@@ -66,6 +74,12 @@ class ScheduledBatch:
         """Whether sequence ``i`` reaches its last token this step, and so yields a new token."""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_tokens[i] == len(seq)
+
+
+def prefix_hit(bm: BlockManager, seq: Sequence) -> list[int]:
+    """The cached blocks ``seq`` may start from. None for a request with prompt logprobs: they
+    need the logits of every prompt position, which only computing the whole prompt gives."""
+    return [] if seq.params.prompt_logprobs is not None else bm.match_prefix(seq)
 
 
 class Scheduler:
@@ -136,8 +150,10 @@ class Scheduler:
             # A preempted sequence's last token may still be on the device; it is read back in
             # the step that preempted it, and no step that preempts admits anything.
             assert not seq.num_pending, f"{seq.request_id} admitted before its last token was read back"
-            hit = bm.match_prefix(seq)
-            if computing and len(hit) < len(seq.block_hashes) and seq.block_hashes[len(hit)] in computing:
+            hit = prefix_hit(bm, seq)
+            # One that takes no cached prefix (prompt logprobs) would gain nothing by waiting.
+            if (computing and len(hit) < len(seq.block_hashes) and seq.block_hashes[len(hit)] in computing
+                    and seq.params.prompt_logprobs is None):
                 passed.append(self.waiting.popleft())
                 continue
             n = min(len(seq) - len(hit) * bm.block_size, budget)

@@ -18,6 +18,7 @@ import enum
 
 from lmpool.engine.hashing import chain_hashes
 from lmpool.sampling_params import SamplingParams
+from lmpool.token_logprobs import TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -37,6 +38,9 @@ class Sequence:
     ) -> None:
         self.request_id = request_id
         self.params = params
+        # Greedy with nothing else asked of its logits (no logprobs, no penalty): read at every
+        # step to take the model-dtype argmax path (``ModelRunner.sample_checked``).
+        self.plain_greedy = params.greedy and params.logprobs is None and not params.penalized
         self.block_size = block_size
         self.num_prompt_tokens = len(prompt_token_ids)
         # Outputs already produced elsewhere (a request recomputed on another
@@ -53,6 +57,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.first_token_time: float | None = None
+        # With ``params.prompt_logprobs``: each prompt position's logprobs as steps read them back,
+        # None for the first (it has none); sent with the first token once complete.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending
@@ -76,6 +83,24 @@ class Sequence:
         self.token_ids.append(token_id)
         if len(self.token_ids) % self.block_size == 0:
             self.block_hashes = chain_hashes(self.token_ids, self.block_size, self.block_hashes, self.params.cache_salt)
+
+    def add_prompt_logprobs(self, first: int, values: list[TokenLogprobs]) -> None:
+        """Logprobs of prompt positions ``first ..``, as a step computed them; positions already
+        held (a preempted sequence computes its prompt again) are kept as they were."""
+        held = self.prompt_logprobs
+        if held is None:  # sent already: this is a recomputation's
+            return
+        skip = len(held) - first
+        if skip >= 0:
+            held.extend(values[skip:])
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """The prompt's logprobs, once, when every position has them (None otherwise or after)."""
+        held = self.prompt_logprobs
+        if held is None or len(held) < self.num_prompt_tokens:
+            return None
+        self.prompt_logprobs = None
+        return held
 
     def expect_token(self, row: int) -> None:
         """A launched step samples this sequence's next token into row ``row`` of its output."""

@@ -13,6 +13,9 @@ from lmpool.engine.hashing import HASH_WIRE_BYTES
 from lmpool.sampling_params import SamplingParams
 
 TOKEN_WIRE_BYTES = 5  # a token id below 2**32, as msgpack writes it
+# One token's ``TokenLogprobs`` on the wire: array headers, its id and a float64, and per
+# alternative an id and a float64.
+LOGPROB_WIRE_BYTES, ALTERNATIVE_WIRE_BYTES = 24, 14
 ENVELOPE_BYTES = 256  # ids, tags, counts and array headers of one message, generously
 
 
@@ -70,13 +73,20 @@ def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
 def check_wire_size(num_prompt_tokens: int, params: SamplingParams, *, block_size: int, limit: int) -> None:
     """Raise ``ValueError`` if a message of this request could exceed ``limit`` bytes, the
     most a pool's link carries in one message: its tokens to a worker (a request moved
-    after a failure carries its outputs too) or its block hashes to the control plane.
+    after a failure carries its outputs too), its block hashes to the control plane, or its
+    prompt logprobs back from the worker.
     Checked before anything is sent, so a request too large for the links fails alone."""
     tokens = num_prompt_tokens + params.max_tokens
     sizes = {
         "its tokens": tokens * TOKEN_WIRE_BYTES + len(msgspec.msgpack.encode(params)) + ENVELOPE_BYTES,
         "its block hashes": tokens // block_size * HASH_WIRE_BYTES + ENVELOPE_BYTES,
     }
+    if params.prompt_logprobs is not None:
+        # They come back in one message with the first token, beside the step's other outputs:
+        # half the limit leaves those room.
+        per_token = LOGPROB_WIRE_BYTES + ALTERNATIVE_WIRE_BYTES * params.prompt_logprobs
+        sizes["its prompt logprobs (twice, to leave the step's other outputs room)"] = (
+            2 * (num_prompt_tokens * per_token + ENVELOPE_BYTES))
     for what, size in sizes.items():
         if size > limit:
             raise ValueError(

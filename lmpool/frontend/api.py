@@ -168,7 +168,9 @@ class AsyncLMPool:
         state.dispatch_s = req.dispatched - req.arrival if req.dispatched else None
         if item is None:
             return state.abort() if req.finish_reason == "abort" else None
-        return state.update([item.token_id], item.finish_reason if item.finished else None)
+        logprobs = () if item.logprobs is None else (item.logprobs,)
+        return state.update([item.token_id], item.finish_reason if item.finished else None, logprobs,
+                            item.prompt_logprobs)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,

@@ -140,7 +140,8 @@ class LLM:
     def _process(self, state: RequestState, out: StepOutput) -> RequestOutput | None:
         """Feed a step's new token to its request's output; the final output, once there is one."""
         state.num_cached_tokens = out.seq.num_cached_tokens
-        final = state.update([out.new_token_id], out.finish_reason)
+        logprobs = () if out.logprobs is None else (out.logprobs,)
+        final = state.update([out.new_token_id], out.finish_reason, logprobs, out.prompt_logprobs)
         if final is not None and not out.finished:  # a stop string ended it: so must the engine
             self.engine.abort_request(out.request_id)
         return final

@@ -23,6 +23,7 @@ from lmpool.detokenizer import Detokenizer
 from lmpool.outputs import RequestOutput
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import StopStrings
+from lmpool.token_logprobs import TokenLogprobs
 
 
 class OutputProcessor:
@@ -62,6 +63,8 @@ class RequestState:
         self.route: str | None = None
         self.predicted_ttft_s: float | None = None
         self.dispatch_s: float | None = None
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self._processor = processor
         self._stream = stream
         self._stops = StopStrings(params.stop) if params.stop else None
@@ -69,11 +72,17 @@ class RequestState:
         step_by_step = processor.tokenizer is not None and (stream or self._stops is not None)
         self._detok = Detokenizer(processor.tokenizer) if step_by_step else None
 
-    def update(self, new_token_ids: Sequence[int], finish_reason: str | None = None) -> RequestOutput | None:
-        """Take the request's next token ids, with the engine's finish reason once it has one.
-        Returns the output a stream shows now, or the final one; None while a request that is
-        not streamed goes on."""
+    def update(self, new_token_ids: Sequence[int], finish_reason: str | None = None,
+               logprobs: Sequence[TokenLogprobs] = (),
+               prompt_logprobs: list[TokenLogprobs | None] | None = None) -> RequestOutput | None:
+        """Take the request's next token ids (and their logprobs, and the prompt's, where it asked
+        for them), with the engine's finish reason once it has one. Returns the output a stream
+        shows now, or the final one; None while a request that is not streamed goes on."""
         self.token_ids.extend(new_token_ids)
+        if self.logprobs is not None:
+            self.logprobs.extend(logprobs)
+        if prompt_logprobs is not None and self.prompt_logprobs is None:  # a recomputation sends them again
+            self.prompt_logprobs = prompt_logprobs
         text = self._text(new_token_ids, final=finish_reason is not None)
         hit = self._stops.find(text) if self._stops is not None else None
         if hit is not None:  # the text shows a stop string: the request ends just before it
@@ -113,4 +122,6 @@ class RequestState:
             route=self.route,
             predicted_ttft_s=self.predicted_ttft_s,
             dispatch_s=self.dispatch_s,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmpool.protocol.base import LoadReport, Message
 from lmpool.sampling_params import SamplingParams
+from lmpool.token_logprobs import TokenLogprobs
 
 
 class AddRequest(Message, tag="add"):
@@ -55,6 +56,10 @@ class TokenDelta(Message):
     finished: bool = False
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    # Only where the request asked (defaults are not sent): the token's logprobs, and with its
+    # first token the prompt's (``lmpool.token_logprobs``).
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class StepOutputs(Message, tag="outputs"):

@@ -366,7 +366,7 @@ class Worker:
                         self.prefix_hit_tokens += seq.num_cached_tokens
                     deltas.append(
                         TokenDelta(out.request_id, out.new_token_id, out.finished, out.finish_reason,
-                                   seq.num_cached_tokens)
+                                   seq.num_cached_tokens, out.logprobs, out.prompt_logprobs)
                     )
             load = None
             if deltas:

@@ -24,16 +24,16 @@ def test_ignore_eos_takes_only_a_bool(value):
         SamplingParams(ignore_eos=value)
 
 
-@pytest.mark.parametrize("field", ["max_tokens", "top_k", "seed"])
+@pytest.mark.parametrize("field", ["max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("value", [True, np.bool_(False), "3", 3.0, None, [3]])
 def test_integer_fields_take_no_bools_strings_or_floats(field, value):
-    if field == "seed" and value is None:
-        return  # seed=None: unseeded
+    if field in ("seed", "logprobs", "prompt_logprobs") and value is None:
+        return  # None: unseeded, no logprobs
     with pytest.raises(TypeError, match=f"{field} must be an integer"):
         SamplingParams(**{field: value})
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"])
 @pytest.mark.parametrize("value", [True, "0.5", None, b"1", [0.5]])
 def test_float_fields_take_only_numbers(field, value):
     with pytest.raises(TypeError, match=f"{field} must be a number"):
@@ -89,7 +89,8 @@ ANYTHING = st.one_of(
     st.binary(max_size=4), st.lists(st.integers(-3, 3), max_size=3), st.just(np.bool_(True)),
     st.just(np.int32(3)), st.just(np.float32(0.25)), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
 )
-FIELDS = ["temperature", "top_p", "top_k", "max_tokens", "ignore_eos", "stop_token_ids", "seed", "stop", "cache_salt"]
+FIELDS = ["temperature", "top_p", "top_k", "max_tokens", "ignore_eos", "stop_token_ids", "seed", "stop", "cache_salt",
+          "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty"]
 _wire = msgspec.msgpack.Decoder(FrontendToWorker)
 _encode = msgspec.msgpack.Encoder().encode
 

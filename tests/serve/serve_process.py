@@ -4,6 +4,7 @@ on a socket, for the tests that send requests no client library would."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from lmpool_ipc.lifecycle import pid_alive, sweep_dead_pools
@@ -133,6 +135,21 @@ def _owner(name: str) -> int | None:
 
 def start_server(model: str, tmp: Path, *args: str) -> ServerProcess:
     return start_servers(1, model, tmp, *args)[0]
+
+
+@contextlib.contextmanager
+def serving(model: str, tmp: Path, *args: str):
+    """One server, ready, for the ``with`` block; stopped (and checked) after."""
+    server = start_server(model, tmp, *args)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def openai_client(server: ServerProcess) -> openai.OpenAI:
+    """The official client for ``server``, retrying nothing (a test sees every failure)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def start_servers(n: int, model: str, tmp: Path, *args: str) -> list[ServerProcess]:

@@ -149,7 +149,7 @@ def test_a_large_body_waits_on_the_parsing_process_while_other_requests_are_serv
 def test_large_bodies_get_the_same_answers_as_small_ones(server):
     """Through the parsing process (over 64 KiB), a bad body is the 400 it is inline."""
     pad = {"user": "u" * 80_000}
-    for body, words in (({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"), ({"prompt": ["a", "b"]}, "one prompt"),
+    for body, words in (({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"), ({"prompt": ["a", ""]}, "prompt 1 is empty"),
                         ({"prompt": PROMPT, "temperature": True}, "temperature"),
                         ({"messages": [{"role": "user"}]}, "prompt: Field required")):
         for extra in ({}, pad):

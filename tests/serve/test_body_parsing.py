@@ -20,7 +20,7 @@ from lmpool.frontend.serve import body_parser
 from lmpool.frontend.serve.app import create_app
 from lmpool.frontend.serve.body import rebuild
 from lmpool.frontend.serve.body_parser import BodyRefused, Decoded
-from lmpool.frontend.serve.protocol import CompletionRequest
+from lmpool.frontend.serve.protocol import CompletionRequest, PromptList
 from lmpool.frontend.serve.settings import HttpLimits, ServeSettings
 
 JSON = "application/json"
@@ -58,7 +58,9 @@ def cases() -> list[tuple[str, bytes, str | None]]:
         {"prompt": "hi", "temperature": "0.5"}, {"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]},
         {"prompt": [[1], [2]]}, {"prompt": [1, "a", 2, "b"]}, {"prompt": [[1], [2, "x", "y"]]}, {"prompt": 5},
         {"prompt": None}, {}, {"messages": []}, {"prompt": "hi", "n": 2}, {"prompt": "hi", "echo": True},
-        {"prompt": "hi", "logprobs": 0}, {"prompt": "hi", "stop": "x" * 4097}, {"prompt": "hi", "stop": [1, "a", 2]},
+        {"prompt": "hi", "logprobs": 0}, {"prompt": "hi", "n": 0}, {"prompt": "hi", "logprobs": True},
+        {"prompt": "hi", "logprobs": 21}, {"prompt": "hi", "echo": True, "max_tokens": 0},
+        {"prompt": ["a", [1, 2]], "n": 2}, {"prompt": "hi", "presence_penalty": 3}, {"prompt": "hi", "stop": "x" * 4097}, {"prompt": "hi", "stop": [1, "a", 2]},
         {"prompt": "hi", "stop_token_ids": ["a", 1, "b"]}, {"prompt": "hi", "cache_salt": ""},
         {"prompt": "hi", "stream_options": {"include_usage": 1}}, {"prompt": "hi", "seed": 1.5, "top_k": "x"},
         {"prompt": "hi", "model": "other"},
@@ -70,6 +72,8 @@ def cases() -> list[tuple[str, bytes, str | None]]:
         {"messages": [{"content": "hi"}, {"role": 1}, {}]}, {"messages": [{"role": "user", "content": [1, {}, 2]}]},
         {"messages": CHAT, "chat_template_kwargs": {"chat_template": "x"}},
         {"messages": CHAT, "chat_template_kwargs": {"tools": []}}, {"messages": CHAT, "max_completion_tokens": "x"},
+        {"messages": CHAT, "logprobs": True, "top_logprobs": 3, "n": 2}, {"messages": CHAT, "top_logprobs": 2},
+        {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, {"messages": CHAT, "repetition_penalty": 0},
     ]
     out = [("completions", j(b), JSON) for b in completions] + [("chat/completions", j(b), JSON) for b in chats]
     raw = [b"", b"  ", b"{not json", b"[1, 2", b'{"prompt": "x"} extra', b"\xff\xfe{", b"[" * 100_000, b"[]",
@@ -119,9 +123,10 @@ async def test_the_answers_name_the_problem_in_plain_words():
              "the body must be JSON (Content-Type: application/json), not 'text/plain'"),
             (b"", JSON, 400, "the request has no body: send a JSON object"),
             (b"[1, 2", JSON, 400, "Invalid JSON: EOF while parsing a list at line 1 column 5"),
-            (b'{"prompt": "hi", "n": 2}', JSON, 400, "n: only n=1 is supported"),
-            (b'{"prompt": ["a", "b"]}', JSON, 400,
-             "one prompt per request: send a string, a list of token ids, or a list of one"),
+            (b'{"prompt": "hi", "n": 0}', JSON, 400, "n: n must be an integer in [1, 128], got 0"),
+            (b'{"prompt": ["a", ""]}', JSON, 400, "prompt 1 is empty"),
+            (b'{"prompt": "hi", "max_tokens": 0}', JSON, 400,
+             "max_tokens must be at least 1 (0 is allowed only with echo, for the prompt alone)"),
         ):
             assert (await answers(app, "completions", body, content_type))[:2] == (status, message)
         status, _, seen = await answers(app, "completions", b'{"prompt": "hi"}', None)  # no content type: JSON
@@ -145,11 +150,13 @@ def test_a_list_s_errors_stop_at_its_first_bad_item():
     "é" * (body_parser.TEXT_PIECE // 2 + 1) + "ab" * body_parser.TEXT_PIECE,  # a character split across pieces
     list(range(3 * body_parser.IDS_PIECE + 5)), [1],
     [{"role": "user", "content": str(i)} for i in range(2 * body_parser.MESSAGES_PIECE + 1)],
+    PromptList(["a text", "another"]), PromptList([[1, 2, 3], list(range(body_parser.IDS_PIECE + 1))]),
 ])
 async def test_pieces_rebuild_the_prompt(prompt):
     kind, size, pieces = body_parser.split(prompt)
     assert len(pieces) > 1 or size == 1
-    assert await rebuild(Decoded(b"{}", kind, size, pieces)) == prompt
+    rebuilt = await rebuild(Decoded(b"{}", kind, size, pieces))
+    assert rebuilt == prompt and isinstance(rebuilt, PromptList) == isinstance(prompt, PromptList)
 
 
 def test_a_head_over_its_limit_is_refused():

@@ -23,6 +23,7 @@ import uvicorn
 from serve_process import free_port, smg_binary, wait_for
 
 from lmpool.frontend.serve.app import create_app
+from lmpool.frontend.serve.ecosystem import lmpool_version
 from lmpool.frontend.serve.settings import ServeSettings
 
 BLOCK = 16
@@ -90,9 +91,11 @@ async def test_model_info_says_a_text_generation_model():
                     "has_audio_understanding": False}
 
 
-async def test_no_version_route():
+async def test_no_version_route_unless_asked():
     # /version is vLLM's mark to smg, which would then read vLLM's metadata and gauges.
     assert (await call(app_over(three_ranks()), "GET", "/version")).status_code == 404
+    asked = await call(app_over(three_ranks(), version_route=True), "GET", "/version")
+    assert asked.status_code == 200 and asked.json() == {"version": lmpool_version()}
 
 
 async def test_loads_are_the_live_ranks_as_one_engine_in_smg_s_schema():

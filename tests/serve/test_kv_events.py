@@ -106,3 +106,24 @@ def test_kv_events_follow_the_pool(events_server):
     # A worker that dies takes its rank's blocks with it.
     os.kill(server.worker_pid(rank), signal.SIGKILL)
     wait_for(lambda: not stored_blocks(b for _, b in ask(dealer, SNAPSHOT_REQUEST)).get(rank), "the rank's clear")
+
+
+def test_vllm_s_kv_events_config_json_publishes_the_same_events(tiny_model, tmp_path):
+    """``--kv-events-config`` in vLLM's JSON form: its endpoint, replay endpoint and topic."""
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
+              "topic": "vllm-form", "buffer_steps": 100, "hwm": 1000}
+    server = start_server(tiny_model, tmp_path, "--kv-events-config", msgspec.json.encode(config).decode())
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(replay)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
+        hashes = {external_block_hash(h) for h in chain_hashes(PROMPT, BLOCK)}
+        wait_for(lambda: hashes <= set(stored_blocks(b for _, b in ask(dealer, SNAPSHOT_REQUEST)).get(0, {})),
+                 "the prompt's blocks in the snapshot")
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        server.stop()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
 
-from lmpool.frontend.serve.server import main, parser
+from lmpool.frontend.serve.server import kv_events_config, main, parser, read_kv_events_config, settings_from
 
 
 @pytest.mark.parametrize("args, words", [
@@ -35,6 +36,53 @@ def test_the_device_defaults_to_cuda_when_present_as_the_demo_s(monkeypatch):
     for present, device in ((True, "cuda"), (False, "cpu")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: present)
         assert parser().parse_args(["model"]).device == device
+
+
+def test_vllm_s_flag_names_reach_the_pool():
+    args = parser().parse_args(["model", "--data-parallel-size", "3", "--gpu-memory-utilization", "0.5",
+                                "--no-enable-prefix-caching", "--seed", "7"])
+    pool_args = settings_from(args).pool_args
+    assert (pool_args["world_size"], pool_args["gpu_memory_utilization"]) == (3, 0.5)
+    assert (pool_args["enable_prefix_caching"], pool_args["seed"]) == (False, 7)
+    assert settings_from(parser().parse_args(["model", "-dp", "2", "--enable-prefix-caching"])).pool_args == \
+        {**settings_from(parser().parse_args(["model", "--world-size", "2"])).pool_args, "enable_prefix_caching": True}
+    assert "seed" not in settings_from(parser().parse_args(["model"])).pool_args  # the engine's default
+
+
+def vllm_events(config: dict, *extra: str) -> dict | None:
+    p = parser()
+    args = p.parse_args(["model", "--kv-events-config", json.dumps(config), *extra])
+    read_kv_events_config(p, args)
+    events = kv_events_config(args)
+    return None if events is None else json.loads(events)
+
+
+def test_vllm_s_kv_events_config_maps_onto_the_publisher_s_settings():
+    events = vllm_events({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:6000",
+                          "replay_endpoint": "tcp://127.0.0.1:6001", "topic": "t", "buffer_steps": 50, "hwm": 10})
+    assert events == {"endpoint": "tcp://127.0.0.1:6000", "replay_endpoint": "tcp://127.0.0.1:6001", "topic": "t",
+                      "buffer_steps": 50, "array_like": True, "int_hashes": True}
+    defaults = vllm_events({"enable_kv_cache_events": True})
+    assert (defaults["endpoint"], defaults["topic"], defaults["buffer_steps"]) == ("tcp://127.0.0.1:5557", "", 10_000)
+    assert vllm_events({"enable_kv_cache_events": False, "endpoint": "tcp://127.0.0.1:6000"}) is None
+    assert vllm_events({"enable_kv_cache_events": True, "publisher": "null"}) is None
+
+
+@pytest.mark.parametrize("config, extra, words", [
+    ("[1]", (), "--kv-events-config: must be a JSON object"),
+    ("{", (), "--kv-events-config: not JSON"),
+    ('{"enable_kv_cache_events": true, "endpont": "x"}', (), "unknown field(s) endpont"),
+    ('{"enable_kv_cache_events": "yes"}', (), "enable_kv_cache_events must be bool"),
+    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', (), "publisher must be 'zmq' or 'null'"),
+    ('{"enable_kv_cache_events": true, "buffer_steps": 0}', (), "buffer_steps must be >= 1"),
+    ('{"enable_kv_cache_events": true}', ("--kv-events-endpoint", "tcp://127.0.0.1:1"), "give one or the other"),
+])
+def test_a_bad_kv_events_config_is_refused_by_name(config, extra, words, capsys):
+    p = parser()
+    args = p.parse_args(["model", "--kv-events-config", config, *extra])
+    with pytest.raises(SystemExit) as exit_:
+        read_kv_events_config(p, args)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_good_values_are_taken():

@@ -20,6 +20,7 @@ class NotingPool:
 
     def __init__(self) -> None:
         self.threads: list[int] = []
+        self.tokenizer = None  # logprobs name tokens by id
         rank = SimpleNamespace(alive=True, num_blocks=64)
         self.engine = SimpleNamespace(max_model_len=1024, block_size=16, ranks=[rank])
 

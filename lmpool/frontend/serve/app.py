@@ -13,9 +13,7 @@ loop), not by FastAPI. The routes gateways probe (``/server_info``, ``/v1/loads`
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -25,12 +23,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmpool.frontend.api import AsyncLMPool
 from lmpool.frontend.serve.auth import install_api_key
-from lmpool.frontend.serve import ecosystem
+from lmpool.frontend.serve import ecosystem, tokenize
+from lmpool.frontend.serve.tokenize import off_loop
 from lmpool.frontend.serve.body import BodyParser, parse_request
-from lmpool.frontend.serve.disconnect import ClientGone, unless_disconnected
+from lmpool.frontend.serve.body_parser import Parsed
+from lmpool.frontend.serve.disconnect import unless_disconnected
 from lmpool.frontend.serve.errors import ServeError, install_handlers
 from lmpool.frontend.serve.metrics import scrape
-from lmpool.frontend.serve.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
+from lmpool.frontend.serve.choices import Run, generate_all, plan, start_streams
+from lmpool.frontend.serve.logprobs import TokenText
+from lmpool.frontend.serve.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest, \
+    PromptList
 from lmpool.frontend.serve.responses import Shape, server_fingerprint
 from lmpool.frontend.serve.settings import ServeSettings
 from lmpool.frontend.serve.sse import event_stream
@@ -69,34 +72,30 @@ def create_app(settings: ServeSettings) -> FastAPI:
     install_api_key(app, settings.api_key)
     _routes(app, settings)
     ecosystem.register(app)
+    tokenize.register(app, request_for)
     return app
 
 
 def _routes(app: FastAPI, settings: ServeSettings) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            parsed = await parse_request(request, CompletionRequest, "completions")
-        except ClientGone:
-            return Response(status_code=499)
+        parsed, pool = await request_for(request, CompletionRequest, "completions")
         body = parsed.request
-        pool = _pool(request, body.model)
-        prompt_ids = await _tokenize(request, pool.encode, parsed.prompt)
+        prompts = list(parsed.prompt) if isinstance(parsed.prompt, PromptList) else [parsed.prompt]
+        ids = [await off_loop(request, pool.encode, prompt) for prompt in prompts]
+        echoes = [await _prompt_text(request, pool, p, i) for p, i in zip(prompts, ids)] if body.echo else None
         params = body.sampling_params(DEFAULT_COMPLETION_TOKENS)
-        return await _respond(request, pool, prompt_ids, params, body, chat=False)
+        runs = plan(ids, params, body.num_choices, echoes, body.prompt_only)
+        return await _respond(request, pool, runs, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            parsed = await parse_request(request, ChatCompletionRequest, "chat")
-        except ClientGone:
-            return Response(status_code=499)
+        parsed, pool = await request_for(request, ChatCompletionRequest, "chat")
         body = parsed.request
-        pool = _pool(request, body.model)
-        prompt_ids = await _tokenize(request, pool.encode_chat, parsed.prompt, **(body.chat_template_kwargs or {}))
+        prompt_ids = await off_loop(request, pool.encode_chat, parsed.prompt, **(body.chat_template_kwargs or {}))
         # OpenAI's chat default is "as long as the context allows".
         params = body.sampling_params(max(1, _longest_request(pool) - len(prompt_ids)))
-        return await _respond(request, pool, prompt_ids, params, body, chat=True)
+        return await _respond(request, pool, plan([prompt_ids], params, body.num_choices), body, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -117,6 +116,13 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
         return await scrape(request.app.state.pool)
 
 
+async def request_for(request: Request, model: type, endpoint: str) -> tuple[Parsed, AsyncLMPool]:
+    """The request's body as ``model`` (``body.parse_request``) and the pool it names (a 404 for another
+    model); ``ClientGone`` (a 499) if the client left while it was read."""
+    parsed = await parse_request(request, model, endpoint)
+    return parsed, _pool(request, parsed.request.model)
+
+
 def _pool(request: Request, model: str | None) -> AsyncLMPool:
     settings: ServeSettings = request.app.state.settings
     # No name, or an empty one, is the served model (as vLLM takes it: clients send "" unset).
@@ -125,11 +131,9 @@ def _pool(request: Request, model: str | None) -> AsyncLMPool:
     return request.app.state.pool
 
 
-async def _tokenize(request: Request, encode, /, *args, **kwargs) -> list[int]:
-    # Off the event loop: a prompt of megabytes takes seconds to tokenize, which there would
-    # stall every other request's stream and /health (the tokenizer releases the GIL).
-    work = functools.partial(encode, *args, **kwargs)
-    return await asyncio.get_running_loop().run_in_executor(request.app.state.tokenizing, work)
+async def _prompt_text(request: Request, pool: AsyncLMPool, prompt: str | list[int], ids: list[int]) -> str:
+    """An echoed prompt's text: as sent, or its token ids decoded."""
+    return prompt if isinstance(prompt, str) else (await off_loop(request, pool.output_processor.decode, ids) or "")
 
 
 def _max_model_len(pool: AsyncLMPool) -> int:
@@ -144,19 +148,13 @@ def _longest_request(pool: AsyncLMPool) -> int:
     return min(_max_model_len(pool), blocks * pool.engine.block_size)
 
 
-async def _respond(request: Request, pool: AsyncLMPool, prompt_ids: list[int], params, body, chat: bool):
+async def _respond(request: Request, pool: AsyncLMPool, runs: list[Run], body, chat: bool):
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    shape = Shape(chat, rid, request.app.state.settings.name, body.return_token_ids, server_fingerprint())
-    try:
-        if not body.stream:
-            out = await unless_disconnected(request, pool.generate(prompt_ids, params, request_id=rid))
-            return JSONResponse(shape.full(out))
-        outputs = pool.stream(prompt_ids, params, request_id=rid)
-        # The first output is awaited here, so that a request the pool refuses (bad input, no
-        # live rank) gets its status code rather than a 200 stream holding an error.
-        first = await unless_disconnected(request, anext(outputs))
-    except ClientGone:
-        return Response(status_code=499)
-    return StreamingResponse(event_stream(first, outputs, shape, body.include_usage),
+    text = TokenText(pool.tokenizer) if body.logprob_fields() else None
+    shape = Shape(chat, rid, request.app.state.settings.name, body.return_token_ids, server_fingerprint(), text)
+    if not body.stream:
+        outs = await unless_disconnected(request, generate_all(pool, runs, rid))
+        return JSONResponse(shape.full([(run.choice, out) for run, out in zip(runs, outs)]))
+    firsts, streams = await unless_disconnected(request, start_streams(pool, runs, rid))
+    return StreamingResponse(event_stream([run.choice for run in runs], firsts, streams, shape, body.include_usage),
                              media_type="text/event-stream")
-

@@ -1,5 +1,6 @@
-"""The optional API key: with one set, every ``/v1`` request, and ``/server_info`` and
-``/model_info`` (they name the model, as ``/v1/models`` does), must carry
+"""The optional API key: with one set, every ``/v1`` request, ``/server_info`` and
+``/model_info`` (they name the model, as ``/v1/models`` does), ``/tokenize`` and ``/detokenize``
+(the tokenizer's work is the server's CPU) must carry
 ``Authorization: Bearer <key>`` (as vLLM's ``--api-key``; a gateway sends its worker's key on
 these probes too); ``/health`` and ``/metrics`` stay open for load balancers and scrapers."""
 
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from lmpool.frontend.serve.errors import error_body
 
-KEYED_PATHS = ("/server_info", "/model_info")
+KEYED_PATHS = ("/server_info", "/model_info", "/tokenize", "/detokenize")
 
 
 def install_api_key(app, api_key: str | None) -> None:

@@ -30,7 +30,7 @@ from lmpool.frontend.serve.body_parser import Answer, BodyRefused, Decoded, Pars
     decode, validation_message
 from lmpool.frontend.serve.disconnect import ClientGone
 from lmpool.frontend.serve.errors import ServeError
-from lmpool.frontend.serve.protocol import HEADS
+from lmpool.frontend.serve.protocol import HEADS, PromptList
 from lmpool.frontend.serve.settings import HttpLimits
 
 PARSER_ARGV = [sys.executable, "-m", "lmpool.frontend.serve.body_parser"]
@@ -77,11 +77,14 @@ def _head(model: type[BaseModel], head: bytes) -> BaseModel:
         raise ServeError(500, f"the body-parsing process sent an invalid request: {validation_message(e.errors())}")
 
 
-async def rebuild(decoded: Decoded) -> str | list[int] | list[dict]:
+PIECE_TYPES = {"ids": list[int], "messages": list[dict[str, str]], "prompts": list[str | list[int]]}
+
+
+async def rebuild(decoded: Decoded) -> str | list[int] | list[dict] | PromptList:
     """The prompt of ``decoded``, a piece at a time, the loop handed back after each."""
     if decoded.kind == "text":
         return b"".join(decoded.pieces).decode()  # a copy at memory speed: milliseconds for 32 MiB
-    piece_type = list[int] if decoded.kind == "ids" else list[dict[str, str]]
+    piece_type = PIECE_TYPES[decoded.kind]
     # Items go into a list of their final size: growing one of millions reallocates it, tens
     # of milliseconds of copying at a time.
     items: list = [None] * decoded.size
@@ -93,7 +96,7 @@ async def rebuild(decoded: Decoded) -> str | list[int] | list[dict]:
         await asyncio.sleep(0)
     if at != decoded.size:
         raise ServeError(500, f"the body-parsing process sent {at} of {decoded.size} prompt items")
-    return items
+    return PromptList(items) if decoded.kind == "prompts" else items
 
 
 class BodyParser:

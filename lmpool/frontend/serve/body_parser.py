@@ -31,12 +31,15 @@ from dataclasses import dataclass
 import msgspec
 from pydantic import BaseModel, ValidationError
 
-from lmpool.frontend.serve.protocol import HEADS, ChatCompletionRequest, CompletionRequest
+from lmpool.frontend.serve.protocol import HEADS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
+    PromptList, TokenizeRequest
 
-ENDPOINTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+ENDPOINTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest,
+                                         "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
 IDS_PIECE = 1 << 16  # token ids per piece: about a millisecond to decode
 TEXT_PIECE = 1 << 20  # bytes of UTF-8 text per piece
 MESSAGES_PIECE = 512  # messages per piece
+PROMPTS_PIECE = 1  # prompts of a list of prompts per piece (each may be long)
 # The most bytes of JSON a request's fields other than its prompt (or messages) may take: the
 # server validates them again, on its event loop, from what the process sends (a millisecond or
 # two at this size). Stop strings, stop token ids and template arguments fit many times over.
@@ -57,7 +60,7 @@ class Parsed:
     resolved prompt: text, token ids, or a conversation of ``{"role", "content"}`` dicts."""
 
     request: BaseModel
-    prompt: str | list[int] | list[dict]
+    prompt: str | list[int] | list[dict] | PromptList
 
 
 def decode(model: type[BaseModel], content_type: str | None, body: bytes) -> Parsed:
@@ -107,8 +110,8 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 
 
 class Decoded(msgspec.Struct, tag="decoded", array_like=True):
-    """A valid request: its head's JSON and its prompt, as ``kind`` ("text", "ids" or
-    "messages") of ``size`` characters, ids or messages, in pieces."""
+    """A valid request: its head's JSON and its prompt, as ``kind`` ("text", "ids", "messages"
+    or "prompts") of ``size`` characters, ids, messages or prompts, in pieces."""
 
     head: bytes
     kind: str
@@ -142,12 +145,17 @@ def answer(job: ParseJob) -> Decoded | Refused:
         return Refused(500, f"the body could not be decoded: {type(e).__name__}: {e}")
 
 
-def split(prompt: str | list[int] | list[dict]) -> tuple[str, int, list[bytes]]:
+def split(prompt: str | list[int] | list[dict] | PromptList) -> tuple[str, int, list[bytes]]:
     """``Decoded``'s kind, size and pieces of a resolved prompt (``body.rebuild`` undoes it)."""
     if isinstance(prompt, str):
         text = prompt.encode()
         return "text", len(prompt), [text[i:i + TEXT_PIECE] for i in range(0, len(text), TEXT_PIECE)]
-    kind, step = ("messages", MESSAGES_PIECE) if prompt and isinstance(prompt[0], dict) else ("ids", IDS_PIECE)
+    if isinstance(prompt, PromptList):
+        kind, step = "prompts", PROMPTS_PIECE
+    elif prompt and isinstance(prompt[0], dict):
+        kind, step = "messages", MESSAGES_PIECE
+    else:
+        kind, step = "ids", IDS_PIECE
     encode = msgspec.msgpack.encode
     return kind, len(prompt), [encode(prompt[i:i + step]) for i in range(0, len(prompt), step)]
 

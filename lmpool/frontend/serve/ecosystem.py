@@ -9,6 +9,8 @@ absent. So a host here answers:
 
 - ``/server_info`` and ``/model_info``, in SGLang's shape (the fields smg reads), and no
   ``/version``: smg registers the host as ``sglang``, whose metadata it reads from these two.
+  ``lmpool serve --enable-version-route`` answers vLLM's ``GET /version`` (``{"version"}``) for
+  the clients and scripts that probe it; smg then registers the host as ``vllm`` instead.
 - ``/v1/loads``: the pool's live ranks as one engine, in SGLang's load schema.
 - ``/v1/responses`` (and its sub-paths): a 501 OpenAI-style error. smg advertises the Responses
   API for every worker whatever its engine, and forwards it as is; a 501 says what is missing,
@@ -91,6 +93,11 @@ def register(app: FastAPI) -> None:
             "live_ranks": load["live_ranks"],
             "block_size": pool.engine.block_size,
         }
+
+    if settings.version_route:
+        @app.get("/version")
+        async def version():
+            return {"version": lmpool_version()}
 
     @app.get("/model_info")
     async def model_info():

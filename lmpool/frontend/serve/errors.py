@@ -1,7 +1,7 @@
 """OpenAI-style error bodies, and the status each failure maps to.
 
 Bad input is a 400, a body over the size limit a 413, one that is not JSON a 415, a pool with no
-live rank (or one shut down) a 503, anything unexpected a 500: every failure becomes a JSON body
+live rank (or one shut down) a 503, a client gone before its answer a 499, anything unexpected a 500: every failure becomes a JSON body
 for its caller and the server serves on, its connection kept alive (an unexpected error answered
 before its response began is logged with its traceback, not re-raised to uvicorn, which closes the
 connection under a client that may already be sending its next request on it).
@@ -14,11 +14,12 @@ from http import HTTPStatus
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from lmpool.frontend.client import PoolError
 from lmpool.frontend.serve.body_parser import validation_message
+from lmpool.frontend.serve.disconnect import ClientGone
 
 log = logging.getLogger("uvicorn.error")
 
@@ -73,6 +74,10 @@ def install_handlers(app) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # 404, 405...
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
 
+    async def gone(request: Request, exc: ClientGone) -> Response:  # nobody reads it: nginx's "client closed"
+        return Response(status_code=499)
+
+    app.add_exception_handler(ClientGone, gone)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(ServeError, any_error)

@@ -29,6 +29,7 @@ from lmpool.config.engine import check_port
 from lmpool.config.pool import ROUTINGS
 from lmpool.control.kv_events import pool_events as kv_pool_events
 from lmpool.frontend.serve.settings import HttpLimits, ServeSettings
+from lmpool.frontend.serve.vllm_kv_events_config import parse_kv_events_config
 
 
 def default_device() -> str:
@@ -44,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
     p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
-    p.add_argument("--world-size", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--world-size", "--data-parallel-size", "-dp", dest="world_size", type=int, default=1,
+                   help="data-parallel replicas (--data-parallel-size and -dp are vLLM's names for it)")
     p.add_argument("--device", default=default_device(),
                    help="cuda (replica r on GPU r modulo the GPUs) or cpu (default: cuda when present, as lmpool demo)")
     p.add_argument("--dtype", help="the weights' dtype (default: the engine's for the device)")
@@ -55,9 +57,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens one engine step schedules per replica")
     p.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="the share of each GPU the replicas on it fill together (default: 0.9)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse cached KV blocks of shared prefixes (default: on)")
+    p.add_argument("--seed", type=int, help="the engines' random stream for unseeded sampling (rank r draws from "
+                                            "seed + r; default: 0)")
     p.add_argument("--kv-events-endpoint", help="publish vLLM-format KV events on this ZMQ PUB endpoint "
                    "(e.g. tcp://127.0.0.1:5557); the events carry every cached block's token ids, for every "
                    "tenant, salted or not: bind to loopback or a trusted network; off unless given")
+    p.add_argument("--kv-events-config", metavar="JSON",
+                   help="vLLM's form of the KV-event settings, a JSON object of its KVEventsConfig fields "
+                        "(enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic, buffer_steps); "
+                        "an endpoint left out is tcp://127.0.0.1:5557, not vLLM's tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint answering replay and snapshot "
                    "requests (e.g. tcp://127.0.0.1:5558)")
     p.add_argument("--kv-events-topic", default="kv-events")
@@ -69,6 +81,9 @@ def parser() -> argparse.ArgumentParser:
                         "rather than vLLM's default, their low 64 bits as integers")
     p.add_argument("--shutdown-grace", type=_seconds, default=5.0,
                    help="seconds the running requests get to finish once SIGINT or SIGTERM stops the server")
+    p.add_argument("--enable-version-route", action="store_true",
+                   help="answer vLLM's GET /version; SGLang's gateway (smg) then takes this host for a vLLM worker "
+                        "rather than an SGLang one")
     p.add_argument("--log-level", default="info")
     limits = p.add_argument_group(
         "client limits", "What a client may send, and how slowly. A body over the limit is a 413 (refused from its "
@@ -144,13 +159,29 @@ def limits_from(args: argparse.Namespace) -> HttpLimits:
 def settings_from(args: argparse.Namespace) -> ServeSettings:
     pool_args: dict = {"world_size": args.world_size, "device": args.device, "routing": args.routing}
     for name in ("dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "enforce_eager"):
+                 "enforce_eager", "gpu_memory_utilization", "enable_prefix_caching", "seed"):
         if getattr(args, name) is not None:
             pool_args[name] = getattr(args, name)
     if importlib.util.find_spec("prometheus_client") is not None:
         pool_args["metrics_port"] = 0  # relayed at the server's /metrics
     return ServeSettings(model=args.model, served_model_name=args.served_model_name, api_key=args.api_key,
-                         pool_args=pool_args, limits=limits_from(args))
+                         pool_args=pool_args, limits=limits_from(args), version_route=args.enable_version_route)
+
+
+def read_kv_events_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Apply vLLM's ``--kv-events-config`` JSON to ``args``' own KV-event settings (it is one or
+    the other: given both, the command line is refused)."""
+    if args.kv_events_config is None:
+        return
+    if args.kv_events_endpoint or args.kv_events_replay_endpoint:
+        p.error("--kv-events-config and --kv-events-endpoint/--kv-events-replay-endpoint: give one or the other")
+    try:
+        settings = parse_kv_events_config(args.kv_events_config)
+    except ValueError as e:
+        p.error(f"--kv-events-config: {e}")
+    if settings is not None:
+        args.kv_events_endpoint, args.kv_events_replay_endpoint = settings["endpoint"], settings["replay_endpoint"]
+        args.kv_events_topic, args.kv_events_buffer_steps = settings["topic"], settings["buffer_steps"]
 
 
 def kv_events_config(args: argparse.Namespace) -> str | None:
@@ -204,6 +235,7 @@ def check_endpoints(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     p = parser()
     args = p.parse_args(argv)
+    read_kv_events_config(p, args)
     try:
         import uvicorn
 

@@ -54,13 +54,15 @@ class HttpLimits:
 
 @dataclass
 class ServeSettings:
-    """The model, its public name, the optional API key, the pool's arguments and the HTTP limits."""
+    """The model, its public name, the optional API key, the pool's arguments, the HTTP limits and
+    whether to answer vLLM's ``/version``."""
 
     model: str
     served_model_name: str | None = None
     api_key: str | None = None
     pool_args: dict = field(default_factory=dict)
     limits: HttpLimits = field(default_factory=HttpLimits)
+    version_route: bool = False  # answer vLLM's GET /version (``ecosystem`` says why it is off by default)
 
     @property
     def name(self) -> str:

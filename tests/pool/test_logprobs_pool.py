@@ -1,0 +1,51 @@
+"""Logprobs and penalties through a pool of CPU replicas equal one engine's: a request's token and
+prompt logprobs, and penalized tokens, however routing places them, and also for a request whose
+rank is killed mid-stream (recomputed on another: its logprobs stay one per token, its prompt's
+are shown once)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import uvloop
+
+from lmpool import LLM, SamplingParams
+from lmpool.frontend.api import AsyncLMPool
+
+BLOCK = 16
+TOLERANCE = 5e-4  # recomputed on another rank: its outputs run as prefill, not decode steps
+PROMPT = list(range(3, 40))
+ASKED = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+PENALIZED = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
+                           frequency_penalty=0.4, presence_penalty=0.2)
+
+
+def same_logprobs(got: list, expected: list) -> bool:
+    return len(got) == len(expected) and all(
+        (g is None and e is None) or (g.token_id == e.token_id and g.top_ids == e.top_ids
+                                      and abs(g.logprob - e.logprob) < TOLERANCE) for g, e in zip(got, expected))
+
+
+def test_logprobs_and_penalties_survive_a_rank_s_death(tiny_model):
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        expected, penalized = llm.generate([PROMPT, PROMPT[:20]], [ASKED, PENALIZED])
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            # A thousand tokens pinned to rank 0: it cannot finish there before the kill, after its first.
+            stream = pool.stream(PROMPT, ASKED, rank=0)
+            first = await anext(stream)
+            os.kill(pool.engine.ranks[0].proc.pid, signal.SIGKILL)
+            last = first
+            async for last in stream:
+                pass
+            return first, last, await pool.generate(PROMPT[:20], PENALIZED)
+
+    first, last, pool_penalized = uvloop.run(main())
+    assert first.rank == 0 and last.rank == 1
+    assert last.token_ids == expected.token_ids and len(last.logprobs) == 1000
+    assert same_logprobs(last.logprobs, expected.logprobs)
+    assert same_logprobs(last.prompt_logprobs, expected.prompt_logprobs)
+    assert first.prompt_logprobs == last.prompt_logprobs  # shown with the first token, kept from rank 0's
+    assert pool_penalized.token_ids == penalized.token_ids
