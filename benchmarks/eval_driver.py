@@ -74,6 +74,9 @@ async def replay(pool, trace, arrival: Arrival, on_done: Callable[[], None] = la
                 "predicted_ttft_s": _rounded(getattr(last, "predicted_ttft_s", None)),
                 # Submission to hand-over to the rank: the pool's own front end, before any engine.
                 "dispatch_s": _rounded(getattr(last, "dispatch_s", None)),
+                # Its rank's share of its TTFT: arrival there to its first step's launch, then to its token.
+                "queued_s": _rounded(getattr(last, "queued_s", None)),
+                "first_step_s": _rounded(getattr(last, "first_step_s", None)),
                 "num_cached_tokens": last.num_cached_tokens, "output_len": len(last.token_ids),
                 # Microseconds are far below any latency measured here, and keep the JSON small.
                 "arrival_s": round(arrived - t0, 6), "first_token_s": round(first - t0, 6),

@@ -22,6 +22,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     # In a pool: seconds from the request's submission to its hand-over to that rank (its
     # validation, block hashes and route, and the caller's event loop between them).
     dispatch_s: float | None = None
+    # In a pool: its rank's share of the time to its first token: seconds from its arrival there
+    # to the launch of its first step, and from that launch to its first token.
+    queued_s: float | None = None
+    first_step_s: float | None = None
     # Where the request asked (``SamplingParams.logprobs``): one per token of ``token_ids``.
     logprobs: list[TokenLogprobs] | None = None
     # Where it asked (``SamplingParams.prompt_logprobs``): one per prompt token, None for the first.

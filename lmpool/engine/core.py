@@ -146,6 +146,7 @@ class EngineCore:
         self.requests[request_id] = seq
         if params.prompt_logprobs is not None:
             self.awaiting_prompt_logprobs.add(request_id)
+        seq.arrival_time = time.monotonic()
         self.scheduler.add(seq)
         return seq
 
@@ -171,10 +172,12 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         """Run one step; returns the tokens the host has read back (see the module docstring)."""
-        started = time.perf_counter()
-        if self.config.async_scheduling:
-            return self._step_overlapped(started)
-        return self._step_serial(started)
+        started, launched = time.perf_counter(), time.monotonic()
+        outputs = self._step_overlapped(started) if self.config.async_scheduling else self._step_serial(started)
+        for seq in self.scheduler.last_batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = launched
+        return outputs
 
     def take_step_samples(self) -> list[StepSample]:
         """The timed steps since the previous call, oldest first (at most ``STEP_SAMPLES``)."""

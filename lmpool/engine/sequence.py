@@ -57,6 +57,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.first_token_time: float | None = None
+        # ``time.monotonic()`` instants: its arrival at the engine, and the launch of the first
+        # step that computed part of it (a replica's own share of its time to first token).
+        self.arrival_time: float | None = None
+        self.first_scheduled_time: float | None = None
         # With ``params.prompt_logprobs``: each prompt position's logprobs as steps read them back,
         # None for the first (it has none); sent with the first token once complete.
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None

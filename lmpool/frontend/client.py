@@ -107,6 +107,9 @@ class TrackedRequest:
     wire_id: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Its rank's share of the time to its first token (``TokenDelta.queued_s``, ``first_step_s``).
+    queued_s: float | None = None
+    first_step_s: float | None = None
     finish_reason: str | None = None
     reroutes: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -431,6 +434,7 @@ class PoolClient:
             self.metrics.inter_token(now - req.last_token_at)
         else:
             self.metrics.first_token(now - req.arrival)
+            req.queued_s, req.first_step_s = delta.queued_s, delta.first_step_s
             if not req.reroutes:
                 req.num_cached_tokens = min(delta.num_cached_tokens, len(req.prompt_token_ids))
         req.last_token_at = now

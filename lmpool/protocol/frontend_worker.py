@@ -60,6 +60,10 @@ class TokenDelta(Message):
     # first token the prompt's (``lmpool.token_logprobs``).
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With the first token only: seconds from the request's arrival at the worker to the launch
+    # of its first step, and from that launch to this token (the replica's share of its TTFT).
+    queued_s: float | None = None
+    first_step_s: float | None = None
 
 
 class StepOutputs(Message, tag="outputs"):

@@ -360,13 +360,15 @@ class Worker:
                     if out.error is not None:  # that request's failure: the rank serves on
                         failed.append(RequestRejected(out.request_id, out.error))
                         continue
+                    queued = first_step = None
                     if seq.first_token_time is None:
                         seq.first_token_time = time.monotonic()
                         self.prompt_tokens += seq.num_prompt_tokens
                         self.prefix_hit_tokens += seq.num_cached_tokens
+                        queued, first_step = first_token_times(seq)
                     deltas.append(
                         TokenDelta(out.request_id, out.new_token_id, out.finished, out.finish_reason,
-                                   seq.num_cached_tokens, out.logprobs, out.prompt_logprobs)
+                                   seq.num_cached_tokens, out.logprobs, out.prompt_logprobs, queued, first_step)
                     )
             load = None
             if deltas:
@@ -390,6 +392,14 @@ class Worker:
             self.transfers.close()
         if self.fatal is not None:
             raise self.fatal
+
+
+def first_token_times(seq) -> tuple[float | None, float | None]:
+    """(queued, first step) seconds of a sequence at its first token: arrival to the launch of its
+    first step, and that launch to now (``Sequence.first_token_time``)."""
+    if seq.arrival_time is None or seq.first_scheduled_time is None:
+        return None, None
+    return seq.first_scheduled_time - seq.arrival_time, seq.first_token_time - seq.first_scheduled_time
 
 
 def release_hook(spec: WorkerSpec):

@@ -4,6 +4,7 @@ locality, stats, bad input at ingress, start-up failures."""
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -67,8 +68,13 @@ def test_lmpool_routing_follows_the_prefix(tiny_model):
 
 def test_stats_fields(tiny_model):
     with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
-        pool.generate(mixed_prompts(4), GREEDY)
+        started = time.monotonic()
+        outs = pool.generate(mixed_prompts(4), GREEDY)
+        wall = time.monotonic() - started
         stats = pool.stats()
+    for o in outs:  # each request's time to first token, in parts that lie within the call
+        assert o.queued_s >= 0 and o.first_step_s > 0
+        assert o.dispatch_s + o.queued_s + o.first_step_s <= wall
     assert stats["control_pid"] > 0
     for i, row in enumerate(stats["ranks"]):
         assert row["rank"] == i and row["pid"] > 0 and row["alive"]
