@@ -127,8 +127,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def kv_events_env(config: dict) -> Iterator[None]:
-    """The pool started inside publishes its KV events as ``config`` says (its control process
-    reads ``LMPOOL_KV_EVENTS`` when it starts, as under ``lmpool serve``)."""
+    """A pool started and running inside publishes its KV events as ``config`` says (its control
+    process reads ``LMPOOL_KV_EVENTS`` when it starts, as under ``lmpool serve``): held for the
+    pool's whole life, since a control process the pool restarts reads it again."""
     before = os.environ.get(KV_EVENTS_ENV)
     os.environ[KV_EVENTS_ENV] = json.dumps(config)
     try:
@@ -223,8 +224,8 @@ async def dynamo_in_front(pool, args, setting) -> AsyncIterator[Front]:
         selection_service()
         with kv_events_env(events):
             await pool.start()
-        async with router_on(events, args, setting) as (service, relay):
-            yield Front(DynamoRoutedPool(pool, service, args.world_size), service, relay)
+            async with router_on(events, args, setting) as (service, relay):
+                yield Front(DynamoRoutedPool(pool, service, args.world_size), service, relay)
     finally:
         await pool.shutdown()
 

@@ -15,7 +15,8 @@ same flags) with each prefix now on the other rank clears every rank in Dynamo's
 start's ``AllBlocksCleared``, relayed from its snapshot) and shows the new placement, which
 Dynamo's routing then follows; the relay keeps each rank's sequence growing across the restart,
 and a rank the restarted publisher cleared is cleared for its consumer even when the live event
-was published before the relay reconnected.
+was published before the relay reconnected. A control process the pool replaces (SIGKILLed)
+publishes from seq 0 again too: Dynamo keeps the placement and takes what it adds afterwards.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
+import signal
 import sys
 
 import eval_dynamo
@@ -98,11 +101,10 @@ def new_pool(model: str, args, setting):
     return eval_suite.new_pool(model, args, eval_suite.DYNAMO_POOL, setting, 128)
 
 
-async def started_pool(model: str, args, setting, events: dict):
-    pool = new_pool(model, args, setting)
-    with eval_dynamo.kv_events_env(events):
-        await pool.start()
-    return pool
+async def started_pool(model: str, args, setting):
+    """A pool publishing KV events as the caller's ``eval_dynamo.kv_events_env`` says (held for
+    the pool's life: a restarted control process reads it again)."""
+    return await new_pool(model, args, setting).start()
 
 
 async def wait_for_placement(service, prefixes: dict[str, list[int]], homes: dict[str, int]) -> None:
@@ -168,13 +170,17 @@ def test_after_a_pool_restart_dynamo_drops_the_old_placement_and_follows_the_new
 
     async def scenario():
         events = eval_dynamo.events_config()
-        pool = await started_pool(tiny_model, args, setting, events)
+        with eval_dynamo.kv_events_env(events):
+            return await restarted(events)
+
+    async def restarted(events):
+        pool = await started_pool(tiny_model, args, setting)
         try:
             async with eval_dynamo.router_on(events, args, setting) as (service, relay):
                 await replay(DynamoRoutedPool(pool, service, 2), seed, setting.arrival)
                 await wait_for_placement(service, prefixes, before)
                 await pool.shutdown()
-                pool = await started_pool(tiny_model, args, setting, events)
+                pool = await started_pool(tiny_model, args, setting)
                 client = DynamoRoutedPool(pool, service, 2)
                 reseeded = await replay(client, moved(seed), setting.arrival)
                 assert reseeded["rank"] == [1, 0] and reseeded["num_cached_tokens"] == [0, 0]  # a new pool
@@ -190,6 +196,57 @@ def test_after_a_pool_restart_dynamo_drops_the_old_placement_and_follows_the_new
     assert resyncs >= 1  # the relay took the restarted pool's snapshot
     assert_followed(followed, after)
     assert booked == {"active_requests": 0, "prefill_tokens": 0, "decode_blocks": 0}
+
+
+def test_after_a_control_process_restart_dynamo_follows_the_new_publisher(tiny_model, no_leaks):
+    """The control process is SIGKILLed and the pool restarts it: its publisher binds the same
+    endpoints and numbers from 0 again, then publishes what the workers still hold (each rank's
+    snapshot: cleared, then its blocks). Dynamo's index keeps the placement it had (a on rank 0,
+    b on rank 1) and takes what the new publisher adds: a prefix c seeded on rank 0 afterwards,
+    whose batches carry seqs Dynamo's listeners had already passed, and which Dynamo then routes
+    c's followers to."""
+    dynamo_runs()
+    from lmpool.model.config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(tiny_model).vocab_size
+    seed, _, prefixes = traces(vocab)
+    tokens = Tokens("dynamo-test-c", 0, vocab)
+    prefixes["c"] = tokens.draw(PREFIX)
+    seed_c = Trace("dynamo_seed_c", 0, ("seed",), (TraceRequest(0, "seed", "c", prefixes["c"] + tokens.draw(TAIL),
+                                                                MAX_TOKENS, 0),), {})
+    follow_c = Trace("dynamo_follow_c", 0, ("follow",), tuple(
+        TraceRequest(i, "follow", "c", prefixes["c"] + tokens.draw(TAIL), MAX_TOKENS, None) for i in range(3)), {})
+    args, setting = suite_args(), Setting(kv_blocks=64, arrival=Arrival("window", window=1))
+
+    async def scenario():
+        events = eval_dynamo.events_config()
+        with eval_dynamo.kv_events_env(events):
+            return await restarted(events)
+
+    async def restarted(events):
+        pool = await started_pool(tiny_model, args, setting)
+        try:
+            async with eval_dynamo.router_on(events, args, setting) as (service, relay):
+                client = DynamoRoutedPool(pool, service, 2)
+                await replay(client, seed, setting.arrival)
+                await wait_for_placement(service, prefixes, {"a": 0, "b": 1})
+                old = pool.engine.control_proc.pid
+                os.kill(old, signal.SIGKILL)
+                # The pool replaces a control process it finds dead, as a query finds it.
+                while (await pool.stats())["control_pid"] == old:
+                    await asyncio.sleep(POLL_S)
+                await replay(client, seed_c, setting.arrival)
+                await wait_for_placement(service, prefixes, {"c": 0})
+                kept = {g: await device_blocks(service, prefixes[g]) for g in "ab"}
+                followed = await replay(client, follow_c, setting.arrival)
+                return kept, followed, relay.resyncs
+        finally:
+            await pool.shutdown()
+
+    kept, followed, resyncs = asyncio.run(scenario())
+    assert kept == {"a": {0: PREFIX // BLOCK, 1: 0}, "b": {0: 0, 1: PREFIX // BLOCK}}
+    assert resyncs >= 1
+    assert_followed(followed, {"c": 0})
 
 
 def test_a_booking_moves_at_the_first_token_and_is_freed_however_the_stream_ends(tiny_model, no_leaks):
