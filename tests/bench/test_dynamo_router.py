@@ -107,6 +107,20 @@ async def started_pool(model: str, args, setting):
     return await new_pool(model, args, setting).start()
 
 
+async def under_dynamo(model: str, args, setting, scenario):
+    """``scenario(pools, service, relay)`` with a pool started (``pools[0]``) and Dynamo's router
+    reading its KV events; a scenario that restarts the pool appends the new one. The last pool
+    is shut down on the way out, after the router."""
+    events = eval_dynamo.events_config()
+    with eval_dynamo.kv_events_env(events):
+        pools = [await started_pool(model, args, setting)]
+        try:
+            async with eval_dynamo.router_on(events, args, setting) as (service, relay):
+                return await scenario(pools, service, relay)
+        finally:
+            await pools[-1].shutdown()
+
+
 async def wait_for_placement(service, prefixes: dict[str, list[int]], homes: dict[str, int]) -> None:
     """Until Dynamo's index shows each group's prefix whole on its home rank."""
     for group, rank in homes.items():
@@ -168,30 +182,20 @@ def test_after_a_pool_restart_dynamo_drops_the_old_placement_and_follows_the_new
     args, setting = suite_args(), Setting(kv_blocks=64, arrival=Arrival("window", window=1))
     before, after = {"a": 0, "b": 1}, {"a": 1, "b": 0}
 
-    async def scenario():
-        events = eval_dynamo.events_config()
-        with eval_dynamo.kv_events_env(events):
-            return await restarted(events)
+    async def scenario(pools, service, relay):
+        await replay(DynamoRoutedPool(pools[0], service, 2), seed, setting.arrival)
+        await wait_for_placement(service, prefixes, before)
+        await pools[0].shutdown()
+        pools.append(await started_pool(tiny_model, args, setting))
+        client = DynamoRoutedPool(pools[1], service, 2)
+        reseeded = await replay(client, moved(seed), setting.arrival)
+        assert reseeded["rank"] == [1, 0] and reseeded["num_cached_tokens"] == [0, 0]  # a new pool
+        await wait_for_placement(service, prefixes, after)
+        stale = {g: (await device_blocks(service, prefixes[g])).get(before[g], 0) for g in "ab"}
+        followed = await replay(client, follow, setting.arrival)
+        return stale, followed, relay.resyncs, eval_dynamo.booked_load(service)
 
-    async def restarted(events):
-        pool = await started_pool(tiny_model, args, setting)
-        try:
-            async with eval_dynamo.router_on(events, args, setting) as (service, relay):
-                await replay(DynamoRoutedPool(pool, service, 2), seed, setting.arrival)
-                await wait_for_placement(service, prefixes, before)
-                await pool.shutdown()
-                pool = await started_pool(tiny_model, args, setting)
-                client = DynamoRoutedPool(pool, service, 2)
-                reseeded = await replay(client, moved(seed), setting.arrival)
-                assert reseeded["rank"] == [1, 0] and reseeded["num_cached_tokens"] == [0, 0]  # a new pool
-                await wait_for_placement(service, prefixes, after)
-                stale = {g: (await device_blocks(service, prefixes[g])).get(before[g], 0) for g in "ab"}
-                followed = await replay(client, follow, setting.arrival)
-                return stale, followed, relay.resyncs, eval_dynamo.booked_load(service)
-        finally:
-            await pool.shutdown()
-
-    stale, followed, resyncs, booked = asyncio.run(scenario())
+    stale, followed, resyncs, booked = asyncio.run(under_dynamo(tiny_model, args, setting, scenario))
     assert stale == {"a": 0, "b": 0}, "Dynamo's index kept blocks of the pool before the restart"
     assert resyncs >= 1  # the relay took the restarted pool's snapshot
     assert_followed(followed, after)
@@ -218,32 +222,23 @@ def test_after_a_control_process_restart_dynamo_follows_the_new_publisher(tiny_m
         TraceRequest(i, "follow", "c", prefixes["c"] + tokens.draw(TAIL), MAX_TOKENS, None) for i in range(3)), {})
     args, setting = suite_args(), Setting(kv_blocks=64, arrival=Arrival("window", window=1))
 
-    async def scenario():
-        events = eval_dynamo.events_config()
-        with eval_dynamo.kv_events_env(events):
-            return await restarted(events)
+    async def scenario(pools, service, relay):
+        pool = pools[0]
+        client = DynamoRoutedPool(pool, service, 2)
+        await replay(client, seed, setting.arrival)
+        await wait_for_placement(service, prefixes, {"a": 0, "b": 1})
+        old = pool.engine.control_proc.pid
+        os.kill(old, signal.SIGKILL)
+        # The pool replaces a control process it finds dead, as a query finds it.
+        while (await pool.stats())["control_pid"] == old:
+            await asyncio.sleep(POLL_S)
+        await replay(client, seed_c, setting.arrival)
+        await wait_for_placement(service, prefixes, {"c": 0})
+        kept = {g: await device_blocks(service, prefixes[g]) for g in "ab"}
+        followed = await replay(client, follow_c, setting.arrival)
+        return kept, followed, relay.resyncs
 
-    async def restarted(events):
-        pool = await started_pool(tiny_model, args, setting)
-        try:
-            async with eval_dynamo.router_on(events, args, setting) as (service, relay):
-                client = DynamoRoutedPool(pool, service, 2)
-                await replay(client, seed, setting.arrival)
-                await wait_for_placement(service, prefixes, {"a": 0, "b": 1})
-                old = pool.engine.control_proc.pid
-                os.kill(old, signal.SIGKILL)
-                # The pool replaces a control process it finds dead, as a query finds it.
-                while (await pool.stats())["control_pid"] == old:
-                    await asyncio.sleep(POLL_S)
-                await replay(client, seed_c, setting.arrival)
-                await wait_for_placement(service, prefixes, {"c": 0})
-                kept = {g: await device_blocks(service, prefixes[g]) for g in "ab"}
-                followed = await replay(client, follow_c, setting.arrival)
-                return kept, followed, relay.resyncs
-        finally:
-            await pool.shutdown()
-
-    kept, followed, resyncs = asyncio.run(scenario())
+    kept, followed, resyncs = asyncio.run(under_dynamo(tiny_model, args, setting, scenario))
     assert kept == {"a": {0: PREFIX // BLOCK, 1: 0}, "b": {0: 0, 1: PREFIX // BLOCK}}
     assert resyncs >= 1
     assert_followed(followed, {"c": 0})

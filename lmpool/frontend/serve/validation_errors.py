@@ -96,25 +96,17 @@ def _any_of(members) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def _member(tag: str) -> str:
-    """A union member's tag as JSON names its values: ``list[int]`` is "an array of integers"."""
+def _member(tag: str, plural: bool = False) -> str:
+    """A union member's tag as JSON names its values: ``list[int]`` is "an array of integers"
+    (``plural``: "arrays of integers")."""
+    inner = re.fullmatch(r"list\[(.*)\]", tag)
+    if inner:
+        return f"{'arrays' if plural else 'an array'} of {_member(inner.group(1), plural=True)}"
     if tag in SCALARS:
-        return SCALARS[tag]
-    inner = re.fullmatch(r"list\[(.*)\]", tag)
-    if inner:
-        return f"an array of {_plural(inner.group(1))}"
+        return PLURAL[tag] if plural else SCALARS[tag]
     if tag.startswith("dict[") or tag[:1].isupper():
-        return "an object"
+        return "objects" if plural else "an object"
     return f"'{tag}'"
-
-
-def _plural(tag: str) -> str:
-    if tag in PLURAL:
-        return PLURAL[tag]
-    inner = re.fullmatch(r"list\[(.*)\]", tag)
-    if inner:
-        return f"arrays of {_plural(inner.group(1))}"
-    return "objects"
 
 
 def _lowered(text: str) -> str:
