@@ -70,12 +70,6 @@ class PoolMetrics(TokenTimer):
         self._http = prometheus_client.start_http_server(port, host, self.registry)
         self.port = self._http[0].server_port
 
-    def render(self) -> bytes:
-        """The registry in Prometheus' text format, as a scrape gets it."""
-        import prometheus_client
-
-        return prometheus_client.generate_latest(self.registry)
-
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
 
