@@ -19,7 +19,8 @@ goes on. See ``eval_suite`` for the run order and ``benchmarks/README.md`` for t
     python benchmarks/benchmark_e2e.py --device cuda --preset 0.6b --world-size 4 \\
         --dtype bfloat16 --block-size 256 --reps 5 --mps                     # 4 replicas on one GPU
 
-Writes one JSON (default ``benchmarks/results/eval_<device>_<preset>_e2e.json``);
+Writes one JSON (``--json``; default ``eval_<device>_<preset>_e2e.json`` under the temporary directory's
+``lmpool-eval/``: the committed results change only when ``--json`` names them);
 ``benchmarks/plot_results.py`` draws its figures.
 """
 

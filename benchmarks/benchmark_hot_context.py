@@ -8,8 +8,9 @@ context could be worth (``hot_context.py`` says the traces).
         --dtype bfloat16 --block-size 256 --reps 3 --mps --contexts 16384 --hot 1,2
     ... --window 0 --sweep arrival=window,poisson:16,poisson:64            # burst and Poisson arrivals
 
-Window 0 by default: the burst arrives at once. Writes one JSON (default
-``benchmarks/results/eval_<device>_<preset>_hot_context.json``); ``plot_results.py`` draws
+Window 0 by default: the burst arrives at once. Writes one JSON (``--json``; default
+``eval_<device>_<preset>_hot_context.json`` under the temporary directory's ``lmpool-eval/``: the
+committed results change only when ``--json`` names them); ``plot_results.py`` draws
 one figure per workload.
 """
 

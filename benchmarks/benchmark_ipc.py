@@ -16,6 +16,8 @@ on uvloop in both processes, typed msgspec messages. Queue and Pipe carry
 event loop with their blocking calls.
 
     python benchmarks/benchmark_ipc.py --json results.json
+
+A bar on stderr counts the rounds (``--no-progress``: none).
 """
 
 import argparse
@@ -29,6 +31,8 @@ import time
 import msgspec
 import uvloop
 
+from bench_progress import add_argument as add_progress_argument
+from bench_progress import bar
 from lmpool_ipc import Channel, IpcPool
 
 SIZES = (64, 1024, 65536)
@@ -150,6 +154,8 @@ async def measure(drivers: dict, args) -> dict:
     ``--rounds`` short rounds (round trips, then one burst), so that a change in the
     machine's load during the run hits them alike."""
     results: dict = {name: {} for name in drivers}
+    # Advanced between the timed loops, never inside one.
+    shown = bar(len(SIZES) * len(drivers) * (args.rounds + 1), "ipc", unit="round", enabled=not args.no_progress)
     for size in SIZES:
         payload = bytes(size)
         count = args.burst if size < 65536 else args.burst // 10
@@ -158,6 +164,7 @@ async def measure(drivers: dict, args) -> dict:
         for name, driver in drivers.items():
             for _ in range(args.warmup):
                 await driver.round_trip(payload)
+            shown.update()
         for _ in range(args.rounds):
             for name, driver in drivers.items():
                 for _ in range(args.rtt_count // args.rounds):
@@ -167,8 +174,10 @@ async def measure(drivers: dict, args) -> dict:
                 start = time.perf_counter()
                 await driver.burst(payload, count)
                 rates[name].append(count / (time.perf_counter() - start))
+                shown.update()
         for name in drivers:
             results[name][str(size)] = summarize(rtts[name], rates[name])
+    shown.close()
     for driver in drivers.values():
         await driver.stop()
     return results
@@ -205,7 +214,7 @@ async def bench(args) -> dict:
         pool.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write the results here")
     parser.add_argument("--rtt-count", type=int, default=20000, help="round trips per size")
@@ -221,7 +230,8 @@ def main() -> None:
         "median burst rate is reported",
     )
     parser.add_argument("--ring-child", metavar="END", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    add_progress_argument(parser)
+    args = parser.parse_args(argv)
     if args.ring_child:
         uvloop.run(ring_child(args.ring_child))
         return

@@ -14,7 +14,8 @@ for every metric.
         --dtype bfloat16 --block-size 256 --reps 5 --mps                    # 4 replicas on one GPU
     python benchmarks/benchmark_kv_routing.py ... --levels 5 --sweep kv_budget=48,96,192,384,768  # budget sweep
 
-Writes one JSON (``--json``; default ``benchmarks/results/eval_<device>_<preset>_kv_routing.json``);
+Writes one JSON (``--json``; default ``eval_<device>_<preset>_kv_routing.json`` under the temporary
+directory's ``lmpool-eval/``: the committed results change only when ``--json`` names them);
 ``benchmarks/plot_results.py`` draws its figures.
 """
 

@@ -4,7 +4,8 @@ At each concurrency level C, ``--requests-per-level`` streaming completions (ran
 prompts, ``ignore_eos`` so each runs exactly ``--max-tokens``) are sent with at most C in
 flight, after an untimed warm-up. Reported per level: requests/s and output tokens/s over
 the level's wall time, TTFT (request sent to first token) and TPOT (time per output token
-after the first) as mean, p50 and p99 over requests, and any failures. JSON to ``--json``.
+after the first) as mean, p50 and p99 over requests, and any failures. JSON to ``--json``; each
+level's line on stdout as it ends, and a bar on stderr counting requests (``--no-progress``: none).
 
     lmpool serve DIR --world-size 4 --device cuda --port 8000 &
     python benchmarks/benchmark_serve.py --url http://127.0.0.1:8000 --concurrency 1,16,64,256 \\
@@ -27,7 +28,11 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_progress import NoBar, bar  # noqa: E402
+from bench_progress import add_argument as add_progress_argument  # noqa: E402
 from revision import git_record  # noqa: E402
+
+WARM_UP = 4  # untimed requests first
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--token-range", default="100,1000", help="prompt token ids are drawn from [lo, hi)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
+    add_progress_argument(p)
     return p.parse_args(argv)
 
 
@@ -69,7 +75,8 @@ async def one(client, model: str, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft": first - start, "tpot": (end - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens}
 
 
-async def level(client, model: str, batch: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+async def level(client, model: str, batch: list[list[int]], concurrency: int, max_tokens: int,
+                shown=NoBar()) -> dict:
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(prompt):
@@ -78,6 +85,8 @@ async def level(client, model: str, batch: list[list[int]], concurrency: int, ma
                 return await one(client, model, prompt, max_tokens)
             except (openai.APIError, httpx.HTTPError) as e:
                 return {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                shown.update()
 
     start = time.perf_counter()
     results = await asyncio.gather(*(gated(p) for p in batch))
@@ -97,20 +106,22 @@ def summary(values: list[float]) -> dict | None:
     return {"mean": statistics.fmean(ordered), "p50": pick(0.5), "p99": pick(0.99)}
 
 
-async def run(args) -> dict:
+async def run(args, transport: httpx.AsyncBaseTransport | None = None) -> dict:
+    """Every level against ``args.url`` (through ``transport`` when given: an app in process)."""
     levels = [int(c) for c in args.concurrency.split(",")]
+    counts = [args.requests_per_level or max(32, 4 * c) for c in levels]
     rng = random.Random(args.seed)
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max(levels) + 8), timeout=600)
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max(levels) + 8), timeout=600, transport=transport)
     client = openai.AsyncOpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, http_client=http, max_retries=0)
     model = (await client.models.list()).data[0].id
-    await level(client, model, prompts(args, 4, rng), 4, args.max_tokens)  # warm-up, untimed
     out = []
-    for c in levels:
-        n = args.requests_per_level or max(32, 4 * c)
-        result = await level(client, model, prompts(args, n, rng), c, args.max_tokens)
-        print(json.dumps({k: result[k] for k in ("concurrency", "requests_per_s", "output_tokens_per_s",
-                                                 "ttft_s", "tpot_s", "failed")}), flush=True)
-        out.append(result)
+    with bar(WARM_UP + sum(counts), "requests", unit="req", enabled=not args.no_progress) as shown:
+        await level(client, model, prompts(args, WARM_UP, rng), WARM_UP, args.max_tokens, shown)  # untimed
+        for c, n in zip(levels, counts):
+            result = await level(client, model, prompts(args, n, rng), c, args.max_tokens, shown)
+            shown.write(json.dumps({k: result[k] for k in ("concurrency", "requests_per_s", "output_tokens_per_s",
+                                                           "ttft_s", "tpot_s", "failed")}), file=sys.stdout)
+            out.append(result)
     await client.close()
     config = {k: v for k, v in vars(args).items() if k not in ("json", "api_key")}
     return {"benchmark": "serve", "model": model, "config": config, "levels": out, "git": git_record(),

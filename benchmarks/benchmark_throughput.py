@@ -20,7 +20,8 @@ graph capture happens when the engine is built, before it.
     python benchmarks/benchmark_throughput.py --preset 0.6b --device cuda --num-seqs 256 \
         --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 --compare-hf
 
-Defaults are sized for the CPU path (a few thousand tokens, well under a minute).
+Defaults are sized for the CPU path (a few thousand tokens, well under a minute). A bar on
+stderr counts each run's tokens as its steps return them (``--no-progress``: none).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import torch
 from lmpool import LLM, SamplingParams
 from lmpool.model.config import ModelConfig
 from lmpool.model.make_model import make_model
+from bench_progress import NoBar, bar
+from bench_progress import add_argument as add_progress_argument
 from revision import git_revision
 
 
@@ -72,12 +75,14 @@ def run_lmpool(model: str, prompts, outputs, args, path: str = "overlapped") -> 
     vocab = llm.engine.model_config.vocab_size
     warm, _ = workload(2, len(prompts[0]), len(prompts[0]), 1, 1, vocab, args.seed + 1)
     llm.generate(warm, params[:2])
-    records = StepRecorder(llm)
+    shown = bar(sum(outputs), f"lmpool {path}", unit="tok", enabled=not args.no_progress)
+    records = StepRecorder(llm, shown)
     sync(args.device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     sync(args.device)
     elapsed = time.perf_counter() - start
+    shown.close()
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == sum(outputs), "ignore_eos requests must produce exactly max_tokens"
     result = {
@@ -118,7 +123,7 @@ class StepRecorder:
     the next step), split by whether that next step decodes; read once the run has ended.
     """
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, shown=NoBar()) -> None:
         self.steps: list[tuple[int, int, float]] = []
         self.marks: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []  # (decode, start, end)
         shape = [0, 0]
@@ -142,6 +147,9 @@ class StepRecorder:
             t0 = time.perf_counter()
             out = step()
             self.steps.append((shape[0], shape[1], time.perf_counter() - t0))
+            # After the step's own time; in generate's, a counter and a clock read per step (a
+            # redraw at most twice a second), microseconds against steps of milliseconds.
+            shown.update(len(out))
             return out
 
         engine.runner.launch = recorded_launch
@@ -232,6 +240,7 @@ def run_hf(model: str, prompts, outputs, args) -> dict:
     pad = 0
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     generated = 0
+    shown = bar(len(order), "transformers", unit="seq", enabled=not args.no_progress)
     sync(args.device)
     start = time.perf_counter()
     for b in range(0, len(order), args.hf_batch):
@@ -250,8 +259,10 @@ def run_hf(model: str, prompts, outputs, args) -> dict:
                 eos_token_id=None, pad_token_id=pad,
             )
         generated += (out.shape[1] - width) * len(idx)
+        shown.update(len(idx))
     sync(args.device)
     elapsed = time.perf_counter() - start
+    shown.close()
     return {"elapsed_s": elapsed, "output_tokens": generated, "output_tok_s": generated / elapsed,
             "batch_size": args.hf_batch}
 
@@ -324,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="comma-separated engine runs: serial (async_scheduling off) and/or overlapped (on)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    add_progress_argument(ap)
     args = ap.parse_args(argv)
     if not args.paths or not set(args.paths.split(",")) <= set(PATHS):
         ap.error(f"--paths takes serial and/or overlapped, got {args.paths!r}")

@@ -127,8 +127,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def kv_events_env(config: dict) -> Iterator[None]:
-    """The pool started inside publishes its KV events as ``config`` says (its control process
-    reads ``LMPOOL_KV_EVENTS`` when it starts, as under ``lmpool serve``)."""
+    """A pool started and running inside publishes its KV events as ``config`` says (its control
+    process reads ``LMPOOL_KV_EVENTS`` when it starts, as under ``lmpool serve``): held for the
+    pool's whole life, since a control process the pool restarts reads it again."""
     before = os.environ.get(KV_EVENTS_ENV)
     os.environ[KV_EVENTS_ENV] = json.dumps(config)
     try:
@@ -179,20 +180,21 @@ class Front(NamedTuple):
     relay: object  # kv_event_relay.RankRelay
 
 
+def events_config() -> dict:
+    """KV events on loopback ports of their own, block hashes as vLLM sends them (``LMPOOL_KV_EVENTS``)."""
+    return {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+            "topic": "", "buffer_steps": 10_000, "array_like": True, "int_hashes": True}
+
+
 @contextlib.asynccontextmanager
-async def dynamo_in_front(pool, args, setting) -> AsyncIterator[Front]:
-    """Start ``pool`` (unstarted, made for this run) with its KV events on and Dynamo's router in
-    front of it; stop the service, the relay and the pool, in that order, on the way out."""
-    from dynamo_client import DynamoRoutedPool
+async def router_on(events: dict, args, setting) -> AsyncIterator[tuple]:
+    """Dynamo's router reading the KV events a running pool publishes as ``events`` says, through
+    the relay: ``(service, relay)``, both stopped on the way out. A pool that restarts on the same
+    endpoints is followed (the relay resynchronises from its snapshot)."""
     from kv_event_relay import RankRelay
 
-    events = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
-              "topic": "", "buffer_steps": 10_000, "array_like": True, "int_hashes": True}
     relay = service = None
     try:
-        selection_service()
-        with kv_events_env(events):
-            await pool.start()
         relay = await RankRelay(events["endpoint"], events["replay_endpoint"], args.world_size).start()
         service = await start_router(relay, args.world_size, args.block_size, setting.kv_blocks,
                                      args.max_num_batched_tokens)
@@ -203,12 +205,28 @@ async def dynamo_in_front(pool, args, setting) -> AsyncIterator[Front]:
         except TimeoutError:
             raise RuntimeError(f"Dynamo did not subscribe to every rank's KV events within {SUBSCRIBE_TIMEOUT_S} s") \
                 from None
-        yield Front(DynamoRoutedPool(pool, service, args.world_size), service, relay)
+        yield service, relay
     finally:
         if service is not None:
             service.shutdown()
         if relay is not None:
             await relay.aclose()
+
+
+@contextlib.asynccontextmanager
+async def dynamo_in_front(pool, args, setting) -> AsyncIterator[Front]:
+    """Start ``pool`` (unstarted, made for this run) with its KV events on and Dynamo's router in
+    front of it; stop the service, the relay and the pool, in that order, on the way out."""
+    from dynamo_client import DynamoRoutedPool
+
+    events = events_config()
+    try:
+        selection_service()
+        with kv_events_env(events):
+            await pool.start()
+            async with router_on(events, args, setting) as (service, relay):
+                yield Front(DynamoRoutedPool(pool, service, args.world_size), service, relay)
+    finally:
         await pool.shutdown()
 
 

@@ -22,6 +22,15 @@ relay's subscription meanwhile (``start`` returns once that connection is up). L
 the pool's sequence is read from the pool's replay socket, and a consumer's gap from this
 relay's.
 
+A pool that restarts (its control process, or the whole pool or server on the same endpoints)
+publishes from seq 0 again, and a batch's seq can no longer say whether it was forwarded. So each
+new connection to the pool's stream after the first resynchronises from the pool's snapshot: per
+rank ``AllBlocksCleared`` and the blocks it holds, forwarded as each rank's next batches, then
+the pool's batches after the snapshot's seq. Each rank's sequence only grows: a consumer (whose
+listener takes a seq at or below one it applied for a stale duplicate) applies the restart's
+events, its stale blocks cleared. Requests to the pool's replay socket go on a DEALER of their
+own, connected for that request, so none waits on a connection to a pool that is gone.
+
 Runs on the caller's asyncio loop and never blocks it (a PUB socket drops what a slow
 subscriber cannot take; the sequence shows the gap). Every socket is bound to 127.0.0.1 on a
 free port; ``aclose`` ends the tasks, then the sockets.
@@ -37,7 +46,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
+from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST
+
 
 
 class _Head(msgspec.Struct, array_like=True):
@@ -64,8 +74,7 @@ class RankRelay:
         self._sub.set_hwm(hwm)
         self._handshakes = self._sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # before connecting
         self._sub.connect(endpoint)
-        self._dealer = self._socket(zmq.DEALER)
-        self._dealer.connect(replay_endpoint)
+        self._replay_endpoint = replay_endpoint
         self._pubs, self._replays = [], []
         for _ in range(world_size):
             pub = self._socket(zmq.XPUB)  # a PUB that hears its subscribers' subscriptions
@@ -84,6 +93,8 @@ class RankRelay:
         self.replays_served = [0] * world_size  # replay requests answered per rank
         self.lost = 0  # pool batches gone from the pool's buffer before this relay read them
         self.unranked = 0  # batches without a rank of this pool (dropped)
+        self.resyncs = 0  # snapshots forwarded after a new connection to the pool's stream
+        self._turn = asyncio.Lock()  # one of forwarding a batch and resynchronising at a time
         self._subscribed = [asyncio.Event() for _ in range(world_size)]
         self._tasks: list[asyncio.Task] = []
 
@@ -101,11 +112,8 @@ class RankRelay:
         except TimeoutError:
             raise RuntimeError(f"no connection to the pool's KV-event stream within {self._answer_timeout_s:g} s") \
                 from None
-        finally:
-            self._sub.disable_monitor()
-            self._handshakes.close(linger=0)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._follow()),
+        self._tasks = [loop.create_task(self._follow()), loop.create_task(self._reconnections()),
                        *(loop.create_task(self._serve_replay(r)) for r in range(self.world_size)),
                        *(loop.create_task(self._hear(r)) for r in range(self.world_size))]
         return self
@@ -120,6 +128,8 @@ class RankRelay:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        self._sub.disable_monitor()
+        self._handshakes.close(linger=0)
         for sock in self._sockets:
             sock.close(linger=0)
         self._ctx.term()
@@ -134,36 +144,70 @@ class RankRelay:
 
     async def _follow(self) -> None:
         await self.subscribed()
-        await self._catch_up()  # what the pool published before (its later batches wait in the SUB socket)
+        async with self._turn:
+            await self._catch_up()  # what the pool published before (its later batches wait in the SUB socket)
         while True:
             frames = await self._sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
                 continue  # not a batch of this protocol
-            seq = int.from_bytes(frames[1], "big")
-            if seq > self._last + 1:  # missed (published before the subscription landed, or dropped)
-                await self._catch_up()
-            if seq > self._last:
-                self._forward(seq, frames[2])
+            async with self._turn:
+                await self._take(int.from_bytes(frames[1], "big"), frames[2])
+
+    async def _take(self, seq: int, payload: bytes) -> None:
+        if seq > self._last + 1:  # missed (published before the subscription landed, or dropped)
+            await self._catch_up()
+        if seq > self._last:
+            self._forward(seq, payload)
+
+    async def _reconnections(self) -> None:
+        """Resynchronise from the pool's snapshot at each new connection to its stream."""
+        await self.subscribed()
+        while True:
+            await self._handshakes.recv_multipart()
+            async with self._turn:
+                await self._resync()
+
+    async def _resync(self) -> None:
+        """Forward the pool's current state (per rank: cleared, then its blocks), and take its
+        batches after the snapshot's seq from here on."""
+        snapshot = await self._ask(SNAPSHOT_REQUEST)
+        self.resyncs += 1
+        for seq, payload in snapshot:
+            self._forward(seq, payload)
+        if snapshot:
+            self._last = snapshot[-1][0]
+        else:  # the pool has published nothing yet: its first batch is seq 0
+            self._last = -1
 
     async def _catch_up(self) -> None:
         """Forward the pool's buffered batches after the last one forwarded."""
-        start = self._last + 1
-        await self._dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        while True:
-            try:
-                frames = await asyncio.wait_for(self._dealer.recv_multipart(), self._answer_timeout_s)
-            except TimeoutError:
-                raise RuntimeError(f"the pool's KV-event replay socket did not answer within "
-                                   f"{self._answer_timeout_s:g} s") from None
-            if len(frames) != 3:
-                continue
-            _, seq_bytes, payload = frames
-            if seq_bytes == END_SEQ:
-                return
-            seq = int.from_bytes(seq_bytes, "big")
+        for seq, payload in await self._ask((self._last + 1).to_bytes(8, "big")):
             if seq > self._last:
                 self.lost += max(0, seq - self._last - 1)  # older than the pool's buffer
                 self._forward(seq, payload)
+
+    async def _ask(self, request: bytes) -> list[tuple[int, bytes]]:
+        """The pool's replay socket's answer to ``request``: ``(seq, payload)`` up to its end marker."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self._replay_endpoint)
+        answer = []
+        try:
+            await dealer.send_multipart((b"", request))
+            while True:
+                try:
+                    frames = await asyncio.wait_for(dealer.recv_multipart(), self._answer_timeout_s)
+                except TimeoutError:
+                    raise RuntimeError(f"the pool's KV-event replay socket did not answer within "
+                                       f"{self._answer_timeout_s:g} s") from None
+                if len(frames) != 3:
+                    continue
+                _, seq_bytes, payload = frames
+                if seq_bytes == END_SEQ:
+                    return answer
+                answer.append((int.from_bytes(seq_bytes, "big", signed=True), payload))
+        finally:
+            dealer.close(linger=0)
 
     def _forward(self, pool_seq: int, payload: bytes) -> None:
         self._last = pool_seq

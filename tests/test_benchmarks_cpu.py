@@ -1,22 +1,40 @@
 """The CPU benchmarks (and the CPU diagnostic of a transfer plan's bookkeeping) run end to end and
-write the JSON they promise (figures are not asserted)."""
+write the JSON they promise (figures are not asserted). Those that run longer than a few seconds
+(throughput, IPC, serve) show progress on stderr while they run: a bar that ends at its total
+(every token, round or request counted), and none with ``--no-progress``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import types
 from pathlib import Path
+
+import httpx
+
+from lmpool.frontend.serve.app import create_app
+from lmpool.frontend.serve.settings import ServeSettings
+from lmpool.outputs import RequestOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.append(str(ROOT / "tools" / "diagnostics"))  # profile_plan_bookkeeping
 
+import benchmark_ipc  # noqa: E402
+import benchmark_serve  # noqa: E402
 import benchmark_stream  # noqa: E402
 import benchmark_throughput  # noqa: E402
 import profile_plan_bookkeeping  # noqa: E402
 
 
-def test_throughput_benchmark_writes_json(tiny_model, tmp_path):
+def finished_bar(stderr: str, desc: str, total: int) -> bool:
+    """Whether ``stderr`` shows tqdm's bar ``desc`` at ``total`` of ``total``."""
+    return any(line.strip().startswith(f"{desc}: 100%") and f"{total}/{total}" in line
+               for line in stderr.replace("\r", "\n").splitlines())
+
+
+def test_throughput_benchmark_writes_json(tiny_model, tmp_path, capsys):
     out = tmp_path / "tp.json"
     benchmark_throughput.main([
         "--model", tiny_model, "--num-seqs", "4", "--min-input", "8", "--max-input", "40",
@@ -27,6 +45,57 @@ def test_throughput_benchmark_writes_json(tiny_model, tmp_path):
     assert data["transformers"]["output_tok_s"] > 0
     assert data["speedup_vs_transformers"] > 0
     assert data["environment"]["torch"]
+    stderr = capsys.readouterr().err
+    tokens = data["lmpool"]["output_tokens"]
+    assert finished_bar(stderr, "lmpool serial", tokens) and finished_bar(stderr, "lmpool overlapped", tokens)
+    assert finished_bar(stderr, "transformers", 4)
+
+
+def test_no_progress_draws_no_bar(tiny_model, capsys):
+    benchmark_throughput.main(["--model", tiny_model, "--num-seqs", "2", "--min-input", "8", "--max-input", "8",
+                               "--min-output", "2", "--max-output", "2", "--block-size", "16", "--paths", "serial",
+                               "--no-progress"])
+    assert "lmpool serial" not in capsys.readouterr().err
+
+
+def test_ipc_benchmark_shows_its_rounds(tmp_path, capsys):
+    out = tmp_path / "ipc.json"
+    benchmark_ipc.main(["--rtt-count", "20", "--warmup", "2", "--burst", "20", "--rounds", "2", "--json", str(out)])
+    assert set(json.loads(out.read_text())) == {"shm_ring", "mp_queue", "mp_pipe"}
+    rounds = len(benchmark_ipc.SIZES) * 3 * (2 + 1)  # each size: every transport's warm-up and rounds
+    assert finished_bar(capsys.readouterr().err, "ipc", rounds)
+
+
+class StreamingPool:
+    """What the server's completion handler uses of a pool, streaming ``max_tokens`` tokens."""
+
+    def __init__(self) -> None:
+        rank = types.SimpleNamespace(alive=True, num_blocks=64)
+        self.engine = types.SimpleNamespace(max_model_len=1024, block_size=16, ranks=[rank])
+
+    def encode(self, prompt) -> list[int]:
+        return list(prompt)
+
+    async def stream(self, prompt_ids, params, request_id):
+        for n in range(1, params.max_tokens + 1):
+            yield RequestOutput(request_id=request_id, prompt_token_ids=prompt_ids, token_ids=[7] * n,
+                                text="x" * n, finish_reason="length" if n == params.max_tokens else None)
+
+
+def test_serve_benchmark_shows_its_requests(tmp_path, capsys):
+    """Against the real app over a streaming stand-in pool, in process: every request, warm-up
+    included, counted on the bar; each level's line on stdout."""
+    app = create_app(ServeSettings(model="m", served_model_name="tiny"))
+    app.state.pool = StreamingPool()
+    out = tmp_path / "serve.json"
+    args = ["--url", "http://serve", "--concurrency", "1,3", "--requests-per-level", "5", "--prompt-len", "8",
+            "--max-tokens", "3", "--json", str(out)]
+    report = asyncio.run(benchmark_serve.run(benchmark_serve.parse_args(args), httpx.ASGITransport(app=app)))
+    app.state.tokenizing.shutdown()
+    assert [(lv["concurrency"], lv["requests"], lv["failed"]) for lv in report["levels"]] == [(1, 5, 0), (3, 5, 0)]
+    captured = capsys.readouterr()
+    assert finished_bar(captured.err, "requests", benchmark_serve.WARM_UP + 2 * 5)
+    assert [json.loads(line)["concurrency"] for line in captured.out.splitlines()] == [1, 3]
 
 
 def test_plan_bookkeeping_moves_a_chain_back_and_forth():

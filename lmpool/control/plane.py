@@ -29,6 +29,7 @@ import numpy as np
 from lmpool.control.page_table.manager import GlobalBlockManager, StaleUpdateError
 from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.routing.router import Router
+from lmpool.control.route_latency import RouteLatency
 from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
 from lmpool.control.transfers.policies import TransferPolicies
 from lmpool.engine.hashing import ROOT_HASH, short
@@ -111,6 +112,7 @@ class ControlPlane:
         self.worker_queries: dict[int, tuple[int, asyncio.Future]] = {}
         self._query_ids = 0
         self.route_us = np.zeros(ROUTE_SAMPLES)
+        self.route_latency = RouteLatency()
         self.route_queries = 0
         self.resyncs = 0
         self.stale_rejected = 0
@@ -408,7 +410,9 @@ class ControlPlane:
     def route_once(self, request: RouteQuery) -> RouteDecision:
         start = time.perf_counter_ns()
         decision = self.router.route(request)
-        self.route_us[self.route_queries % ROUTE_SAMPLES] = (time.perf_counter_ns() - start) / 1e3
+        elapsed_ns = time.perf_counter_ns() - start
+        self.route_us[self.route_queries % ROUTE_SAMPLES] = elapsed_ns / 1e3
+        self.route_latency.observe(elapsed_ns / 1e9)
         if self.check:
             self.verify(self.gbm.check_route, request.block_hashes, decision.rank, decision.matched_blocks)
         self.route_queries += 1
@@ -456,7 +460,8 @@ class ControlPlane:
             started_at=self.spec.started_at, published=self.published, published_at=time.time(),
             monotonic=time.monotonic(), world_size=self.spec.pool.world_size,
             route_queries=stats.route_queries, route_p50_us=stats.route_p50_us,
-            route_p99_us=stats.route_p99_us, transfers_committed=stats.transfers.plans_committed,
+            route_p99_us=stats.route_p99_us, route_latency_buckets=self.route_latency.cumulative(),
+            route_latency_sum_s=self.route_latency.sum_s, transfers_committed=stats.transfers.plans_committed,
             blocks_transferred=stats.transfers.blocks_copied + stats.transfers.blocks_moved,
             ranks=[
                 RankRow.from_state(s, self.spec.worker_pids[s.rank], len(self.gbm.ranks[s.rank].in_flight))

@@ -6,8 +6,10 @@ them from that loop, never blocking it for long. ``LMPool`` owns a private
 uvloop loop on a background thread and offers the same pool synchronously,
 shaped like ``LLM.generate``.
 
-``metrics_port`` (an int; 0 picks a free port) turns on Prometheus metrics, served
-from this process at ``http://<metrics_host>:<port>/metrics`` (see ``lmpool.frontend.metrics``).
+``metrics=True`` turns on Prometheus metrics in this process (``metrics_registry``, which
+``lmpool serve`` renders at its ``/metrics``); ``metrics_port`` (an int; 0 picks a free port) also
+serves them at ``http://<metrics_host>:<port>/metrics`` (see ``lmpool.frontend.metrics``). Every
+series is labelled ``model_name=served_model_name`` (the model's path unless given).
 
 ``routing`` names the policy (``lmpool.control.routing.registry.POLICIES``) and
 ``routing_config`` (``RoutingConfig``) its thresholds.
@@ -43,7 +45,7 @@ from lmpool.errors import ArgumentTypeError
 from lmpool.frontend.llm import Prompt, prepare_batch
 from lmpool.outputs import RequestOutput
 from lmpool.frontend.client import PoolClient, PoolError, TrackedRequest
-from lmpool.frontend.metrics import NO_METRICS, MetricsServer
+from lmpool.frontend.metrics import NO_METRICS, PoolMetrics
 from lmpool.frontend.output_processor import OutputProcessor, RequestState
 from lmpool.frontend.turns import Turns
 from lmpool.sampling_params import SamplingParams
@@ -61,8 +63,9 @@ class AsyncLMPool:
     ...         print(partial.text)
     """
 
-    def __init__(self, model: str, *, config: PoolConfig | None = None, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1", **options) -> None:
+    def __init__(self, model: str, *, config: PoolConfig | None = None, metrics: bool = False,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 served_model_name: str | None = None, **options) -> None:
         """``options`` are ``PoolConfig``'s settings by name, flat (``world_size``, ``device``,
         ``routing``, ``routing_config``, ``transfer_mode``, ``block_size``, ...: see
         ``PoolConfig.from_options``); or pass a whole ``config``."""
@@ -75,20 +78,36 @@ class AsyncLMPool:
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
         self._turns = Turns()  # for submissions' work before their route
+        if not isinstance(metrics, bool):
+            raise ArgumentTypeError(f"metrics must be a bool, got {metrics!r} ({type(metrics).__name__})")
+        if served_model_name is not None and not isinstance(served_model_name, str):
+            raise ArgumentTypeError(f"served_model_name must be a string or None, got {served_model_name!r}")
         self._metrics_address = (metrics_host, check_port(metrics_port, "metrics_port"))
-        self._metrics: MetricsServer | None = None
+        self._metrics_on = metrics or metrics_port is not None
+        self.served_model_name = model if served_model_name is None else served_model_name
+        self._metrics: PoolMetrics | None = None
 
     async def start(self) -> AsyncLMPool:
         await self.engine.start()
-        host, port = self._metrics_address
-        if port is not None:
+        if self._metrics_on:
             try:
-                self._metrics = MetricsServer(self.engine.board, port, host)
+                self._metrics = self._start_metrics()
             except BaseException:
                 await self.engine.shutdown()
                 raise
             self.engine.metrics = self._metrics
         return self
+
+    def _start_metrics(self) -> PoolMetrics:
+        metrics = PoolMetrics(self.engine.board, self.served_model_name)
+        host, port = self._metrics_address
+        if port is not None:
+            try:
+                metrics.serve_http(port, host)
+            except BaseException:  # say, the port is taken
+                metrics.close()
+                raise
+        return metrics
 
     @property
     def pool_id(self) -> str:
@@ -97,8 +116,13 @@ class AsyncLMPool:
 
     @property
     def metrics_port(self) -> int | None:
-        """The port serving ``/metrics``; None when metrics are off."""
+        """The port serving ``/metrics``; None when metrics are off or served by no port."""
         return None if self._metrics is None else self._metrics.port
+
+    @property
+    def metrics_registry(self):
+        """The ``prometheus_client`` registry of the pool's metrics; None when metrics are off."""
+        return None if self._metrics is None else self._metrics.registry
 
     async def __aenter__(self) -> AsyncLMPool:
         return await self.start()
@@ -313,6 +337,10 @@ class LMPool:
     @property
     def metrics_port(self) -> int | None:
         return self._pool.metrics_port
+
+    @property
+    def metrics_registry(self):
+        return self._pool.metrics_registry
 
     def shutdown(self) -> None:
         if self._loop.is_closed():

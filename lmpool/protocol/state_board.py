@@ -29,6 +29,10 @@ from lmpool_ipc.names import SHM_DIR
 
 BOARD_LABEL = "state"
 PUBLISH_INTERVAL_S = 0.25
+# Upper bounds of the route-latency histogram's buckets, in seconds: a decision takes tens of
+# microseconds on a small pool, milliseconds on a loaded large one.
+ROUTE_LATENCY_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1,
+                           0.25, 1.0)
 
 # What decoding checks (encoding does not): a negative count, pid or time is no pool's.
 Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -93,6 +97,10 @@ class PoolState(msgspec.Struct, kw_only=True, gc=False):
     route_queries: Count = 0  # cumulative, this control process
     route_p50_us: Time = 0.0  # over the last few thousand route decisions
     route_p99_us: Time = 0.0
+    # Decisions at or below each bound of ROUTE_LATENCY_BUCKETS_S, and their seconds in all (this
+    # control process; route_queries counts them all).
+    route_latency_buckets: list[Count] = []
+    route_latency_sum_s: Time = 0.0
     transfers_committed: Count = 0  # KV transfer plans that completed, cumulative, this control process
     blocks_transferred: Count = 0  # blocks those plans copied or moved
     ranks: list[RankRow] = []

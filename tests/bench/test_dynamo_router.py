@@ -9,12 +9,23 @@ find it cached there. Every booking is released: Dynamo counts no request, prefi
 block once the requests ended, including a stream its reader left early. The relay gives each
 rank its own stream and replay, byte for byte the pool's batches. Without the package the policy
 is unavailable, with the reason, in the suite's record.
+
+After a restart too: a pool restarted on the same KV-event endpoints (a server restarted with the
+same flags) with each prefix now on the other rank clears every rank in Dynamo's index (its
+start's ``AllBlocksCleared``, relayed from its snapshot) and shows the new placement, which
+Dynamo's routing then follows; the relay keeps each rank's sequence growing across the restart,
+and a rank the restarted publisher cleared is cleared for its consumer even when the live event
+was published before the relay reconnected. A control process the pool replaces (SIGKILLed)
+publishes from seq 0 again too: Dynamo keeps the placement and takes what it adds afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import os
+import signal
 import sys
 
 import eval_dynamo
@@ -25,6 +36,7 @@ import zmq.asyncio
 from eval_driver import Arrival, replay
 from eval_policies import DYNAMO
 from eval_settings import Setting
+from dynamo_client import DynamoRoutedPool
 from kv_event_relay import END_SEQ, RankRelay
 from workloads import Tokens, Trace, TraceRequest
 
@@ -50,6 +62,12 @@ def suite_args(**kw) -> argparse.Namespace:
     base = {"world_size": 2, "device": "cpu", "block_size": BLOCK, "max_num_seqs": 8, "max_num_batched_tokens": 512,
             "dtype": None, "enforce_eager": False, "run_timeout": 300.0, "transfer_profile": None, "order": "fixed"}
     return argparse.Namespace(**(base | kw))
+
+
+def moved(seed: Trace) -> Trace:
+    """``seed`` with each pinned request on the other rank."""
+    requests = tuple(dataclasses.replace(r, rank=1 - r.rank) for r in seed.requests)
+    return dataclasses.replace(seed, requests=requests)
 
 
 def traces(vocab: int) -> tuple[Trace, Trace, dict[str, list[int]]]:
@@ -83,6 +101,40 @@ def new_pool(model: str, args, setting):
     return eval_suite.new_pool(model, args, eval_suite.DYNAMO_POOL, setting, 128)
 
 
+async def started_pool(model: str, args, setting):
+    """A pool publishing KV events as the caller's ``eval_dynamo.kv_events_env`` says (held for
+    the pool's life: a restarted control process reads it again)."""
+    return await new_pool(model, args, setting).start()
+
+
+async def under_dynamo(model: str, args, setting, scenario):
+    """``scenario(pools, service, relay)`` with a pool started (``pools[0]``) and Dynamo's router
+    reading its KV events; a scenario that restarts the pool appends the new one. The last pool
+    is shut down on the way out, after the router."""
+    events = eval_dynamo.events_config()
+    with eval_dynamo.kv_events_env(events):
+        pools = [await started_pool(model, args, setting)]
+        try:
+            async with eval_dynamo.router_on(events, args, setting) as (service, relay):
+                return await scenario(pools, service, relay)
+        finally:
+            await pools[-1].shutdown()
+
+
+async def wait_for_placement(service, prefixes: dict[str, list[int]], homes: dict[str, int]) -> None:
+    """Until Dynamo's index shows each group's prefix whole on its home rank."""
+    for group, rank in homes.items():
+        await wait_for_index(service, prefixes[group], rank, PREFIX // BLOCK)
+
+
+def assert_followed(followed: dict, homes: dict[str, int]) -> None:
+    for i, group in enumerate(followed["group"]):
+        assert followed["rank"][i] == homes[group], f"follower {i} of group {group} left its prefix's rank"
+        assert followed["route"][i] == "dynamo_select"
+        assert followed["num_cached_tokens"][i] == PREFIX, f"follower {i} missed its prefix's blocks"
+        assert followed["output_len"][i] == MAX_TOKENS
+
+
 def test_dynamo_routes_followers_to_the_rank_holding_their_prefix(tiny_model, no_leaks):
     dynamo_runs()
     from lmpool.model.config import ModelConfig
@@ -107,12 +159,7 @@ def test_dynamo_routes_followers_to_the_rank_holding_their_prefix(tiny_model, no
             return followed, booked, figures
 
     followed, booked, figures = asyncio.run(scenario())
-    home = {"a": 0, "b": 1}
-    for i, group in enumerate(followed["group"]):
-        assert followed["rank"][i] == home[group], f"follower {i} of group {group} left its prefix's rank"
-        assert followed["route"][i] == "dynamo_select"
-        assert followed["num_cached_tokens"][i] == PREFIX, f"follower {i} missed its prefix's blocks"
-        assert followed["output_len"][i] == MAX_TOKENS
+    assert_followed(followed, {"a": 0, "b": 1})
     # Every booking released: nothing left counted on any worker once the requests ended.
     assert booked == {"active_requests": 0, "prefill_tokens": 0, "decode_blocks": 0}
     assert figures["booked_after"] == booked
@@ -120,6 +167,81 @@ def test_dynamo_routes_followers_to_the_rank_holding_their_prefix(tiny_model, no
     total = len(follow.requests) + len(seed.requests)
     assert figures["prefill_completed"] == figures["freed"] == total
     assert all(n > 0 for n in figures["forwarded"])  # each rank's own stream carried its events
+
+
+def test_after_a_pool_restart_dynamo_drops_the_old_placement_and_follows_the_new(tiny_model, no_leaks):
+    """Prefix a on rank 0 and b on rank 1 in Dynamo's index; the pool stops and a new one starts
+    on the same KV-event endpoints, where a is seeded on rank 1 and b on rank 0. Once the index
+    shows the new placement, it holds nothing of the old: each rank's stream delivered the
+    restart's clear before the new blocks (one listener per rank applies its stream in order). The
+    followers, routed by Dynamo, go to the prefixes' new ranks and find them cached."""
+    dynamo_runs()
+    from lmpool.model.config import ModelConfig
+
+    seed, follow, prefixes = traces(ModelConfig.from_pretrained(tiny_model).vocab_size)
+    args, setting = suite_args(), Setting(kv_blocks=64, arrival=Arrival("window", window=1))
+    before, after = {"a": 0, "b": 1}, {"a": 1, "b": 0}
+
+    async def scenario(pools, service, relay):
+        await replay(DynamoRoutedPool(pools[0], service, 2), seed, setting.arrival)
+        await wait_for_placement(service, prefixes, before)
+        await pools[0].shutdown()
+        pools.append(await started_pool(tiny_model, args, setting))
+        client = DynamoRoutedPool(pools[1], service, 2)
+        reseeded = await replay(client, moved(seed), setting.arrival)
+        assert reseeded["rank"] == [1, 0] and reseeded["num_cached_tokens"] == [0, 0]  # a new pool
+        await wait_for_placement(service, prefixes, after)
+        stale = {g: (await device_blocks(service, prefixes[g])).get(before[g], 0) for g in "ab"}
+        followed = await replay(client, follow, setting.arrival)
+        return stale, followed, relay.resyncs, eval_dynamo.booked_load(service)
+
+    stale, followed, resyncs, booked = asyncio.run(under_dynamo(tiny_model, args, setting, scenario))
+    assert stale == {"a": 0, "b": 0}, "Dynamo's index kept blocks of the pool before the restart"
+    assert resyncs >= 1  # the relay took the restarted pool's snapshot
+    assert_followed(followed, after)
+    assert booked == {"active_requests": 0, "prefill_tokens": 0, "decode_blocks": 0}
+
+
+def test_after_a_control_process_restart_dynamo_follows_the_new_publisher(tiny_model, no_leaks):
+    """The control process is SIGKILLed and the pool restarts it: its publisher binds the same
+    endpoints and numbers from 0 again, then publishes what the workers still hold (each rank's
+    snapshot: cleared, then its blocks). Dynamo's index keeps the placement it had (a on rank 0,
+    b on rank 1) and takes what the new publisher adds: a prefix c seeded on rank 0 afterwards,
+    whose batches carry seqs Dynamo's listeners had already passed, and which Dynamo then routes
+    c's followers to."""
+    dynamo_runs()
+    from lmpool.model.config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(tiny_model).vocab_size
+    seed, _, prefixes = traces(vocab)
+    tokens = Tokens("dynamo-test-c", 0, vocab)
+    prefixes["c"] = tokens.draw(PREFIX)
+    seed_c = Trace("dynamo_seed_c", 0, ("seed",), (TraceRequest(0, "seed", "c", prefixes["c"] + tokens.draw(TAIL),
+                                                                MAX_TOKENS, 0),), {})
+    follow_c = Trace("dynamo_follow_c", 0, ("follow",), tuple(
+        TraceRequest(i, "follow", "c", prefixes["c"] + tokens.draw(TAIL), MAX_TOKENS, None) for i in range(3)), {})
+    args, setting = suite_args(), Setting(kv_blocks=64, arrival=Arrival("window", window=1))
+
+    async def scenario(pools, service, relay):
+        pool = pools[0]
+        client = DynamoRoutedPool(pool, service, 2)
+        await replay(client, seed, setting.arrival)
+        await wait_for_placement(service, prefixes, {"a": 0, "b": 1})
+        old = pool.engine.control_proc.pid
+        os.kill(old, signal.SIGKILL)
+        # The pool replaces a control process it finds dead, as a query finds it.
+        while (await pool.stats())["control_pid"] == old:
+            await asyncio.sleep(POLL_S)
+        await replay(client, seed_c, setting.arrival)
+        await wait_for_placement(service, prefixes, {"c": 0})
+        kept = {g: await device_blocks(service, prefixes[g]) for g in "ab"}
+        followed = await replay(client, follow_c, setting.arrival)
+        return kept, followed, relay.resyncs
+
+    kept, followed, resyncs = asyncio.run(under_dynamo(tiny_model, args, setting, scenario))
+    assert kept == {"a": {0: PREFIX // BLOCK, 1: 0}, "b": {0: 0, 1: PREFIX // BLOCK}}
+    assert resyncs >= 1
+    assert_followed(followed, {"c": 0})
 
 
 def test_a_booking_moves_at_the_first_token_and_is_freed_however_the_stream_ends(tiny_model, no_leaks):
@@ -218,3 +340,72 @@ async def test_the_relay_gives_each_rank_its_own_stream_and_replay():
         ctx.term()
         await relay.aclose()
         publisher.close()
+
+
+def apply(state: dict[int, set], batch) -> None:
+    """A consumer's view of one rank: its blocks' hashes after ``batch``."""
+    for event in batch.events:
+        if isinstance(event, TYPES.cleared):
+            state.clear()
+        elif isinstance(event, TYPES.stored):
+            state.update(event.block_hashes)
+        else:
+            state.difference_update(event.block_hashes)
+
+
+TYPES = event_types(True)
+
+
+async def test_the_relay_follows_a_publisher_restarted_on_its_endpoints():
+    """The pool's publisher stops and a new one binds its endpoints, numbering from 0 again; it
+    clears both ranks and stores rank 0's new block before the relay has reconnected (those live
+    batches are lost to the relay). The relay resynchronises from the new publisher's snapshot:
+    each rank's consumer, applying its stream in order, ends with exactly the new publisher's
+    blocks (the old ones cleared, rank 1's too, though it holds none now), every rank's sequence
+    consecutive from 0 across the restart."""
+    decode = msgspec.msgpack.Decoder(TYPES.batch).decode
+    first = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").start()
+    endpoints = (first.endpoint, first.replay_endpoint)
+    first.stored(0, [11], None, [0] * 4, 4)
+    first.stored(1, [21], None, [1] * 4, 4)
+    first.flush()
+    relay = await RankRelay(*endpoints, 2).start()
+    ctx = zmq.asyncio.Context()
+    subs = [ctx.socket(zmq.SUB) for _ in range(2)]
+    second = None
+    try:
+        for rank in range(2):
+            subs[rank].setsockopt(zmq.SUBSCRIBE, b"")
+            subs[rank].connect(relay.endpoints[rank])
+        await relay.subscribed()
+        received: list[list] = [[await subs[rank].recv_multipart()] for rank in range(2)]  # the first's blocks
+        first.close()
+        first, second = None, KVEventPublisher(*endpoints).start()
+        for rank in range(2):
+            second.cleared(rank)
+        second.stored(0, [12], None, [2] * 4, 4)
+        second.flush()
+        while relay.resyncs == 0:  # the relay reconnected and took the snapshot
+            await asyncio.sleep(POLL_S)
+        second.stored(0, [13], 12, [3] * 4, 4)  # live after the resync: a last batch on each rank
+        second.stored(1, [22], None, [4] * 4, 4)
+        second.flush()
+        states: list[set] = [set(), set()]
+        for rank, last in ((0, 13), (1, 22)):
+            while True:
+                received[rank].append(frames := await subs[rank].recv_multipart())
+                batch = decode(frames[2])
+                if any(isinstance(e, TYPES.stored) and last in e.block_hashes for e in batch.events):
+                    break
+            for frames in received[rank]:
+                apply(states[rank], decode(frames[2]))
+            assert [int.from_bytes(f[1], "big") for f in received[rank]] == list(range(len(received[rank])))
+        assert states == [{12, 13}, {22}]
+    finally:
+        for sock in subs:
+            sock.close(linger=0)
+        ctx.term()
+        await relay.aclose()
+        for publisher in (first, second):
+            if publisher is not None:
+                publisher.close()

@@ -151,7 +151,7 @@ def test_large_bodies_get_the_same_answers_as_small_ones(server):
     pad = {"user": "u" * 80_000}
     for body, words in (({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"), ({"prompt": ["a", ""]}, "prompt 1 is empty"),
                         ({"prompt": PROMPT, "temperature": True}, "temperature"),
-                        ({"messages": [{"role": "user"}]}, "prompt: Field required")):
+                        ({"messages": [{"role": "user"}]}, "Missing required parameter: 'prompt'.")):
         for extra in ({}, pad):
             response = httpx.post(f"{server.url}/v1/completions", json={**body, **extra}, timeout=60)
             error = response.json()["error"]
@@ -160,4 +160,4 @@ def test_large_bodies_get_the_same_answers_as_small_ones(server):
     bad = httpx.post(f"{server.url}/v1/completions", content=unclosed, headers={"content-type": "application/json"},
                      timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["message"] == (
-        f"Invalid JSON: EOF while parsing an object at line 1 column {len(unclosed)}")
+        f"The request body is not valid JSON (EOF while parsing an object at line 1 column {len(unclosed)}).")

@@ -37,7 +37,7 @@ def rank(n: int, alive: bool = True, *, running=0, waiting=0, used=0, reclaimabl
 class FakePool:
     """What the handlers read of an ``AsyncLMPool``: ``stats()``, ``engine`` and ``config``."""
 
-    metrics_port = None
+    metrics_registry = None
 
     def __init__(self, ranks: list[dict]) -> None:
         self.ranks = ranks

@@ -10,8 +10,9 @@ On the replay socket (ROUTER; vLLM's protocol) a client sends ``[b"", start_seq]
 big-endian) and gets ``[b"", seq, payload]`` for the buffered batches from ``start_seq`` on,
 the newest ``replay_max_batches`` at most, then the end marker ``[b"", -1, b""]``; a first seq
 above ``start_seq`` shows what is gone (vLLM's answer once its buffer has rolled past). Sending
-``SNAPSHOT_REQUEST`` instead gets the full current state: per rank, ``AllBlocksCleared`` and
-the ``BlockStored`` of every block it holds (in the order stored), at most
+``SNAPSHOT_REQUEST`` instead gets the full current state: per rank ever published (one cleared
+and empty since included), ``AllBlocksCleared`` and the ``BlockStored`` of every block it holds
+(in the order stored), at most
 ``replay_max_batches`` batches in all, each tagged with the seq of the last batch published
 before it, then the end marker. Applying the snapshot and then the PUB batches with a larger
 seq reproduces the state.
@@ -120,7 +121,9 @@ class KVEventPublisher:
     def cleared(self, rank: int) -> None:
         """Every block of ``rank`` is gone (it restarted, or died)."""
         self._queue(rank, self.types.cleared())
-        self._state.pop(rank, None)
+        # Kept, empty: a snapshot then clears the rank too, for a consumer that missed this event
+        # and still holds the rank's old blocks.
+        self._state[rank] = {}
 
     def _queue(self, rank: int, event) -> None:
         self._events += 1

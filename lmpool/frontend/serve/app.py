@@ -55,7 +55,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         try:
             await app.state.body_parser.start()  # ready before the first large body
-            async with AsyncLMPool(settings.model, **settings.pool_args) as pool:
+            async with AsyncLMPool(settings.model, served_model_name=settings.name, **settings.pool_args) as pool:
                 app.state.pool = pool
                 log.info("%s", started_line(pool))
                 yield
@@ -113,7 +113,7 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        return await scrape(request.app.state.pool)
+        return scrape(request.app.state.pool)
 
 
 async def request_for(request: Request, model: type, endpoint: str) -> tuple[Parsed, AsyncLMPool]:

@@ -27,11 +27,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from lmpool.frontend.serve.body_parser import Answer, BodyRefused, Decoded, ParseJob, Parsed, Ready, Refused, \
-    decode, validation_message
+    decode
 from lmpool.frontend.serve.disconnect import ClientGone
 from lmpool.frontend.serve.errors import ServeError
 from lmpool.frontend.serve.protocol import HEADS, PromptList
 from lmpool.frontend.serve.settings import HttpLimits
+from lmpool.frontend.serve.validation_errors import described
 
 PARSER_ARGV = [sys.executable, "-m", "lmpool.frontend.serve.body_parser"]
 READ_CHUNK = 1 << 20  # bytes of an answer read at a time
@@ -47,7 +48,7 @@ async def parse_request(request: Request, model: type[BaseModel], endpoint: str)
         try:
             return decode(model, content_type, body)
         except BodyRefused as e:
-            raise ServeError(e.status, str(e)) from None
+            raise ServeError(e.status, str(e), e.param) from None
     decoded = await request.app.state.body_parser.parse(ParseJob(endpoint, content_type, body))
     return Parsed(_head(HEADS[model], decoded.head), await rebuild(decoded))
 
@@ -74,7 +75,7 @@ def _head(model: type[BaseModel], head: bytes) -> BaseModel:
     try:
         return model.model_validate_json(head)
     except ValidationError as e:
-        raise ServeError(500, f"the body-parsing process sent an invalid request: {validation_message(e.errors())}")
+        raise ServeError(500, f"the body-parsing process sent an invalid request: {described(e.errors())[0]}")
 
 
 PIECE_TYPES = {"ids": list[int], "messages": list[dict[str, str]], "prompts": list[str | list[int]]}
@@ -123,7 +124,7 @@ class BodyParser:
         exchange.add_done_callback(lambda task: task.cancelled() or task.exception())
         reply = await asyncio.shield(exchange)
         if isinstance(reply, Refused):
-            raise ServeError(reply.status, reply.message)
+            raise ServeError(reply.status, reply.message, reply.param)
         if not isinstance(reply, Decoded):
             raise ServeError(500, f"the body-parsing process answered {type(reply).__name__}")
         return reply

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from lmpool.frontend.serve.protocol import HEADS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
     PromptList, TokenizeRequest
+from lmpool.frontend.serve.validation_errors import described
 
 ENDPOINTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest,
                                          "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
@@ -47,11 +48,13 @@ MAX_HEAD_BYTES = 256 * 1024
 
 
 class BodyRefused(Exception):
-    """A body the server refuses: ``status`` and the message of the error body."""
+    """A body the server refuses: ``status``, the message of the error body and its ``param``
+    (the field at fault, as OpenAI names it; None for the body as a whole)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -72,22 +75,11 @@ def decode(model: type[BaseModel], content_type: str | None, body: bytes) -> Par
     try:
         request = model.model_validate_json(body)
     except ValidationError as e:
-        raise BodyRefused(400, validation_message(e.errors(include_url=False, include_input=False))) from None
+        raise BodyRefused(400, *described(e.errors(include_url=False, include_input=False))) from None
     try:
         return Parsed(request, request.prompt_input())
     except ValueError as e:
         raise BodyRefused(400, str(e)) from None
-
-
-def validation_message(errors: list[dict], skip: tuple = ()) -> str:
-    """pydantic's errors as one line, "FIELD.PATH: MSG" joined by "; ", without pydantic's
-    "Value error, " before a validator's own words (``skip``: location parts to leave out)."""
-    parts = []
-    for err in errors:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p not in skip)
-        what = str(err["ctx"]["error"]) if err.get("type") == "value_error" and "ctx" in err else str(err.get("msg"))
-        parts.append(f"{where}: {what}" if where else what)
-    return "; ".join(parts) or "invalid request"
 
 
 def is_json(content_type: str) -> bool:
@@ -122,6 +114,7 @@ class Decoded(msgspec.Struct, tag="decoded", array_like=True):
 class Refused(msgspec.Struct, tag="refused", array_like=True):
     status: int
     message: str
+    param: str | None = None
 
 
 Answer = Ready | Decoded | Refused
@@ -140,7 +133,7 @@ def answer(job: ParseJob) -> Decoded | Refused:
                                    f"more than the {MAX_HEAD_BYTES} allowed")
         return Decoded(head.encode(), *split(parsed.prompt))
     except BodyRefused as e:
-        return Refused(e.status, str(e))
+        return Refused(e.status, str(e), e.param)
     except Exception as e:  # a bug, or an exhausted process: this body fails, not the process
         return Refused(500, f"the body could not be decoded: {type(e).__name__}: {e}")
 

@@ -18,23 +18,25 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from lmpool.frontend.client import PoolError
-from lmpool.frontend.serve.body_parser import validation_message
 from lmpool.frontend.serve.disconnect import ClientGone
+from lmpool.frontend.serve.validation_errors import described
 
 log = logging.getLogger("uvicorn.error")
 
 class ServeError(Exception):
-    """A failure with the HTTP status it deserves."""
+    """A failure with the HTTP status it deserves, and the request field at fault (``param``)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
-def error_body(status: int, message: str) -> dict:
-    # vLLM's shape: OpenAI's error object with the status as the code and its phrase as the type.
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    # vLLM's shape: OpenAI's error object with the status as the code and its phrase as the type;
+    # param names the field at fault, as OpenAI's does.
     kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def status_of(exc: BaseException) -> int:
@@ -55,18 +57,14 @@ def message_of(exc: BaseException) -> str:
 
 def error_response(exc: BaseException) -> JSONResponse:
     status = status_of(exc)
-    return JSONResponse(error_body(status, message_of(exc)), status_code=status)
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    return validation_message(exc.errors(), skip=("body",))
+    return JSONResponse(error_body(status, message_of(exc), getattr(exc, "param", None)), status_code=status)
 
 
 def install_handlers(app) -> None:
     """Route every failure, a malformed body included, into an OpenAI-style error body."""
 
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body(400, _validation_message(exc)), status_code=400)
+        return JSONResponse(error_body(400, *described(exc.errors(), skip=("body",))), status_code=400)
 
     async def any_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)

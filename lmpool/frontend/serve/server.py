@@ -163,7 +163,7 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
         if getattr(args, name) is not None:
             pool_args[name] = getattr(args, name)
     if importlib.util.find_spec("prometheus_client") is not None:
-        pool_args["metrics_port"] = 0  # relayed at the server's /metrics
+        pool_args["metrics"] = True  # rendered at the server's /metrics
     return ServeSettings(model=args.model, served_model_name=args.served_model_name, api_key=args.api_key,
                          pool_args=pool_args, limits=limits_from(args), version_route=args.enable_version_route)
 
@@ -200,7 +200,7 @@ def check_pool_args(p: argparse.ArgumentParser, settings: ServeSettings) -> None
     from lmpool.config.pool import PoolConfig
     from lmpool.model.config import ModelConfig
 
-    options = {k: v for k, v in settings.pool_args.items() if k != "metrics_port"}
+    options = {k: v for k, v in settings.pool_args.items() if k != "metrics"}
     try:
         ModelConfig.from_pretrained(settings.model)
         PoolConfig.from_options(settings.model, **options)
