@@ -1,7 +1,7 @@
 """The engine on CUDA: same greedy tokens as the CPU path (fp32), CUDA graphs equal eager; step
 inputs through the pinned arena equal the CPU builder's; a step's launch never synchronises;
 overlapped stepping equals the serial path and waits at most once per step; a model whose
-head_dim the kernels lack runs on the torch ops."""
+head_dim the kernels lack runs on the torch ops; logprobs and penalties equal the CPU path's."""
 
 from __future__ import annotations
 
@@ -284,3 +284,31 @@ def test_gpu_a_head_dim_the_kernels_lack_runs_on_the_torch_ops_and_equals_cpu(tm
     with llm:
         assert llm.engine.runner.ops.name == "torch" and llm.engine.runner.graphs is None
         assert [o.token_ids for o in llm.generate(prompts(4), GREEDY)] == want
+
+
+ASKING = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2,
+                        repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)
+
+
+def _logprob_rows(outs) -> list[list[tuple[int, list[int], list[float]] | None]]:
+    return [[None if e is None else (e.token_id, e.top_ids, e.top_logprobs) for e in o.prompt_logprobs + o.logprobs]
+            for o in outs]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "overlapped"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_gpu_logprobs_and_penalties_equal_cpu(tiny_model, async_scheduling, enforce_eager):
+    """Logprobs staged on the host with the step's tokens, and penalties counting the pending token
+    on the device, give the CPU path's tokens and logprobs (fp32; top ids exact, values within 1e-3)."""
+    with LLM(tiny_model, block_size=BLOCK, async_scheduling=async_scheduling) as llm:
+        expected = llm.generate(prompts(6), ASKING)
+    with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, enforce_eager=enforce_eager,
+             async_scheduling=async_scheduling) as llm:
+        outs = llm.generate(prompts(6), ASKING)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    for got, want in zip(_logprob_rows(outs), _logprob_rows(expected)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                assert g[:2] == w[:2] and all(abs(a - b) < 1e-3 for a, b in zip(g[2], w[2]))
