@@ -253,6 +253,22 @@ class Worker:
         return [WorkerDelta(self.rank, self.epoch, d, report if i == 0 else later)
                 for i, d in enumerate(split_delta(cache, parts))]
 
+    async def send_outputs(self, deltas: list[TokenDelta], load: LoadReport) -> None:
+        """A step's tokens to the user process: in one message, but each first token carrying its
+        prompt's logprobs in one of its own (ingress lets each alone fit a message, not several
+        together). One that the link still refuses fails its request alone; the rank serves on."""
+        small = [d for d in deltas if d.prompt_logprobs is None]
+        if small:
+            await self.engine.send(StepOutputs(small, load))
+        for delta in deltas:
+            if delta.prompt_logprobs is None:
+                continue
+            try:
+                await self.engine.send(StepOutputs([delta], load))
+            except MessageError as e:
+                self.core.abort_request(delta.request_id)
+                await self.engine.send(RequestRejected(delta.request_id, f"its prompt logprobs cannot be sent: {e}"))
+
     async def send_control(self, msg, encoded: bool = False) -> bool:
         """Send ``msg`` (or its encoded bytes) to the control plane; whether it went. A message
         the link refuses is that message's failure: logged, the link works on. The control
@@ -374,7 +390,7 @@ class Worker:
             if deltas:
                 self.generated_tokens += len(deltas)  # one delta per new token
                 load = self.load()
-                await self.engine.send(StepOutputs(deltas, load))
+                await self.send_outputs(deltas, load)
             for reply in failed:
                 await self.engine.send(reply)
             await self.publish(load)

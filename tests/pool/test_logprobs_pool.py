@@ -5,6 +5,7 @@ are shown once)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -49,3 +50,23 @@ def test_logprobs_and_penalties_survive_a_rank_s_death(tiny_model):
     assert same_logprobs(last.prompt_logprobs, expected.prompt_logprobs)
     assert first.prompt_logprobs == last.prompt_logprobs  # shown with the first token, kept from rank 0's
     assert pool_penalized.token_ids == penalized.token_ids
+
+
+def test_prompt_logprobs_too_many_for_one_message_together_go_in_several(tiny_model):
+    """Requests whose prompt logprobs each fit a message (ingress checks each alone) but not
+    together finish their prompts in one step (the first may take a step alone, the seven
+    after it arrive while it runs: 1.8 MB of logprobs): the worker sends them apart and serves on."""
+    prompts = [[(7 * i + j) % 1000 + 1 for i in range(1000)] for j in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20)
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=1, block_size=BLOCK, max_num_batched_tokens=8192) as pool:
+            outs = await asyncio.gather(*(pool.generate(p, params) for p in prompts))
+            return outs, await pool.generate(PROMPT, PENALIZED)
+
+    outs, after = uvloop.run(main())
+    for prompt, out in zip(prompts, outs):
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        assert [e.token_id for e in out.prompt_logprobs[1:]] == prompt[1:]
+        assert all(len(e.top_ids) == 20 for e in out.prompt_logprobs[1:])
+    assert len(after.token_ids) == PENALIZED.max_tokens  # the rank served on
