@@ -24,8 +24,18 @@ PENALIZED = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repeti
 
 def same_logprobs(got: list, expected: list) -> bool:
     return len(got) == len(expected) and all(
-        (g is None and e is None) or (g.token_id == e.token_id and g.top_ids == e.top_ids
-                                      and abs(g.logprob - e.logprob) < TOLERANCE) for g, e in zip(got, expected))
+        (g is None and e is None) or (g.token_id == e.token_id and abs(g.logprob - e.logprob) < TOLERANCE
+                                      and same_top(g, e)) for g, e in zip(got, expected))
+
+
+def same_top(got, expected) -> bool:
+    """The same alternatives, in the same order where the expected ones are told apart by more than
+    the tolerance (a recomputation may swap two near-tied ones), within the tolerance."""
+    values = expected.top_logprobs
+    if any(abs(a - b) >= TOLERANCE for a, b in zip(sorted(got.top_logprobs), sorted(values))):
+        return False
+    distinct = next((i for i in range(len(values) - 1) if values[i] - values[i + 1] < 2 * TOLERANCE), len(values))
+    return got.top_ids[:distinct] == expected.top_ids[:distinct]
 
 
 def test_logprobs_and_penalties_survive_a_rank_s_death(tiny_model):
