@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 
 import msgspec
@@ -48,6 +49,7 @@ import zmq.asyncio
 
 from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST
 
+log = logging.getLogger("lmpool.benchmarks.kv_event_relay")
 
 
 class _Head(msgspec.Struct, array_like=True):
@@ -165,7 +167,10 @@ class RankRelay:
         while True:
             await self._handshakes.recv_multipart()
             async with self._turn:
-                await self._resync()
+                try:
+                    await self._resync()
+                except RuntimeError as e:  # a pool gone again before it answered: the next connection resyncs
+                    log.warning("KV-event relay: no resynchronisation after a reconnection: %s", e)
 
     async def _resync(self) -> None:
         """Forward the pool's current state (per rank: cleared, then its blocks), and take its
