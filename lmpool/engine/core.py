@@ -172,12 +172,10 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         """Run one step; returns the tokens the host has read back (see the module docstring)."""
-        started, launched = time.perf_counter(), time.monotonic()
-        outputs = self._step_overlapped(started) if self.config.async_scheduling else self._step_serial(started)
-        for seq in self.scheduler.last_batch.seqs:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = launched
-        return outputs
+        started = time.perf_counter()
+        if self.config.async_scheduling:
+            return self._step_overlapped(started)
+        return self._step_serial(started)
 
     def take_step_samples(self) -> list[StepSample]:
         """The timed steps since the previous call, oldest first (at most ``STEP_SAMPLES``)."""

@@ -32,6 +32,7 @@ bounds its own waiting, so admission never stalls forever.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -169,6 +170,7 @@ class Scheduler:
             if not seq.admitted:
                 seq.admitted = True
                 seq.num_cached_tokens = min(len(hit) * bm.block_size, seq.num_prompt_tokens)
+                seq.first_scheduled_time = time.monotonic()  # its first step is launched now
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, n)
