@@ -135,9 +135,11 @@ def start_server(model: str, tmp: Path, *args: str) -> ServerProcess:
     return start_servers(1, model, tmp, *args)[0]
 
 
-def start_servers(n: int, model: str, tmp: Path, *args: str) -> list[ServerProcess]:
-    """``n`` servers, started side by side, each ready."""
-    servers = [ServerProcess(model, *args, log=tmp / f"serve-{i}-{time.monotonic_ns()}.log") for i in range(n)]
+def start_servers(n: int, model: str, tmp: Path, *args: str, grpc_ports: list[int] | None = None) -> list[ServerProcess]:
+    """``n`` servers, started side by side, each ready (server i with ``--grpc-port grpc_ports[i]``)."""
+    extra = [("--grpc-port", str(port)) for port in grpc_ports] if grpc_ports else [()] * n
+    servers = [ServerProcess(model, *args, *extra[i], log=tmp / f"serve-{i}-{time.monotonic_ns()}.log")
+               for i in range(n)]
     try:
         for server in servers:
             server.wait_ready()
