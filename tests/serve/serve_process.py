@@ -35,8 +35,8 @@ def free_port() -> int:
 class ServerProcess:
     """One ``lmpool serve`` process; ``url`` is its base URL once ``wait_ready`` returns."""
 
-    def __init__(self, model: str, *args: str, log: Path) -> None:
-        self.port = free_port()
+    def __init__(self, model: str, *args: str, log: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lmpool.cli", "serve", model, "--port", str(self.port),
                "--block-size", str(BLOCK), "--log-level", "warning", *args]

@@ -10,48 +10,18 @@ approximate prefix tree of the text it routed, which is the mode tested here.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from serve_process import BLOCK, busy, free_port, metric, smg_binary, start_servers, wait_for
+from gateway_process import Gateway
+from serve_process import BLOCK, busy, metric, smg_binary, start_servers, wait_for
 
 from lmpool import LLM, SamplingParams
 
 PROMPT = "The harbour town woke slowly on winter mornings, and"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 SHARED = "You are a careful storyteller. Continue the text below in the same voice, keep it short. Text: "
-
-
-class Gateway:
-    def __init__(self, workers: list[str], log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(
-            [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *workers,
-             "--policy", "cache_aware", "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1",
-             "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn"],
-            stdout=self._log, stderr=subprocess.STDOUT)
-
-    def serves(self, model: str) -> bool:
-        assert self.proc.poll() is None, "the gateway exited"
-        try:
-            models = httpx.get(f"{self.url}/v1/models", timeout=10).json()
-        except (httpx.TransportError, ValueError):
-            return False
-        return any(card.get("id") == model for card in models.get("data", []))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="module")
