@@ -3,12 +3,13 @@ HTTP or gRPC workers alike; its worker listing and Prometheus series, read as th
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 from pathlib import Path
 
 import httpx
-from serve_process import free_port, smg_binary
+from serve_process import free_port, smg_binary, terminate, wait_for
 
 
 class Gateway:
@@ -47,10 +48,22 @@ class Gateway:
         return total
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 30)
         self._log.close()
+
+
+@contextlib.contextmanager
+def gateway_over(servers: list, workers: list[str], log: Path, model: str = "tiny"):
+    """A gateway in front of ``servers`` (at ``workers``, their URLs), once it serves ``model``
+    from all of them; stopped with the servers at the end."""
+    try:
+        gateway = Gateway(workers, log)
+        try:
+            wait_for(lambda: gateway.serves(model) and len(gateway.workers()) == len(workers),
+                     "the gateway's registration of the hosts")
+            yield gateway
+        finally:
+            gateway.stop()
+    finally:
+        for server in servers:
+            server.stop()

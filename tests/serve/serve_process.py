@@ -77,13 +77,7 @@ class ServerProcess:
     def stop(self) -> None:
         """Stop the server gracefully; fail if its pool left a process or shared memory behind."""
         children = self.children() if self.proc.poll() is None else []
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # a graceful stop shuts the pool down
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 60)  # a graceful stop shuts the pool down
         self._log_file.close()
         assert not [pid for pid in children if pid_alive(pid)], "a pool process outlived its server"
         left = owned_shm(self.proc.pid)
@@ -103,6 +97,17 @@ class ServerProcess:
             time.sleep(0.05)
         sweep_dead_pools()
         assert not owned_shm(self.proc.pid)
+
+
+def terminate(proc: subprocess.Popen, limit: float) -> None:
+    """SIGTERM, and SIGKILL if ``proc`` has not exited ``limit`` seconds later."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def pool_children(parent: int, module: bytes = b"lmpool.") -> list[int]:

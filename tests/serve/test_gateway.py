@@ -14,7 +14,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from gateway_process import Gateway
+from gateway_process import gateway_over
 from serve_process import BLOCK, busy, metric, smg_binary, start_servers, wait_for
 
 from lmpool import LLM, SamplingParams
@@ -36,16 +36,8 @@ def hosts(tiny_model, tmp_path_factory):
     smg_binary()  # skip before starting anything
     tmp_path = tmp_path_factory.mktemp("hosts")
     servers = start_servers(2, tiny_model, tmp_path, "--world-size", "1", "--served-model-name", "tiny")
-    try:
-        gateway = Gateway([s.url for s in servers], tmp_path / "smg.log")
-        try:
-            wait_for(lambda: gateway.serves("tiny"), "the gateway's registration of the hosts")
-            yield gateway, servers
-        finally:
-            gateway.stop()
-    finally:
-        for server in servers:
-            server.stop()
+    with gateway_over(servers, [s.url for s in servers], tmp_path / "smg.log") as gateway:
+        yield gateway, servers
 
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}

@@ -18,7 +18,7 @@ import random
 import httpx
 import openai
 import pytest
-from gateway_process import Gateway
+from gateway_process import Gateway, gateway_over
 from grpc_hosts import channel, loads, start_grpc_hosts, stub
 from serve_process import BLOCK, ServerProcess, busy, metric, smg_binary, wait_for
 
@@ -43,16 +43,8 @@ def hosts(tiny_model, tmp_path_factory):
     smg_binary()  # skip before starting anything
     tmp = tmp_path_factory.mktemp("grpc-hosts")
     servers = start_grpc_hosts(2, tiny_model, tmp, "--world-size", "2", "--served-model-name", "tiny")
-    try:
-        gateway = Gateway([s.grpc_url for s in servers], tmp / "smg.log")
-        try:
-            wait_for(lambda: gateway.serves("tiny") and len(gateway.workers()) == 2, "the gateway's registration")
-            yield gateway, servers, tmp
-        finally:
-            gateway.stop()
-    finally:
-        for server in servers:
-            server.stop()
+    with gateway_over(servers, [s.grpc_url for s in servers], tmp / "smg.log") as gateway:
+        yield gateway, servers, tmp
 
 
 def client(gateway: Gateway) -> openai.OpenAI:
