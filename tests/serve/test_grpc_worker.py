@@ -4,19 +4,22 @@ settings are ``INVALID_ARGUMENT`` and the host serves on; a dropped stream abort
 (the pool holds no block for it); health, model info, loads and the tokenizer bundle answer; the
 KV-event stream shows the host's state, then a prompt's blocks with the pool's hashes and the
 prompt's tokens, resumes from a number it holds and refuses one it never sent; SIGTERM lets a
-running stream finish."""
+running stream finish; with ``--no-http`` the host serves gRPC alone and stops cleanly."""
 
 from __future__ import annotations
 
 import io
 import signal
+import subprocess
+import sys
 import threading
 import zipfile
 
 import grpc
+import httpx
 import pytest
 from grpc_hosts import channel, generate_request, loads, pb, start_grpc_hosts, streamed_tokens, stub, subscribe
-from serve_process import BLOCK, busy, wait_for
+from serve_process import BLOCK, STARTUP_LIMIT_S, ServerProcess, busy, free_port, wait_for
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_servicer.kv_events import to_int64
 
@@ -151,3 +154,34 @@ def test_sigterm_lets_a_running_stream_finish(tiny_model, tmp_path):
     finally:
         ch.close()
         server.stop()
+
+
+def test_grpc_alone_without_http(tiny_model, tmp_path, expected):
+    grpc_port = free_port()
+    server = ServerProcess(tiny_model, "--no-http", "--grpc-port", str(grpc_port), log=tmp_path / "alone.log")
+    server.grpc_port = grpc_port
+    ch = channel(server)
+    try:
+        s = stub(ch)
+        wait_for(lambda: _healthy(server, s), "the gRPC-only host's health", limit=STARTUP_LIMIT_S)
+        assert streamed_tokens(s.Generate(generate_request("alone", PROMPT, TOKENS)))[0] == expected
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.url}/health", timeout=10)
+    finally:
+        ch.close()
+        server.stop()
+    assert server.proc.returncode == 0
+
+
+def _healthy(server: ServerProcess, s) -> bool:
+    assert server.proc.poll() is None, server.log.read_text()
+    try:
+        return s.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
+    except grpc.RpcError:
+        return False
+
+
+def test_no_http_needs_a_grpc_port(tiny_model):
+    done = subprocess.run([sys.executable, "-m", "lmpool.cli", "serve", tiny_model, "--no-http"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--no-http needs --grpc-port" in done.stderr

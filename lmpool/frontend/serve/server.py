@@ -69,6 +69,7 @@ def parser() -> argparse.ArgumentParser:
                         "rather than vLLM's default, their low 64 bits as integers")
     p.add_argument("--grpc-port", type=_port, help="also serve smg's gRPC engine protocol (vLLM's) on this port, "
                    "on --host, with the pool's KV events and loads (smg: --worker-urls grpc://HOST:PORT)")
+    p.add_argument("--no-http", action="store_true", help="serve gRPC only (with --grpc-port): no HTTP port")
     p.add_argument("--shutdown-grace", type=_seconds, default=5.0,
                    help="seconds the running requests get to finish once SIGINT or SIGTERM stops the server")
     p.add_argument("--log-level", default="info")
@@ -214,7 +215,10 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"lmpool serve needs the serve extra (pip install 'lmpool[serve]'): {e}") from None
     settings = settings_from(args)
     check_pool_args(p, settings)
-    check_port_free(args.host, args.port)
+    if args.no_http and args.grpc_port is None:
+        p.error("--no-http needs --grpc-port")
+    if not args.no_http:
+        check_port_free(args.host, args.port)
     events = kv_events_config(args)
     grpc_worker = None
     if args.grpc_port is not None:  # smg's gRPC worker; it reads the pool's KV events
@@ -227,6 +231,11 @@ def main(argv: list[str]) -> int:
         os.environ[kv_pool_events.ENV] = events
     app = create_app(settings)
     app.state.grpc = grpc_worker
+    if args.no_http:
+        from lmpool.frontend.grpc.alone import run
+
+        run(app, args.shutdown_grace, args.log_level)
+        return 0
     _server_class()(uvicorn_config(app, args, settings.limits), app, args.shutdown_grace).run()
     return 0
 
