@@ -2,8 +2,9 @@
 publisher (ZMQ PUB, and its replay socket for the full state) applied to a ``HostKVView``.
 
 The feed connects before the pool starts, so it hears the pool's first batches; whenever it
-cannot vouch for having every batch (the first one it hears, or a sequence number that skips
-one: a slow joiner, or batches dropped at the high-water mark) it asks the replay socket for
+cannot vouch for having every batch (the first one it hears, a sequence number that skips one:
+a slow joiner, or batches dropped at the high-water mark; or one that goes back: the control
+process was restarted, and its publisher with it) it asks the replay socket for
 the full state and applies it, per rank, before the PUB batches after it. Subscribers wait on
 ``wait_past(seq)``, woken at each host batch; nothing here blocks the event loop.
 """
@@ -62,9 +63,13 @@ class PoolEventFeed:
 
     async def _run(self) -> None:
         expected: int | None = None  # the PUB seq that follows what the view holds
+        last: int | None = None  # the last PUB seq heard
         while True:
             _, seq_bytes, payload = (await self._sub.recv_multipart())[-3:]
             seq = int.from_bytes(seq_bytes, "big")
+            if last is not None and seq <= last:
+                expected = None  # one publisher's numbers only grow: a restarted control process's began again
+            last = seq
             if expected is None or seq > expected:
                 expected = await self._resync() + 1
             if seq != expected:
