@@ -1,5 +1,6 @@
 """``lmpool serve --grpc-port``: smg's engine protocol (``vllm_engine.proto``), driven by a plain
-gRPC client. Generate gives one ``LLM``'s tokens, streamed or not; bad input and unsupported
+gRPC client, on a host listening on loopback only. Generate gives one ``LLM``'s tokens, streamed
+or not, and a text prompt the tokens of its ids; bad input and unsupported
 settings are ``INVALID_ARGUMENT`` and the host serves on; a dropped stream aborts its request
 (the pool holds no block for it); health, model info, loads and the tokenizer bundle answer; the
 KV-event stream shows the host's state, then a prompt's blocks with the pool's hashes and the
@@ -26,6 +27,7 @@ from smg_grpc_servicer.kv_events import to_int64
 from lmpool import LLM, SamplingParams
 from lmpool.engine.hashing import chain_hashes
 from lmpool.protocol.vllm_kv_events import external_block_hash
+from lmpool.tokenizer import encode_prompt, load_tokenizer
 
 PROMPT = list(range(300, 350))  # three complete blocks of 16 and two tokens
 TOKENS = 8
@@ -185,3 +187,36 @@ def test_no_http_needs_a_grpc_port(tiny_model):
     done = subprocess.run([sys.executable, "-m", "lmpool.cli", "serve", tiny_model, "--no-http"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "--no-http needs --grpc-port" in done.stderr
+
+
+def test_a_text_prompt_is_tokenized_by_the_host(host, tiny_model):
+    _, s = host
+    text = "The harbour town woke slowly on winter mornings, and"
+    ids = encode_prompt(load_tokenizer(tiny_model), text)
+    by_text = pb.GenerateRequest(request_id="text-1", text=text, sampling_params=pb.SamplingParams(
+        temperature=0, max_tokens=TOKENS, ignore_eos=True))
+    (whole,) = s.Generate(by_text)
+    assert whole.complete.prompt_tokens == len(ids)
+    assert streamed_tokens(s.Generate(generate_request("ids-1", ids, TOKENS)))[0] == list(whole.complete.output_ids)
+
+
+def test_the_grpc_port_listens_on_loopback_only(host):
+    server, _ = host
+    found = listening(server.grpc_port)
+    assert found and set(found) <= LOOPBACK, found
+
+
+# 127.0.0.1, ::ffff:127.0.0.1 (IPv4 on an IPv6 socket) and ::1, as /proc/net/tcp{,6} write them.
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+
+
+def listening(port: int) -> list[str]:
+    """The local addresses (as /proc/net/tcp{,6} write them) with a socket listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if int(hex_port, 16) == port and state == "0A":  # LISTEN
+                found.append(address)
+    return found

@@ -15,9 +15,12 @@ for its id does the same.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
@@ -48,14 +51,20 @@ class PoolEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.pool, self.settings, self.feed = pool, settings, feed
         self.model_config = ModelConfig.from_pretrained(settings.model)
         self.started = time.time()
+        # One thread: a Hugging Face tokenizer is not safe to use from several at once.
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lmpool-grpc-tokenize")
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # ---- generation ---------------------------------------------------------------------
 
     async def Generate(self, request, context):
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
-            ids = self._prompt_ids(request)
+            ids = await self._prompt_ids(request)
             params = sampling_params(request.sampling_params, max(1, _longest_request(self.pool) - len(ids)))
-            outputs = self.pool.stream(ids, params, request_id=request.request_id)
+            outputs = self.pool.stream(ids, params, request_id=request_id)
             sent = 0
             async for out in outputs:
                 if request.stream:
@@ -65,14 +74,15 @@ class PoolEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     yield _complete(out, out.token_ids[-1:] if request.stream else out.token_ids)
         except Exception as e:  # noqa: BLE001 - every failure is the request's status, never the server's
             if _code(e) is grpc.StatusCode.INTERNAL:
-                log.exception("Generate %s failed", request.request_id)
+                log.exception("Generate %s failed", request_id)
             await context.abort(_code(e), str(e))
 
-    def _prompt_ids(self, request) -> list[int]:
+    async def _prompt_ids(self, request) -> list[int]:
         if request.WhichOneof("input") == "tokenized":
             return list(request.tokenized.input_ids)
         if request.WhichOneof("input") == "text":
-            return self.pool.encode(request.text)
+            # Off the event loop, as the HTTP server tokenizes: a long text takes seconds.
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.pool.encode, request.text)
         raise ValueError("the request has no input (tokenized or text)")
 
     async def Abort(self, request, context):

@@ -37,6 +37,7 @@ class GrpcWorker:
         self.topic, self.array_like, self._private_dir = topic, array_like, private_dir
         self.feed: PoolEventFeed | None = None
         self.server: grpc.aio.Server | None = None
+        self.servicer: PoolEngineServicer | None = None
         self.port: int | None = None
         self._stopping: asyncio.Task | None = None
 
@@ -65,10 +66,12 @@ class GrpcWorker:
 
     async def start(self, pool, settings) -> None:
         self.feed.start()
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # As many calls at once as the HTTP server takes requests (past it, RESOURCE_EXHAUSTED).
+        self.server = grpc.aio.server(maximum_concurrent_rpcs=settings.limits.limit_concurrency,
+                                      options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(PoolEngineServicer(pool, settings, self.feed),
-                                                              self.server)
+        self.servicer = PoolEngineServicer(pool, settings, self.feed)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.servicer, self.server)
         self.port = self.server.add_insecure_port(self.address)
         await self.server.start()
         log.info("gRPC worker (smg's vLLM engine protocol) listening on %s, port %d", self.address, self.port)
@@ -84,6 +87,7 @@ class GrpcWorker:
                 self.feed.end_streams()
             if self.server is not None:
                 await self.server.stop(grace)
+                self.servicer.close()
             if self.feed is not None:
                 await self.feed.close()
         finally:
