@@ -34,7 +34,10 @@ LOAD_PROMPTS = [f"Story {i}: the lighthouse keeper counted the ships that passed
 def expected(tiny_model):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(tiny_model, block_size=BLOCK) as llm:
-        return {"text": llm.generate(PROMPT, greedy)[0].text, "chat": llm.chat(CHAT, greedy)[0].text,
+        text = llm.generate(PROMPT, greedy)[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 2]  # a stop string the output shows half way
+        stopped = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop]))[0]
+        return {"text": text, "chat": llm.chat(CHAT, greedy)[0].text, "stop": stop, "stopped": stopped.text,
                 "load": [out.text for out in llm.generate(LOAD_PROMPTS, greedy)]}
 
 
@@ -65,6 +68,8 @@ def test_through_smg_the_tokens_of_one_llm(hosts, expected):
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == expected["text"]
     chat_stream = c.chat.completions.create(model="tiny", messages=CHAT, stream=True, **GREEDY)
     assert "".join(ch.choices[0].delta.content or "" for ch in chat_stream if ch.choices) == expected["chat"]
+    stopped = c.completions.create(model="tiny", prompt=PROMPT, stop=[expected["stop"]], **GREEDY).choices[0]
+    assert (stopped.text, stopped.finish_reason) == (expected["stopped"], "stop")
 
 
 def test_smg_reads_the_hosts_as_vllm_engines_with_their_loads(hosts):
