@@ -13,7 +13,10 @@ a host's stream), the hosts' boards (``lmpool:prompt_tokens_total``, requests ru
 from __future__ import annotations
 
 import asyncio
+import glob
+import os
 import random
+import tempfile
 
 import httpx
 import openai
@@ -195,6 +198,8 @@ def test_a_host_killed_mid_run_then_restarted(hosts, tiny_model):
     reborn.grpc_port, reborn.grpc_url = killed.grpc_port, killed.grpc_url
     servers[0] = reborn  # stopped by the fixture
     reborn.wait_ready()
+    # The killed host's private KV-event sockets were swept by the restart.
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"lmpool-kv-{killed.proc.pid}-*"))
     wait_for(lambda: gateway.workers()[reborn.grpc_url]["is_healthy"], "the gateway's health check of the restart")
     prefix = ("After the restart: the keeper wrote the names of the ships in a ledger, one line each, "
               "and read them back at night. ") * 2

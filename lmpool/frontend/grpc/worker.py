@@ -2,8 +2,9 @@
 
 ``GrpcWorker.from_args`` is called before the pool starts: it picks the endpoints the pool's
 KV-event publisher binds (those of ``--kv-events-endpoint`` when given, plus a replay endpoint
-if it names none; otherwise private ``ipc://`` sockets in a directory only this user can
-enter) and returns the publisher's configuration, so ``--grpc-port`` alone gives smg the events.
+if it names none; otherwise private ``ipc://`` sockets in a directory only this user can enter:
+``private_sockets``) and returns the publisher's configuration, so ``--grpc-port`` alone gives
+smg the events.
 ``start`` runs once the pool is up, on the server's event loop; ``stop(grace)`` ends the event
 subscriptions (they never end by themselves), refuses new calls, gives the running ones
 ``grace`` seconds, then cancels them (which aborts their requests). It is idempotent: SIGTERM's
@@ -15,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import tempfile
 
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from smg_grpc_servicer.kv_events import endpoint_for_rank
 
+from lmpool.frontend.grpc import private_sockets
 from lmpool.frontend.grpc.event_feed import PoolEventFeed
 from lmpool.frontend.grpc.servicer import PoolEngineServicer
 
@@ -50,7 +51,7 @@ class GrpcWorker:
         else:
             endpoint = replay = None
         if replay is None:
-            private = tempfile.mkdtemp(prefix="lmpool-kv-")  # mode 0700
+            private = private_sockets.make()
             endpoint = endpoint or f"ipc://{private}/events"
             replay = f"ipc://{private}/replay"
         worker = cls(args.host, args.grpc_port, endpoint_for_rank(endpoint, 0), endpoint_for_rank(replay, 0),
