@@ -220,3 +220,18 @@ def listening(port: int) -> list[str]:
             if int(hex_port, 16) == port and state == "0A":  # LISTEN
                 found.append(address)
     return found
+
+
+def test_bytes_that_are_no_request_harm_nothing(host, expected):
+    server, s = host
+    ch = channel(server)
+    try:
+        raw = ch.unary_stream("/vllm.grpc.engine.VllmEngine/Generate")  # bytes in, bytes out
+        with pytest.raises(grpc.RpcError) as refused:
+            list(raw(b"\xff\xff\xff\xff not a GenerateRequest"))
+        # grpc's own answer to a message that does not decode (grpcio's aio server: UNKNOWN, naming
+        # the DecodeError); the servicer never sees it.
+        assert "DecodeError" in refused.value.details(), refused.value
+    finally:
+        ch.close()
+    assert streamed_tokens(s.Generate(generate_request("after-garbage", PROMPT, TOKENS)))[0] == expected
