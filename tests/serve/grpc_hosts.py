@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
-from serve_process import ServerProcess, free_port, start_servers
+from serve_process import ServerProcess, free_ports, start_servers
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 pb = vllm_engine_pb2
@@ -14,7 +14,7 @@ pb = vllm_engine_pb2
 def start_grpc_hosts(n: int, model: str, tmp: Path, *args: str) -> list[ServerProcess]:
     """``n`` servers, each with ``grpc_port`` and ``grpc_url`` set, ready (``/health`` answers
     once the pool and the gRPC server are up)."""
-    ports = [free_port() for _ in range(n)]
+    ports = free_ports(n)
     servers = start_servers(n, model, tmp, *args, grpc_ports=ports)
     for server, port in zip(servers, ports):
         server.grpc_port = port

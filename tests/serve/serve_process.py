@@ -32,6 +32,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (each held until all are picked: ``free_port`` twice may repeat one)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 class ServerProcess:
     """One ``lmpool serve`` process; ``url`` is its base URL once ``wait_ready`` returns."""
 
@@ -141,10 +153,12 @@ def start_server(model: str, tmp: Path, *args: str) -> ServerProcess:
 
 
 def start_servers(n: int, model: str, tmp: Path, *args: str, grpc_ports: list[int] | None = None) -> list[ServerProcess]:
-    """``n`` servers, started side by side, each ready (server i with ``--grpc-port grpc_ports[i]``)."""
+    """``n`` servers, started side by side, each ready (server i with ``--grpc-port grpc_ports[i]``,
+    and an HTTP port distinct from them)."""
     extra = [("--grpc-port", str(port)) for port in grpc_ports] if grpc_ports else [()] * n
-    servers = [ServerProcess(model, *args, *extra[i], log=tmp / f"serve-{i}-{time.monotonic_ns()}.log")
-               for i in range(n)]
+    ports = [p for p in free_ports(n + len(grpc_ports or ())) if p not in (grpc_ports or ())][:n]
+    servers = [ServerProcess(model, *args, *extra[i], log=tmp / f"serve-{i}-{time.monotonic_ns()}.log",
+                             port=ports[i]) for i in range(n)]
     try:
         for server in servers:
             server.wait_ready()
