@@ -34,11 +34,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (each held until all are picked: ``free_port`` twice may repeat one)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 class ServerProcess:
     """One ``lmpool serve`` process; ``url`` is its base URL once ``wait_ready`` returns."""
 
-    def __init__(self, model: str, *args: str, log: Path) -> None:
-        self.port = free_port()
+    def __init__(self, model: str, *args: str, log: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lmpool.cli", "serve", model, "--port", str(self.port),
                "--block-size", str(BLOCK), "--log-level", "warning", *args]
@@ -79,13 +91,7 @@ class ServerProcess:
     def stop(self) -> None:
         """Stop the server gracefully; fail if its pool left a process or shared memory behind."""
         children = self.children() if self.proc.poll() is None else []
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # a graceful stop shuts the pool down
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 60)  # a graceful stop shuts the pool down
         self._log_file.close()
         assert not [pid for pid in children if pid_alive(pid)], "a pool process outlived its server"
         left = owned_shm(self.proc.pid)
@@ -105,6 +111,17 @@ class ServerProcess:
             time.sleep(0.05)
         sweep_dead_pools()
         assert not owned_shm(self.proc.pid)
+
+
+def terminate(proc: subprocess.Popen, limit: float) -> None:
+    """SIGTERM, and SIGKILL if ``proc`` has not exited ``limit`` seconds later."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def pool_children(parent: int, module: bytes = b"lmpool.") -> list[int]:
@@ -152,9 +169,13 @@ def openai_client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
-def start_servers(n: int, model: str, tmp: Path, *args: str) -> list[ServerProcess]:
-    """``n`` servers, started side by side, each ready."""
-    servers = [ServerProcess(model, *args, log=tmp / f"serve-{i}-{time.monotonic_ns()}.log") for i in range(n)]
+def start_servers(n: int, model: str, tmp: Path, *args: str, grpc_ports: list[int] | None = None) -> list[ServerProcess]:
+    """``n`` servers, started side by side, each ready (server i with ``--grpc-port grpc_ports[i]``,
+    and an HTTP port distinct from them)."""
+    extra = [("--grpc-port", str(port)) for port in grpc_ports] if grpc_ports else [()] * n
+    ports = [p for p in free_ports(n + len(grpc_ports or ())) if p not in (grpc_ports or ())][:n]
+    servers = [ServerProcess(model, *args, *extra[i], log=tmp / f"serve-{i}-{time.monotonic_ns()}.log",
+                             port=ports[i]) for i in range(n)]
     try:
         for server in servers:
             server.wait_ready()

@@ -10,48 +10,18 @@ approximate prefix tree of the text it routed, which is the mode tested here.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from serve_process import BLOCK, busy, free_port, metric, smg_binary, start_servers, wait_for
+from gateway_process import gateway_over
+from serve_process import BLOCK, busy, metric, smg_binary, start_servers, wait_for
 
 from lmpool import LLM, SamplingParams
 
 PROMPT = "The harbour town woke slowly on winter mornings, and"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 SHARED = "You are a careful storyteller. Continue the text below in the same voice, keep it short. Text: "
-
-
-class Gateway:
-    def __init__(self, workers: list[str], log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(
-            [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *workers,
-             "--policy", "cache_aware", "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1",
-             "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn"],
-            stdout=self._log, stderr=subprocess.STDOUT)
-
-    def serves(self, model: str) -> bool:
-        assert self.proc.poll() is None, "the gateway exited"
-        try:
-            models = httpx.get(f"{self.url}/v1/models", timeout=10).json()
-        except (httpx.TransportError, ValueError):
-            return False
-        return any(card.get("id") == model for card in models.get("data", []))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +36,8 @@ def hosts(tiny_model, tmp_path_factory):
     smg_binary()  # skip before starting anything
     tmp_path = tmp_path_factory.mktemp("hosts")
     servers = start_servers(2, tiny_model, tmp_path, "--world-size", "1", "--served-model-name", "tiny")
-    try:
-        gateway = Gateway([s.url for s in servers], tmp_path / "smg.log")
-        try:
-            wait_for(lambda: gateway.serves("tiny"), "the gateway's registration of the hosts")
-            yield gateway, servers
-        finally:
-            gateway.stop()
-    finally:
-        for server in servers:
-            server.stop()
+    with gateway_over(servers, [s.url for s in servers], tmp_path / "smg.log") as gateway:
+        yield gateway, servers
 
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}

@@ -53,13 +53,24 @@ def started_line(pool: AsyncLMPool) -> str:
 def create_app(settings: ServeSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        grpc_worker = getattr(app.state, "grpc", None)  # lmpool serve --grpc-port
         try:
             await app.state.body_parser.start()  # ready before the first large body
+            if grpc_worker is not None:
+                grpc_worker.connect()  # before the pool binds its KV-event publisher
             async with AsyncLMPool(settings.model, served_model_name=settings.name, **settings.pool_args) as pool:
                 app.state.pool = pool
                 log.info("%s", started_line(pool))
-                yield
+                if grpc_worker is not None:
+                    await grpc_worker.start(pool, settings)
+                try:
+                    yield
+                finally:
+                    if grpc_worker is not None:  # SIGTERM's drain, begun with the grace, runs to its end
+                        await grpc_worker.stop(0)
         finally:
+            if grpc_worker is not None:
+                await grpc_worker.stop(0)  # its private sockets' directory, when the pool failed to start
             app.state.tokenizing.shutdown(wait=False, cancel_futures=True)
             await app.state.body_parser.close()
 

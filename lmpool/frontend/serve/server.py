@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-bytes-hashes", action="store_true",
                    help="send the whole 32-byte block hashes (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) "
                         "rather than vLLM's default, their low 64 bits as integers")
+    p.add_argument("--grpc-port", type=_port, help="also serve smg's gRPC engine protocol (vLLM's) on this port, "
+                   "on --host, with the pool's KV events and loads (smg: --worker-urls grpc://HOST:PORT)")
+    p.add_argument("--no-http", action="store_true", help="serve gRPC only (with --grpc-port): no HTTP port")
     p.add_argument("--shutdown-grace", type=_seconds, default=5.0,
                    help="seconds the running requests get to finish once SIGINT or SIGTERM stops the server")
     p.add_argument("--enable-version-route", action="store_true",
@@ -244,14 +247,37 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"lmpool serve needs the serve extra (pip install 'lmpool[serve]'): {e}") from None
     settings = settings_from(args)
     check_pool_args(p, settings)
-    check_port_free(args.host, args.port)
+    if args.no_http and args.grpc_port is None:
+        p.error("--no-http needs --grpc-port")
+    if not args.no_http:
+        check_port_free(args.host, args.port)
     events = kv_events_config(args)
+    grpc_worker = None
+    if args.grpc_port is not None:  # smg's gRPC worker; it reads the pool's KV events
+        check_port_free(args.host, args.grpc_port)
+        grpc_worker, config = _grpc_worker(args)
+        events = json.dumps(config)
     if events is not None:  # the control process, started by the pool, inherits it
-        check_endpoints(args)
+        if args.kv_events_endpoint:
+            check_endpoints(args)
         os.environ[kv_pool_events.ENV] = events
     app = create_app(settings)
+    app.state.grpc = grpc_worker
+    if args.no_http:
+        from lmpool.frontend.grpc.alone import run
+
+        run(app, args.shutdown_grace, args.log_level)
+        return 0
     _server_class()(uvicorn_config(app, args, settings.limits), app, args.shutdown_grace).run()
     return 0
+
+
+def _grpc_worker(args: argparse.Namespace):
+    try:
+        from lmpool.frontend.grpc.worker import GrpcWorker
+    except ImportError as e:
+        raise SystemExit(f"lmpool serve --grpc-port needs the grpc extra (pip install 'lmpool[grpc]'): {e}") from None
+    return GrpcWorker.from_args(args)
 
 
 def uvicorn_config(app, args: argparse.Namespace, limits: HttpLimits):
@@ -289,6 +315,9 @@ def _server_class():
 
         async def shutdown(self, sockets=None) -> None:
             self._stopping = None
+            grpc_worker = getattr(self.served_app.state, "grpc", None)
+            if grpc_worker is not None:  # drains beside HTTP: new calls refused, running ones given the grace
+                grpc_worker.stop(self.grace)
             timer = asyncio.get_running_loop().call_later(self.grace, self._stop_pool)
             try:
                 await super().shutdown(sockets)

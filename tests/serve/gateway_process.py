@@ -1,0 +1,69 @@
+"""SGLang's model gateway (``smg``, its pip package's binary) as a process in front of test hosts,
+HTTP or gRPC workers alike; its worker listing and Prometheus series, read as the tests wait on them."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+from pathlib import Path
+
+import httpx
+from serve_process import free_port, smg_binary, terminate, wait_for
+
+
+class Gateway:
+    def __init__(self, workers: list[str], log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{free_port()}"
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *workers,
+             "--policy", "cache_aware", "--prometheus-port", self.metrics_url.rsplit(":", 1)[1],
+             "--prometheus-host", "127.0.0.1",
+             "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn"],
+            stdout=self._log, stderr=subprocess.STDOUT)
+
+    def serves(self, model: str) -> bool:
+        assert self.proc.poll() is None, "the gateway exited"
+        try:
+            models = httpx.get(f"{self.url}/v1/models", timeout=10).json()
+        except (httpx.TransportError, ValueError):
+            return False
+        return any(card.get("id") == model for card in models.get("data", []))
+
+    def workers(self) -> dict[str, dict]:
+        """The gateway's worker listing, by URL."""
+        return {w["url"]: w for w in httpx.get(f"{self.url}/workers", timeout=10).json()["workers"]}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the gateway's series of ``name`` whose labels include ``labels``."""
+        page = httpx.get(f"{self.metrics_url}/metrics", timeout=10).text
+        total = 0.0
+        for series, value in re.findall(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", page, re.M):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', series))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def stop(self) -> None:
+        terminate(self.proc, 30)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def gateway_over(servers: list, workers: list[str], log: Path, model: str = "tiny"):
+    """A gateway in front of ``servers`` (at ``workers``, their URLs), once it serves ``model``
+    from all of them; stopped with the servers at the end."""
+    try:
+        gateway = Gateway(workers, log)
+        try:
+            wait_for(lambda: gateway.serves(model) and len(gateway.workers()) == len(workers),
+                     "the gateway's registration of the hosts")
+            yield gateway
+        finally:
+            gateway.stop()
+    finally:
+        for server in servers:
+            server.stop()
