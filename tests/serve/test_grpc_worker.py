@@ -66,7 +66,8 @@ def test_generate_gives_one_engines_tokens(host, expected):
     generate_request("bad-empty", [], 4),
     generate_request("bad-n", PROMPT, 4, n=2),
     generate_request("bad-logprobs", PROMPT, 4, logprobs=1),
-    generate_request("bad-penalty", PROMPT, 4, presence_penalty=0.5),
+    generate_request("bad-penalty", PROMPT, 4, repetition_penalty=-1.0),
+    generate_request("bad-min-p", PROMPT, 4, min_p=0.1),
     generate_request("bad-json", PROMPT, 4, json_schema="{}"),
     pb.GenerateRequest(request_id="bad-no-input"),
 ], ids=lambda r: r.request_id)
@@ -76,6 +77,15 @@ def test_bad_input_is_invalid_argument_and_harms_nothing(host, expected, request
         list(s.Generate(request_))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
     assert streamed_tokens(s.Generate(generate_request(f"after-{request_.request_id}", PROMPT, TOKENS)))[0] == expected
+
+
+def test_penalties_give_one_engines_tokens(host, tiny_model):
+    _, s = host
+    penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.2}
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True,
+                                                   **penalties))[0].token_ids
+    assert streamed_tokens(s.Generate(generate_request("penalized", PROMPT, TOKENS, **penalties)))[0] == want
 
 
 def test_a_dropped_stream_aborts_its_request(host):

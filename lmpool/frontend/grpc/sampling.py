@@ -2,11 +2,12 @@
 
 proto3 leaves an unset scalar at zero, so zero reads as "unset" where vLLM's servicer reads it
 so (``top_p``, ``top_k``, ``repetition_penalty``), and an unset ``temperature`` or ``max_tokens``
-(optional fields) as vLLM's defaults: 1.0, and as many tokens as the context leaves. A setting
-that would change the output and that the engine does not implement (``n`` above 1, logprobs,
-penalties, ``min_p``, ``min_tokens``, ``logit_bias``, a structured-output constraint...) is
-refused, as the HTTP server refuses it, rather than ignored: ``ValueError`` naming it, which the
-servicer answers with ``INVALID_ARGUMENT``.
+(optional fields) as vLLM's defaults: 1.0, and as many tokens as the context leaves. Presence,
+frequency and repetition penalties are the engine's (as vLLM applies them). A setting that would
+change the output and that this servicer does not carry (``n`` above 1, logprobs, ``min_p``,
+``min_tokens``, ``logit_bias``, a structured-output constraint...) is refused, as the HTTP
+server refuses what it lacks, rather than ignored: ``ValueError`` naming it, which the servicer
+answers with ``INVALID_ARGUMENT``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from __future__ import annotations
 from lmpool.sampling_params import SamplingParams
 
 # Fields whose proto default is their no-op value: set to anything else, they are refused.
-_NO_OP = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_tokens": 0,
-          "include_stop_str_in_output": False, "grammar_from_first_token": False}
+_NO_OP = {"min_p": 0.0, "min_tokens": 0, "include_stop_str_in_output": False, "grammar_from_first_token": False}
 # Optional fields refused whenever they are present.
 _ABSENT = ("logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 
@@ -33,7 +33,10 @@ def sampling_params(proto, default_max_tokens: int) -> SamplingParams:
         fields["top_k"] = proto.top_k
     if proto.HasField("seed"):
         fields["seed"] = proto.seed
-    return SamplingParams(**fields)
+    if proto.repetition_penalty:
+        fields["repetition_penalty"] = proto.repetition_penalty
+    return SamplingParams(presence_penalty=proto.presence_penalty, frequency_penalty=proto.frequency_penalty,
+                          **fields)
 
 
 def _refuse_unsupported(proto) -> None:
@@ -43,8 +46,6 @@ def _refuse_unsupported(proto) -> None:
     for name in _ABSENT:
         if proto.HasField(name):
             raise ValueError(f"{name} is not supported by this server")
-    if proto.repetition_penalty not in (0.0, 1.0):
-        raise ValueError(f"repetition_penalty is not supported by this server (got {proto.repetition_penalty!r})")
     if proto.n > 1:
         raise ValueError(f"n above 1 is not supported by this server (got {proto.n})")
     if proto.logit_bias:
