@@ -257,12 +257,11 @@ class Worker:
         """A step's tokens to the user process: in one message, but each first token carrying its
         prompt's logprobs in one of its own (ingress lets each alone fit a message, not several
         together). One that the link still refuses fails its request alone; the rank serves on."""
-        small = [d for d in deltas if d.prompt_logprobs is None]
-        if small:
-            await self.engine.send(StepOutputs(small, load))
-        for delta in deltas:
-            if delta.prompt_logprobs is None:
-                continue
+        alone = [d for d in deltas if d.prompt_logprobs is not None]
+        if len(alone) < len(deltas):
+            await self.engine.send(StepOutputs([d for d in deltas if d.prompt_logprobs is None] if alone else deltas,
+                                               load))
+        for delta in alone:
             try:
                 await self.engine.send(StepOutputs([delta], load))
             except MessageError as e:

@@ -30,7 +30,7 @@ from smg_grpc_servicer.tokenizer_bundle import tokenizer_bundle, tokenizer_chunk
 from lmpool.frontend.client import PoolError
 from lmpool.frontend.grpc.event_feed import PoolEventFeed
 from lmpool.frontend.grpc.sampling import sampling_params
-from lmpool.frontend.serve.app import _longest_request
+from lmpool.frontend.serve.app import longest_request
 from lmpool.frontend.serve.ecosystem import host_load, lmpool_version
 from lmpool.frontend.serve.settings import ServeSettings
 from lmpool.model.config import ModelConfig
@@ -63,7 +63,7 @@ class PoolEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
             ids = await self._prompt_ids(request)
-            params = sampling_params(request.sampling_params, max(1, _longest_request(self.pool) - len(ids)))
+            params = sampling_params(request.sampling_params, max(1, longest_request(self.pool) - len(ids)))
             outputs = self.pool.stream(ids, params, request_id=request_id)
             sent = 0
             async for out in outputs:

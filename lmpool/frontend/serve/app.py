@@ -105,7 +105,7 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
         body = parsed.request
         prompt_ids = await off_loop(request, pool.encode_chat, parsed.prompt, **(body.chat_template_kwargs or {}))
         # OpenAI's chat default is "as long as the context allows".
-        params = body.sampling_params(max(1, _longest_request(pool) - len(prompt_ids)))
+        params = body.sampling_params(max(1, longest_request(pool) - len(prompt_ids)))
         return await _respond(request, pool, plan([prompt_ids], params, body.num_choices), body, chat=True)
 
     @app.get("/v1/models")
@@ -152,9 +152,10 @@ def _max_model_len(pool: AsyncLMPool) -> int:
     return pool.engine.max_model_len
 
 
-def _longest_request(pool: AsyncLMPool) -> int:
-    # The most tokens (prompt and output) a request can hold: the context, or less where no
-    # live rank's KV cache holds that many (a default beyond it would refuse every request).
+def longest_request(pool: AsyncLMPool) -> int:
+    """The most tokens (prompt and output) a request can hold: the context, or less where no
+    live rank's KV cache holds that many (a default beyond it would refuse every request); the
+    HTTP and gRPC servers' default ``max_tokens`` is what it leaves after the prompt."""
     blocks = max((rank.num_blocks for rank in pool.engine.ranks if rank.alive), default=0)
     return min(_max_model_len(pool), blocks * pool.engine.block_size)
 
