@@ -12,6 +12,15 @@ import httpx
 from serve_process import free_port, smg_binary, terminate, wait_for
 
 
+# smg's warm-up slice sends one cache miss in four, and its divert one cache hit in eight, to a
+# worker whose index is thin against the fleet's, whatever the request's overlap elsewhere; which
+# requests those are depends on the index's state at its last rebuild (every second). The tests
+# assert where cache-aware routes go, so they switch both off (a zero share switches off both).
+WARMUP_OFF = ("--worker-warmup-share", "0")
+# The branches of smg's event-driven cache-aware decision (smg_cache_aware_policy_branch_total).
+BRANCHES = ("event_hit", "event_miss", "event_spill", "warmup_slice", "warmup_divert")
+
+
 class Gateway:
     def __init__(self, workers: list[str], log: Path) -> None:
         self.port = free_port()
@@ -20,7 +29,7 @@ class Gateway:
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *workers,
-             "--policy", "cache_aware", "--prometheus-port", self.metrics_url.rsplit(":", 1)[1],
+             "--policy", "cache_aware", *WARMUP_OFF, "--prometheus-port", self.metrics_url.rsplit(":", 1)[1],
              "--prometheus-host", "127.0.0.1",
              "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn"],
             stdout=self._log, stderr=subprocess.STDOUT)
@@ -46,6 +55,10 @@ class Gateway:
             if all(found.get(k) == v for k, v in labels.items()):
                 total += float(value)
         return total
+
+    def branches(self) -> dict[str, float]:
+        """How many requests each branch of the cache-aware decision has routed."""
+        return {b: self.metric("smg_cache_aware_policy_branch_total", branch=b) for b in BRANCHES}
 
     def stop(self) -> None:
         terminate(self.proc, 30)

@@ -117,8 +117,12 @@ def test_routes_follow_the_hosts_kv_events(hosts, target):
     prefix = (f"Host {target} alone has read this: a long instruction about tides, harbours and the "
               f"keeping of lights along a rocky coast, repeated so that it fills several blocks. ") * 2
     cache_on(gateway, servers[target], prefix)
+    before = gateway.branches()
     grew = routed_through(gateway, servers, prefix)
-    assert grew == [i == target for i in range(2)], f"the prompts went to {grew}, not host {target} alone"
+    branches = {b: n - before[b] for b, n in gateway.branches().items() if n > before[b]}
+    assert grew == [i == target for i in range(2)], \
+        f"the prompts went to {grew}, not host {target} alone; the gateway's decisions: {branches}"
+    assert branches == {"event_hit": 4}
 
 
 def test_a_bounded_load_with_cancellations(hosts, expected):
