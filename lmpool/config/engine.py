@@ -1,19 +1,17 @@
 """Engine settings, checked once when an engine is built: each wrong type or value is a
-``ValueError`` naming the setting (a wrong type also a ``TypeError``: ``ArgumentTypeError``)."""
+``ValueError`` naming the setting (a wrong type also a ``TypeError``: ``ArgumentTypeError``).
+
+Free of torch, as the whole configuration tree is: the control process decodes it and never
+imports torch. Whether a device exists is checked where one is used (``ModelRunner``, and the
+pool's start for its GPU count)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from lmpool.errors import ArgumentTypeError, strict_bool, strict_float, strict_int
 
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")  # the engine's torch dtypes: ``model_runner.DTYPES``
 
 
 @dataclass
@@ -48,11 +46,11 @@ class EngineConfig:
         kind = self.device.split(":")[0]
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda' (optionally 'cuda:N'), got {self.device!r}")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        index = self.device.partition(":")[2]
+        if ":" in self.device and (kind != "cuda" or not index.isdigit()):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (optionally 'cuda:N'), got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         self._check_integers()
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

@@ -6,8 +6,10 @@ keywords of ``AsyncLMPool``/``LMPool`` and files each under the section that dec
 so a new setting is one field in one section.
 
 Invariants (checked at construction, so in every process that decodes the tree): the
-device is "cpu" or "cuda" (ranks take the GPUs in turn, ``device_of``); ``hang_timeout`` is
-resolved from "auto"; any transfer mode but "none" enables transfers.
+device is "cpu" or "cuda" (ranks take the ``gpus`` GPUs in turn, ``device_of``); ``hang_timeout``
+is resolved from "auto"; any transfer mode but "none" enables transfers. Free of torch: the
+user process resolves ``gpus`` from what torch sees when the pool starts (``PoolClient``), and
+the tree carries it to every process.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 
 import msgspec
-import torch
 
 from lmpool.config.engine import EngineConfig, check_hang_timeout, check_world_size
 from lmpool.config.routing import RoutingConfig
@@ -69,6 +70,9 @@ class TransferConfig(msgspec.Struct, kw_only=True):
 class PoolConfig(msgspec.Struct, kw_only=True):
     engine: EngineConfig  # the replicas' engine; its device is "cpu" or "cuda" (per rank: ``device_of``)
     world_size: int = 2
+    # CUDA devices the ranks take in turn (rank r on GPU r % gpus); None until the pool starts,
+    # which sets every device torch sees. Unused on CPU.
+    gpus: int | None = None
     routing: str = "lmpool"
     routing_config: RoutingConfig = msgspec.field(default_factory=RoutingConfig)  # the policies' thresholds
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
@@ -94,6 +98,8 @@ class PoolConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"routing_config must be a RoutingConfig, got {type(self.routing_config).__name__}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.gpus is not None and (isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1):
+            raise ValueError(f"gpus must be an integer >= 1 or None, got {self.gpus!r}")
 
     @classmethod
     def from_options(cls, model: str, **options) -> PoolConfig:
@@ -129,12 +135,15 @@ class PoolConfig(msgspec.Struct, kw_only=True):
     def device_of(self, rank: int) -> str:
         if self.device == "cpu":
             return "cpu"
-        return f"cuda:{rank % torch.cuda.device_count()}"
+        return f"cuda:{self.gpu_of_rank()[rank]}"
 
     def gpu_of_rank(self) -> list[int]:
+        """Each rank's GPU (on CPU, each rank its own virtual one)."""
         if self.device == "cpu":
             return list(range(self.world_size))
-        return [r % torch.cuda.device_count() for r in range(self.world_size)]
+        if self.gpus is None:
+            raise ValueError("a CUDA pool's GPU count is set when the pool starts (PoolConfig.gpus); it is unset")
+        return [r % self.gpus for r in range(self.world_size)]
 
     def engine_of(self, rank: int) -> EngineConfig:
         """Rank ``rank``'s engine: on its device, with its share of its GPU and its own seed.

@@ -139,8 +139,8 @@ def limits(engine: EngineConfig) -> Limits:
 def topology(spec: ControlSpec) -> Topology:
     pool = spec.pool
     if pool.topology is None:
-        return Topology.detect(pool.world_size, pool.device, spec.gpu_of_rank)
-    return Topology.from_pairs(pool.world_size, [tuple(p) for p in pool.topology], spec.gpu_of_rank)
+        return Topology.detect(pool.world_size, pool.device, pool.gpu_of_rank())
+    return Topology.from_pairs(pool.world_size, [tuple(p) for p in pool.topology], pool.gpu_of_rank())
 
 
 def cost_model(spec: ControlSpec) -> TransferCostModel:

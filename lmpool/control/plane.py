@@ -476,8 +476,8 @@ class ControlPlane:
                 await asyncio.sleep(PUBLISH_INTERVAL_S)
 
     async def run(self) -> None:
-        # Everything imported so far lives as long as the process: keep it out of the
-        # collector, whose full passes over torch's objects would stall routing for ~0.1 s.
+        # Everything made so far (modules, the spec, the page table's start) lives as long as
+        # the process: keep it out of the collector's full passes, which would stall routing.
         gc.freeze()
         self.kv_events = kv_pool_events.from_env(self.spec.pool.engine.block_size)
         engine = Channel(self.spec.engine_end, FrontendToControl)

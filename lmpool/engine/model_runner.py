@@ -21,7 +21,7 @@ import itertools
 
 import torch
 
-from lmpool.config.engine import DTYPES, EngineConfig
+from lmpool.config.engine import DTYPE_NAMES, EngineConfig
 from lmpool.engine.cuda_graphs import DecodeGraphs
 from lmpool.engine.logprobs import PromptSlice, SampledLogprobs, prompt_logprobs, prompt_targets, sampled_logprobs, \
     staged
@@ -34,6 +34,9 @@ from lmpool.model.checkpoint import iter_safetensors
 from lmpool.model.config import ModelConfig
 from lmpool.model.qwen3 import Qwen3ForCausalLM
 from lmpool.ops import get_backend
+
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
@@ -72,6 +75,8 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cuda":

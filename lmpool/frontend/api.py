@@ -71,10 +71,10 @@ class AsyncLMPool:
         ``PoolConfig.from_options``); or pass a whole ``config``."""
         if config is not None and options:
             raise TypeError(f"give either config or pool options, not both (got {sorted(options)})")
-        self.config = config if config is not None else PoolConfig.from_options(model, **options)
+        self.engine = PoolClient(config if config is not None else PoolConfig.from_options(model, **options))
+        self.config = self.engine.config  # with the GPUs this process sees (``with_gpus``)
         self.tokenizer = load_tokenizer(self.config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine = PoolClient(self.config)
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
         self._turns = Turns()  # for submissions' work before their route

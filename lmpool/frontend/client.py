@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
+import torch
 
 from lmpool.config.pool import PoolConfig
 from lmpool.engine.hashing import chain_hashes
@@ -120,9 +121,20 @@ class TrackedRequest:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
+def with_gpus(config: PoolConfig) -> PoolConfig:
+    """``config`` with its GPU count set (``PoolConfig.gpus``): every CUDA device torch sees in
+    this process, which its workers inherit."""
+    if config.device != "cuda" or config.gpus is not None:
+        return config
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    return msgspec.structs.replace(config, gpus=count)
+
+
 class PoolClient:
     def __init__(self, config: PoolConfig) -> None:
-        self.config = config
+        config = self.config = with_gpus(config)
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.block_size = config.engine.block_size
         self.max_model_len = config.engine.max_model_len or self.model_config.max_context
@@ -219,7 +231,7 @@ class PoolClient:
         cfg = self.config
         link = self.ipc.create_link()
         spec = ControlSpec(
-            pool=cfg, engine_end=link.b, worker_ends=worker_ends, gpu_of_rank=cfg.gpu_of_rank(),
+            pool=cfg, engine_end=link.b, worker_ends=worker_ends,
             pool_id=self.ipc.pool_id, owner_pid=self.ipc.owner_pid, started_at=self.started_at,
             board=self.board, worker_pids=[r.proc.pid for r in self.ranks],
             transfers=self.rendezvous is not None, kv_bytes_per_block=self.kv_bytes_per_block(),

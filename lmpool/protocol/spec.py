@@ -30,7 +30,6 @@ class ControlSpec(msgspec.Struct, kw_only=True):
     pool: PoolConfig
     engine_end: str
     worker_ends: list[str | None]  # None for a rank that is down
-    gpu_of_rank: list[int] | None = None
     transfers: bool = False  # workers can exchange KV blocks (they hold a transfer rendezvous)
     pool_id: str = ""
     owner_pid: int = 0  # the user process

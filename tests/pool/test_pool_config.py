@@ -6,26 +6,29 @@ the first holds)."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from lmpool.config.pool import PoolConfig
+from lmpool.frontend.client import with_gpus
 
 
 @pytest.fixture
 def gpus(monkeypatch):
-    """Pretend torch sees ``n`` CUDA devices (the config reads only their count)."""
+    """Pretend torch sees ``n`` CUDA devices: the pool's start reads their count into the config."""
 
     def see(n: int) -> None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
 
     return see
 
 
 def config(world_size: int, device: str = "cuda", **engine) -> PoolConfig:
-    return PoolConfig.from_options("m", world_size=world_size, device=device, **engine)
+    return with_gpus(PoolConfig.from_options("m", world_size=world_size, device=device, **engine))
 
 
 def test_replicas_sharing_a_gpu_split_its_memory_share(gpus):
@@ -68,3 +71,29 @@ def test_hang_detection_is_on_by_default_on_gpus_only_and_takes_positive_seconds
     for bad in (0, -1.0, "soon", True):
         with pytest.raises(ValueError, match="hang_timeout must be a positive number of seconds"):
             PoolConfig.from_options("m", device="cpu", hang_timeout=bad)
+
+
+def test_a_given_gpu_count_is_kept_and_the_ranks_take_those_gpus(gpus):
+    gpus(8)
+    cfg = config(3, gpus=2)
+    assert cfg.gpus == 2 and cfg.gpu_of_rank() == [0, 1, 0]
+    assert config(3).gpu_of_rank() == [0, 1, 2], "unset, the pool takes every GPU torch sees"
+    with pytest.raises(ValueError, match="gpus must be an integer >= 1 or None"):
+        config(2, gpus=0)
+
+
+def test_a_cuda_pool_where_torch_sees_no_gpu_is_refused_before_anything_starts(gpus):
+    gpus(0)
+    with pytest.raises(ValueError, match="device='cuda' was asked for but torch sees no CUDA device"):
+        config(2)
+    unresolved = PoolConfig.from_options("m", world_size=2, device="cuda")
+    with pytest.raises(ValueError, match="GPU count is set when the pool starts"):
+        unresolved.engine_of(1)
+
+
+def test_the_configuration_tree_and_the_control_process_import_no_torch():
+    """The control process decodes the tree and routes: torch (1 s to import, and a heap the
+    garbage collector would walk) has no business there."""
+    code = "import sys, lmpool.config.pool, lmpool.control.main; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
