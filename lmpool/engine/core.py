@@ -50,7 +50,7 @@ from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.model_runner import NON_FINITE, ModelRunner, PendingTokens
 from lmpool.engine.scheduler import ScheduledBatch, Scheduler, prefix_hit
 from lmpool.engine.sequence import Sequence, SequenceStatus
-from lmpool.engine.validation import validate_request
+from lmpool.engine.validation import check_admissible, validate_request
 from lmpool.model.config import ModelConfig
 from lmpool.protocol.base import StepSample
 from lmpool.sampling_params import SamplingParams
@@ -143,6 +143,25 @@ class EngineCore:
         seq = Sequence(
             request_id, list(prompt_token_ids), params, self.config.block_size, list(output_token_ids)
         )
+        return self._queue(seq)
+
+    def add_checked_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                            output_token_ids: list[int], block_hashes: list[bytes]) -> Sequence:
+        """``add_request`` for a request a pool's frontend validated and hashed: only what could
+        harm this engine is checked again (``check_admissible``), and nothing is hashed again."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        tokens = prompt_token_ids + output_token_ids
+        check_admissible(tokens, len(prompt_token_ids), params, block_hashes, vocab_size=self.model_config.vocab_size,
+                         max_model_len=self.max_model_len, block_size=self.config.block_size,
+                         max_blocks=self.block_manager.num_blocks)
+        return self._queue(Sequence(request_id, prompt_token_ids, params, self.config.block_size, output_token_ids,
+                                    block_hashes))
+
+    def _queue(self, seq: Sequence) -> Sequence:
+        request_id, params = seq.request_id, seq.params
         self.requests[request_id] = seq
         if params.prompt_logprobs is not None:
             self.awaiting_prompt_logprobs.add(request_id)

@@ -35,6 +35,7 @@ class Sequence:
         params: SamplingParams,
         block_size: int,
         output_token_ids: list[int] | None = None,
+        block_hashes: list[bytes] | None = None,
     ) -> None:
         self.request_id = request_id
         self.params = params
@@ -46,7 +47,9 @@ class Sequence:
         # Outputs already produced elsewhere (a request recomputed on another
         # replica) are replayed as part of the prefill.
         self.token_ids = list(prompt_token_ids) + list(output_token_ids or [])
-        self.block_hashes = chain_hashes(self.token_ids, block_size, salt=params.cache_salt)
+        # Given when the pool's frontend hashed them already (``AddRequest``).
+        self.block_hashes = (chain_hashes(self.token_ids, block_size, salt=params.cache_salt)
+                             if block_hashes is None else block_hashes)
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_ready_blocks = 0  # leading blocks whose KV is complete (see BlockManager.commit)

@@ -52,6 +52,41 @@ def validate_request(
         )
 
 
+def check_admissible(
+    token_ids: list[int],
+    num_prompt_tokens: int,
+    params: SamplingParams,
+    block_hashes: list[bytes],
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    block_size: int,
+    max_blocks: int,
+) -> None:
+    """Raise ``ValueError`` unless a request the frontend validated (``validate_request``) and
+    hashed, decoded from its typed message (so its token ids are ints), can be run here without
+    harm: its sizes, its token ids' range (an id past the vocabulary would fault the embedding)
+    and its hashes' count. A few C-speed passes, where ``validate_request`` scans every item.
+    ``token_ids`` are its prompt's then the outputs it resumes with (``num_prompt_tokens`` the former)."""
+    if len(block_hashes) != len(token_ids) // block_size:
+        raise ValueError(f"{len(block_hashes)} block hashes for {len(token_ids)} tokens of {block_size}-token blocks")
+    total = num_prompt_tokens + params.max_tokens
+    if total > max_model_len:
+        raise ValueError(f"{num_prompt_tokens} prompt tokens + max_tokens {params.max_tokens} exceeds max_model_len "
+                         f"{max_model_len}")
+    if -(-total // block_size) > max_blocks:
+        raise ValueError(f"the request needs {-(-total // block_size)} KV blocks; this rank holds {max_blocks}")
+    if not num_prompt_tokens or len(token_ids) < num_prompt_tokens:
+        raise ValueError("prompt is empty")
+    outside = ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
+    try:
+        ids = np.frombuffer(array("q", token_ids), dtype=np.int64)
+    except OverflowError:
+        raise outside from None
+    if ids.min() < 0 or ids.max() >= vocab_size or any(t >= vocab_size for t in params.stop_token_ids):
+        raise outside
+
+
 def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
     """Raise ``ValueError`` unless the prompt is a non-empty sequence of token ids of the vocabulary."""
     if len(prompt_token_ids) == 0:
@@ -72,14 +107,14 @@ def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
 
 def check_wire_size(num_prompt_tokens: int, params: SamplingParams, *, block_size: int, limit: int) -> None:
     """Raise ``ValueError`` if a message of this request could exceed ``limit`` bytes, the
-    most a pool's link carries in one message: its tokens to a worker (a request moved
-    after a failure carries its outputs too), its block hashes to the control plane, or its
-    prompt logprobs back from the worker.
+    most a pool's link carries in one message: its tokens and their block hashes to a worker (a
+    request moved after a failure carries its outputs too; the routing query to the control
+    plane carries the hashes alone, so it is smaller), or its prompt logprobs back from the worker.
     Checked before anything is sent, so a request too large for the links fails alone."""
     tokens = num_prompt_tokens + params.max_tokens
     sizes = {
-        "its tokens": tokens * TOKEN_WIRE_BYTES + len(msgspec.msgpack.encode(params)) + ENVELOPE_BYTES,
-        "its block hashes": tokens // block_size * HASH_WIRE_BYTES + ENVELOPE_BYTES,
+        "its tokens": tokens * TOKEN_WIRE_BYTES + tokens // block_size * HASH_WIRE_BYTES
+        + len(msgspec.msgpack.encode(params)) + ENVELOPE_BYTES,
     }
     if params.prompt_logprobs is not None:
         # They come back in one message with the first token, beside the step's other outputs:

@@ -8,10 +8,14 @@ from lmpool.token_logprobs import TokenLogprobs
 
 
 class AddRequest(Message, tag="add"):
+    """A request the frontend has validated and hashed: the worker checks only what keeps it
+    alive (``EngineCore.add_checked_request``), and hashes nothing again."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    output_token_ids: list[int] = []  # tokens already generated elsewhere (recompute after a failure)
+    output_token_ids: list[int]  # tokens already generated elsewhere (recompute after a failure)
+    block_hashes: list[bytes]  # of prompt + output tokens' complete blocks (``chain_hashes``)
 
 
 class AbortRequest(Message, tag="abort"):

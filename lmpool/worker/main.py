@@ -315,7 +315,8 @@ class Worker:
         """Apply one engine message; return messages to send back."""
         if isinstance(msg, AddRequest):
             try:
-                self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids)
+                self.core.add_checked_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
+                                              msg.block_hashes)
             except ValueError as e:
                 return [RequestRejected(msg.request_id, str(e))]
             self.admitted.append(msg.request_id)

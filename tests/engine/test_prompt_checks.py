@@ -1,5 +1,6 @@
 """The prompt's checks and block hashes take a fast path for plain token ids: it must accept
-and refuse exactly what the element-by-element rules do, and hash exactly as one block at a time."""
+and refuse exactly what the element-by-element rules do, and hash exactly as one block at a time.
+A worker's admission of a request the frontend checked refuses every id those rules refuse."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmpool.engine.hashing import ROOT_HASH, block_hash, chain_hashes
-from lmpool.engine.validation import check_prompt
+from lmpool.engine.validation import check_admissible, check_prompt
+from lmpool.sampling_params import SamplingParams
 from lmpool.tokenizer import encode_prompt
 
 VOCAB = 1000
@@ -79,3 +81,33 @@ def test_a_prompt_past_the_context_is_refused_for_its_length_before_its_items_ar
     with pytest.raises(ValueError, match="exceeds max_model_len 4096"):
         validate_request(prompt, SamplingParams(max_tokens=16), vocab_size=VOCAB, max_model_len=4096, block_size=16,
                          max_blocks=10_000)
+
+
+PARAMS = SamplingParams(max_tokens=4)
+
+
+@given(st.lists(st.integers(-(2**64) + 1, 2**64 - 1) | st.integers(0, VOCAB - 1), min_size=1, max_size=40),
+       st.integers(0, 4))
+def test_a_worker_s_admission_refuses_what_the_frontend_would_and_hashes_nothing(ids, outputs):
+    """``check_admissible`` (a worker's, for a typed message the frontend checked) refuses every
+    id the frontend's rules refuse, accepts every request they accept, and counts the hashes."""
+    prompt, out = ids[: max(1, len(ids) - outputs)], ids[max(1, len(ids) - outputs):]
+    hashes = [bytes(32)] * (len(ids) // 4)
+    kw = {"vocab_size": VOCAB, "max_model_len": 1000, "block_size": 4, "max_blocks": 1000}
+    if element_by_element(ids) is None:
+        check_admissible(ids, len(prompt), PARAMS, hashes, **kw)
+        with pytest.raises(ValueError, match="block hashes for"):
+            check_admissible(ids, len(prompt), PARAMS, hashes + [bytes(32)], **kw)
+    else:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            check_admissible(ids, len(prompt), PARAMS, hashes, **kw)
+
+
+def test_a_resumed_request_counts_its_prompt_and_max_tokens_against_the_context_not_its_outputs_twice():
+    """A request moved after a failure carries its outputs; ``max_tokens`` already covers them."""
+    kw = {"vocab_size": VOCAB, "max_model_len": 12, "block_size": 4, "max_blocks": 1000}
+    check_admissible([1] * 8 + [2] * 3, 8, PARAMS, [bytes(32)] * 2, **kw)  # 8 + 4 <= 12
+    with pytest.raises(ValueError, match="exceeds max_model_len 12"):
+        check_admissible([1] * 9, 9, PARAMS, [bytes(32)] * 2, **kw)
+    with pytest.raises(ValueError, match="needs 3 KV blocks; this rank holds 2"):
+        check_admissible([1] * 8, 8, PARAMS, [bytes(32)] * 2, **kw | {"max_blocks": 2})

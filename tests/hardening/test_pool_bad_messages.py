@@ -34,8 +34,14 @@ def bad_frames(seed: int) -> list[bytes]:
     """Random bytes, every cut of a valid request, and well-formed requests of the wrong types."""
     rng = random.Random(seed)
     frames = [rng.randbytes(rng.randrange(0, 300)) for _ in range(150)]
-    valid = msgspec.msgpack.encode(AddRequest("never-sent", [1, 2, 3], PARAMS))
+    valid = msgspec.msgpack.encode(AddRequest("never-sent", [1, 2, 3], PARAMS, [], []))
     frames += [valid[:cut] for cut in range(len(valid))]
+    # Well-typed, but what a frontend never sends: token ids past the vocabulary (or past int64),
+    # a hash count that does not match the tokens. A worker trusts the frontend's checks, but
+    # not so far as to fault its embedding or its cache on such a message.
+    frames += [msgspec.msgpack.encode(AddRequest(f"malformed-{i}", tokens, PARAMS, [], hashes))
+               for i, (tokens, hashes) in enumerate([([1, 10**6, 3], []), ([1, 2**64 - 1], []), ([-1], []),
+                                                     ([1] * BLOCK, []), ([1, 2], [bytes(32)])])]
     for params in ({"ignore_eos": 1}, {"ignore_eos": "yes"}, {"temperature": None}, {"max_tokens": True}):
         frames.append(msgspec.msgpack.encode(["add", "ill-typed", [1, 2, 3], params]))
     frames.append(msgspec.msgpack.encode(["add", "bad-prompt", "text, not ids", {}]))
@@ -64,14 +70,14 @@ def test_bad_frames_into_live_rings_kill_nothing_and_change_no_token(tiny_model)
 
 
 def test_a_request_too_large_for_the_links_fails_alone(tmp_path):
-    """With one-token blocks, 33k prompt tokens make a routing query of over 1 MiB of
-    block hashes: refused with the sizes, and the pool serves on, its control process
-    never restarted."""
+    """With one-token blocks, 33k prompt tokens make a worker's message (the tokens and their
+    block hashes) and a routing query of over 1 MiB: refused with the sizes, and the pool serves
+    on, its control process never restarted."""
     model = str(make_model(tmp_path / "long", preset="tiny", overrides={"max_position_embeddings": 65536}))
 
     async def main():
         async with AsyncLMPool(model, world_size=1, block_size=1, num_kv_blocks=40_000) as pool:
-            with pytest.raises(ValueError, match=r"too large to send: its block hashes could take \d+ bytes, "
+            with pytest.raises(ValueError, match=r"too large to send: its tokens could take \d+ bytes, "
                                                  r"over the \d+-byte limit"):
                 await pool.generate([5] * 33_000, PARAMS)
             out = await pool.generate(PROMPTS[0], PARAMS)

@@ -104,5 +104,5 @@ def test_whatever_is_accepted_decodes_unchanged_on_a_worker(kwargs):
         params = SamplingParams(**kwargs)
     except (TypeError, ValueError):
         return
-    msg = AddRequest("r", [1, 2, 3], params)
+    msg = AddRequest("r", [1, 2, 3], params, [], [])
     assert _wire.decode(_encode(msg)) == msg

@@ -6,12 +6,18 @@ from __future__ import annotations
 
 from lmpool.config.pool import PoolConfig
 from lmpool.engine.core import EngineCore
+from lmpool.engine.hashing import chain_hashes
 from lmpool.protocol import AddRequest
 from lmpool.protocol.spec import WorkerSpec
 from lmpool.sampling_params import SamplingParams
 from lmpool.worker.main import Worker
 
 BLOCK = 8
+
+
+def add(request_id: str, tokens: list[int], params: SamplingParams) -> AddRequest:
+    """The request as a pool's frontend sends it: its blocks hashed."""
+    return AddRequest(request_id, tokens, params, [], chain_hashes(tokens, BLOCK))
 
 
 def test_queued_prompts_count_only_what_their_rank_must_compute(tiny_model):
@@ -21,12 +27,12 @@ def test_queued_prompts_count_only_what_their_rank_must_compute(tiny_model):
     worker = Worker(spec, core, engine=None)
     params = SamplingParams(temperature=0, max_tokens=1)
     shared = list(range(1, 4 * BLOCK + 1))
-    worker.handle(AddRequest("first", shared + [99], params))
+    worker.handle(add("first", shared + [99], params))
     while core.has_unfinished():  # the first request caches the shared prefix's four blocks
         core.step()
     core.step()  # an overlapped engine reads back its last step one call later
-    worker.handle(AddRequest("hit", shared + [5, 6, 7], params))  # four cached blocks + 3 tokens
-    worker.handle(AddRequest("cold", [500 + i for i in range(2 * BLOCK)], params))
+    worker.handle(add("hit", shared + [5, 6, 7], params))  # four cached blocks + 3 tokens
+    worker.handle(add("cold", [500 + i for i in range(2 * BLOCK)], params))
     load = worker.load()
     assert load.num_waiting == 2
     assert load.waiting_prefill_tokens == (4 * BLOCK + 3) + 2 * BLOCK
