@@ -47,7 +47,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST
+from lmpool.protocol.vllm_kv_events import END_SEQ, SNAPSHOT_REQUEST
 
 log = logging.getLogger("lmpool.benchmarks.kv_event_relay")
 

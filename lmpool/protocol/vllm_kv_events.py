@@ -25,6 +25,11 @@ import msgspec
 
 MEDIUM_GPU = "GPU"
 _LOW_64 = (1 << 64) - 1
+# The replay socket's words (``control/kv_events/publisher.py`` answers them): the sequence
+# number that ends a reply, and the request LMPool adds to vLLM's (a full snapshot instead of
+# a replay from a sequence number).
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+SNAPSHOT_REQUEST = b"snapshot-request"
 
 
 def external_block_hash(block_hash: bytes) -> int:

@@ -17,7 +17,7 @@ from serve_process import BLOCK, free_port, start_server, wait_for
 
 from lmpool.engine.hashing import chain_hashes
 from lmpool.protocol.vllm_kv_events import event_types, external_block_hash
-from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST
+from lmpool.protocol.vllm_kv_events import END_SEQ, SNAPSHOT_REQUEST
 
 PROMPT = list(range(200, 250))  # three complete blocks of 16 and two tokens
 TYPES = event_types(True)

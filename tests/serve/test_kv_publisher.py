@@ -15,7 +15,8 @@ from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnap
 from lmpool.protocol.vllm_kv_events import event_types, external_block_hash
 from lmpool.control.kv_events.pool_events import PoolKVEvents
 from lmpool.engine.hashing import ROOT_HASH
-from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST, KVEventPublisher
+from lmpool.control.kv_events.publisher import KVEventPublisher
+from lmpool.protocol.vllm_kv_events import END_SEQ, SNAPSHOT_REQUEST
 
 BLOCK = 4
 

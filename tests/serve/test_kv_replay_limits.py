@@ -14,9 +14,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from lmpool.control.kv_events.publisher import (END_SEQ, MAX_INBOUND_BYTES, SENDS_PER_TURN, SNAPSHOT_REQUEST,
-                                                KVEventPublisher)
-from lmpool.protocol.vllm_kv_events import event_types
+from lmpool.control.kv_events.publisher import MAX_INBOUND_BYTES, SENDS_PER_TURN, KVEventPublisher
+from lmpool.protocol.vllm_kv_events import END_SEQ, SNAPSHOT_REQUEST, event_types
 
 TYPES = event_types(True)
 decode = msgspec.msgpack.Decoder(TYPES.batch).decode

@@ -36,10 +36,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from lmpool.protocol.vllm_kv_events import MEDIUM_GPU, event_types
+from lmpool.protocol.vllm_kv_events import END_SEQ, MEDIUM_GPU, SNAPSHOT_REQUEST, event_types
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-SNAPSHOT_REQUEST = b"snapshot-request"
 REPLAY_MAX_BATCHES = 1_000  # batches one request gets (and the most a snapshot is split into)
 SNAPSHOT_BLOCKS_PER_BATCH = 256  # the fewest blocks a snapshot batch holds, but a rank's last
 SENDS_PER_TURN = 8  # replies sent before the loop gets a turn

@@ -18,9 +18,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from lmpool.control.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST
 from lmpool.frontend.grpc.host_events import HostKVView
-from lmpool.protocol.vllm_kv_events import event_types
+from lmpool.protocol.vllm_kv_events import END_SEQ, SNAPSHOT_REQUEST, event_types
 
 log = logging.getLogger("uvicorn.error")
 
