@@ -32,6 +32,7 @@ import msgspec
 import torch
 
 from lmpool.config.pool import PoolConfig
+from lmpool.config.transfer_profile import TransferProfile
 from lmpool.engine.hashing import chain_hashes
 from lmpool.engine.model_runner import resolve_dtype
 from lmpool.engine.validation import check_prompt, check_wire_size, validate_request
@@ -65,7 +66,6 @@ from lmpool.protocol.spec import ControlSpec, WorkerSpec
 from lmpool.protocol.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
 from lmpool.dataplane import Rendezvous
-from lmpool.control.transfers.cost_model import TransferCostModel
 from lmpool_ipc import DEFAULT_CAPACITY, Channel, IpcError, IpcPool, LinkError, RemoteError, Requester
 from lmpool_ipc.frames import max_payload
 
@@ -141,8 +141,8 @@ class PoolClient:
         profile = config.transfer.transfer_policy.transfer_profile
         if profile is not None:  # refused here, with its reason, rather than in the control process
             try:
-                TransferCostModel.from_profile(profile, self.kv_bytes_per_block())
-            except (OSError, KeyError, TypeError, ValueError) as e:
+                TransferProfile.read(profile, self.kv_bytes_per_block())
+            except (OSError, ValueError) as e:
                 raise ValueError(f"transfer_profile {profile!r} cannot be used: {e}") from None
         self.ipc: IpcPool | None = None
         self.rendezvous: Rendezvous | None = None  # the workers' transfer rendezvous, if enabled

@@ -18,7 +18,7 @@ cost plus bytes over bandwidth, one curve for every pair) that the same EWMAs
 then correct from the pool's own completed plans.
 
 Invariants: a profile is only accepted for a model whose KV bytes per block
-match the profile's (a curve measured for another shape would be meaningless);
+match the profile's (``config/transfer_profile.py`` checks it);
 estimates are positive and non-decreasing in ``n`` for a fixed pair. An estimate is
 remembered until the next ``observe`` (the one way a model changes once made: its
 curves are fixed, its corrections move only there), so routing's pull options, which
@@ -28,9 +28,10 @@ ask for the same few pairs and sizes route after route, pay one lookup for it.
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from lmpool.config.transfer_profile import TransferProfile
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -79,25 +80,12 @@ class TransferCostModel:
 
     @classmethod
     def from_profile(cls, profile: dict | str | Path, kv_bytes_per_block: int, **kwargs) -> TransferCostModel:
-        """Load a profile (dict or JSON file) for a model with ``kv_bytes_per_block``."""
-        if not isinstance(profile, dict):
-            profile = json.loads(Path(profile).read_text())
-        measured = profile["model"]["kv_bytes_per_block"]
-        if measured != kv_bytes_per_block:
-            raise ValueError(
-                f"transfer profile was measured for {measured} KV bytes per block, but the serving "
-                f"model has {kv_bytes_per_block}: recalibrate with benchmarks/benchmark_kv_transfer.py"
-            )
-        curves = {}
-        for pair, points in profile["pairs"].items():
-            sizes = sorted(int(n) for n in points)
-            if not sizes:
-                raise ValueError(f"transfer profile has no measurements for pair {pair}")
-            curves[pair] = PairCurve(sizes, [float(points[str(n)]["p95_s"]) for n in sizes])
-        residuals = {}
-        for pair, by_size in profile.get("residual_p95_s", {}).items():
-            sizes = sorted(int(n) for n in by_size)
-            residuals[pair] = PairCurve(sizes, [float(by_size[str(n)]) for n in sizes])
+        """The model of a profile (dict or JSON file, ``TransferProfile``) for a model with ``kv_bytes_per_block``."""
+        read = TransferProfile.read(profile, kv_bytes_per_block)
+        curves = {pair: PairCurve(sorted(points), [points[n].p95_s for n in sorted(points)])
+                  for pair, points in read.pairs.items()}
+        residuals = {pair: PairCurve(sorted(by_size), [by_size[n] for n in sorted(by_size)])
+                     for pair, by_size in read.residual_p95_s.items()}
         return cls(kv_bytes_per_block, curves, residuals, **kwargs)
 
     @classmethod
