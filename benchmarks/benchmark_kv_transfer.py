@@ -87,7 +87,8 @@ import torch
 
 from lmpool.model.make_model import DEFAULT_DTYPE, PRESETS
 from lmpool.ops import get_backend
-from lmpool.dataplane import Rendezvous, make_transport
+from lmpool.dataplane import make_transport
+from lmpool.frontend.rendezvous import Rendezvous
 from lmpool.dataplane.chunked import BlockReceiver, chunk_floor, chunk_tag, cut, default_max_ctas, send_blocks
 from lmpool.protocol.cuda_ipc import CudaIpcExport
 

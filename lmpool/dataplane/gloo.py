@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from lmpool.dataplane.rendezvous import open_store, parse_address
+from lmpool.dataplane.rendezvous import open_store
 from lmpool.dataplane.transport import (
     TAG_LIMIT,
     TransferTimeout,
@@ -30,6 +30,7 @@ from lmpool.dataplane.transport import (
     as_bytes,
     check_args,
 )
+from lmpool.protocol.rendezvous import parse_address
 
 _BREAK_TAG = TAG_LIMIT  # never used by a transfer: see _break_group
 CLOSE_WAIT_S = 5.0  # ``close`` waits at most this long for connections under way

@@ -26,13 +26,14 @@ import torch
 import torch.distributed as dist
 
 from lmpool.dataplane import nccl_lib, streams
-from lmpool.dataplane.rendezvous import open_store, parse_address
+from lmpool.dataplane.rendezvous import open_store
 from lmpool.dataplane.transport import (
     TransferTimeout,
     TransportError,
     check_args,
     poll_until,
 )
+from lmpool.protocol.rendezvous import parse_address
 
 
 # Communicators per direction of a pair; every lane costs its own NCCL buffers and stream.

@@ -23,7 +23,8 @@ Invariants every transport keeps:
   the peer does. Expiry raises ``TransferTimeout``; any other failure ``TransportError``.
 
 The rendezvous every transport of a pool uses to find its peers is a store served by the
-launcher, reachable only by processes of its user (``lmpool.dataplane.rendezvous``).
+user process, reachable only by processes of its user (``lmpool.frontend.rendezvous``; the
+transports' client: ``lmpool.dataplane.rendezvous``).
 """
 
 from __future__ import annotations

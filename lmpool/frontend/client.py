@@ -39,6 +39,7 @@ from lmpool.engine.validation import check_prompt, check_wire_size, validate_req
 from lmpool.errors import ArgumentTypeError, strict_bool
 from lmpool.model.config import ModelConfig
 from lmpool.frontend import launcher as process
+from lmpool.frontend.rendezvous import Rendezvous
 from lmpool.protocol import (
     AbortRequest,
     AddRequest,
@@ -65,7 +66,6 @@ from lmpool.frontend.metrics import NO_METRICS
 from lmpool.protocol.spec import ControlSpec, WorkerSpec
 from lmpool.protocol.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
-from lmpool.dataplane import Rendezvous
 from lmpool_ipc import DEFAULT_CAPACITY, Channel, IpcError, IpcPool, LinkError, RemoteError, Requester
 from lmpool_ipc.frames import max_payload
 

@@ -16,8 +16,9 @@ import msgspec
 import pytest
 import torch.distributed as dist
 
-from lmpool.dataplane import Rendezvous
-from lmpool.dataplane.rendezvous import Set, open_store, parse_address
+from lmpool.dataplane.rendezvous import open_store
+from lmpool.frontend.rendezvous import Rendezvous
+from lmpool.protocol.rendezvous import Set, parse_address
 from lmpool.dataplane.transport import TransportError
 
 NOBODY = 65534

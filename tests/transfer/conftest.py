@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmpool.dataplane import GlooTransport, Rendezvous
+from lmpool.dataplane import GlooTransport
+from lmpool.frontend.rendezvous import Rendezvous
 from transfer_testkit import Peer, reap
 
 

@@ -19,7 +19,6 @@ from lmpool.ops.reference import pack_kv
 from lmpool.dataplane import (
     TAG_LIMIT,
     GlooTransport,
-    Rendezvous,
     TransferTimeout,
     TransportError,
     kind_for_devices,
@@ -27,6 +26,7 @@ from lmpool.dataplane import (
     plan_tag,
 )
 from lmpool.dataplane.rendezvous import open_store
+from lmpool.frontend.rendezvous import Rendezvous
 from transfer_testkit import Peer, block_ids, digest, expected_cache, make_cache, process_gone
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
