@@ -4,7 +4,7 @@ Where ``dynamo_kv_copy`` is LMPool's reimplementation of Dynamo's rule inside LM
 pipeline, this peer runs Dynamo's router itself: ``SelectionService``, the runtime-free selection
 core of ``ai-dynamo-runtime`` (pinned in pyproject.toml; no etcd, NATS or GPU), in this process,
 in front of a pool whose requests it routes (``dynamo_client``). It reads nothing of LMPool's but
-the pool's KV events: the control plane publishes them (``LMPOOL_KV_EVENTS``, block hashes as
+the pool's KV events: the control plane publishes them (the pool's ``kv_events`` setting, block hashes as
 vLLM sends them), ``kv_event_relay.RankRelay`` gives every rank a socket of its own as vLLM's data
 parallelism does, and Dynamo subscribes to each as one worker of one data-parallel rank (worker
 ``r`` = rank ``r``): Dynamo listens to one socket per data-parallel rank and takes a replay
@@ -40,10 +40,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from lmpool.control.kv_events.pool_events import ENV as KV_EVENTS_ENV
+from lmpool.config.kv_events import KVEventsConfig
 
 PACKAGE = "ai-dynamo-runtime"
 INDEXER_THREADS = 4  # SelectionService's default
@@ -125,22 +125,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def kv_events_env(config: dict) -> Iterator[None]:
-    """A pool started and running inside publishes its KV events as ``config`` says (its control
-    process reads ``LMPOOL_KV_EVENTS`` when it starts, as under ``lmpool serve``): held for the
-    pool's whole life, since a control process the pool restarts reads it again."""
-    before = os.environ.get(KV_EVENTS_ENV)
-    os.environ[KV_EVENTS_ENV] = json.dumps(config)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(KV_EVENTS_ENV, None)
-        else:
-            os.environ[KV_EVENTS_ENV] = before
-
-
 def worker_request(rank: int, relay, block_size: int, kv_blocks: int, max_num_batched_tokens: int) -> dict:
     """Rank ``rank`` as one Dynamo worker of one data-parallel rank, fed by the relay's socket for it."""
     return {"worker_id": rank, "endpoint": f"lmpool://rank/{rank}", "block_size": block_size,
@@ -180,14 +164,15 @@ class Front(NamedTuple):
     relay: object  # kv_event_relay.RankRelay
 
 
-def events_config() -> dict:
-    """KV events on loopback ports of their own, block hashes as vLLM sends them (``LMPOOL_KV_EVENTS``)."""
-    return {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
-            "topic": "", "buffer_steps": 10_000, "array_like": True, "int_hashes": True}
+def events_config() -> KVEventsConfig:
+    """KV events on loopback ports of their own, block hashes as vLLM sends them: the pool's
+    ``kv_events`` setting."""
+    return KVEventsConfig(endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+                          topic="", buffer_steps=10_000, array_like=True, int_hashes=True)
 
 
 @contextlib.asynccontextmanager
-async def router_on(events: dict, args, setting) -> AsyncIterator[tuple]:
+async def router_on(events: KVEventsConfig, args, setting) -> AsyncIterator[tuple]:
     """Dynamo's router reading the KV events a running pool publishes as ``events`` says, through
     the relay: ``(service, relay)``, both stopped on the way out. A pool that restarts on the same
     endpoints is followed (the relay resynchronises from its snapshot)."""
@@ -195,7 +180,7 @@ async def router_on(events: dict, args, setting) -> AsyncIterator[tuple]:
 
     relay = service = None
     try:
-        relay = await RankRelay(events["endpoint"], events["replay_endpoint"], args.world_size).start()
+        relay = await RankRelay(events.endpoint, events.replay_endpoint, args.world_size).start()
         service = await start_router(relay, args.world_size, args.block_size, setting.kv_blocks,
                                      args.max_num_batched_tokens)
         # Dynamo's listeners connect in the background, and the relay forwards nothing until each
@@ -215,17 +200,19 @@ async def router_on(events: dict, args, setting) -> AsyncIterator[tuple]:
 
 @contextlib.asynccontextmanager
 async def dynamo_in_front(pool, args, setting) -> AsyncIterator[Front]:
-    """Start ``pool`` (unstarted, made for this run) with its KV events on and Dynamo's router in
-    front of it; stop the service, the relay and the pool, in that order, on the way out."""
+    """Start ``pool`` (unstarted, made for this run with its ``kv_events`` set: ``events_config``)
+    and put Dynamo's router in front of it, reading those events; stop the service, the relay and
+    the pool, in that order, on the way out."""
     from dynamo_client import DynamoRoutedPool
 
-    events = events_config()
+    events = pool.config.kv_events
     try:
+        if events is None:
+            raise ValueError("Dynamo's router reads the pool's KV events: make the pool with kv_events set")
         selection_service()
-        with kv_events_env(events):
-            await pool.start()
-            async with router_on(events, args, setting) as (service, relay):
-                yield Front(DynamoRoutedPool(pool, service, args.world_size), service, relay)
+        await pool.start()
+        async with router_on(events, args, setting) as (service, relay):
+            yield Front(DynamoRoutedPool(pool, service, args.world_size), service, relay)
     finally:
         await pool.shutdown()
 

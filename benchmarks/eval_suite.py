@@ -343,13 +343,13 @@ def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) 
     return kw
 
 
-def new_pool(model: str, args: argparse.Namespace, policy: Policy, setting: Setting, max_model_len: int):
-    """An unstarted pool for one run of ``policy``; ``PolicyUnavailable`` when its constructor
-    refuses the policy's settings."""
+def new_pool(model: str, args: argparse.Namespace, policy: Policy, setting: Setting, max_model_len: int,
+             **extra):
+    """An unstarted pool for one run of ``policy`` (``extra``: more of the pool's settings);
+    ``PolicyUnavailable`` when its constructor refuses the policy's settings."""
     from lmpool.frontend.api import AsyncLMPool
 
     try:
-        extra = {}
         if policy.transfer_mode != "none" and args.transfer_profile is not None:
             from lmpool.config.transfer import TransferPolicyConfig
 
@@ -413,11 +413,11 @@ async def run_external(model: str, args: argparse.Namespace, policy: Policy, tra
         except GatewayUnavailable as e:
             raise PolicyUnavailable(str(e)) from e
     if policy.runner == "dynamo":
-        from eval_dynamo import DynamoUnavailable, run_dynamo, selection_service
+        from eval_dynamo import DynamoUnavailable, events_config, run_dynamo, selection_service
 
         try:
             selection_service()  # before any pool is made
-            pool = new_pool(model, args, DYNAMO_POOL, setting, max_model_len)
+            pool = new_pool(model, args, DYNAMO_POOL, setting, max_model_len, kv_events=events_config())
             return await run_dynamo(pool, args, trace, setting, replay, on_done, pool_figures)
         except DynamoUnavailable as e:
             raise PolicyUnavailable(str(e)) from e

@@ -19,6 +19,7 @@ import dataclasses
 import msgspec
 
 from lmpool.config.engine import EngineConfig, check_hang_timeout, check_world_size
+from lmpool.config.kv_events import KVEventsConfig
 from lmpool.config.routing import RoutingConfig
 from lmpool.config.transfer import TransferPolicyConfig, check_mode
 
@@ -86,6 +87,8 @@ class PoolConfig(msgspec.Struct, kw_only=True):
     # hung and killed as if it had died (see docs/ARCHITECTURE.md). "auto": 60 s on CUDA, where a
     # step takes milliseconds; off (None) on CPU, where one step of a large model may take minutes.
     hang_timeout: float | str | None = "auto"
+    # The pool's KV events, published in vLLM's format (a dict of its fields is taken too); None: none.
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         self.world_size = check_world_size(self.world_size)
@@ -98,6 +101,11 @@ class PoolConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"routing_config must be a RoutingConfig, got {type(self.routing_config).__name__}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if isinstance(self.kv_events, dict):
+            self.kv_events = msgspec.convert(self.kv_events, KVEventsConfig)
+        if self.kv_events is not None and not isinstance(self.kv_events, KVEventsConfig):
+            raise ValueError(f"kv_events must be a KVEventsConfig, a dict of its fields or None, got "
+                             f"{type(self.kv_events).__name__}")
         if self.gpus is not None and (isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1):
             raise ValueError(f"gpus must be an integer >= 1 or None, got {self.gpus!r}")
 

@@ -95,16 +95,17 @@ async def wait_for_index(service, prompt: list[int], rank: int, blocks: int) -> 
         await asyncio.sleep(POLL_S)
 
 
-def new_pool(model: str, args, setting):
+def new_pool(model: str, args, setting, events=None):
+    """An unstarted pool publishing its KV events as ``events`` says (new loopback ports if None)."""
     import eval_suite
 
-    return eval_suite.new_pool(model, args, eval_suite.DYNAMO_POOL, setting, 128)
+    return eval_suite.new_pool(model, args, eval_suite.DYNAMO_POOL, setting, 128,
+                               kv_events=events or eval_dynamo.events_config())
 
 
-async def started_pool(model: str, args, setting):
-    """A pool publishing KV events as the caller's ``eval_dynamo.kv_events_env`` says (held for
-    the pool's life: a restarted control process reads it again)."""
-    return await new_pool(model, args, setting).start()
+async def started_pool(model: str, args, setting, events):
+    """A pool publishing its KV events as ``events`` says (a restart on the same endpoints)."""
+    return await new_pool(model, args, setting, events).start()
 
 
 async def under_dynamo(model: str, args, setting, scenario):
@@ -112,13 +113,12 @@ async def under_dynamo(model: str, args, setting, scenario):
     reading its KV events; a scenario that restarts the pool appends the new one. The last pool
     is shut down on the way out, after the router."""
     events = eval_dynamo.events_config()
-    with eval_dynamo.kv_events_env(events):
-        pools = [await started_pool(model, args, setting)]
-        try:
-            async with eval_dynamo.router_on(events, args, setting) as (service, relay):
-                return await scenario(pools, service, relay)
-        finally:
-            await pools[-1].shutdown()
+    pools = [await started_pool(model, args, setting, events)]
+    try:
+        async with eval_dynamo.router_on(events, args, setting) as (service, relay):
+            return await scenario(pools, service, relay)
+    finally:
+        await pools[-1].shutdown()
 
 
 async def wait_for_placement(service, prefixes: dict[str, list[int]], homes: dict[str, int]) -> None:
@@ -186,7 +186,7 @@ def test_after_a_pool_restart_dynamo_drops_the_old_placement_and_follows_the_new
         await replay(DynamoRoutedPool(pools[0], service, 2), seed, setting.arrival)
         await wait_for_placement(service, prefixes, before)
         await pools[0].shutdown()
-        pools.append(await started_pool(tiny_model, args, setting))
+        pools.append(await started_pool(tiny_model, args, setting, pools[0].config.kv_events))
         client = DynamoRoutedPool(pools[1], service, 2)
         reseeded = await replay(client, moved(seed), setting.arrival)
         assert reseeded["rank"] == [1, 0] and reseeded["num_cached_tokens"] == [0, 0]  # a new pool

@@ -9,9 +9,11 @@ import dataclasses
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
 
+from lmpool.config.kv_events import KVEventsConfig
 from lmpool.config.pool import PoolConfig
 from lmpool.frontend.client import with_gpus
 
@@ -97,3 +99,15 @@ def test_the_configuration_tree_and_the_control_process_import_no_torch():
     code = "import sys, lmpool.config.pool, lmpool.control.main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_kv_events_are_a_section_of_the_tree_given_as_a_struct_or_a_dict_of_its_fields():
+    events = {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "int_hashes": False}
+    cfg = config(2, device="cpu", kv_events=events)
+    assert cfg.kv_events == KVEventsConfig(**events) and cfg.kv_events.array_like
+    assert msgspec.json.decode(msgspec.json.encode(cfg), type=PoolConfig) == cfg  # it travels in every spec
+    assert config(2, device="cpu").kv_events is None
+    with pytest.raises(ValueError, match="kv_events.endpoint must be a ZMQ endpoint"):
+        config(2, device="cpu", kv_events={"endpoint": ""})
+    with pytest.raises(ValueError, match="kv_events must be a KVEventsConfig"):
+        config(2, device="cpu", kv_events="tcp://127.0.0.1:5557")

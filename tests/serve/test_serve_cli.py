@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 
+import msgspec
 import pytest
 
 from lmpool.frontend.serve.server import kv_events_config, main, parser, read_kv_events_config, settings_from
@@ -54,14 +55,14 @@ def vllm_events(config: dict, *extra: str) -> dict | None:
     args = p.parse_args(["model", "--kv-events-config", json.dumps(config), *extra])
     read_kv_events_config(p, args)
     events = kv_events_config(args)
-    return None if events is None else json.loads(events)
+    return None if events is None else msgspec.structs.asdict(events)
 
 
 def test_vllm_s_kv_events_config_maps_onto_the_publisher_s_settings():
     events = vllm_events({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:6000",
                           "replay_endpoint": "tcp://127.0.0.1:6001", "topic": "t", "buffer_steps": 50, "hwm": 10})
     assert events == {"endpoint": "tcp://127.0.0.1:6000", "replay_endpoint": "tcp://127.0.0.1:6001", "topic": "t",
-                      "buffer_steps": 50, "array_like": True, "int_hashes": True}
+                      "buffer_steps": 50, "replay_max_batches": 1_000, "array_like": True, "int_hashes": True}
     defaults = vllm_events({"enable_kv_cache_events": True})
     assert (defaults["endpoint"], defaults["topic"], defaults["buffer_steps"]) == ("tcp://127.0.0.1:5557", "", 10_000)
     assert vllm_events({"enable_kv_cache_events": False, "endpoint": "tcp://127.0.0.1:6000"}) is None

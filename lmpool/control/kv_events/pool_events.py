@@ -13,24 +13,17 @@ Block hashes go out as vLLM sends them by default, the low 64 bits of the digest
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). Either way the copies known here are keyed by the
 whole hash, so a removal matches exactly the copy that was stored.
 
-Configured by the ``LMPOOL_KV_EVENTS`` environment variable (JSON: ``endpoint``, optional
-``replay_endpoint``, ``topic``, ``buffer_steps``, ``replay_max_batches``, ``array_like``,
-``int_hashes``), which the control process inherits from the process that starts the pool;
-without it ``from_env`` gives ``NO_KV_EVENTS``, whose hooks do nothing, and pyzmq is never
+Configured by the pool's configuration tree (``PoolConfig.kv_events``, a ``KVEventsConfig``);
+without it ``from_config`` gives ``NO_KV_EVENTS``, whose hooks do nothing, and pyzmq is never
 imported.
 """
 
 from __future__ import annotations
 
-import json
-import os
-
+from lmpool.config.kv_events import KVEventsConfig
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
 from lmpool.protocol.vllm_kv_events import external_block_hash
-
-ENV = "LMPOOL_KV_EVENTS"
-
 
 class NoKVEvents:
     def snapshot(self, rank: int, snapshot: KVSnapshot) -> None:
@@ -49,18 +42,15 @@ class NoKVEvents:
 NO_KV_EVENTS = NoKVEvents()
 
 
-def from_env(block_size: int):
-    """The publisher the environment asks for (started on the running loop), or ``NO_KV_EVENTS``."""
-    config = os.environ.get(ENV)
-    if not config:
+def from_config(config: KVEventsConfig | None, block_size: int):
+    """The publisher ``config`` asks for (started on the running loop), or ``NO_KV_EVENTS``."""
+    if config is None:
         return NO_KV_EVENTS
-    from lmpool.control.kv_events.publisher import REPLAY_MAX_BATCHES, KVEventPublisher
+    from lmpool.control.kv_events.publisher import KVEventPublisher
 
-    options = json.loads(config)
-    publisher = KVEventPublisher(options["endpoint"], options.get("replay_endpoint"), options.get("topic", ""),
-                                 options.get("buffer_steps", 10_000), options.get("array_like", True),
-                                 replay_max_batches=options.get("replay_max_batches", REPLAY_MAX_BATCHES))
-    return PoolKVEvents(publisher.start(), block_size, options.get("int_hashes", True))
+    publisher = KVEventPublisher(config.endpoint, config.replay_endpoint, config.topic, config.buffer_steps,
+                                 config.array_like, replay_max_batches=config.replay_max_batches)
+    return PoolKVEvents(publisher.start(), block_size, config.int_hashes)
 
 
 def _whole(block_hash: bytes) -> bytes:

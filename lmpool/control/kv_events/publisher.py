@@ -36,9 +36,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from lmpool.config.kv_events import REPLAY_MAX_BATCHES
 from lmpool.protocol.vllm_kv_events import END_SEQ, MEDIUM_GPU, SNAPSHOT_REQUEST, event_types
 
-REPLAY_MAX_BATCHES = 1_000  # batches one request gets (and the most a snapshot is split into)
 SNAPSHOT_BLOCKS_PER_BATCH = 256  # the fewest blocks a snapshot batch holds, but a rank's last
 SENDS_PER_TURN = 8  # replies sent before the loop gets a turn
 # A request is 8 or 16 bytes and a subscription the topic; ZMTP's handshake commands reach a

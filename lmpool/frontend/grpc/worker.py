@@ -21,6 +21,7 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from smg_grpc_servicer.kv_events import endpoint_for_rank
 
+from lmpool.config.kv_events import KVEventsConfig
 from lmpool.frontend.grpc import private_sockets
 from lmpool.frontend.grpc.event_feed import PoolEventFeed
 from lmpool.frontend.grpc.servicer import PoolEngineServicer
@@ -56,9 +57,9 @@ class GrpcWorker:
             replay = f"ipc://{private}/replay"
         worker = cls(args.host, args.grpc_port, endpoint_for_rank(endpoint, 0), endpoint_for_rank(replay, 0),
                      args.kv_events_topic, not args.kv_events_map_layout, private)
-        config = {"endpoint": endpoint, "replay_endpoint": replay, "topic": args.kv_events_topic,
-                  "buffer_steps": args.kv_events_buffer_steps, "array_like": worker.array_like,
-                  "int_hashes": not args.kv_events_bytes_hashes}
+        config = KVEventsConfig(endpoint=endpoint, replay_endpoint=replay, topic=args.kv_events_topic,
+                                buffer_steps=args.kv_events_buffer_steps, array_like=worker.array_like,
+                                int_hashes=not args.kv_events_bytes_hashes)
         return worker, config
 
     def connect(self) -> None:

@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
-import os
 import socket
 
 from lmpool.config.engine import check_port
+from lmpool.config.kv_events import KVEventsConfig
 from lmpool.config.pool import ROUTINGS
-from lmpool.control.kv_events import pool_events as kv_pool_events
 from lmpool.frontend.serve.settings import HttpLimits, ServeSettings
 from lmpool.frontend.serve.vllm_kv_events_config import parse_kv_events_config
 
@@ -187,13 +185,13 @@ def read_kv_events_config(p: argparse.ArgumentParser, args: argparse.Namespace) 
         args.kv_events_topic, args.kv_events_buffer_steps = settings["topic"], settings["buffer_steps"]
 
 
-def kv_events_config(args: argparse.Namespace) -> str | None:
-    """The publisher's configuration, as the control process reads it (``kv_pool_events``)."""
+def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
+    """The pool's KV-event settings (``PoolConfig.kv_events``) the command line asks for."""
     if not args.kv_events_endpoint:
         return None
-    return json.dumps({"endpoint": args.kv_events_endpoint, "replay_endpoint": args.kv_events_replay_endpoint,
-                       "topic": args.kv_events_topic, "buffer_steps": args.kv_events_buffer_steps,
-                       "array_like": not args.kv_events_map_layout, "int_hashes": not args.kv_events_bytes_hashes})
+    return KVEventsConfig(endpoint=args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
+                          topic=args.kv_events_topic, buffer_steps=args.kv_events_buffer_steps,
+                          array_like=not args.kv_events_map_layout, int_hashes=not args.kv_events_bytes_hashes)
 
 
 def check_pool_args(p: argparse.ArgumentParser, settings: ServeSettings) -> None:
@@ -222,17 +220,22 @@ def check_port_free(host: str, port: int) -> None:
         raise SystemExit(f"lmpool serve: cannot bind {host}:{port}: {e.strerror or e}") from None
 
 
-def check_endpoints(args: argparse.Namespace) -> None:
+def check_endpoints(events: KVEventsConfig) -> None:
     """Bind the KV-event endpoints once, here, so that a taken or malformed one is reported
     before the pool starts (the control process binds them for good)."""
     import zmq
 
-    from lmpool.control.kv_events.publisher import KVEventPublisher
-
+    ctx = zmq.Context()
     try:
-        KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint).close()
+        for kind, endpoint in ((zmq.PUB, events.endpoint), (zmq.ROUTER, events.replay_endpoint)):
+            if endpoint is not None:
+                with ctx.socket(kind) as sock:
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.bind(endpoint)
     except zmq.ZMQError as e:
         raise SystemExit(f"lmpool serve: cannot bind the KV-event endpoints: {e}") from None
+    finally:
+        ctx.term()
 
 
 def main(argv: list[str]) -> int:
@@ -252,15 +255,13 @@ def main(argv: list[str]) -> int:
     if not args.no_http:
         check_port_free(args.host, args.port)
     events = kv_events_config(args)
+    if events is not None:
+        check_endpoints(events)
     grpc_worker = None
     if args.grpc_port is not None:  # smg's gRPC worker; it reads the pool's KV events
         check_port_free(args.host, args.grpc_port)
-        grpc_worker, config = _grpc_worker(args)
-        events = json.dumps(config)
-    if events is not None:  # the control process, started by the pool, inherits it
-        if args.kv_events_endpoint:
-            check_endpoints(args)
-        os.environ[kv_pool_events.ENV] = events
+        grpc_worker, events = _grpc_worker(args)
+    settings.pool_args["kv_events"] = events
     app = create_app(settings)
     app.state.grpc = grpc_worker
     if args.no_http:
