@@ -479,7 +479,7 @@ class ControlPlane:
         # Everything made so far (modules, the spec, the page table's start) lives as long as
         # the process: keep it out of the collector's full passes, which would stall routing.
         gc.freeze()
-        self.kv_events = kv_pool_events.from_config(self.spec.pool.kv_events, self.spec.pool.engine.block_size)
+        self.kv_events = kv_pool_events.from_config(self.spec.pool.kv_events, self.gbm)
         engine = Channel(self.spec.engine_end, FrontendToControl)
         tasks = [asyncio.create_task(self.heartbeat())]
         if self.spec.board is not None:

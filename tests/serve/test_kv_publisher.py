@@ -14,6 +14,7 @@ import zmq.asyncio
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 from lmpool.protocol.vllm_kv_events import event_types, external_block_hash
 from lmpool.control.kv_events.pool_events import PoolKVEvents
+from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.control.kv_events.publisher import KVEventPublisher
 from lmpool.protocol.vllm_kv_events import END_SEQ, SNAPSHOT_REQUEST
@@ -114,27 +115,77 @@ async def test_a_bad_replay_request_gets_only_the_end_marker(wired):
 
 
 class Recorder:
+    """A publisher's calls, and what it announced (``KVEventPublisher.announced``'s record)."""
+
     def __init__(self) -> None:
         self.calls = []
+        self.held: dict[int, set] = {}
 
-    def __getattr__(self, name):
-        return lambda *args: self.calls.append((name, *args))
+    def announced(self, rank, block_hash) -> bool:
+        return block_hash in self.held.get(rank, ())
+
+    def stored(self, rank, block_hashes, *rest) -> None:
+        self.calls.append(("stored", rank, block_hashes, *rest))
+        self.held.setdefault(rank, set()).update(block_hashes)
+
+    def removed(self, rank, block_hashes) -> None:
+        self.calls.append(("removed", rank, block_hashes))
+        self.held.get(rank, set()).difference_update(block_hashes)
+
+    def cleared(self, rank) -> None:
+        self.calls.append(("cleared", rank))
+        self.held[rank] = set()
+
+    def flush(self) -> None:
+        self.calls.append(("flush",))
+
+
+class Reported:
+    """The page table and its events, as the control process drives them: each report applied
+    to the table, then published from it."""
+
+    def __init__(self, **options) -> None:
+        self.table = GlobalBlockManager(1, BLOCK)
+        self.table.register_rank(0, 1, 64)
+        self.recorder = Recorder()
+        self.events = PoolKVEvents(self.recorder, self.table, **options)
+
+    def snapshot(self, snapshot: KVSnapshot) -> None:
+        self.table.apply_snapshot(0, 1, snapshot)
+        self.events.snapshot(0, snapshot)
+
+    def delta(self, delta: KVDelta) -> None:
+        assert self.table.apply_delta(0, 1, delta)
+        self.events.delta(0, delta)
 
 
 def test_pool_reports_become_chained_events():
-    """The adapter from the page table's reports: chains merge, stale removals are dropped
-    (whole hashes passed through, as ``int_hashes=False`` sends them)."""
-    recorder = Recorder()
-    calls = recorder.calls
-    events = PoolKVEvents(recorder, BLOCK, int_hashes=False)
-    events.snapshot(0, KVSnapshot(2, [BlockStored(1, ROOT_HASH, 0, 1, (1, 2, 3, 4)), BlockStored(2, 1, 1, 1, (5, 6, 7, 8))]))
-    events.delta(0, KVDelta(2, 6, [BlockStored(3, 2, 2, 1, (9,) * 4), BlockRemoved(1, 0, 9),  # another copy
-                                   BlockRemoved(3, 2, 1), BlockStored(7, ROOT_HASH, 3, 1, (0,) * 4)]))
-    events.rank_down(0)
-    assert calls == [
+    """The adapter from the page table's reports: chains merge, removals of another copy (one
+    the table does not hold) are dropped (whole hashes passed through, as ``int_hashes=False``
+    sends them)."""
+    reported = Reported(int_hashes=False)
+    reported.snapshot(KVSnapshot(2, [BlockStored(1, ROOT_HASH, 0, 1, (1, 2, 3, 4)),
+                                     BlockStored(2, 1, 1, 1, (5, 6, 7, 8))]))
+    reported.delta(KVDelta(2, 6, [BlockStored(3, 2, 2, 1, (9,) * 4), BlockRemoved(1, 0, 9),  # another copy
+                                  BlockRemoved(3, 2, 1), BlockStored(7, ROOT_HASH, 3, 1, (0,) * 4)]))
+    reported.events.rank_down(0)
+    assert reported.recorder.calls == [
         ("cleared", 0), ("stored", 0, [1, 2], None, [1, 2, 3, 4, 5, 6, 7, 8], BLOCK), ("flush",),
         ("stored", 0, [3], 2, [9] * 4, BLOCK), ("removed", 0, [3]), ("stored", 0, [7], None, [0] * 4, BLOCK),
         ("flush",), ("cleared", 0), ("flush",),
+    ]
+
+
+def test_a_newer_copy_of_an_announced_block_is_not_news_nor_is_the_old_copy_s_removal():
+    """A block stored again (a newer copy) is announced once; the removal of its old copy, which
+    the table no longer holds as that copy, publishes nothing; the last copy's removal does."""
+    reported = Reported(int_hashes=False)
+    reported.snapshot(KVSnapshot(2, [BlockStored(1, ROOT_HASH, 0, 1, (1, 2, 3, 4))]))
+    reported.delta(KVDelta(2, 4, [BlockStored(1, ROOT_HASH, 5, 2, (1, 2, 3, 4)), BlockRemoved(1, 0, 1)]))
+    reported.delta(KVDelta(4, 5, [BlockRemoved(1, 5, 2)]))
+    assert reported.recorder.calls == [
+        ("cleared", 0), ("stored", 0, [1], None, [1, 2, 3, 4], BLOCK), ("flush",), ("flush",),
+        ("removed", 0, [1]), ("flush",),
     ]
 
 
@@ -143,11 +194,11 @@ def test_hashes_go_out_as_vllm_default_integers():
     an unsigned integer (the parent too); the removal of that copy names the same integer."""
     low = [2**63, 2**63 + 1]  # above int64: unsigned on the wire
     digest = [bytes([i + 1]) * 24 + low[i].to_bytes(8, "big") for i in range(2)]
-    recorder = Recorder()
-    events = PoolKVEvents(recorder, BLOCK)
-    events.snapshot(0, KVSnapshot(2, [BlockStored(digest[0], ROOT_HASH, 0, 1, (1, 2, 3, 4)),
-                                      BlockStored(digest[1], digest[0], 1, 1, (5, 6, 7, 8))]))
-    events.delta(0, KVDelta(2, 4, [BlockStored(b"\x07" * 32, digest[1], 2, 1, (9,) * 4), BlockRemoved(digest[1], 1, 1)]))
+    reported = Reported()
+    recorder = reported.recorder
+    reported.snapshot(KVSnapshot(2, [BlockStored(digest[0], ROOT_HASH, 0, 1, (1, 2, 3, 4)),
+                                     BlockStored(digest[1], digest[0], 1, 1, (5, 6, 7, 8))]))
+    reported.delta(KVDelta(2, 4, [BlockStored(b"\x07" * 32, digest[1], 2, 1, (9,) * 4), BlockRemoved(digest[1], 1, 1)]))
     assert external_block_hash(digest[0]) == low[0] and external_block_hash(b"\xff" * 32) == 2**64 - 1
     assert recorder.calls == [
         ("cleared", 0), ("stored", 0, low, None, [1, 2, 3, 4, 5, 6, 7, 8], BLOCK), ("flush",),

@@ -110,6 +110,10 @@ class KVEventPublisher:
             state[h] = stored([h], parent, tokens, block_size, None, MEDIUM_GPU, None)
             parent = h
 
+    def announced(self, rank: int, block_hash: int) -> bool:
+        """Whether ``block_hash`` was stored on ``rank`` and not removed or cleared since."""
+        return block_hash in self._state.get(rank, ())
+
     def removed(self, rank: int, block_hashes: list[int]) -> None:
         self._queue(rank, self.types.removed(list(block_hashes), MEDIUM_GPU))
         state = self._state.get(rank, {})
