@@ -6,12 +6,12 @@ a file of the wrong size, mode or owner)."""
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from ipc_testkit import board_value, check_board_value, leftovers
 from planted import fifo_guard, plant, remove, write_board
+from waiting import wait_until
 
 from lmpool_ipc import BoardBusyError, BoardReader, BoardWriter, IpcPool, RingCorruptError, boards
 from lmpool_ipc.board import _SEQUENCE, MAX_CAPACITY, board_bytes
@@ -56,20 +56,25 @@ def test_no_torn_reads_while_another_process_publishes(pool):
     try:
         with BoardReader(name) as reader:
             seen = [0]
-            deadline = time.monotonic() + 60
             busy = 0
-            while len(seen) < 200 and time.monotonic() < deadline:  # 200 distinct values
+
+            def read_once() -> bool:
+                nonlocal busy
                 try:
                     value = reader.read()
                 except BoardBusyError:  # back-to-back writes can outrun a reader: no harm
                     busy += 1
-                    continue
+                    return False
                 if value is not None and check_board_value(value) != seen[-1]:
                     seen.append(check_board_value(value))
+                return len(seen) == 200
+
+            # Read without pausing: the reads race the writer, which is what the test is after.
+            wait_until(read_once, "200 distinct values", limit=60, interval=0,
+                       show=lambda: f"{len(seen)} values read, {busy} reads gave up")
     finally:
         writer.kill()
         writer.wait()
-    assert len(seen) == 200, f"{len(seen)} values read, {busy} reads gave up"
     assert seen == sorted(seen), "a reader never goes back in time"
 
 

@@ -1,22 +1,21 @@
 """Waiting for a pool to reach a state: poll its stats until a condition holds or a
-deadline passes (a state to reach, never a fixed delay)."""
+deadline passes (a state to reach, never a fixed delay). The polling is ``waiting``'s; the
+pool tests' ceiling is 30 s unless a call names its own."""
 
 from __future__ import annotations
 
-import asyncio
+import waiting
 
 
 async def settled(pool, condition, what: str, limit: float = 30.0) -> dict:
     """The first ``pool.stats()`` for which ``condition`` holds; fails naming ``what`` after ``limit`` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while True:
-        stats = await pool.stats()
-        if condition(stats):
-            return stats
-        if loop.time() > deadline:
-            raise AssertionError(f"{what} never happened; last stats: {stats}")
-        await asyncio.sleep(0.05)
+    last = {}
+
+    async def check() -> dict | None:
+        last["stats"] = stats = await pool.stats()
+        return stats if condition(stats) else None
+
+    return await waiting.until(check, what, limit=limit, show=lambda: f"last stats: {last.get('stats')}")
 
 
 def no_blocks_held(stats: dict) -> bool:
@@ -26,9 +25,4 @@ def no_blocks_held(stats: dict) -> bool:
 
 async def until(predicate, what: str, limit: float = 30.0) -> None:
     """Return once ``predicate()`` holds; fail naming ``what`` after ``limit`` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"{what} never happened")
-        await asyncio.sleep(0.02)
+    await waiting.until(predicate, what, limit=limit, interval=0.02)

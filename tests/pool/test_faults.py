@@ -10,6 +10,7 @@ import signal
 import pytest
 import torch
 import uvloop
+from pool_waits import settled
 from stream_testkit import stream_all
 
 from lmpool import LLM, SamplingParams
@@ -59,12 +60,8 @@ async def run_with_worker_fault(pool: AsyncLMPool, victim: int, sig: int) -> tup
 
 async def wait_for_resync(pool: AsyncLMPool) -> dict:
     """Poll the pool's stats until every live rank's snapshot has reached the control plane."""
-    for _ in range(400):
-        stats = await pool.stats()
-        if all(r["snapshot_version"] > 0 for r in stats["ranks"] if r["alive"]):
-            return stats
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no resync: {stats}")
+    return await settled(pool, lambda stats: all(r["snapshot_version"] > 0 for r in stats["ranks"] if r["alive"]),
+                         "the resync: every live rank's snapshot at the control plane", limit=60)
 
 
 def test_worker_sigkill_mid_run(tiny_model, reference, long_reference):

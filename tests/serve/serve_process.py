@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from waiting import wait_until
 
 from lmpool_ipc.lifecycle import pid_alive, sweep_dead_pools
 from lmpool_ipc.names import SEM_FILE_PREFIX, parse_object
@@ -59,18 +60,16 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_LIMIT_S
-        while True:
-            if self.proc.poll() is not None:
+        def healthy() -> bool:
+            if self.proc.poll() is not None:  # fail at once, not at the deadline
                 raise AssertionError(f"lmpool serve exited with {self.proc.returncode}: {self.log.read_text()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
+                return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
             except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"lmpool serve never became healthy: {self.log.read_text()}")
-            time.sleep(0.2)
+                return False
+
+        wait_until(healthy, "lmpool serve to become healthy", limit=STARTUP_LIMIT_S, interval=0.2,
+                   show=self.log.read_text)
 
     def worker_pids(self) -> list[int]:
         return self.children(b"lmpool.worker.main")
@@ -105,10 +104,8 @@ class ServerProcess:
         self.proc.kill()
         self.proc.wait()
         self._log_file.close()
-        deadline = time.monotonic() + 60
-        while any(pid_alive(pid) for pid in children):
-            assert time.monotonic() < deadline, "a pool process outlived its killed server"
-            time.sleep(0.05)
+        wait_until(lambda: not any(pid_alive(pid) for pid in children),
+                   "every pool process to die with its killed server", limit=60, interval=0.05)
         sweep_dead_pools()
         assert not owned_shm(self.proc.pid)
 
@@ -187,11 +184,9 @@ def start_servers(n: int, model: str, tmp: Path, *args: str, grpc_ports: list[in
 
 
 def wait_for(condition, what: str, limit: float = 60.0) -> None:
-    """Return once ``condition()`` holds (a state to reach); fail naming ``what`` after ``limit`` s."""
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} never happened"
-        time.sleep(0.1)
+    """Return once ``condition()`` holds (a state to reach); fail naming ``what`` after ``limit`` s
+    (the serve tests' ceiling unless a call names its own)."""
+    wait_until(condition, what, limit=limit)
 
 
 def metric(server: ServerProcess, name: str) -> float:

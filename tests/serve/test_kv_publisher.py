@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from waiting import until
 
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 from lmpool.protocol.vllm_kv_events import event_types, external_block_hash
@@ -33,13 +34,13 @@ async def wired():
     dealer.connect(publisher.replay_endpoint)
     # A SUB socket misses what is published before its subscription lands: publish probes
     # until one arrives (a state to reach), then start from a clean slate.
-    for _ in range(200):
+    async def probe_heard() -> bool:
         publisher.cleared(99)
         publisher.flush()
-        if await sub.poll(50):
-            break
-    else:
-        raise AssertionError("the subscription never reached the publisher")
+        return bool(await sub.poll(50))
+
+    # No pause between probes: each waits 50 ms for its own arrival.
+    await until(probe_heard, "the subscription to reach the publisher", limit=30, interval=0)
     while await sub.poll(50):
         await sub.recv_multipart()
     yield publisher, sub, dealer

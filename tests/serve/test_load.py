@@ -16,6 +16,7 @@ import pytest
 import uvicorn
 import uvloop
 from serve_process import BLOCK, owned_shm, pool_children
+from waiting import until
 
 from lmpool import LLM, SamplingParams
 from lmpool.frontend.serve.app import create_app
@@ -39,15 +40,6 @@ def established(port: int) -> int:
                 if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
                     count += 1
     return count
-
-
-async def until(predicate, what: str, limit: float = 120.0) -> None:
-    """A state to reach, polled; fails naming ``what`` after ``limit`` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not await predicate():
-        assert loop.time() < deadline, f"{what} never happened"
-        await asyncio.sleep(0.05)
 
 
 async def stream_one(client: openai.AsyncOpenAI, i: int) -> list[int] | None:
@@ -97,8 +89,8 @@ async def serve_and_load(model: str) -> dict:
         async def connections_closed() -> bool:
             return established(port) == baseline
 
-        await until(idle, "the cancelled requests freeing their blocks")
-        await until(connections_closed, "the server's connections closing")
+        await until(idle, "the cancelled requests freeing their blocks", limit=120)
+        await until(connections_closed, "the server's connections closing", limit=120)
         # Nothing of the load is held any more: no request in the pool's table, no connection
         # or task in the server's state.
         assert pool.engine.requests == {}

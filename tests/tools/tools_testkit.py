@@ -9,8 +9,9 @@ import secrets
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import waiting
 
 LMPOOL = str(Path(sys.executable).with_name("lmpool"))  # the console script of this environment
 WAIT_S = 60  # bound of every poll; a passing test never gets near it
@@ -24,13 +25,7 @@ def lmpool(*args: str, timeout: float = WAIT_S) -> subprocess.CompletedProcess:
 def wait_until(condition, what: str, show=None, timeout: float = WAIT_S):
     """Poll ``condition`` until it returns something true; return that. On timeout the
     error says what was awaited, and what ``show()`` returns (say, the screen)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}" + (f":\n{show()}" if show else ""))
+    return waiting.wait_until(condition, what, limit=timeout, show=show)
 
 
 class Tmux:
