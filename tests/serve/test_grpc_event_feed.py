@@ -6,10 +6,14 @@ its numbers begin again): the host then holds the new publisher's blocks only.""
 
 from __future__ import annotations
 
+import asyncio
+
+import msgspec
 from waiting import until
 
 from lmpool.control.kv_events.publisher import KVEventPublisher
 from lmpool.frontend.grpc.event_feed import PoolEventFeed
+from lmpool.protocol.vllm_kv_events import event_types
 
 SIZE = 2
 
@@ -57,3 +61,52 @@ async def test_the_feed_reads_the_state_and_follows_a_restarted_publisher(tmp_pa
     finally:
         await feed.close()
         publisher.close()
+
+
+
+class Scripted:
+    """Stands in for the feed's sockets: batches (topic, seq, payload) and connection drops, in
+    a script's order, and the publisher's state as a replay read would give it."""
+
+    def __init__(self, feed: PoolEventFeed, script: list) -> None:
+        self.script, self.dropped, self.reads, self.parked = list(script), False, [], False
+        self.feed, self.sub = feed, feed._sub
+        feed._sub, feed._dropped, feed._read_state = self, self.drops, self.read_state
+
+    def restore(self) -> None:
+        self.feed._sub = self.sub
+
+    async def recv_multipart(self):
+        while self.script:
+            step = self.script.pop(0)
+            if step == "drop":
+                self.dropped = True
+                continue
+            return step
+        self.parked = True  # every batch handled: the feed waits, as on a quiet socket
+        await asyncio.Event().wait()
+
+    async def drops(self) -> bool:
+        dropped, self.dropped = self.dropped, False
+        return dropped
+
+    async def read_state(self):
+        self.reads.append(len(self.script))
+        return [], -1
+
+
+async def test_a_restarted_publisher_whose_numbers_continue_the_old_ones_is_still_read_afresh():
+    """A new publisher's first batch heard may by chance carry the number after the old one's
+    last (its earlier batches went out before the feed reconnected): the dropped connection,
+    not the numbers, says the publisher is another, and the feed reads its state again."""
+    noop = msgspec.msgpack.encode(event_types(True).batch(0.0, [], None))
+    batches = [(b"", n.to_bytes(8, "big"), noop) for n in range(4)]
+    feed = PoolEventFeed("inproc://unused", "inproc://unused")
+    scripted = Scripted(feed, batches[:3] + ["drop"] + batches[3:])
+    feed.start()
+    try:
+        await until(lambda: scripted.parked, "the feed to handle the script's batches", limit=60)
+        assert scripted.reads == [4, 0], "read at the first batch (4 steps left), and again after the drop"
+    finally:
+        scripted.restore()
+        await feed.close()

@@ -3,8 +3,9 @@ publisher (ZMQ PUB, and its replay socket for the full state) applied to a ``Hos
 
 The feed connects before the pool starts, so it hears the pool's first batches; whenever it
 cannot vouch for having every batch (the first one it hears, a sequence number that skips one:
-a slow joiner, or batches dropped at the high-water mark; or one that goes back: the control
-process was restarted, and its publisher with it) it asks the replay socket for
+a slow joiner, or batches dropped at the high-water mark; or the first one after its connection
+to the publisher dropped: the control process was restarted, and its publisher with it, whose
+numbers begin again and may by chance continue the old ones) it asks the replay socket for
 the full state and applies it, per rank, before the PUB batches after it. Subscribers wait on
 ``wait_past(seq)``, woken at each host batch; nothing here blocks the event loop.
 """
@@ -17,6 +18,7 @@ import logging
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from lmpool.frontend.grpc.host_events import HostKVView
 from lmpool.protocol.vllm_kv_events import END_SEQ, SNAPSHOT_REQUEST, event_types
@@ -33,6 +35,9 @@ class PoolEventFeed:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.set_hwm(100_000)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        # Told when the connection to the publisher drops: ZMQ queues that event before the
+        # reconnection can carry a batch, so it is read before any batch of a new publisher.
+        self._drops = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sub.connect(endpoint)  # before the publisher binds: ZMQ connects once it is there
         self._replay_endpoint = replay_endpoint
         self._tick = asyncio.Event()
@@ -66,8 +71,8 @@ class PoolEventFeed:
         while True:
             _, seq_bytes, payload = (await self._sub.recv_multipart())[-3:]
             seq = int.from_bytes(seq_bytes, "big")
-            if last is not None and seq <= last:
-                expected = None  # one publisher's numbers only grow: a restarted control process's began again
+            if await self._dropped() or (last is not None and seq <= last):
+                expected = None  # the publisher may be another (a restarted control process's), or missed some
             last = seq
             if expected is None or seq > expected:
                 expected = await self._resync() + 1
@@ -77,6 +82,13 @@ class PoolEventFeed:
                 continue  # already in the state read
             self._apply(self._decode(payload))
             expected = seq + 1
+
+    async def _dropped(self) -> bool:
+        """Whether the connection to the publisher dropped since this was last asked."""
+        dropped = False
+        while await self._drops.poll(0):
+            dropped |= parse_monitor_message(await self._drops.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED
+        return dropped
 
     def _apply(self, batch) -> None:
         if batch.data_parallel_rank is not None and self.view.apply(batch.data_parallel_rank, batch.events):
@@ -116,6 +128,8 @@ class PoolEventFeed:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._sub.disable_monitor()
+        self._drops.close(linger=0)
         self._sub.close(linger=0)
         self._ctx.term()
 
