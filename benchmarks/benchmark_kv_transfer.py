@@ -61,10 +61,10 @@ source device's local copy: the fraction then says how close the link gets to HB
 direction and size; ``nccl_ratio_ci95`` its 95 % interval from resampling the repetitions
 (both paths ran in each, so a resample takes both), to tell a goal met from one straddled.
 
-    python benchmarks/benchmark_kv_transfer.py --kind gloo --json profile.json
-    python benchmarks/benchmark_kv_transfer.py --kind cuda_ipc --preset 0.6b --json profile.json      # one GPU
-    python benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,2,4,8,16 --json nccl.json  # two GPUs
-    python benchmarks/benchmark_kv_transfer.py --kind pool --preset 0.6b --profile profile.json --json pool.json
+    python -m benchmarks.benchmark_kv_transfer --kind gloo --json profile.json
+    python -m benchmarks.benchmark_kv_transfer --kind cuda_ipc --preset 0.6b --json profile.json      # one GPU
+    python -m benchmarks.benchmark_kv_transfer --kind nccl --preset 0.6b --sizes 1,2,4,8,16 --json nccl.json  # two GPUs
+    python -m benchmarks.benchmark_kv_transfer --kind pool --preset 0.6b --profile profile.json --json pool.json
 """
 
 from __future__ import annotations
@@ -544,7 +544,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def environment(args) -> dict:
-    from revision import git_record
+    from benchmarks.lib.revision import git_record
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "os": platform.platform(),
            "cpus": os.cpu_count(), "device": args.device, "git": git_record(),
@@ -678,7 +678,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
     if args.kind == "pool":
-        from kv_transfer_pool import pool_main
+        from benchmarks.transfer.kv_transfer_pool import pool_main
 
         return pool_main(args, argv)
     if args.worker is not None:
@@ -689,7 +689,9 @@ def main(argv=None) -> int:
         return 2
     state_before = gpu_state() if args.kind != "gloo" else None
     rendezvous = Rendezvous.create()
-    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--rendezvous", rendezvous.address]
+    # Each worker is this module again, run from the same working directory (the repository
+    # root, where ``benchmarks`` imports from).
+    command = [sys.executable, "-m", "benchmarks.benchmark_kv_transfer", *argv, "--rendezvous", rendezvous.address]
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
     workers = [subprocess.Popen([*command, "--worker", str(r)], stdout=subprocess.PIPE, text=True, env=env)
                for r in (0, 1)]
@@ -706,7 +708,7 @@ def main(argv=None) -> int:
         return 1
     profile, wrong = summarize(args, [json.loads(o.strip().splitlines()[-1]) for o in outputs])
     profile["environment"] = environment(args)
-    profile["environment"]["command"] = "python benchmarks/benchmark_kv_transfer.py " + shlex.join(argv)
+    profile["environment"]["command"] = "python -m benchmarks.benchmark_kv_transfer " + shlex.join(argv)
     if state_before is not None:
         profile["environment"]["gpu_state"] = {"fields": GPU_STATE, "before": state_before, "after": gpu_state()}
     report(profile)

@@ -1,4 +1,4 @@
-"""``benchmarks/student_t.py``: the t quantile against printed tables, the incomplete beta
+"""``benchmarks/stats/student_t.py``: the t quantile against printed tables, the incomplete beta
 against closed forms, and the interval arithmetic."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from student_t import betainc, confidence_interval, percentile, sample_std, t_cdf, t_quantile
+from benchmarks.stats.student_t import betainc, confidence_interval, percentile, sample_std, t_cdf, t_quantile
 
 # Two-sided 95% critical values t_{0.975, df}, as printed in statistics tables.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 9: 2.262, 10: 2.228,

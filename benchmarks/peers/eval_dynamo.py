@@ -191,7 +191,7 @@ async def router_on(events: dict, args, setting) -> AsyncIterator[tuple]:
     """Dynamo's router reading the KV events a running pool publishes as ``events`` says, through
     the relay: ``(service, relay)``, both stopped on the way out. A pool that restarts on the same
     endpoints is followed (the relay resynchronises from its snapshot)."""
-    from kv_event_relay import RankRelay
+    from benchmarks.peers.kv_event_relay import RankRelay
 
     relay = service = None
     try:
@@ -217,7 +217,7 @@ async def router_on(events: dict, args, setting) -> AsyncIterator[tuple]:
 async def dynamo_in_front(pool, args, setting) -> AsyncIterator[Front]:
     """Start ``pool`` (unstarted, made for this run) with its KV events on and Dynamo's router in
     front of it; stop the service, the relay and the pool, in that order, on the way out."""
-    from dynamo_client import DynamoRoutedPool
+    from benchmarks.peers.dynamo_client import DynamoRoutedPool
 
     events = events_config()
     try:
