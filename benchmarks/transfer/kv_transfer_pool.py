@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.transfer.record import environment, percentile, shape
+
 GOAL_ONE_BLOCK_P50_S = 2e-3
 
 
@@ -84,7 +86,6 @@ def residuals(pool: dict, pairs: dict) -> dict:
 
 
 def pool_main(args, argv: list[str]) -> int:
-    from benchmarks.benchmark_kv_transfer import environment, percentile, shape
     from lmpool.model.make_model import make_model
 
     if args.device != "cpu" and not torch.cuda.is_available():
