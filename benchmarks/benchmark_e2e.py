@@ -15,8 +15,8 @@ and LMPool with each transfer mode (background copy, foreground move, both, pull
 A transfer mode this build does not accept is recorded as ``unavailable`` and the suite
 goes on. See ``eval_suite`` for the run order and ``benchmarks/README.md`` for the metrics.
 
-    python benchmarks/benchmark_e2e.py --quick                              # CPU, five-way
-    python benchmarks/benchmark_e2e.py --device cuda --preset 0.6b --world-size 4 \\
+    python -m benchmarks.benchmark_e2e --quick                              # CPU, five-way
+    python -m benchmarks.benchmark_e2e --device cuda --preset 0.6b --world-size 4 \\
         --dtype bfloat16 --block-size 256 --reps 5 --mps                     # 4 replicas on one GPU
 
 Writes one JSON (``--json``; default ``eval_<device>_<preset>_e2e.json`` under the temporary directory's
@@ -28,18 +28,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eval_metrics import paired_change  # noqa: E402
-from eval_suite import (  # noqa: E402
+from benchmarks.stats.eval_metrics import paired_change
+from benchmarks.eval_suite import (
     GATEWAYS, LMPOOL, LMPOOL_ROUTING, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, add_arguments,
     chosen_policies, file_traces, finish_arguments, run_suite, vocab_size,
 )
-from chat_service import chat_service  # noqa: E402
-from sessions import agent_sessions, sessions  # noqa: E402
-from workloads import load_skew, memory_skew  # noqa: E402
+from benchmarks.workloads.chat_service import chat_service
+from benchmarks.workloads.sessions import agent_sessions, sessions
+from benchmarks.workloads.traces import load_skew, memory_skew
 
 POLICIES = (*PEERS, LMPOOL, LMPOOL_ROUTING, *TRANSFER_MODES, TRANSFERS_IDLE, *PEER_VARIANTS, *GATEWAYS)
 MODE_NAMES = {p.name for p in (*TRANSFER_MODES, LMPOOL)}

@@ -8,7 +8,7 @@ inter-token latency, request latency and output tokens/s. Synthetic text prompts
 ``--prompt-tokens`` tokens with ``--output-tokens`` to generate, ``--requests`` per profile.
 
     lmpool serve DIR --world-size 2 --device cpu --port 8000 &
-    python benchmarks/benchmark_guidellm.py --url http://127.0.0.1:8000 --guidellm gl/bin/guidellm \\
+    python -m benchmarks.benchmark_guidellm --url http://127.0.0.1:8000 --guidellm gl/bin/guidellm \\
         --profiles concurrent:4,poisson:6 --json guidellm.json
 """
 
@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from revision import git_record  # noqa: E402
+from benchmarks.lib.revision import git_record
 
 # GuideLLM's profile kinds and the field that takes the number after the colon.
 PROFILE_FIELDS = {"concurrent": "streams", "poisson": "rate", "constant": "rate", "synchronous": None}

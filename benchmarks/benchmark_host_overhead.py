@@ -19,8 +19,8 @@ What a CPU run cannot show: with a GPU, the serial path adds this host time to
 every step's device time, while the overlapped path spends it while the device
 runs the step before (see ``profile_decode.py`` for wall against device time).
 
-    python benchmarks/benchmark_host_overhead.py --json host_overhead.json
-    python benchmarks/benchmark_host_overhead.py --batches 256 --steps 20 --repeats 3
+    python -m benchmarks.benchmark_host_overhead --json host_overhead.json
+    python -m benchmarks.benchmark_host_overhead --batches 256 --steps 20 --repeats 3
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from lmpool.config.engine import EngineConfig
 from lmpool.engine.core import EngineCore
 from lmpool.model.make_model import make_model
 from lmpool.sampling_params import SamplingParams
-from revision import git_revision
+from benchmarks.lib.revision import git_revision
 
 PHASES = ("schedule", "prepare", "forward", "sample", "complete_step", "outputs")
 PATHS = {"serial": False, "overlapped": True}  # path name -> EngineConfig.async_scheduling

@@ -3,8 +3,8 @@ about them, under every routing-only policy and LMPool's transfer modes; and the
 burst with every context pre-placed on every replica (the oracle), to show what placing
 context could be worth (``hot_context.py`` says the traces).
 
-    python benchmarks/benchmark_hot_context.py --quick                       # CPU, a minute or two
-    python benchmarks/benchmark_hot_context.py --device cuda --preset 0.6b --world-size 4 \\
+    python -m benchmarks.benchmark_hot_context --quick                       # CPU, a minute or two
+    python -m benchmarks.benchmark_hot_context --device cuda --preset 0.6b --world-size 4 \\
         --dtype bfloat16 --block-size 256 --reps 3 --mps --contexts 16384 --hot 1,2
     ... --window 0 --sweep arrival=window,poisson:16,poisson:64            # burst and Poisson arrivals
 
@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eval_metrics import paired_change  # noqa: E402
-from eval_policies import ROUTING_ONLY  # noqa: E402
-from eval_settings import trace_of  # noqa: E402
-from eval_suite import (  # noqa: E402
+from benchmarks.stats.eval_metrics import paired_change
+from benchmarks.peers.eval_policies import ROUTING_ONLY
+from benchmarks.replay.eval_settings import trace_of
+from benchmarks.eval_suite import (
     LMPOOL, TRANSFER_MODES, add_arguments, chosen_policies, file_traces, finish_arguments, run_suite,
     vocab_size,
 )
-from hot_context import CONTEXT_LENGTHS, HOT_COUNTS, QUESTIONS, hot_context, workload_name  # noqa: E402
+from benchmarks.workloads.hot_context import CONTEXT_LENGTHS, HOT_COUNTS, QUESTIONS, hot_context, workload_name
 
 POLICIES = (*ROUTING_ONLY, LMPOOL, *TRANSFER_MODES)
 ROUTING_ONLY_NAMES = {p.name for p in ROUTING_ONLY}

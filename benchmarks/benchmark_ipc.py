@@ -15,7 +15,7 @@ on uvloop in both processes, typed msgspec messages. Queue and Pipe carry
 ``(kind, payload)`` tuples (pickled, as those transports do), driven from the same
 event loop with their blocking calls.
 
-    python benchmarks/benchmark_ipc.py --json results.json
+    python -m benchmarks.benchmark_ipc --json results.json
 
 A bar on stderr counts the rounds (``--no-progress``: none).
 """
@@ -31,8 +31,8 @@ import time
 import msgspec
 import uvloop
 
-from bench_progress import add_argument as add_progress_argument
-from bench_progress import bar
+from benchmarks.lib.progress import add_argument as add_progress_argument
+from benchmarks.lib.progress import bar
 from lmpool_ipc import Channel, IpcPool
 
 SIZES = (64, 1024, 65536)
@@ -194,7 +194,9 @@ async def bench(args) -> dict:
     pool = IpcPool.start()
     try:
         link = pool.create_link(RING_CAPACITY)
-        ring_child_proc = subprocess.Popen([sys.executable, __file__, "--ring-child", link.b])
+        # The same module in a fresh interpreter, from the same working directory (the
+        # repository root, where ``benchmarks`` imports from).
+        ring_child_proc = subprocess.Popen([sys.executable, "-m", "benchmarks.benchmark_ipc", "--ring-child", link.b])
         for child in children:
             child.start()
         async with Channel(link.a, Message) as channel:

@@ -8,11 +8,11 @@ prefixes hold 1,911 / 5,655 / 9,399 tokens at scale 1. Every policy replays the 
 trace on a fresh pool; see ``eval_suite`` for the run order and ``benchmarks/README.md``
 for every metric.
 
-    python benchmarks/benchmark_kv_routing.py --quick                      # CPU, about a minute
-    python benchmarks/benchmark_kv_routing.py --quick --policies all       # CPU, every policy
-    python benchmarks/benchmark_kv_routing.py --device cuda --preset 0.6b --world-size 4 \\
+    python -m benchmarks.benchmark_kv_routing --quick                      # CPU, about a minute
+    python -m benchmarks.benchmark_kv_routing --quick --policies all       # CPU, every policy
+    python -m benchmarks.benchmark_kv_routing --device cuda --preset 0.6b --world-size 4 \\
         --dtype bfloat16 --block-size 256 --reps 5 --mps                    # 4 replicas on one GPU
-    python benchmarks/benchmark_kv_routing.py ... --levels 5 --sweep kv_budget=48,96,192,384,768  # budget sweep
+    python -m benchmarks.benchmark_kv_routing ... --levels 5 --sweep kv_budget=48,96,192,384,768  # budget sweep
 
 Writes one JSON (``--json``; default ``eval_<device>_<preset>_kv_routing.json`` under the temporary
 directory's ``lmpool-eval/``: the committed results change only when ``--json`` names them);
@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eval_metrics import paired_change  # noqa: E402
-from eval_policies import PEER_NAMES  # noqa: E402
-from eval_suite import (  # noqa: E402
+from benchmarks.stats.eval_metrics import paired_change
+from benchmarks.peers.eval_policies import PEER_NAMES
+from benchmarks.eval_suite import (
     GATEWAYS, LMPOOL, LMPOOL_ROUTING, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, add_arguments, chosen_policies,
     file_traces, finish_arguments, run_suite, vocab_size,
 )
-from eval_settings import trace_of  # noqa: E402
-from workloads import LOCALITY_LEVELS, locality  # noqa: E402
+from benchmarks.replay.eval_settings import trace_of
+from benchmarks.workloads.traces import LOCALITY_LEVELS, locality
 
 POLICIES = (LMPOOL, LMPOOL_ROUTING, *PEERS, *PEER_VARIANTS, *LMPOOL_VARIANTS, *GATEWAYS)
 QUICK_POLICIES = "lmpool,round_robin,least_loaded"

@@ -8,7 +8,7 @@ Modes (``--kind``):
 - ``nccl``: two workers on two GPUs (cuda:0, cuda:1), for the side-by-side comparison of
   the packed NCCL transfer, a raw ``torch.distributed`` send/recv of the same bytes, and a
   CUDA IPC pull across the GPUs. NCCL runs with ``NCCL_NVLS_ENABLE=0`` unless set.
-- ``pool``: the real pool path on one GPU with two replicas (``kv_transfer_pool.py``).
+- ``pool``: the real pool path on one GPU with two replicas (``transfer/kv_transfer_pool.py``).
 
 For each directed pair (0->1, then 1->0) and each block count the workers measure, in
 turns within every repetition, the paths their kind offers:
@@ -61,10 +61,10 @@ source device's local copy: the fraction then says how close the link gets to HB
 direction and size; ``nccl_ratio_ci95`` its 95 % interval from resampling the repetitions
 (both paths ran in each, so a resample takes both), to tell a goal met from one straddled.
 
-    python benchmarks/benchmark_kv_transfer.py --kind gloo --json profile.json
-    python benchmarks/benchmark_kv_transfer.py --kind cuda_ipc --preset 0.6b --json profile.json      # one GPU
-    python benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,2,4,8,16 --json nccl.json  # two GPUs
-    python benchmarks/benchmark_kv_transfer.py --kind pool --preset 0.6b --profile profile.json --json pool.json
+    python -m benchmarks.benchmark_kv_transfer --kind gloo --json profile.json
+    python -m benchmarks.benchmark_kv_transfer --kind cuda_ipc --preset 0.6b --json profile.json      # one GPU
+    python -m benchmarks.benchmark_kv_transfer --kind nccl --preset 0.6b --sizes 1,2,4,8,16 --json nccl.json  # two GPUs
+    python -m benchmarks.benchmark_kv_transfer --kind pool --preset 0.6b --profile profile.json --json pool.json
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shlex
 import subprocess
@@ -92,8 +91,10 @@ from lmpool.frontend.rendezvous import Rendezvous
 from lmpool.dataplane.chunked import BlockReceiver, chunk_floor, chunk_tag, cut, default_max_ctas, send_blocks
 from lmpool.protocol.cuda_ipc import CudaIpcExport
 
+from benchmarks.transfer.kv_transfer_pool import pool_main
+from benchmarks.transfer.record import DTYPES, environment, percentile, shape
+
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WAIT_S = 120.0
 COPY_SAMPLES = 10
 
@@ -174,17 +175,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "S one of auto, even, taper, K, tK, ends^F, any but auto with ^F (F >= 1), "
                     "C a cap or C+E, with K >= 1, C, E >= 0, L >= 1")
     return args
-
-
-def shape(args) -> dict:
-    preset = PRESETS[args.preset]
-    layers, kv_heads, head_dim = preset["num_hidden_layers"], preset["num_key_value_heads"], preset["head_dim"]
-    element = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
-    return {
-        "preset": args.preset, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
-        "block_size": args.block_size, "dtype": args.dtype,
-        "kv_bytes_per_block": layers * 2 * args.block_size * kv_heads * head_dim * element,
-    }
 
 
 def fingerprint(t: torch.Tensor) -> int:
@@ -540,31 +530,6 @@ def worker_main(args) -> None:
 # ---- the launcher --------------------------------------------------------------------
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(round(q * (len(sorted_values) - 1))))]
-
-
-def environment(args) -> dict:
-    from revision import git_record
-
-    env = {"python": platform.python_version(), "torch": torch.__version__, "os": platform.platform(),
-           "cpus": os.cpu_count(), "device": args.device, "git": git_record(),
-           "worker_cpus": [sorted(c) for c in args.cpus] if args.cpus else None}
-    try:
-        model = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
-        env["cpu"] = model.split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        pass
-    if args.kind != "gloo" and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-        if args.kind == "nccl" and torch.cuda.device_count() > 1:
-            env["peer_access_0_1"] = torch.cuda.can_device_access_peer(0, 1)
-            version = torch.cuda.nccl.version()
-            env["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-            env["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE", "0")
-    return env
-
-
 GPU_STATE = "index,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu," \
             "clocks_throttle_reasons.active"
 
@@ -679,8 +644,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
     if args.kind == "pool":
-        from kv_transfer_pool import pool_main
-
         return pool_main(args, argv)
     if args.worker is not None:
         worker_main(args)
@@ -690,7 +653,9 @@ def main(argv=None) -> int:
         return 2
     state_before = gpu_state() if args.kind != "gloo" else None
     rendezvous = Rendezvous.create()
-    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--rendezvous", rendezvous.address]
+    # Each worker is this module again, run from the same working directory (the repository
+    # root, where ``benchmarks`` imports from).
+    command = [sys.executable, "-m", "benchmarks.benchmark_kv_transfer", *argv, "--rendezvous", rendezvous.address]
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
     workers = [subprocess.Popen([*command, "--worker", str(r)], stdout=subprocess.PIPE, text=True, env=env)
                for r in (0, 1)]
@@ -707,7 +672,7 @@ def main(argv=None) -> int:
         return 1
     profile, wrong = summarize(args, [json.loads(o.strip().splitlines()[-1]) for o in outputs])
     profile["environment"] = environment(args)
-    profile["environment"]["command"] = "python benchmarks/benchmark_kv_transfer.py " + shlex.join(argv)
+    profile["environment"]["command"] = "python -m benchmarks.benchmark_kv_transfer " + shlex.join(argv)
     if state_before is not None:
         profile["environment"]["gpu_state"] = {"fields": GPU_STATE, "before": state_before, "after": gpu_state()}
     report(profile)

@@ -8,7 +8,7 @@ after the first) as mean, p50 and p99 over requests, and any failures. JSON to `
 level's line on stdout as it ends, and a bar on stderr counting requests (``--no-progress``: none).
 
     lmpool serve DIR --world-size 4 --device cuda --port 8000 &
-    python benchmarks/benchmark_serve.py --url http://127.0.0.1:8000 --concurrency 1,16,64,256 \\
+    python -m benchmarks.benchmark_serve --url http://127.0.0.1:8000 --concurrency 1,16,64,256 \\
         --json serve.json
 """
 
@@ -27,10 +27,9 @@ from pathlib import Path
 import httpx
 import openai
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_progress import NoBar, bar  # noqa: E402
-from bench_progress import add_argument as add_progress_argument  # noqa: E402
-from revision import git_record  # noqa: E402
+from benchmarks.lib.progress import NoBar, bar
+from benchmarks.lib.progress import add_argument as add_progress_argument
+from benchmarks.lib.revision import git_record
 
 WARM_UP = 4  # untimed requests first
 

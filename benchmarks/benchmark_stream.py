@@ -9,8 +9,8 @@ prefixes, and every stream's final text must be the whole decode of its tokens. 
 seconds, output tokens/s, and the CPU seconds of this process (the event loop that consumes
 the streams; workers and the control plane are other processes) per 1,000 output tokens.
 
-    python benchmarks/benchmark_stream.py --preset tiny --streams 8 --max-tokens 256
-    python benchmarks/benchmark_stream.py --model DIR --device cuda --dtype bfloat16 \\
+    python -m benchmarks.benchmark_stream --preset tiny --streams 8 --max-tokens 256
+    python -m benchmarks.benchmark_stream --model DIR --device cuda --dtype bfloat16 \\
         --streams 64 --max-tokens 2048 --json stream.json
 """
 
@@ -34,7 +34,7 @@ from lmpool.model.config import ModelConfig
 from lmpool.model.make_model import make_model
 from lmpool.frontend.api import AsyncLMPool
 from lmpool.sampling_params import SamplingParams
-from revision import git_record
+from benchmarks.lib.revision import git_record
 
 WAYS = ("whole", "incremental")
 

@@ -16,8 +16,8 @@ LMPool's timed region is one ``LLM.generate`` call on all prompts (input checks,
 scheduling, every step, detokenisation), after a warm-up on other prompts; CUDA
 graph capture happens when the engine is built, before it.
 
-    python benchmarks/benchmark_throughput.py --preset tiny --json out.json
-    python benchmarks/benchmark_throughput.py --preset 0.6b --device cuda --num-seqs 256 \
+    python -m benchmarks.benchmark_throughput --preset tiny --json out.json
+    python -m benchmarks.benchmark_throughput --preset 0.6b --device cuda --num-seqs 256 \
         --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 --compare-hf
 
 Defaults are sized for the CPU path (a few thousand tokens, well under a minute). A bar on
@@ -41,9 +41,9 @@ import torch
 from lmpool import LLM, SamplingParams
 from lmpool.model.config import ModelConfig
 from lmpool.model.make_model import make_model
-from bench_progress import NoBar, bar
-from bench_progress import add_argument as add_progress_argument
-from revision import git_revision
+from benchmarks.lib.progress import NoBar, bar
+from benchmarks.lib.progress import add_argument as add_progress_argument
+from benchmarks.lib.revision import git_revision
 
 
 def workload(num_seqs: int, lo_in: int, hi_in: int, lo_out: int, hi_out: int, vocab: int, seed: int):

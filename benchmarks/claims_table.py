@@ -1,6 +1,6 @@
 """Where LMPool stands against each peer, per workload and setting, as a Markdown table.
 
-    python benchmarks/claims_table.py benchmarks/results/eval_h200_0.6b_kv_routing.json ...
+    python -m benchmarks.claims_table benchmarks/results/eval_h200_0.6b_kv_routing.json ...
 
 Recomputes the comparisons from each JSON's runs (so older results are read by today's rule:
 the paired differences' 95% interval), then prints one row per (file, workload key, peer):
@@ -17,10 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eval_metrics import paired_change, summarize  # noqa: E402
-from eval_policies import PEER_NAMES  # noqa: E402
+from benchmarks.stats.eval_metrics import paired_change, summarize
+from benchmarks.peers.eval_policies import PEER_NAMES
 
 METRICS = (("throughput_tok_s", "tok/s"), ("ttft_mean_ms", "mean TTFT"), ("e2e_mean_ms", "mean E2E"))
 CANDIDATES = ("lmpool-default", "lmpool")  # the first one a file ran is LMPool's row

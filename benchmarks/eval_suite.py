@@ -39,20 +39,20 @@ from pathlib import Path
 
 import uvloop
 
-import claims
-from dataset_profile import profile_trace
-from eval_driver import Arrival, replay
-from eval_metrics import run_metrics, summarize
-from eval_policies import (
+from benchmarks.stats import claims
+from benchmarks.workloads.dataset_profile import profile_trace
+from benchmarks.replay.eval_driver import Arrival, replay
+from benchmarks.stats.eval_metrics import run_metrics, summarize
+from benchmarks.peers.eval_policies import (
     GATEWAYS, LMPOOL, LMPOOL_ROUTING, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, Policy,
     select_policies,
 )
-from eval_settings import Setting, cell_key, parse_arrival, parse_sweep, settings
-from mps import mps_daemon
-from policy_order import ORDERS, policy_order, run_order
-from revision import git_record
-from trace_file import load_trace, trace_name
-from workloads import max_request_tokens
+from benchmarks.replay.eval_settings import Setting, cell_key, parse_arrival, parse_sweep, settings
+from benchmarks.device.mps import mps_daemon
+from benchmarks.stats.policy_order import ORDERS, policy_order, run_order
+from benchmarks.lib.revision import git_record
+from benchmarks.workloads.trace_file import load_trace, trace_name
+from benchmarks.workloads.traces import max_request_tokens
 
 # Runs write here unless --json names a file: the committed results change only when asked.
 SCRATCH_DIR = Path(tempfile.gettempdir()) / "lmpool-eval"
@@ -406,14 +406,14 @@ async def run_external(model: str, args: argparse.Namespace, policy: Policy, tra
     """``run_one`` for a policy that names an external router (``eval_gateway``, ``eval_dynamo``)."""
     on_done = bar.update if bar is not None else (lambda *a: None)
     if policy.runner == "smg":
-        from eval_gateway import GatewayUnavailable, run_gateway
+        from benchmarks.peers.eval_gateway import GatewayUnavailable, run_gateway
 
         try:
             return await run_gateway(model, args, trace, setting, max_model_len, replay, on_done)
         except GatewayUnavailable as e:
             raise PolicyUnavailable(str(e)) from e
     if policy.runner == "dynamo":
-        from eval_dynamo import DynamoUnavailable, events_config, run_dynamo, selection_service
+        from benchmarks.peers.eval_dynamo import DynamoUnavailable, events_config, run_dynamo, selection_service
 
         try:
             selection_service()  # before any pool is made

@@ -1,7 +1,7 @@
 """Merge evaluation JSONs that split one suite (by policy, level, workload or repetition
 range) into one file, recomputing the summary and the comparisons from the merged runs.
 
-    python benchmarks/merge_results.py -o merged.json part1.json part2.json ...
+    python -m benchmarks.merge_results -o merged.json part1.json part2.json ...
 
 Used when a suite is spread over several GPUs or several sessions: each part runs a
 subset (``--policies``, ``--levels``, ``--workloads``, ``--first-rep``, or some of a sweep's
@@ -19,11 +19,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import claims  # noqa: E402
-from eval_metrics import summarize  # noqa: E402
-from eval_suite import write_json  # noqa: E402
+from benchmarks.stats import claims
+from benchmarks.stats.eval_metrics import summarize
+from benchmarks.eval_suite import write_json
 
 # Settings that change what a run measures; the others (policies, levels, workloads,
 # repetition range, output path, progress, time limits) may differ between parts.
@@ -36,11 +35,11 @@ SETTING_FLAGS = ("num_kv_blocks", "arrival", "window", "rate")
 
 def comparisons_for(benchmark: str):
     if benchmark == "kv_routing":
-        from benchmark_kv_routing import comparisons
+        from benchmarks.benchmark_kv_routing import comparisons
     elif benchmark == "e2e":
-        from benchmark_e2e import comparisons
+        from benchmarks.benchmark_e2e import comparisons
     elif benchmark == "hot_context":
-        from benchmark_hot_context import comparisons
+        from benchmarks.benchmark_hot_context import comparisons
     else:
         raise ValueError(f"not an evaluation benchmark: {benchmark!r}")
     return comparisons

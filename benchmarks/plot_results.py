@@ -1,7 +1,7 @@
 """Draw every figure of the evaluation from its JSON files, and nothing else.
 
-    python benchmarks/plot_results.py                       # every benchmarks/results/eval_*.json
-    python benchmarks/plot_results.py path/to/run.json ...  # chosen files
+    python -m benchmarks.plot_results                       # every benchmarks/results/eval_*.json
+    python -m benchmarks.plot_results path/to/run.json ...  # chosen files
 
 For each ``kv_routing`` JSON, ``<name>.png``: headline metrics per locality level, one bar
 per policy. For each ``e2e`` or ``hot_context`` JSON, ``<name>_<workload>.png`` per workload: headline
@@ -26,9 +26,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from student_t import confidence_interval  # noqa: E402
+from benchmarks.stats.student_t import confidence_interval
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HEADLINE = (

@@ -1,6 +1,6 @@
 """Where two policies of one evaluation JSON sent the same requests, request by request.
 
-    python benchmarks/route_diff.py benchmarks/results/eval_cpu_quick_smg_kv_routing.json \
+    python -m benchmarks.route_diff benchmarks/results/eval_cpu_quick_smg_kv_routing.json \
         --a smg_cache_aware --b sglang_cache_aware
 
 Both policies replayed the same trace in each (workload, repetition), so request ``i`` is

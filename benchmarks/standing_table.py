@@ -1,7 +1,7 @@
 """The "Where LMPool stands" table of ``benchmarks/README.md``, generated from the committed H200 files.
 
-    python benchmarks/standing_table.py           # rewrites the table between its markers
-    python benchmarks/standing_table.py --check   # exits 1 if the README's table is not today's output
+    python -m benchmarks.standing_table           # rewrites the table between its markers
+    python -m benchmarks.standing_table --check   # exits 1 if the README's table is not today's output
 
 One row per (file, workload key) of every ``results/eval_h200*.json``: LMPool's row (``lmpool``,
 the default of the revision that ran it; its transfer mode beside it) against each peer the
@@ -20,10 +20,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from claims_table import setting_text  # noqa: E402
-from eval_metrics import paired_change, summarize  # noqa: E402
+from benchmarks.claims_table import setting_text
+from benchmarks.stats.eval_metrics import paired_change, summarize
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     new = spliced(readme, table(committed()))
     if args.check:
         if new != readme:
-            print(f"{README} is not the generated table: run python benchmarks/standing_table.py", file=sys.stderr)
+            print(f"{README} is not the generated table: run python -m benchmarks.standing_table", file=sys.stderr)
             return 1
         return 0
     README.write_text(new)

@@ -2,7 +2,7 @@
 --trace DIR`` run: per path, direction and block count, the medians over the measured
 repetitions of what each end's kernels did.
 
-    python benchmarks/transfer_trace.py DIR [--json breakdown.json]
+    python -m benchmarks.transfer_trace DIR [--json breakdown.json]
 
 Each end is read on its own clock (no figure compares timestamps of two processes):
 

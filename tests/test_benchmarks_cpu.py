@@ -7,25 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import types
-from pathlib import Path
 
 import httpx
 
+from benchmarks import benchmark_ipc, benchmark_serve, benchmark_stream, benchmark_throughput
 from lmpool.frontend.serve.app import create_app
 from lmpool.frontend.serve.settings import ServeSettings
 from lmpool.outputs import RequestOutput
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.append(str(ROOT / "tools" / "diagnostics"))  # profile_plan_bookkeeping
-
-import benchmark_ipc  # noqa: E402
-import benchmark_serve  # noqa: E402
-import benchmark_stream  # noqa: E402
-import benchmark_throughput  # noqa: E402
-import profile_plan_bookkeeping  # noqa: E402
+from tools.diagnostics import profile_plan_bookkeeping
 
 
 def finished_bar(stderr: str, desc: str, total: int) -> bool:

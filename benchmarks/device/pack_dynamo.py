@@ -1,4 +1,4 @@
-"""Prepare NVIDIA Dynamo's router (the ``dynamo_kv`` peer, ``benchmarks/eval_dynamo.py``) for the
+"""Prepare NVIDIA Dynamo's router (the ``dynamo_kv`` peer, ``benchmarks/peers/eval_dynamo.py``) for the
 H200 device, which reaches no registry and takes at most 64 MiB of files a call.
 
 ``ai-dynamo-runtime`` 1.6.1's wheel is 75 MB, most of it ``dynamo/_core.abi3.so`` (226 MB
@@ -10,7 +10,7 @@ Python 3.12: pydantic and pydantic-core (pinned as Dynamo caps them), annotated-
 typing-inspection, typing-extensions, and pyzmq (the pool's KV-event publisher and the relay).
 uvloop, Dynamo's other need, is in the image.
 
-    python3 benchmarks/device/pack_dynamo.py            # writes .whl-dynamo/ (git-ignored)
+    python3 -m benchmarks.device.pack_dynamo            # writes .whl-dynamo/ (git-ignored)
 
 ``benchmarks/device/setup.sh`` installs them into /tmp/site when ``.whl-dynamo/`` travels
 (``carry`` it with ``.whl``; the tree, ``.whl`` and ``.whl-dynamo`` together must stay under

@@ -27,6 +27,6 @@ build_kernels || exit 1
 name="eval_h200_${preset}_${bench}${TAG}"
 mps=--mps
 [ "${MPS:-1}" = 0 ] && mps=
-python3 "benchmarks/benchmark_${bench}.py" --device cuda --model "$model" --preset "$preset" \
+python3 -m "benchmarks.benchmark_${bench}" --device cuda --model "$model" --preset "$preset" \
   --world-size "${WORLD:-4}" --dtype bfloat16 --block-size 256 $mps --run-timeout 120 \
   --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"

@@ -22,19 +22,19 @@ for step in $steps; do
         tests/transfer/test_benchmark_kv_transfer.py tests/pool/test_transfer_gpu.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15 ;;
     transfer)
-      timeout 180 python3 benchmarks/benchmark_kv_transfer.py --kind cuda_ipc --preset 0.6b \
+      timeout 180 python3 -m benchmarks.benchmark_kv_transfer --kind cuda_ipc --preset 0.6b \
         --sizes 1,2,4,8,16,32,64,128 --reps 20 --json "$OUT/kv_transfer_h200_pull.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200_pull.log" | tail -30
-      timeout 200 python3 benchmarks/benchmark_kv_transfer.py --kind pool --preset 0.6b \
+      timeout 200 python3 -m benchmarks.benchmark_kv_transfer --kind pool --preset 0.6b \
         --sizes 1,2,4,8,16,32,64 --reps 30 --profile "$OUT/kv_transfer_h200_pull.json" \
         --json "$OUT/kv_transfer_h200_pool.json" 2>&1 | tee "$OUT/kv_transfer_h200_pool.log" | tail -20 ;;
     throughput)
       python3 -m lmpool.cli make-model /tmp/qwen3-0.6b --preset 0.6b >/dev/null
-      timeout 440 python3 benchmarks/benchmark_throughput.py --model /tmp/qwen3-0.6b --device cuda \
+      timeout 440 python3 -m benchmarks.benchmark_throughput --model /tmp/qwen3-0.6b --device cuda \
         --dtype bfloat16 --num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 \
         --max-output 1024 --compare-hf --hf-batch 256 --json "$OUT/throughput_h200_0.6b.json" 2>&1 \
         | grep -v "Loading weights" | tee "$OUT/throughput.log"
-      timeout 60 python3 benchmarks/benchmark_host_overhead.py --json "$OUT/host_overhead_h200.json" 2>&1 \
+      timeout 60 python3 -m benchmarks.benchmark_host_overhead --json "$OUT/host_overhead_h200.json" 2>&1 \
         | tee "$OUT/host_overhead.log" | tail -12 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

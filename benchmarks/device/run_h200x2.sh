@@ -32,19 +32,19 @@ for step in $steps; do
       timeout 240 python3 -m pytest -q -p no:cacheprovider tests/pool/test_transfer_gpu.py 2>&1 \
         | tee "$OUT/pool_transfer_two_gpus.log" | tail -8 ;;
     bench)
-      timeout 260 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b \
+      timeout 260 python3 -m benchmarks.benchmark_kv_transfer --kind nccl --preset 0.6b \
         --sizes "${SIZES:-1,2,4,8,10,12,16,32,64}" --reps "${REPS:-20}" --pack-variants "${BENCH_VARIANTS:-auto:132,auto/1}" --json "$OUT/kv_transfer_h200x2_nccl.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl.log" | tail -40 ;;
     variants)
-      timeout 300 python3 benchmarks/benchmark_kv_transfer.py --kind nccl --preset 0.6b --sizes 1,4,16,64 \
+      timeout 300 python3 -m benchmarks.benchmark_kv_transfer --kind nccl --preset 0.6b --sizes 1,4,16,64 \
         --reps 15 --pack-variants "${VARIANTS:-auto:0,taper,t3,t5,4}" \
         --json "$OUT/kv_transfer_h200x2_nccl_variants.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_nccl_variants.log" | tail -60 ;;
     profile)
-      timeout 120 python3 tools/diagnostics/profile_pull.py --preset 0.6b --sizes 1,8,64,128 \
+      timeout 120 python3 -m tools.diagnostics.profile_pull --preset 0.6b --sizes 1,8,64,128 \
         --json "$OUT/pull_profile_h200.json" 2>&1 | tee "$OUT/pull_profile_h200.log" | tail -8 ;;
     pool)
-      timeout 150 python3 benchmarks/benchmark_kv_transfer.py --kind pool --preset 0.6b --sizes 1,2,4,8,16,32,64 \
+      timeout 150 python3 -m benchmarks.benchmark_kv_transfer --kind pool --preset 0.6b --sizes 1,2,4,8,16,32,64 \
         --reps 30 --profile "$OUT/kv_transfer_h200x2_nccl.json" --json "$OUT/kv_transfer_h200x2_pool.json" 2>&1 \
         | tee "$OUT/kv_transfer_h200x2_pool.log" | tail -12 ;;
     gpu)

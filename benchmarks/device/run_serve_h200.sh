@@ -31,5 +31,5 @@ while time.monotonic() < deadline:
     time.sleep(1)
 sys.exit("the server never became healthy")
 PY
-timeout 240 python3 benchmarks/benchmark_serve.py --url "http://127.0.0.1:$PORT" --concurrency 1,16,64,256 \
+timeout 240 python3 -m benchmarks.benchmark_serve --url "http://127.0.0.1:$PORT" --concurrency 1,16,64,256 \
   --prompt-len 512 --max-tokens 128 --json "$OUT/serve_h200_4x.json" 2>&1 | tee "$OUT/serve_bench.log"

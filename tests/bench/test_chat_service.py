@@ -1,4 +1,4 @@
-"""The ``chat`` workload (``benchmarks/chat_service.py``): tenants' prompts share only their own
+"""The ``chat`` workload (``benchmarks/workloads/chat_service.py``): tenants' prompts share only their own
 system prompt, the most popular tenant leads by Zipf, a fifth of the prompts are unique, and
 the seed changes token ids and the order only."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import collections
 
-from chat_service import chat_service
-from dataset_profile import profile_trace
+from benchmarks.workloads.chat_service import chat_service
+from benchmarks.workloads.dataset_profile import profile_trace
 
 VOCAB = 151936
 

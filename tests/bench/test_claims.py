@@ -1,11 +1,11 @@
-"""``benchmarks/claims.py`` and the policy order: every claim is listed once with its setting
+"""``benchmarks/stats/claims.py`` and the policy order: every claim is listed once with its setting
 and counted; a fixed order is only what was asked for."""
 
 from __future__ import annotations
 
-import claims
-from eval_metrics import paired_change, summarize
-from policy_order import balanced_repetitions, policy_order, run_order
+from benchmarks.stats import claims
+from benchmarks.stats.eval_metrics import paired_change, summarize
+from benchmarks.stats.policy_order import balanced_repetitions, policy_order, run_order
 
 
 def fake_run(workload: str, policy: str, rep: int, tput: float) -> dict:
@@ -56,7 +56,7 @@ def test_the_claims_table_reads_old_results_by_todays_rule():
     window from its config, "order not recorded", and a verdict from the paired interval."""
     from pathlib import Path
 
-    import claims_table
+    from benchmarks import claims_table
 
     path = Path(claims_table.__file__).resolve().parent / "results" / "eval_h200_0.6b_kv_routing.json"
     lines = claims_table.main([str(path)])

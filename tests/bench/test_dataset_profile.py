@@ -1,12 +1,12 @@
-"""``benchmarks/workloads.py`` and ``dataset_profile.py``: the paper's sharing figures at
+"""``benchmarks/workloads/traces.py`` and ``dataset_profile.py``: the paper's sharing figures at
 full scale and 256-token blocks (acceptance a), the same for every seed, and a profile
 that counts blocks exactly as the engine's prefix cache hashes them."""
 
 from __future__ import annotations
 
 import pytest
-import workloads
-from dataset_profile import profile_prompts, profile_trace
+from benchmarks.workloads import traces as workloads
+from benchmarks.workloads.dataset_profile import profile_prompts, profile_trace
 
 VOCAB = 151936  # Qwen3's
 

@@ -1,4 +1,4 @@
-"""The ``dynamo_kv`` peer (``benchmarks/eval_dynamo.py``): NVIDIA Dynamo's own KV router
+"""The ``dynamo_kv`` peer (``benchmarks/peers/eval_dynamo.py``): NVIDIA Dynamo's own KV router
 (``ai-dynamo-runtime``'s ``SelectionService``) in front of a two-replica CPU pool, reading the
 pool's KV events.
 
@@ -28,17 +28,17 @@ import os
 import signal
 import sys
 
-import eval_dynamo
+from benchmarks.peers import eval_dynamo
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from eval_driver import Arrival, replay
-from eval_policies import DYNAMO
-from eval_settings import Setting
-from dynamo_client import DynamoRoutedPool
-from kv_event_relay import END_SEQ, RankRelay
-from workloads import Tokens, Trace, TraceRequest
+from benchmarks.replay.eval_driver import Arrival, replay
+from benchmarks.peers.eval_policies import DYNAMO
+from benchmarks.replay.eval_settings import Setting
+from benchmarks.peers.dynamo_client import DynamoRoutedPool
+from benchmarks.peers.kv_event_relay import END_SEQ, RankRelay
+from benchmarks.workloads.traces import Tokens, Trace, TraceRequest
 
 from lmpool.control.kv_events.publisher import KVEventPublisher
 from lmpool.protocol.vllm_kv_events import event_types
@@ -97,7 +97,7 @@ async def wait_for_index(service, prompt: list[int], rank: int, blocks: int) -> 
 
 def new_pool(model: str, args, setting, events=None):
     """An unstarted pool publishing its KV events as ``events`` says (new loopback ports if None)."""
-    import eval_suite
+    from benchmarks import eval_suite
 
     return eval_suite.new_pool(model, args, eval_suite.DYNAMO_POOL, setting, 128,
                                kv_events=events or eval_dynamo.events_config())
@@ -277,7 +277,7 @@ def test_a_booking_moves_at_the_first_token_and_is_freed_however_the_stream_ends
 def test_an_absent_dynamo_package_makes_the_policy_unavailable(monkeypatch):
     """No substitute rule runs under Dynamo's name: the run and the policy are ``unavailable``,
     with the reason, and the policy's record says why too."""
-    import eval_suite
+    from benchmarks import eval_suite
 
     monkeypatch.setitem(sys.modules, "dynamo.llm", None)  # import dynamo.llm now fails
     setting = Setting(kv_blocks=8, arrival=Arrival())

@@ -1,4 +1,4 @@
-"""``benchmarks/eval_driver.py`` against a stand-in pool: trace order, the window cap, phase
+"""``benchmarks/replay/eval_driver.py`` against a stand-in pool: trace order, the window cap, phase
 barriers, Poisson arrivals and the per-request records; and ``eval_suite`` marking a policy
 the pool constructor refuses as unavailable without starting anything."""
 
@@ -8,8 +8,8 @@ import asyncio
 import json
 
 import pytest
-import workloads
-from eval_driver import Arrival, replay
+from benchmarks.workloads import traces as workloads
+from benchmarks.replay.eval_driver import Arrival, replay
 
 
 class Out:
@@ -92,8 +92,8 @@ def test_a_request_that_does_not_finish_by_length_fails_the_run():
 
 
 def test_a_policy_the_pool_refuses_is_unavailable(tiny_model, tmp_path, monkeypatch):
-    import eval_suite
-    from benchmark_e2e import comparisons
+    from benchmarks import eval_suite
+    from benchmarks.benchmark_e2e import comparisons
 
     ap = eval_suite.argparse.ArgumentParser()
     eval_suite.add_arguments(ap)
@@ -113,8 +113,8 @@ def test_a_policy_the_pool_refuses_is_unavailable(tiny_model, tmp_path, monkeypa
 def test_a_transfer_profile_reaches_the_transfer_modes_only(tiny_model, tmp_path, monkeypatch):
     """``--transfer-profile`` is handed to the pools of the transfer modes: an unusable one
     makes exactly those policies unavailable, naming the profile, and is kept in the config."""
-    import eval_suite
-    from benchmark_e2e import comparisons
+    from benchmarks import eval_suite
+    from benchmarks.benchmark_e2e import comparisons
 
     ap = eval_suite.argparse.ArgumentParser()
     eval_suite.add_arguments(ap)

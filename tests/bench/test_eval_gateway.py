@@ -1,4 +1,4 @@
-"""The ``smg_cache_aware`` peer (``benchmarks/eval_gateway.py``): two single-replica
+"""The ``smg_cache_aware`` peer (``benchmarks/peers/eval_gateway.py``): two single-replica
 ``lmpool serve`` hosts behind the real smg gateway, driven by the evaluation's replay.
 
 On a tiny trace replayed one request at a time (so smg's in-flight counts are all zero and
@@ -18,12 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-import eval_gateway
+from benchmarks.peers import eval_gateway
 import pytest
-from eval_driver import Arrival, replay
-from eval_policies import SMG
-from eval_settings import Setting
-from workloads import Tokens, Trace, TraceRequest
+from benchmarks.replay.eval_driver import Arrival, replay
+from benchmarks.peers.eval_policies import SMG
+from benchmarks.replay.eval_settings import Setting
+from benchmarks.workloads.traces import Tokens, Trace, TraceRequest
 
 from lmpool_ipc.lifecycle import pid_alive
 
@@ -87,7 +87,7 @@ def test_smg_peer_routes_followers_to_their_prefix(tiny_model, no_leaks):
 
 
 def test_a_gateway_that_cannot_run_is_unavailable(monkeypatch, tmp_path):
-    import eval_suite
+    from benchmarks import eval_suite
 
     monkeypatch.setattr(eval_gateway, "smg_path", lambda: str(tmp_path / "no-smg"))
     setting = Setting(kv_blocks=8, arrival=Arrival())
@@ -98,10 +98,10 @@ def test_a_gateway_that_cannot_run_is_unavailable(monkeypatch, tmp_path):
 
 
 def test_every_runner_takes_the_gateway_by_name_and_all_leaves_it_out():
-    import benchmark_e2e
-    import benchmark_hot_context
-    import benchmark_kv_routing
-    from eval_suite import chosen_policies
+    from benchmarks import benchmark_e2e
+    from benchmarks import benchmark_hot_context
+    from benchmarks import benchmark_kv_routing
+    from benchmarks.eval_suite import chosen_policies
 
     for runner in (benchmark_e2e, benchmark_kv_routing, benchmark_hot_context):
         named = chosen_policies(argparse.Namespace(quick=False, policies="smg_cache_aware,lmpool"), runner.POLICIES, "")
@@ -125,13 +125,12 @@ def test_a_suite_killed_outright_leaves_no_host_or_gateway_behind(tmp_path):
     suite = subprocess.Popen([sys.executable, "-c", f"""
 import sys, time
 from pathlib import Path
-sys.path.insert(0, {str(Path(eval_gateway.__file__).parent)!r})
-import eval_gateway
+from benchmarks.peers import eval_gateway
 child = eval_gateway.Processes(Path({str(tmp_path)!r}))._spawn(
     [sys.executable, "-c", "import time; time.sleep(600)"], "host")
 print(child.pid, flush=True)
 time.sleep(600)
-"""], stdout=subprocess.PIPE, text=True)
+"""], stdout=subprocess.PIPE, text=True, cwd=Path(eval_gateway.__file__).resolve().parents[2])
     host = int(suite.stdout.readline())
     assert not ended(host)
     suite.kill()

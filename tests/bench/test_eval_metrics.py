@@ -1,12 +1,12 @@
-"""``benchmarks/eval_metrics.py``: per-run metrics by their definitions, absent transfer
+"""``benchmarks/stats/eval_metrics.py``: per-run metrics by their definitions, absent transfer
 counters stay absent, and aggregation / comparison across repetitions, whose claims rest on
 the paired differences' interval."""
 
 from __future__ import annotations
 
 import pytest
-from eval_metrics import RECORD_FIELDS, claim, paired_change, run_metrics, summarize
-from student_t import confidence_interval
+from benchmarks.stats.eval_metrics import RECORD_FIELDS, claim, paired_change, run_metrics, summarize
+from benchmarks.stats.student_t import confidence_interval
 
 
 def columns(rows: list[dict]) -> dict[str, list]:

@@ -1,4 +1,4 @@
-"""``benchmarks/eval_settings.py`` and the runners' flags: sweeps parse into every
+"""``benchmarks/replay/eval_settings.py`` and the runners' flags: sweeps parse into every
 combination of their axes, bad ones are refused, and every setting has a label and a
 record that name its budget, window, arrival process and order."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from eval_driver import Arrival
-from eval_settings import cell_key, parse_arrival, parse_sweep, settings, trace_of
+from benchmarks.replay.eval_driver import Arrival
+from benchmarks.replay.eval_settings import cell_key, parse_arrival, parse_sweep, settings, trace_of
 
 
 def test_a_sweep_is_the_product_of_its_axes_with_plain_flags_for_the_rest():
@@ -44,7 +44,7 @@ def test_keys_carry_the_setting_only_in_a_sweep():
 
 
 def parsed(*flags: str) -> argparse.Namespace:
-    import eval_suite
+    from benchmarks import eval_suite
 
     ap = argparse.ArgumentParser()
     eval_suite.add_arguments(ap)

@@ -1,12 +1,12 @@
-"""The ``hot_context`` family (``benchmarks/hot_context.py``): lengths, sharing, phases, the
+"""The ``hot_context`` family (``benchmarks/workloads/hot_context.py``): lengths, sharing, phases, the
 owners' pinned reads, and an oracle that differs from its real trace only in placing every
 context on every rank before the same burst."""
 
 from __future__ import annotations
 
 import pytest
-from dataset_profile import profile_trace
-from hot_context import hot_context, oracle_of, owners, workload_name
+from benchmarks.workloads.dataset_profile import profile_trace
+from benchmarks.workloads.hot_context import hot_context, oracle_of, owners, workload_name
 
 VOCAB = 151936
 

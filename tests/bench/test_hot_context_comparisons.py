@@ -5,8 +5,8 @@ paired verdicts behind "ahead of every routing-only policy"."""
 from __future__ import annotations
 
 import pytest
-from benchmark_hot_context import comparisons, oracle_key
-from eval_metrics import summarize
+from benchmarks.benchmark_hot_context import comparisons, oracle_key
+from benchmarks.stats.eval_metrics import summarize
 
 
 def run(key: str, policy: str, rep: int, tput: float, ttft: float, e2e: float) -> dict:

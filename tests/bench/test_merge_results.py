@@ -4,7 +4,7 @@ have written; parts that measured different things are refused."""
 from __future__ import annotations
 
 import pytest
-from merge_results import merge
+from benchmarks.merge_results import merge
 
 
 def part(policy: str, reps: list[int], tput: float, status: str = "ok", **config) -> dict:

@@ -1,4 +1,4 @@
-"""The MPS daemon's start and bounded stop (``benchmarks/mps.py``), against a stand-in control binary.
+"""The MPS daemon's start and bounded stop (``benchmarks/device/mps.py``), against a stand-in control binary.
 
 The stand-in ``nvidia-cuda-mps-control`` behaves like the real one where the shutdown
 depends on it: ``-d`` leaves a daemon and a server process behind and writes the pid
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-import mps
-from mps import mps_daemon
+from benchmarks.device import mps
+from benchmarks.device.mps import mps_daemon
 
 FAKE = r'''#!{python}
 import os, signal, subprocess, sys, time
@@ -235,7 +235,7 @@ def test_bad_arguments():
 
 def test_the_suite_records_the_shutdown(fake, tmp_path, monkeypatch):
     """``eval_suite`` stores the yielded dict before the block ends; the record lands in it."""
-    import eval_suite
+    from benchmarks import eval_suite
 
     monkeypatch.setenv("FAKE_MPS", "hang")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import plot_results
+from benchmarks import plot_results
 
 RESULTS = Path(plot_results.__file__).resolve().parent / "results"
 

@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import benchmark_kv_routing  # noqa: E402
-from eval_suite import LMPOOL, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy  # noqa: E402
+from benchmarks import benchmark_kv_routing
+from benchmarks.eval_suite import LMPOOL, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy
 
 
 def test_a_variant_passes_its_routing_config_and_a_plain_policy_passes_none():
@@ -43,8 +40,8 @@ def test_lmpool_variants_are_not_peers_in_the_acceptance(monkeypatch):
 def test_the_idle_transfers_control_sets_transfers_up_and_never_counts_as_a_transfer_mode(monkeypatch):
     """``lmpool+idle`` starts its pool with transfers enabled and no mode; a win of it over
     routing only would be the set-up's, so the e2e acceptance leaves it out."""
-    import benchmark_e2e
-    from eval_suite import TRANSFERS_IDLE
+    from benchmarks import benchmark_e2e
+    from benchmarks.eval_suite import TRANSFERS_IDLE
 
     assert TRANSFERS_IDLE.pool_kwargs() == {"routing": "lmpool", "transfer_mode": "none", "enable_transfers": True}
     monkeypatch.setattr(benchmark_e2e, "paired_change", lambda *a: change("ahead"))
@@ -55,7 +52,7 @@ def test_the_idle_transfers_control_sets_transfers_up_and_never_counts_as_a_tran
 
 
 def test_every_policy_takes_every_position_once_over_as_many_repetitions():
-    from eval_suite import run_order
+    from benchmarks.eval_suite import run_order
 
     policies = [Policy(n, "lmpool") for n in ("a", "b", "c", "d")]
     orders = [[p.name for p in run_order(policies, rep)] for rep in range(8, 12)]
@@ -69,7 +66,7 @@ def test_every_policy_takes_every_position_once_over_as_many_repetitions():
 def test_every_policy_follows_every_other_equally_often(n):
     """Over a block of n repetitions (even n) or two (odd n), each ordered pair of policies
     runs back to back equally often, and each block puts every policy in every position."""
-    from eval_suite import run_order
+    from benchmarks.eval_suite import run_order
 
     policies = [Policy(str(i), "lmpool") for i in range(n)]
     blocks = 1 if n % 2 == 0 else 2
@@ -89,7 +86,7 @@ def test_peer_variants_pin_the_older_rules_and_are_refused_by_a_build_without_th
     unavailable) rather than running today's rule under the old name."""
     import dataclasses
 
-    from eval_policies import PEER_VARIANTS
+    from benchmarks.peers.eval_policies import PEER_VARIANTS
 
     from lmpool.config import RoutingConfig
 
@@ -108,7 +105,7 @@ def test_peer_variants_pin_the_older_rules_and_are_refused_by_a_build_without_th
 
 
 def test_the_default_mode_passes_no_transfer_mode_and_records_which_it_ran():
-    from eval_policies import PEERS, default_transfer_mode
+    from benchmarks.peers.eval_policies import PEERS, default_transfer_mode
 
     assert LMPOOL.pool_kwargs() == {"routing": "lmpool"}
     assert LMPOOL.record()["transfer_mode"] == f"default ({default_transfer_mode()})"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from route_diff import compare
+from benchmarks.route_diff import compare
 
 
 def columns(ranks, cached, pinned=None):

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmarks"
 
 
 @pytest.fixture(autouse=True)
@@ -20,9 +19,9 @@ def _no_leaks(no_leaks):
     yield
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--no-progress", *args],
-                          capture_output=True, text=True, timeout=600)
+def run(runner: str, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{runner}", "--quick", "--no-progress", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -70,15 +69,15 @@ def check_common(data: dict, workloads: set[str], policies: set[str]) -> None:
 
 
 def plots(path: Path) -> list[str]:
-    done = subprocess.run([sys.executable, str(BENCH / "plot_results.py"), str(path)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.plot_results", str(path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return [line.removeprefix("saved figure: ") for line in done.stdout.splitlines()]
 
 
 def test_routing_runner_quick_mode(tiny_model, tmp_path):
     out = tmp_path / "eval_routing.json"
-    run("benchmark_kv_routing.py", "--model", tiny_model, "--json", str(out))
+    run("benchmark_kv_routing", "--model", tiny_model, "--json", str(out))
     data = json.loads(out.read_text())
     assert data["benchmark"] == "kv_routing"
     check_common(data, {"locality_1x", "locality_3x", "locality_5x"}, {"lmpool", "round_robin", "least_loaded"})
@@ -98,7 +97,7 @@ def test_routing_runner_quick_mode(tiny_model, tmp_path):
 
 def test_e2e_runner_quick_mode(tiny_model, tmp_path):
     out = tmp_path / "eval_e2e.json"
-    run("benchmark_e2e.py", "--model", tiny_model, "--json", str(out))
+    run("benchmark_e2e", "--model", tiny_model, "--json", str(out))
     data = json.loads(out.read_text())
     assert data["benchmark"] == "e2e"
     check_common(data, {"load_skew", "memory_skew"},
@@ -126,7 +125,7 @@ TRACE = "\n".join([
 ]) + "\n"
 
 
-@pytest.mark.parametrize("runner", ["benchmark_e2e.py", "benchmark_kv_routing.py"])
+@pytest.mark.parametrize("runner", ["benchmark_e2e", "benchmark_kv_routing"])
 def test_a_trace_file_runs_alone_as_its_own_workload(tiny_model, tmp_path, runner):
     trace = tmp_path / "faq.jsonl"
     trace.write_text(TRACE)
@@ -143,14 +142,14 @@ def test_a_trace_file_runs_alone_as_its_own_workload(tiny_model, tmp_path, runne
         assert record["requests"]["pinned_rank"] == [None, 1, None, None]
     lmpool = next(r for r in data["runs"] if r["policy"] == "lmpool")
     assert lmpool["metrics"]["phases"]["revisit"]["dp_tok_reuse"] > 0  # the revisits found their prefixes
-    assert plots(out) == [str(tmp_path / ("eval_trace_trace_faq.png" if runner == "benchmark_e2e.py"
+    assert plots(out) == [str(tmp_path / ("eval_trace_trace_faq.png" if runner == "benchmark_e2e"
                                            else "eval_trace.png"))]
 
 
 def check_order_and_settings(data: dict) -> None:
     """Every repetition's order is recorded and is the Williams row; every run says its
     setting and its place in that order; every claim is counted."""
-    from eval_suite import run_order
+    from benchmarks.eval_suite import run_order
 
     names = list(data["policies"])
     assert data["metadata"]["config"]["order"] == "williams"
@@ -165,7 +164,7 @@ def check_order_and_settings(data: dict) -> None:
 
 def test_hot_context_runner_quick_mode_with_its_oracle(tiny_model, tmp_path):
     out = tmp_path / "eval_hot.json"
-    run("benchmark_hot_context.py", "--model", tiny_model, "--json", str(out), "--contexts", "4096", "--hot", "2",
+    run("benchmark_hot_context", "--model", tiny_model, "--json", str(out), "--contexts", "4096", "--hot", "2",
         "--questions", "16")
     data = json.loads(out.read_text())
     assert data["benchmark"] == "hot_context"
@@ -189,11 +188,11 @@ def test_hot_context_runner_quick_mode_with_its_oracle(tiny_model, tmp_path):
 def test_the_oracle_runs_apart_with_fewer_policies_and_merges_with_the_real_trace(tiny_model, tmp_path):
     real, oracle, merged = (tmp_path / f"{name}.json" for name in ("real", "oracle", "merged"))
     common = ("--model", tiny_model, "--contexts", "4096", "--hot", "2", "--questions", "4", "--reps", "1")
-    run("benchmark_hot_context.py", *common, "--json", str(real), "--no-oracle", "--policies", "round_robin,lmpool")
-    run("benchmark_hot_context.py", *common, "--json", str(oracle), "--oracle-only", "--policies", "lmpool")
+    run("benchmark_hot_context", *common, "--json", str(real), "--no-oracle", "--policies", "round_robin,lmpool")
+    run("benchmark_hot_context", *common, "--json", str(oracle), "--oracle-only", "--policies", "lmpool")
     assert set(json.loads(oracle.read_text())["summary"]) == {"hot_context_4k_2c_oracle"}
-    subprocess.run([sys.executable, str(BENCH / "merge_results.py"), "-o", str(merged), str(real), str(oracle)],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "benchmarks.merge_results", "-o", str(merged), str(real), str(oracle)],
+                   check=True, capture_output=True, cwd=ROOT, timeout=120)
     capture = json.loads(merged.read_text())["comparisons"]["acceptance"]["hot_context_4k_2c"]["capture"]
     assert capture["burst/throughput_tok_s"]["oracle_best"] == "lmpool"  # the oracle's one policy
     assert set(capture["burst/throughput_tok_s"]["captured"]) == {"lmpool"}
@@ -201,7 +200,7 @@ def test_the_oracle_runs_apart_with_fewer_policies_and_merges_with_the_real_trac
 
 def test_sessions_run_under_a_kv_budget_sweep(tiny_model, tmp_path):
     out = tmp_path / "eval_sessions.json"
-    run("benchmark_e2e.py", "--model", tiny_model, "--json", str(out), "--workloads", "sessions",
+    run("benchmark_e2e", "--model", tiny_model, "--json", str(out), "--workloads", "sessions",
         "--policies", "lmpool", "--sweep", "kv_budget=48,192")
     data = json.loads(out.read_text())
     keys = {"sessions@kv48_w16", "sessions@kv192_w16"}
@@ -217,7 +216,7 @@ def test_sessions_run_under_a_kv_budget_sweep(tiny_model, tmp_path):
 
 def test_agent_sessions_and_chat_run_and_lmpool_s_routes_predict_their_ttft(tiny_model, tmp_path):
     out = tmp_path / "eval_chat.json"
-    run("benchmark_e2e.py", "--model", tiny_model, "--json", str(out), "--workloads", "agent_sessions,chat",
+    run("benchmark_e2e", "--model", tiny_model, "--json", str(out), "--workloads", "agent_sessions,chat",
         "--policies", "lmpool,sglang_cache_aware")
     data = json.loads(out.read_text())
     check_common(data, {"agent_sessions", "chat"}, {"lmpool", "sglang_cache_aware"})

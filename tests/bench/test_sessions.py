@@ -1,11 +1,11 @@
-"""The ``sessions`` and ``agent_sessions`` workloads (``benchmarks/sessions.py``): every turn extends the session's
+"""The ``sessions`` and ``agent_sessions`` workloads (``benchmarks/workloads/sessions.py``): every turn extends the session's
 previous prompt by its reply and a new user turn, turns are phases, sessions share only the
 system prompt, and the histories outgrow the e2e suite's KV budget."""
 
 from __future__ import annotations
 
-from dataset_profile import profile_trace
-from sessions import agent_sessions, sessions
+from benchmarks.workloads.dataset_profile import profile_trace
+from benchmarks.workloads.sessions import agent_sessions, sessions
 
 VOCAB = 151936
 

@@ -4,11 +4,11 @@ and Dynamo's column is the real router's only where the runs carry its record.""
 from __future__ import annotations
 
 import pytest
-import standing_table
+from benchmarks import standing_table
 
 
 def test_the_readme_table_is_generated_from_the_committed_files():
-    assert standing_table.main(["--check"]) == 0, "run python benchmarks/standing_table.py"
+    assert standing_table.main(["--check"]) == 0, "run python -m benchmarks.standing_table"
 
 
 def test_dynamo_is_the_real_router_only_where_its_runs_carry_its_record():

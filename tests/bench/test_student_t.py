@@ -1,35 +1,70 @@
-"""``benchmarks/student_t.py``: the t quantile against printed tables, the incomplete beta
-against closed forms, and the interval arithmetic."""
+"""``benchmarks/stats/student_t.py``: the t quantile (scipy's, and the bisection a machine
+without scipy falls back to) against printed tables and against each other, the incomplete
+beta against closed forms, and the interval arithmetic."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from student_t import betainc, confidence_interval, percentile, sample_std, t_cdf, t_quantile
+
+from benchmarks.stats import student_t
+from benchmarks.stats.student_t import (betainc, bisect_t_quantile, confidence_interval, percentile, sample_std,
+                                        t_cdf, t_quantile)
 
 # Two-sided 95% critical values t_{0.975, df}, as printed in statistics tables.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 9: 2.262, 10: 2.228,
         20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
+QUANTILES = [t_quantile, bisect_t_quantile]
 
 
+@pytest.fixture
+def without_scipy(monkeypatch):
+    """t_quantile as it runs where scipy cannot be imported."""
+    monkeypatch.setattr(student_t, "_scipy_t", lambda: None)
+
+
+@pytest.mark.parametrize("quantile", QUANTILES)
 @pytest.mark.parametrize("df,expected", sorted(T975.items()))
-def test_t_975_matches_the_table(df, expected):
-    assert t_quantile(0.975, df) == pytest.approx(expected, abs=5e-4)
+def test_t_975_matches_the_table(quantile, df, expected):
+    assert quantile(0.975, df) == pytest.approx(expected, abs=5e-4)
 
 
-def test_other_quantiles_match_the_table():
-    assert t_quantile(0.95, 4) == pytest.approx(2.132, abs=5e-4)
-    assert t_quantile(0.995, 10) == pytest.approx(3.169, abs=5e-4)
-    assert t_quantile(0.9, 1) == pytest.approx(3.078, abs=5e-4)
-    assert t_quantile(0.975, 1e7) == pytest.approx(1.95996, abs=1e-4)  # the normal limit
+@pytest.mark.parametrize("quantile", QUANTILES)
+def test_other_quantiles_match_the_table(quantile):
+    assert quantile(0.95, 4) == pytest.approx(2.132, abs=5e-4)
+    assert quantile(0.995, 10) == pytest.approx(3.169, abs=5e-4)
+    assert quantile(0.9, 1) == pytest.approx(3.078, abs=5e-4)
+    assert quantile(0.975, 1e7) == pytest.approx(1.95996, abs=1e-4)  # the normal limit
+
+
+def test_the_quantile_is_scipys():
+    stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2.5, 4, 17, 1000):
+        for p in (0.01, 0.3, 0.5, 0.8, 0.975, 0.999):
+            assert t_quantile(p, df) == float(stats.t.ppf(p, df))
+
+
+def test_scipy_and_the_fallback_agree_to_far_below_printed_precision():
+    """Every interval the suite prints takes t at 0.975 with n - 1 degrees of freedom; results
+    computed before scipy (or on a machine without it) give the same figures."""
+    pytest.importorskip("scipy.stats")
+    for df in [*range(1, 121), 1e3, 1e6]:
+        for p in (0.9, 0.95, 0.975, 0.995, 0.3, 0.01):
+            assert bisect_t_quantile(p, df) == pytest.approx(t_quantile(p, df), rel=1e-8, abs=1e-12)
+
+
+def test_without_scipy_the_quantile_is_the_bisection(without_scipy):
+    for df in (1, 4, 30):
+        assert t_quantile(0.975, df) == bisect_t_quantile(0.975, df)
 
 
 def test_quantile_inverts_the_cdf_and_is_antisymmetric():
-    for df in (1, 2.5, 4, 17):
-        for p in (0.01, 0.3, 0.5, 0.8, 0.999):
-            assert t_cdf(t_quantile(p, df), df) == pytest.approx(p, abs=1e-9)
-            assert t_quantile(1 - p, df) == pytest.approx(-t_quantile(p, df), abs=1e-9)
+    for quantile in QUANTILES:
+        for df in (1, 2.5, 4, 17):
+            for p in (0.01, 0.3, 0.5, 0.8, 0.999):
+                assert t_cdf(quantile(p, df), df) == pytest.approx(p, abs=1e-9)
+                assert quantile(1 - p, df) == pytest.approx(-quantile(p, df), abs=1e-9)
 
 
 def test_cdf_of_one_degree_of_freedom_is_the_cauchy_cdf():
@@ -52,6 +87,10 @@ def test_bad_arguments_are_refused():
         betainc(1, 1, 1.5)
     with pytest.raises(ValueError, match="p must be in"):
         t_quantile(1.0, 3)
+    with pytest.raises(ValueError, match="p must be in"):
+        bisect_t_quantile(0.0, 3)
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        t_quantile(0.975, 0)
     with pytest.raises(ValueError, match="degrees of freedom"):
         t_cdf(1.0, 0)
     with pytest.raises(ValueError, match="at least two"):

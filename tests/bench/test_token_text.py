@@ -1,11 +1,11 @@
-"""``benchmarks/token_text.py``: the codec checkpoint's tokenizer turns the text of any token
+"""``benchmarks/peers/token_text.py``: the codec checkpoint's tokenizer turns the text of any token
 ids back into exactly those ids, and a shared prefix of ids is a shared prefix of text."""
 
 from __future__ import annotations
 
 import random
 
-from token_text import char_of, codec_checkpoint, text_of
+from benchmarks.peers.token_text import char_of, codec_checkpoint, text_of
 
 from lmpool.model.config import ModelConfig
 from lmpool.tokenizer import encode_prompt, load_tokenizer

@@ -1,4 +1,4 @@
-"""A trace file (``benchmarks/trace_file.py``): requests in phases of first appearance, text
+"""A trace file (``benchmarks/workloads/trace_file.py``): requests in phases of first appearance, text
 encoded, defaults filled; every malformed line refused naming the file and line."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trace_file import load_trace, trace_name
+from benchmarks.workloads.trace_file import load_trace, trace_name
 
 VOCAB, WORLD = 100, 2
 
@@ -69,7 +69,7 @@ def test_text_needs_a_tokenizer_and_a_file_needs_a_request(tmp_path):
 
 
 def test_a_bad_trace_file_stops_the_runner_before_any_pool_starts(tiny_model, tmp_path):
-    import benchmark_e2e
+    from benchmarks import benchmark_e2e
 
     from lmpool.model.config import ModelConfig
 

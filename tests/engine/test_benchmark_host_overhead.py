@@ -5,12 +5,9 @@ chose the same tokens)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import benchmark_host_overhead  # noqa: E402
+from benchmarks import benchmark_host_overhead
 
 
 def test_host_overhead_benchmark_writes_json(tmp_path):

@@ -79,7 +79,7 @@ def test_duplicate_request_id_refused_and_unknown_abort_is_noop(tiny_model):
 
 def test_thousand_concurrent_streams_all_finish(tiny_model):
     """Every stream ends with its full output while a 10 ms timer keeps ticking in the loop
-    (its lag is printed; the latency goal lives in benchmarks/benchmark_async_pool.py)."""
+    (its lag is printed; the latency goal lives in benchmarks/test_bench_pool.py)."""
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:

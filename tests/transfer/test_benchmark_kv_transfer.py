@@ -14,22 +14,21 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import benchmark_kv_transfer as bench
+from benchmarks.transfer import kv_transfer_pool
 from lmpool.control.transfers.cost_model import TransferCostModel
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "benchmark_kv_transfer.py"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import benchmark_kv_transfer as bench  # noqa: E402
-import kv_transfer_pool  # noqa: E402
+# Run as a module from the repository root, as a user runs it.
+RUN = [sys.executable, "-m", "benchmarks.benchmark_kv_transfer"]
 
 
 def test_profile_is_written_checked_and_readable_by_the_cost_model(tmp_path):
     out = tmp_path / "profile.json"
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--kind", "gloo",
+        [*RUN, "--kind", "gloo",
          "--block-size", "16", "--sizes", "1,4", "--reps", "3", "--warmup", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert run.returncode == 0, run.stderr
     profile = json.loads(out.read_text())
@@ -68,9 +67,9 @@ def test_the_packed_paths_halves_move_the_same_bytes(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
     pinned = f"{cpus[0]}/{cpus[-1]}"
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--kind", "gloo", "--split", "--block-size", "16", "--sizes", "3",
+        [*RUN, "--kind", "gloo", "--split", "--block-size", "16", "--sizes", "3",
          "--reps", "2", "--warmup", "1", "--pack-variants", "auto~keep", "--cpus", pinned, "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
@@ -78,8 +77,8 @@ def test_the_packed_paths_halves_move_the_same_bytes(tmp_path):
     paths = result["paths"]
     assert set(paths) == {"pack", "pack@auto~keep", "raw", "only-pack", "only-unpack"}
     assert all(paths[p][pair]["3"]["bytes_equal"] for p in paths for pair in ("0->1", "1->0"))
-    refused = subprocess.run([sys.executable, str(SCRIPT), "--kind", "pool", "--split"], capture_output=True,
-                             text=True, timeout=60)
+    refused = subprocess.run([*RUN, "--kind", "pool", "--split"], capture_output=True,
+                             text=True, cwd=ROOT, timeout=60)
     assert refused.returncode == 2 and "--kind pool has none" in refused.stderr
 
 
@@ -190,15 +189,15 @@ def test_gpu_modes_refuse_a_machine_without_the_gpus(kind):
 
     if torch.cuda.device_count() >= (2 if kind == "nccl" else 1):
         pytest.skip("this machine has the GPUs")
-    run = subprocess.run([sys.executable, str(SCRIPT), "--kind", kind], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([*RUN, "--kind", kind], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert run.returncode == 2 and "needs" in run.stderr, run.stderr
 
 
 def test_pool_mode_on_cpu_replicas_times_byte_equal_moves(tmp_path):
     out = tmp_path / "pool.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--kind", "pool", "--device", "cpu", "--preset", "tiny",
+    run = subprocess.run([*RUN, "--kind", "pool", "--device", "cpu", "--preset", "tiny",
                           "--block-size", "16", "--sizes", "1,2", "--reps", "3", "--warmup", "1", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     pool, plan = result["pool"], result["pool_plan"]

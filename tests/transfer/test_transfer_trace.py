@@ -5,15 +5,11 @@ message's kernels are left out, each end is read on its own clock, warm-ups are 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import transfer_trace  # noqa: E402
+from benchmarks import transfer_trace
 
 PACK = "void block_copy_kernel<long, true>(uint4*, uint4*, long const*, long, long, long, long, long)"
 UNPACK = PACK.replace("true", "false")

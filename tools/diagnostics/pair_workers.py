@@ -1,7 +1,8 @@
 """Two worker processes of a diagnostic script, one per GPU, meeting at a shared rendezvous.
 
-The script re-runs itself with ``--rendezvous ADDRESS --worker R`` for R in 0 and 1; each
-worker prints its result as the last line of its stdout.
+The script's module re-runs (``python -m``, from the same working directory: the repository
+root) with ``--rendezvous ADDRESS --worker R`` for R in 0 and 1; each worker prints its result
+as the last line of its stdout.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from lmpool.model.make_model import PRESETS
 from lmpool.dataplane import Rendezvous
 
 
-def run_pair(script: str, argv: list[str], timeout_s: float = 600.0) -> list[str] | None:
+def run_pair(module: str, argv: list[str], timeout_s: float = 600.0) -> list[str] | None:
     """Both workers' last stdout lines, or None (said on stderr) when either failed."""
     rendezvous = Rendezvous.create()
-    command = [sys.executable, script, *argv, "--rendezvous", rendezvous.address]
+    command = [sys.executable, "-m", module, *argv, "--rendezvous", rendezvous.address]
     try:
         workers = [subprocess.Popen([*command, "--worker", str(r)], stdout=subprocess.PIPE, text=True)
                    for r in (0, 1)]

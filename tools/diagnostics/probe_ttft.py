@@ -7,26 +7,23 @@ TTFT (client side), the route's predicted TTFT, the rank and its cached tokens; 
 rank's fitted step time (``stats()["ranks"][r]["step_fit"]``). A gap between the two that the
 fit does not close is time outside the engine's steps.
 
-    python tools/diagnostics/probe_ttft.py --preset 0.6b --device cuda --dtype bfloat16 --mps
+    python -m tools.diagnostics.probe_ttft --preset 0.6b --device cuda --dtype bfloat16 --mps
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import uvloop
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from mps import mps_daemon  # noqa: E402
+from benchmarks.device.mps import mps_daemon
 
-from lmpool import SamplingParams  # noqa: E402
-from lmpool.cli import default_model  # noqa: E402
-from lmpool.frontend.api import AsyncLMPool  # noqa: E402
+from lmpool import SamplingParams
+from lmpool.cli import default_model
+from lmpool.frontend.api import AsyncLMPool
 
 
 async def probe(args: argparse.Namespace) -> None:

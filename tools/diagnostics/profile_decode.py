@@ -19,7 +19,7 @@ time between steps (same steps as the wall clock, no profiler), and run under
 ``torch.cuda.set_sync_debug_mode("warn")``: every call that synchronises with the device is
 listed by file and line (``--no-sync-debug`` turns that off).
 
-    python tools/diagnostics/profile_decode.py --preset 0.6b --device cuda --dtype bfloat16 \\
+    python -m tools.diagnostics.profile_decode --preset 0.6b --device cuda --dtype bfloat16 \\
         --batches 1,8,32,64 --context 2048 --json decode_profile.json
 """
 
@@ -44,7 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 from lmpool import LLM, SamplingParams
 from lmpool.engine.model_runner import PendingTokens
 from lmpool.model.make_model import PRESETS, make_model
-from revision import git_record
+from benchmarks.lib.revision import git_record
 
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of device time
 PATHS = {"serial": False, "overlapped": True}  # path name -> EngineConfig.async_scheduling

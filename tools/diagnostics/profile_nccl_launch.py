@@ -2,7 +2,7 @@
 the median host seconds of each call on the sender's path, the GPU idle before each call,
 so that a figure is the call's own cost, not a wait on queued work.
 
-    python tools/diagnostics/profile_nccl_launch.py --preset 0.6b --json launch.json
+    python -m tools.diagnostics.profile_nccl_launch --preset 0.6b --json launch.json
 
 - ``pack``: ``ops.pack_kv`` of one 28 MiB chunk (allocation, launch);
 - ``transport_send``: ``NcclTransport.send`` of a ready 28 MiB payload (argument checks,
@@ -34,9 +34,8 @@ from lmpool.dataplane import make_transport
 from lmpool.dataplane.chunked import BlockReceiver, payload_bytes, send_blocks
 from lmpool.dataplane.rendezvous import open_store
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from benchmark_kv_transfer import spin  # noqa: E402  the same wait as the benchmark's: polling without pauses
-from pair_workers import kv_shape, run_pair, this_end
+from benchmarks.benchmark_kv_transfer import spin  # the same wait as the benchmark's: polling without pauses
+from tools.diagnostics.pair_workers import kv_shape, run_pair, this_end
 
 REPS = 200
 WAIT_S = 60.0
@@ -111,10 +110,10 @@ def main() -> int:
     if args.worker is not None:
         print(json.dumps(worker(args)), flush=True)
         return 0
-    outputs = run_pair(str(Path(__file__).resolve()), sys.argv[1:])
+    outputs = run_pair("tools.diagnostics.profile_nccl_launch", sys.argv[1:])
     if outputs is None:
         return 1
-    from revision import git_record
+    from benchmarks.lib.revision import git_record
 
     result = {"sender_host_s": json.loads(outputs[0]),
               "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL", "TORCH_FR", "NCCL_"))},

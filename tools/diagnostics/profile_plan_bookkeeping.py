@@ -7,7 +7,7 @@ acknowledgement, and the source's prepare acknowledgement (it carries every bloc
 ids) is msgpack-encoded and decoded as the rings would. What the pool adds on top of this
 figure is its processes' loops and rings; what it adds on top of those is the bytes.
 
-    python tools/diagnostics/profile_plan_bookkeeping.py --block-size 256 --sizes 1,16,64
+    python -m tools.diagnostics.profile_plan_bookkeeping --block-size 256 --sizes 1,16,64
 """
 
 from __future__ import annotations

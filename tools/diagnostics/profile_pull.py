@@ -1,7 +1,7 @@
 """Where the time of one pull goes (diagnostic, one GPU, one process): the host cost of each
 step of ``CudaIpcTransport.pull`` and the kernel's own time, per block count.
 
-    python tools/diagnostics/profile_pull.py --preset 0.6b --sizes 1,8,64 --json pull_profile.json
+    python -m tools.diagnostics.profile_pull --preset 0.6b --sizes 1,8,64 --json pull_profile.json
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from eval_metrics import OPTIONAL_FIELDS, RECORD_FIELDS
+from benchmarks.stats.eval_metrics import OPTIONAL_FIELDS, RECORD_FIELDS
 from lmpool.sampling_params import SamplingParams
 
 

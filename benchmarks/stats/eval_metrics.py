@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from student_t import confidence_interval, mean, percentile
+from benchmarks.stats.student_t import confidence_interval, mean, percentile
 
 RECORD_FIELDS = (
     "index", "phase", "group", "prompt_len", "max_tokens", "pinned_rank", "rank",

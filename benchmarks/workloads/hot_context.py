@@ -21,7 +21,7 @@ read phase holds one request per context (real) or per context and rank (oracle)
 
 from __future__ import annotations
 
-from workloads import DEFAULT_MAX_TOKENS, Tokens, Trace, TraceRequest, check_max_tokens, scaled
+from benchmarks.workloads.traces import DEFAULT_MAX_TOKENS, Tokens, Trace, TraceRequest, check_max_tokens, scaled
 
 CONTEXT_LENGTHS = (4096, 16384, 32768)
 HOT_COUNTS = (1, 2)  # fewer hot contexts than replicas: the owners alone cannot carry the burst

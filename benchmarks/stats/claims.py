@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from eval_settings import trace_of
+from benchmarks.replay.eval_settings import trace_of
 
 
 def _walk(node, path: tuple[str, ...]):

@@ -24,7 +24,7 @@ sessions share only their preamble; lengths do not depend on the seed.
 
 from __future__ import annotations
 
-from workloads import DEFAULT_MAX_TOKENS, Tokens, Trace, TraceRequest, check_max_tokens, scaled
+from benchmarks.workloads.traces import DEFAULT_MAX_TOKENS, Tokens, Trace, TraceRequest, check_max_tokens, scaled
 
 SESSIONS = 16
 TURNS = 8

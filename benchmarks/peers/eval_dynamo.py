@@ -176,7 +176,7 @@ async def router_on(events: KVEventsConfig, args, setting) -> AsyncIterator[tupl
     """Dynamo's router reading the KV events a running pool publishes as ``events`` says, through
     the relay: ``(service, relay)``, both stopped on the way out. A pool that restarts on the same
     endpoints is followed (the relay resynchronises from its snapshot)."""
-    from kv_event_relay import RankRelay
+    from benchmarks.peers.kv_event_relay import RankRelay
 
     relay = service = None
     try:
@@ -203,7 +203,7 @@ async def dynamo_in_front(pool, args, setting) -> AsyncIterator[Front]:
     """Start ``pool`` (unstarted, made for this run with its ``kv_events`` set: ``events_config``)
     and put Dynamo's router in front of it, reading those events; stop the service, the relay and
     the pool, in that order, on the way out."""
-    from dynamo_client import DynamoRoutedPool
+    from benchmarks.peers.dynamo_client import DynamoRoutedPool
 
     events = pool.config.kv_events
     try:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.transfer.record import environment, percentile, shape
+
 GOAL_ONE_BLOCK_P50_S = 2e-3
 
 
@@ -84,7 +86,6 @@ def residuals(pool: dict, pairs: dict) -> dict:
 
 
 def pool_main(args, argv: list[str]) -> int:
-    from benchmark_kv_transfer import environment, percentile, shape
     from lmpool.model.make_model import make_model
 
     if args.device != "cpu" and not torch.cuda.is_available():
@@ -110,7 +111,7 @@ def pool_main(args, argv: list[str]) -> int:
                "data_path_environment": profile.get("environment")}
     out["pool"] = pool  # the request span: what the cost model's residual is taken from
     out["pool_plan"] = plan  # prepare -> finalize
-    out["environment"] = {**environment(args), "command": "python benchmarks/benchmark_kv_transfer.py "
+    out["environment"] = {**environment(args), "command": "python -m benchmarks.benchmark_kv_transfer "
                           + shlex.join(argv)}
     print(f"pool path, two replicas on {out['environment'].get('gpu', args.device)}, {m['preset']} "
           f"({m['kv_bytes_per_block']} B per block): moves timed from the plan's request to its result "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from eval_driver import Arrival
+from benchmarks.replay.eval_driver import Arrival
 
 AXES = ("kv_budget", "window", "arrival")
 

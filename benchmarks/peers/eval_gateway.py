@@ -40,8 +40,8 @@ from pathlib import Path
 
 import httpx
 
-from gateway_client import GatewayClient
-from token_text import codec_checkpoint
+from benchmarks.peers.gateway_client import GatewayClient
+from benchmarks.peers.token_text import codec_checkpoint
 
 from lmpool.protocol.spec import PR_SET_PDEATHSIG
 

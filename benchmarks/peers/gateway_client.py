@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from token_text import text_of
+from benchmarks.peers.token_text import text_of
 
 
 @dataclasses.dataclass

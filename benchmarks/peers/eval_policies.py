@@ -49,14 +49,14 @@ class Policy:
     def record(self) -> dict:
         """What the JSON says of this policy: the mode it ran and every routing field of its rule."""
         if self.runner == "smg":
-            from eval_gateway import gateway_record
+            from benchmarks.peers.eval_gateway import gateway_record
 
             return {"routing": self.routing, "transfer_mode": "none", "runner": "smg",
                     "implementation": "the real SGLang model gateway (smg) in front of single-replica "
                                       "lmpool serve hosts, not a reimplementation",
                     "gateway": gateway_record()}
         if self.runner == "dynamo":
-            from eval_dynamo import dynamo_record
+            from benchmarks.peers.eval_dynamo import dynamo_record
 
             return {"routing": self.routing, "transfer_mode": "none", "runner": "dynamo",
                     "implementation": "NVIDIA Dynamo's own KV router (ai-dynamo-runtime's SelectionService) "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from workloads import DEFAULT_MAX_TOKENS, Tokens, Trace, TraceRequest, check_max_tokens, scaled
+from benchmarks.workloads.traces import DEFAULT_MAX_TOKENS, Tokens, Trace, TraceRequest, check_max_tokens, scaled
 
 TENANTS = 8
 REQUESTS = 256

@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from workloads import Trace, TraceRequest
+from benchmarks.workloads.traces import Trace, TraceRequest
 
 KEYS = {"prompt", "max_tokens", "phase", "group", "rank"}
 

@@ -1,0 +1,2 @@
+"""What every runner uses: the source revision a run records (``revision``) and its progress
+bars (``progress``)."""
