@@ -19,7 +19,7 @@ _HOMES = {
     "TokenLogprobs": "lmpool.token_logprobs",
 }
 
-__all__ = list(_HOMES)
+__all__ = ["LLM", "AsyncLMPool", "LMPool", "RequestOutput", "SamplingParams", "TokenLogprobs"]  # _HOMES' keys
 
 if TYPE_CHECKING:
     from lmpool.frontend.api import AsyncLMPool, LMPool

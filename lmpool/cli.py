@@ -93,7 +93,8 @@ def demo(argv: list[str]) -> int:
 
 def summary(outs, stats: dict, elapsed: float) -> str:
     """Per-rank requests, prefix hits and tokens, then the totals."""
-    lines = ["", f"{'rank':>4} {'requests':>8} {'prompt tokens':>13} {'cached':>6} {'hit rate':>8} {'output tokens':>13}"]
+    lines = ["", f"{'rank':>4} {'requests':>8} {'prompt tokens':>13} {'cached':>6} {'hit rate':>8} "
+                 f"{'output tokens':>13}"]
     for row in stats["ranks"]:
         mine = [o for o in outs if o.rank == row["rank"]]
         prompt = sum(len(o.prompt_token_ids) for o in mine)
@@ -141,7 +142,8 @@ def ps_command(argv: list[str]) -> int:
     return ps.main(argv)
 
 
-COMMANDS = {"demo": demo, "serve": serve_command, "make-model": make_model_command, "ps": ps_command, "top": top_command}
+COMMANDS = {"demo": demo, "serve": serve_command, "make-model": make_model_command, "ps": ps_command,
+            "top": top_command}
 
 
 HELP = """usage: lmpool {demo,serve,make-model,ps,top} [args...]

@@ -47,7 +47,8 @@ class TransferConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         check_mode(self.transfer_mode, self.background_copy_max_blocks, self.background_copy_batch_max_blocks)
         if not isinstance(self.transfer_policy, TransferPolicyConfig):
-            raise ValueError(f"transfer_policy must be a TransferPolicyConfig, got {type(self.transfer_policy).__name__}")
+            raise ValueError("transfer_policy must be a TransferPolicyConfig, "
+                             f"got {type(self.transfer_policy).__name__}")
         self.transfer_policy.check()
         if self.transfer_mode != "none":
             self.enable_transfers = True

@@ -57,7 +57,8 @@ class RoutingConfig:
             raise ValueError(f"need gate_abs_threshold >= 0 and gate_rel_threshold >= 1, got "
                              f"{self.gate_abs_threshold!r}, {self.gate_rel_threshold!r}")
         if self.sglang_miss_rule not in ("least_loaded", "smallest_tree"):
-            raise ValueError(f"sglang_miss_rule must be 'least_loaded' or 'smallest_tree', got {self.sglang_miss_rule!r}")
+            raise ValueError("sglang_miss_rule must be 'least_loaded' or 'smallest_tree', "
+                             f"got {self.sglang_miss_rule!r}")
         if self.dynamo_prefill_tokens not in ("new", "full"):
             raise ValueError(f"dynamo_prefill_tokens must be 'new' or 'full', got {self.dynamo_prefill_tokens!r}")
         if self.sglang_balance_rule not in ("fleet_mean", "max_min"):

@@ -26,10 +26,11 @@ import time
 import msgspec
 import numpy as np
 
+from lmpool.control.kv_events import pool_events as kv_pool_events
 from lmpool.control.page_table.manager import GlobalBlockManager, StaleUpdateError
 from lmpool.control.pricing.engine_model import EngineModel
-from lmpool.control.routing.router import Router
 from lmpool.control.route_latency import RouteLatency
+from lmpool.control.routing.router import Router
 from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
 from lmpool.control.transfers.policies import TransferPolicies
 from lmpool.engine.hashing import ROOT_HASH, short
@@ -64,7 +65,6 @@ from lmpool.protocol import (
 )
 from lmpool.protocol.spec import ControlSpec
 from lmpool.protocol.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
-from lmpool.control.kv_events import pool_events as kv_pool_events
 from lmpool_ipc import Channel, IpcError, Responder
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
@@ -256,7 +256,8 @@ class ControlPlane:
         if request.src == request.dst:
             raise ValueError(f"a transfer needs two ranks, got {request.src} twice")
         if not request.block_hashes:
-            raise ValueError(f"nothing to transfer: the prompt holds no complete block of {self.spec.pool.engine.block_size} tokens")
+            raise ValueError("nothing to transfer: the prompt holds no complete block of "
+                             f"{self.spec.pool.engine.block_size} tokens")
         generations, missing = self._generations(request.src, request.block_hashes)
         if missing is not None:
             # The caller may have seen the request that cached these blocks finish before
@@ -268,7 +269,8 @@ class ControlPlane:
                 return TransferResult(0, PlanState.ABORTED.value, str(e))
             generations, missing = self._generations(request.src, request.block_hashes)
         if missing is not None:
-            return TransferResult(0, PlanState.ABORTED.value, f"rank {request.src} does not hold block {short(missing)}")
+            return TransferResult(0, PlanState.ABORTED.value,
+                                  f"rank {request.src} does not hold block {short(missing)}")
         parents = [ROOT_HASH] + request.block_hashes[:-1]
         plan = self.coordinator.start(request.src, request.dst, request.block_hashes, generations, parents,
                                       move=request.move)

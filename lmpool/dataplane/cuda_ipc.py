@@ -27,9 +27,9 @@ import torch
 
 from lmpool.dataplane import streams
 from lmpool.dataplane.block_copy import copy_blocks, load_extension
-from lmpool.protocol.cuda_ipc import CudaIpcExport, IpcStorage
 from lmpool.dataplane.rendezvous import open_store
 from lmpool.dataplane.transport import TransferTimeout, TransportError, as_bytes, check_args, poll_until
+from lmpool.protocol.cuda_ipc import CudaIpcExport, IpcStorage
 
 ALIGN = 256  # region starts, so that the copy kernels see aligned pointers
 _POLL_S = (20e-6, 1e-3)  # wait() polls from 20 us, backing off to 1 ms

@@ -35,7 +35,6 @@ from lmpool.dataplane.transport import (
 )
 from lmpool.protocol.rendezvous import parse_address
 
-
 # Communicators per direction of a pair; every lane costs its own NCCL buffers and stream.
 # On the H200 pair, 8 chunks over 3 lanes reached 83-90 % of raw NCCL from 224 MiB on
 # against 74-88 % over one; 2 lanes were about a point behind 3, and 4 no better than 3
@@ -241,7 +240,8 @@ class NcclTransport:
     def _pair(self, peer: int, wait_s: float) -> _NcclPair:
         pair = self._pairs.get(peer)
         if pair is None:
-            raise TransportError(f"rank {self.rank} has no connection to rank {peer}: call connect({peer}, session) first")
+            raise TransportError(f"rank {self.rank} has no connection to rank {peer}: "
+                                 f"call connect({peer}, session) first")
         # Communicators are made on their thread; an operation cannot be queued before
         # them, so the first transfer waits for the connection (bounded).
         if not pair.ready.wait(wait_s):

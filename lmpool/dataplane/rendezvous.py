@@ -33,6 +33,7 @@ from lmpool.protocol.rendezvous import (
     send_frame,
 )
 
+
 class StoreClient(dist.Store):
     """A ``torch.distributed.Store`` served by the pool's ``Rendezvous``. Whoever hands it to torch
     (a ``PrefixStore``, a process group) keeps a reference to it for as long as torch may call

@@ -28,8 +28,8 @@ from collections import deque
 from collections.abc import Iterable
 
 from lmpool.engine.hashing import ROOT_HASH, BlockHash, short
-from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVEvent, KVSnapshot
 from lmpool.engine.sequence import Sequence
+from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVEvent, KVSnapshot
 
 
 class StaleBlockError(ValueError):

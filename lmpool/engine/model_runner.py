@@ -23,8 +23,14 @@ import torch
 
 from lmpool.config.engine import DTYPE_NAMES, EngineConfig
 from lmpool.engine.cuda_graphs import DecodeGraphs
-from lmpool.engine.logprobs import PromptSlice, SampledLogprobs, prompt_logprobs, prompt_targets, sampled_logprobs, \
-    staged
+from lmpool.engine.logprobs import (
+    PromptSlice,
+    SampledLogprobs,
+    prompt_logprobs,
+    prompt_targets,
+    sampled_logprobs,
+    staged,
+)
 from lmpool.engine.penalties import apply_penalties
 from lmpool.engine.sampler import Sampler
 from lmpool.engine.scheduler import ScheduledBatch
@@ -34,7 +40,6 @@ from lmpool.model.checkpoint import iter_safetensors
 from lmpool.model.config import ModelConfig
 from lmpool.model.qwen3 import Qwen3ForCausalLM
 from lmpool.ops import get_backend
-
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

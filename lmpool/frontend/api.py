@@ -42,12 +42,12 @@ import uvloop
 from lmpool.config.engine import check_port
 from lmpool.config.pool import PoolConfig
 from lmpool.errors import ArgumentTypeError
-from lmpool.frontend.llm import Prompt, prepare_batch
-from lmpool.outputs import RequestOutput
 from lmpool.frontend.client import PoolClient, PoolError, TrackedRequest
+from lmpool.frontend.llm import Prompt, prepare_batch
 from lmpool.frontend.metrics import NO_METRICS, PoolMetrics
 from lmpool.frontend.output_processor import OutputProcessor, RequestState
 from lmpool.frontend.turns import Turns
+from lmpool.outputs import RequestOutput
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import check_usable
 from lmpool.tokenizer import encode_chat, encode_chats, encode_prompt, load_tokenizer

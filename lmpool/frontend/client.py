@@ -9,8 +9,8 @@ so a worker never sees a pulled request before its blocks.
 
 Supervision: every link watches its peer's pid, so a dead process surfaces as
 an ``IpcError`` on its channel; with ``hang_timeout`` it also watches the peer's
-heartbeat, so a hung one (alive but silent) is killed and surfaces the same way. A dead worker's unfinished requests are routed
-to live ranks and recomputed from prompt + tokens generated so far; the caller
+heartbeat, so a hung one (alive but silent) is killed and surfaces the same way. A dead
+worker's unfinished requests are routed to live ranks and recomputed from prompt + tokens generated so far; the caller
 sees no error while one rank lives, unless its request loses a second rank
 (``MAX_REROUTES``). A dead control process is restarted on
 fresh links, and every live worker re-attaches and sends a full snapshot.
@@ -37,14 +37,17 @@ from lmpool.engine.hashing import chain_hashes
 from lmpool.engine.model_runner import resolve_dtype
 from lmpool.engine.validation import check_prompt, check_wire_size, validate_request
 from lmpool.errors import ArgumentTypeError, strict_bool
-from lmpool.model.config import ModelConfig
 from lmpool.frontend import launcher as process
+from lmpool.frontend.metrics import NO_METRICS
 from lmpool.frontend.rendezvous import Rendezvous
+from lmpool.model.config import ModelConfig
 from lmpool.protocol import (
     AbortRequest,
     AddRequest,
     AttachControl,
+    BlockDigests,
     ControlStats,
+    DigestsReply,
     RankDown,
     RequestRejected,
     RouteDecision,
@@ -52,8 +55,6 @@ from lmpool.protocol import (
     Shutdown,
     StatsQuery,
     StepOutputs,
-    BlockDigests,
-    DigestsReply,
     TokenDelta,
     TransferChain,
     TransferResult,
@@ -62,7 +63,6 @@ from lmpool.protocol import (
     WorkerReady,
     WorkerToFrontend,
 )
-from lmpool.frontend.metrics import NO_METRICS
 from lmpool.protocol.spec import ControlSpec, WorkerSpec
 from lmpool.protocol.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams

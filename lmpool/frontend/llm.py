@@ -8,8 +8,8 @@ from collections.abc import Sequence as SequenceABC
 
 from lmpool.config.engine import EngineConfig
 from lmpool.engine.core import EngineCore, StepOutput
-from lmpool.frontend.output_processor import OutputProcessor, RequestState
 from lmpool.errors import ArgumentTypeError
+from lmpool.frontend.output_processor import OutputProcessor, RequestState
 from lmpool.outputs import RequestOutput
 from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import check_usable

@@ -88,7 +88,8 @@ class ModelConfig:
             raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r}")
         for key in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not (math.isfinite(value) and value > 0)):
                 raise ValueError(f"{key} must be a finite number > 0, got {value!r}")
         for token_id in (*self.eos_token_ids, *([] if self.bos_token_id is None else [self.bos_token_id])):
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:

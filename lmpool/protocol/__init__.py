@@ -84,4 +84,15 @@ from lmpool.protocol.worker_control import (
     WorkerToControl,
 )
 
-__all__ = [name for name in dir() if not name.startswith("_") and name[0].isupper()]
+__all__ = [
+    "AbortPlan", "AbortRequest", "AddRequest", "AttachControl", "BlockDigests", "BlockRemoved", "BlockStored",
+    "Connect", "ControlStats", "ControlToWorker", "CudaIpcExport", "DestPrepared", "DigestAnswer", "DigestQuery",
+    "DigestsReply", "ExecuteRecv", "ExecuteSend", "Executed", "Finalize", "Finalized", "FrontendToControl",
+    "FrontendToWorker", "Heartbeat", "IpcStorage", "KVDelta", "KVEvent", "KVSnapshot", "LoadReport", "Message",
+    "ORDERS", "PhaseFailed", "PlanAnswer", "PlanOrder", "PlanState", "PrepareDest", "PrepareSource", "Publish",
+    "Published", "QueryAnswer", "RankDown", "RankState", "RankUp", "ReleaseOutcome", "RequestRejected",
+    "ResyncRequest", "RouteDecision", "RouteQuery", "SUCCESS", "ShortageReport", "Shutdown", "SourcePrepared",
+    "StatsQuery", "StepFit", "StepOutputs", "StepSample", "StepTimings", "SyncAnswer", "SyncQuery", "TokenDelta",
+    "TransferChain", "TransferOrder", "TransferResult", "TransferStats", "WaitRanks", "WorkerDelta", "WorkerFailed",
+    "WorkerQuery", "WorkerReady", "WorkerSnapshot", "WorkerToControl", "WorkerToFrontend",
+]

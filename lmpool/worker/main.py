@@ -59,11 +59,11 @@ from lmpool.protocol import (
     WorkerReady,
     WorkerSnapshot,
 )
-from lmpool.worker.release import ForegroundRelease
-from lmpool.protocol.spec import WorkerSpec, read_spec
-from lmpool.worker.transfers import Incoming, TransferExecutor
-from lmpool.worker.report_parts import split_delta, split_snapshot
 from lmpool.protocol.kv_events import KVDelta, KVSnapshot
+from lmpool.protocol.spec import WorkerSpec, read_spec
+from lmpool.worker.release import ForegroundRelease
+from lmpool.worker.report_parts import split_delta, split_snapshot
+from lmpool.worker.transfers import Incoming, TransferExecutor
 from lmpool_ipc import Channel, ChannelClosedError, IpcError, LinkError, MessageError, PeerDeadError
 
 log = logging.getLogger("lmpool.worker")

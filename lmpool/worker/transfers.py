@@ -28,6 +28,10 @@ from typing import Callable
 
 import torch
 
+from lmpool.dataplane import GlooTransport, TransportError, kind_for_devices
+from lmpool.dataplane.chunked import BlockReceiver, send_blocks
+from lmpool.dataplane.faults import FaultPlan, InjectedFault
+from lmpool.dataplane.transactions import StalePlanError, TransferParticipant
 from lmpool.engine.block_manager import StaleBlockError
 from lmpool.engine.core import EngineCore
 from lmpool.protocol import (
@@ -37,9 +41,9 @@ from lmpool.protocol import (
     DestPrepared,
     DigestAnswer,
     DigestQuery,
+    Executed,
     ExecuteRecv,
     ExecuteSend,
-    Executed,
     Finalize,
     PhaseFailed,
     PlanAnswer,
@@ -52,12 +56,8 @@ from lmpool.protocol import (
     SyncAnswer,
     SyncQuery,
 )
-from lmpool.protocol.spec import WorkerSpec
-from lmpool.dataplane import GlooTransport, TransportError, kind_for_devices
-from lmpool.dataplane.chunked import BlockReceiver, send_blocks
-from lmpool.dataplane.faults import FaultPlan, InjectedFault
 from lmpool.protocol.cuda_ipc import CudaIpcExport
-from lmpool.dataplane.transactions import StalePlanError, TransferParticipant
+from lmpool.protocol.spec import WorkerSpec
 
 # A pull of a few blocks takes tens of microseconds: waiting that long right after
 # starting it saves the step loop's next poll (which comes after a pause while idle).
@@ -206,7 +206,8 @@ class TransferExecutor:
                 return None
             if isinstance(order, PrepareSource):
                 plan = p.prepare_source(order.plan_id, order.hashes, order.generations)
-                return self._when_written(order, SourcePrepared(order.plan_id, self.rank, plan.block_ids, plan.token_ids))
+                return self._when_written(order,
+                                          SourcePrepared(order.plan_id, self.rank, plan.block_ids, plan.token_ids))
             if isinstance(order, PrepareDest):
                 plan = p.prepare_dest(order.plan_id, order.num_blocks, order.anchor, order.anchor_generation)
                 return DestPrepared(order.plan_id, self.rank, plan.block_ids,

@@ -29,6 +29,7 @@ from lmpool.engine.hashing import ROOT_HASH
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
 from lmpool.protocol.vllm_kv_events import external_block_hash
 
+
 class NoKVEvents:
     def snapshot(self, rank: int, snapshot: KVSnapshot) -> None:
         pass

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from lmpool.control.page_table.entries import EntryTable
-from lmpool.control.page_table.heat import Heat, HashStats
+from lmpool.control.page_table.heat import HashStats, Heat
 from lmpool.control.page_table.in_flight import InFlight
 from lmpool.control.page_table.ranks import RankInfo, RankRegistry, StaleUpdateError
 from lmpool.control.page_table.reservations import Reservation, Reservations
 from lmpool.engine.hashing import short
-from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 from lmpool.protocol import LoadReport, RankState
+from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 
 __all__ = ["GlobalBlockManager", "PageEntry", "StaleUpdateError"]
 

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.protocol import ShortageReport
 from lmpool.control.transfers.admission import AdmissionDecision, AdmissionGate
+from lmpool.protocol import ShortageReport
 
 
 @dataclass(frozen=True)

@@ -59,9 +59,9 @@ from dataclasses import dataclass, field
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.route import Route, RouteStage
 from lmpool.control.topology import Topology
-from lmpool.engine.hashing import ROOT_HASH
 from lmpool.control.transfers.admission import AdmissionDecision, AdmissionGate
 from lmpool.control.transfers.coordinator import TransferCoordinator
+from lmpool.engine.hashing import ROOT_HASH
 
 
 class HotChains:

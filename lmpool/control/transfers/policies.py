@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.pricing.price import Pricer
 from lmpool.control.topology import Topology
@@ -36,7 +37,6 @@ from lmpool.control.transfers.foreground import plan_release
 from lmpool.control.transfers.leases import SteerToLeases
 from lmpool.control.transfers.placement import BackgroundPlacement, CopyBatch, HotChains, PlacementPass
 from lmpool.control.transfers.pull import RoutePulls
-from lmpool.config.transfer import DEFAULT_PREFILL_S_PER_TOKEN
 from lmpool.protocol import ReleaseOutcome, ShortageReport, TransferStats
 from lmpool.protocol.spec import ControlSpec
 

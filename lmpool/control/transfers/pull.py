@@ -2,8 +2,8 @@
 
 A route stage. Once the routing policy has chosen, and only where it lets the request leave
 its rank (an overloaded owner, or no owner: ``Choice.may_leave``), ``settle`` prices a pull to
-every candidate that could take one (``pull_price``); the cheapest (``pricing.price.cheapest``) wins if it costs less than
-the policy's choice, and opens a copy plan (kind "pull") for the missing blocks to that rank.
+every candidate that could take one (``pull_price``); the cheapest (``pricing.price.cheapest``) wins if it costs
+less than the policy's choice, and opens a copy plan (kind "pull") for the missing blocks to that rank.
 A request routed to a rank that an open pull is bringing its prefix to waits for that pull,
 however it was routed: concurrent requests needing the same blocks on the same rank share
 one plan. Before the policy chooses, ``expect`` counts an open pull's blocks as its

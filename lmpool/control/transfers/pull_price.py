@@ -18,8 +18,9 @@ A pull is priced only where it can run and could win: r and s are topology partn
 pending prefix or pull under way for the prompt (its expected match is its ready one), none of
 the k blocks is in flight to r, r has room for the request's blocks (free + reclaimable, less
 reservations and incoming plans), and r's serve price less all the pulled blocks could save
-there is below the route's choice (a copy estimate costs the route time for nothing else). Invariants: a pull brings k >= 1 blocks, all ready on its
-source, never past the prompt's last usable block; its price is for a candidate rank.
+there is below the route's choice (a copy estimate costs the route time for nothing else).
+Invariants: a pull brings k >= 1 blocks, all ready on its source, never past the prompt's last
+usable block; its price is for a candidate rank.
 """
 
 from __future__ import annotations

@@ -22,22 +22,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmpool.frontend.api import AsyncLMPool
-from lmpool.frontend.serve.auth import install_api_key
 from lmpool.frontend.serve import ecosystem, tokenize
-from lmpool.frontend.serve.tokenize import off_loop
+from lmpool.frontend.serve.auth import install_api_key
 from lmpool.frontend.serve.body import BodyParser, parse_request
 from lmpool.frontend.serve.body_parser import Parsed
+from lmpool.frontend.serve.choices import Run, generate_all, plan, start_streams
 from lmpool.frontend.serve.disconnect import unless_disconnected
 from lmpool.frontend.serve.errors import ServeError, install_handlers
-from lmpool.frontend.serve.metrics import scrape
-from lmpool.frontend.serve.choices import Run, generate_all, plan, start_streams
 from lmpool.frontend.serve.logprobs import TokenText
-from lmpool.frontend.serve.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest, \
-    PromptList
+from lmpool.frontend.serve.metrics import scrape
+from lmpool.frontend.serve.protocol import (
+    DEFAULT_COMPLETION_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptList,
+)
 from lmpool.frontend.serve.responses import Shape, server_fingerprint
 from lmpool.frontend.serve.settings import ServeSettings
 from lmpool.frontend.serve.sse import event_stream
-
+from lmpool.frontend.serve.tokenize import off_loop
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own start-up log: its handler and --log-level apply
 

@@ -26,8 +26,7 @@ import msgspec
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from lmpool.frontend.serve.body_parser import Answer, BodyRefused, Decoded, ParseJob, Parsed, Ready, Refused, \
-    decode
+from lmpool.frontend.serve.body_parser import Answer, BodyRefused, Decoded, Parsed, ParseJob, Ready, Refused, decode
 from lmpool.frontend.serve.disconnect import ClientGone
 from lmpool.frontend.serve.errors import ServeError
 from lmpool.frontend.serve.protocol import HEADS, PromptList

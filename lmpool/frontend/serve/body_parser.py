@@ -31,8 +31,14 @@ from dataclasses import dataclass
 import msgspec
 from pydantic import BaseModel, ValidationError
 
-from lmpool.frontend.serve.protocol import HEADS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
-    PromptList, TokenizeRequest
+from lmpool.frontend.serve.protocol import (
+    HEADS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    PromptList,
+    TokenizeRequest,
+)
 from lmpool.frontend.serve.validation_errors import described
 
 ENDPOINTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest,

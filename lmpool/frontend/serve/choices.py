@@ -56,7 +56,8 @@ async def start_streams(pool, runs: list[Run], request_id: str
                         ) -> tuple[list[RequestOutput], list[AsyncIterator[RequestOutput]]]:
     """Every run's stream and its first output, awaited so that a request the pool refuses gets
     its status code rather than a 200 stream holding an error; on any failure every stream ends."""
-    streams = [pool.stream(r.prompt_ids, r.params, request_id=rid) for r, rid in zip(runs, request_ids(request_id, runs))]
+    streams = [pool.stream(r.prompt_ids, r.params, request_id=rid)
+               for r, rid in zip(runs, request_ids(request_id, runs))]
     try:
         firsts = await first_failure([anext(stream) for stream in streams])
     except BaseException:

@@ -1,10 +1,11 @@
 """OpenAI-style error bodies, and the status each failure maps to.
 
 Bad input is a 400, a body over the size limit a 413, one that is not JSON a 415, a pool with no
-live rank (or one shut down) a 503, a client gone before its answer a 499, anything unexpected a 500: every failure becomes a JSON body
-for its caller and the server serves on, its connection kept alive (an unexpected error answered
-before its response began is logged with its traceback, not re-raised to uvicorn, which closes the
-connection under a client that may already be sending its next request on it).
+live rank (or one shut down) a 503, a client gone before its answer a 499, anything unexpected
+a 500: every failure becomes a JSON body for its caller and the server serves on, its connection
+kept alive (an unexpected error answered before its response began is logged with its traceback,
+not re-raised to uvicorn, which closes the connection under a client that may already be sending
+its next request on it).
 """
 
 from __future__ import annotations

@@ -24,8 +24,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, \
-    model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from lmpool.sampling_params import SamplingParams
 from lmpool.token_logprobs import MAX_LOGPROBS

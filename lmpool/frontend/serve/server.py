@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     read_kv_events_config(p, args)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (only that it imports: the serve extra is installed)
 
         from lmpool.frontend.serve.app import create_app
     except ImportError as e:

@@ -3,9 +3,9 @@
 ``POST /tokenize`` takes a ``prompt`` (text) or ``messages`` (rendered with the chat template as a
 chat request is, ``chat_template_kwargs`` included) and answers ``{"count", "max_model_len",
 "tokens", "token_strs"}`` (the strings only with ``return_token_strs``); ``POST /detokenize``
-takes ``tokens`` and answers ``{"prompt"}``, refusing an id outside the vocabulary. Bodies are read and decoded as the completion routes' are
-(``body.parse_request``), and the tokenizer runs off the event loop, on the server's one
-tokenizing thread.
+takes ``tokens`` and answers ``{"prompt"}``, refusing an id outside the vocabulary. Bodies are
+read and decoded as the completion routes' are (``body.parse_request``), and the tokenizer runs
+off the event loop, on the server's one tokenizing thread.
 """
 
 from __future__ import annotations
