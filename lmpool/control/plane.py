@@ -63,6 +63,7 @@ from lmpool.protocol import (
     WorkerSnapshot,
     WorkerToControl,
 )
+from lmpool.protocol.base import BlockHash
 from lmpool.protocol.spec import ControlSpec
 from lmpool.protocol.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
 from lmpool_ipc import Channel, IpcError, Responder
@@ -278,7 +279,7 @@ class ControlPlane:
         self.plan_waiters[plan.plan_id] = waiter
         return await waiter
 
-    def _generations(self, rank: int, block_hashes: list[int]) -> tuple[list[int], int | None]:
+    def _generations(self, rank: int, block_hashes: list[BlockHash]) -> tuple[list[int], BlockHash | None]:
         """The generation of each block at ``rank`` up to the first hash it does not hold
         ready, and that hash (None: it holds them all)."""
         generations = []

@@ -71,7 +71,7 @@ class TransferParticipant:
 
     # ---- phases -------------------------------------------------------------------
 
-    def prepare_source(self, plan_id: int, block_hashes: list[int], generations: list[int]) -> LocalPlan:
+    def prepare_source(self, plan_id: int, block_hashes: list[BlockHash], generations: list[int]) -> LocalPlan:
         """Pin the chain's blocks; raises ``StaleBlockError`` if any is gone or reused."""
         plan = self._existing(plan_id, Role.SOURCE)
         if plan is not None:
@@ -111,7 +111,7 @@ class TransferParticipant:
         return stale
 
     def publish(
-        self, plan_id: int, block_hashes: list[int], parent_hashes: list[int], token_ids: list[list[int]]
+        self, plan_id: int, block_hashes: list[BlockHash], parent_hashes: list[BlockHash], token_ids: list[list[int]]
     ) -> None:
         """Destination: the received blocks join the prefix cache (and the page table, by delta)."""
         plan = self._active(plan_id)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.sequence import Sequence, SequenceStatus
+from lmpool.protocol.base import BlockHash
 
 
 @dataclass
@@ -193,7 +194,7 @@ class Scheduler:
         bm.grow(seq, target)
         return True
 
-    def _blocks_in_progress(self) -> set[int]:
+    def _blocks_in_progress(self) -> set[BlockHash]:
         """Hashes of the complete blocks running sequences hold but have not finished computing."""
         return {h for seq in self.running for h in seq.block_hashes[seq.num_ready_blocks:]}
 

@@ -56,6 +56,7 @@ from lmpool.protocol import (
     SyncAnswer,
     SyncQuery,
 )
+from lmpool.protocol.base import BlockHash
 from lmpool.protocol.cuda_ipc import CudaIpcExport
 from lmpool.protocol.spec import WorkerSpec
 
@@ -341,7 +342,7 @@ class TransferExecutor:
             ack = self._failed(pending.order, e)
         return None if pending.silent else self._after(pending.order, ack)
 
-    def digest(self, block_hash: int) -> str:
+    def digest(self, block_hash: BlockHash) -> str:
         """SHA-256 of a cached block's KV bytes in every layer ("" if not cached here)."""
         block_id = self.core.block_manager.hash_to_block.get(block_hash)
         if block_id is None:

@@ -66,7 +66,7 @@ class KVEventPublisher:
         self._next_seq = 0
         self._pending: dict[int, list] = {}
         # rank -> {block hash: BlockStored of that one block}, in the order stored.
-        self._state: dict[int, dict[int, object]] = {}
+        self._state: dict[int, dict[bytes | int, object]] = {}
         self._events = 0  # events queued so far: with the next seq, the version of the state
         self._snapshot: tuple[tuple[int, int], list] | None = None  # (version, its batches)
         self._task: asyncio.Task | None = None
@@ -95,7 +95,7 @@ class KVEventPublisher:
 
     # ---- events ---------------------------------------------------------------------------
 
-    def stored(self, rank: int, block_hashes: list[int], parent_hash: int | None, token_ids: list[int],
+    def stored(self, rank: int, block_hashes: list[bytes | int], parent_hash: bytes | int | None, token_ids: list[int],
                block_size: int) -> None:
         """A chain of blocks became cached on ``rank``: ``block_hashes[0]`` follows ``parent_hash``
         (None at the root), each next block the one before; ``token_ids`` are all their tokens."""
@@ -110,11 +110,11 @@ class KVEventPublisher:
             state[h] = stored([h], parent, tokens, block_size, None, MEDIUM_GPU, None)
             parent = h
 
-    def announced(self, rank: int, block_hash: int) -> bool:
+    def announced(self, rank: int, block_hash: bytes | int) -> bool:
         """Whether ``block_hash`` was stored on ``rank`` and not removed or cleared since."""
         return block_hash in self._state.get(rank, ())
 
-    def removed(self, rank: int, block_hashes: list[int]) -> None:
+    def removed(self, rank: int, block_hashes: list[bytes | int]) -> None:
         self._queue(rank, self.types.removed(list(block_hashes), MEDIUM_GPU))
         state = self._state.get(rank, {})
         for h in block_hashes:

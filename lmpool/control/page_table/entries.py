@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from lmpool.control.page_table.in_flight import InFlight
 from lmpool.control.page_table.ranks import StaleUpdateError
+from lmpool.protocol.base import BlockHash
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
 
 
@@ -24,29 +25,29 @@ class RankEntries:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.blocks: dict[int, int] = {}  # hash -> generation << 32 | block_id
+        self.blocks: dict[BlockHash, int] = {}  # hash -> generation << 32 | block_id
         self.num_ready = 0
         self.version: int | None = None  # snapshot version applied so far; None awaits a snapshot
 
 
 class EntryTable:
-    def __init__(self, world_size: int, in_flight: InFlight, on_unheld: Callable[[int], None]) -> None:
+    def __init__(self, world_size: int, in_flight: InFlight, on_unheld: Callable[[BlockHash], None]) -> None:
         self.ranks = [RankEntries(r) for r in range(world_size)]
-        self.ready: dict[int, int] = {}  # hash -> bitmask of ranks holding a ready copy
+        self.ready: dict[BlockHash, int] = {}  # hash -> bitmask of ranks holding a ready copy
         self._in_flight = in_flight.ranks
         self._on_unheld = on_unheld  # told a hash no rank holds ready any more
         # Told (rank, hash) whenever a rank reports a block (``watch_stored``), or removes one (``watch_removed``).
-        self._on_stored: Callable[[int, int], None] | None = None
-        self._on_removed: Callable[[int, int], None] | None = None
+        self._on_stored: Callable[[int, BlockHash], None] | None = None
+        self._on_removed: Callable[[int, BlockHash], None] | None = None
         self.snapshots_applied = 0
         self.deltas_applied = 0
         self.gaps = 0
         self.stale_rejected = 0
 
-    def watch_stored(self, callback: Callable[[int, int], None]) -> None:
+    def watch_stored(self, callback: Callable[[int, BlockHash], None]) -> None:
         self._on_stored = callback
 
-    def watch_removed(self, callback: Callable[[int, int], None]) -> None:
+    def watch_removed(self, callback: Callable[[int, BlockHash], None]) -> None:
         self._on_removed = callback
 
     # ---- worker reports ----------------------------------------------------------------
@@ -107,7 +108,7 @@ class EntryTable:
         if self._on_stored is not None:
             self._on_stored(entries.rank, h)
 
-    def _remove(self, entries: RankEntries, h: int, block_id: int, generation: int) -> None:
+    def _remove(self, entries: RankEntries, h: BlockHash, block_id: int, generation: int) -> None:
         # A removal of another copy (an older generation, or a transfer's reserved block) is not this entry's.
         if entries.blocks.get(h) != generation << 32 | block_id:
             return
@@ -117,7 +118,7 @@ class EntryTable:
         if self._on_removed is not None:
             self._on_removed(entries.rank, h)
 
-    def _set_ready(self, entries: RankEntries, h: int, ready: bool) -> None:
+    def _set_ready(self, entries: RankEntries, h: BlockHash, ready: bool) -> None:
         """Add or remove the rank's bit of ``h`` in the ready index (only called on a change)."""
         bit = 1 << entries.rank
         if ready:
@@ -134,7 +135,7 @@ class EntryTable:
 
     # ---- transfers: blocks not yet visible to routing ------------------------------------
 
-    def mark_in_flight(self, rank: int, block_hash: int, reserved: int) -> bool:
+    def mark_in_flight(self, rank: int, block_hash: BlockHash, reserved: int) -> bool:
         """Hold ``reserved`` (packed) for ``block_hash`` as not ready; False when a ready copy is here."""
         entries = self.ranks[rank]
         in_flight = self._in_flight[rank]
@@ -144,7 +145,7 @@ class EntryTable:
         entries.blocks.setdefault(block_hash, reserved)
         return True
 
-    def unmark_in_flight(self, rank: int, block_hash: int, published: bool) -> None:
+    def unmark_in_flight(self, rank: int, block_hash: BlockHash, published: bool) -> None:
         """Publish the block, or on an abort drop the reserved block (a worker's own copy stays)."""
         reserved = self._in_flight[rank].pop(block_hash, None)
         entries = self.ranks[rank]
@@ -158,7 +159,7 @@ class EntryTable:
 
     # ---- reads ---------------------------------------------------------------------------
 
-    def prefix_match(self, block_hashes: list[int], remaining: int, world_size: int) -> list[int]:
+    def prefix_match(self, block_hashes: list[BlockHash], remaining: int, world_size: int) -> list[int]:
         """Per rank of the bitmask ``remaining``, how many leading blocks of ``block_hashes`` it holds
         ready as one contiguous chain. The walk keeps the ranks still matching as a bitmask and
         stops as soon as it is empty, so a miss costs one dict lookup."""
@@ -184,7 +185,7 @@ class EntryTable:
         return lengths
 
     def check(self) -> None:
-        ready: dict[int, int] = {}
+        ready: dict[BlockHash, int] = {}
         for entries in self.ranks:
             in_flight = self._in_flight[entries.rank]
             num_ready = 0

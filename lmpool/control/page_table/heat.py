@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from lmpool.protocol.base import BlockHash
+
 
 class HashStats(msgspec.Struct, gc=False):
     """Demand for one cached block: how often routed prompts contained it, how often a route
@@ -46,12 +48,12 @@ class Heat:
         self.half_life_s = half_life_s
         self.route_hit_weight = route_hit_weight
         self.clock = clock
-        self.stats: dict[int, HashStats] = {}
+        self.stats: dict[BlockHash, HashStats] = {}
         # Heat scaling: times are measured in half-lives from a base that moves (a new epoch)
         # before 2 ** x could overflow; an entry from an older epoch is rescaled when next met.
         self._bases = [clock()]
 
-    def record_route(self, block_hashes: list[int], held: int, used: int) -> None:
+    def record_route(self, block_hashes: list[BlockHash], held: int, used: int) -> None:
         """The first ``held`` blocks are cached somewhere; the route used the first ``used``."""
         now = self.clock()
         stats = self.stats
@@ -81,7 +83,7 @@ class Heat:
             else:
                 s.heat += access
 
-    def branched_depth(self, chain: list[int]) -> int:
+    def branched_depth(self, chain: list[BlockHash]) -> int:
         """How many leading blocks of ``chain`` lie at or above its deepest branched block (0: none is)."""
         stats = self.stats
         for i in range(len(chain) - 1, -1, -1):
@@ -90,7 +92,7 @@ class Heat:
                 return i + 1
         return 0
 
-    def heat(self, block_hash: int) -> float:
+    def heat(self, block_hash: BlockHash) -> float:
         """The block's demand now: its accesses and route hits decayed to this instant (0 if never routed)."""
         s = self.stats.get(block_hash)
         if s is None:
@@ -100,7 +102,7 @@ class Heat:
             self._rebase(s, epoch)
         return s.heat / scale
 
-    def forget(self, block_hash: int) -> None:
+    def forget(self, block_hash: BlockHash) -> None:
         self.stats.pop(block_hash, None)
 
     def _scale(self, now: float) -> tuple[int, float]:

@@ -10,10 +10,12 @@ have lost its entry meanwhile (a snapshot or removal): unmarking it then changes
 
 from __future__ import annotations
 
+from lmpool.protocol.base import BlockHash
+
 
 class InFlight:
     def __init__(self, world_size: int) -> None:
-        self.ranks: list[dict[int, int]] = [{} for _ in range(world_size)]
+        self.ranks: list[dict[BlockHash, int]] = [{} for _ in range(world_size)]
 
     def clear(self, rank: int) -> None:
         self.ranks[rank].clear()

@@ -30,6 +30,7 @@ from lmpool.control.page_table.ranks import RankInfo, RankRegistry, StaleUpdateE
 from lmpool.control.page_table.reservations import Reservation, Reservations
 from lmpool.engine.hashing import short
 from lmpool.protocol import LoadReport, RankState
+from lmpool.protocol.base import BlockHash
 from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 
 __all__ = ["GlobalBlockManager", "PageEntry", "StaleUpdateError"]
@@ -113,11 +114,11 @@ class GlobalBlockManager:
     def stale_rejected(self) -> int:
         return self._registry.stale_rejected + self._entries.stale_rejected
 
-    def watch_stored(self, callback: Callable[[int, int], None]) -> None:
+    def watch_stored(self, callback: Callable[[int, BlockHash], None]) -> None:
         """Tell ``callback(rank, hash)`` of every block a rank reports."""
         self._entries.watch_stored(callback)
 
-    def watch_removed(self, callback: Callable[[int, bytes], None]) -> None:
+    def watch_removed(self, callback: Callable[[int, BlockHash], None]) -> None:
         """Tell ``callback(rank, hash)`` of every cached block a rank reports removed."""
         self._entries.watch_removed(callback)
 
@@ -190,7 +191,7 @@ class GlobalBlockManager:
 
     # ---- transfers: blocks not yet visible to routing ----------------------------------
 
-    def mark_in_flight(self, rank: int, block_hash: int, block_id: int, generation: int) -> bool:
+    def mark_in_flight(self, rank: int, block_hash: BlockHash, block_id: int, generation: int) -> bool:
         """A transfer reserved block ``block_id`` on ``rank`` for ``block_hash``: routing must not count it.
 
         The entry stays not ready, whatever the worker reports meanwhile, until
@@ -201,14 +202,14 @@ class GlobalBlockManager:
             raise ValueError(f"rank {rank} is not alive")
         return self._entries.mark_in_flight(rank, block_hash, generation << 32 | block_id)
 
-    def unmark_in_flight(self, rank: int, block_hash: int, published: bool) -> None:
+    def unmark_in_flight(self, rank: int, block_hash: BlockHash, published: bool) -> None:
         """The transfer published the block (routing may use it now) or aborted (its reserved block is gone)."""
         self._registry.get(rank)  # a rank out of range raises
         self._entries.unmark_in_flight(rank, block_hash, published)
 
     # ---- routing reads -------------------------------------------------------------------
 
-    def prefix_match(self, block_hashes: list[int], candidates: int | None = None) -> list[int]:
+    def prefix_match(self, block_hashes: list[BlockHash], candidates: int | None = None) -> list[int]:
         """Per rank, how many leading blocks of ``block_hashes`` it holds ready, as one contiguous chain.
 
         Only alive ranks (and, if given, ranks in the ``candidates`` bitmask) count.
@@ -216,7 +217,7 @@ class GlobalBlockManager:
         remaining = self.alive_mask if candidates is None else self.alive_mask & candidates
         return self._entries.prefix_match(block_hashes, remaining, self.world_size)
 
-    def check_route(self, block_hashes: list[int], rank: int, matched: int) -> None:
+    def check_route(self, block_hashes: list[BlockHash], rank: int, matched: int) -> None:
         """The invariant on a routing decision: every one of the ``matched`` leading blocks
         counted for ``rank`` is published there (held and ready), never a block reserved
         for, or still arriving through, an open transfer."""
@@ -226,7 +227,7 @@ class GlobalBlockManager:
             assert h not in info.in_flight, (
                 f"route to rank {rank} counted block {i} ({short(h)}), reserved for an unpublished transfer")
 
-    def entries(self, block_hash: int) -> list[PageEntry]:
+    def entries(self, block_hash: BlockHash) -> list[PageEntry]:
         """Every rank's entry for ``block_hash``, ready or not."""
         found = []
         for info in self.ranks:
@@ -236,7 +237,7 @@ class GlobalBlockManager:
                 found.append(PageEntry(info.rank, entry & 0xFFFFFFFF, entry >> 32, ready))
         return found
 
-    def generation(self, rank: int, block_hash: int) -> int | None:
+    def generation(self, rank: int, block_hash: BlockHash) -> int | None:
         """The generation of ``rank``'s ready copy of ``block_hash`` (None without one)."""
         info = self.ranks[rank]
         entry = info.blocks.get(block_hash)
@@ -244,23 +245,23 @@ class GlobalBlockManager:
             return None
         return entry >> 32
 
-    def ready_ranks(self, block_hash: int) -> int:
+    def ready_ranks(self, block_hash: BlockHash) -> int:
         """Bitmask of the alive ranks holding a ready copy of ``block_hash``."""
         return self._entries.ready.get(block_hash, 0)
 
-    def record_route(self, block_hashes: list[int], held: int, used: int) -> None:
+    def record_route(self, block_hashes: list[BlockHash], held: int, used: int) -> None:
         """Demand seen at ingress: the first ``held`` blocks are cached somewhere; the route used the first ``used``."""
         self._heat.record_route(block_hashes, held, used)
 
-    def hash_stats(self, block_hash: int) -> HashStats | None:
+    def hash_stats(self, block_hash: BlockHash) -> HashStats | None:
         return self._heat.stats.get(block_hash)
 
-    def branched_depth(self, chain: list[int]) -> int:
+    def branched_depth(self, chain: list[BlockHash]) -> int:
         """How many leading blocks of ``chain`` routed prompts branched from (or after): up to and
         including its deepest ``HashStats.branched`` block; 0 when none is."""
         return self._heat.branched_depth(chain)
 
-    def heat(self, block_hash: int) -> float:
+    def heat(self, block_hash: BlockHash) -> float:
         """The block's demand now: its accesses and route hits decayed to this instant (0 if never routed)."""
         return self._heat.heat(block_hash)
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lmpool.protocol import LoadReport
+from lmpool.protocol.base import BlockHash
 
 if TYPE_CHECKING:
     from lmpool.control.page_table.entries import RankEntries
@@ -29,7 +30,8 @@ class RankInfo:
     __slots__ = ("rank", "registered", "alive", "epoch", "last_heartbeat", "num_blocks", "load",
                  "entries", "reserved", "in_flight")
 
-    def __init__(self, rank: int, entries: RankEntries, reserved: RankReservations, in_flight: dict[int, int]) -> None:
+    def __init__(self, rank: int, entries: RankEntries, reserved: RankReservations,
+                 in_flight: dict[BlockHash, int]) -> None:
         self.rank = rank
         self.registered = False
         self.alive = False
@@ -47,7 +49,7 @@ class RankInfo:
         return self.entries.version
 
     @property
-    def blocks(self) -> dict[int, int]:
+    def blocks(self) -> dict[BlockHash, int]:
         return self.entries.blocks
 
     @property

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from lmpool.control.page_table.reservations import RankReservations
 from lmpool.protocol import LoadReport
+from lmpool.protocol.base import BlockHash
 
 
 class RankView(Protocol):
@@ -53,6 +54,6 @@ class PageTableView(Protocol):
     @property
     def ranks(self) -> Sequence[RankView]: ...
 
-    def prefix_match(self, block_hashes: list[int], candidates: int | None = None) -> list[int]: ...
+    def prefix_match(self, block_hashes: list[BlockHash], candidates: int | None = None) -> list[int]: ...
 
-    def generation(self, rank: int, block_hash: bytes) -> int | None: ...
+    def generation(self, rank: int, block_hash: BlockHash) -> int | None: ...

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from lmpool.control.routing.route import Route, RouteStage
+from lmpool.protocol.base import BlockHash
 
 MAX_ENTRIES = 1 << 16
 
@@ -45,12 +46,12 @@ class PendingPrefixes:
         self.clock = clock
         self.max_entries = max_entries
         # Per rank, hash -> expiry, oldest first: one ttl for all, so expiries are in order.
-        self._ranks: list[OrderedDict[int, float]] = [OrderedDict() for _ in range(world_size)]
+        self._ranks: list[OrderedDict[BlockHash, float]] = [OrderedDict() for _ in range(world_size)]
 
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._ranks)
 
-    def add(self, rank: int, block_hashes: list[int]) -> None:
+    def add(self, rank: int, block_hashes: list[BlockHash]) -> None:
         """Requests routed to ``rank`` will compute ``block_hashes`` there."""
         entries = self._ranks[rank]
         now = self.clock()
@@ -65,7 +66,7 @@ class PendingPrefixes:
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
 
-    def extend(self, rank: int, block_hashes: list[int], matched: int, now: float | None = None) -> int:
+    def extend(self, rank: int, block_hashes: list[BlockHash], matched: int, now: float | None = None) -> int:
         """``matched`` plus the pending blocks of ``rank`` that continue it, in order, live at
         ``now`` (the clock's time unless given: a route reads it once for all its candidates)."""
         entries = self._ranks[rank]
@@ -81,7 +82,7 @@ class PendingPrefixes:
             n += 1
         return n
 
-    def confirm(self, rank: int, block_hash: int) -> None:
+    def confirm(self, rank: int, block_hash: BlockHash) -> None:
         """``rank`` reported ``block_hash``: the page table counts it from now on."""
         self._ranks[rank].pop(block_hash, None)
 
@@ -90,7 +91,7 @@ class PendingPrefixes:
         self._ranks[rank].clear()
 
     @staticmethod
-    def _expire(entries: OrderedDict[int, float], now: float, most: int) -> None:
+    def _expire(entries: OrderedDict[BlockHash, float], now: float, most: int) -> None:
         """Drop up to ``most`` of the oldest entries, while they have expired."""
         for _ in range(most):
             if not entries:

@@ -42,6 +42,7 @@ from lmpool.control.pricing.price import Pricer
 from lmpool.control.routing.policy import RoutingPolicy
 from lmpool.control.routing.route import Choice, Route
 from lmpool.protocol import RouteQuery
+from lmpool.protocol.base import BlockHash
 
 
 class ApproximateTrees:
@@ -51,13 +52,13 @@ class ApproximateTrees:
 
     def __init__(self, world_size: int, max_blocks: int) -> None:
         self.max_blocks = max_blocks
-        self._holders: dict[int, int] = {}
-        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(world_size)]
+        self._holders: dict[BlockHash, int] = {}
+        self._lru: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(world_size)]
 
     def size(self, rank: int) -> int:
         return len(self._lru[rank])
 
-    def match(self, block_hashes: list[int], ranks: Sequence[int]) -> dict[int, int]:
+    def match(self, block_hashes: list[BlockHash], ranks: Sequence[int]) -> dict[int, int]:
         """Per rank of ``ranks``, how many leading blocks of ``block_hashes`` its tree holds."""
         remaining = sum(1 << r for r in ranks)
         matches = dict.fromkeys(ranks, 0)
@@ -70,7 +71,7 @@ class ApproximateTrees:
                     matches[r] = i + 1
         return matches
 
-    def insert(self, rank: int, block_hashes: list[int]) -> None:
+    def insert(self, rank: int, block_hashes: list[BlockHash]) -> None:
         bit = 1 << rank
         lru = self._lru[rank]
         for h in block_hashes:

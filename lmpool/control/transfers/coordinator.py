@@ -51,6 +51,7 @@ from lmpool.protocol import (
     SourcePrepared,
     TransferOrder,
 )
+from lmpool.protocol.base import BlockHash
 
 
 @dataclass
@@ -59,9 +60,9 @@ class Plan:
     src: int
     dst: int
     move: bool
-    hashes: list[int]
+    hashes: list[BlockHash]
     generations: list[int]
-    parents: list[int]
+    parents: list[BlockHash]
     state: PlanState = PlanState.PREPARING
     acked: set[int] = field(default_factory=set)  # ranks that finished the current phase
     src_blocks: list[int] = field(default_factory=list)
@@ -70,7 +71,7 @@ class Plan:
     started: float = 0.0
     deadline: float = 0.0
     abort_reason: str = ""
-    marked: list[int] = field(default_factory=list)  # hashes marked in flight on the destination
+    marked: list[BlockHash] = field(default_factory=list)  # hashes marked in flight on the destination
     keep: int = 0  # a move frees none of its first ``keep`` blocks (ancestors copied along)
     kind: str = "explicit"  # who asked: "explicit" (the API), "background", "foreground" or "pull"
     steps_s: float = 0.0  # the participants' steps its opener priced beside the copy (not the cost model's)
@@ -117,8 +118,8 @@ class TransferCoordinator:
         self.blocks_moved = 0  # blocks of completed moves the source gave up
         self.phase_times = PhaseTimes()  # where completed plans' time went, per kind
 
-    def start(self, src: int, dst: int, hashes: list[int], generations: list[int], parents: list[int],
-              move: bool = False, keep: int = 0, kind: str = "explicit", anchor: tuple[bytes, int] = (ROOT_HASH, 0),
+    def start(self, src: int, dst: int, hashes: list[BlockHash], generations: list[int], parents: list[BlockHash],
+              move: bool = False, keep: int = 0, kind: str = "explicit", anchor: tuple[BlockHash, int] = (ROOT_HASH, 0),
               steps_s: float = 0.0) -> Plan:
         """Open a plan for the chain(s) ``hashes`` (parents before children; ``parents[i]`` is
         block i's parent hash) from ``src`` to ``dst``; a move frees the source's copies of all

@@ -33,15 +33,16 @@ from dataclasses import dataclass
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.transfers.admission import AdmissionDecision, AdmissionGate
 from lmpool.protocol import ShortageReport
+from lmpool.protocol.base import BlockHash
 
 
 @dataclass(frozen=True)
 class ReleasePlan:
     src: int
     dst: int
-    hashes: list[int]
+    hashes: list[BlockHash]
     generations: list[int]
-    parents: list[int]
+    parents: list[BlockHash]
     keep: int  # leading blocks copied as ancestors, not moved
     decision: AdmissionDecision
 

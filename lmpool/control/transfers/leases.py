@@ -22,13 +22,14 @@ from dataclasses import dataclass
 
 from lmpool.control.pricing.price import describe
 from lmpool.control.routing.route import Route, RouteStage
+from lmpool.protocol.base import BlockHash
 
 MAX_LEASES = 4096
 
 
 @dataclass(frozen=True)
 class Lease:
-    leaf: int  # hash of the deepest copied block
+    leaf: BlockHash  # hash of the deepest copied block
     depth: int  # blocks from the root to ``leaf``, inclusive
     src: int
     dst: int
@@ -43,13 +44,13 @@ class PlacementLeases:
         self.lease_s = lease_s
         self.clock = clock
         self.max_leases = max_leases
-        self._by_leaf: OrderedDict[int, Lease] = OrderedDict()
+        self._by_leaf: OrderedDict[BlockHash, Lease] = OrderedDict()
         self._max_depth = 0  # no lease is deeper: bounds the search in ``find``
 
     def __len__(self) -> int:
         return len(self._by_leaf)
 
-    def grant(self, leaf: int, depth: int, src: int, dst: int) -> Lease:
+    def grant(self, leaf: BlockHash, depth: int, src: int, dst: int) -> Lease:
         if depth < 1:
             raise ValueError(f"a lease needs depth >= 1, got {depth}")
         lease = Lease(leaf, depth, src, dst, self.clock() + self.lease_s)
@@ -60,12 +61,12 @@ class PlacementLeases:
         self._max_depth = max(self._max_depth, depth)
         return lease
 
-    def drop(self, leaf: int) -> None:
+    def drop(self, leaf: BlockHash) -> None:
         self._by_leaf.pop(leaf, None)
         if not self._by_leaf:
             self._max_depth = 0
 
-    def find(self, block_hashes: list[int]) -> Lease | None:
+    def find(self, block_hashes: list[BlockHash]) -> Lease | None:
         """The deepest live lease whose chain is a prefix of ``block_hashes``.
 
         Chained hashes name their whole prefix, so a lease matches when its leaf sits

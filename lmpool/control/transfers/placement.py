@@ -62,6 +62,7 @@ from lmpool.control.topology import Topology
 from lmpool.control.transfers.admission import AdmissionDecision, AdmissionGate
 from lmpool.control.transfers.coordinator import TransferCoordinator
 from lmpool.engine.hashing import ROOT_HASH
+from lmpool.protocol.base import BlockHash
 
 
 class HotChains:
@@ -73,13 +74,13 @@ class HotChains:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         # Insertion-ordered (oldest first): a chain routed again moves to the end. A chain's leaf is its key.
-        self._chains: dict[int, list[int]] = {}
-        self._fresh: dict[int, None] = {}  # leaves routed since the last pass began, oldest first
+        self._chains: dict[BlockHash, list[BlockHash]] = {}
+        self._fresh: dict[BlockHash, None] = {}  # leaves routed since the last pass began, oldest first
 
     def __len__(self) -> int:
         return len(self._chains)
 
-    def observe(self, block_hashes: list[int], held: int) -> None:
+    def observe(self, block_hashes: list[BlockHash], held: int) -> None:
         """A routed prompt whose first ``held`` blocks some rank holds."""
         if held <= 0:
             return
@@ -93,7 +94,7 @@ class HotChains:
         if len(self._fresh) > self.capacity:
             del self._fresh[next(iter(self._fresh))]
 
-    def newest_first(self, fresh_only: bool = False) -> list[list[int]]:
+    def newest_first(self, fresh_only: bool = False) -> list[list[BlockHash]]:
         """The remembered chains, newest first, or only the fresh ones: a pass's own list, which
         routes observed during the pass leave alone. None of them is fresh after."""
         if fresh_only:
@@ -104,13 +105,13 @@ class HotChains:
         self._fresh.clear()
         return out
 
-    def forget(self, chain: list[int]) -> None:
+    def forget(self, chain: list[BlockHash]) -> None:
         """Forget ``chain`` (a cold one) unless a newer route has put another chain under its leaf."""
         if self._chains.get(chain[-1]) is chain:
             del self._chains[chain[-1]]
 
 
-def hot_depth(chain: list[int], heat: Callable[[int], float], threshold: float) -> int:
+def hot_depth(chain: list[BlockHash], heat: Callable[[BlockHash], float], threshold: float) -> int:
     """How many blocks of ``chain`` lead to its deepest block at least ``threshold`` hot (0: none).
     Every routed prompt heats a prefix of its chain, so heat never grows with depth and the
     deepest hot block is found by bisection (a handful of lookups, not one per block)."""
@@ -130,12 +131,12 @@ class CopyBatch:
 
     src: int
     dst: int
-    hashes: list[int] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
     generations: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    leases: list[tuple[int, int]] = field(default_factory=list)  # (leaf, depth) per chain copied
+    parents: list[BlockHash] = field(default_factory=list)
+    leases: list[tuple[BlockHash, int]] = field(default_factory=list)  # (leaf, depth) per chain copied
 
-    def add(self, chain: list[int], start: int, end: int, generations: list[int]) -> None:
+    def add(self, chain: list[BlockHash], start: int, end: int, generations: list[int]) -> None:
         held = set(self.hashes)
         for i in range(start, end):
             if chain[i] not in held:
@@ -185,7 +186,7 @@ class BackgroundPlacement:
         self.batch_max_blocks = batch_max_blocks
         self.chains = chains
         # Chain leaf -> (when it may be looked at again, its heat when the gate refused it).
-        self.cooling: dict[int, tuple[float, float]] = {}
+        self.cooling: dict[BlockHash, tuple[float, float]] = {}
         self.refused: Counter[str] = Counter()
         self.decisions: list[AdmissionDecision] = []  # the latest pass's gate decisions
         self.ticks = 0
@@ -211,7 +212,7 @@ class BackgroundPlacement:
             del cooling[leaf]
         return PlacementPass(self, now, self.chains.newest_first(fresh_only))
 
-    def consider(self, chain: list[int], now: float, batches: dict, taken: Counter) -> Generator[None, None, str]:
+    def consider(self, chain: list[BlockHash], now: float, batches: dict, taken: Counter) -> Generator[None, None, str]:
         """Put one hot chain's copies into batches, one step per partner tried (a pass's slice may
         end between two); the generator returns the refusing gate's name, or ""."""
         gbm, topology = self.gbm, self.topology
@@ -268,7 +269,7 @@ class BackgroundPlacement:
             return "capacity"
         return ""
 
-    def _copy(self, chain: list[int], src: int, dst: int, start: int, end: int, batches: dict,
+    def _copy(self, chain: list[BlockHash], src: int, dst: int, start: int, end: int, batches: dict,
               taken: Counter) -> str:
         """Add blocks ``start:end`` of ``chain`` to the (src, dst) batch if every gate passes."""
         gbm = self.gbm
@@ -307,12 +308,12 @@ class PlacementPass:
     alive, the pair idle, the destination's room) as it starts each; ``copies()`` checks all
     at once (a whole pass, ``BackgroundPlacement.tick``)."""
 
-    def __init__(self, placement: BackgroundPlacement, now: float, chains: list[list[int]]) -> None:
+    def __init__(self, placement: BackgroundPlacement, now: float, chains: list[list[BlockHash]]) -> None:
         self.placement = placement
         self.now = now
         self._chains = chains
         self._next = 0
-        self._seen: set[int] = set()  # deepest hot blocks considered: each hot prefix once
+        self._seen: set[BlockHash] = set()  # deepest hot blocks considered: each hot prefix once
         self.batches: dict[tuple[int, int], CopyBatch] = {}
         self.taken: Counter[int] = Counter()  # blocks this pass's batches take on each destination
         self._order: list[CopyBatch] | None = None  # the batches not yet given out, last first
@@ -345,7 +346,7 @@ class PlacementPass:
                 self.placement.refused[done.value] += 1
         return True
 
-    def _take(self, chain: list[int]) -> Generator[None, None, str] | None:
+    def _take(self, chain: list[BlockHash]) -> Generator[None, None, str] | None:
         """The consideration of ``chain``'s hot prefix, or None: not hot, or its prefix seen."""
         placement = self.placement
         gbm = placement.gbm
