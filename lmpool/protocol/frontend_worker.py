@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmpool.protocol.base import LoadReport, Message
+from lmpool.protocol.base import Message
 from lmpool.sampling_params import SamplingParams
 from lmpool.token_logprobs import TokenLogprobs
 
@@ -72,7 +72,6 @@ class TokenDelta(Message):
 
 class StepOutputs(Message, tag="outputs"):
     outputs: list[TokenDelta]
-    load: LoadReport
 
 
 FrontendToWorker = AddRequest | AbortRequest | AttachControl | Shutdown

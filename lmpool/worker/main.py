@@ -253,17 +253,16 @@ class Worker:
         return [WorkerDelta(self.rank, self.epoch, d, report if i == 0 else later)
                 for i, d in enumerate(split_delta(cache, parts))]
 
-    async def send_outputs(self, deltas: list[TokenDelta], load: LoadReport) -> None:
+    async def send_outputs(self, deltas: list[TokenDelta]) -> None:
         """A step's tokens to the user process: in one message, but each first token carrying its
         prompt's logprobs in one of its own (ingress lets each alone fit a message, not several
         together). One that the link still refuses fails its request alone; the rank serves on."""
         alone = [d for d in deltas if d.prompt_logprobs is not None]
         if len(alone) < len(deltas):
-            await self.engine.send(StepOutputs([d for d in deltas if d.prompt_logprobs is None] if alone else deltas,
-                                               load))
+            await self.engine.send(StepOutputs([d for d in deltas if d.prompt_logprobs is None] if alone else deltas))
         for delta in alone:
             try:
-                await self.engine.send(StepOutputs([delta], load))
+                await self.engine.send(StepOutputs([delta]))
             except MessageError as e:
                 self.core.abort_request(delta.request_id)
                 await self.engine.send(RequestRejected(delta.request_id, f"its prompt logprobs cannot be sent: {e}"))
@@ -389,8 +388,8 @@ class Worker:
             load = None
             if deltas:
                 self.generated_tokens += len(deltas)  # one delta per new token
-                load = self.load()
-                await self.send_outputs(deltas, load)
+                load = self.load()  # before the sends: what ``publish`` reports is the step's load
+                await self.send_outputs(deltas)
             for reply in failed:
                 await self.engine.send(reply)
             await self.publish(load)
