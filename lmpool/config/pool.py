@@ -23,6 +23,8 @@ from lmpool.config.kv_events import KVEventsConfig
 from lmpool.config.routing import RoutingConfig
 from lmpool.config.transfer import TransferPolicyConfig, check_mode
 
+# The keys of lmpool.control.routing.registry.POLICIES (a test holds them equal), named here so that
+# configuration and the CLI do not import the control process's policies.
 ROUTINGS = ("lmpool", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv")
 GPU_TRANSFER_PATHS = ("auto", "nccl")
 # CPU replicas share one machine's memory: each takes a quarter of what a lone ``LLM`` would.

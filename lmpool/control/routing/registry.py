@@ -1,5 +1,7 @@
 """The routing policies by name (``AsyncLMPool(routing=...)``): a new policy is one module
-implementing ``RoutingPolicy`` and one line here."""
+implementing ``RoutingPolicy``, one line here and its name in ``lmpool.config.pool.ROUTINGS``
+(the names configuration and ``lmpool serve --routing`` accept without importing the control
+process's policies; a test holds the two equal)."""
 
 from __future__ import annotations
 

@@ -2,13 +2,14 @@
 
 ``create_app(settings)`` builds a FastAPI app whose lifespan starts the pool on the server's
 own event loop (logging a line with its id, ranks, devices, KV blocks and the ``lmpool top``
-command) and shuts it down with the server. Handlers use the pool's public API only
-(``encode``, ``encode_chat``, ``stream``, ``generate``, ``stats``). A request whose client
-disconnects is aborted: a stream's consumer is cancelled by the server, a non-streaming
-handler races its request against the client's disconnect (``disconnect``). Request bodies are
-read and decoded by ``body.parse_request`` (a size limit; large bodies decoded off the event
-loop), not by FastAPI. The routes gateways probe (``/server_info``, ``/v1/loads``...) are
-``ecosystem``'s.
+command) and shuts it down with the server. Handlers use the pool's public API (``encode``,
+``encode_chat``, ``stream``, ``generate``, ``stats``), and read from its client
+(``pool.engine``) what that API does not give: the ranks (their KV blocks and liveness), the
+block size and the context length. A request whose client disconnects is aborted: a stream's
+consumer is cancelled by the server, a non-streaming handler races its request against the
+client's disconnect (``disconnect``). Request bodies are read and decoded by
+``body.parse_request`` (a size limit; large bodies decoded off the event loop), not by FastAPI.
+The routes gateways probe (``/server_info``, ``/v1/loads``...) are ``ecosystem``'s.
 """
 
 from __future__ import annotations
