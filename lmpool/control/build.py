@@ -56,12 +56,15 @@ def build_control_plane(spec: ControlSpec) -> ControlPlane:
 
     # Bound late: the plane is made last, from the others.
     def plan_ended(plan: Plan) -> None:
+        assert plane is not None
         plane.plan_ended(plan)
 
     def plan_published(plan: Plan) -> None:
+        assert plane is not None
         plane.plan_published(plan)
 
     def pull_resolved(request_id: str, outcome: str) -> None:
+        assert plane is not None
         plane.pull_resolved(request_id, outcome)
 
     gbm = page_table(spec)
@@ -90,16 +93,17 @@ def assemble(spec: ControlSpec, gbm: GlobalBlockManager, send: Callable[[int, ob
     evictions = EvictionMemory(pool.world_size)
     gbm.watch_removed(evictions.removed)
     pricer = Pricer(gbm, links, model, limits(pool.engine), evictions.reuse)
+    costs = cost_model(spec)
     # A restarted control process must not reuse the plan ids its predecessor's plans hold on
     # the workers, hence a random start.
-    coordinator = TransferCoordinator(gbm, send, cost_model=cost_model(spec), on_end=plan_ended,
+    coordinator = TransferCoordinator(gbm, send, cost_model=costs, on_end=plan_ended,
                                       first_plan_id=random.getrandbits(48), on_published=plan_published)
     steering = chains = pulls = None
     if transfer.background_placement:
         steering = SteerToLeases(PlacementLeases(cfg.lease_s, clock=gbm.clock))
         chains = HotChains(cfg.recent_chains)
     if transfer.route_pulls:
-        pricing = PullPricer(gbm, links, pricer, coordinator.cost_model.estimate, coordinator.room)
+        pricing = PullPricer(gbm, links, pricer, costs.estimate, coordinator.room)
         pulls = RoutePulls(gbm, coordinator, pricing, pull_resolved, pool.routing_config.price_tie)
     router = make_router(gbm, links, pool.routing, pool.routing_config, pricer, evictions, steering, pulls, chains)
     policies = TransferPolicies(spec, gbm, links, pricer, coordinator, send, steering, pulls, chains)
@@ -140,7 +144,7 @@ def topology(spec: ControlSpec) -> Topology:
     pool = spec.pool
     if pool.topology is None:
         return Topology.detect(pool.world_size, pool.device, pool.gpu_of_rank())
-    return Topology.from_pairs(pool.world_size, [tuple(p) for p in pool.topology], pool.gpu_of_rank())
+    return Topology.from_pairs(pool.world_size, [(a, b) for a, b in pool.topology], pool.gpu_of_rank())
 
 
 def cost_model(spec: ControlSpec) -> TransferCostModel:

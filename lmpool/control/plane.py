@@ -39,6 +39,7 @@ from lmpool.protocol import (
     Connect,
     ControlStats,
     CudaIpcExport,
+    DigestAnswer,
     DigestQuery,
     DigestsReply,
     FrontendToControl,
@@ -176,7 +177,7 @@ class ControlPlane:
                 if asked == rank and not waiter.done():
                     waiter.set_exception(RankGoneError(f"rank {rank} went down before it answered"))
 
-    def apply(self, msg: WorkerToControl) -> bool:
+    def apply(self, msg: Heartbeat | WorkerSnapshot | WorkerDelta) -> bool:
         """Apply one worker report; True when a gap means the rank must resend a snapshot."""
         if isinstance(msg, WorkerSnapshot):
             self.gbm.register_rank(msg.rank, msg.epoch, msg.num_blocks)
@@ -221,7 +222,10 @@ class ControlPlane:
             os._exit(70)
 
     def on_query_answer(self, answer: QueryAnswer) -> None:
-        rank, waiter = self.worker_queries.get(answer.query_id, (None, None))
+        asked = self.worker_queries.get(answer.query_id)
+        if asked is None:
+            return
+        rank, waiter = asked
         if rank == answer.rank and not waiter.done():  # ``ask`` forgets the question
             waiter.set_result(answer)
 
@@ -282,7 +286,7 @@ class ControlPlane:
     def _generations(self, rank: int, block_hashes: list[BlockHash]) -> tuple[list[int], BlockHash | None]:
         """The generation of each block at ``rank`` up to the first hash it does not hold
         ready, and that hash (None: it holds them all)."""
-        generations = []
+        generations: list[int] = []
         for h in block_hashes:
             entry = next((e for e in self.gbm.entries(h) if e.rank == rank and e.ready), None)
             if entry is None:
@@ -312,6 +316,7 @@ class ControlPlane:
         if request.rank not in self.outbox:
             raise ValueError(f"rank {request.rank} is not a live rank of this pool")
         answer = await self.ask(request.rank, DigestQuery, request.block_hashes)
+        assert isinstance(answer, DigestAnswer)  # a DigestQuery's answer
         return DigestsReply(answer.digests)
 
     async def watchdog(self) -> None:
@@ -384,6 +389,7 @@ class ControlPlane:
         timeout = self.spec.pool.hang_timeout
         if timeout is None:
             return
+        assert not isinstance(timeout, str)  # PoolConfig resolved "auto" to seconds or None
         for rank in self.gbm.mark_silent(timeout):
             log.warning("rank %d has reported nothing for over %g s: routed around until it does", rank, timeout)
 
@@ -473,6 +479,7 @@ class ControlPlane:
         )
 
     async def publish_state(self) -> None:
+        assert self.spec.board is not None  # started only with a board
         with StateBoardWriter(self.spec.board) as board:
             while True:
                 board.publish(self.pool_state())
@@ -483,7 +490,7 @@ class ControlPlane:
         # the process: keep it out of the collector's full passes, which would stall routing.
         gc.freeze()
         self.kv_events = kv_pool_events.from_config(self.spec.pool.kv_events, self.gbm)
-        engine = Channel(self.spec.engine_end, FrontendToControl)
+        engine: Channel[FrontendToControl] = Channel(self.spec.engine_end, FrontendToControl)
         tasks = [asyncio.create_task(self.heartbeat())]
         if self.spec.board is not None:
             tasks.append(asyncio.create_task(self.publish_state()))
@@ -491,7 +498,7 @@ class ControlPlane:
             if end is None:  # down before this control process started
                 self.known[rank].set()
                 continue
-            channel = Channel(end, WorkerToControl)
+            channel: Channel[WorkerToControl] = Channel(end, WorkerToControl)
             self.workers[rank] = channel
             self.outbox[rank] = asyncio.Queue()
             tasks.append(asyncio.create_task(self.read_worker(rank, channel)))

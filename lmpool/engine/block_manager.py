@@ -389,6 +389,7 @@ class BlockManager:
         for block_hash, block_id in self.hash_to_block.items():
             block = self.blocks[block_id]
             parent = self.blocks[block.parent_id].block_hash if block.parent_id is not None else ROOT_HASH
+            assert parent is not None  # a cached block's parent is cached
             blocks.append(BlockStored(block_hash, parent, block_id, block.generation, block.token_ids))
         return KVSnapshot(self.version, blocks)
 

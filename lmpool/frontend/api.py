@@ -34,7 +34,7 @@ import contextlib
 import itertools
 import secrets
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from collections.abc import Sequence as SequenceABC
 
 import uvloop
@@ -99,6 +99,7 @@ class AsyncLMPool:
         return self
 
     def _start_metrics(self) -> PoolMetrics:
+        assert self.engine.board is not None  # the started pool's
         metrics = PoolMetrics(self.engine.board, self.served_model_name)
         host, port = self._metrics_address
         if port is not None:
@@ -112,6 +113,7 @@ class AsyncLMPool:
     @property
     def pool_id(self) -> str:
         """The pool's id, as ``lmpool ps`` lists it and ``lmpool top`` takes it."""
+        assert self.engine.ipc is not None, "the pool is not started"
         return self.engine.ipc.pool_id
 
     @property
@@ -164,7 +166,7 @@ class AsyncLMPool:
     async def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
         rank: int | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """One ``RequestOutput`` per new token (cumulative); the last has ``finish_reason`` set.
         Leaving the loop early, or cancelling the consuming task, aborts the request.
         ``rank`` bypasses routing (for experiments and benchmarks). With stop strings, the
@@ -205,6 +207,7 @@ class AsyncLMPool:
         last = None
         async for last in self.stream(prompt, params, request_id, rank):
             pass
+        assert last is not None  # a stream ends with its request's finished output
         return last
 
     async def chat(

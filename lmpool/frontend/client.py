@@ -191,6 +191,7 @@ class PoolClient:
 
     async def _start_processes(self) -> None:
         cfg = self.config
+        assert self.ipc is not None  # start() made it
         self.board = self.ipc.create_board(BOARD_LABEL, board_capacity(cfg.world_size))
         control_links = []
         for r in range(cfg.world_size):
@@ -201,7 +202,7 @@ class PoolClient:
                 transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
             )
             proc = process.spawn("lmpool.worker.main", spec)
-            channel = Channel(link.a, WorkerToFrontend)
+            channel: Channel[WorkerToFrontend] = Channel(link.a, WorkerToFrontend)
             channel.expect_peer(proc.pid)
             self.ranks.append(Rank(r, proc, channel))
         await self._spawn_control([link.a for link in control_links])
@@ -225,10 +226,12 @@ class PoolClient:
         assert isinstance(msg, WorkerReady)
         rank.num_blocks = msg.num_blocks
         # Watched only from now: while it loaded the model its loop could not beat.
+        assert not isinstance(self.config.hang_timeout, str)  # PoolConfig resolved "auto"
         rank.channel.watch_heartbeat(self.config.hang_timeout)
 
     async def _spawn_control(self, worker_ends: list[str | None]) -> None:
         cfg = self.config
+        assert self.ipc is not None  # start() made it
         link = self.ipc.create_link()
         spec = ControlSpec(
             pool=cfg, engine_end=link.b, worker_ends=worker_ends,
@@ -239,6 +242,7 @@ class PoolClient:
         self.control_proc = process.spawn("lmpool.control.main", spec)
         self._control_channel = Channel(link.a, object)
         self._control_channel.expect_peer(self.control_proc.pid)
+        assert not isinstance(self.config.hang_timeout, str)  # PoolConfig resolved "auto"
         self._control_channel.watch_heartbeat(self.config.hang_timeout)
         self.control = Requester(
             self._control_channel, RouteDecision | ControlStats | TransferResult | DigestsReply | None
@@ -256,6 +260,8 @@ class PoolClient:
                 return
             self.control_restarts += 1
             failed.close()
+            # A control process (its channel and process) runs while self.control is set.
+            assert self.ipc is not None and self._control_channel is not None and self.control_proc is not None
             self._control_channel.close()
             await asyncio.get_running_loop().run_in_executor(None, process.stop, self.control_proc, 1.0)
             live = [r for r in self.ranks if r.alive]
@@ -532,6 +538,7 @@ class PoolClient:
                     pass
         if self.control is not None:
             self.control.close()
+            assert self._control_channel is not None  # made with self.control
             self._control_channel.close()  # the control process's Responder sees it and exits
         loop = asyncio.get_running_loop()
         procs = [r.proc for r in self.ranks] + ([self.control_proc] if self.control_proc else [])

@@ -26,18 +26,17 @@ def normalize_prompts(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):  # numpy array, torch tensor
-        prompts = prompts.tolist()
-        if not isinstance(prompts, list):  # a 0-d array: one token id
-            prompts = [prompts]
+        listed = prompts.tolist()
+        prompts = listed if isinstance(listed, list) else [listed]  # a 0-d array: one token id
     if not isinstance(prompts, (list, tuple)):
         raise ArgumentTypeError(f"prompts must be text, token ids, or a list of them; got {_described(prompts)}")
-    prompts = list(prompts)
-    if prompts and all(is_token_id(t) for t in prompts):
-        return [prompts]
-    for i, prompt in enumerate(prompts):
+    items = list(prompts)
+    if items and all(is_token_id(t) for t in items):
+        return [items]
+    for i, prompt in enumerate(items):
         if not (isinstance(prompt, (str, list, tuple)) or hasattr(prompt, "tolist")):
             raise ArgumentTypeError(f"prompt {i} must be text or a sequence of token ids, got {_described(prompt)}")
-    return prompts
+    return items
 
 
 def _described(value) -> str:
@@ -88,7 +87,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args) -> None:
         self.config = EngineConfig(model=str(model), **engine_args)
-        self.engine = EngineCore(self.config)
+        self.engine: EngineCore | None = EngineCore(self.config)  # None once shut down
         self.tokenizer = load_tokenizer(model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -110,21 +109,22 @@ class LLM:
         a ``ValueError`` naming its prompt; the call's other requests are stopped."""
         if self.engine is None:
             raise RuntimeError("this LLM was shut down: create a new one to generate again")
+        engine = self.engine
 
         def validate(ids: list[int], p: SamplingParams) -> None:
             check_usable(p, self.tokenizer)
-            self.engine.validate(ids, p)
+            engine.validate(ids, p)
 
         token_lists, params = prepare_batch(prompts, sampling_params, self.encode, validate)
         request_ids = [f"llm-{next(self._ids)}" for _ in token_lists]
         states: dict[str, RequestState] = {}
         for rid, ids, p in zip(request_ids, token_lists, params):
             states[rid] = self.output_processor.new_request(rid, ids, p)
-            self.engine.add_request(rid, ids, p)
+            engine.add_request(rid, ids, p)
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(request_ids):
-                for out in self.engine.step():
+                for out in engine.step():
                     if out.error is not None:
                         raise ValueError(
                             f"prompt {request_ids.index(out.request_id)} (request {out.request_id!r}): {out.error}")
@@ -134,7 +134,7 @@ class LLM:
         finally:
             for rid in request_ids:  # an interrupted call leaves nothing behind
                 if rid not in done:
-                    self.engine.abort_request(rid)
+                    engine.abort_request(rid)
         return [done[rid] for rid in request_ids]
 
     def _process(self, state: RequestState, out: StepOutput) -> RequestOutput | None:
@@ -143,6 +143,7 @@ class LLM:
         logprobs = () if out.logprobs is None else (out.logprobs,)
         final = state.update([out.new_token_id], out.finish_reason, logprobs, out.prompt_logprobs)
         if final is not None and not out.finished:  # a stop string ended it: so must the engine
+            assert self.engine is not None  # generate() is running
             self.engine.abort_request(out.request_id)
         return final
 

@@ -18,6 +18,9 @@ metrics on. With metrics off the engine holds ``NO_METRICS``, whose hooks do not
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 from lmpool.protocol.state_board import ROUTE_LATENCY_BUCKETS_S, PoolState, StateBoardReader
 from lmpool_ipc import BoardBusyError
 
@@ -62,7 +65,7 @@ class PoolMetrics(TokenTimer):
         self._board = StateBoardReader(board)
         self.registry.register(_BoardCollector(self._board, model_name))
         self.port: int | None = None
-        self._http = None
+        self._http: tuple[Any, threading.Thread] | None = None  # prometheus_client's server and its thread
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> None:
         """Serve the registry at ``http://host:port/metrics`` (0: a free port, then ``port``)."""

@@ -86,9 +86,11 @@ class RequestState:
         if prompt_logprobs is not None and self.prompt_logprobs is None:  # a recomputation sends them again
             self.prompt_logprobs = prompt_logprobs
         text = self._text(new_token_ids, final=finish_reason is not None)
-        hit = self._stops.find(text) if self._stops is not None else None
-        if hit is not None:  # the text shows a stop string: the request ends just before it
-            text, finish_reason = text[:hit], "stop"
+        if self._stops is not None:
+            assert text is not None  # stop strings need a tokenizer: the text is decoded step by step
+            hit = self._stops.find(text)
+            if hit is not None:  # the text shows a stop string: the request ends just before it
+                text, finish_reason = text[:hit], "stop"
         self.finish_reason = finish_reason
         if finish_reason is None:
             if not self._stream:
@@ -110,7 +112,10 @@ class RequestState:
 
     def _held_back(self, text: str | None) -> str | None:
         """``text`` as a stream may show it: less any ending a stop string may go on from."""
-        return self._stops.held_back(text) if self._stops is not None else text
+        if self._stops is None:
+            return text
+        assert text is not None  # stop strings need a tokenizer: the text is decoded step by step
+        return self._stops.held_back(text)
 
     def _output(self, text: str | None) -> RequestOutput:
         return RequestOutput(

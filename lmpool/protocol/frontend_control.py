@@ -44,7 +44,8 @@ class StatsQuery(Message, tag="stats"):
     pass
 
 
-class StepFit(Message, kw_only=True, frozen=True):
+# msgspec lets a frozen struct extend an unfrozen one; mypy reads it with dataclass rules.
+class StepFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     """A rank's fitted step time (``lmpool.control.pricing.step_model``): a step's seconds are
     base + per prefill token + per attention pair + per decoding sequence + per context token."""
 

@@ -130,6 +130,8 @@ class _BoardSide:
 class StateBoardWriter(_BoardSide):
     """The control process's side: encode and publish. Never waits for readers."""
 
+    _board: BoardWriter
+
     def __init__(self, name: str) -> None:
         self._board = BoardWriter(name)
         self._encoder = msgspec.msgpack.Encoder()
@@ -140,6 +142,8 @@ class StateBoardWriter(_BoardSide):
 
 class StateBoardReader(_BoardSide):
     """A monitor's side: the latest ``PoolState`` of one pool, read-only."""
+
+    _board: BoardReader
 
     def __init__(self, name: str) -> None:
         self.name = name

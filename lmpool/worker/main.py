@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 import msgspec
 import uvloop
@@ -73,7 +74,7 @@ STEP_REPORT_S = 0.05  # step timings go to the control plane at most this often 
 
 class Worker:
     def __init__(self, spec: WorkerSpec, core: EngineCore, engine: Channel,
-                 calibration: list[StepSample] = ()) -> None:
+                 calibration: Sequence[StepSample] = ()) -> None:
         self.spec = spec
         self.rank = spec.rank
         self.epoch = spec.epoch
@@ -336,7 +337,10 @@ class Worker:
             await asyncio.sleep(0.0005)
             return
         release = self.release
-        if release is None or release.pending is None or self.inbox or self.transfers.orders:
+        if release is None or release.pending is None or self.inbox:
+            return
+        assert self.transfers is not None  # release_hook makes a release only with transfers
+        if self.transfers.orders:
             return
         # Admission waits for a move: only a message (an order, the outcome, a request)
         # or the wait's deadline can change anything.
@@ -430,7 +434,7 @@ def release_hook(spec: WorkerSpec):
 
 
 async def main_async(spec: WorkerSpec) -> int:
-    engine = Channel(spec.engine_end, FrontendToWorker)
+    engine: Channel[FrontendToWorker] = Channel(spec.engine_end, FrontendToWorker)
     try:
         core = EngineCore(spec.pool.engine_of(spec.rank), release_hook(spec))
         samples = calibrate(core, seed=spec.rank) if spec.pool.calibrate_steps else []

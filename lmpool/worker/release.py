@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import cast
 
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.protocol import ReleaseOutcome, ShortageReport
+from lmpool.protocol.base import BlockHash
 
 
 class ForegroundRelease:
@@ -115,8 +117,10 @@ class ForegroundRelease:
         blocks = [bm.blocks[b] for b in order]
         return ShortageReport(
             self.rank, self.epoch, self._ids,
-            hashes=[b.block_hash for b in blocks],
-            parents=[bm.blocks[b.parent_id].block_hash if b.parent_id is not None else ROOT_HASH for b in blocks],
+            # Eviction takes cached blocks, and a cached block's parent is cached: every hash is set.
+            hashes=cast(list[BlockHash], [b.block_hash for b in blocks]),
+            parents=cast(list[BlockHash], [bm.blocks[b.parent_id].block_hash if b.parent_id is not None else ROOT_HASH
+                                           for b in blocks]),
             generations=[b.generation for b in blocks],
             num_victims=len(victims),
             expected_reuses=sum(bm.blocks[b].hits for b in victims) / len(victims),

@@ -24,7 +24,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -60,6 +60,11 @@ from lmpool.protocol.base import BlockHash
 from lmpool.protocol.cuda_ipc import CudaIpcExport
 from lmpool.protocol.spec import WorkerSpec
 
+if TYPE_CHECKING:
+    from lmpool.dataplane.cuda_ipc import CudaIpcTransport
+    from lmpool.dataplane.nccl import NcclTransport
+    from lmpool.dataplane.transport import Handle
+
 # A pull of a few blocks takes tens of microseconds: waiting that long right after
 # starting it saves the step loop's next poll (which comes after a pause while idle).
 SETTLE_S = 100e-6
@@ -85,7 +90,7 @@ class _GpuDone:
 @dataclass
 class _Pending:
     order: PlanOrder
-    handle: object  # a transport ``Handle``
+    handle: Handle
     finish: Callable[[], PlanAnswer]  # the answer, once the handle is done without error
     silent: bool = False  # an injected fault lost its ack
 
@@ -93,6 +98,7 @@ class _Pending:
 class TransferExecutor:
     def __init__(self, spec: WorkerSpec, core: EngineCore) -> None:
         runner = core.runner
+        assert spec.transfer_rendezvous is not None  # a worker makes one only for a pool with transfers
         self.rank = spec.rank
         self.world_size = spec.pool.world_size
         self.core = core
@@ -100,8 +106,9 @@ class TransferExecutor:
         self.rendezvous = spec.transfer_rendezvous
         self.gpu_transfer_path = spec.pool.transfer.gpu_transfer_path
         self.participant = TransferParticipant(core.block_manager, lease_s=spec.pool.transfer.transfer_lease_s)
-        self.ipc = None
-        self.packed = None  # gloo (CPU), or NCCL once a peer cannot be pulled from
+        self.ipc: CudaIpcTransport | None = None
+        # gloo (CPU), or NCCL once a peer cannot be pulled from
+        self.packed: GlooTransport | NcclTransport | None = None
         if self.device.type == "cpu":
             self.packed = GlooTransport(spec.transfer_rendezvous, spec.rank, self.world_size)
         else:
@@ -236,6 +243,7 @@ class TransferExecutor:
     def _connect(self, order: Connect) -> CudaIpcExport | None:
         self.broken.pop(order.peer, None)
         if self.ipc is None:
+            assert self.packed is not None  # without CUDA IPC (CPU replicas), gloo from the start
             self.packed.connect(order.peer, order.session)
             self.paths[order.peer] = "packed"
             return None
@@ -316,7 +324,8 @@ class TransferExecutor:
             if len(order.peer_block_ids) != len(plan.block_ids):
                 raise ValueError(f"execute_recv of plan {order.plan_id} names {len(order.peer_block_ids)} source "
                                  f"blocks for {len(plan.block_ids)} reserved ones")
-            handle = self.ipc.pull(order.peer, order.peer_block_ids, plan.block_ids)
+            assert self.ipc is not None  # the "pull" path is CUDA IPC's
+            handle: Handle = self.ipc.pull(order.peer, order.peer_block_ids, plan.block_ids)
             self._pend(_Pending(order, handle, lambda: self._executed(order, pulled=True)))
             return None
         runner = self.core.runner

@@ -110,6 +110,7 @@ class SteerToLeases(RouteStage):
             self.leases.drop(lease.leaf)
             return
         copy = route.price_of(lease.dst)
+        assert copy is not None  # a priced route prices each of its ranks, lease.dst among them
         if not copy.feasible or route.chosen is None or copy.total_s >= route.chosen.total_s:
             return
         self.routed += 1

@@ -66,6 +66,7 @@ class TransferPolicies:
         self.send = send
         self.background = transfer.background_placement
         self.foreground = transfer.foreground_release
+        assert coordinator.cost_model is not None  # build_control_plane gives the coordinator one
         self.cost_model = coordinator.cost_model  # completed plans correct the estimates
         policy = AdmissionPolicy(
             prefill_s_per_token=cfg.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN,
@@ -107,6 +108,7 @@ class TransferPolicies:
         are now. True once the pass is over."""
         if self.placement is None:
             return True
+        assert self.leases is not None  # background placement runs with the lease stage
         if self._pass is None:
             self.leases.expire()
             self.stats_.background_ticks += 1
@@ -124,6 +126,7 @@ class TransferPolicies:
         return True
 
     def _start_copy(self, batch: CopyBatch) -> None:
+        assert self.placement is not None  # batches come from its passes
         reason = self.placement.stale(batch, 0)  # the coordinator counts the copies started so far
         if reason:
             self.placement.refused[reason] += 1
@@ -175,6 +178,7 @@ class TransferPolicies:
         if batch is not None and done:
             self.stats_.background_copies += 1
             self.stats_.background_blocks += len(plan.hashes)
+            assert self.leases is not None  # a background copy's batch: placement runs with leases
             for leaf, depth in batch.leases:
                 self.leases.grant(leaf, depth, plan.src, plan.dst)
         release = self.releases.pop(plan.plan_id, None)

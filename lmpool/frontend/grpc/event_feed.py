@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -29,7 +31,7 @@ log = logging.getLogger("uvicorn.error")
 class PoolEventFeed:
     def __init__(self, endpoint: str, replay_endpoint: str, topic: str = "", array_like: bool = True) -> None:
         self.view = HostKVView()
-        self._decode = msgspec.msgpack.Decoder(event_types(array_like).batch).decode
+        self._decode: Callable[[bytes], Any] = msgspec.msgpack.Decoder(event_types(array_like).batch).decode
         self._ctx = zmq.asyncio.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -113,7 +115,8 @@ class PoolEventFeed:
         sock.connect(self._replay_endpoint)
         try:
             await sock.send_multipart((b"", SNAPSHOT_REQUEST))
-            batches, last = [], -1
+            batches: list[Any] = []
+            last = -1
             while True:
                 _, seq, payload = await sock.recv_multipart()
                 if seq == END_SEQ:

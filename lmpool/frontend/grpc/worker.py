@@ -67,6 +67,7 @@ class GrpcWorker:
         self.feed = PoolEventFeed(self.endpoint, self.replay_endpoint, self.topic, self.array_like)
 
     async def start(self, pool, settings) -> None:
+        assert self.feed is not None  # connect() came first
         self.feed.start()
         # As many calls at once as the HTTP server takes requests (past it, RESOURCE_EXHAUSTED).
         self.server = grpc.aio.server(maximum_concurrent_rpcs=settings.limits.limit_concurrency,
@@ -89,6 +90,7 @@ class GrpcWorker:
                 self.feed.end_streams()
             if self.server is not None:
                 await self.server.stop(grace)
+                assert self.servicer is not None  # made with the server
                 self.servicer.close()
             if self.feed is not None:
                 await self.feed.close()

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,8 +36,13 @@ from lmpool.frontend.serve.metrics import scrape
 from lmpool.frontend.serve.protocol import (
     DEFAULT_COMPLETION_TOKENS,
     ChatCompletionRequest,
+    ChatFields,
+    CompletionFields,
     CompletionRequest,
+    DetokenizeFields,
     PromptList,
+    SamplingFields,
+    TokenizeFields,
 )
 from lmpool.frontend.serve.responses import Shape, server_fingerprint
 from lmpool.frontend.serve.settings import ServeSettings
@@ -96,7 +102,10 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
     async def completions(request: Request):
         parsed, pool = await request_for(request, CompletionRequest, "completions")
         body = parsed.request
-        prompts = list(parsed.prompt) if isinstance(parsed.prompt, PromptList) else [parsed.prompt]
+        assert isinstance(body, CompletionFields)  # the request, or its head (HEADS) from the parsing process
+        # A completion's prompt (CompletionRequest.prompt_input): text or token ids, or a list of them.
+        prompt = cast(str | list[int] | PromptList, parsed.prompt)
+        prompts: list[str | list[int]] = list(prompt) if isinstance(prompt, PromptList) else [prompt]
         ids = [await off_loop(request, pool.encode, prompt) for prompt in prompts]
         echoes = [await _prompt_text(request, pool, p, i) for p, i in zip(prompts, ids)] if body.echo else None
         params = body.sampling_params(DEFAULT_COMPLETION_TOKENS)
@@ -107,6 +116,7 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
     async def chat_completions(request: Request):
         parsed, pool = await request_for(request, ChatCompletionRequest, "chat")
         body = parsed.request
+        assert isinstance(body, ChatFields)  # the request, or its head (HEADS) from the parsing process
         prompt_ids = await off_loop(request, pool.encode_chat, parsed.prompt, **(body.chat_template_kwargs or {}))
         # OpenAI's chat default is "as long as the context allows".
         params = body.sampling_params(max(1, longest_request(pool) - len(prompt_ids)))
@@ -135,6 +145,7 @@ async def request_for(request: Request, model: type, endpoint: str) -> tuple[Par
     """The request's body as ``model`` (``body.parse_request``) and the pool it names (a 404 for another
     model); ``ClientGone`` (a 499) if the client left while it was read."""
     parsed = await parse_request(request, model, endpoint)
+    assert isinstance(parsed.request, (SamplingFields, TokenizeFields, DetokenizeFields))  # every request model's base
     return parsed, _pool(request, parsed.request.model)
 
 

@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from lmpool.frontend.serve.body_parser import Answer, BodyRefused, Decoded, Parsed, ParseJob, Ready, Refused, decode
 from lmpool.frontend.serve.disconnect import ClientGone
 from lmpool.frontend.serve.errors import ServeError
-from lmpool.frontend.serve.protocol import HEADS, PromptList
+from lmpool.frontend.serve.protocol import HEADS, PromptList, RequestModel
 from lmpool.frontend.serve.settings import HttpLimits
 from lmpool.frontend.serve.validation_errors import described
 
@@ -37,7 +37,7 @@ PARSER_ARGV = [sys.executable, "-m", "lmpool.frontend.serve.body_parser"]
 READ_CHUNK = 1 << 20  # bytes of an answer read at a time
 
 
-async def parse_request(request: Request, model: type[BaseModel], endpoint: str) -> Parsed:
+async def parse_request(request: Request, model: type[RequestModel], endpoint: str) -> Parsed:
     """The request's body as ``model`` (``endpoint``'s, in ``body_parser.ENDPOINTS``), resolved;
     ``ServeError`` 413, 415 or 400, or ``ClientGone``."""
     limits: HttpLimits = request.app.state.settings.limits
@@ -141,12 +141,14 @@ class BodyParser:
                 raise ServeError(500, "the body-parsing process failed; it has been restarted") from None
 
     async def _ask(self, process: asyncio.subprocess.Process, job: bytes) -> Answer:
+        assert process.stdin is not None  # started with pipes
         process.stdin.write(len(job).to_bytes(8, "big"))
         process.stdin.write(job)
         await process.stdin.drain()
         return await self._answer(process)
 
     async def _answer(self, process: asyncio.subprocess.Process) -> Answer:
+        assert process.stdout is not None  # started with pipes
         size = int.from_bytes(await process.stdout.readexactly(8), "big")
         # Read into its place a chunk at a time: the loop never copies the whole answer at once
         # (a reader's buffer grown to tens of megabytes, then sliced, costs it 100 ms).
@@ -181,6 +183,7 @@ class BodyParser:
         if kill:
             process.kill()
         else:
+            assert process.stdin is not None  # started with pipes
             process.stdin.close()  # the process exits at the end of its stdin
         try:
             await asyncio.wait_for(process.wait(), 10)

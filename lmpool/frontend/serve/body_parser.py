@@ -37,11 +37,12 @@ from lmpool.frontend.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     PromptList,
+    RequestModel,
     TokenizeRequest,
 )
 from lmpool.frontend.serve.validation_errors import described
 
-ENDPOINTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest,
+ENDPOINTS: dict[str, type[RequestModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest,
                                          "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
 IDS_PIECE = 1 << 16  # token ids per piece: about a millisecond to decode
 TEXT_PIECE = 1 << 20  # bytes of UTF-8 text per piece
@@ -72,7 +73,7 @@ class Parsed:
     prompt: str | list[int] | list[dict] | PromptList
 
 
-def decode(model: type[BaseModel], content_type: str | None, body: bytes) -> Parsed:
+def decode(model: type[RequestModel], content_type: str | None, body: bytes) -> Parsed:
     """The request of ``body``, as ``model`` validates it, or ``BodyRefused``."""
     if content_type is not None and not is_json(content_type):
         raise BodyRefused(415, f"the body must be JSON (Content-Type: application/json), not {content_type!r}")

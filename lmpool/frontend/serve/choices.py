@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 
 from lmpool.frontend.serve.responses import Choice
@@ -53,7 +53,7 @@ async def generate_all(pool, runs: list[Run], request_id: str) -> list[RequestOu
 
 
 async def start_streams(pool, runs: list[Run], request_id: str
-                        ) -> tuple[list[RequestOutput], list[AsyncIterator[RequestOutput]]]:
+                        ) -> tuple[list[RequestOutput], list[AsyncGenerator[RequestOutput, None]]]:
     """Every run's stream and its first output, awaited so that a request the pool refuses gets
     its status code rather than a 200 stream holding an error; on any failure every stream ends."""
     streams = [pool.stream(r.prompt_ids, r.params, request_id=rid)

@@ -22,7 +22,7 @@ process (``body_parser``) sends the head and the resolved prompt back separately
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from pydantic import (
     BaseModel,
@@ -244,7 +244,7 @@ class CompletionRequest(CompletionFields):
             return PromptList(prompt) if len(prompt) > 1 else prompt[0]
         if not prompt:
             raise ValueError("the prompt is empty")
-        return prompt
+        return cast(str | list[int], prompt)  # one prompt: a list of them went above
 
 
 class Message(BaseModel):
@@ -352,7 +352,10 @@ class TokenizeRequest(TokenizeFields):
     def prompt_input(self) -> str | list[dict]:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either a prompt or messages")
-        return self.prompt if self.messages is None else [m.as_template_input() for m in self.messages]
+        if self.messages is None:
+            assert self.prompt is not None  # one of the two, checked above
+            return self.prompt
+        return [m.as_template_input() for m in self.messages]
 
 
 class DetokenizeFields(BaseModel):
@@ -367,6 +370,9 @@ class DetokenizeRequest(DetokenizeFields):
     def prompt_input(self) -> list[int]:
         return self.tokens
 
+
+# A request model of one of the endpoints that take a body with a prompt or messages.
+RequestModel = CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest
 
 # Each endpoint's request model and its head (the model less its prompt or messages).
 HEADS: dict[type[BaseModel], type[BaseModel]] = {

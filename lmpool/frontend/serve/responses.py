@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from lmpool.frontend.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from lmpool.outputs import RequestOutput
+from lmpool.token_logprobs import TokenLogprobs
 
 
 def server_fingerprint() -> str:
@@ -136,7 +137,8 @@ def whole(choice: Choice, out: RequestOutput, logprobs: bool) -> Piece:
     if choice.echo is None:
         return Piece(text, ids, entries, [])
     if entries is not None:
-        entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+        prompt_entries: list[TokenLogprobs | None] = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+        return Piece(choice.echo + text, ids, prompt_entries + entries, list(out.prompt_token_ids))
     return Piece(choice.echo + text, ids, entries, list(out.prompt_token_ids))
 
 

@@ -118,7 +118,9 @@ def parser() -> argparse.ArgumentParser:
 def _port(text: str) -> int:
     # Checked here: uvloop binds a port beyond 65535 modulo 65536, while uvicorn reports the one asked for.
     try:
-        return check_port(int(text), "--port")
+        port = check_port(int(text), "--port")
+        assert port is not None  # an int given, an int back
+        return port
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {text!r}") from None
 
@@ -291,7 +293,9 @@ def uvicorn_config(app, args: argparse.Namespace, limits: HttpLimits):
         app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level, access_log=False,
         http=limited_protocol(limits),
         ws="none",  # the API has no WebSocket route: an upgrade request is served as plain HTTP
-        timeout_keep_alive=limits.timeout_keep_alive_s, limit_concurrency=limits.limit_concurrency,
+        # uvicorn annotates an int; it takes any number of seconds (loop.call_later).
+        timeout_keep_alive=limits.timeout_keep_alive_s,  # type: ignore[arg-type]
+        limit_concurrency=limits.limit_concurrency,
         backlog=limits.backlog,
         # The head cap for uvicorn's h11 parser, which ``http`` does not choose: set alike, so the bound
         # holds should the parser be switched.

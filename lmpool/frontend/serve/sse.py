@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import msgspec
 
@@ -28,7 +28,8 @@ def data(obj: dict) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-async def event_stream(choices: list[Choice], firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]],
+async def event_stream(choices: list[Choice], firsts: list[RequestOutput],
+                       streams: list[AsyncGenerator[RequestOutput, None]],
                        shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
     """The chunks of every choice: each one's first output (already awaited), then the rest as they come."""
     deltas = [Deltas(choice, shape.text is not None) for choice in choices]

@@ -15,6 +15,8 @@ type), so a message says what was expected, not what came.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 # What an error of these pydantic types expected, as JSON names it.
 EXPECTED = {
@@ -31,10 +33,10 @@ PLURAL = {"str": "strings", "int": "integers", "float": "numbers", "bool": "bool
 _MEMBER = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
 
 
-def described(errors: list[dict], skip: tuple = ()) -> tuple[str, str | None]:
+def described(errors: Sequence[Mapping[str, Any]], skip: tuple = ()) -> tuple[str, str | None]:
     """The client's message for ``errors`` (pydantic's, location parts in ``skip`` left out:
     FastAPI's "body"), and the ``param`` of the first failing field."""
-    groups: dict[tuple, list[tuple[str | None, dict]]] = {}
+    groups: dict[tuple, list[tuple[str | None, Mapping[str, Any]]]] = {}
     for err in errors:
         path, member = _split([p for p in err.get("loc", ()) if p not in skip])
         groups.setdefault(path, []).append((member, err))
@@ -57,7 +59,7 @@ def _param(path: tuple) -> str:
     return out
 
 
-def _sentence(path: tuple, group: list[tuple[str | None, dict]]) -> str:
+def _sentence(path: tuple, group: list[tuple[str | None, Mapping[str, Any]]]) -> str:
     param = _param(path)
     members = [m for m, _ in group if m is not None]
     if members:  # a union: every member failed
@@ -65,7 +67,7 @@ def _sentence(path: tuple, group: list[tuple[str | None, dict]]) -> str:
     return _one(param, group[0][1])
 
 
-def _one(param: str, err: dict) -> str:
+def _one(param: str, err: Mapping[str, Any]) -> str:
     kind, ctx = err.get("type", ""), err.get("ctx") or {}
     if kind == "json_invalid":
         detail = str(ctx.get("error") or err.get("msg", "")).removeprefix("Invalid JSON: ")
