@@ -160,4 +160,6 @@ def _create_ring(name: str, capacity: int, owner_pid: int) -> None:
 
 
 def _unlink(kind: str, name: str) -> None:
-    unlink_object(PoolObject(kind, name, parse_object(name)))
+    parsed = parse_object(name)
+    assert parsed is not None  # a name object_name made
+    unlink_object(PoolObject(kind, name, parsed))

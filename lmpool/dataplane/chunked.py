@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from lmpool.dataplane.transport import TransferTimeout, TransportError, plan_tag, poll_until
+from lmpool.dataplane.transport import Handle, TransferTimeout, TransportError, plan_tag, poll_until
 
 # Each chunk costs a fixed start-up on the wire (an NCCL operation's launch and handshake),
 # and only the first pack and the last unpack are exposed, so a few large chunks beat many
@@ -291,7 +291,7 @@ class BlockReceiver(_Chunks):
         self.what, self.error = f"receive of {len(block_ids)} blocks from rank {peer} (plan {plan_id})", None
         self._ops, self._cache, self._ids, self._wanted = ops, cache, block_ids, wanted
         self._ctas, self._last_ctas = _grids(cache, max_ctas, edge_ctas)
-        self._pending: list[tuple[int, int, torch.Tensor, object]] = []
+        self._pending: list[tuple[int, int, torch.Tensor, Handle]] = []
         cuts = _plan(transport, cache, len(block_ids), shape, chunks, chunk_bytes)
         for i, (first, end) in enumerate(cuts):
             buffer = torch.empty((end - first, 2, len(block_ids), *cache.shape[3:]), dtype=cache.dtype,

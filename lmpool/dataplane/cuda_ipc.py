@@ -188,7 +188,7 @@ class _Send(_Poller):
         self.error: str | None = None
         self._transport, self._peer, self._key = transport, peer, key
         self._offset, self._event = offset, event
-        self._payload = payload  # alive until the staging copy is certainly done (acknowledged)
+        self._payload: torch.Tensor | None = payload  # alive until the staging copy is certainly done (acknowledged)
         self._finished = False
 
     def _poll(self) -> bool:
@@ -241,6 +241,7 @@ class _Recv(_Poller):
             self._start_copy(store.get(self._key).decode())
             if self._finished:  # refused: the sender learns why from the acknowledgement
                 return True
+        assert self._copied is not None  # _start_copy made it, or refused (finished above)
         if not self._copied.query():
             return False
         self._acknowledge("ok")
@@ -249,6 +250,7 @@ class _Recv(_Poller):
     def _start_copy(self, staged: str) -> None:
         offset, nbytes, event = (int(x) for x in staged.split(","))
         staging = self._peer.staging
+        assert staging is not None  # a peer that sends has exported its staging buffer
         if nbytes != self._out.numel():
             self._refuse(f"rank {self._peer.rank} sent {nbytes} bytes, {self._out.numel()} were expected")
         elif not (0 <= offset and offset + nbytes <= staging.numel() and 0 <= event < len(self._peer.events)):
@@ -372,6 +374,7 @@ class CudaIpcTransport:
             events = [torch.cuda.Event.from_ipc_handle(torch.device("cuda", export.device), h) for h in export.events]
             cache = None
             if dtype is not None:
+                assert export.kv_cache is not None  # dtype is set only with a cache
                 nbytes = math.prod(export.kv_shape) * dtype.itemsize
                 cache = map_storage(here, export.kv_cache)[:nbytes].view(dtype).view(export.kv_shape)
         except RuntimeError as e:
@@ -439,6 +442,7 @@ class CudaIpcTransport:
             )
         event = self._free_events.pop()
         stream = torch.cuda.current_stream(self.device)
+        assert self._staging is not None  # a region was found in it
         self._staging[offset:offset + nbytes].copy_(as_bytes(payload), non_blocking=True)
         self._events[event].record(stream)
         key = transfer_key(self.rank, self.session, peer, target.session, tag)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from lmpool.dataplane.rendezvous import open_store
+from lmpool.dataplane.rendezvous import StoreClient, open_store
 from lmpool.dataplane.transport import (
     TAG_LIMIT,
     TransferTimeout,
@@ -70,10 +70,11 @@ class _Pair:
     def __init__(self, peer: int, session: int) -> None:
         self.peer = peer
         self.session = session
-        self.group: dist.ProcessGroupGloo | None = None
+        # A dist.ProcessGroupGloo once connected; Any, as torch's stubs omit its send and recv.
+        self.group: Any = None
         # The group's store, held as long as the pair: torch keeps only the C++ half of a
         # store written in Python alive, and one whose Python half is gone fails every call.
-        self.store: dist.Store | None = None
+        self.store: StoreClient | None = None
         self.queued: list[tuple[str, torch.Tensor, int, GlooHandle]] = []
         self.pending: set[GlooHandle] = set()
         self.broken: str | None = None
@@ -125,7 +126,7 @@ class GlooTransport:
 
     def _connect(self, pair: _Pair, handle: GlooHandle) -> None:
         lo, hi = sorted((self.rank, pair.peer))
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, absent from torch's stubs
         # Loopback only: replicas of one pool share a host, and nothing else should reach them.
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         # Bounds the connection and, via the waiter threads, any operation nobody completes.
@@ -136,7 +137,7 @@ class GlooTransport:
             # around a cycle would deadlock.
             pair.store = open_store(self._rendezvous, self.timeout_s)
             store = dist.PrefixStore(f"lmpool/gloo/{lo}-{hi}/{pair.session}", pair.store)
-            group = dist.ProcessGroupGloo(store, 0 if self.rank == lo else 1, 2, options)
+            group: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(store, 0 if self.rank == lo else 1, 2, options)
         except (RuntimeError, TransportError) as e:
             error = TransportError(
                 f"rank {self.rank} could not connect to rank {pair.peer} (session {pair.session}) "
@@ -302,7 +303,8 @@ def _break_group(group: dist.ProcessGroupGloo) -> None:
     """
     probe = torch.empty(1, dtype=torch.uint8)
     try:
-        group.recv([probe], 1 - group.rank(), _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+        # torch's stubs omit a gloo group's recv.
+        group.recv([probe], 1 - group.rank(), _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))  # type: ignore[attr-defined]
     except RuntimeError:
         pass  # the expected timeout, or the pair was already closed
 

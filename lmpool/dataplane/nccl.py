@@ -89,7 +89,8 @@ class NcclHandle:
     def __init__(self, what: str, done: torch.cuda.Event, tensor: torch.Tensor, lane: _Lane,
                  pair: "_NcclPair") -> None:
         self.what = what
-        self._done, self._tensor, self._lane, self._pair = done, tensor, lane, pair
+        self._done, self._lane, self._pair = done, lane, pair
+        self._tensor: torch.Tensor | None = tensor  # held until the operation is over
         self._error: str | None = None
         self._finished = False
         self._checked = time.monotonic()  # when the communicator was last asked for an error
@@ -101,6 +102,7 @@ class NcclHandle:
             if self._pair.broken is not None:
                 self._error, self._finished = self._pair.broken, True
             elif self._done.query():
+                assert self._tensor is not None  # let go only once finished
                 torch.cuda.current_stream(self._tensor.device).wait_event(self._done)  # order the caller after
                 self._finished = True
             elif time.monotonic() - self._checked >= ERROR_CHECK_S:

@@ -109,7 +109,7 @@ def _raw(value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-def open_store(address: str, timeout_s: float) -> dist.Store:
+def open_store(address: str, timeout_s: float) -> StoreClient:
     """A client of the rendezvous at ``address``; every blocking call on it gives up after
     ``timeout_s``."""
     return StoreClient(address, timeout_s)

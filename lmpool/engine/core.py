@@ -235,8 +235,8 @@ class EngineCore:
         previous, self.in_flight = self.in_flight, None
         batch = self.scheduler.schedule()
         if batch.seqs:
-            tokens = previous.pending.device_tokens if previous is not None else None
-            pending = self.runner.launch(batch, tokens)
+            device_tokens = previous.pending.device_tokens if previous is not None else None
+            pending = self.runner.launch(batch, device_tokens)
             if self._synchronous:
                 self._timed(batch, started)
             self._expect_tokens(pending)
@@ -284,7 +284,7 @@ class EngineCore:
         rows = {seq.request_id: row for row, seq in enumerate(pending.seqs)} if by_row is not None else {}
         awaiting = self.awaiting_prompt_logprobs
         for out in outputs:
-            if out.request_id in rows:
+            if by_row is not None and out.request_id in rows:
                 out.logprobs = by_row[rows[out.request_id]]
             if out.request_id in awaiting and out.error is None:
                 out.prompt_logprobs = out.seq.take_prompt_logprobs()
@@ -292,7 +292,7 @@ class EngineCore:
 
     def _read_tokens(self, seqs: list[Sequence], tokens: list[int]) -> list[StepOutput]:
         """``_read_back``'s tokens: appended, each sequence's stop conditions checked."""
-        outputs = []
+        outputs: list[StepOutput] = []
         append = outputs.append
         eos, max_len = self.eos_token_ids, self.max_model_len
         # Stop conditions inline: this loop runs once per sequence per step.

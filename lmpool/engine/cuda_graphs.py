@@ -87,6 +87,7 @@ class DecodeGraphs:
     def replay(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the ``inputs.num_seqs`` real rows; valid until the next replay."""
         b, n = inputs.graph_size, inputs.num_seqs
+        assert b is not None and inputs.graph_header is not None  # the inputs of a graph step
         tables = inputs.meta.block_tables
         self.header[:, :b].copy_(inputs.graph_header)
         self.tables[:n, : tables.shape[1]].copy_(tables)

@@ -110,11 +110,15 @@ def prompt_logprobs(project, hidden: torch.Tensor, seq: Sequence, row: int, star
     row + count - 1`` (``project`` turns hidden rows into logits), a slice of rows at a time.
     The targets are prompt tokens, which the host always knows."""
     k = seq.params.prompt_logprobs
+    assert k is not None  # asked only for a request with prompt logprobs
     targets = to_device(seq.token_ids[start + 1 : start + count + 1], torch.int64, hidden.device)
     parts = []
     for at in range(0, count, PROMPT_ROWS_PER_SLICE):
         n = min(PROMPT_ROWS_PER_SLICE, count - at)
         parts.append(logprobs_of(project(hidden[row + at : row + at + n]), targets[at : at + n], [k] * n))
-    fields = ("targets", "chosen", "top_ids", "top_values")
-    merged = DeviceLogprobs(*(torch.cat([getattr(p, f) for p in parts]) for f in fields), [k] * count)
+
+    def cat(field: str) -> torch.Tensor:
+        return torch.cat([getattr(p, field) for p in parts])
+
+    merged = DeviceLogprobs(cat("targets"), cat("chosen"), cat("top_ids"), cat("top_values"), [k] * count)
     return PromptSlice(seq, start + 1, merged)

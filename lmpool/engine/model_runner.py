@@ -141,9 +141,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing in flight may still use them
         self.graphs = None
-        self.model = None
-        self.kv_cache = None
-        self.inputs = None
+        # Dropped for good (the docstring says why); a closed runner is never used again.
+        self.model = None  # type: ignore[assignment]
+        self.kv_cache = None  # type: ignore[assignment]
+        self.inputs = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             # Back to the device, not to torch's cache: the next engine (in this process or
             # another) sizes its KV cache from the device's free memory.
@@ -260,6 +261,7 @@ def fill_pending_ids(inputs: StepInputs, previous: torch.Tensor | None) -> None:
     (queued after that step's sampling, so they are there when this step reads them)."""
     if previous is None:
         raise ValueError("a step with pending input tokens needs the previous step's sampled tokens")
+    assert inputs.fill is not None  # a step with pending input tokens has their rows
     rows, sources = inputs.fill.long()
     inputs.ids.index_copy_(0, rows, previous.index_select(0, sources).to(inputs.ids.dtype))
 
@@ -293,6 +295,7 @@ class PendingTokens:
         self.seqs = seqs
         self.logprobs = logprobs
         self.prompt = prompt or []
+        self.device_tokens: torch.Tensor | None
         if tokens is not None and finite is not None:
             bad = ~finite
             self.device_tokens = tokens.masked_fill(bad, 0)

@@ -62,10 +62,11 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = []
         for j, i in enumerate(sampled_rows):
-            if params[i].seed is None:
+            seed = params[i].seed
+            if seed is None:
                 unseeded.append(j)
             else:
-                noise[j].exponential_(generator=self._generator(request_ids[i], params[i].seed))
+                noise[j].exponential_(generator=self._generator(request_ids[i], seed))
         if unseeded:
             idx = to_device(unseeded, torch.int64, dev)
             noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(

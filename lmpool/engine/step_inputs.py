@@ -79,6 +79,12 @@ def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
     return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width
 
 
+# A step's views into the device arena: ids, positions, slots, block tables, context lengths, query
+# starts, sampled rows, graph header and pending-token fill (the last three where the step has them).
+_Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+               torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
 class StepInputBuilder:
     def __init__(self, device: torch.device, block_size: int, capacity: int) -> None:
         if block_size < 1 or block_size & (block_size - 1):
@@ -101,7 +107,7 @@ class StepInputBuilder:
             self.dev = torch.zeros(capacity, dtype=torch.int32, device=self.device) if self.on_cuda else self.hosts[0]
         self.host_nps = [h.numpy() for h in self.hosts]
         # Device views per layout: a decode step usually has the previous step's layout.
-        self._views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+        self._views: dict[tuple[int, ...], _Views] = {}
 
     @property
     def host(self) -> torch.Tensor:
@@ -213,6 +219,7 @@ class StepInputBuilder:
 
         if self.on_cuda:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
+            assert self._copied is not None  # made on CUDA
             self._copied[self._turn].record(torch.cuda.current_stream(self.device))  # the copy's stream
         key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0,
                num_fill)

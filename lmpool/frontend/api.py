@@ -34,8 +34,9 @@ import contextlib
 import itertools
 import secrets
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from collections.abc import Sequence as SequenceABC
+from typing import Any, TypeVar
 
 import uvloop
 
@@ -52,6 +53,8 @@ from lmpool.sampling_params import SamplingParams
 from lmpool.stop_strings import check_usable
 from lmpool.tokenizer import encode_chat, encode_chats, encode_prompt, load_tokenizer
 from lmpool_ipc import close_on_sigterm
+
+_T = TypeVar("_T")
 
 
 class AsyncLMPool:
@@ -265,7 +268,7 @@ class LMPool:
     async def _create(model: str, pool_args: dict) -> AsyncLMPool:
         return await AsyncLMPool(model, **pool_args).start()
 
-    def _call(self, coro):
+    def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
         """Run ``coro`` on the pool's loop and wait for it. If the wait is interrupted (Ctrl-C),
         the call is cancelled there, and waited for, before the interruption goes on: its
         streams abort their requests, as an interrupted ``LLM.generate`` leaves nothing behind."""

@@ -159,9 +159,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json contents transformers' Qwen3ForCausalLM loads as this model."""
-        eos: int | list[int] | None = list(self.eos_token_ids) or None
-        if eos is not None and len(eos) == 1:
-            eos = eos[0]
+        ids = list(self.eos_token_ids)
+        eos: int | list[int] | None = (ids[0] if len(ids) == 1 else ids) if ids else None
         return {
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
@@ -192,11 +191,10 @@ class ModelConfig:
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | str) -> int:
         """Bytes one KV-cache block of ``block_size`` tokens takes across all layers (K and V)."""
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        torch_dtype: torch.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         return (
             self.num_hidden_layers * 2 * block_size * self.num_key_value_heads
-            * self.head_dim * dtype.itemsize
+            * self.head_dim * torch_dtype.itemsize
         )
 
 

@@ -17,7 +17,7 @@ plain torch launches eight to twenty (``kernels/norm_rope.cu``, same roundings).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, cast
 
 import torch
 import torch.nn.functional as F
@@ -150,7 +150,7 @@ class Qwen3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]``; ``kv_cache`` is ``[layers, 2, blocks, ...]``."""
         h = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
             h = h + layer.self_attn(
                 layer.input_layernorm(h, ops), positions, self.rotary, meta, kv_cache[i], ops
             )
@@ -203,9 +203,9 @@ class Qwen3ForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             loaded.add(f"{target}@{rows}")
-        expected = set()
+        expected: set[str] = set()
         for pname in params:
-            parts = [
+            parts: list[tuple[int, int] | None] = [
                 (offset, size)
                 for dst, offset, size in fused.values()
                 if pname.endswith((f"{dst}.weight", f"{dst}.bias"))

@@ -31,6 +31,7 @@ import contextlib
 import time
 from collections import deque
 from itertools import islice
+from typing import cast
 
 import msgspec
 import zmq
@@ -190,8 +191,10 @@ class KVEventPublisher:
         return ((last, self._encode(batch)) for batch in self.snapshot_batches())  # each encoded as it is sent
 
     async def _serve_replay(self) -> None:
+        replay = self._replay
+        assert replay is not None  # served only with a replay socket (start)
         while True:
-            frames = await self._replay.recv_multipart()
+            frames = await replay.recv_multipart()
             self.requests_received += 1
             if len(frames) == 3:  # [client, b"", request]; anything else is not of this protocol
                 await self._answer(frames[0], frames[2])
@@ -212,9 +215,12 @@ class KVEventPublisher:
 
     def _send(self, client: bytes, seq: bytes, payload: bytes) -> bool:
         """One reply, without waiting: False when the client is gone or its queue is full."""
+        replay = self._replay
+        assert replay is not None  # replies go out only on a replay socket
         for _ in range(2):
             # Done at once: this task alone sends here, never blocking, so no send is ever queued.
-            error = self._replay.send_multipart((client, b"", seq, payload), flags=zmq.NOBLOCK).exception()
+            sent = cast(asyncio.Future, replay.send_multipart((client, b"", seq, payload), flags=zmq.NOBLOCK))
+            error = sent.exception()
             if error is None:
                 self.replies_sent += 1
                 return True
@@ -222,7 +228,7 @@ class KVEventPublisher:
                 return False  # EHOSTUNREACH: gone
             # ZMQ hears that a client has read its queue through commands that a send processes
             # at most once a millisecond or so; reading EVENTS processes them now.
-            self._replay.get(zmq.EVENTS)
+            replay.get(zmq.EVENTS)
         return False
 
     def close(self) -> None:

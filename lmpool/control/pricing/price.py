@@ -257,12 +257,14 @@ def cheapest(prices: Iterable[RankPrice], tie: float) -> RankPrice:
     is likely to be asked for it (a document read there, whose questions are coming)."""
     prices = list(prices)
     bound = min([p.total_s for p in prices]) * (1.0 + tie)
-    best, best_key = None, None
+    best: RankPrice | None = None
+    best_key: tuple[int, int, int, float, int] | None = None
     for p in prices:  # ``min`` by that key, without a key function call per price
         if p.total_s <= bound:
             key = (-p.affinity, -p.matched, -p.free, p.total_s, p.rank)
-            if best is None or key < best_key:
+            if best_key is None or key < best_key:
                 best, best_key = p, key
+    assert best is not None  # the cheapest price is within its own bound
     return best
 
 

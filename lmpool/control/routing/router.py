@@ -69,6 +69,7 @@ class Router:
         """The caller chose the rank: the route is accounted for there (reserved, its demand and
         pending prefix recorded) and priced, but no stage moves it (unpriced routes stay put)."""
         query = route.query
+        assert query.pinned is not None  # the route of a pinned query
         route.take(Choice(query.pinned, "pinned"))
         route.chosen = self.policy.pricer.serve(query, [query.pinned], route.expected, route.seed, route.waits)[0]
 

@@ -55,6 +55,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import cast
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.route import Route, RouteStage
@@ -292,7 +293,8 @@ class BackgroundPlacement:
             self.decisions.append(decision)
             if not decision.admitted:
                 return "admission"
-        generations = [gbm.generation(src, chain[i]) for i in range(start, end)]
+        # src holds blocks start:end ready: it was chosen as their source.
+        generations = cast(list[int], [gbm.generation(src, chain[i]) for i in range(start, end)])
         if batch is None:
             batch = batches[(src, dst)] = CopyBatch(src, dst)
         batch.add(chain, start, end, generations)

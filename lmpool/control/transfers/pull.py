@@ -36,6 +36,7 @@ from lmpool.control.routing.route import Route, RouteStage
 from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
 from lmpool.control.transfers.pull_price import PullOption, PullPricer, describe, shared_depth
 from lmpool.engine.hashing import ROOT_HASH
+from lmpool.protocol.base import BlockHash
 
 
 @dataclass
@@ -130,7 +131,11 @@ class RoutePulls(RouteStage):
         held = self.gbm.ranks[src].blocks  # hash -> generation << 32 | block id; all ready (priced so)
         generations = [held[h] >> 32 for h in chain]
         parent = hashes[start - 1] if start else ROOT_HASH
-        anchor = (parent, self.gbm.generation(dst, parent)) if start else (ROOT_HASH, 0)
+        anchor: tuple[BlockHash, int] = (ROOT_HASH, 0)
+        if start:
+            generation = self.gbm.generation(dst, parent)
+            assert generation is not None  # the pull starts just past the blocks dst holds ready
+            anchor = (parent, generation)
         keep = self.gbm.branched_depth(chain)  # the leading blocks others share: copied, not moved
         plan = self.coordinator.start(src, dst, chain, generations, [parent] + chain[:-1], move=keep < len(chain),
                                       keep=keep, kind="pull", anchor=anchor, steps_s=option.steps_s)
