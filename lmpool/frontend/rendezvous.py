@@ -103,7 +103,7 @@ class Rendezvous:
         store = self._store
         try:
             if isinstance(request, Set):
-                store.set(request.key, request.value)
+                store.set(request.key, request.value)  # type: ignore[arg-type]  # torch's stubs: str; bytes are taken
                 return Reply()
             if isinstance(request, Get):
                 store.wait([request.key], datetime.timedelta(seconds=request.timeout_s))
@@ -111,7 +111,8 @@ class Rendezvous:
             if isinstance(request, Add):
                 return Reply(store.add(request.key, request.amount))
             if isinstance(request, CompareSet):
-                return Reply(store.compare_set(request.key, request.expected, request.desired))
+                # torch's stubs: str values; the store takes bytes, as the workers' clients send them.
+                return Reply(store.compare_set(request.key, request.expected, request.desired))  # type: ignore[arg-type]
             if isinstance(request, Check):
                 return Reply(store.check(request.keys))
             if isinstance(request, DeleteKey):

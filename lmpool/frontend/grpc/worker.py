@@ -44,7 +44,7 @@ class GrpcWorker:
         self._stopping: asyncio.Task | None = None
 
     @classmethod
-    def from_args(cls, args) -> tuple[GrpcWorker, dict]:
+    def from_args(cls, args) -> tuple[GrpcWorker, KVEventsConfig]:
         """The worker ``args`` ask for, and the KV-event publisher's configuration it needs."""
         private = None
         if args.kv_events_endpoint:
