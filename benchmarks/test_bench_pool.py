@@ -54,7 +54,7 @@ async def route_rpc(world: int, blocks: int, concurrency: int, seconds: float) -
         engine_link = ipc.create_link()
         worker_links = [ipc.create_link() for _ in range(world)]
         spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=world, device="cpu", block_size=16),
-                           engine_end=engine_link.b, worker_ends=[l.a for l in worker_links])
+                           frontend_end=engine_link.b, worker_ends=[l.a for l in worker_links])
         proc = process.spawn("lmpool.control.main", spec)
         workers = [Channel(l.b, object) for l in worker_links]
         # Each rank caches its own family of 40-block chains.

@@ -112,7 +112,7 @@ class Routes:
         routing, _, mode = policy.partition("+")
         pool = PoolConfig.from_options("unused", world_size=WORLD, device="cpu", block_size=BLOCK, routing=routing,
                                        transfer_mode=mode or "none")
-        spec = ControlSpec(pool=pool, engine_end="unused", worker_ends=["unused"] * WORLD,
+        spec = ControlSpec(pool=pool, frontend_end="unused", worker_ends=["unused"] * WORLD,
                            kv_bytes_per_block=1 << 20)
 
         def plan_ended(plan) -> None:

@@ -61,7 +61,7 @@ class StreamingPool:
 
     def __init__(self) -> None:
         rank = types.SimpleNamespace(alive=True, num_blocks=64)
-        self.engine = types.SimpleNamespace(max_model_len=1024, block_size=16, ranks=[rank])
+        self.client = types.SimpleNamespace(max_model_len=1024, block_size=16, ranks=[rank])
 
     def encode(self, prompt) -> list[int]:
         return list(prompt)

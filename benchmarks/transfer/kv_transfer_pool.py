@@ -53,7 +53,7 @@ async def measure(args, model: str) -> tuple[dict, dict]:
     async with AsyncLMPool(model, world_size=2, device=device, enable_transfers=True, block_size=args.block_size,
                            dtype=args.dtype, num_kv_blocks=2 * max(args.sizes) + 8, max_num_seqs=8,
                            use_kernels=not args.reference_ops) as pool:
-        engine = pool.engine
+        client = pool.client
         for n in args.sizes:
             prompt = torch.randint(0, 1000, (n * args.block_size + 1,),
                                    generator=torch.Generator().manual_seed(n)).tolist()
@@ -62,14 +62,14 @@ async def measure(args, model: str) -> tuple[dict, dict]:
             assert len(hashes) == n, (len(hashes), n)
             src, dst = 0, 1
             for rep in range(-args.warmup, args.reps):
-                before = await engine.block_digests(src, prompt) if rep == -args.warmup else None
+                before = await client.block_digests(src, prompt) if rep == -args.warmup else None
                 t0 = time.perf_counter()
-                result = await engine.control_request(TransferChain(src, dst, hashes, True))
+                result = await client.control_request(TransferChain(src, dst, hashes, True))
                 seconds = time.perf_counter() - t0
                 if result.state != "done":
                     raise RuntimeError(f"the move of {n} blocks {src}->{dst} ended {result.state}: {result.reason}")
                 if before is not None:
-                    equal[str(n)] = all(before) and await engine.block_digests(dst, prompt) == before
+                    equal[str(n)] = all(before) and await client.block_digests(dst, prompt) == before
                 if rep >= 0:
                     for span, value in (("request", seconds), ("plan", result.seconds)):
                         times[span].setdefault(f"{src}->{dst}", {}).setdefault(str(n), []).append(value)

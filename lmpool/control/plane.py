@@ -213,7 +213,7 @@ class ControlPlane:
 
     def verify(self, check, *args) -> None:
         """Run an invariant check (``LMPOOL_CHECK_INVARIANTS=1``); a violation ends this process
-        at once, loudly, so that no test can miss it (the engine counts a control restart)."""
+        at once, loudly, so that no test can miss it (the frontend counts a control restart)."""
         try:
             check(*args)
         except AssertionError as e:
@@ -393,7 +393,7 @@ class ControlPlane:
         for rank in self.gbm.mark_silent(timeout):
             log.warning("rank %d has reported nothing for over %g s: routed around until it does", rank, timeout)
 
-    # ---- engine requests -------------------------------------------------------------
+    # ---- frontend requests -------------------------------------------------------
 
     async def handle(self, request: FrontendToControl):
         if isinstance(request, RouteQuery):
@@ -490,7 +490,7 @@ class ControlPlane:
         # the process: keep it out of the collector's full passes, which would stall routing.
         gc.freeze()
         self.kv_events = kv_pool_events.from_config(self.spec.pool.kv_events, self.gbm)
-        engine: Channel[FrontendToControl] = Channel(self.spec.engine_end, FrontendToControl)
+        frontend: Channel[FrontendToControl] = Channel(self.spec.frontend_end, FrontendToControl)
         tasks = [asyncio.create_task(self.heartbeat())]
         if self.spec.board is not None:
             tasks.append(asyncio.create_task(self.publish_state()))
@@ -509,13 +509,13 @@ class ControlPlane:
             if self.policies.background:
                 tasks.append(asyncio.create_task(self.place()))
         try:
-            await Responder(engine, FrontendToControl, self.handle).serve()
+            await Responder(frontend, FrontendToControl, self.handle).serve()
         except IpcError:
-            pass  # the engine died: nothing left to serve
+            pass  # the frontend died: nothing left to serve
         finally:
             for task in tasks:
                 task.cancel()
             for channel in self.workers.values():
                 channel.close()
-            engine.close()
+            frontend.close()
             self.kv_events.close()

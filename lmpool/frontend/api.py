@@ -74,8 +74,8 @@ class AsyncLMPool:
         ``PoolConfig.from_options``); or pass a whole ``config``."""
         if config is not None and options:
             raise TypeError(f"give either config or pool options, not both (got {sorted(options)})")
-        self.engine = PoolClient(config if config is not None else PoolConfig.from_options(model, **options))
-        self.config = self.engine.config  # with the GPUs this process sees (``with_gpus``)
+        self.client = PoolClient(config if config is not None else PoolConfig.from_options(model, **options))
+        self.config = self.client.config  # with the GPUs this process sees (``with_gpus``)
         self.tokenizer = load_tokenizer(self.config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -91,19 +91,19 @@ class AsyncLMPool:
         self._metrics: PoolMetrics | None = None
 
     async def start(self) -> AsyncLMPool:
-        await self.engine.start()
+        await self.client.start()
         if self._metrics_on:
             try:
                 self._metrics = self._start_metrics()
             except BaseException:
-                await self.engine.shutdown()
+                await self.client.shutdown()
                 raise
-            self.engine.metrics = self._metrics
+            self.client.metrics = self._metrics
         return self
 
     def _start_metrics(self) -> PoolMetrics:
-        assert self.engine.board is not None  # the started pool's
-        metrics = PoolMetrics(self.engine.board, self.served_model_name)
+        assert self.client.board is not None  # the started pool's
+        metrics = PoolMetrics(self.client.board, self.served_model_name)
         host, port = self._metrics_address
         if port is not None:
             try:
@@ -116,8 +116,8 @@ class AsyncLMPool:
     @property
     def pool_id(self) -> str:
         """The pool's id, as ``lmpool ps`` lists it and ``lmpool top`` takes it."""
-        assert self.engine.ipc is not None, "the pool is not started"
-        return self.engine.ipc.pool_id
+        assert self.client.ipc is not None, "the pool is not started"
+        return self.client.ipc.pool_id
 
     @property
     def metrics_port(self) -> int | None:
@@ -138,10 +138,10 @@ class AsyncLMPool:
     async def shutdown(self) -> None:
         if self._metrics is not None:
             metrics, self._metrics = self._metrics, None
-            self.engine.metrics = NO_METRICS
+            self.client.metrics = NO_METRICS
             # The HTTP server takes up to half a second to stop: not on the event loop.
             await asyncio.get_running_loop().run_in_executor(None, metrics.close)
-        await self.engine.shutdown()
+        await self.client.shutdown()
 
     # ---- requests -----------------------------------------------------------------
 
@@ -163,8 +163,8 @@ class AsyncLMPool:
         # Turns at the loop for the CPU work before the route (``lmpool.frontend.turns``): a
         # burst's first requests are routed and handed over while its later ones wait their turn.
         await self._turns.take()
-        req = self.engine.prepare(rid, self.encode(prompt), params, rank)
-        return await self.engine.launch(req, rank)
+        req = self.client.prepare(rid, self.encode(prompt), params, rank)
+        return await self.client.launch(req, rank)
 
     async def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -183,7 +183,7 @@ class AsyncLMPool:
                     return
         finally:
             if req.finish_reason is None:  # ended here (a stop string, or the caller left): end it on its rank
-                await self.engine.abort(req.request_id)
+                await self.client.abort(req.request_id)
 
     @staticmethod
     def _next_output(req: TrackedRequest, state: RequestState, item) -> RequestOutput | None:
@@ -230,16 +230,16 @@ class AsyncLMPool:
         (a pool started with ``enable_transfers=True``); returns the plan's ``TransferResult``.
         Blocks cached by a request whose output was returned count as held, even if
         the source's report of them has not reached the control plane yet."""
-        return await self.engine.transfer(self.encode(prompt), src, dst, move)
+        return await self.client.transfer(self.encode(prompt), src, dst, move)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; an unknown or finished id is a no-op."""
-        await self.engine.abort(request_id)
+        await self.client.abort(request_id)
 
     async def stats(self) -> dict:
         """Pool state: ``control_pid``, per-rank rows and the ``transfers`` counters (see
         ``PoolClient.stats`` and ``TransferStats``)."""
-        return await self.engine.stats()
+        return await self.client.stats()
 
 
 async def _cancelled(started: list[asyncio.Task]) -> None:
@@ -304,7 +304,7 @@ class LMPool:
 
         def validate(ids: list[int], p: SamplingParams) -> None:
             check_usable(p, pool.tokenizer)
-            pool.engine.validate("", ids, p)
+            pool.client.validate("", ids, p)
 
         token_lists, params = prepare_batch(prompts, sampling_params, pool.encode, validate)
 
@@ -333,8 +333,8 @@ class LMPool:
         return self._call(self._pool.transfer(prompt, src, dst, move))
 
     @property
-    def engine(self) -> PoolClient:
-        return self._pool.engine
+    def client(self) -> PoolClient:
+        return self._pool.client
 
     @property
     def pool_id(self) -> str:

@@ -198,7 +198,7 @@ class PoolClient:
             link = self.ipc.create_link()
             control_links.append(self.ipc.create_link(CONTROL_LINK_CAPACITY))
             spec = WorkerSpec(
-                rank=r, epoch=1, engine_end=link.b, control_end=control_links[r].b, pool=cfg,
+                rank=r, epoch=1, frontend_end=link.b, control_end=control_links[r].b, pool=cfg,
                 transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
             )
             proc = process.spawn("lmpool.worker.main", spec)
@@ -234,7 +234,7 @@ class PoolClient:
         assert self.ipc is not None  # start() made it
         link = self.ipc.create_link()
         spec = ControlSpec(
-            pool=cfg, engine_end=link.b, worker_ends=worker_ends,
+            pool=cfg, frontend_end=link.b, worker_ends=worker_ends,
             pool_id=self.ipc.pool_id, owner_pid=self.ipc.owner_pid, started_at=self.started_at,
             board=self.board, worker_pids=[r.proc.pid for r in self.ranks],
             transfers=self.rendezvous is not None, kv_bytes_per_block=self.kv_bytes_per_block(),

@@ -20,7 +20,7 @@ from lmpool.config.pool import PoolConfig
 class WorkerSpec(msgspec.Struct, kw_only=True):
     rank: int
     epoch: int
-    engine_end: str  # link end to the user process
+    frontend_end: str  # link end to the user process
     control_end: str  # link end to the control process
     pool: PoolConfig  # the whole tree: this rank's engine is ``pool.engine_of(rank)``
     transfer_rendezvous: str | None = None  # KV transfers between workers, when set
@@ -28,7 +28,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
 
 class ControlSpec(msgspec.Struct, kw_only=True):
     pool: PoolConfig
-    engine_end: str
+    frontend_end: str
     worker_ends: list[str | None]  # None for a rank that is down
     transfers: bool = False  # workers can exchange KV blocks (they hold a transfer rendezvous)
     pool_id: str = ""

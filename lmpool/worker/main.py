@@ -1,8 +1,8 @@
-"""A data-plane worker: one replica's EngineCore driven by messages from the engine and control.
+"""A data-plane worker: one replica's EngineCore driven by messages from the frontend and the control process.
 
 The worker owns its blocks; it tells the control plane what it caches with
 versioned deltas (a full snapshot at start, after a ``ResyncRequest`` and when a
-new control process attaches), and streams every new token to the engine.
+new control process attaches), and streams every new token to the frontend.
 
 The step loop never waits on a message: reader tasks move arriving messages
 into an inbox, and the loop yields to them between steps (``asyncio.sleep(0)``),
@@ -73,13 +73,13 @@ STEP_REPORT_S = 0.05  # step timings go to the control plane at most this often 
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, core: EngineCore, engine: Channel,
+    def __init__(self, spec: WorkerSpec, core: EngineCore, frontend: Channel,
                  calibration: Sequence[StepSample] = ()) -> None:
         self.spec = spec
         self.rank = spec.rank
         self.epoch = spec.epoch
         self.core = core
-        self.engine = engine
+        self.frontend = frontend
         self.control: Channel | None = None
         self.inbox: list = []
         self.wakeup = asyncio.Event()
@@ -103,9 +103,9 @@ class Worker:
 
     # ---- message intake ---------------------------------------------------------
 
-    async def read_engine(self) -> None:
+    async def read_frontend(self) -> None:
         try:
-            async for msg in self.engine.messages():
+            async for msg in self.frontend.messages():
                 # ``self.inbox`` read after each message, not bound once: the step loop swaps
                 # in a new list meanwhile.
                 self.inbox.append(msg)
@@ -127,7 +127,7 @@ class Worker:
                     self.release.on_outcome(msg)
                     self.wakeup.set()
         except (PeerDeadError, ChannelClosedError):
-            if self.control is channel:  # the control process died; the engine restarts it
+            if self.control is channel:  # the control process died; the frontend restarts it
                 self.control = None
                 if self.release is not None:
                     self.release.disconnected()
@@ -260,19 +260,19 @@ class Worker:
         together). One that the link still refuses fails its request alone; the rank serves on."""
         alone = [d for d in deltas if d.prompt_logprobs is not None]
         if len(alone) < len(deltas):
-            await self.engine.send(StepOutputs([d for d in deltas if d.prompt_logprobs is None] if alone else deltas))
+            await self.frontend.send(StepOutputs([d for d in deltas if d.prompt_logprobs is None] if alone else deltas))
         for delta in alone:
             try:
-                await self.engine.send(StepOutputs([delta]))
+                await self.frontend.send(StepOutputs([delta]))
             except MessageError as e:
                 self.core.abort_request(delta.request_id)
-                await self.engine.send(RequestRejected(delta.request_id, f"its prompt logprobs cannot be sent: {e}"))
+                await self.frontend.send(RequestRejected(delta.request_id, f"its prompt logprobs cannot be sent: {e}"))
 
     async def send_control(self, msg, encoded: bool = False) -> bool:
         """Send ``msg`` (or its encoded bytes) to the control plane; whether it went. A message
         the link refuses is that message's failure: logged, the link works on. The control
         process gone, or closing the link, leaves the worker waiting to be attached to its
-        successor (the engine restarts it). Any other link failure ends the worker, so its
+        successor (the frontend restarts it). Any other link failure ends the worker, so its
         supervision sees it, rather than serving on unseen by routing."""
         channel = self.control
         if channel is None:
@@ -312,7 +312,7 @@ class Worker:
     # ---- the step loop ----------------------------------------------------------
 
     def handle(self, msg) -> list:
-        """Apply one engine message; return messages to send back."""
+        """Apply one frontend message; return messages to send back."""
         if isinstance(msg, AddRequest):
             try:
                 self.core.add_checked_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
@@ -351,7 +351,7 @@ class Worker:
             pass
 
     async def run(self) -> None:
-        self.tasks += [asyncio.create_task(self.read_engine()), asyncio.create_task(self.heartbeat())]
+        self.tasks += [asyncio.create_task(self.read_frontend()), asyncio.create_task(self.heartbeat())]
         self.attach_control(self.spec.control_end)
         await self.publish()
         while not self.stopping:
@@ -365,7 +365,7 @@ class Worker:
             inbox, self.inbox = self.inbox, []
             replies = [r for msg in inbox for r in self.handle(msg)]
             for reply in replies:
-                await self.engine.send(reply)
+                await self.frontend.send(reply)
             if self.stopping:
                 break
             deltas, failed = [], []
@@ -395,7 +395,7 @@ class Worker:
                 load = self.load()  # before the sends: what ``publish`` reports is the step's load
                 await self.send_outputs(deltas)
             for reply in failed:
-                await self.engine.send(reply)
+                await self.frontend.send(reply)
             await self.publish(load)
             await self.send_steps()
             if self.release is not None and self.release.outbox:
@@ -434,23 +434,23 @@ def release_hook(spec: WorkerSpec):
 
 
 async def main_async(spec: WorkerSpec) -> int:
-    engine: Channel[FrontendToWorker] = Channel(spec.engine_end, FrontendToWorker)
+    frontend: Channel[FrontendToWorker] = Channel(spec.frontend_end, FrontendToWorker)
     try:
         core = EngineCore(spec.pool.engine_of(spec.rank), release_hook(spec))
         samples = calibrate(core, seed=spec.rank) if spec.pool.calibrate_steps else []
-        worker = Worker(spec, core, engine, samples)  # joins the transfer rendezvous, if any
-    except Exception as e:  # any start-up failure is reported, with its cause, to the engine
-        await engine.send(WorkerFailed(spec.rank, f"{type(e).__name__}: {e}"))
-        engine.close()
+        worker = Worker(spec, core, frontend, samples)  # joins the transfer rendezvous, if any
+    except Exception as e:  # any start-up failure is reported, with its cause, to the frontend
+        await frontend.send(WorkerFailed(spec.rank, f"{type(e).__name__}: {e}"))
+        frontend.close()
         return 1
     bm = core.block_manager
-    await engine.send(WorkerReady(spec.rank, os.getpid(), bm.num_blocks, bm.block_size))
+    await frontend.send(WorkerReady(spec.rank, os.getpid(), bm.num_blocks, bm.block_size))
     try:
         await worker.run()
     finally:
         if worker.control is not None:
             worker.control.close()
-        engine.close()
+        frontend.close()
     return 0
 
 

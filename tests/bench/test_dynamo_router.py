@@ -227,7 +227,7 @@ def test_after_a_control_process_restart_dynamo_follows_the_new_publisher(tiny_m
         client = DynamoRoutedPool(pool, service, 2)
         await replay(client, seed, setting.arrival)
         await wait_for_placement(service, prefixes, {"a": 0, "b": 1})
-        old = pool.engine.control_proc.pid
+        old = pool.client.control_proc.pid
         os.kill(old, signal.SIGKILL)
         # The pool replaces a control process it finds dead, as a query finds it.
         while (await pool.stats())["control_pid"] == old:

@@ -106,7 +106,7 @@ def worker(link: Link) -> Worker:
     spec = types.SimpleNamespace(rank=0, epoch=1, transfer_rendezvous=None)
     core = types.SimpleNamespace(scheduler=types.SimpleNamespace(on_shortage=None),
                                  block_manager=types.SimpleNamespace(num_blocks=BLOCKS))
-    w = Worker(spec, core, engine=None)
+    w = Worker(spec, core, frontend=None)
     w.control, w.need_snapshot = link, False
     return w
 

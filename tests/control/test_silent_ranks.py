@@ -57,7 +57,7 @@ def test_the_control_plane_watches_silence_only_with_a_hang_timeout():
     for timeout, silent in ((TIMEOUT, [0, 1]), (None, [])):
         spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=4,
                                                         hang_timeout=timeout),
-                           engine_end="unused", worker_ends=["unused", "unused"])
+                           frontend_end="unused", worker_ends=["unused", "unused"])
         plane = build_control_plane(spec)
         for r in range(2):
             plane.gbm.register_rank(r, 1, 16)

@@ -44,7 +44,7 @@ def test_stats_show_a_dead_rank_without_its_last_figures(tiny_model):
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
             await asyncio.gather(*(pool.generate(p, PARAMS, rank=1) for p in PROMPTS[:4]))
-            victim = pool.engine.ranks[1].proc
+            victim = pool.client.ranks[1].proc
             os.kill(victim.pid, signal.SIGKILL)
             await asyncio.get_running_loop().run_in_executor(None, victim.wait)
             try:  # sent to the dead rank before the pool has seen it die: it finds it gone
@@ -70,7 +70,7 @@ def test_requests_of_two_ranks_that_die_together_are_recomputed(tiny_model):
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, routing="round_robin") as pool:
-            victims = [pool.engine.ranks[0].proc, pool.engine.ranks[1].proc]
+            victims = [pool.client.ranks[0].proc, pool.client.ranks[1].proc]
 
             def kill_both():
                 for proc in victims:  # together, before the pool sees either die

@@ -86,16 +86,16 @@ def test_pool_rank_and_transfer_arguments_are_checked(tiny_model):
 
     async def main():
         with pytest.raises(TypeError, match="rank must be an integer or None, got True"):
-            await pool.engine.add_request("r", [1, 2, 3], GREEDY, rank=True)
+            await pool.client.add_request("r", [1, 2, 3], GREEDY, rank=True)
         for prompt, match in (([], "prompt is empty"), ([1, 10**9], "outside the vocabulary"),
                               ([1, 2.5], "not an integer token id")):
             with pytest.raises(ValueError, match=match):
-                await pool.engine.transfer(prompt, 0, 1)
+                await pool.client.transfer(prompt, 0, 1)
         for src, dst in ((0, 2), (True, 1), (-1, 0)):
             with pytest.raises(ValueError, match="is not a rank of this pool"):
-                await pool.engine.transfer([1, 2, 3], src, dst)
+                await pool.client.transfer([1, 2, 3], src, dst)
         with pytest.raises(ValueError, match="move must be True or False"):
-            await pool.engine.transfer([1, 2, 3], 0, 1, move="yes")
+            await pool.client.transfer([1, 2, 3], 0, 1, move="yes")
 
     asyncio.run(main())
 

@@ -54,16 +54,16 @@ def test_bad_frames_into_live_rings_kill_nothing_and_change_no_token(tiny_model)
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
-            pids = pool.engine.pids()
-            for rank in pool.engine.ranks:  # frames queue ahead of the requests sent below
+            pids = pool.client.pids()
+            for rank in pool.client.ranks:  # frames queue ahead of the requests sent below
                 for frame in bad_frames(rank.rank):
                     await rank.channel.send_bytes(frame)
             for frame in bad_frames(99):
-                await pool.engine._control_channel.send_bytes(frame)
+                await pool.client._control_channel.send_bytes(frame)
             outs = await asyncio.gather(*(pool.generate(p, PARAMS) for p in PROMPTS))
             stats = await pool.stats()
             assert [o.token_ids for o in outs] == reference
-            assert pool.engine.pids() == pids
+            assert pool.client.pids() == pids
             assert all(r["alive"] for r in stats["ranks"]) and stats["control_restarts"] == 0
 
     asyncio.run(main())

@@ -54,7 +54,7 @@ def test_cancelling_a_stream_aborts_the_request(tiny_model):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert "to-cancel" not in pool.engine.requests
+            assert "to-cancel" not in pool.client.requests
             # The worker dropped it: the same id can be used again and the pool still serves.
             out = await pool.generate(PROMPT, GREEDY, request_id="to-cancel")
             return out
@@ -138,7 +138,7 @@ def test_a_routing_failure_names_the_callers_request_and_forgets_it(tiny_model):
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
-            engine = pool.engine
+            engine = pool.client
             real = engine.control_request
 
             async def refuse_routes(msg):
@@ -175,7 +175,7 @@ def test_a_stop_string_ends_a_stream_and_partial_texts_never_show_it(tiny_model)
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
             seen = [out async for out in pool.stream(prompt, stopping, request_id="stops")]
-            assert "stops" not in pool.engine.requests
+            assert "stops" not in pool.client.requests
             return seen, await pool.generate(prompt, free)
 
     seen, after = run(main())

@@ -40,7 +40,7 @@ def stored(h: int, parent: int, block_id: int) -> BlockStored:
 
 def control() -> ControlPlane:
     spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=4),
-                       engine_end="unused", worker_ends=["unused", "unused"])
+                       frontend_end="unused", worker_ends=["unused", "unused"])
     return build_control_plane(spec)
 
 

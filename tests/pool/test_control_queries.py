@@ -69,7 +69,7 @@ def refuse_plans(rank: int, order: TransferOrder | WorkerQuery) -> list:
 async def transfer(source_answer, chain: list[int] = CHAIN,
                    phase_timeout_s: float | None = None) -> tuple[object, list[TransferOrder | WorkerQuery]]:
     spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=4),
-                       engine_end="unused", worker_ends=["unused", "unused"])
+                       frontend_end="unused", worker_ends=["unused", "unused"])
     plane = build_control_plane(spec)
     if phase_timeout_s is not None:
         plane.coordinator.phase_timeout_s = phase_timeout_s

@@ -55,7 +55,7 @@ async def run_with_worker_fault(pool: AsyncLMPool, victim: int, sig: int) -> tup
     """``run_with_kill`` on worker ``victim``, beside the long request pinned to it: every short
     request's last output, and the long one's."""
     long = pool.generate(LONG_PROMPT, LONG, rank=victim)
-    return await asyncio.gather(run_with_kill(pool, lambda: pool.engine.ranks[victim].proc.pid, sig), long)
+    return await asyncio.gather(run_with_kill(pool, lambda: pool.client.ranks[victim].proc.pid, sig), long)
 
 
 async def wait_for_resync(pool: AsyncLMPool) -> dict:
@@ -82,8 +82,8 @@ def test_worker_sigkill_mid_run(tiny_model, reference, long_reference):
 def test_control_sigkill_mid_run(tiny_model, reference):
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK) as pool:
-            old = pool.engine.control_proc.pid
-            outs = await run_with_kill(pool, lambda: pool.engine.control_proc.pid)
+            old = pool.client.control_proc.pid
+            outs = await run_with_kill(pool, lambda: pool.client.control_proc.pid)
             stats = await wait_for_resync(pool)
             # After the resync, routing finds the prefixes again: a repeat of an early
             # prompt goes to a rank that holds its blocks and hits the cache.
@@ -106,7 +106,7 @@ def test_a_stopped_worker_is_taken_for_hung_killed_and_its_requests_finish_elsew
 ):
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, hang_timeout=HANG_TIMEOUT) as pool:
-            victim = pool.engine.ranks[1].proc
+            victim = pool.client.ranks[1].proc
             async with asyncio.timeout(GUARD_S):
                 outs, long = await run_with_worker_fault(pool, 1, signal.SIGSTOP)
                 stats = await pool.stats()
@@ -121,7 +121,7 @@ def test_a_stopped_worker_is_taken_for_hung_killed_and_its_requests_finish_elsew
 def test_a_stopped_control_process_is_replaced(tiny_model, reference):
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, hang_timeout=HANG_TIMEOUT) as pool:
-            old = pool.engine.control_proc
+            old = pool.client.control_proc
             async with asyncio.timeout(GUARD_S):
                 outs = await run_with_kill(pool, lambda: old.pid, signal.SIGSTOP)
                 again = await pool.generate(prompts()[3], PARAMS)  # routes through the new control process
@@ -141,7 +141,7 @@ def test_a_request_that_loses_a_second_rank_fails_and_the_pool_serves_on(tiny_mo
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK) as pool:
-            engine = pool.engine
+            engine = pool.client
             stream = pool.stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True))
             killed: list[int] = []
             with pytest.raises(PoolError, match="was running on 2 ranks that died"):
@@ -163,7 +163,7 @@ def test_with_every_rank_dead_a_request_is_told_so(tiny_model):
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
-            for rank in pool.engine.ranks:
+            for rank in pool.client.ranks:
                 os.kill(rank.proc.pid, signal.SIGKILL)
             # Before the pool noticed, the request may be sent to a dead rank, rerouted to the
             # other, and fail there; once it has noticed, nothing is sent.

@@ -47,7 +47,7 @@ def test_logprobs_and_penalties_survive_a_rank_s_death(tiny_model):
             # A thousand tokens pinned to rank 0: it cannot finish there before the kill, after its first.
             stream = pool.stream(PROMPT, ASKED, rank=0)
             first = await anext(stream)
-            os.kill(pool.engine.ranks[0].proc.pid, signal.SIGKILL)
+            os.kill(pool.client.ranks[0].proc.pid, signal.SIGKILL)
             last = first
             async for last in stream:
                 pass

@@ -40,7 +40,7 @@ async def settled(pool: AsyncLMPool) -> dict:
     stats = await pool_waits.settled(pool, idle, "an idle pool whose page table matches every worker",
                                      limit=DEADLINE_S)
     for r in stats["ranks"]:
-        assert r["blocks_free"] + r["blocks_reclaimable"] == pool.engine.ranks[r["rank"]].num_blocks, r
+        assert r["blocks_free"] + r["blocks_reclaimable"] == pool.client.ranks[r["rank"]].num_blocks, r
     return stats
 
 
@@ -74,7 +74,7 @@ def test_background_copy_of_a_hot_prefix_draws_later_requests(tiny_model):
                 task.cancel()
             await asyncio.gather(*loads, return_exceptions=True)
             final = await settled(pool)
-            digests = [await pool.engine.block_digests(r, hot) for r in (0, 1)]
+            digests = [await pool.client.block_digests(r, hot) for r in (0, 1)]
             return before, copied, after, stats, final, digests
 
     before, copied, after, stats, final, digests = uvloop.run(main())
@@ -109,7 +109,7 @@ def test_foreground_moves_the_shortage_instead_of_evicting_and_falls_back_when_r
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, num_kv_blocks=16,
                                transfer_mode="foreground", transfer_policy=policy) as pool:
-            engine = pool.engine
+            engine = pool.client
             for prompt in (a, a, b, b, g, g):
                 await pool.generate(prompt + tokens(5, 7), params, rank=0)
             quiet = await settled(pool)

@@ -91,7 +91,7 @@ def test_bad_input_rejected_at_ingress(tiny_model):
                 pool.generate([[1, 2, 3], prompt], GREEDY)
         with pytest.raises(ValueError, match="rank 2 is not a live rank"):
             pool.generate([[1, 2, 3], [4, 5, 6]], GREEDY, rank=2)
-        assert pool.engine.requests == {}
+        assert pool.client.requests == {}
         assert len(pool.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 8
         pinned = pool.generate([[1, 2, 3], [4, 5, 6], [7, 8, 9]], GREEDY, rank=1)
         assert [o.rank for o in pinned] == [1, 1, 1] and {o.route for o in pinned} == {"pinned"}
@@ -158,7 +158,7 @@ def test_an_interrupted_generate_aborts_its_requests(tiny_model, sigint_raises):
 
     main = threading.main_thread().ident
     with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
-        engine = pool.engine
+        engine = pool.client
         deliver = engine._deliver
 
         def interrupt_at_first_token(rank, delta):

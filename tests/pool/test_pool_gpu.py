@@ -27,7 +27,7 @@ def test_replicas_sharing_a_gpu_fit_in_its_share(tiny_model):
     async def main():
         async with AsyncLMPool(tiny_model, world_size=world, device="cuda", dtype="bfloat16", block_size=BLOCK,
                                gpu_memory_utilization=UTILIZATION) as pool:
-            engine = pool.engine
+            engine = pool.client
             block_bytes = engine.model_config.kv_bytes_per_block(BLOCK, torch.bfloat16)
             on_first = [r.num_blocks for r in engine.ranks if r.rank % gpus == 0]
             assert len(on_first) == 2 and all(n > 0 for n in on_first)

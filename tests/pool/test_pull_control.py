@@ -31,7 +31,7 @@ def control(mode: str) -> ControlPlane:
     # The engine model's prior step times: copying the document (about 2 ms on the uncalibrated
     # CPU link) beats recomputing its 512 tokens; the owner decodes past the bounded-load gate.
     pool = PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=BLOCK, transfer_mode=mode)
-    plane = build_control_plane(ControlSpec(pool=pool, engine_end="unused", worker_ends=["unused", "unused"],
+    plane = build_control_plane(ControlSpec(pool=pool, frontend_end="unused", worker_ends=["unused", "unused"],
                                             transfers=True, kv_bytes_per_block=4096))
     parents = [ROOT_HASH] + DOC[:-1]
     for rank in (0, 1):

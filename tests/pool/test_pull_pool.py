@@ -65,7 +65,7 @@ async def serve_with_busy_owner(pool: AsyncLMPool, asks: list[list[int]]) -> tup
         task.cancel()
     await asyncio.gather(*busy, return_exceptions=True)
     stats = await pool_waits.settled(pool, leak_free, "nothing held", limit=DEADLINE_S)
-    stats["digests"] = [await pool.engine.block_digests(r, DOC) for r in range(2) if stats["ranks"][r]["alive"]]
+    stats["digests"] = [await pool.client.block_digests(r, DOC) for r in range(2) if stats["ranks"][r]["alive"]]
     return outs, stats
 
 

@@ -59,7 +59,7 @@ def test_a_fault_at_each_point_leaves_consistent_ranks(tiny_model, monkeypatch, 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, enable_transfers=True,
                                transfer_lease_s=3.0) as pool:
-            engine = pool.engine
+            engine = pool.client
             expected = (await pool.generate(text, GREEDY, rank=SOURCE)).token_ids
             source = await engine.block_digests(SOURCE, text)
             result = await pool.transfer(text, src=SOURCE, dst=DEST, move=move)
@@ -119,7 +119,7 @@ def test_control_killed_while_a_plan_stalls_after_each_phase(tiny_model, monkeyp
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, enable_transfers=True,
                                transfer_lease_s=2.0) as pool:
-            engine = pool.engine
+            engine = pool.client
             expected = (await pool.generate(text, GREEDY, rank=SOURCE)).token_ids
             source = await engine.block_digests(SOURCE, text)
             plan = asyncio.create_task(pool.transfer(text, src=SOURCE, dst=DEST))

@@ -36,7 +36,7 @@ def test_copy_and_move_between_replicas_on_one_gpu(tiny_model, dtype, use_kernel
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, enable_transfers=True, **engine_args) as pool:
-            engine = pool.engine
+            engine = pool.client
             firsts = [await pool.generate(prompt(s), GREEDY, rank=0) for s in (1, 2)]
             sources = [await engine.block_digests(0, prompt(s)) for s in (1, 2)]
             assert all(all(d) for d in sources)
@@ -88,9 +88,9 @@ def test_transfer_of_many_blocks_and_of_one(tiny_model):
             for seed, blocks in ((3, 1), (4, 40)):
                 p = prompt(seed, blocks)
                 await pool.generate(p, SamplingParams(temperature=0, max_tokens=1), rank=0)
-                source = await pool.engine.block_digests(0, p)
+                source = await pool.client.block_digests(0, p)
                 result = await pool.transfer(p, src=0, dst=1, move=True)
-                results.append((result, source, await pool.engine.block_digests(1, p), blocks))
+                results.append((result, source, await pool.client.block_digests(1, p), blocks))
             return results
 
     for result, source, copied, blocks in uvloop.run(main()):
@@ -111,7 +111,7 @@ def test_copy_and_move_over_nccl_between_two_gpus(tiny_model):
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, enable_transfers=True, gpu_transfer_path="nccl",
                                **engine_args) as pool:
-            engine = pool.engine
+            engine = pool.client
             p, q = prompt(5, 12), prompt(6, 12)
             for x in (p, q):
                 await pool.generate(x, GREEDY, rank=0)

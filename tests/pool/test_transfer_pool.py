@@ -30,7 +30,7 @@ def test_copy_and_move_between_replicas(tiny_model):
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, enable_transfers=True) as pool:
-            engine = pool.engine
+            engine = pool.client
             first = await pool.generate(prompt(), GREEDY, rank=0)
             source = await engine.block_digests(0, prompt())
             assert all(source) and await engine.block_digests(1, prompt()) == ["", "", ""]
@@ -66,7 +66,7 @@ def test_destination_killed_mid_plan_aborts_and_releases_the_source(tiny_model):
     transferring between the live ranks."""
     async def main():
         async with AsyncLMPool(tiny_model, world_size=3, block_size=BLOCK, enable_transfers=True) as pool:
-            engine = pool.engine
+            engine = pool.client
             await pool.generate(prompt(), GREEDY, rank=0)
             source = await engine.block_digests(0, prompt())
             victim = engine.ranks[1].proc.pid
@@ -96,7 +96,7 @@ def test_control_killed_mid_plan_the_retry_completes_and_leases_free_the_old_pin
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, enable_transfers=True,
                                transfer_lease_s=1.0) as pool:
-            engine = pool.engine
+            engine = pool.client
             await pool.generate(prompt(), GREEDY, rank=0)
             source = await engine.block_digests(0, prompt())
             frozen = engine.ranks[1].proc.pid

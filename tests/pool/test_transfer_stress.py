@@ -46,7 +46,7 @@ def test_thousands_of_concurrent_plans_keep_every_invariant(tiny_model, monkeypa
     async def main():
         async with AsyncLMPool(tiny_model, world_size=RANKS, block_size=BLOCK, enable_transfers=True,
                                num_kv_blocks=24) as pool:
-            engine = pool.engine
+            engine = pool.client
             expected, reference = [], []
             for i, p in enumerate(prompts):
                 expected.append((await pool.generate(p, GREEDY, rank=i % RANKS)).token_ids)

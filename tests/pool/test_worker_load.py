@@ -22,9 +22,9 @@ def add(request_id: str, tokens: list[int], params: SamplingParams) -> AddReques
 
 def test_queued_prompts_count_only_what_their_rank_must_compute(tiny_model):
     pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=1)
-    spec = WorkerSpec(rank=0, epoch=1, engine_end="unused", control_end="unused", pool=pool)
+    spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
     core = EngineCore(pool.engine_of(0))
-    worker = Worker(spec, core, engine=None)
+    worker = Worker(spec, core, frontend=None)
     params = SamplingParams(temperature=0, max_tokens=1)
     shared = list(range(1, 4 * BLOCK + 1))
     worker.handle(add("first", shared + [99], params))

@@ -41,7 +41,7 @@ class FakePool:
 
     def __init__(self, ranks: list[dict]) -> None:
         self.ranks = ranks
-        self.engine = SimpleNamespace(block_size=BLOCK, max_model_len=4096,
+        self.client = SimpleNamespace(block_size=BLOCK, max_model_len=4096,
                                       ranks=[SimpleNamespace(rank=r["rank"], alive=r["alive"]) for r in ranks])
         self.config = SimpleNamespace(engine=SimpleNamespace(max_num_seqs=8))
 

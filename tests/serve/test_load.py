@@ -93,7 +93,7 @@ async def serve_and_load(model: str) -> dict:
         await until(connections_closed, "the server's connections closing", limit=120)
         # Nothing of the load is held any more: no request in the pool's table, no connection
         # or task in the server's state.
-        assert pool.engine.requests == {}
+        assert pool.client.requests == {}
         assert not server.server_state.connections and not server.server_state.tasks
         return {"results": results, "stats": await pool.stats()}
     finally:

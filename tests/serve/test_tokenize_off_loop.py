@@ -22,7 +22,7 @@ class NotingPool:
         self.threads: list[int] = []
         self.tokenizer = None  # logprobs name tokens by id
         rank = SimpleNamespace(alive=True, num_blocks=64)
-        self.engine = SimpleNamespace(max_model_len=1024, block_size=16, ranks=[rank])
+        self.client = SimpleNamespace(max_model_len=1024, block_size=16, ranks=[rank])
 
     def encode(self, prompt) -> list[int]:
         self.threads.append(threading.get_ident())

@@ -12,5 +12,5 @@ from lmpool import LMPool, SamplingParams
 if __name__ == "__main__":
     with LMPool(sys.argv[1], world_size=2, block_size=16, routing="round_robin") as pool:
         pool.generate([[i, 7, 8, 9] * 8 for i in range(4)], SamplingParams(temperature=0, max_tokens=4))
-        print(json.dumps({"pool_id": pool.pool_id, "pids": pool.engine.pids()}), flush=True)
+        print(json.dumps({"pool_id": pool.pool_id, "pids": pool.client.pids()}), flush=True)
         sys.stdin.read()

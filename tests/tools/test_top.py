@@ -65,7 +65,7 @@ def test_top_shows_every_rank_and_its_throughput(tiny_model, tmux):
             load.join()
         tmux.keys("q")
         wait_until(lambda: not tmux.running(), "lmpool top to quit on q")
-        worker_pids = [rank.proc.pid for rank in pool.engine.ranks]
+        worker_pids = [rank.proc.pid for rank in pool.client.ranks]
         pool_id = pool.pool_id
     rows = rank_rows(screen)
     assert [int(rows[r][PID]) for r in (0, 1)] == worker_pids

@@ -99,7 +99,7 @@ class PoolEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetModelInfo(self, request, context):
         config, tokenizer = self.model_config, self.pool.tokenizer
-        context_length = self.pool.engine.max_model_len
+        context_length = self.pool.client.max_model_len
         return vllm_engine_pb2.GetModelInfoResponse(
             model_path=self.settings.model, served_model_name=self.settings.name, is_generation=True,
             max_context_length=context_length, max_req_input_len=context_length, vocab_size=config.vocab_size,
@@ -113,7 +113,7 @@ class PoolEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return vllm_engine_pb2.GetServerInfoResponse(
             active_requests=load["running"] + load["waiting"], uptime_seconds=time.time() - self.started,
             last_receive_timestamp=time.time(), server_type="lmpool-grpc", data_parallel_size=1,
-            block_size=self.pool.engine.block_size, max_num_seqs=load["max_running"],
+            block_size=self.pool.client.block_size, max_num_seqs=load["max_running"],
             model_dtype=str(self.pool.config.engine.dtype or ""))
 
     async def GetLoads(self, request, context):

@@ -4,7 +4,7 @@
 own event loop (logging a line with its id, ranks, devices, KV blocks and the ``lmpool top``
 command) and shuts it down with the server. Handlers use the pool's public API (``encode``,
 ``encode_chat``, ``stream``, ``generate``, ``stats``), and read from its client
-(``pool.engine``) what that API does not give: the ranks (their KV blocks and liveness), the
+(``pool.client``) what that API does not give: the ranks (their KV blocks and liveness), the
 block size and the context length. A request whose client disconnects is aborted: a stream's
 consumer is cancelled by the server, a non-streaming handler races its request against the
 client's disconnect (``disconnect``). Request bodies are read and decoded by
@@ -54,7 +54,7 @@ log = logging.getLogger("uvicorn.error")  # uvicorn's own start-up log: its hand
 
 def started_line(pool: AsyncLMPool) -> str:
     """What a user needs to find the pool again: its id, ranks, devices and KV blocks, and how to watch it."""
-    config, ranks = pool.config, pool.engine.ranks
+    config, ranks = pool.config, pool.client.ranks
     per_rank = ", ".join(f"r{r.rank} {config.device_of(r.rank)} {r.num_blocks} blocks" for r in ranks)
     return (f"pool {pool.pool_id} started: {len(ranks)} ranks ({per_rank}) of {config.engine.block_size}-token "
             f"KV blocks, routing {config.routing}; watch it with: lmpool top {pool.pool_id}")
@@ -164,15 +164,15 @@ async def _prompt_text(request: Request, pool: AsyncLMPool, prompt: str | list[i
 
 def _max_model_len(pool: AsyncLMPool) -> int:
     # The engine's context length (what ingress validation checks prompts against).
-    return pool.engine.max_model_len
+    return pool.client.max_model_len
 
 
 def longest_request(pool: AsyncLMPool) -> int:
     """The most tokens (prompt and output) a request can hold: the context, or less where no
     live rank's KV cache holds that many (a default beyond it would refuse every request); the
     HTTP and gRPC servers' default ``max_tokens`` is what it leaves after the prompt."""
-    blocks = max((rank.num_blocks for rank in pool.engine.ranks if rank.alive), default=0)
-    return min(_max_model_len(pool), blocks * pool.engine.block_size)
+    blocks = max((rank.num_blocks for rank in pool.client.ranks if rank.alive), default=0)
+    return min(_max_model_len(pool), blocks * pool.client.block_size)
 
 
 async def _respond(request: Request, pool: AsyncLMPool, runs: list[Run], body, chat: bool):

@@ -49,7 +49,7 @@ async def host_load(pool) -> dict:
     """The live ranks' figures summed: one engine, as the gateway routes to the host, not to a rank."""
     stats = await pool.stats()
     live = [rank for rank in stats["ranks"] if rank["alive"]]
-    block_size = pool.engine.block_size
+    block_size = pool.client.block_size
     used = sum(rank["blocks_used"] for rank in live)
     # The capacity lmpool:kv_cache_usage_perc divides by: blocks held by cached prefixes
     # (reclaimable) are free to the next request, so they count as room, not as use.
@@ -81,7 +81,7 @@ def register(app: FastAPI) -> None:
             # itself and ignores a request's data_parallel_rank), so smg's --dp-aware mode must
             # see one scheduler here, not split the host into ranks it cannot pin.
             "dp_size": 1,
-            "context_length": pool.engine.max_model_len,
+            "context_length": pool.client.max_model_len,
             "max_total_tokens": load["total_tokens"],
             "max_running_requests": load["max_running"],
             "is_embedding": False,
@@ -91,7 +91,7 @@ def register(app: FastAPI) -> None:
             "engine": "lmpool",
             "ranks": load["ranks"],
             "live_ranks": load["live_ranks"],
-            "block_size": pool.engine.block_size,
+            "block_size": pool.client.block_size,
         }
 
     if settings.version_route:

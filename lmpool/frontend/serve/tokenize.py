@@ -31,13 +31,13 @@ def register(app: FastAPI, request_for) -> None:
         else:
             tokens = await off_loop(request, pool.encode_chat, parsed.prompt, **(body.chat_template_kwargs or {}))
         strs = await off_loop(request, pool.tokenizer.convert_ids_to_tokens, tokens) if body.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": pool.engine.max_model_len, "tokens": tokens,
+        return {"count": len(tokens), "max_model_len": pool.client.max_model_len, "tokens": tokens,
                 "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         parsed, pool = await request_for(request, DetokenizeRequest, "detokenize")
-        check_ids(parsed.prompt, pool.engine.model_config.vocab_size)
+        check_ids(parsed.prompt, pool.client.model_config.vocab_size)
         if pool.tokenizer is None:
             raise ServeError(400, "this model directory has no tokenizer")
         return {"prompt": await off_loop(request, pool.output_processor.decode, parsed.prompt)}
