@@ -6,9 +6,12 @@
 # is timed).
 mkdir -p /tmp/site
 # Installed once per set of wheels (a stamp lists them): parts of a run that start side by
-# side (run_eval_parts.sh) must not reinstall into /tmp/site while another part imports.
-if compgen -G ".whl/*.whl" >/dev/null && [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$(ls .whl/*.whl)" ]; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl && ls .whl/*.whl >/tmp/site/.wheels
+# side (run_eval_parts.sh) must not reinstall into /tmp/site while another part imports. The
+# serve and grpc extras with smg (.whl-serve/, about 50 MB, made by the pip download in
+# run_grpc_gateway_h200.sh) travel only to the calls that start `lmpool serve` hosts.
+wheels=$(ls .whl/*.whl .whl-serve/*.whl 2>/dev/null)
+if [ -n "$wheels" ] && [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site $wheels && echo "$wheels" >/tmp/site/.wheels
 fi
 # NVIDIA Dynamo's router for the dynamo_kv peer, when .whl-dynamo/ travels (made here by
 # benchmarks/device/pack_dynamo.py: its wheel xz-compressed with a stripped library, and its needs

@@ -128,6 +128,30 @@ def _terminate_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """``cmd`` as a child writing to ``log``: in its own session, so a terminal's Ctrl-C reaches
+    the suite first, which then stops it; and sent SIGTERM when the suite itself dies unannounced
+    (killed), so nothing outlives it."""
+    with open(log, "wb") as out:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=_terminate_with_parent)
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> list[int]:
+    """SIGTERM every one of ``procs`` (a graceful stop: a host shuts its pool down), then wait;
+    SIGKILL whatever outlives ``STOP_WAIT_S``. Their exit codes, in order."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return [p.returncode for p in procs]
+
+
 class Processes:
     """The hosts and the gateway of one run; ``stop`` ends every one of them."""
 
@@ -137,15 +161,9 @@ class Processes:
         self.host_urls: list[str] = []
         self.gateway: subprocess.Popen | None = None
         self.gateway_url = ""
-        self._files = []
 
     def _spawn(self, cmd: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "wb")
-        self._files.append(log)
-        # Its own session, so a terminal's Ctrl-C reaches the suite first, which then stops it;
-        # and a SIGTERM when the suite itself dies unannounced (killed), so nothing outlives it.
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_terminate_with_parent)
+        return spawn(cmd, self.logs / f"{name}.log", env)
 
     def start_hosts(self, model: str, args, setting, max_model_len: int) -> None:
         gpus = visible_gpus() if args.device == "cuda" else []
@@ -183,20 +201,8 @@ class Processes:
     def stop(self) -> dict:
         """SIGTERM the gateway, then the hosts (a graceful stop shuts a host's pool down);
         SIGKILL whatever outlives ``STOP_WAIT_S``. Returns each process's exit code."""
-        codes = {}
-        for name, group in (("smg", [self.gateway] if self.gateway else []), ("host", self.hosts)):
-            for p in group:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for i, p in enumerate(group):
-                try:
-                    p.wait(STOP_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-                codes[name if name == "smg" else f"host-{i}"] = p.returncode
-        for f in self._files:
-            f.close()
+        codes = {"smg": code for code in stop_processes([self.gateway] if self.gateway else [])}
+        codes.update((f"host-{i}", code) for i, code in enumerate(stop_processes(self.hosts)))
         return codes
 
 
