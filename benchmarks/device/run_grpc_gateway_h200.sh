@@ -9,6 +9,10 @@
 #     smg-grpc-proto==0.4.28 smg-grpc-servicer==0.14.1 grpcio --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform any -d .whl-serve
+# then smg's wheel stripped and xz-compressed (37 MB -> 21 MB, so the call carries under 64 MiB):
+#   python3 -c "from pathlib import Path; import tempfile; from benchmarks.device import pack_dynamo as p; \
+#     p.LIBRARY = 'smg/smg_rs.abi3.so'; w = next(Path('.whl-serve').glob('smg-*.whl')); \
+#     t = tempfile.TemporaryDirectory(); p.repack(w, Path('.whl-serve'), Path(t.name)); w.unlink()"
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder the results go to}
 mkdir -p "$OUT"

@@ -7,9 +7,16 @@
 mkdir -p /tmp/site
 # Installed once per set of wheels (a stamp lists them): parts of a run that start side by
 # side (run_eval_parts.sh) must not reinstall into /tmp/site while another part imports. The
-# serve and grpc extras with smg (.whl-serve/, about 50 MB, made by the pip download in
-# run_grpc_gateway_h200.sh) travel only to the calls that start `lmpool serve` hosts.
-wheels=$(ls .whl/*.whl .whl-serve/*.whl 2>/dev/null)
+# serve and grpc extras with smg (.whl-serve/, about 35 MB with smg's wheel stripped and
+# xz-compressed, see run_grpc_gateway_h200.sh) travel only to the calls that start `lmpool
+# serve` hosts.
+mkdir -p /tmp/xz-wheels
+for f in .whl-serve/*.whl.xz; do
+  [ -f "$f" ] && [ ! -f "/tmp/xz-wheels/$(basename "${f%.xz}")" ] && python3 -c \
+    'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+    "$f" "/tmp/xz-wheels/$(basename "${f%.xz}")"
+done
+wheels=$(ls .whl/*.whl .whl-serve/*.whl 2>/dev/null; compgen -G ".whl-serve/*.whl.xz" >/dev/null && ls /tmp/xz-wheels/*.whl)
 if [ -n "$wheels" ] && [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site $wheels && echo "$wheels" >/tmp/site/.wheels
 fi
