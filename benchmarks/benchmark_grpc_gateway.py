@@ -368,6 +368,7 @@ async def run(args) -> dict:
                         row = await run_one(args, fleet, http, tokenizer, rep, mode)
                         result["runs"].append(row)
                         print(line_of(row), flush=True)
+                        save(args, result)  # a run cut short keeps the runs it finished
         finally:
             result["exit_codes"] = fleet.stop()
     result["summary"] = compare(result["runs"])
@@ -391,9 +392,13 @@ def main(argv=None) -> int:
     else:
         result = asyncio.run(run(args))
     print(json.dumps(result["summary"], indent=1))
+    save(args, result)
+    return 0
+
+
+def save(args, result: dict) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
