@@ -73,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds one burst may take")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--logs", help="keep the hosts' and gateways' logs in this folder (default: discarded)")
     return p.parse_args(argv)
 
 
@@ -179,11 +180,13 @@ async def gateway_page(http: httpx.AsyncClient, fleet: Fleet, mode: str) -> str:
     return (await http.get(fleet.gateway_metrics[mode])).text
 
 
-BRANCHES = ("event_hit", "event_miss", "event_spill", "warmup_slice", "warmup_divert")
-
-
 def branches(page: str) -> dict[str, float]:
-    return {b: series_sum(page, "smg_cache_aware_policy_branch_total", branch=b) for b in BRANCHES}
+    """Requests by the branch of smg's cache-aware decision that routed them (every branch it names)."""
+    out: dict[str, float] = {}
+    for labels, value in re.findall(r'^smg_cache_aware_policy_branch_total\{([^}]*)\} (\S+)$', page, re.M):
+        branch = dict(re.findall(r'(\w+)="([^"]*)"', labels)).get("branch", "?")
+        out[branch] = out.get(branch, 0.0) + float(value)
+    return out
 
 
 # -- the workload ----------------------------------------------------------------------------
@@ -262,6 +265,7 @@ async def run_one(args, fleet: Fleet, http: httpx.AsyncClient, tokenizer, rep: i
     per_host = [sum(t // args.block_size for d, t in enumerate(doc_tokens) if d % args.hosts == h)
                 for h in range(args.hosts)]
     await events_applied(http, fleet, before_blocks, per_host)
+    applied = await stored_blocks(http, fleet)
     counters, page = await host_counters(http, fleet), await gateway_page(http, fleet, "grpc")
     started = time.perf_counter()
     async with asyncio.timeout(args.run_timeout):
@@ -273,6 +277,9 @@ async def run_one(args, fleet: Fleet, http: httpx.AsyncClient, tokenizer, rep: i
     row = summarize_run(args, rep, mode, rows, wall, counters, after,
                         branches(await gateway_page(http, fleet, "grpc")), branches(page), doc_tokens)
     row["counters_complete"] = complete
+    # The gRPC gateway's stored blocks per host: before the documents, once it had read them, after the burst.
+    row["gateway_stored_blocks"] = {"before": before_blocks, "read": applied, "after": await stored_blocks(http, fleet),
+                                    "expected": per_host}
     return row
 
 
@@ -318,8 +325,8 @@ def summarize_run(args, rep, mode, rows, wall, before, after, branches_after, br
         "prompt_tokens_by_host": prompt, "cached_tokens_by_host": cached,
         "cached_fraction": sum(cached) / max(1.0, sum(prompt)),
         "document_tokens": doc_tokens,
-        "grpc_gateway_branches": {b: branches_after[b] - branches_before[b] for b in BRANCHES
-                                  if branches_after[b] > branches_before[b]},
+        "grpc_gateway_branches": {b: n - branches_before.get(b, 0.0) for b, n in branches_after.items()
+                                  if n > branches_before.get(b, 0.0)},
     }
 
 
@@ -355,7 +362,9 @@ async def run(args) -> dict:
                     "gateway": {"binary": smg_path(), "version": smg_version(), "flags": list(SMG_FLAGS)},
                     "runs": []}
     with tempfile.TemporaryDirectory(prefix="lmpool-grpc-bench-") as tmp:
-        fleet = Fleet(args, Path(tmp))
+        logs = Path(args.logs or tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        fleet = Fleet(args, logs)
         try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(args.run_timeout, connect=30)) as http:
                 t = time.perf_counter()

@@ -11,9 +11,7 @@ import types
 
 import httpx
 
-from benchmarks import benchmark_ipc, benchmark_serve, benchmark_stream, benchmark_throughput
-from lmpool.frontend.serve.app import create_app
-from lmpool.frontend.serve.settings import ServeSettings
+from benchmarks import benchmark_ipc, benchmark_stream, benchmark_throughput
 from lmpool.outputs import RequestOutput
 from tools.diagnostics import profile_plan_bookkeeping
 
@@ -75,6 +73,12 @@ class StreamingPool:
 def test_serve_benchmark_shows_its_requests(tmp_path, capsys):
     """Against the real app over a streaming stand-in pool, in process: every request, warm-up
     included, counted on the bar; each level's line on stdout."""
+    # Imported here: the serve stack and the openai client are the serve extra's and dev's, which
+    # a GPU machine running only the gpu-marked tests may lack, and this module is collected there.
+    from benchmarks import benchmark_serve
+    from lmpool.frontend.serve.app import create_app
+    from lmpool.frontend.serve.settings import ServeSettings
+
     app = create_app(ServeSettings(model="m", served_model_name="tiny"))
     app.state.pool = StreamingPool()
     out = tmp_path / "serve.json"
