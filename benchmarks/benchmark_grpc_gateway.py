@@ -12,9 +12,10 @@ once through the gateway under test as a streamed completion (greedy, ``ignore_e
 
 Reported per run: requests/s and output tokens/s over the burst, TTFT (request sent to the first
 chunk) and end-to-end time, the hosts' cached and computed prompt tokens over the burst (their
-``lmpool:prefix_cache_hits`` and ``lmpool:prompt_tokens`` counters), and the gRPC gateway's
-cache-aware branches; then per mode the mean, and the gRPC / HTTP ratios with the paired 95 %
-interval over repetitions.
+``lmpool:prefix_cache_hits`` and ``lmpool:prompt_tokens`` counters), the branches of smg's
+cache-aware decision that routed the burst (``smg_cache_aware_policy_branch_total``), and the gRPC
+gateway's stored blocks per host before the documents, once read and after the burst; then per
+mode the mean, and the gRPC / HTTP ratios with the paired 95 % interval over repetitions.
 
     python -m benchmarks.benchmark_grpc_gateway --model DIR --device cuda --dtype bfloat16 --mps \\
         --json grpc_gateway.json
@@ -266,7 +267,7 @@ async def run_one(args, fleet: Fleet, http: httpx.AsyncClient, tokenizer, rep: i
                 for h in range(args.hosts)]
     await events_applied(http, fleet, before_blocks, per_host)
     applied = await stored_blocks(http, fleet)
-    counters, page = await host_counters(http, fleet), await gateway_page(http, fleet, "grpc")
+    counters, page = await host_counters(http, fleet), await gateway_page(http, fleet, mode)
     started = time.perf_counter()
     async with asyncio.timeout(args.run_timeout):
         rows = await asyncio.gather(*(stream_one(http, fleet.gateways[mode], prompt, args.max_tokens)
@@ -275,7 +276,7 @@ async def run_one(args, fleet: Fleet, http: httpx.AsyncClient, tokenizer, rep: i
     sent = sum(len(encode_prompt(tokenizer, prompt)) for (_, prompt), r in zip(questions, rows) if r["error"] is None)
     after, complete = await counters_after(http, fleet, counters, sent)
     row = summarize_run(args, rep, mode, rows, wall, counters, after,
-                        branches(await gateway_page(http, fleet, "grpc")), branches(page), doc_tokens)
+                        branches(await gateway_page(http, fleet, mode)), branches(page), doc_tokens)
     row["counters_complete"] = complete
     # The gRPC gateway's stored blocks per host: before the documents, once it had read them, after the burst.
     row["gateway_stored_blocks"] = {"before": before_blocks, "read": applied, "after": await stored_blocks(http, fleet),
@@ -325,7 +326,7 @@ def summarize_run(args, rep, mode, rows, wall, before, after, branches_after, br
         "prompt_tokens_by_host": prompt, "cached_tokens_by_host": cached,
         "cached_fraction": sum(cached) / max(1.0, sum(prompt)),
         "document_tokens": doc_tokens,
-        "grpc_gateway_branches": {b: n - branches_before.get(b, 0.0) for b, n in branches_after.items()
+        "gateway_branches": {b: n - branches_before.get(b, 0.0) for b, n in branches_after.items()
                                   if n > branches_before.get(b, 0.0)},
     }
 
@@ -387,7 +388,7 @@ async def run(args) -> dict:
 def line_of(r: dict) -> str:
     ttft = "-" if r["ttft_mean_s"] is None else f"{1e3 * r['ttft_mean_s']:8.1f} ms"
     return (f"rep {r['rep']} {r['mode']:4s}: {r['requests_per_s']:7.2f} req/s  TTFT {ttft}  "
-            f"cached {r['cached_fraction']:.3f}  failed {r['failed']}  branches {r['grpc_gateway_branches']}")
+            f"cached {r['cached_fraction']:.3f}  failed {r['failed']}  branches {r['gateway_branches']}")
 
 
 def main(argv=None) -> int:
