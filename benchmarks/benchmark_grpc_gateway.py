@@ -74,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds one burst may take")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--smg-flag", action="append", default=[], metavar="FLAG",
+                   help="a flag for both gateways beyond smg's defaults (repeat; e.g. --smg-flag=--kv-index=chain)")
     p.add_argument("--logs", help="keep the hosts' and gateways' logs in this folder (default: discarded)")
     return p.parse_args(argv)
 
@@ -109,7 +111,7 @@ class Fleet:
             port, metrics_port = free_port(), free_port()
             cmd = [smg_path(), "launch", *SMG_FLAGS, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
                    *workers, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-                   "--log-level", "warn"]
+                   "--log-level", "warn", *self.args.smg_flag]
             self.procs[f"smg-{mode}"] = spawn(cmd, self.logs / f"smg-{mode}.log")
             self.gateways[mode] = f"http://127.0.0.1:{port}"
             self.gateway_metrics[mode] = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -360,7 +362,7 @@ async def run(args) -> dict:
         raise SystemExit(f"{args.model} has no tokenizer: smg's gRPC mode tokenizes with the host's")
     result: dict = {"benchmark": "grpc_gateway", "git": git_record(), "python": platform.python_version(),
                     "settings": {k: v for k, v in vars(args).items() if k != "json"},
-                    "gateway": {"binary": smg_path(), "version": smg_version(), "flags": list(SMG_FLAGS)},
+                    "gateway": {"binary": smg_path(), "version": smg_version(), "flags": [*SMG_FLAGS, *args.smg_flag]},
                     "runs": []}
     with tempfile.TemporaryDirectory(prefix="lmpool-grpc-bench-") as tmp:
         logs = Path(args.logs or tmp)
