@@ -405,6 +405,18 @@ def test_a_batch_whose_pair_turned_busy_between_slices_is_not_started():
     assert w.placement.refused["pair_busy"] == 1
 
 
+def test_a_source_that_lost_the_chain_between_slices_is_refused_not_sent_unknown_generations():
+    w, chains = busy_world()
+    placement_pass = w.placement.start_pass()
+    assert not placement_pass.run(0.0)  # the newest chain's source chosen, its first partner tried
+    w.cache(0, *chains[:-1])  # rank 0 reports the newest chain gone before the next slice
+    while not placement_pass.run(0.0):
+        pass
+    copies = placement_pass.copies()
+    assert all(isinstance(g, int) for b in copies for g in b.generations)
+    assert [b.dst for b in copies if chains[-1][0] in b.hashes] == [1], "only the copy chosen before"
+
+
 # ---- invariants under random demand -----------------------------------------------------------
 
 

@@ -55,7 +55,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import cast
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.routing.route import Route, RouteStage
@@ -278,6 +277,12 @@ class BackgroundPlacement:
             return "load_skew"
         if self.coordinator.busy(src, dst) or (dst, src) in batches:
             return "pair_busy"
+        # src held blocks start:end ready when the pass chose it, but a pass runs in slices and the
+        # workers' reports between them may have taken some away since.
+        found = [gbm.generation(src, chain[i]) for i in range(start, end)]
+        generations = [g for g in found if g is not None]
+        if len(generations) < len(found):
+            return "no_source"
         batch = batches.get((src, dst))
         if batch is None:
             new = end - start
@@ -293,8 +298,6 @@ class BackgroundPlacement:
             self.decisions.append(decision)
             if not decision.admitted:
                 return "admission"
-        # src holds blocks start:end ready: it was chosen as their source.
-        generations = cast(list[int], [gbm.generation(src, chain[i]) for i in range(start, end)])
         if batch is None:
             batch = batches[(src, dst)] = CopyBatch(src, dst)
         batch.add(chain, start, end, generations)
