@@ -85,15 +85,19 @@ class GrpcWorker:
         return self._stopping
 
     async def _stop(self, grace: float) -> None:
+        # Each part stops whatever start() got to: a start that failed half way (the servicer's
+        # model files unreadable, say) still closes the feed and the private sockets.
         try:
             if self.feed is not None:
                 self.feed.end_streams()
             if self.server is not None:
                 await self.server.stop(grace)
-                assert self.servicer is not None  # made with the server
+            if self.servicer is not None:
                 self.servicer.close()
-            if self.feed is not None:
-                await self.feed.close()
         finally:
-            if self._private_dir is not None:
-                shutil.rmtree(self._private_dir, ignore_errors=True)
+            try:
+                if self.feed is not None:
+                    await self.feed.close()
+            finally:
+                if self._private_dir is not None:
+                    shutil.rmtree(self._private_dir, ignore_errors=True)
