@@ -55,6 +55,7 @@ from lmpool.protocol import (
     ShortageReport,
     StatsQuery,
     StepTimings,
+    SyncAnswer,
     SyncQuery,
     TransferChain,
     TransferResult,
@@ -68,6 +69,9 @@ from lmpool.protocol.base import BlockHash
 from lmpool.protocol.spec import ControlSpec
 from lmpool.protocol.state_board import PUBLISH_INTERVAL_S, PoolState, RankRow, StateBoardWriter
 from lmpool_ipc import Channel, IpcError, Responder
+
+# The answer each question to a worker takes (an answer of another type with its id is a stale one).
+ANSWERS: dict[type, type] = {DigestQuery: DigestAnswer, SyncQuery: SyncAnswer}
 
 ROUTE_SAMPLES = 4096  # route latencies kept for the p50/p99 in stats
 QUERY_TIMEOUT_S = 30.0  # a live worker answers at its next step boundary; a digest hashes blocks
@@ -110,9 +114,11 @@ class ControlPlane:
         # Route replies held until the pull their request waits on has landed or aborted.
         self.pull_waiters: dict[str, asyncio.Future] = {}
         self.plan_waiters: dict[int, asyncio.Future] = {}
-        # Questions to one worker (``WorkerQuery``): (rank, waiter) by the id they carry.
-        self.worker_queries: dict[int, tuple[int, asyncio.Future]] = {}
-        self._query_ids = 0
+        # Questions to one worker (``WorkerQuery``): (rank, the answer's type, waiter) by the id
+        # they carry. Ids start at random: a worker may still answer a question of the control
+        # process this one replaced, whose ids started where this one's would.
+        self.worker_queries: dict[int, tuple[int, type, asyncio.Future]] = {}
+        self._query_ids = random.getrandbits(48)
         self.route_us = np.zeros(ROUTE_SAMPLES)
         self.route_latency = RouteLatency()
         self.route_queries = 0
@@ -173,7 +179,7 @@ class ControlPlane:
             self.workers.pop(rank, None)
             self.outbox.pop(rank, None)  # orders for a dead rank have nowhere to go
             self.known[rank].set()
-            for asked, waiter in self.worker_queries.values():
+            for asked, _, waiter in self.worker_queries.values():
                 if asked == rank and not waiter.done():
                     waiter.set_exception(RankGoneError(f"rank {rank} went down before it answered"))
 
@@ -225,8 +231,8 @@ class ControlPlane:
         asked = self.worker_queries.get(answer.query_id)
         if asked is None:
             return
-        rank, waiter = asked
-        if rank == answer.rank and not waiter.done():  # ``ask`` forgets the question
+        rank, answer_type, waiter = asked
+        if rank == answer.rank and isinstance(answer, answer_type) and not waiter.done():  # ``ask`` forgets it
             waiter.set_result(answer)
 
     def on_plan_answer(self, ack: PlanAnswer) -> None:
@@ -303,7 +309,7 @@ class ControlPlane:
         self._query_ids += 1
         query_id = self._query_ids
         waiter = asyncio.get_running_loop().create_future()
-        self.worker_queries[query_id] = (rank, waiter)
+        self.worker_queries[query_id] = (rank, ANSWERS[query], waiter)
         outbox.put_nowait(query(query_id, *args))
         try:
             return await asyncio.wait_for(waiter, timeout_s)
@@ -316,7 +322,7 @@ class ControlPlane:
         if request.rank not in self.outbox:
             raise ValueError(f"rank {request.rank} is not a live rank of this pool")
         answer = await self.ask(request.rank, DigestQuery, request.block_hashes)
-        assert isinstance(answer, DigestAnswer)  # a DigestQuery's answer
+        assert isinstance(answer, DigestAnswer)  # ``ask`` takes only a DigestQuery's answer
         return DigestsReply(answer.digests)
 
     async def watchdog(self) -> None:

@@ -14,6 +14,7 @@ import pytest
 from lmpool.protocol.kv_events import BlockStored, KVDelta, KVSnapshot
 from lmpool.control.build import build_control_plane
 from lmpool.protocol import (
+    DigestAnswer,
     LoadReport,
     PhaseFailed,
     SyncAnswer,
@@ -127,6 +128,9 @@ def test_an_answer_from_another_rank_or_a_late_one_is_ignored():
         if order.kind == "sync":
             return [SyncAnswer(order.query_id + 1, 0),  # no such question
                     SyncAnswer(order.query_id, 1),  # not from the rank asked
+                    # another kind of question's answer with this id (one the control process
+                    # this one replaced asked, late): not this question's answer
+                    DigestAnswer(order.query_id, 0, ["stale"]),
                     DELTA, SyncAnswer(order.query_id, 0)]
         return refuse_plans(0, order)
 
@@ -150,3 +154,10 @@ def test_a_source_that_never_answers_ends_the_transfer_within_a_phase_timeout():
     result, orders = asyncio.run(transfer(source, phase_timeout_s=0.2))  # the bound is the plans' own
     assert [o.kind for o in orders] == ["sync"]
     assert result.state == "aborted" and result.reason == "rank 0 did not answer a 'sync' within 0.2s"
+
+
+def test_question_ids_start_where_a_replaced_control_process_would_not():
+    spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=4),
+                       frontend_end="unused", worker_ends=["unused", "unused"])
+    firsts = {build_control_plane(spec)._query_ids for _ in range(4)}
+    assert len(firsts) == 4  # random 48-bit starts: equal ones are a 1 in 2**46 event
