@@ -116,7 +116,8 @@ class AsyncLMPool:
     @property
     def pool_id(self) -> str:
         """The pool's id, as ``lmpool ps`` lists it and ``lmpool top`` takes it."""
-        assert self.client.ipc is not None, "the pool is not started"
+        if self.client.ipc is None:
+            raise PoolError("the pool is not started: its id is named when it starts")
         return self.client.ipc.pool_id
 
     @property

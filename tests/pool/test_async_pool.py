@@ -213,3 +213,11 @@ def test_chat_in_a_pool_gives_what_one_engine_gives(tiny_model):
         with pytest.raises(ValueError, match="conversation 1: a conversation is a non-empty list"):
             pool.chat([talk, []], GREEDY)
     assert [o.token_ids for o in both] == [expected.token_ids] * 2
+
+
+def test_a_pool_not_started_has_no_id_yet(tiny_model):
+    from lmpool.frontend.client import PoolError
+
+    pool = AsyncLMPool(tiny_model, world_size=2, device="cpu")
+    with pytest.raises(PoolError, match="not started"):
+        _ = pool.pool_id
