@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.lib.prometheus import series_sum
 from benchmarks.lib.revision import git_record
 from benchmarks.peers.eval_gateway import free_port, smg_path, smg_version, spawn, stop_processes
 from benchmarks.stats.student_t import confidence_interval, mean, percentile
@@ -159,16 +160,6 @@ async def start(fleet: Fleet, http: httpx.AsyncClient) -> None:
 
 
 # -- reading counters ------------------------------------------------------------------------
-
-def series_sum(page: str, name: str, **labels: str) -> float:
-    """The sum of the Prometheus series ``name`` on ``page`` whose labels include ``labels``."""
-    total = 0.0
-    for found, value in re.findall(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", page, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', found))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(value)
-    return total
-
 
 async def host_counters(http: httpx.AsyncClient, fleet: Fleet) -> list[dict[str, float]]:
     out = []

@@ -4,12 +4,13 @@ HTTP or gRPC workers alike; its worker listing and Prometheus series, read as th
 from __future__ import annotations
 
 import contextlib
-import re
 import subprocess
 from pathlib import Path
 
 import httpx
 from serve_process import free_port, smg_binary, terminate, wait_for
+
+from benchmarks.lib.prometheus import series_sum
 
 
 # smg's warm-up slice sends one cache miss in four, and its divert one cache hit in eight, to a
@@ -48,13 +49,7 @@ class Gateway:
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the gateway's series of ``name`` whose labels include ``labels``."""
-        page = httpx.get(f"{self.metrics_url}/metrics", timeout=10).text
-        total = 0.0
-        for series, value in re.findall(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", page, re.M):
-            found = dict(re.findall(r'(\w+)="([^"]*)"', series))
-            if all(found.get(k) == v for k, v in labels.items()):
-                total += float(value)
-        return total
+        return series_sum(httpx.get(f"{self.metrics_url}/metrics", timeout=10).text, name, **labels)
 
     def branches(self) -> dict[str, float]:
         """How many requests each branch of the cache-aware decision has routed."""
