@@ -160,4 +160,4 @@ def test_question_ids_start_where_a_replaced_control_process_would_not():
     spec = ControlSpec(pool=PoolConfig.from_options("unused", world_size=2, device="cpu", block_size=4),
                        frontend_end="unused", worker_ends=["unused", "unused"])
     firsts = {build_control_plane(spec)._query_ids for _ in range(4)}
-    assert len(firsts) == 4  # random 48-bit starts: equal ones are a 1 in 2**46 event
+    assert len(firsts) == 4  # random 48-bit starts: two equal ones would be a 6 in 2**48 event
