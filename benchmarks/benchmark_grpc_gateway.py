@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import platform
 import random
@@ -43,7 +42,7 @@ import httpx
 
 from benchmarks.lib.prometheus import series_sum
 from benchmarks.lib.revision import git_record
-from benchmarks.peers.eval_gateway import free_port, smg_path, smg_version, spawn, stop_processes
+from benchmarks.peers.eval_gateway import free_port, smg_path, smg_version, spawn, stop_processes, wait_until
 from benchmarks.stats.student_t import confidence_interval, mean, percentile
 from lmpool.tokenizer import encode_prompt, load_tokenizer
 
@@ -52,7 +51,6 @@ MODES = ("grpc", "http")
 SMG_FLAGS = ("--policy", "cache_aware")  # smg's defaults for everything else that routes
 WORDS = ("harbour tide lantern keeper ledger ship anchor rope sail gull storm coast reef beacon chart "
          "compass mast deck hull cargo port wind wave shore cliff lamp night watch signal bell").split()
-_POLL_S = 0.2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -131,32 +129,20 @@ class Fleet:
         return codes
 
 
-async def wait_for(check, fleet: Fleet, limit_s: float, what: str) -> None:
-    deadline = time.monotonic() + limit_s
-    while True:
-        fleet.check_alive()
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-            if await check():
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {limit_s:g} s")
-        await asyncio.sleep(_POLL_S)
-
-
 async def start(fleet: Fleet, http: httpx.AsyncClient) -> None:
     fleet.start_hosts()
 
     async def hosts_healthy() -> bool:
         return all([(await http.get(f"{u}/health")).status_code == 200 for u in fleet.http_urls])
 
-    await wait_for(hosts_healthy, fleet, fleet.args.start_timeout, "the hosts' health")
+    await wait_until(hosts_healthy, fleet, fleet.args.start_timeout, "the hosts' health")
     fleet.start_gateways()
     for mode, url in fleet.gateways.items():
         async def registered(url=url) -> bool:
             ready = (await http.get(f"{url}/readiness")).json()
             return ready.get("healthy_workers") == len(fleet.http_urls)
 
-        await wait_for(registered, fleet, fleet.args.start_timeout, f"the {mode} gateway's registration")
+        await wait_until(registered, fleet, fleet.args.start_timeout, f"the {mode} gateway's registration")
 
 
 # -- reading counters ------------------------------------------------------------------------
@@ -219,7 +205,7 @@ async def events_applied(http: httpx.AsyncClient, fleet: Fleet, before: list[flo
         return all(series_sum(page, "smg_kv_event_blocks_total", worker=url, op="stored") >= b0 + n
                    for url, b0, n in zip(fleet.grpc_urls, before, blocks))
 
-    await wait_for(applied, fleet, 120.0, "the gRPC gateway's reading of the hosts' KV events")
+    await wait_until(applied, fleet, 120.0, "the gRPC gateway's reading of the hosts' KV events")
 
 
 async def stored_blocks(http: httpx.AsyncClient, fleet: Fleet) -> list[float]:
@@ -288,7 +274,7 @@ async def counters_after(http: httpx.AsyncClient, fleet: Fleet, before: list[dic
         return sum(a["prompt"] - b["prompt"] for a, b in zip(latest, before)) >= sent
 
     try:
-        await wait_for(counted, fleet, 60.0, "the hosts' counters of the burst's prompt tokens")
+        await wait_until(counted, fleet, 60.0, "the hosts' counters of the burst's prompt tokens")
     except TimeoutError:
         return latest, False
     return latest, True

@@ -201,13 +201,14 @@ class Processes:
     def stop(self) -> dict:
         """SIGTERM the gateway, then the hosts (a graceful stop shuts a host's pool down);
         SIGKILL whatever outlives ``STOP_WAIT_S``. Returns each process's exit code."""
-        codes = {"smg": code for code in stop_processes([self.gateway] if self.gateway else [])}
+        codes = {"smg": stop_processes([self.gateway])[0]} if self.gateway else {}
         codes.update((f"host-{i}", code) for i, code in enumerate(stop_processes(self.hosts)))
         return codes
 
 
-async def wait_until(check, processes: Processes, limit_s: float, what: str) -> None:
-    """Return once ``await check()`` holds; fail when a process died or ``limit_s`` passed."""
+async def wait_until(check, processes, limit_s: float, what: str) -> None:
+    """Return once ``await check()`` holds; fail when one of ``processes`` died (its
+    ``check_alive`` raises) or ``limit_s`` passed."""
     deadline = time.monotonic() + limit_s
     while True:
         processes.check_alive()
