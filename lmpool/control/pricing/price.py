@@ -139,8 +139,8 @@ class Pricer:
         """Each rank of ``ranks`` serving ``query`` from the ``matched[r]`` blocks it will hold
         (``waits[r]`` seconds from now, where a pull is bringing some)."""
         terms = self.terms(query)  # once for every candidate
-        usable, waits, price = terms.usable, waits or {}, self.price_terms
-        return [price(terms, r, usable if matched[r] > usable else matched[r], waits.get(r, 0.0), seed, 0)
+        usable, waits, price, work = terms.usable, waits or {}, self.price_work, self.work
+        return [price(terms, work(r), r, usable if matched[r] > usable else matched[r], waits.get(r, 0.0), seed, 0)
                 for r in ranks]
 
     def terms(self, query: RouteQuery) -> QueryTerms:
@@ -194,12 +194,19 @@ class Pricer:
     def price_terms(self, q: QueryTerms, rank: int, m: int, wait_s: float, seed: int | None,
                     arriving: int) -> RankPrice:
         """``price``, from the request's terms (``terms``): what a route prices every candidate with."""
-        w = self.work(rank)
+        return self.price_work(q, self.work(rank), rank, m, wait_s, seed, arriving)
+
+    def price_work(self, q: QueryTerms, w: RankWork, rank: int, m: int, wait_s: float, seed: int | None,
+                   arriving: int) -> RankPrice:
+        """``price_terms`` from ``rank``'s work ``w`` (``work(rank)``, read this route): a caller
+        that reads the work for more than the price reads it once."""
         _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, busy, _, _, held, _ = w
         prompt, out = q.prompt, q.out
         missing = prompt - m * self.limits.block_size
         need = q.blocks - m + arriving
-        prefill = c.prefill_token * missing + c.attention_pair * attention_pairs(missing, prompt - missing)
+        # ``prefill_seconds`` inlined (the same arithmetic, so the same float): a call per price.
+        prefill = c.prefill_token * missing + c.attention_pair * (missing * (prompt - missing)
+                                                                  + missing * (missing + 1) // 2)
         if need > available and held:
             wait_s = max(wait_s, self._room_s(w, need - available))
         ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat + busy

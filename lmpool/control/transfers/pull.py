@@ -104,14 +104,15 @@ class RoutePulls(RouteStage):
         options = self.pricer.options(route)
         if not options:
             return False
-        alternatives = "; pull " + " ".join(describe(o) for o in options)
-        by_rank = {o.price.rank: o for o in options}
-        best = by_rank[cheapest((o.price for o in options), self.price_tie).rank]
+        described = [describe(o) for o in options]  # each option's text, the winner's written twice
+        alternatives = "; pull " + " ".join(described)
+        at = {o.price.rank: i for i, o in enumerate(options)}[cheapest([o.price for o in options], self.price_tie).rank]
+        best = options[at]
         if route.chosen is None or best.price.total_s >= route.chosen.total_s:
             route.reason += alternatives
             return False
         self._wait(route.query.request_id, self._start(route.query.block_hashes, best))
-        route.reason = f"pull {describe(best)} copy={best.copy_s * 1e3:.1f}ms over {route.reason}{alternatives}"
+        route.reason = f"pull {described[at]} copy={best.copy_s * 1e3:.1f}ms over {route.reason}{alternatives}"
         route.rank, route.chosen = best.price.rank, best.price
         route.expected[route.rank] = best.start + best.blocks
         self.counters.routed += 1

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import Pricer, RankPrice, prefill_seconds
+from lmpool.control.pricing.price import Pricer, RankPrice, RankWork
 from lmpool.control.routing.route import Route
 from lmpool.control.topology import Topology
 
@@ -59,7 +59,7 @@ class PullPricer:
         # The source's depth is the longest ready match: a rank below it, with nothing pending or
         # arriving for the prompt, is the only kind that could take a pull. Most routes have none
         # (a miss, or every holder matching alike), and end here before any source is chosen.
-        deepest = max(ready[r] for r in route.ranks)
+        deepest = max(ready)  # a rank that is no candidate matches 0 (``prefix_match``)
         top = min(deepest, usable)
         takers = [r for r in route.ranks if ready[r] < top and expected[r] == ready[r]]
         if not takers:
@@ -69,7 +69,8 @@ class PullPricer:
         src = holders[0] if len(holders) == 1 else max(holders, key=lambda r: (-infos[r].in_flight_seqs, -r))
         partners = self.topology.partners(src)
         bound = route.chosen.total_s if route.chosen is not None else float("inf")
-        terms = self.pricer.terms(query)
+        pricer = self.pricer
+        terms, work = pricer.terms(query), pricer.work
         src_step = None  # the source's step under way, read once (the first option that needs it)
         serving = {p.rank: p for p in route.prices or ()}  # each candidate's serve price, by rank
         out = []
@@ -77,32 +78,35 @@ class PullPricer:
             start = ready[r]
             if r not in partners:
                 continue
-            if self._least(route, serving.get(r), r, top) >= bound:
+            w = work(r)  # read once for its floor, its step and its price
+            if _least(w, serving.get(r), query.num_prompt_tokens, top * self.gbm.block_size) >= bound:
                 continue  # no copy, however fast, makes it the cheapest: skip its estimate
             in_flight = infos[r].in_flight
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
                 continue
             if src_step is None:
-                src_step = self.pricer.next_step_s(src)
-            dst_step = self.pricer.next_step_s(r)
+                src_step = work(src).next_step
+            dst_step = w.next_step
             steps = max(src_step, dst_step) + 2 * dst_step  # prepare (both), execute, publish (the destination)
             seconds = self.estimate_s(src, r, top - start) + steps
-            price = self.pricer.price_terms(terms, r, top, seconds, route.seed, top - start)
+            price = pricer.price_work(terms, w, r, top, seconds, route.seed, top - start)
             if self.room(r) >= price.need:
                 out.append(PullOption(price, src, start, top - start, seconds, steps))
         return out
 
-    def _least(self, route: Route, serve: RankPrice | None, rank: int, top: int) -> float:
-        """A floor under any pull's price to ``rank`` of blocks up to ``top``: its serve price
-        (``serve``) less everything the pulled blocks could save there, their prefill (its own,
-        and that of the steps the sequences there share with it) and every step of that prefill."""
-        if serve is None:
-            return float("-inf")
-        work, prompt, block_size = self.pricer.work(rank), route.query.num_prompt_tokens, self.gbm.block_size
-        c = work.c  # the rank's coefficients as of its work: what ``Pricer.prefill_s`` would read
-        pulled = prefill_seconds(c, serve.missing, prompt - serve.missing) - prefill_seconds(
-            c, prompt - top * block_size, top * block_size)
-        return serve.total_s - (1 + work.n) * pulled - -(-serve.missing // work.room) * work.step
+
+def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int) -> float:
+    """A floor under any pull's price to a rank of work ``work`` of the prompt's first ``cached``
+    tokens: its serve price (``serve``) less everything the pulled blocks could save there, their
+    prefill (its own, and that of the steps the sequences there share with it) and every step of
+    that prefill. ``prefill_seconds`` is inlined (the same arithmetic): a floor per candidate."""
+    if serve is None:
+        return float("-inf")
+    c, missing, rest = work.c, serve.missing, prompt - cached  # c: what ``Pricer.prefill_s`` would read
+    pulled = (c.prefill_token * missing + c.attention_pair * (missing * (prompt - missing)
+                                                             + missing * (missing + 1) // 2)) - (
+        c.prefill_token * rest + c.attention_pair * (rest * cached + rest * (rest + 1) // 2))
+    return serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
 
 
 def shared_depth(chain: list[bytes], hashes: list[bytes], start: int, end: int) -> int:
