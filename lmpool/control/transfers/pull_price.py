@@ -26,7 +26,8 @@ usable block; its price is for a candidate rank.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+
+import msgspec
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.pricing.price import Pricer, RankPrice, RankWork
@@ -34,7 +35,10 @@ from lmpool.control.routing.route import Route
 from lmpool.control.topology import Topology
 
 
-class PullOption(NamedTuple):
+class PullOption(msgspec.Struct, frozen=True, gc=False):
+    """One priced pull. A struct, built in C (a named tuple's constructor is Python): a route
+    builds one per option; untracked by the garbage collector (it holds a price and numbers)."""
+
     price: RankPrice  # serving on the destination once the blocks have landed
     src: int
     start: int  # the destination's ready match: the first block the pull brings
