@@ -73,6 +73,14 @@ class PendingMachine(RuleBasedStateMachine):
             n += 1
         assert self.pending.extend(rank, block_hashes, matched) == n >= matched
 
+    @rule(block_hashes=hashes, matched=st.lists(st.integers(0, 3), min_size=2, max_size=2))
+    def extend_ranks(self, block_hashes, matched):
+        """A route's call for all its candidates: what ``extend`` gives each, in place."""
+        matched = [min(m, len(block_hashes)) for m in matched]
+        expected = [self.pending.extend(r, block_hashes, m) for r, m in enumerate(matched)]
+        self.pending.extend_ranks((0, 1), block_hashes, matched)
+        assert matched == expected
+
     @invariant()
     def bounded(self):
         assert all(len(entries) <= CAP for entries in self.pending._ranks)
