@@ -75,6 +75,7 @@ class PullPricer:
         bound = route.chosen.total_s if route.chosen is not None else float("inf")
         pricer = self.pricer
         terms, work = pricer.terms(query), pricer.work
+        prompt, cached = query.num_prompt_tokens, top * self.gbm.block_size  # for the floors
         src_step = None  # the source's step under way, read once (the first option that needs it)
         serving = {p.rank: p for p in route.prices or ()}  # each candidate's serve price, by rank
         out = []
@@ -83,7 +84,7 @@ class PullPricer:
             if r not in partners:
                 continue
             w = work(r)  # read once for its floor, its step and its price
-            if _least(w, serving.get(r), query.num_prompt_tokens, top * self.gbm.block_size) >= bound:
+            if _least(w, serving.get(r), prompt, cached) >= bound:
                 continue  # no copy, however fast, makes it the cheapest: skip its estimate
             in_flight = infos[r].in_flight
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
