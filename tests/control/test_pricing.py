@@ -194,3 +194,28 @@ def test_an_overlapped_rank_makes_a_new_request_wait_one_step_more(running):
         ttft[overlapped] = pricer.price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s
     step = COEF.base + COEF.decode_seq * running + COEF.context_token * 1000 * running
     assert ttft[True] - ttft[False] == pytest.approx(step if running else 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 300), st.integers(0, 200_000), st.integers(0, 50_000), st.integers(1, 60), st.integers(0, 60),
+       st.integers(0, 60))
+def test_a_pull_s_floor_is_its_serve_price_less_all_the_pulled_blocks_could_save(running, context, queued, blocks,
+                                                                                 matched, top):
+    """``pull_price._least`` computes prefill inline: the very floats of ``prefill_seconds``."""
+    from lmpool.control.pricing.price import prefill_seconds
+    from lmpool.control.transfers.pull_price import _least
+
+    gbm = GlobalBlockManager(1, 16, clock=ManualClock())
+    gbm.register_rank(0, 1, 4096)
+    gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
+    gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
+                                     blocks_free=1000))
+    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, TRUE), Limits(16, 256, 8192), lambda rank: 0.5)
+    query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, 8)
+    serve = pricer.price(query, 0, min(matched, blocks), 0.0, None)
+    cached, w = min(top, blocks) * 16, pricer.work(0)
+    pulled = (prefill_seconds(w.c, serve.missing, query.num_prompt_tokens - serve.missing)
+              - prefill_seconds(w.c, query.num_prompt_tokens - cached, cached))
+    floor = serve.total_s - (1 + w.n) * pulled - -(-serve.missing // w.room) * w.step
+    assert _least(w, serve, query.num_prompt_tokens, cached) == floor
+    assert _least(w, None, query.num_prompt_tokens, cached) == float("-inf")
