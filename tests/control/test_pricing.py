@@ -201,7 +201,8 @@ def test_an_overlapped_rank_makes_a_new_request_wait_one_step_more(running):
        st.integers(0, 60))
 def test_a_pull_s_floor_is_its_serve_price_less_all_the_pulled_blocks_could_save(running, context, queued, blocks,
                                                                                  matched, top):
-    """``pull_price._least`` computes prefill inline: the very floats of ``prefill_seconds``."""
+    """``pull_price._least``: the serve price less the pulled blocks' prefill (its own and the shared
+    steps') and every step of that prefill; -inf without a serve price."""
     from lmpool.control.pricing.price import prefill_seconds
     from lmpool.control.transfers.pull_price import _least
 

@@ -204,9 +204,7 @@ class Pricer:
         prompt, out = q.prompt, q.out
         missing = prompt - m * self.limits.block_size
         need = q.blocks - m + arriving
-        # ``prefill_seconds`` inlined (the same arithmetic, so the same float): a call per price.
-        prefill = c.prefill_token * missing + c.attention_pair * (missing * (prompt - missing)
-                                                                  + missing * (missing + 1) // 2)
+        prefill = prefill_seconds(c, missing, prompt - missing)
         if need > available and held:
             wait_s = max(wait_s, self._room_s(w, need - available))
         ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat + busy

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import msgspec
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import Pricer, RankPrice, RankWork
+from lmpool.control.pricing.price import Pricer, RankPrice, RankWork, prefill_seconds
 from lmpool.control.routing.route import Route
 from lmpool.control.topology import Topology
 
@@ -104,13 +104,11 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int) ->
     """A floor under any pull's price to a rank of work ``work`` of the prompt's first ``cached``
     tokens: its serve price (``serve``) less everything the pulled blocks could save there, their
     prefill (its own, and that of the steps the sequences there share with it) and every step of
-    that prefill. ``prefill_seconds`` is inlined (the same arithmetic): a floor per candidate."""
+    that prefill."""
     if serve is None:
         return float("-inf")
     c, missing, rest = work.c, serve.missing, prompt - cached  # c: what ``Pricer.prefill_s`` would read
-    pulled = (c.prefill_token * missing + c.attention_pair * (missing * (prompt - missing)
-                                                             + missing * (missing + 1) // 2)) - (
-        c.prefill_token * rest + c.attention_pair * (rest * cached + rest * (rest + 1) // 2))
+    pulled = prefill_seconds(c, missing, prompt - missing) - prefill_seconds(c, rest, cached)
     return serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
 
 
