@@ -1,26 +1,17 @@
-"""Turns at the loop (``lmpool.frontend.turns``): a round's turns stop at the budget, the loop's
-other work runs before the next round's, and waiting tasks go in the order they came."""
+"""Turns at the loop (``lmpool.frontend.turns``): one turn per loop round, the loop's other work
+between turns, waiting tasks in the order they came, each woken once, and cancellations that
+neither stall the queue nor lose a turn."""
 
 from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from lmpool.frontend.turns import Turns
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def burst(turns: Turns, clock: Clock, work_s: list[float]) -> list[str]:
-    """Tasks that each take a turn and spend ``work_s[i]`` in it, started at once, beside a
-    callback that stands for the loop's I/O: it notes every round it runs in."""
+async def burst(turns: Turns, n: int) -> list[str]:
+    """``n`` tasks that each take a turn, started at once, beside a callback that stands for
+    the loop's I/O: it notes every round it runs in."""
     events: list[str] = []
     done = asyncio.Event()
 
@@ -32,9 +23,8 @@ async def burst(turns: Turns, clock: Clock, work_s: list[float]) -> list[str]:
     async def one(i: int) -> None:
         await turns.take()
         events.append(f"t{i}")
-        clock.now += work_s[i]
 
-    tasks = [asyncio.create_task(one(i)) for i in range(len(work_s))]
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
     asyncio.get_running_loop().call_soon(io)
     await asyncio.gather(*tasks)
     done.set()
@@ -53,34 +43,52 @@ def turns_between_io(events: list[str]) -> list[list[str]]:
     return rounds + ([current] if current else [])
 
 
-async def test_a_round_takes_turns_up_to_its_budget_and_the_loop_runs_between_rounds():
-    clock = Clock()
-    turns = Turns(budget_s=1.0, clock=clock)
-    events = await burst(turns, clock, [0.4] * 7)
-    # 0.4 s each against a 1 s budget: a round takes turns while under it (0, 0.4, 0.8 spent),
-    # then the loop's other work runs before the next round's.
-    assert turns_between_io(events) == [["t0", "t1", "t2"], ["t3", "t4", "t5"], ["t6"]]
+async def test_a_burst_takes_one_turn_a_round_in_order_with_the_loop_s_work_between():
+    turns = Turns()
+    events = await burst(turns, 6)
+    assert turns_between_io(events) == [[f"t{i}"] for i in range(6)]
+    # Each waiting task was woken once: a queue that polled would count a wait per poll.
+    assert turns.waits == 5
 
 
-async def test_a_turn_longer_than_the_budget_has_a_round_of_its_own():
-    clock = Clock()
-    turns = Turns(budget_s=1.0, clock=clock)
-    events = await burst(turns, clock, [3.0, 0.1, 5.0, 0.1])
-    assert turns_between_io(events) == [["t0"], ["t1", "t2"], ["t3"]]
-
-
-async def test_a_turn_in_a_round_with_room_does_not_wait():
-    clock = Clock()
-    turns = Turns(budget_s=1.0, clock=clock)
-    await turns.take()  # the first opens a round (it waits once)
-    waited = turns.waits
+async def test_a_turn_in_a_round_where_none_was_taken_does_not_wait():
+    turns = Turns()
+    await turns.take()
+    await asyncio.sleep(0)  # a later round: the turn taken above has ended
+    await asyncio.sleep(0)
     ran = []
     asyncio.get_running_loop().call_soon(ran.append, "io")
-    clock.now += 0.5
     await turns.take()
-    assert ran == [] and turns.waits == waited  # no loop round passed
+    assert ran == [] and turns.waits == 0  # no loop round passed
 
 
-def test_the_budget_must_be_positive():
-    with pytest.raises(ValueError, match="budget_s must be > 0"):
-        Turns(budget_s=0)
+async def test_a_cancelled_waiter_leaves_the_queue_and_the_rest_go_on():
+    turns = Turns()
+    order: list[int] = []
+
+    async def one(i: int) -> None:
+        await turns.take()
+        order.append(i)
+
+    tasks = [asyncio.create_task(one(i)) for i in range(4)]
+    await asyncio.sleep(0)  # t0 took the round's turn; t1-t3 wait
+    tasks[2].cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert order == [0, 1, 3] and tasks[2].cancelled()
+
+
+async def test_a_waiter_cancelled_once_woken_passes_its_turn_on():
+    turns = Turns()
+    order: list[int] = []
+
+    async def one(i: int) -> None:
+        await turns.take()
+        order.append(i)
+
+    tasks = [asyncio.create_task(one(i)) for i in range(3)]
+    await asyncio.sleep(0)  # t0 ran; the end of its turn is scheduled for the next round
+    await asyncio.sleep(0)  # ... which has woken t1, to run the round after
+    assert turns._queue and not tasks[1].done()
+    tasks[1].cancel()  # woken, not yet run
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert order == [0, 2] and tasks[1].cancelled()
