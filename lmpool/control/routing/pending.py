@@ -66,21 +66,12 @@ class PendingPrefixes:
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
 
-    def extend(self, rank: int, block_hashes: list[BlockHash], matched: int, now: float | None = None) -> int:
-        """``matched`` plus the pending blocks of ``rank`` that continue it, in order, live at
-        ``now`` (the clock's time unless given: a route reads it once for all its candidates)."""
-        entries = self._ranks[rank]
-        if not entries:
-            return matched
-        if now is None:
-            now = self.clock()
-        n = matched
-        while n < len(block_hashes):
-            expires = entries.get(block_hashes[n])
-            if expires is None or expires <= now:
-                break
-            n += 1
-        return n
+    def extend(self, rank: int, block_hashes: list[BlockHash], matched: int) -> int:
+        """``matched`` plus the pending blocks of ``rank`` that continue it, in order, live now."""
+        counts = [0] * len(self._ranks)
+        counts[rank] = matched
+        self.extend_ranks((rank,), block_hashes, counts)
+        return counts[rank]
 
     def extend_ranks(self, ranks: tuple[int, ...], block_hashes: list[BlockHash], matched: list[int]) -> None:
         """``extend`` each of ``ranks``' ``matched[r]`` in place, all at one instant: a route's
