@@ -62,15 +62,15 @@ async def test_a_turn_in_a_round_where_none_was_taken_does_not_wait():
     assert ran == [] and turns.waits == 0  # no loop round passed
 
 
+async def take_and_note(turns: Turns, order: list[int], i: int) -> None:
+    await turns.take()
+    order.append(i)
+
+
 async def test_a_cancelled_waiter_leaves_the_queue_and_the_rest_go_on():
     turns = Turns()
     order: list[int] = []
-
-    async def one(i: int) -> None:
-        await turns.take()
-        order.append(i)
-
-    tasks = [asyncio.create_task(one(i)) for i in range(4)]
+    tasks = [asyncio.create_task(take_and_note(turns, order, i)) for i in range(4)]
     await asyncio.sleep(0)  # t0 took the round's turn; t1-t3 wait
     tasks[2].cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -80,12 +80,7 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_the_rest_go_on():
 async def test_a_waiter_cancelled_once_woken_passes_its_turn_on():
     turns = Turns()
     order: list[int] = []
-
-    async def one(i: int) -> None:
-        await turns.take()
-        order.append(i)
-
-    tasks = [asyncio.create_task(one(i)) for i in range(3)]
+    tasks = [asyncio.create_task(take_and_note(turns, order, i)) for i in range(3)]
     await asyncio.sleep(0)  # t0 ran; the end of its turn is scheduled for the next round
     await asyncio.sleep(0)  # ... which has woken t1, to run the round after
     assert turns._queue and not tasks[1].done()

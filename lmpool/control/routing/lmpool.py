@@ -37,7 +37,7 @@ class LMPoolPolicy(RoutingPolicy):
     def choose(self, route: Route) -> Choice:
         query, cfg = route.query, self.config
         prices = self.pricer.serve(query, route.ranks, route.expected, route.seed, route.waits)
-        pool = [p for p in prices if p.available + p.held >= p.need]  # ``RankPrice.feasible``, without a call each
+        pool = [p for p in prices if p.feasible]
         rule = "min_price"
         if not pool:
             pool, rule = prices, "no_capacity"

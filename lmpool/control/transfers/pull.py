@@ -106,7 +106,8 @@ class RoutePulls(RouteStage):
             return False
         described = [describe(o) for o in options]  # each option's text, the winner's written twice
         alternatives = "; pull " + " ".join(described)
-        at = {o.price.rank: i for i, o in enumerate(options)}[cheapest([o.price for o in options], self.price_tie).rank]
+        winner = cheapest([o.price for o in options], self.price_tie)
+        at = next(i for i, o in enumerate(options) if o.price is winner)
         best = options[at]
         if route.chosen is None or best.price.total_s >= route.chosen.total_s:
             route.reason += alternatives
