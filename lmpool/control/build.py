@@ -103,7 +103,11 @@ def assemble(spec: ControlSpec, gbm: GlobalBlockManager, send: Callable[[int, ob
         steering = SteerToLeases(PlacementLeases(cfg.lease_s, clock=gbm.clock))
         chains = HotChains(cfg.recent_chains)
     if transfer.route_pulls:
-        pricing = PullPricer(gbm, links, pricer, costs.estimate, coordinator.room)
+        # CUDA workers serve plan orders while a step runs (``Worker.while_stepping``); a source
+        # answers at once only under overlapped stepping (``worker.transfers``).
+        cuda = pool.device == "cuda"
+        pricing = PullPricer(gbm, links, pricer, costs.estimate, coordinator.room,
+                             source_held=not (cuda and pool.engine.async_scheduling), dest_held=not cuda)
         pulls = RoutePulls(gbm, coordinator, pricing, pull_resolved, pool.routing_config.price_tie)
     router = make_router(gbm, links, pool.routing, pool.routing_config, pricer, evictions, steering, pulls, chains)
     policies = TransferPolicies(spec, gbm, links, pricer, coordinator, send, steering, pulls, chains)

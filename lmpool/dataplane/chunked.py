@@ -10,6 +10,8 @@ Invariants:
 - a chunk is unpacked only after its receive completed and only while ``wanted()`` holds
   (the plan is open): bytes of a plan that ended are dropped, never written.
 - a failed chunk ends the whole transfer with that chunk's error.
+- a receiver is done only once its last unpack has completed on the device, so the blocks a
+  destination publishes hold their bytes (a source reading them need wait for nothing).
 """
 
 from __future__ import annotations
@@ -298,8 +300,11 @@ class BlockReceiver(_Chunks):
                                  device=cache.device)
             self._pending.append((first, end, buffer, transport.recv(peer, buffer, chunk_tag(plan_id, i))))
         self.unpacked = 0  # chunks written into the cache
+        self._written: torch.cuda.Event | None = None  # after the last unpack, on a GPU
 
     def done(self) -> bool:
+        """Every chunk received and, unless it failed, its bytes in the cache: a GPU's unpacks
+        have completed, not only been queued (what the blocks' publication needs)."""
         while self._pending and self.error is None:
             first, end, buffer, handle = self._pending[0]
             if not handle.done():
@@ -310,4 +315,7 @@ class BlockReceiver(_Chunks):
                 ctas = self._ctas if self._pending else self._last_ctas
                 self._ops.unpack_kv(self._cache[first:end], self._ids, buffer, ctas)
                 self.unpacked += 1
-        return True
+                if not self._pending and self._cache.is_cuda:
+                    self._written = torch.cuda.Event()
+                    self._written.record(torch.cuda.current_stream(self._cache.device))
+        return self._written is None or self._written.query()

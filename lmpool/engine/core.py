@@ -16,6 +16,9 @@ Two ways to step, chosen by ``EngineConfig.async_scheduling``:
   step N's sampled tokens. Step N's blocks are committed to the prefix cache only
   once N is known to be complete (after its read-back).
 
+``step()`` is ``begin_step()`` then ``end_step()``; between them the caller may do work that
+leaves the requests alone (a pool worker serves transfer orders while the device computes).
+
 Exactness of the overlapped path:
 - A sequence whose step-N token finishes it by length (max_tokens, max_model_len)
   is known to finish before the token is read: it leaves the running list when N
@@ -79,6 +82,22 @@ class InFlightStep:
     batch: ScheduledBatch
     pending: PendingTokens
     launched: float  # perf_counter when the ``step`` call that launched it began
+
+
+@dataclass(slots=True)
+class StepUnderWay:
+    """A step between ``begin_step`` and ``end_step``: the batch it launched and the launched
+    tokens ``end_step`` reads back (``awaited``: this step's when serial, the previous step's
+    when overlapped; None: nothing to read back)."""
+
+    started: float  # perf_counter at ``begin_step``
+    batch: ScheduledBatch
+    awaited: PendingTokens | None = None
+    previous: InFlightStep | None = None  # overlapped: the step read back now
+
+    def ready(self) -> bool:
+        """Whether ``end_step`` would find the awaited tokens on the host without waiting."""
+        return self.awaited is None or self.awaited.ready()
 
 
 class EngineCore:
@@ -191,10 +210,22 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         """Run one step; returns the tokens the host has read back (see the module docstring)."""
+        return self.end_step(self.begin_step())
+
+    def begin_step(self) -> StepUnderWay:
+        """Schedule and launch a step; ``end_step`` finishes it. In between, ``ready()`` says
+        whether the device is done with what ``end_step`` waits for, and the caller may do
+        other work: it must not add, abort or schedule requests meanwhile."""
         started = time.perf_counter()
         if self.config.async_scheduling:
-            return self._step_overlapped(started)
-        return self._step_serial(started)
+            return self._begin_overlapped(started)
+        return self._begin_serial(started)
+
+    def end_step(self, step: StepUnderWay) -> list[StepOutput]:
+        """Wait for the device if need be, then read back (see the module docstring)."""
+        if self.config.async_scheduling:
+            return self._end_overlapped(step)
+        return self._end_serial(step)
 
     def take_step_samples(self) -> list[StepSample]:
         """The timed steps since the previous call, oldest first (at most ``STEP_SAMPLES``)."""
@@ -218,20 +249,26 @@ class EngineCore:
         self._last_done = done
         self._timed_pending = pending
 
-    def _step_serial(self, started: float) -> list[StepOutput]:
+    def _begin_serial(self, started: float) -> StepUnderWay:
         batch = self.last_read_back = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return StepUnderWay(started, batch)
         pending = self.runner.launch(batch)
         self._expect_tokens(pending)
         # Block accounting needs only the batch, not the new tokens: it runs while
         # the device computes them.
         self.scheduler.complete_step(batch)
+        return StepUnderWay(started, batch, pending)
+
+    def _end_serial(self, step: StepUnderWay) -> list[StepOutput]:
+        pending = step.awaited
+        if pending is None:
+            return []
         tokens = pending.result()
-        self._timed(batch, started, pending)
+        self._timed(step.batch, step.started, pending)
         return self._read_back(pending, tokens)
 
-    def _step_overlapped(self, started: float) -> list[StepOutput]:
+    def _begin_overlapped(self, started: float) -> StepUnderWay:
         previous, self.in_flight = self.in_flight, None
         batch = self.scheduler.schedule()
         if batch.seqs:
@@ -241,6 +278,10 @@ class EngineCore:
                 self._timed(batch, started)
             self._expect_tokens(pending)
             self.in_flight = InFlightStep(batch, pending, started)
+        return StepUnderWay(started, batch, previous.pending if previous is not None else None, previous)
+
+    def _end_overlapped(self, step: StepUnderWay) -> list[StepOutput]:
+        previous, batch = step.previous, step.batch
         outputs = []
         self.last_read_back = ScheduledBatch() if previous is None else previous.batch
         if previous is not None:

@@ -319,6 +319,10 @@ class PendingTokens:
             self._done.record(torch.cuda.current_stream(device))  # the copies' stream, whatever device is current
         self._result: list[int] | None = None
 
+    def ready(self) -> bool:
+        """Whether ``result`` would return without waiting for the device."""
+        return self._result is not None or self._done is None or self._done.query()
+
     def result(self) -> list[int]:
         """The tokens (the step's one wait for the device); its logprobs are readable after it."""
         if self._result is None:

@@ -7,7 +7,9 @@ new control process attaches), and streams every new token to the frontend.
 The step loop never waits on a message: reader tasks move arriving messages
 into an inbox, and the loop yields to them between steps (``asyncio.sleep(0)``),
 so a request or an abort is taken at the next step boundary while the model
-runs. With nothing to do the loop sleeps on an event, burning no CPU.
+runs. Transfer orders are also served while a launched step runs on the device
+(``while_stepping``): a plan never waits for this rank's step. With nothing to do
+the loop sleeps on an event, burning no CPU.
 
 With foreground release on, admission that would evict cached blocks first asks
 the control plane to move them to a partner (``lmpool.worker.release``); while the
@@ -38,7 +40,7 @@ import msgspec
 import uvloop
 
 from lmpool.engine.calibration import calibrate
-from lmpool.engine.core import EngineCore
+from lmpool.engine.core import EngineCore, StepUnderWay
 from lmpool.protocol import (
     AbortRequest,
     AddRequest,
@@ -350,6 +352,20 @@ class Worker:
         except asyncio.TimeoutError:
             pass
 
+    async def while_stepping(self, step: StepUnderWay) -> None:
+        """Serve transfer orders until the device is done with ``step``'s awaited tokens: a plan's
+        phase here then waits for no step of this rank's (a pull's source busy with a burst's long
+        prefill steps held its plans for one or two of them). Requests wait for the step's end:
+        the scheduler takes them."""
+        transfers = self.transfers
+        if transfers is None:
+            return
+        while not step.ready():
+            if transfers.busy:
+                for ack in transfers.progress():
+                    await self.send_control(ack)
+            await asyncio.sleep(0)  # the readers take what arrives meanwhile
+
     async def run(self) -> None:
         self.tasks += [asyncio.create_task(self.read_frontend()), asyncio.create_task(self.heartbeat())]
         self.attach_control(self.spec.control_end)
@@ -371,7 +387,9 @@ class Worker:
             deltas, failed = [], []
             ran = False
             if self.core.has_unfinished():
-                outputs = self.core.step()
+                step = self.core.begin_step()
+                await self.while_stepping(step)
+                outputs = self.core.end_step(step)
                 batch = self.core.scheduler.last_batch
                 ran = bool(batch.seqs or batch.num_preempted)
                 for out in outputs:

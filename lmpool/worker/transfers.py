@@ -6,8 +6,12 @@ control plane relays); ``progress()`` polls operations between engine steps, so 
 never waits for bytes.
 
 Invariants:
-- a source answers ``prepare`` only once every GPU write issued before it has completed, so a
-  pull never reads a block still being written; it holds its pins until finalize or abort.
+- a pull never reads a block still being written. A cached block's bytes are complete when it
+  gets its hash under overlapped stepping (a step's blocks are committed after its read-back; a
+  destination publishes after its copy or last unpack completed), so a source answers ``prepare``
+  at once, even while a step runs; under serial stepping, which commits a step's blocks at its
+  launch, only once every GPU write issued before has completed. It holds its pins until
+  finalize or abort.
 - a destination answers a pull only after its copy completed while the source was alive; it
   copies on its compute stream, so blocks an abort frees are reused only after the copy.
 - every plan order is answered once, with its phase's success struct or ``PhaseFailed``, except
@@ -288,8 +292,10 @@ class TransferExecutor:
         return path
 
     def _when_written(self, order: PlanOrder, ack: PlanAnswer) -> PlanAnswer | None:
-        """``ack`` now if every GPU write issued so far has completed, else once it has."""
-        if self.device.type != "cuda" or torch.cuda.current_stream(self.device).query():
+        """``ack`` now if every cached block's bytes are complete (the module docstring), else
+        once every GPU write issued so far has completed."""
+        if (self.device.type != "cuda" or self.core.config.async_scheduling
+                or torch.cuda.current_stream(self.device).query()):
             return ack
         self.in_flight.append(_Pending(order, _GpuDone(self.device), lambda: ack))
         return None

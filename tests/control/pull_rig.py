@@ -33,7 +33,9 @@ NUM_BLOCKS = 1000
 
 
 class PullRig:
-    def __init__(self, world: int = 2, *, coefficients=COEF) -> None:
+    def __init__(self, world: int = 2, *, coefficients=COEF, held: bool = True) -> None:
+        """``held``: whether plan orders wait for a rank's step under way (CPU workers), or are
+        served while it runs (CUDA workers under overlapped stepping)."""
         self.clock = ManualClock()
         self.gbm = GlobalBlockManager(world, BLOCK, clock=self.clock)
         topology = Topology.virtual(world)
@@ -44,7 +46,7 @@ class PullRig:
         self.resolved: list[tuple[str, str]] = []
         self.router = priced_router(self.gbm, topology, coefficients=coefficients)
         pricer = PullPricer(self.gbm, topology, self.router.policy.pricer, self.cost_model.estimate,
-                            self.coordinator.room)
+                            self.coordinator.room, source_held=held, dest_held=held)
         self.pulls = RoutePulls(self.gbm, self.coordinator, pricer,
                                 lambda rid, outcome: self.resolved.append((rid, outcome)))
         self.router.stages.insert(0, self.pulls)  # where ``make_router`` puts it

@@ -53,6 +53,20 @@ def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first
     rig.check()
 
 
+def test_where_workers_serve_orders_while_stepping_a_busy_source_delays_no_pull():
+    """CUDA workers answer a plan's orders while a step runs: the pull's price then counts only
+    the destination's step under way, behind which its copy runs (none: it is idle)."""
+    rig = PullRig(coefficients=DEAR, held=False)
+    busy_owner(rig)
+    _, decision = rig.route(DOC)
+    assert decision.rank == 1 and decision.reason.startswith("pull r1<-r0:32b=")
+    copy_s = rig.cost_model.estimate(0, 1, 32)
+    assert decision.predicted_ttft_s == pytest.approx(copy_s + DEAR.base + DEAR.prefill_token)
+    (plan,) = rig.coordinator.plans.values()
+    rig.finish(plan.plan_id)
+    rig.check()
+
+
 def test_a_copy_goes_to_the_emptiest_of_the_ranks_priced_alike():
     """Idle ranks price alike; one that holds a document nothing has asked for yet (its
     questions may be coming) is not where another document's copy should land."""

@@ -78,6 +78,41 @@ def test_copy_and_move_between_replicas_on_one_gpu(tiny_model, dtype, use_kernel
     assert all(r["blocks_used"] == 0 for r in stats["ranks"]), "no plan kept a pin or a reservation"
 
 
+def test_a_copy_out_of_a_rank_that_is_stepping_is_byte_equal_and_its_requests_go_on(tiny_model):
+    """Workers serve plan orders while a step runs: a copy from a rank decoding a batch lands
+    byte-equal, and that batch's tokens are those the rank gives alone."""
+    engine_args = dict(device="cuda", dtype="float32", block_size=BLOCK, num_kv_blocks=BLOCKS)
+    long = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    busy = [prompt(20 + i, blocks=1) for i in range(3)]
+    with LLM(tiny_model, **engine_args) as llm:
+        expected = [out.token_ids for out in llm.generate(busy, long)]
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, enable_transfers=True, **engine_args) as pool:
+            await pool.generate(prompt(1), GREEDY, rank=0)
+            source = await pool.client.block_digests(0, prompt(1))
+            streams = [pool.stream(p, long, rank=0) for p in busy]
+            for s in streams:  # each has its first token: rank 0 is decoding all three
+                await anext(s)
+
+            async def rest(s):
+                last = None
+                async for last in s:
+                    pass
+                return last
+
+            decoding = [asyncio.create_task(rest(s)) for s in streams]
+            copied = await pool.transfer(prompt(1), src=0, dst=1)
+            landed = await pool.client.block_digests(1, prompt(1))
+            outs = await asyncio.gather(*decoding)
+            return source, copied, landed, [o.token_ids for o in outs]
+
+    source, copied, landed, tokens = uvloop.run(main())
+    assert copied.state == "done", copied.reason
+    assert all(source) and landed == source
+    assert tokens == expected
+
+
 def test_transfer_of_many_blocks_and_of_one(tiny_model):
     """Sizes at both ends of the curve: one block, and a chain the length of a long prompt."""
     engine_args = dict(device="cuda", dtype="bfloat16", block_size=BLOCK, num_kv_blocks=BLOCKS)

@@ -243,8 +243,9 @@ class Pricer:
         return self.prefill_s(rank, b, b) / b
 
     def next_step_s(self, rank: int) -> float:
-        """Seconds until ``rank`` next reads its messages: workers handle them between steps, so a
-        transfer's phase there waits for the step under way (0 when the rank is idle)."""
+        """Seconds until the step under way at ``rank`` ends (0 when the rank is idle): what a
+        transfer's phase waits for where workers read orders between steps, and what a copy into
+        the rank runs behind."""
         return self.work(rank).next_step
 
     def load_s(self, rank: int) -> float:

@@ -5,14 +5,17 @@ match, then the fewest requests in flight) has ready and r lacks; r then serves 
 from s's depth. Its price is the pricer's for r holding those blocks once the copy has landed
 (``Pricer.price``: the copy runs while r's queue drains):
 
-    pull_r = price(r, matched = s's depth, wait = copy_s(s -> r, k) + max(step_s(s), step_s(r)) + 2 step_s(r))
+    pull_r = price(r, matched = s's depth, wait = copy_s(s -> r, k) + steps)
+    steps  = max(held(s), held(r)) + step_s(r) + held(r)
 
 ``copy_s`` is the transfer cost model's estimate (its profile, corrected by the plans it saw);
-``step_s`` the step each participant has under way (``Pricer.next_step_s``). A worker reads a
-plan's messages between its steps, and a pull lands after three rounds of them: both sides
-prepare, the destination copies (over CUDA IPC it reads the source's blocks, and the source is
-not waited for), the destination publishes. A source busy with a burst's prefill so delays the
-copy by one of its steps however fast the copy itself is.
+``step_s`` the step each participant has under way (``Pricer.next_step_s``). A pull lands after
+three rounds of messages: both sides prepare, the destination copies (over CUDA IPC it reads the
+source's blocks, and the source is not waited for), the destination publishes. ``held(x)`` is
+how long an order waits at x: nothing where workers serve orders while a step runs (CUDA ranks;
+a source only under overlapped stepping, whose cached blocks are complete), else x's step under
+way (CPU ranks read orders between steps). The copy itself runs on the destination's compute
+stream, behind its step under way, so that step counts either way.
 
 A pull is priced only where it can run and could win: r and s are topology partners, r has no
 pending prefix or pull under way for the prompt (its expected match is its ready one), none of
@@ -49,7 +52,11 @@ class PullOption(msgspec.Struct, frozen=True, gc=False):
 
 class PullPricer:
     def __init__(self, gbm: GlobalBlockManager, topology: Topology, pricer: Pricer,
-                 estimate_s: Callable[[int, int, int], float], room: Callable[[int], int]) -> None:
+                 estimate_s: Callable[[int, int, int], float], room: Callable[[int], int],
+                 source_held: bool = True, dest_held: bool = True) -> None:
+        """``source_held``/``dest_held``: whether a plan's order waits for the step under way at
+        the source/destination (the module docstring's ``held``)."""
+        self.source_held, self.dest_held = source_held, dest_held
         self.gbm = gbm
         self.topology = topology
         self.pricer = pricer
@@ -90,9 +97,10 @@ class PullPricer:
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
                 continue
             if src_step is None:
-                src_step = work(src).next_step
+                src_step = work(src).next_step if self.source_held else 0.0
             dst_step = w.next_step
-            steps = max(src_step, dst_step) + 2 * dst_step  # prepare (both), execute, publish (the destination)
+            dst_held = dst_step if self.dest_held else 0.0
+            steps = max(src_step, dst_held) + dst_step + dst_held  # prepare (both), execute, publish
             seconds = self.estimate_s(src, r, top - start) + steps
             price = pricer.price_work(terms, w, r, top, seconds, route.seed, top - start)
             if self.room(r) >= price.need:

@@ -1,0 +1,78 @@
+"""A worker serves transfer orders while a launched step runs (``Worker.while_stepping``): an
+order arriving mid-step is answered before the step's tokens are read back, not after."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lmpool.config.pool import PoolConfig
+from lmpool.engine.core import EngineCore
+from lmpool.protocol.spec import WorkerSpec
+from lmpool.worker.main import Worker
+
+POLLS = 10_000  # a bound on the fake step's polls, so a worker that never answers fails, not hangs
+
+
+class Orders:
+    """The executor's surface the step loop uses: orders in, answers out."""
+
+    def __init__(self) -> None:
+        self.orders: list[str] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.orders)
+
+    def progress(self) -> list[str]:
+        answers, self.orders = [f"answer to {o}" for o in self.orders], []
+        return answers
+
+
+class DeviceStep:
+    """A step the device finishes only once the worker has answered (or after ``POLLS`` polls)."""
+
+    def __init__(self, sent: list) -> None:
+        self.sent = sent
+        self.polls = 0
+
+    def ready(self) -> bool:
+        self.polls += 1
+        return bool(self.sent) or self.polls >= POLLS
+
+
+@pytest.fixture
+def worker(tiny_model) -> Worker:
+    pool = PoolConfig.from_options(tiny_model, world_size=1, num_kv_blocks=16)
+    spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
+    return Worker(spec, EngineCore(pool.engine_of(0)), frontend=None)
+
+
+async def test_an_order_arriving_during_a_step_is_answered_before_the_step_ends(worker):
+    orders = worker.transfers = Orders()
+    sent: list = []
+
+    async def send_control(msg, encoded: bool = False) -> bool:
+        sent.append(msg)
+        return True
+
+    worker.send_control = send_control
+    step = DeviceStep(sent)
+
+    async def reader() -> None:  # the control link's reader, delivering while the step runs
+        await asyncio.sleep(0)
+        orders.orders.append("prepare")
+
+    delivery = asyncio.create_task(reader())
+    await worker.while_stepping(step)
+    await delivery
+    assert sent == ["answer to prepare"]
+    assert step.polls < POLLS  # the step ended because the answer went, not at the bound
+
+
+async def test_a_finished_step_is_not_polled_again(worker):
+    worker.transfers = Orders()
+    step = DeviceStep([None])  # ready at once
+    await worker.while_stepping(step)
+    assert step.polls == 1
