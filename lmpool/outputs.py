@@ -16,8 +16,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None  # "stop", "length" or "abort"
     rank: int | None = None  # the replica that served it, in a pool
     route: str | None = None  # in a pool: the routing rule that chose the rank ("pinned" when asked for)
-    # In a pool whose routing prices its ranks (``lmpool``): the predicted seconds to the first
-    # token on the rank it chose, from the route.
+    # In a pool whose routing prices its ranks (``lmpool``): the predicted seconds from its
+    # submission to its first token on the rank it chose (the wait before the route, then the
+    # route's price).
     predicted_ttft_s: float | None = None
     # In a pool: seconds from the request's submission to its hand-over to that rank (its
     # validation, block hashes and route, and the caller's event loop between them).

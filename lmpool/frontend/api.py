@@ -34,6 +34,7 @@ import contextlib
 import itertools
 import secrets
 import threading
+import time
 from collections.abc import AsyncGenerator, Coroutine
 from collections.abc import Sequence as SequenceABC
 from typing import Any, TypeVar
@@ -163,8 +164,9 @@ class AsyncLMPool:
         check_usable(params, self.tokenizer)  # the rest of params is validated at ingress
         # Turns at the loop for the CPU work before the route (``lmpool.frontend.turns``): a
         # burst's first requests are routed and handed over while its later ones wait their turn.
+        submitted = time.monotonic()  # its times count from here, the wait for its turn included
         await self._turns.take()
-        req = self.client.prepare(rid, self.encode(prompt), params, rank)
+        req = self.client.prepare(rid, self.encode(prompt), params, rank, arrival=submitted)
         return await self.client.launch(req, rank)
 
     async def stream(

@@ -102,7 +102,8 @@ class TrackedRequest:
     params: SamplingParams
     rank: int = -1
     route: str = ""  # the latest routing decision's reason (``RouteDecision.reason``), or "pinned"
-    predicted_ttft_s: float | None = None  # the latest routing decision's (``RouteDecision.predicted_ttft_s``)
+    # From ``arrival``: the wait before the latest route, plus its price (``RouteDecision.predicted_ttft_s``).
+    predicted_ttft_s: float | None = None
     # The id the worker knows this dispatch by: new for every dispatch, so tokens still in
     # flight from an aborted request, or from a rank the request left, never match it.
     wire_id: str = ""
@@ -113,7 +114,7 @@ class TrackedRequest:
     first_step_s: float | None = None
     finish_reason: str | None = None
     reroutes: int = 0
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=time.monotonic)  # its submission (``AsyncLMPool.submit``'s call)
     last_token_at: float = 0.0  # time.monotonic() of the latest token, for inter-token latency
     dispatched: float = 0.0  # time.monotonic() of the latest hand-over to a rank (0 before the first)
     block_hashes: list = field(default_factory=list)  # the prompt's complete blocks' (``chain_hashes``)
@@ -314,10 +315,12 @@ class PoolClient:
         return await self.launch(self.prepare(request_id, prompt_token_ids, params, rank), rank)
 
     def prepare(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, rank: int | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, rank: int | None = None,
+        arrival: float | None = None,
     ) -> TrackedRequest:
         """A request's work before its route, without a wait: its checks and its prompt's block
-        hashes. It is tracked from here on; ``launch`` it next, with no await in between."""
+        hashes. It is tracked from here on; ``launch`` it next, with no await in between.
+        ``arrival``: when it was submitted (``time.monotonic()``; None: now)."""
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
             raise ArgumentTypeError(f"rank must be an integer or None, got {rank!r}")
         prompt_token_ids = list(prompt_token_ids)
@@ -325,6 +328,8 @@ class PoolClient:
         if rank is not None and not (0 <= rank < len(self.ranks) and self.ranks[rank].alive):
             raise ValueError(f"rank {rank} is not a live rank of this pool")
         req = TrackedRequest(request_id, prompt_token_ids, params)
+        if arrival is not None:
+            req.arrival = arrival
         req.block_hashes = chain_hashes(prompt_token_ids, self.block_size, salt=params.cache_salt)
         self.requests[request_id] = req
         return req
@@ -355,12 +360,15 @@ class PoolClient:
                 req.params.max_tokens - len(req.output_token_ids),
                 pinned if pinned is not None and self.ranks[pinned].alive else None,
             )
+            asked = time.monotonic()
             try:
                 decision = await self.control_request(query)
             except PoolError as e:  # the control plane's words name no caller's id
                 raise PoolError(f"request {req.request_id!r} could not be routed: {e}") from None
             rank = self.ranks[decision.rank]
-            req.route, req.predicted_ttft_s = decision.reason, decision.predicted_ttft_s
+            req.route, priced = decision.reason, decision.predicted_ttft_s
+            # The price runs from the route; the wait before it (the turns, the checks) is known.
+            req.predicted_ttft_s = None if priced is None else asked - req.arrival + priced
             if self.requests.get(req.request_id) is not req:
                 return  # aborted while its route waited (on a route-time pull): never start it
             if not rank.alive:

@@ -159,6 +159,39 @@ def test_a_routing_failure_names_the_callers_request_and_forgets_it(tiny_model):
     assert left == {} and len(again.token_ids) == 6
 
 
+def test_the_predicted_ttft_counts_the_wait_before_the_route(tiny_model):
+    """A route prices the time from itself to the first token; the request's predicted TTFT adds
+    what it waited before the route, which counts in its measured TTFT too."""
+    import time
+
+    from lmpool.protocol import RouteQuery
+
+    waited = 5.0  # a submission this long before the route: far more than any price here
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            engine = pool.client
+            real, prices = engine.control_request, []
+
+            async def priced(msg):
+                answer = await real(msg)
+                if isinstance(msg, RouteQuery):
+                    prices.append(answer.predicted_ttft_s)
+                return answer
+
+            engine.control_request = priced
+            req = engine.prepare("late", PROMPT, GREEDY, arrival=time.monotonic() - waited)
+            await engine.launch(req)
+            while await req.queue.get() is not None:
+                pass
+            return req.predicted_ttft_s, prices
+
+    predicted, prices = run(main())
+    (price,) = prices
+    assert price is not None and 0 < price < waited
+    assert predicted >= waited + price
+
+
 def test_a_stop_string_ends_a_stream_and_partial_texts_never_show_it(tiny_model):
     """The pool ends a request at its first stop string, as ``LLM`` does: the last output's
     text stops before it, every earlier output's text leads up to that one, and the request
