@@ -40,9 +40,10 @@ class PullRig:
         self.gbm = GlobalBlockManager(world, BLOCK, clock=self.clock)
         topology = Topology.virtual(world)
         self.sent: list[tuple[int, object]] = []
-        self.coordinator = TransferCoordinator(self.gbm, lambda r, m: self.sent.append((r, m)), clock=self.clock,
-                                               on_end=self._ended, on_published=self._published)
         self.cost_model = TransferCostModel.uncalibrated(4096, 1e-3, 1e9)
+        self.coordinator = TransferCoordinator(self.gbm, lambda r, m: self.sent.append((r, m)), clock=self.clock,
+                                               cost_model=self.cost_model, on_end=self._ended,
+                                               on_published=self._published)
         self.resolved: list[tuple[str, str]] = []
         self.router = priced_router(self.gbm, topology, coefficients=coefficients)
         pricer = PullPricer(self.gbm, topology, self.router.policy.pricer, self.cost_model.estimate,

@@ -67,6 +67,25 @@ def test_where_workers_serve_orders_while_stepping_a_busy_source_delays_no_pull(
     rig.check()
 
 
+def test_a_landed_pull_teaches_the_cost_model_its_time_to_publication_not_the_source_s_finalize():
+    """The requests a pull holds go at publication; the source's finalize comes after. The
+    cost model's correction learns the former (less the steps the opener priced)."""
+    rig = PullRig(coefficients=DEAR, held=False)
+    busy_owner(rig)
+    estimate = rig.cost_model.estimate(0, 1, 32)
+    rig.route(DOC)
+    (plan,) = rig.coordinator.plans.values()
+    for phase_s in (0.010, 0.020, 0.030):  # prepared, executed, published: 60 ms in all
+        rig.clock.now += phase_s
+        rig.advance(plan.plan_id)
+    rig.clock.now += 10.0  # a finalize ten seconds late
+    rig.advance(plan.plan_id)
+    assert plan.plan_id not in rig.coordinator.plans
+    alpha = rig.cost_model.ewma_alpha
+    assert rig.cost_model.estimate(0, 1, 32) == pytest.approx(estimate * (1 - alpha) + 0.060 * alpha)
+    rig.check()
+
+
 def test_a_copy_goes_to_the_emptiest_of_the_ranks_priced_alike():
     """Idle ranks price alike; one that holds a document nothing has asked for yet (its
     questions may be coming) is not where another document's copy should land."""

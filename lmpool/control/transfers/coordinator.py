@@ -32,7 +32,7 @@ from typing import Callable
 
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.transfers.cost_model import TransferCostModel
-from lmpool.control.transfers.phase_times import PhaseTimes
+from lmpool.control.transfers.phase_times import PHASES, PhaseTimes
 from lmpool.engine.hashing import ROOT_HASH, short
 from lmpool.protocol import (
     SUCCESS,
@@ -52,6 +52,8 @@ from lmpool.protocol import (
     TransferOrder,
 )
 from lmpool.protocol.base import BlockHash
+
+PUBLISHED = PHASES.index("published")  # the phase whose end releases the requests a pull holds
 
 
 @dataclass
@@ -75,7 +77,7 @@ class Plan:
     keep: int = 0  # a move frees none of its first ``keep`` blocks (ancestors copied along)
     kind: str = "explicit"  # who asked: "explicit" (the API), "background", "foreground" or "pull"
     steps_s: float = 0.0  # the participants' steps its opener priced beside the copy (not the cost model's)
-    phases: list[float] = field(default_factory=list)  # seconds from start to each phase's end
+    phases: list[float] = field(default_factory=list)  # seconds from start to each phase's end (``PHASES``)
     pulled: bool = False  # the destination read the bytes itself: execute waits for it alone
 
     @property
@@ -207,7 +209,9 @@ class TransferCoordinator:
             self.blocks_copied += len(plan.hashes) - plan.num_moved
             self._end(plan, PlanState.DONE)
             self.phase_times.record(plan.kind, plan.phases)
-            copy_s = now - plan.started - plan.steps_s
+            # Until the destination published: what a request waiting for the blocks waits for.
+            # The source's finalize comes after (under a burst, one of its busy steps later).
+            copy_s = plan.phases[PUBLISHED] - plan.steps_s
             if self.cost_model is not None and copy_s > 0:  # else the steps, over-predicted, hide the copy
                 self.cost_model.observe(plan.src, plan.dst, len(plan.hashes), copy_s)
 
