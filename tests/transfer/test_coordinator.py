@@ -280,18 +280,24 @@ def test_a_done_plan_records_when_each_of_its_phases_ended():
         cluster.cache_prefix(0)
     cluster.start_plan(0, 1)
     plan = next(iter(cluster.coord.plans.values()))
-    ends = []
+    ends, prepared = [], {}
     while cluster.inbox:
         cluster.clock.now += 0.001
-        state = plan.state
+        state, acked = plan.state, set(plan.acked)
         cluster.deliver(0)
+        if state is PlanState.PREPARING:  # which side answered now (the last one ends the phase)
+            answered = ({plan.src, plan.dst} - acked) if plan.state is not state else plan.acked - acked
+            prepared.update({rank: round(cluster.clock.now - plan.started, 6) for rank in answered})
         if plan.state is not state:
             ends.append(round(cluster.clock.now - plan.started, 6))
     assert cluster.coord.completed == 1 and [round(t, 6) for t in plan.phases] == ends and len(ends) == 4
     summary = cluster.coord.phase_times.summary()
     assert list(summary) == [plan.kind]
+    sides = (prepared[plan.src], prepared[plan.dst])
+    assert max(sides) == ends[0]
     assert summary[plan.kind] == {p: [round(t * 1e3, 3), round(t * 1e3, 3), 1]
-                                  for p, t in zip(("prepared", "executed", "published", "finalized"), plan.phases)}
+                                  for p, t in zip(("prepared", "executed", "published", "finalized",
+                                                   "source_prepared", "dest_prepared"), (*plan.phases, *sides))}
 
 
 def test_phase_times_keep_the_last_plans_of_each_kind():
@@ -299,13 +305,16 @@ def test_phase_times_keep_the_last_plans_of_each_kind():
 
     times = PhaseTimes(keep=2)
     for total in (1.0, 2.0, 4.0):
-        times.record("pull", [total / 4, total / 2, total * 3 / 4, total])
-    times.record("background", [0.0, 0.0, 0.0, 0.001])
+        times.record("pull", [total / 4, total / 2, total * 3 / 4, total], (total / 8, total / 4))
+    times.record("background", [0.0, 0.0, 0.0, 0.001], (0.0, 0.0))
     summary = times.summary()
     assert summary["pull"]["finalized"] == [3000.0, 4000.0, 2]  # the first plan is forgotten
+    assert summary["pull"]["source_prepared"] == [375.0, 500.0, 2]
     assert summary["background"]["finalized"] == [1.0, 1.0, 1]
     with pytest.raises(ValueError):
-        times.record("pull", [0.2, 0.1, 0.3, 0.4])
+        times.record("pull", [0.2, 0.1, 0.3, 0.4], (0.1, 0.2))
+    with pytest.raises(ValueError):  # a side that answered after the phase it ends
+        times.record("pull", [0.2, 0.3, 0.4, 0.5], (0.1, 0.25))
 
 
 def executing_plan(pulls: bool):

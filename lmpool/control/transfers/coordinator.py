@@ -78,6 +78,7 @@ class Plan:
     kind: str = "explicit"  # who asked: "explicit" (the API), "background", "foreground" or "pull"
     steps_s: float = 0.0  # the participants' steps its opener priced beside the copy (not the cost model's)
     phases: list[float] = field(default_factory=list)  # seconds from start to each phase's end (``PHASES``)
+    sides: list[float] = field(default_factory=lambda: [0.0, 0.0])  # ... to the source's, destination's prepare
     pulled: bool = False  # the destination read the bytes itself: execute waits for it alone
 
     @property
@@ -154,9 +155,11 @@ class TransferCoordinator:
             return
         if isinstance(ack, SourcePrepared) and rank == plan.src:
             plan.src_blocks, plan.token_ids = ack.block_ids, ack.token_ids
+            plan.sides[0] = self.clock() - plan.started
         elif isinstance(ack, DestPrepared) and rank == plan.dst:
             if not self._mark_reserved(plan, ack):
                 return
+            plan.sides[1] = self.clock() - plan.started
         elif ack.phase is PlanState.PREPARING or not isinstance(ack, SUCCESS.get(ack.phase, ())):
             return  # an answer this rank's order cannot have
         elif isinstance(ack, Executed) and ack.pulled and rank == plan.dst:
@@ -208,7 +211,7 @@ class TransferCoordinator:
             self.blocks_moved += plan.num_moved
             self.blocks_copied += len(plan.hashes) - plan.num_moved
             self._end(plan, PlanState.DONE)
-            self.phase_times.record(plan.kind, plan.phases)
+            self.phase_times.record(plan.kind, plan.phases, (plan.sides[0], plan.sides[1]))
             # Until the destination published: what a request waiting for the blocks waits for.
             # The source's finalize comes after (under a burst, one of its busy steps later).
             copy_s = plan.phases[PUBLISHED] - plan.steps_s
