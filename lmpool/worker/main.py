@@ -8,8 +8,8 @@ The step loop never waits on a message: reader tasks move arriving messages
 into an inbox, and the loop yields to them between steps (``asyncio.sleep(0)``),
 so a request or an abort is taken at the next step boundary while the model
 runs. Transfer orders are also served while a launched step runs on the device
-(``while_stepping``): a plan never waits for this rank's step. With nothing to do
-the loop sleeps on an event, burning no CPU.
+(``while_stepping``): an order is answered without waiting for the step's end. With
+nothing to do the loop sleeps on an event, burning no CPU.
 
 With foreground release on, admission that would evict cached blocks first asks
 the control plane to move them to a partner (``lmpool.worker.release``); while the
@@ -353,10 +353,10 @@ class Worker:
             pass
 
     async def while_stepping(self, step: StepUnderWay) -> None:
-        """Serve transfer orders until the device is done with ``step``'s awaited tokens: a plan's
-        phase here then waits for no step of this rank's (a pull's source busy with a burst's long
-        prefill steps held its plans for one or two of them). Requests wait for the step's end:
-        the scheduler takes them."""
+        """Serve transfer orders until the device is done with ``step``'s awaited tokens: an order
+        is answered without waiting for the step's end (a pull's source busy with a burst's long
+        prefill steps held its plans for one or two of them; a copy into this rank still runs
+        behind the step on the device). Requests wait for the step's end: the scheduler takes them."""
         transfers = self.transfers
         if transfers is None:
             return
