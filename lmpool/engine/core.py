@@ -81,23 +81,21 @@ class InFlightStep:
 
     batch: ScheduledBatch
     pending: PendingTokens
-    launched: float  # perf_counter when the ``step`` call that launched it began
+    launched: float  # perf_counter when the ``begin_step`` call that launched it began
 
 
 @dataclass(slots=True)
 class StepUnderWay:
     """A step between ``begin_step`` and ``end_step``: the batch it launched and the launched
-    tokens ``end_step`` reads back (``awaited``: this step's when serial, the previous step's
-    when overlapped; None: nothing to read back)."""
+    step ``end_step`` reads back (``awaited``: this one when serial, the previous one when
+    overlapped; None: nothing to read back)."""
 
-    started: float  # perf_counter at ``begin_step``
     batch: ScheduledBatch
-    awaited: PendingTokens | None = None
-    previous: InFlightStep | None = None  # overlapped: the step read back now
+    awaited: InFlightStep | None = None
 
     def ready(self) -> bool:
         """Whether ``end_step`` would find the awaited tokens on the host without waiting."""
-        return self.awaited is None or self.awaited.ready()
+        return self.awaited is None or self.awaited.pending.ready()
 
 
 class EngineCore:
@@ -252,20 +250,20 @@ class EngineCore:
     def _begin_serial(self, started: float) -> StepUnderWay:
         batch = self.last_read_back = self.scheduler.schedule()
         if not batch.seqs:
-            return StepUnderWay(started, batch)
+            return StepUnderWay(batch)
         pending = self.runner.launch(batch)
         self._expect_tokens(pending)
         # Block accounting needs only the batch, not the new tokens: it runs while
         # the device computes them.
         self.scheduler.complete_step(batch)
-        return StepUnderWay(started, batch, pending)
+        return StepUnderWay(batch, InFlightStep(batch, pending, started))
 
     def _end_serial(self, step: StepUnderWay) -> list[StepOutput]:
-        pending = step.awaited
-        if pending is None:
+        if step.awaited is None:
             return []
+        pending = step.awaited.pending
         tokens = pending.result()
-        self._timed(step.batch, step.started, pending)
+        self._timed(step.batch, step.awaited.launched, pending)
         return self._read_back(pending, tokens)
 
     def _begin_overlapped(self, started: float) -> StepUnderWay:
@@ -278,10 +276,10 @@ class EngineCore:
                 self._timed(batch, started)
             self._expect_tokens(pending)
             self.in_flight = InFlightStep(batch, pending, started)
-        return StepUnderWay(started, batch, previous.pending if previous is not None else None, previous)
+        return StepUnderWay(batch, previous)
 
     def _end_overlapped(self, step: StepUnderWay) -> list[StepOutput]:
-        previous, batch = step.previous, step.batch
+        previous, batch = step.awaited, step.batch
         outputs = []
         self.last_read_back = ScheduledBatch() if previous is None else previous.batch
         if previous is not None:
