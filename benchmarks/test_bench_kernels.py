@@ -210,6 +210,11 @@ PREFILL_CASES = [  # (sequences, new tokens each, cached prefix each)
     (4, 256, 2048),
     (1, 4096, 0),
     (32, 32, 4096),
+    # Questions over a long cached document: the shapes the key splits are for.
+    (1, 64, 16384),
+    (4, 64, 16384),
+    (1, 64, 32768),
+    (32, 64, 16384),
 ]
 
 
@@ -228,14 +233,20 @@ def test_prefill(ext, report, seqs, new, prefix):
     starts = torch.arange(0, seqs * new + 1, new, dtype=torch.int32, device="cuda")
     scale = HEAD_DIM**-0.5
     mma_ms = time_ms(lambda: ext.paged_prefill_attention(q, k_cache, v_cache, tables, lens, starts, scale, True))
+    splits = ext.prefill_splits(seqs * new, seqs, Q_HEADS, KV_HEADS, per_seq * block_size, 0)
     rows_ms = time_ms(lambda: ext.paged_prefill_attention(q, k_cache, v_cache, tables, lens, starts, scale, False))
     pairs = seqs * (new * prefix + new * (new + 1) // 2)  # visible (query, key) pairs
     flops = 4 * pairs * Q_HEADS * HEAD_DIM
     row = {
         "seqs": seqs, "new": new, "prefix": prefix, "ms": mma_ms, "TFLOPs": flops / (mma_ms * 1e-3) / 1e12,
-        "rows_path_ms": rows_ms, "speedup_vs_rows_path": rows_ms / mma_ms,
+        "rows_path_ms": rows_ms, "speedup_vs_rows_path": rows_ms / mma_ms, "splits": splits,
     }
-    if seqs * new <= 2048:
+    if splits > 1:
+        unsplit_ms = time_ms(
+            lambda: ext.paged_prefill_attention(q, k_cache, v_cache, tables, lens, starts, scale, True, 1))
+        row["unsplit_ms"] = unsplit_ms
+        row["speedup_vs_unsplit"] = unsplit_ms / mma_ms
+    if seqs * new <= 2048 and prefix < 16384:
         ref_ms = slow_ms(lambda: reference.paged_attention(q, k_cache, v_cache, tables, lens, starts, scale))
         row["ref_ms"] = ref_ms
         row["speedup_vs_ref"] = ref_ms / mma_ms

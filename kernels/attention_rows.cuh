@@ -19,6 +19,7 @@
 
 #include <cmath>
 
+#include "combine_splits.cuh"
 #include "common.cuh"
 #include "launchers.h"
 
@@ -257,31 +258,6 @@ __global__ void __launch_bounds__(kRowsThreads)
   }
 }
 
-// Merge the splits of one (row, q head): grid (rows, q_heads), D threads.
-template <typename T, int D>
-__global__ void __launch_bounds__(D)
-    combine_splits_kernel(const float* __restrict__ partial_out,
-                          const float* __restrict__ partial_lse, T* __restrict__ out,
-                          int num_splits) {
-  const int64_t rh = (int64_t)blockIdx.x * gridDim.y + blockIdx.y;
-  const int d = threadIdx.x;
-  const float* lse = partial_lse + rh * num_splits;
-  float max_lse = -INFINITY;
-  for (int s = 0; s < num_splits; ++s) max_lse = fmaxf(max_lse, lse[s]);
-  float sum = 0.f, o = 0.f;
-  if (max_lse != -INFINITY) {
-    for (int s = 0; s < num_splits; ++s) {
-      const float ls = lse[s];
-      // Empty splits never wrote partial_out: skip them rather than weigh garbage by 0.
-      if (ls == -INFINITY) continue;
-      const float w = exp2f(ls - max_lse);
-      sum += w;
-      o = fmaf(w, partial_out[(rh * num_splits + s) * D + d], o);
-    }
-  }
-  out[rh * D + d] = float_to<T>(sum > 0.f ? o / sum : 0.f);
-}
-
 template <typename T, int D, int GT>
 cudaError_t launch_rows(const AttentionRowsArgs& a, cudaStream_t stream) {
   const int group = a.q_heads / a.kv_heads;
@@ -289,9 +265,8 @@ cudaError_t launch_rows(const AttentionRowsArgs& a, cudaStream_t stream) {
   attention_rows_kernel<T, D, GT><<<grid, kRowsThreads, 0, stream>>>(a);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || a.num_splits == 1) return err;
-  combine_splits_kernel<T, D><<<dim3(a.num_rows, a.q_heads), D, 0, stream>>>(
-      a.partial_out, a.partial_lse, static_cast<T*>(a.out), a.num_splits);
-  return cudaGetLastError();
+  return launch_combine_splits<T, D>(a.partial_out, a.partial_lse, a.out, a.num_rows, a.q_heads,
+                                     a.num_splits, stream);
 }
 
 template <typename T, int D>

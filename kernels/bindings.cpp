@@ -170,6 +170,19 @@ int64_t choose_splits(int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t m
   return std::clamp<int64_t>((target + base - 1) / base, 1, std::min<int64_t>(useful, 256));
 }
 
+// Splits of the keys per prefill tile: only when the tiles alone leave SMs idle
+// (a few short queries over long contexts), enough for two waves at the two
+// CTAs per SM the kernel's registers allow (215 a thread at head_dim 128 on
+// sm_90), and never below
+// kMinPrefillSplitKeys keys per split for the longest context the block table
+// can describe. A large prefill gets 1: its tiles fill the GPU already.
+int64_t choose_prefill_splits(int64_t tiles, int64_t kv_heads, int64_t max_tokens, int sms) {
+  const int64_t base = std::max<int64_t>(1, tiles * kv_heads);
+  const int64_t target = 4LL * sms;
+  const int64_t useful = std::max<int64_t>(1, max_tokens / kMinPrefillSplitKeys);
+  return std::clamp<int64_t>(target / base, 1, std::min<int64_t>(useful, 256));
+}
+
 at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& context_lens,
                     const at::Tensor* query_start_loc, const CacheShape& c, double scale,
@@ -237,7 +250,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& context_lens,
                                    const at::Tensor& query_start_loc, double scale,
-                                   bool use_tensor_cores) {
+                                   bool use_tensor_cores, int64_t num_splits) {
   const CacheShape c = check_attention(q, k_cache, v_cache, block_tables, context_lens);
   check_int32(query_start_loc, "query_start_loc", 1, q.device());
   const int64_t num_seqs = block_tables.size(0);
@@ -247,13 +260,14 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t total_q = q.size(0), q_heads = q.size(1);
   const int64_t group = q_heads / c.kv_heads;
   if (num_seqs == 0) return at::zeros_like(q, at::MemoryFormat::Contiguous);
+  TORCH_CHECK(num_splits >= 0, "num_splits must be >= 0 (0 picks one), got ", num(num_splits));
 
   const DType dtype = dtype_of(q, "q");
   const bool tensor_cores = use_tensor_cores && dtype != DType::kF32 && group <= kPrefillRows &&
                             device_attribute(cudaDevAttrComputeCapabilityMajor, q.get_device()) >= 8 && q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 &&
                             is_aligned16(q);
   if (!tensor_cores)
-    return run_rows(q, k_cache, v_cache, block_tables, context_lens, &query_start_loc, c, scale, 0,
+    return run_rows(q, k_cache, v_cache, block_tables, context_lens, &query_start_loc, c, scale, num_splits,
                     "paged_attention");
 
   auto out = at::empty({total_q, q_heads, c.head_dim}, q.options());
@@ -279,6 +293,20 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t tiles = (total_q + num_seqs * (a.tokens_per_tile - 1)) / a.tokens_per_tile;
   TORCH_CHECK(tiles < INT_MAX && c.kv_heads < 65536, "paged_attention: batch too large");
   a.num_tiles = static_cast<int>(tiles);
+  const int64_t max_tokens = block_tables.size(1) * c.block_size;
+  const int64_t splits = num_splits > 0 ? num_splits
+                                        : choose_prefill_splits(tiles, c.kv_heads, max_tokens, num_sms(q.get_device()));
+  TORCH_CHECK(splits < 65536, "paged_attention: num_splits must be below 65536, got ", num(splits));
+  at::Tensor partial_out, partial_lse;
+  if (splits > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    partial_out = at::empty({total_q, q_heads, splits, c.head_dim}, f32);
+    partial_lse = at::empty({total_q, q_heads, splits}, f32);
+    a.partial_out = partial_out.data_ptr<float>();
+    a.partial_lse = partial_lse.data_ptr<float>();
+  }
+  a.total_q = static_cast<int>(total_q);
+  a.num_splits = static_cast<int>(splits);
   a.scale_log2 = static_cast<float>(scale * kLog2E);
   check_launch(launch_prefill_mma(dtype, static_cast<int>(c.head_dim), a,
                                   current_stream()),
@@ -486,6 +514,15 @@ int64_t decode_splits(int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t m
   return choose_splits(rows, q_heads, kv_heads, max_tokens, num_sms(static_cast<int>(device_index)));
 }
 
+int64_t prefill_splits(int64_t total_q, int64_t num_seqs, int64_t q_heads, int64_t kv_heads,
+                       int64_t max_tokens, int64_t device_index) {
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "q_heads must be a multiple of kv_heads");
+  const int64_t tpt = kPrefillRows / (q_heads / kv_heads);
+  TORCH_CHECK(tpt > 0, "the GQA group is larger than a prefill tile");
+  const int64_t tiles = (total_q + num_seqs * (tpt - 1)) / tpt;
+  return choose_prefill_splits(tiles, kv_heads, max_tokens, num_sms(static_cast<int>(device_index)));
+}
+
 }  // namespace
 }  // namespace lmpool
 
@@ -499,7 +536,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &lmpool::paged_prefill_attention, py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("use_tensor_cores") = true,
-        "Ragged causal attention over cached prefixes; fp16/bf16 use tensor cores when allowed.");
+        py::arg("num_splits") = 0,
+        "Ragged causal attention over cached prefixes; fp16/bf16 use tensor cores when allowed; "
+        "num_splits=0 picks the split of the keys from the shapes.");
   m.def("write_kv", &lmpool::write_kv, py::arg("key"), py::arg("value"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), "Store K/V rows at their slots; -1 is skipped.");
   m.def("pack_kv", &lmpool::pack_kv, py::arg("kv_cache"), py::arg("block_ids"),
@@ -518,4 +557,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_splits", &lmpool::decode_splits, py::arg("rows"), py::arg("q_heads"),
         py::arg("kv_heads"), py::arg("max_tokens"), py::arg("device_index"),
         "The split-K factor paged_decode_attention picks for these shapes.");
+  m.def("prefill_splits", &lmpool::prefill_splits, py::arg("total_q"), py::arg("num_seqs"),
+        py::arg("q_heads"), py::arg("kv_heads"), py::arg("max_tokens"), py::arg("device_index"),
+        "The key split paged_prefill_attention's tensor-core path picks for these shapes.");
 }

@@ -85,9 +85,15 @@ inline cudaError_t launch_attention_rows(DType dtype, int head_dim, const Attent
 
 // ---------------------------------------------------------------------------
 // Prefill over a cached prefix on tensor cores (fp16/bf16, head_dim 64/128).
-// One CTA per (64-row tile of (token, q head) pairs of one sequence, kv head).
+// One CTA per (64-row tile of (token, q head) pairs of one sequence, kv head,
+// split of the keys). Splits exist for short queries over long contexts: a
+// 64-token question over 16k cached tokens is 2 tiles x 8 kv heads, 16 CTAs
+// that would each walk all 16k keys alone.
 
 constexpr int kPrefillRows = 64;
+// A prefill split never gets fewer keys than this (8 key tiles): below it the
+// partial-output traffic and the merge cost more than the parallelism buys.
+constexpr int kMinPrefillSplitKeys = 512;
 
 struct PrefillArgs {
   const void* q;  // [total_q, q_heads, head_dim]; both strides multiples of 8
@@ -100,6 +106,9 @@ struct PrefillArgs {
   const int* context_lens;
   const int* query_start_loc;
   void* out;  // [total_q, q_heads, head_dim], contiguous
+  float* partial_out;  // [total_q, q_heads, num_splits, head_dim] if num_splits > 1
+  float* partial_lse;  // [total_q, q_heads, num_splits] (log2 domain)
+  int total_q;
   int num_seqs;
   int q_heads;
   int kv_heads;
@@ -108,6 +117,7 @@ struct PrefillArgs {
   int max_blocks;
   int tokens_per_tile;  // kPrefillRows / group: a tile holds whole GQA groups
   int num_tiles;        // grid size: an upper bound on the tiles of all sequences
+  int num_splits;       // grid.z: each tile's keys in this many tile-aligned shares
   float scale_log2;
 };
 

@@ -14,10 +14,17 @@
 // tiles start at slot (query_start_loc[b] + b * (tokens_per_tile - 1)) /
 // tokens_per_tile, which leaves room for ceil(n_b / tokens_per_tile) tiles; a
 // CTA binary-searches its sequence and exits if its slot is a gap.
+//
+// With num_splits > 1 (grid.z), each tile's visible keys [0, kv_end) are cut
+// into equal tile-aligned shares of at least kMinPrefillSplitKeys; a CTA walks
+// one share and writes its normalized output and log2-sum-exp per row, and
+// combine_splits_kernel merges them. A share past kv_end, or one whose keys a
+// row may not see, writes -inf for that row, which the merge skips.
 #pragma once
 
 #include <cmath>
 
+#include "combine_splits.cuh"
 #include "common.cuh"
 #include "launchers.h"
 
@@ -116,6 +123,23 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* q = static_cast<const T*>(a.q);
 
+  // This CTA's share of the keys: [kv_begin, kv_stop), a whole number of tiles
+  // unless it ends at kv_end.
+  const int split = blockIdx.z;
+  int kv_begin = 0, kv_stop = kv_end;
+  if (a.num_splits > 1) {
+    const int share = max(ceil_div(ceil_div(kv_end, a.num_splits), kKeys) * kKeys, kMinPrefillSplitKeys);
+    kv_begin = min(kv_end, split * share);
+    kv_stop = min(kv_end, kv_begin + share);
+    if (kv_begin == kv_stop) {  // an empty share: uniform exit, before any barrier
+      for (int r = tid; r < rows_valid; r += 128) {
+        const int64_t rh = (int64_t)(q_start + tok0 + r / group) * a.q_heads + kv_head * group + r % group;
+        a.partial_lse[rh * a.num_splits + split] = -INFINITY;
+      }
+      return;
+    }
+  }
+
   // Stage this tile's queries through shared memory, then keep them in registers.
   for (int c = tid; c < kRows * kChunks; c += 128) {
     const int r = c / kChunks, col = (c % kChunks) * 8;
@@ -179,10 +203,10 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
     cp_async_commit();
   };
 
-  const int num_tiles = ceil_div(kv_end, kKeys);
-  if (num_tiles > 0) load_tile(0, 0);
+  const int num_tiles = ceil_div(kv_stop - kv_begin, kKeys);
+  if (num_tiles > 0) load_tile(0, kv_begin);
   for (int it = 0; it < num_tiles; ++it) {
-    const int kv0 = it * kKeys;
+    const int kv0 = kv_begin + it * kKeys;
     if (it + 1 < num_tiles) {
       load_tile((it + 1) & 1, kv0 + kKeys);
       cp_async_wait<1>();  // this tile's group is complete; the next one may still fly
@@ -272,13 +296,22 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row with no key reads as zeros
     const int rr = warp * 16 + lane / 4 + r * 8;
-    if (rr < rows_valid) {
-      const int t = tok0 + rr / group, h = kv_head * group + rr % group;
-      T* dst = out + ((int64_t)(q_start + t) * a.q_heads + h) * D + (lane % 4) * 2;
+    if (rr >= rows_valid) continue;
+    const int64_t rh = (int64_t)(q_start + tok0 + rr / group) * a.q_heads + kv_head * group + rr % group;
+    if (a.num_splits == 1) {
+      T* dst = out + rh * D + (lane % 4) * 2;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt)
         *reinterpret_cast<uint32_t*>(dst + dt * 8) =
             pack_pair<T>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+    } else {
+      // row_max and the sum are the quad's (reduced above), so any lane may write the lse.
+      float* dst = a.partial_out + (rh * a.num_splits + split) * D + (lane % 4) * 2;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt)
+        *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+      if (lane % 4 == 0)
+        a.partial_lse[rh * a.num_splits + split] = sum > 0.f ? row_max[r] + log2f(sum) : -INFINITY;
     }
   }
 }
@@ -297,8 +330,12 @@ cudaError_t launch_prefill_dim(const PrefillArgs& a, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     opted_in[device] = true;
   }
-  prefill_mma_kernel<T, D><<<dim3(a.num_tiles, a.kv_heads), 128, kSmem, stream>>>(a);
-  return cudaGetLastError();
+  prefill_mma_kernel<T, D><<<dim3(a.num_tiles, a.kv_heads, a.num_splits), 128, kSmem, stream>>>(a);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || a.num_splits == 1) return err;
+  // Only real (token, q head) rows are merged: total_q is the last sequence's end.
+  return launch_combine_splits<T, D>(a.partial_out, a.partial_lse, a.out, a.total_q, a.q_heads,
+                                     a.num_splits, stream);
 }
 
 template <typename T>

@@ -43,7 +43,7 @@ _SOURCES = (
     "kv_cache.cu",
     "norm_rope.cu",
 )
-_HEADERS = ("launchers.h", "common.cuh", "attention_rows.cuh", "prefill_mma.cuh")
+_HEADERS = ("launchers.h", "common.cuh", "combine_splits.cuh", "attention_rows.cuh", "prefill_mma.cuh")
 _CUDA_FLAGS = ("-O3", "-lineinfo")
 _CXX_FLAGS = ("-O3",)
 CACHE_ENV = "LMPOOL_KERNEL_CACHE"

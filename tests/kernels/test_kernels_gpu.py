@@ -183,11 +183,11 @@ def prefill_shapes(block_size):
     ]
 
 
-def check_prefill(ext, dtype, group, head_dim, block_size, tensor_cores, seed=0):
+def check_prefill(ext, dtype, group, head_dim, block_size, tensor_cores, seed=0, shapes=None, num_splits=0):
     gen = torch.Generator().manual_seed(seed)
     kv_heads = 2
     q_heads = kv_heads * group
-    shapes = prefill_shapes(block_size)
+    shapes = shapes or prefill_shapes(block_size)
     kv_lens = [n + p for n, p in shapes]
     k_cache, v_cache, tables = paged_kv(kv_lens, block_size, kv_heads, head_dim, dtype, gen)
     new = torch.tensor([n for n, _ in shapes])
@@ -197,7 +197,7 @@ def check_prefill(ext, dtype, group, head_dim, block_size, tensor_cores, seed=0)
     scale = head_dim**-0.5
     poison_allocator()
     out = ext.paged_prefill_attention(
-        q, k_cache, v_cache, tables, ctx, starts.to(DEVICE), scale, tensor_cores
+        q, k_cache, v_cache, tables, ctx, starts.to(DEVICE), scale, tensor_cores, num_splits
     )
     assert out.shape == q.shape and out.dtype == dtype
     ref = reference_attention(q, k_cache, v_cache, tables, kv_lens, starts, scale)
@@ -218,6 +218,30 @@ def test_prefill_matches_reference(ext, dtype, group, head_dim, tensor_cores):
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_prefill_block_sizes(ext, block_size):
     check_prefill(ext, torch.bfloat16, 2, 128, block_size, True, seed=block_size)
+
+
+# Short queries over long cached contexts, the shape key splits are for, beside
+# the edges: a share past a short sequence's keys, a share whose keys a row may
+# not see (the causal diagonal of a long new prompt), a one-token prompt.
+SPLIT_SHAPES = [(64, 3000), (1, 5000), (130, 1500), (5, 3), (600, 0), (1, 0), (33, 511)]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("group,head_dim,dtype", [(2, 128, torch.bfloat16), (8, 64, torch.float16)])
+def test_prefill_split_k_matches_reference(ext, num_splits, group, head_dim, dtype):
+    check_prefill(ext, dtype, group, head_dim, 64, True, seed=num_splits, shapes=SPLIT_SHAPES,
+                  num_splits=num_splits)
+
+
+def test_prefill_splits_the_keys_of_a_short_query_over_a_long_context_only():
+    ext = cuda.load_extension()
+    # One 64-token question over 16k cached tokens (Qwen3-0.6B's 16 q / 8 kv heads): 16 CTAs alone.
+    assert ext.prefill_splits(64, 1, 16, 8, 16384 + 64, 0) > 1
+    # Its key shares stay at least kMinPrefillSplitKeys (512) long.
+    assert ext.prefill_splits(64, 1, 16, 8, 1024, 0) <= 2
+    # A 16k-token cold prompt's tiles fill the GPU already.
+    assert ext.prefill_splits(16384, 1, 16, 8, 16384, 0) == 1
+    check_prefill(ext, torch.bfloat16, 2, 128, 256, True, shapes=[(64, 8192)], seed=5)
 
 
 def test_prefill_through_cuda_ops_matches_reference():
