@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 
 from lmpool.protocol.base import BlockHash
 
@@ -53,16 +54,23 @@ def _hash(parent: BlockHash, token_bytes, salt: str | None) -> BlockHash:
 
 
 def chain_hashes(
-    token_ids: list[int], block_size: int, start: list[BlockHash] | None = None, salt: str | None = None
+    token_ids: Sequence[int] | array, block_size: int, start: list[BlockHash] | None = None,
+    salt: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of every complete block of ``token_ids``, extending the known ``start`` hashes;
-    ``salt`` (the request's ``cache_salt``) enters the first block's."""
+    ``salt`` (the request's ``cache_salt``) enters the first block's. The ids may come as the
+    int64 array ``validation.check_prompt`` returns: they are then not converted again."""
     hashes = list(start or [])
     first, end = len(hashes), len(token_ids) // block_size
     if first >= end:
         return hashes
-    # One conversion, then each block's bytes as a slice of it: what ``block_hash`` hashes.
-    ids = memoryview(array("q", token_ids[first * block_size : end * block_size])).cast("B")
+    # One conversion (none for an int64 array), then each block's bytes as a slice of it: what
+    # ``block_hash`` hashes. A long prompt's conversion costs as much as its hashing.
+    span = slice(first * block_size, end * block_size)
+    if isinstance(token_ids, array) and token_ids.typecode == "q":
+        ids = memoryview(token_ids)[span].cast("B")
+    else:
+        ids = memoryview(array("q", token_ids[span])).cast("B")
     size = block_size * _ID_BYTES
     parent = hashes[-1] if hashes else ROOT_HASH
     for i in range(end - first):

@@ -28,8 +28,9 @@ def validate_request(
     block_size: int,
     max_blocks: int,
     where: str = "the KV cache",
-) -> None:
-    """Raise ``ValueError`` if the request is malformed or could never fit in ``max_blocks`` blocks."""
+) -> array:
+    """Raise ``ValueError`` if the request is malformed or could never fit in ``max_blocks`` blocks;
+    else the prompt's ids as ``check_prompt`` returns them."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
     # The length first: a prompt far past the context is refused without reading its items.
@@ -39,7 +40,7 @@ def validate_request(
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds max_model_len {max_model_len}"
         )
-    check_prompt(prompt_token_ids, vocab_size)
+    ids = check_prompt(prompt_token_ids, vocab_size)
     outside = [t for t in params.stop_token_ids if t >= vocab_size]
     if outside:
         raise ValueError(f"stop token id {outside[0]} is outside the vocabulary [0, {vocab_size}): it can never end "
@@ -50,6 +51,7 @@ def validate_request(
             f"request needs {blocks} KV blocks ({total} tokens) but {where} holds only {max_blocks}: "
             f"it could never run"
         )
+    return ids
 
 
 def check_admissible(
@@ -87,22 +89,25 @@ def check_admissible(
         raise outside
 
 
-def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
-    """Raise ``ValueError`` unless the prompt is a non-empty sequence of token ids of the vocabulary."""
+def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> array:
+    """Raise ``ValueError`` unless the prompt is a non-empty sequence of token ids of the vocabulary;
+    return them as an int64 array, which ``chain_hashes`` reads without converting them again."""
     if len(prompt_token_ids) == 0:
         raise ValueError("prompt is empty")
     # Python ints in range pass at C speed (every request is checked on the pool's one event loop,
     # so a burst of long prompts waits on this); anything else is found and named below.
     if set(map(type, prompt_token_ids)) == {int}:
         with contextlib.suppress(OverflowError):  # past int64: named below
-            ids = np.frombuffer(array("q", prompt_token_ids), dtype=np.int64)
+            converted = array("q", prompt_token_ids)
+            ids = np.frombuffer(converted, dtype=np.int64)
             if ids.min() >= 0 and ids.max() < vocab_size:
-                return
+                return converted
     for i, t in enumerate(prompt_token_ids):
         if not isinstance(t, int) or isinstance(t, bool):
             raise ValueError(f"prompt token {t!r} at position {i} is not an integer token id")
         if not 0 <= t < vocab_size:
             raise ValueError(f"prompt token {t!r} at position {i} is outside the vocabulary [0, {vocab_size})")
+    return array("q", prompt_token_ids)  # ints of an int subclass: in range, so they fit
 
 
 def check_wire_size(num_prompt_tokens: int, params: SamplingParams, *, block_size: int, limit: int) -> None:

@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import subprocess
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import msgspec
@@ -291,8 +292,9 @@ class PoolClient:
 
     # ---- requests ---------------------------------------------------------------
 
-    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Reject at ingress what no rank could serve, naming the problem."""
+    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> array:
+        """Reject at ingress what no rank could serve, naming the problem; the prompt's ids as an
+        int64 array (``check_prompt``'s), for its block hashes."""
         if self._closed:
             raise PoolError("the pool is shut down")
         self._check_loop()
@@ -302,7 +304,7 @@ class PoolClient:
             raise PoolError("no rank is alive")
         check_wire_size(len(prompt_token_ids), params, block_size=self.block_size, limit=MAX_MESSAGE_BYTES)
         capacity = max((r.num_blocks for r in self.ranks if r.alive), default=0)
-        validate_request(
+        return validate_request(
             prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len, block_size=self.block_size, max_blocks=capacity,
             where="the largest live rank",
@@ -324,13 +326,13 @@ class PoolClient:
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
             raise ArgumentTypeError(f"rank must be an integer or None, got {rank!r}")
         prompt_token_ids = list(prompt_token_ids)
-        self.validate(request_id, prompt_token_ids, params)
+        ids = self.validate(request_id, prompt_token_ids, params)
         if rank is not None and not (0 <= rank < len(self.ranks) and self.ranks[rank].alive):
             raise ValueError(f"rank {rank} is not a live rank of this pool")
         req = TrackedRequest(request_id, prompt_token_ids, params)
         if arrival is not None:
             req.arrival = arrival
-        req.block_hashes = chain_hashes(prompt_token_ids, self.block_size, salt=params.cache_salt)
+        req.block_hashes = chain_hashes(ids, self.block_size, salt=params.cache_salt)
         self.requests[request_id] = req
         return req
 

@@ -4,6 +4,8 @@ A worker's admission of a request the frontend checked refuses every id those ru
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -39,7 +41,8 @@ tokens = st.one_of(
 def test_check_prompt_refuses_exactly_what_the_rules_refuse(prompt):
     expected = element_by_element(prompt)
     if expected is None:
-        check_prompt(prompt, VOCAB)
+        ids = check_prompt(prompt, VOCAB)  # the ids, as the int64 array the block hashes read
+        assert ids.typecode == "q" and ids.tolist() == prompt
     else:
         with pytest.raises(ValueError, match=expected):
             check_prompt(prompt, VOCAB)
@@ -64,6 +67,10 @@ def test_chain_hashes_equal_hashing_one_block_at_a_time(ids, block_size, known, 
     assert chain_hashes(ids, block_size, salt=salt) == expected
     start = expected[:known]
     assert chain_hashes(ids, block_size, start, salt) == expected
+    # From check_prompt's int64 array, read without another conversion: the same hashes.
+    converted = array("q", ids)
+    assert chain_hashes(converted, block_size, salt=salt) == expected
+    assert chain_hashes(converted, block_size, start, salt) == expected
 
 
 class Unread(list):
