@@ -3,9 +3,12 @@ text, token ids as they are, or a chat conversation through the tokenizer's chat
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import operator
 from pathlib import Path
+
+import msgspec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
@@ -32,8 +35,11 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
         return tokenizer.encode(check_text(prompt, "the prompt"), add_special_tokens=False)
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
         prompt = prompt.tolist()
-    if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:
-        return list(prompt)  # the common case, at C speed: a burst's submissions are serial on one loop
+    if isinstance(prompt, (list, tuple)):
+        # The common case, at C speed (a burst's submissions are serial on one loop): a new list of
+        # Python ints, or an error for anything else (bools too), converted or left below.
+        with contextlib.suppress(msgspec.ValidationError):
+            return msgspec.convert(prompt, list[int])
     try:  # numpy and 0-d torch integers become Python ints; anything else is left for validation to name
         return [operator.index(t) if not isinstance(t, int) and is_token_id(t) else t for t in prompt]
     except TypeError:

@@ -353,7 +353,7 @@ class PoolClient:
             # The route's reservation is keyed by this dispatch's wire id: the worker reports
             # admissions by the id it was given, and the control plane releases on that.
             wire_id = str(next(self._wire_ids))
-            tokens = req.prompt_token_ids + req.output_token_ids
+            tokens = req.prompt_token_ids + req.output_token_ids if req.output_token_ids else req.prompt_token_ids
             hashes = chain_hashes(tokens, self.block_size, req.block_hashes, req.params.cache_salt)
             # A pinned request is routed too, to its rank: the control plane reserves for it there
             # and counts its prefix, as for any route (a dead pinned rank: routed as usual).

@@ -57,6 +57,15 @@ def test_encode_prompt_turns_numpy_integers_into_python_ones_and_leaves_the_rest
     assert encode_prompt(None, ids) == ids and encode_prompt(None, ids) is not ids  # the caller's list is not shared
 
 
+@given(st.lists(tokens, max_size=40))
+def test_encode_prompt_s_fast_path_keeps_every_item_and_its_type(prompt):
+    """Plain ints take msgspec's strict conversion; a list with anything else (a bool, a float,
+    None, an int past 64 bits) comes back item for item, type for type, for validation to name."""
+    encoded = encode_prompt(None, prompt)
+    assert encoded == prompt and encoded is not prompt
+    assert [type(t) for t in encoded] == [type(t) for t in prompt]
+
+
 @given(st.lists(st.integers(0, 2**40), max_size=70), st.sampled_from([1, 4, 16]), st.integers(0, 5),
        st.one_of(st.none(), st.text(max_size=5)))
 def test_chain_hashes_equal_hashing_one_block_at_a_time(ids, block_size, known, salt):
@@ -98,7 +107,7 @@ PARAMS = SamplingParams(max_tokens=4)
 def test_a_worker_s_admission_refuses_what_the_frontend_would_and_hashes_nothing(ids, outputs):
     """``check_admissible`` (a worker's, for a typed message the frontend checked) refuses every
     id the frontend's rules refuse, accepts every request they accept, and counts the hashes."""
-    prompt, out = ids[: max(1, len(ids) - outputs)], ids[max(1, len(ids) - outputs):]
+    prompt = ids[: max(1, len(ids) - outputs)]
     hashes = [bytes(32)] * (len(ids) // 4)
     kw = {"vocab_size": VOCAB, "max_model_len": 1000, "block_size": 4, "max_blocks": 1000}
     if element_by_element(ids) is None:
