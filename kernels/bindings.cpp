@@ -183,6 +183,32 @@ int64_t choose_prefill_splits(int64_t tiles, int64_t kv_heads, int64_t max_token
   return std::clamp<int64_t>(target / base, 1, std::min<int64_t>(useful, 256));
 }
 
+// The split count a launch uses: the caller's, or else the one the shapes choose.
+int64_t pick_splits(int64_t requested, int64_t chosen, const char* what) {
+  const int64_t splits = requested > 0 ? requested : chosen;
+  TORCH_CHECK(splits < 65536, what, ": num_splits must be below 65536, got ", num(splits));
+  return splits;
+}
+
+// The partial outputs and log-sum-exps that a launch with key splits merges (none for one
+// split), held by the caller until the launch is queued.
+struct SplitWorkspace {
+  at::Tensor out, lse;
+  SplitWorkspace(const at::Tensor& q, int64_t rows, int64_t splits, int64_t head_dim) {
+    if (splits <= 1) return;
+    const auto f32 = q.options().dtype(at::kFloat);
+    out = at::empty({rows, q.size(1), splits, head_dim}, f32);
+    lse = at::empty({rows, q.size(1), splits}, f32);
+  }
+  float* out_ptr() const { return out.defined() ? out.data_ptr<float>() : nullptr; }
+  float* lse_ptr() const { return lse.defined() ? lse.data_ptr<float>() : nullptr; }
+};
+
+// The prefill kernel's query tiles: enough for each sequence's ceil(len / tokens_per_tile).
+int64_t prefill_tiles(int64_t total_q, int64_t num_seqs, int64_t tokens_per_tile) {
+  return (total_q + num_seqs * (tokens_per_tile - 1)) / tokens_per_tile;
+}
+
 at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& context_lens,
                     const at::Tensor* query_start_loc, const CacheShape& c, double scale,
@@ -194,9 +220,8 @@ at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   TORCH_CHECK(rows < INT_MAX, what, ": too many query rows (", num(rows), ")");
   TORCH_CHECK(c.kv_heads * ((group + 7) / 8) < 65536, what, ": too many kv heads");
   const int64_t max_tokens = block_tables.size(1) * c.block_size;
-  const int64_t splits = num_splits > 0 ? num_splits
-                                        : choose_splits(rows, q_heads, c.kv_heads, max_tokens, num_sms(q.get_device()));
-  TORCH_CHECK(splits < 65536, what, ": num_splits must be below 65536, got ", num(splits));
+  const int64_t splits = pick_splits(
+      num_splits, choose_splits(rows, q_heads, c.kv_heads, max_tokens, num_sms(q.get_device())), what);
 
   AttentionRowsArgs a{};
   a.q = q.data_ptr();
@@ -209,14 +234,9 @@ at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   a.context_lens = context_lens.data_ptr<int>();
   a.query_start_loc = query_start_loc ? query_start_loc->data_ptr<int>() : nullptr;
   a.out = out.data_ptr();
-  at::Tensor partial_out, partial_lse;
-  if (splits > 1) {
-    const auto f32 = q.options().dtype(at::kFloat);
-    partial_out = at::empty({rows, q_heads, splits, c.head_dim}, f32);
-    partial_lse = at::empty({rows, q_heads, splits}, f32);
-    a.partial_out = partial_out.data_ptr<float>();
-    a.partial_lse = partial_lse.data_ptr<float>();
-  }
+  const SplitWorkspace workspace(q, rows, splits, c.head_dim);
+  a.partial_out = workspace.out_ptr();
+  a.partial_lse = workspace.lse_ptr();
   a.num_rows = static_cast<int>(rows);
   a.num_seqs = static_cast<int>(block_tables.size(0));
   a.q_heads = static_cast<int>(q_heads);
@@ -290,21 +310,15 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   a.block_shift = block_shift(c.block_size);
   a.max_blocks = static_cast<int>(block_tables.size(1));
   a.tokens_per_tile = static_cast<int>(kPrefillRows / group);
-  const int64_t tiles = (total_q + num_seqs * (a.tokens_per_tile - 1)) / a.tokens_per_tile;
+  const int64_t tiles = prefill_tiles(total_q, num_seqs, a.tokens_per_tile);
   TORCH_CHECK(tiles < INT_MAX && c.kv_heads < 65536, "paged_attention: batch too large");
   a.num_tiles = static_cast<int>(tiles);
   const int64_t max_tokens = block_tables.size(1) * c.block_size;
-  const int64_t splits = num_splits > 0 ? num_splits
-                                        : choose_prefill_splits(tiles, c.kv_heads, max_tokens, num_sms(q.get_device()));
-  TORCH_CHECK(splits < 65536, "paged_attention: num_splits must be below 65536, got ", num(splits));
-  at::Tensor partial_out, partial_lse;
-  if (splits > 1) {
-    const auto f32 = q.options().dtype(at::kFloat);
-    partial_out = at::empty({total_q, q_heads, splits, c.head_dim}, f32);
-    partial_lse = at::empty({total_q, q_heads, splits}, f32);
-    a.partial_out = partial_out.data_ptr<float>();
-    a.partial_lse = partial_lse.data_ptr<float>();
-  }
+  const int64_t splits = pick_splits(
+      num_splits, choose_prefill_splits(tiles, c.kv_heads, max_tokens, num_sms(q.get_device())), "paged_attention");
+  const SplitWorkspace workspace(q, total_q, splits, c.head_dim);
+  a.partial_out = workspace.out_ptr();
+  a.partial_lse = workspace.lse_ptr();
   a.total_q = static_cast<int>(total_q);
   a.num_splits = static_cast<int>(splits);
   a.scale_log2 = static_cast<float>(scale * kLog2E);
@@ -519,8 +533,8 @@ int64_t prefill_splits(int64_t total_q, int64_t num_seqs, int64_t q_heads, int64
   TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "q_heads must be a multiple of kv_heads");
   const int64_t tpt = kPrefillRows / (q_heads / kv_heads);
   TORCH_CHECK(tpt > 0, "the GQA group is larger than a prefill tile");
-  const int64_t tiles = (total_q + num_seqs * (tpt - 1)) / tpt;
-  return choose_prefill_splits(tiles, kv_heads, max_tokens, num_sms(static_cast<int>(device_index)));
+  return choose_prefill_splits(prefill_tiles(total_q, num_seqs, tpt), kv_heads, max_tokens,
+                               num_sms(static_cast<int>(device_index)));
 }
 
 }  // namespace
