@@ -143,12 +143,14 @@ class SourcePrepared(PhaseAnswer, tag="source_prepared"):
     phase = PlanState.PREPARING
     block_ids: list[int]
     token_ids: list[list[int]]
+    held_s: float = 0.0  # how long the order waited on the worker before its loop took it
 
 
 class DestPrepared(PhaseAnswer, tag="dest_prepared"):
     phase = PlanState.PREPARING
     block_ids: list[int]
     generations: list[int]
+    held_s: float = 0.0  # as ``SourcePrepared``'s
 
 
 class Executed(PhaseAnswer, tag="executed"):

@@ -123,7 +123,7 @@ class Worker:
                     self.need_snapshot = True
                     self.wakeup.set()
                 elif isinstance(msg, Incoming) and self.transfers is not None:
-                    self.transfers.orders.append(msg)  # plan orders, set-up, questions, peers' exports
+                    self.transfers.receive(msg)  # plan orders, set-up, questions, peers' exports
                     self.wakeup.set()
                 elif isinstance(msg, ReleaseOutcome) and self.release is not None:
                     self.release.on_outcome(msg)

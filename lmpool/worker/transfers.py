@@ -122,10 +122,14 @@ class TransferExecutor:
                                         kv_cache=runner.kv_cache, use_kernels=runner.ops.name == "cuda")
         self.paths: dict[int, str] = {}  # peer -> "pull" | "packed"
         self.broken: dict[int, str] = {}  # peer -> why its data path could not be set up
-        self.orders: list[Incoming] = []
+        self.orders: list[tuple[Incoming, float]] = []  # with when each arrived (``time.monotonic``)
         self.in_flight: list[_Pending] = []
         self.faults = FaultPlan.from_env(spec.rank, spec.epoch)
         self.check = os.environ.get("LMPOOL_CHECK_INVARIANTS") == "1"
+
+    def receive(self, order: Incoming) -> None:
+        """An order from the control link, taken at the next ``progress``."""
+        self.orders.append((order, time.monotonic()))
 
     @property
     def busy(self) -> bool:
@@ -140,9 +144,9 @@ class TransferExecutor:
         """Take new orders, collect finished operations; return the messages for the control plane."""
         out = []
         orders, self.orders = self.orders, []
-        started = len(self.in_flight)
-        for order in orders:
-            msg = self._start(order)
+        started, now = len(self.in_flight), time.monotonic()
+        for order, arrived in orders:
+            msg = self._start(order, now - arrived)
             if msg is not None:
                 out.append(msg)
         self._settle(self.in_flight[started:])
@@ -182,7 +186,9 @@ class TransferExecutor:
 
     # ---- orders -----------------------------------------------------------------------
 
-    def _start(self, order: Incoming) -> Outgoing | None:
+    def _start(self, order: Incoming, held_s: float) -> Outgoing | None:
+        """Act on ``order``, which waited ``held_s`` here for the step loop (a prepare's answer
+        says so: the first phase of a pull waits for its slower side)."""
         if isinstance(order, CudaIpcExport):
             self._accept(order)
             return None
@@ -190,7 +196,7 @@ class TransferExecutor:
             return self._connect(order)
         if isinstance(order, (DigestQuery, SyncQuery)):
             return self._answer(order)
-        ack = self._act(order)
+        ack = self._act(order, held_s)
         return None if ack is None else self._after(order, ack)
 
     def _after(self, order: PlanOrder, ack: PlanAnswer) -> PlanAnswer | None:
@@ -211,7 +217,7 @@ class TransferExecutor:
             self.in_flight.remove(pending)  # the bytes may still land; nobody acts on them
             raise
 
-    def _act(self, order: PlanOrder) -> PlanAnswer | None:
+    def _act(self, order: PlanOrder, held_s: float) -> PlanAnswer | None:
         p, bm = self.participant, self.core.block_manager
         try:
             if self.faults.hit(order.kind, "before") == "drop":
@@ -219,11 +225,12 @@ class TransferExecutor:
             if isinstance(order, PrepareSource):
                 plan = p.prepare_source(order.plan_id, order.hashes, order.generations)
                 return self._when_written(order,
-                                          SourcePrepared(order.plan_id, self.rank, plan.block_ids, plan.token_ids))
+                                          SourcePrepared(order.plan_id, self.rank, plan.block_ids, plan.token_ids,
+                                                         held_s))
             if isinstance(order, PrepareDest):
                 plan = p.prepare_dest(order.plan_id, order.num_blocks, order.anchor, order.anchor_generation)
                 return DestPrepared(order.plan_id, self.rank, plan.block_ids,
-                                    [bm.blocks[b].generation for b in plan.block_ids])
+                                    [bm.blocks[b].generation for b in plan.block_ids], held_s)
             if isinstance(order, ExecuteSend):
                 return self._execute_send(order)
             if isinstance(order, ExecuteRecv):

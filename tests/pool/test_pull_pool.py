@@ -103,6 +103,9 @@ def test_a_pulled_request_runs_on_the_idle_rank_with_the_tokens_of_a_single_llm(
     ends = [phases[p][0] for p in ("prepared", "executed", "published", "finalized")]
     assert ends == sorted(ends) and ends[0] > 0 and phases["finalized"][2] == t["pulls_started"]
     assert 0 < phases["source_prepared"][0] <= ends[0] and 0 < phases["dest_prepared"][0] <= ends[0]
+    # The part of each side's answer that its order waited for the worker's step loop, measured there.
+    assert 0 <= phases["source_held"][0] <= phases["source_prepared"][0]
+    assert 0 <= phases["dest_held"][0] <= phases["dest_prepared"][0]
     source, destination = stats["digests"]
     assert not any(source) and all(destination), "moved: on rank 1 only"
 

@@ -112,7 +112,7 @@ class Cluster:
         try:
             if isinstance(msg, PrepareSource):
                 plan = part.prepare_source(msg.plan_id, msg.hashes, msg.generations)
-                answer = SourcePrepared(msg.plan_id, rank, plan.block_ids, plan.token_ids)
+                answer = SourcePrepared(msg.plan_id, rank, plan.block_ids, plan.token_ids, held_s=SOURCE_HELD_S)
             elif isinstance(msg, PrepareDest):
                 ids = part.prepare_dest(msg.plan_id, msg.num_blocks).block_ids
                 answer = DestPrepared(msg.plan_id, rank, ids, [self.bms[rank].blocks[b].generation for b in ids])
@@ -273,6 +273,9 @@ def test_a_partial_move_keeps_its_ancestors_and_counts_copied_and_moved_blocks()
     assert not cluster.coord.plans and not cluster.inbox, "a refused plan sends no order"
 
 
+SOURCE_HELD_S = 0.0005  # what the fake source says its prepare orders waited for its step loop
+
+
 def test_a_done_plan_records_when_each_of_its_phases_ended():
     """The clock moves 1 ms per message delivered: each phase's end is where its last ack landed."""
     cluster = Cluster(world=2, blocks=16, seed=5)
@@ -295,9 +298,11 @@ def test_a_done_plan_records_when_each_of_its_phases_ended():
     assert list(summary) == [plan.kind]
     sides = (prepared[plan.src], prepared[plan.dst])
     assert max(sides) == ends[0]
+    held = (SOURCE_HELD_S, 0.0)  # as each side said
     assert summary[plan.kind] == {p: [round(t * 1e3, 3), round(t * 1e3, 3), 1]
                                   for p, t in zip(("prepared", "executed", "published", "finalized",
-                                                   "source_prepared", "dest_prepared"), (*plan.phases, *sides))}
+                                                   "source_prepared", "dest_prepared", "source_held", "dest_held"),
+                                                  (*plan.phases, *sides, *held))}
 
 
 def test_phase_times_keep_the_last_plans_of_each_kind():
@@ -305,11 +310,12 @@ def test_phase_times_keep_the_last_plans_of_each_kind():
 
     times = PhaseTimes(keep=2)
     for total in (1.0, 2.0, 4.0):
-        times.record("pull", [total / 4, total / 2, total * 3 / 4, total], (total / 8, total / 4))
+        times.record("pull", [total / 4, total / 2, total * 3 / 4, total], (total / 8, total / 4), (total / 16, 0.0))
     times.record("background", [0.0, 0.0, 0.0, 0.001], (0.0, 0.0))
     summary = times.summary()
     assert summary["pull"]["finalized"] == [3000.0, 4000.0, 2]  # the first plan is forgotten
     assert summary["pull"]["source_prepared"] == [375.0, 500.0, 2]
+    assert summary["pull"]["source_held"] == [187.5, 250.0, 2] and summary["background"]["dest_held"] == [0.0, 0.0, 1]
     assert summary["background"]["finalized"] == [1.0, 1.0, 1]
     with pytest.raises(ValueError):
         times.record("pull", [0.2, 0.1, 0.3, 0.4], (0.1, 0.2))

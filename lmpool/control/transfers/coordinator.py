@@ -79,6 +79,7 @@ class Plan:
     steps_s: float = 0.0  # the participants' steps its opener priced beside the copy (not the cost model's)
     phases: list[float] = field(default_factory=list)  # seconds from start to each phase's end (``PHASES``)
     sides: list[float] = field(default_factory=lambda: [0.0, 0.0])  # ... to the source's, destination's prepare
+    held: list[float] = field(default_factory=lambda: [0.0, 0.0])  # ... the part its order waited on that worker
     pulled: bool = False  # the destination read the bytes itself: execute waits for it alone
 
     @property
@@ -155,11 +156,11 @@ class TransferCoordinator:
             return
         if isinstance(ack, SourcePrepared) and rank == plan.src:
             plan.src_blocks, plan.token_ids = ack.block_ids, ack.token_ids
-            plan.sides[0] = self.clock() - plan.started
+            plan.sides[0], plan.held[0] = self.clock() - plan.started, ack.held_s
         elif isinstance(ack, DestPrepared) and rank == plan.dst:
             if not self._mark_reserved(plan, ack):
                 return
-            plan.sides[1] = self.clock() - plan.started
+            plan.sides[1], plan.held[1] = self.clock() - plan.started, ack.held_s
         elif ack.phase is PlanState.PREPARING or not isinstance(ack, SUCCESS.get(ack.phase, ())):
             return  # an answer this rank's order cannot have
         elif isinstance(ack, Executed) and ack.pulled and rank == plan.dst:
@@ -211,7 +212,8 @@ class TransferCoordinator:
             self.blocks_moved += plan.num_moved
             self.blocks_copied += len(plan.hashes) - plan.num_moved
             self._end(plan, PlanState.DONE)
-            self.phase_times.record(plan.kind, plan.phases, (plan.sides[0], plan.sides[1]))
+            self.phase_times.record(plan.kind, plan.phases, (plan.sides[0], plan.sides[1]),
+                                    (plan.held[0], plan.held[1]))
             # Until the destination published: what a request waiting for the blocks waits for.
             # The source's finalize comes after (under a burst, one of its busy steps later).
             copy_s = plan.phases[PUBLISHED] - plan.steps_s
