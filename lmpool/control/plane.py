@@ -122,6 +122,7 @@ class ControlPlane:
         self.route_us = np.zeros(ROUTE_SAMPLES)
         self.route_latency = RouteLatency()
         self.route_queries = 0
+        self.loop_ms: dict[int, dict[str, list[float]]] = {}  # rank -> its step loop's stages (``RankState``)
         self.resyncs = 0
         self.stale_rejected = 0
         self.published = 0
@@ -147,6 +148,7 @@ class ControlPlane:
                 if isinstance(msg, StepTimings):
                     if msg.rank == rank and msg.epoch >= self.gbm.ranks[rank].epoch:
                         self.model.observe(msg)
+                        self.loop_ms[rank] = msg.loop_ms or self.loop_ms.get(rank, {})
                     continue
                 if isinstance(msg, CudaIpcExport):
                     if 0 <= msg.peer < self.spec.pool.world_size and msg.peer != rank:
@@ -457,7 +459,8 @@ class ControlPlane:
         samples = self.route_us[:n]
         return ControlStats(
             pid=os.getpid(),
-            ranks=[msgspec.structs.replace(self.gbm.rank_state(r), step_fit=self.model.describe(r))
+            ranks=[msgspec.structs.replace(self.gbm.rank_state(r), step_fit=self.model.describe(r),
+                                           loop_ms=self.loop_ms.get(r, {}))
                    for r in range(self.spec.pool.world_size)],
             route_queries=self.route_queries,
             route_p50_us=float(np.percentile(samples, 50)) if n else 0.0,

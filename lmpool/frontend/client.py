@@ -515,6 +515,7 @@ class PoolClient:
                 "prefix_hit_tokens": load.prefix_hit_tokens, "heartbeat_age_s": state.heartbeat_age_s,
                 "epoch": state.epoch, "snapshot_version": state.snapshot_version,
                 "cached_blocks": state.cached_blocks, "step_fit": msgspec.structs.asdict(state.step_fit),
+                "loop_ms": state.loop_ms,
             })
             if not rank.alive:  # a dead rank queues, runs and holds nothing: no stale figures
                 ranks[-1].update(dict.fromkeys(LIVE_STATS, 0))

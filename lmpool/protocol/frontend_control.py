@@ -68,6 +68,7 @@ class RankState(Message, kw_only=True):
     load: LoadReport
     cached_blocks: int
     step_fit: StepFit = StepFit()
+    loop_ms: dict[str, list[float]] = {}  # its worker's latest ``StepTimings.loop_ms``
 
 
 class TransferStats(Message, kw_only=True):

@@ -43,6 +43,9 @@ class StepTimings(Message, tag="steps"):
     epoch: int
     samples: list[StepSample]
     calibration: bool = False
+    # The step loop's synchronous stages since the worker started (``worker.loop_stages``):
+    # stage -> [count, total ms, longest ms]; the readers wait while one runs.
+    loop_ms: dict[str, list[float]] = {}
 
 
 class ResyncRequest(Message, tag="resync"):

@@ -18,7 +18,8 @@ event until a message or the wait's deadline, instead of spinning.
 
 It times its steps for the control plane's step-time model (``StepTimings``, at most every
 ``STEP_REPORT_S`` and with every heartbeat), the first of them the synthetic ones it ran at
-start (``lmpool.engine.calibration``) before it was ready.
+start (``lmpool.engine.calibration``) before it was ready, and with them how long its loop's
+synchronous stages kept its readers waiting (``lmpool.worker.loop_stages``).
 
 Its control link: a message the link refuses (too large) fails alone, and a cache report too
 large for one message goes in parts (``report_parts``); the control process's death leaves the
@@ -64,6 +65,7 @@ from lmpool.protocol import (
 )
 from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 from lmpool.protocol.spec import WorkerSpec, read_spec
+from lmpool.worker.loop_stages import LoopStages
 from lmpool.worker.release import ForegroundRelease
 from lmpool.worker.report_parts import split_delta, split_snapshot
 from lmpool.worker.transfers import Incoming, TransferExecutor
@@ -99,6 +101,7 @@ class Worker:
         self.transfers = TransferExecutor(spec, core) if spec.transfer_rendezvous else None
         self.calibration = list(calibration)  # sent to every control process that attaches
         self.steps_sent_at = 0.0
+        self.loop_stages = LoopStages()  # how long the step loop kept the readers waiting
         # Foreground release, when it runs, is the scheduler's shortage hook (``release_hook``).
         hook = core.scheduler.on_shortage
         self.release: ForegroundRelease | None = hook if isinstance(hook, ForegroundRelease) else None
@@ -193,7 +196,8 @@ class Worker:
         if self.control is None or not self.core.step_samples or not due:
             return
         self.steps_sent_at = now
-        await self.send_control(StepTimings(self.rank, self.epoch, self.core.take_step_samples()))
+        await self.send_control(StepTimings(self.rank, self.epoch, self.core.take_step_samples(),
+                                            loop_ms=self.loop_stages.snapshot()))
 
     async def publish(self, load: LoadReport | None = None) -> None:
         """Tell the control plane what changed: cached blocks (or everything, if asked) and load.
@@ -379,7 +383,10 @@ class Worker:
                 for ack in self.transfers.progress():
                     await self.send_control(ack)
             inbox, self.inbox = self.inbox, []
-            replies = [r for msg in inbox for r in self.handle(msg)]
+            replies = []
+            if inbox:
+                with self.loop_stages.timed("admit"):
+                    replies = [r for msg in inbox for r in self.handle(msg)]
             for reply in replies:
                 await self.frontend.send(reply)
             if self.stopping:
@@ -387,9 +394,11 @@ class Worker:
             deltas, failed = [], []
             ran = False
             if self.core.has_unfinished():
-                step = self.core.begin_step()
+                with self.loop_stages.timed("launch"):
+                    step = self.core.begin_step()
                 await self.while_stepping(step)
-                outputs = self.core.end_step(step)
+                with self.loop_stages.timed("read_back"):
+                    outputs = self.core.end_step(step)
                 batch = self.core.scheduler.last_batch
                 ran = bool(batch.seqs or batch.num_preempted)
                 for out in outputs:

@@ -1,0 +1,48 @@
+"""How long a worker's step loop runs without yielding, per stage. While it runs, the worker's
+readers wait: a request from the frontend (whose send waits once the link's ring is full) and a
+transfer order from the control plane (a pull's first phase) are read only when it yields.
+
+The stages are the loop's synchronous stretches: ``admit`` (the requests that arrived),
+``launch`` (scheduling and launching a step) and ``read_back`` (reading back the awaited step's
+tokens). Per stage, since the worker started: how many, their total and the longest, in
+milliseconds.
+
+Invariants: every timed stretch counts once, under one stage; a stage's longest is at most its
+total, and its total is zero when its count is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+STAGES = ("admit", "launch", "read_back")
+
+
+class LoopStages:
+    def __init__(self) -> None:
+        self._count = dict.fromkeys(STAGES, 0)
+        self._total = dict.fromkeys(STAGES, 0.0)
+        self._longest = dict.fromkeys(STAGES, 0.0)
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Count the body, which must not yield to the event loop, under ``stage``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - started)
+
+    def add(self, stage: str, seconds: float) -> None:
+        if stage not in self._count:
+            raise ValueError(f"unknown loop stage {stage!r}; the stages are {STAGES}")
+        self._count[stage] += 1
+        self._total[stage] += seconds
+        self._longest[stage] = max(self._longest[stage], seconds)
+
+    def snapshot(self) -> dict[str, list[float]]:
+        """stage -> [count, total ms, longest ms]."""
+        return {s: [self._count[s], round(self._total[s] * 1e3, 3), round(self._longest[s] * 1e3, 3)]
+                for s in STAGES}
