@@ -367,7 +367,8 @@ def pool_figures(stats: dict) -> dict:
     transfers = stats.get("transfers")
     return {"transfers": dict(transfers) if isinstance(transfers, dict) else None,
             "rank_stats": [{k: r.get(k) for k in ("rank", "prompt_tokens", "prefix_hit_tokens", "blocks_used",
-                                                 "blocks_reclaimable", "blocks_free", "cached_blocks", "step_fit")}
+                                                 "blocks_reclaimable", "blocks_free", "cached_blocks", "step_fit",
+                                                 "loop_ms")}
                            for r in stats.get("ranks", [])]}
 
 
