@@ -13,7 +13,7 @@ import httpx
 
 from benchmarks import benchmark_ipc, benchmark_stream, benchmark_throughput
 from lmpool.outputs import RequestOutput
-from tools.diagnostics import profile_plan_bookkeeping
+from tools.diagnostics import profile_launch, profile_plan_bookkeeping
 
 
 def finished_bar(stderr: str, desc: str, total: int) -> bool:
@@ -95,6 +95,20 @@ def test_serve_benchmark_shows_its_requests(tmp_path, capsys):
 def test_plan_bookkeeping_moves_a_chain_back_and_forth():
     """Every move completes (the script raises otherwise) and takes some time."""
     assert profile_plan_bookkeeping.seconds_per_move(3, block_size=16, reps=4) > 0
+
+
+def test_the_launch_profile_times_each_wave_s_prefill_over_the_cached_document(tiny_model, tmp_path):
+    """Each wave's questions prefill only their own tokens (the document is cached), one step a
+    wave, then decode until every request is done; each step's three host times are recorded."""
+    out = tmp_path / "launch.json"
+    profile_launch.main(["--model", tiny_model, "--context", "256", "--block-size", "16", "--waves", "3",
+                         "--questions", "2", "--question-tokens", "8", "--max-tokens", "3", "--json", str(out)])
+    data = json.loads(out.read_text())
+    steps = data["steps"]
+    assert [s["prefill_tokens"] for s in steps[:3]] == [16] * 3 and not any(s["prefill_tokens"] for s in steps[3:])
+    assert steps[-1]["decode_seqs"] == 0 and sum(s["decode_seqs"] for s in steps) == 6 * 2  # 2 tokens decoded each
+    assert all(s[k] >= 0 for s in steps for k in ("launch_ms", "wait_ms", "read_back_ms"))
+    assert data["syncs"] == [] and data["prefill_launch_ms"]["max"] >= data["prefill_launch_ms"]["mean"] > 0
 
 
 def test_stream_benchmark_compares_both_ways_on_the_same_texts(tiny_model, tmp_path):
