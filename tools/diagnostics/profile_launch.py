@@ -18,13 +18,11 @@ that synchronises with the device is listed by file and line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import statistics
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 from benchmarks.lib.revision import git_record
@@ -32,6 +30,7 @@ from lmpool import SamplingParams
 from lmpool.config.engine import EngineConfig
 from lmpool.engine.core import EngineCore
 from lmpool.model.make_model import PRESETS, make_model
+from tools.diagnostics.profile_decode import sync_warnings
 
 
 def run_steps(core: EngineCore, rng: random.Random, doc: list[int], args, vocab: int) -> list[dict]:
@@ -56,25 +55,6 @@ def run_steps(core: EngineCore, rng: random.Random, doc: list[int], args, vocab:
         rows.append({"prefill_tokens": batch.prefill_tokens, "decode_seqs": batch.decode_seqs,
                      "launch_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3, "read_back_ms": (t3 - t2) * 1e3})
     return rows
-
-
-@contextlib.contextmanager
-def sync_warnings(cuda: bool):
-    """Collect ``file:line: message`` of every host-device synchronisation while active (CUDA)."""
-    found: list[str] = []
-    if not cuda:
-        yield found
-        return
-    import torch
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield found
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            found.extend(sorted({f"{Path(w.filename).name}:{w.lineno}: {w.message}" for w in caught}))
 
 
 def profile(model: str, args) -> dict:
