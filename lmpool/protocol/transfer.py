@@ -143,7 +143,9 @@ class SourcePrepared(PhaseAnswer, tag="source_prepared"):
     phase = PlanState.PREPARING
     block_ids: list[int]
     token_ids: list[list[int]]
-    held_s: float = 0.0  # how long the order waited on the worker before its loop took it
+    # From the worker's reader taking the order off the link to its loop acting on it (an order
+    # that waits in the link for a loop that does not yield is not counted: ``worker.loop_stages``).
+    held_s: float = 0.0
 
 
 class DestPrepared(PhaseAnswer, tag="dest_prepared"):

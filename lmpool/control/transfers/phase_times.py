@@ -4,8 +4,8 @@ For each of the last ``keep`` plans of a kind that reached DONE, the seconds fro
 the end of each phase (``PHASES``: both sides prepared, both executed (over CUDA IPC the
 destination), the destination published, the source finalized), and when each side's
 prepare answer arrived (``SIDES``: which of the two the first phase waited for) and how long
-each side's order waited on its worker for the step loop (``HELD``: a busy loop, not the link or
-the work). ``summary``
+each side's order waited on its worker between its reader taking it and the step loop acting
+on it (``HELD``; the rest of a side's time is the links and a loop too busy to read). ``summary``
 gives, per kind and entry, the median and the largest of them in milliseconds and how many plans
 they cover: where a copy's time goes, which its estimate alone does not say.
 
