@@ -4,8 +4,10 @@ transfer order from the control plane (a pull's first phase) are read only when 
 
 The stages are the loop's synchronous stretches: ``admit`` (the requests that arrived),
 ``launch`` (scheduling and launching a step) and ``read_back`` (reading back the awaited step's
-tokens). Per stage, since the worker started: how many, their total and the longest, in
-milliseconds.
+tokens), and, wherever they fall, the garbage collector's passes (``collect``, once
+``watch_collections`` is on: a full pass over a heap holding torch takes a tenth of a second,
+which is why a worker freezes its start-up heap). Per stage, since the worker started: how many,
+their total and the longest, in milliseconds.
 
 Invariants: every timed stretch counts once, under one stage; a stage's longest is at most its
 total, and its total is zero when its count is.
@@ -13,11 +15,12 @@ total, and its total is zero when its count is.
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-STAGES = ("admit", "launch", "read_back")
+STAGES = ("admit", "launch", "read_back", "collect")
 
 
 class LoopStages:
@@ -34,6 +37,20 @@ class LoopStages:
             yield
         finally:
             self.add(stage, time.perf_counter() - started)
+
+    def watch_collections(self) -> Callable[[], None]:
+        """Count every garbage collection of this process under ``collect`` from now on; the
+        returned function stops that."""
+        started = [0.0]
+
+        def timed(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                self.add("collect", time.perf_counter() - started[0])
+
+        gc.callbacks.append(timed)
+        return lambda: gc.callbacks.remove(timed)
 
     def add(self, stage: str, seconds: float) -> None:
         if stage not in self._count:

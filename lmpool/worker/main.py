@@ -19,7 +19,8 @@ event until a message or the wait's deadline, instead of spinning.
 It times its steps for the control plane's step-time model (``StepTimings``, at most every
 ``STEP_REPORT_S`` and with every heartbeat), the first of them the synthetic ones it ran at
 start (``lmpool.engine.calibration``) before it was ready, and with them how long its loop's
-synchronous stages kept its readers waiting (``lmpool.worker.loop_stages``).
+synchronous stages and the garbage collector's passes kept its readers waiting
+(``lmpool.worker.loop_stages``); it freezes its start-up heap, so that those passes are short.
 
 Its control link: a message the link refuses (too large) fails alone, and a cache report too
 large for one message goes in parts (``report_parts``); the control process's death leaves the
@@ -31,6 +32,7 @@ Run as ``LMPOOL_SPEC=SPEC_JSON python -m lmpool.worker.main`` (see ``lmpool.prot
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -470,6 +472,12 @@ async def main_async(spec: WorkerSpec) -> int:
         await frontend.send(WorkerFailed(spec.rank, f"{type(e).__name__}: {e}"))
         frontend.close()
         return 1
+    # Everything made so far (torch, the model, the cache's bookkeeping) lives as long as the
+    # process: keep it out of the collector's full passes, which would hold the step loop, and the
+    # links' readers with it, for a tenth of a second (as the control process does).
+    gc.collect()
+    gc.freeze()
+    worker.loop_stages.watch_collections()
     bm = core.block_manager
     await frontend.send(WorkerReady(spec.rank, os.getpid(), bm.num_blocks, bm.block_size))
     try:

@@ -1,7 +1,10 @@
-"""A worker times its step loop's synchronous stages (``worker.loop_stages``), the stretches its
-readers wait through, and the pool's stats show them per rank."""
+"""A worker times its step loop's synchronous stages and the garbage collector's passes
+(``worker.loop_stages``), the stretches its readers wait through, and the pool's stats show them
+per rank."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import uvloop
@@ -27,6 +30,20 @@ def test_each_stretch_counts_once_under_its_stage(stretches):
             assert total == pytest.approx(sum(mine) * 1e3, abs=1e-3 * max(1, count))
             assert longest == round(max(mine, default=0.0) * 1e3, 3) <= total + 1e-3
             assert count or total == 0
+
+
+def test_watched_collections_count_until_the_watch_stops():
+    stages = LoopStages()
+    stop = stages.watch_collections()
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        stop()
+    count, total, longest = stages.snapshot()["collect"]
+    assert count == 2 and 0 <= longest <= total
+    gc.collect()
+    assert stages.snapshot()["collect"][0] == 2, "a stopped watch counts nothing"
 
 
 def test_an_unknown_stage_is_refused():
