@@ -53,6 +53,7 @@ from benchmarks.stats.policy_order import ORDERS, policy_order, run_order
 from benchmarks.lib.revision import git_record
 from benchmarks.workloads.trace_file import load_trace, trace_name
 from benchmarks.workloads.traces import max_request_tokens
+from lmpool.worker.loop_stages import LoopStages
 
 # Runs write here unless --json names a file: the committed results change only when asked.
 SCRATCH_DIR = Path(tempfile.gettempdir()) / "lmpool-eval"
@@ -387,9 +388,17 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, s
         record["start_s"] = time.perf_counter() - started
         async with asyncio.timeout(args.run_timeout):
             t = time.perf_counter()
-            record["requests"] = await replay(pool, trace, setting.arrival,
-                                              bar.update if bar is not None else (lambda *a: None))
+            # The user process's own garbage collections: they hold its loop, which submits,
+            # routes and hands over every request, and delivers every token.
+            driver = LoopStages()
+            stop = driver.watch_collections()
+            try:
+                record["requests"] = await replay(pool, trace, setting.arrival,
+                                                  bar.update if bar is not None else (lambda *a: None))
+            finally:
+                stop()
             record["replay_s"] = time.perf_counter() - t
+            record["frontend_collect_ms"] = driver.snapshot()["collect"]
             stats = await pool.stats()
         record.update(pool_figures(stats))
     finally:

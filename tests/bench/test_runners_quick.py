@@ -63,6 +63,9 @@ def check_common(data: dict, workloads: set[str], policies: set[str]) -> None:
             assert m[key] is not None and m[key] >= 0, key
         assert 0 <= m["dp_req_hit"] <= meta["dataset_profile"][r["workload"]]["trace_req_share"] + 1e-9
         assert r["start_s"] > 0 and r["replay_s"] > 0
+        count, total, longest = r["frontend_collect_ms"]  # the driver's own collections during the replay
+        assert count >= 0 and 0 <= longest <= total and (count or total == 0)
+        assert all(set(rank["loop_ms"]) >= {"admit", "launch", "read_back", "collect"} for rank in r["rank_stats"])
     for r in ok:
         entry = data["summary"][r["workload"]][r["policy"]]["throughput_tok_s"]
         assert entry["n"] == 1 and entry["half_width"] is None and entry["values"] == [r["metrics"]["throughput_tok_s"]]
