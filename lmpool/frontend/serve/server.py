@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import socket
 
@@ -266,6 +267,11 @@ def main(argv: list[str]) -> int:
     settings.pool_args["kv_events"] = events
     app = create_app(settings)
     app.state.grpc = grpc_worker
+    # The server's process holds what it has loaded (torch among it) for as long as it serves:
+    # the collector's full passes need not walk it (over torch's objects, one holds the loop that
+    # routes every request for about a tenth of a second).
+    gc.collect()
+    gc.freeze()
     if args.no_http:
         from lmpool.frontend.grpc.alone import run
 
