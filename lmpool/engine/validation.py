@@ -83,7 +83,7 @@ def check_admissible(
         raise ValueError("prompt is empty")
     outside = ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
     try:
-        ids = _int64s(token_ids)
+        ids = np.frombuffer(_packed(token_ids), dtype=np.int64)
     except struct.error:
         raise outside from None
     if ids.min() < 0 or ids.max() >= vocab_size or any(t >= vocab_size for t in params.stop_token_ids):
@@ -100,9 +100,10 @@ def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> array:
     # ints (bools too), and the packing refuses what does not fit. Anything else is named below.
     with contextlib.suppress(msgspec.ValidationError, struct.error):
         msgspec.convert(prompt_token_ids, list[int])
-        ids = _int64s(prompt_token_ids)
+        packed = _packed(prompt_token_ids)
+        ids = np.frombuffer(packed, dtype=np.int64)
         if ids.min() >= 0 and ids.max() < vocab_size:
-            return array("q", ids.tobytes())
+            return array("q", packed)
     for i, t in enumerate(prompt_token_ids):
         if not isinstance(t, int) or isinstance(t, bool):
             raise ValueError(f"prompt token {t!r} at position {i} is not an integer token id")
@@ -111,10 +112,11 @@ def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> array:
     return array("q", prompt_token_ids)  # ints of an int subclass: in range, so they fit
 
 
-def _int64s(token_ids: Sequence[int]) -> np.ndarray:
-    """``token_ids`` as native int64s, at C speed (three times ``array("q", ...)``'s, which converts
-    item by item); ``struct.error`` names an item that is not an integer or does not fit."""
-    return np.frombuffer(struct.pack(f"={len(token_ids)}q", *token_ids), dtype=np.int64)
+def _packed(token_ids: Sequence[int]) -> bytes:
+    """``token_ids`` as native int64s' bytes (``array("q")``'s layout), at C speed (three times
+    ``array("q", ...)``'s, which converts item by item); ``struct.error`` names an item that is
+    not an integer or does not fit."""
+    return struct.pack(f"={len(token_ids)}q", *token_ids)
 
 
 def check_wire_size(num_prompt_tokens: int, params: SamplingParams, *, block_size: int, limit: int) -> None:
