@@ -36,6 +36,7 @@ from lmpool.engine.sampler import Sampler
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.engine.sequence import Sequence
 from lmpool.engine.step_inputs import StepInputBuilder, StepInputs, arena_capacity
+from lmpool.engine.warm_up import warm_up
 from lmpool.model.checkpoint import iter_safetensors
 from lmpool.model.config import ModelConfig
 from lmpool.model.qwen3 import Qwen3ForCausalLM
@@ -133,6 +134,8 @@ class ModelRunner:
         # The torch reference synchronises with the host, so only the kernels can be captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.ops.name == "cuda":
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs, 512))
+        if self.device.type == "cuda":
+            warm_up(self.model, self.device, self.dtype, config.max_num_seqs, config.max_num_batched_tokens)
 
     def close(self) -> None:
         """Free the device memory now (weights, KV cache, graphs, input buffers), whatever

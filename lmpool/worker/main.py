@@ -7,9 +7,10 @@ new control process attaches), and streams every new token to the frontend.
 The step loop never waits on a message: reader tasks move arriving messages
 into an inbox, and the loop yields to them between steps (``asyncio.sleep(0)``),
 so a request or an abort is taken at the next step boundary while the model
-runs. Transfer orders are also served while a launched step runs on the device
-(``while_stepping``): an order is answered without waiting for the step's end. With
-nothing to do the loop sleeps on an event, burning no CPU.
+runs. While a launched step runs on the device the loop keeps yielding (``while_stepping``):
+requests are read (their senders never wait on a full ring for the step) and transfer orders
+answered without waiting for the step's end. With nothing to do the loop sleeps on an event,
+burning no CPU.
 
 With foreground release on, admission that would evict cached blocks first asks
 the control plane to move them to a partner (``lmpool.worker.release``); while the
@@ -359,15 +360,14 @@ class Worker:
             pass
 
     async def while_stepping(self, step: StepUnderWay) -> None:
-        """Serve transfer orders until the device is done with ``step``'s awaited tokens: an order
-        is answered without waiting for the step's end (a pull's source busy with a burst's long
+        """Serve the links until the device is done with ``step``'s awaited tokens. Transfer orders
+        are answered without waiting for the step's end (a pull's source busy with a burst's long
         prefill steps held its plans for one or two of them; a copy into this rank still runs
-        behind the step on the device). Requests wait for the step's end: the scheduler takes them."""
+        behind the step on the device). Requests are read into the inbox, so the user process's
+        sends never wait on a full ring for a step to end; the scheduler takes them after it."""
         transfers = self.transfers
-        if transfers is None:
-            return
         while not step.ready():
-            if transfers.busy:
+            if transfers is not None and transfers.busy:
                 for ack in transfers.progress():
                     await self.send_control(ack)
             await asyncio.sleep(0)  # the readers take what arrives meanwhile

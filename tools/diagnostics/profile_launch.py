@@ -9,7 +9,12 @@ tokens and decoding sequences, the host seconds of ``begin_step`` (scheduling an
 the wait for the step before (yielding, as ``Worker.while_stepping`` does) and ``end_step``
 (reading it back). A launch that takes about as long as the step before it ran waited for the
 device. On CUDA the steps run under ``torch.cuda.set_sync_debug_mode("warn")``: every call
-that synchronises with the device is listed by file and line.
+that synchronises with the device is listed by file and line. Where the launches wait is shown
+two ways: a thread samples the host's stack every half millisecond while ``begin_step`` runs
+(the lines where most samples fall, ``launch_stacks``), and with ``--trace`` the steps run under
+torch's profiler, whose CUDA runtime calls are summed by name (count, total and longest
+milliseconds, ``runtime_calls``): a launch queue that is full shows as long kernel launches, the
+allocator returning memory as long frees.
 
     python -m tools.diagnostics.profile_launch --preset 0.6b --device cuda --dtype bfloat16 \\
         --context 16384 --waves 4 --questions 16 --mps 4
@@ -21,8 +26,12 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
+import threading
 import time
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from benchmarks.lib.revision import git_record
@@ -33,18 +42,81 @@ from lmpool.model.make_model import PRESETS, make_model
 from tools.diagnostics.profile_decode import sync_warnings
 
 
-def run_steps(core: EngineCore, rng: random.Random, doc: list[int], args, vocab: int) -> list[dict]:
+class StackSampler:
+    """Samples one thread's innermost frames while ``sampling`` is on: each sample counts the line
+    of the innermost frame of this repository's code and the innermost frame of all."""
+
+    def __init__(self, thread_id: int, interval_s: float = 0.0005) -> None:
+        self.thread_id, self.interval_s = thread_id, interval_s
+        self.counts: Counter[str] = Counter()
+        self._on = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @contextmanager
+    def sampling(self):
+        self._on.set()
+        try:
+            yield
+        finally:
+            self._on.clear()
+
+    def _run(self) -> None:
+        root = str(Path(__file__).resolve().parents[2])
+        while not self._stop.wait(self.interval_s):
+            if not self._on.is_set():
+                continue
+            frame = sys._current_frames().get(self.thread_id)
+            innermost, ours = frame, None
+            while frame is not None:
+                if ours is None and frame.f_code.co_filename.startswith(root):
+                    ours = frame
+                frame = frame.f_back
+            for f in (innermost, ours):
+                if f is not None:
+                    self.counts[f"{Path(f.f_code.co_filename).name}:{f.f_lineno} {f.f_code.co_name}"] += 1
+
+    def top(self, n: int = 8) -> list[list]:
+        return [[where, count] for where, count in self.counts.most_common(n)]
+
+
+def runtime_calls(prof) -> dict[str, dict]:
+    """The profiler's CUDA runtime and driver calls summed by name: count, total and longest ms."""
+    calls: dict[str, dict] = {}
+    for event in prof.events():
+        if not event.name.startswith(("cuda", "cu")):
+            continue
+        ms = event.time_range.elapsed_us() / 1e3
+        c = calls.setdefault(event.name, {"count": 0, "total_ms": 0.0, "max_ms": 0.0})
+        c["count"] += 1
+        c["total_ms"] += ms
+        c["max_ms"] = max(c["max_ms"], ms)
+    return dict(sorted(calls.items(), key=lambda kv: -kv[1]["total_ms"]))
+
+
+def run_steps(core: EngineCore, rng: random.Random, doc: list[int], args, vocab: int,
+              sampler: StackSampler, questions: int) -> list[dict]:
     """The waves' steps, then the steps until every request is done; one row per step."""
     rows, waves, n = [], 0, 0
     while waves < args.waves or core.has_unfinished():
         if waves < args.waves:
-            for _ in range(args.questions):
+            for _ in range(questions):
                 question = [rng.randrange(vocab) for _ in range(args.question_tokens)]
-                core.add_request(f"q{n}", doc + question, SamplingParams(temperature=0, max_tokens=args.max_tokens))
+                params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+                core.add_request(f"q{questions}-{n}", doc + question, params)
                 n += 1
             waves += 1
         t0 = time.perf_counter()
-        step = core.begin_step()
+        with sampler.sampling():
+            step = core.begin_step()
         t1 = time.perf_counter()
         while not step.ready():
             time.sleep(0)
@@ -57,11 +129,32 @@ def run_steps(core: EngineCore, rng: random.Random, doc: list[int], args, vocab:
     return rows
 
 
+def allocator_counts(on_cuda: bool) -> dict[str, int]:
+    """The CUDA caching allocator's device allocations, frees and retries (a retry frees cached
+    memory, which waits for the device) so far; none off CUDA."""
+    if not on_cuda:
+        return {}
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                               "num_sync_all_streams")}
+
+
+def profiler(on_cuda: bool):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    return torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else []))
+
+
 def profile(model: str, args) -> dict:
     config = EngineConfig(model=model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                           max_num_batched_tokens=args.max_batched_tokens,
                           max_model_len=args.context + args.question_tokens + args.max_tokens + args.block_size)
+    started = time.perf_counter()
     core = EngineCore(config)
+    start_s = time.perf_counter() - started
     vocab = core.model_config.vocab_size
     rng = random.Random(args.seed)
     doc = [rng.randrange(vocab) for _ in range(args.context)]
@@ -69,10 +162,17 @@ def profile(model: str, args) -> dict:
     while core.has_unfinished():
         core.step()
     core.step()  # an overlapped engine reads its last step back one call later
-    with sync_warnings(args.device.startswith("cuda")) as syncs:
-        rows = run_steps(core, rng, doc, args, vocab)
+    on_cuda = args.device.startswith("cuda")
+    allocated_before = allocator_counts(on_cuda)
+    trace = profiler(on_cuda) if args.trace else nullcontext()
+    with sync_warnings(on_cuda) as syncs, StackSampler(threading.get_ident()) as sampler, trace as prof:
+        rows = [dict(row, passed=p) for p in range(args.passes)
+                for row in run_steps(core, rng, doc, args, vocab, sampler, max(1, args.questions - p))]
+    allocated_after = allocator_counts(on_cuda)
     prefills = [r for r in rows if r["prefill_tokens"]]
-    return {"steps": rows, "syncs": syncs,
+    return {"engine_start_s": start_s, "steps": rows, "syncs": syncs, "launch_stacks": sampler.top(),
+            "runtime_calls": runtime_calls(prof) if prof is not None else {},
+            "allocator": {k: allocated_after[k] - allocated_before[k] for k in allocated_after},
             "prefill_launch_ms": {"mean": statistics.fmean(r["launch_ms"] for r in prefills),
                                   "max": max(r["launch_ms"] for r in prefills)} if prefills else {}}
 
@@ -91,6 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--mps", type=int, default=0, help="run as one of N MPS clients (1/N of the SMs); 0: whole GPU")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run the waves this many times over, each pass with one question fewer a wave, so its "
+                         "shapes are new (a stall only the first pass shows comes with a first use, not a shape)")
+    ap.add_argument("--trace", action="store_true",
+                    help="run the steps under torch's profiler and sum its runtime calls")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -108,9 +213,14 @@ def main(argv: list[str] | None = None) -> None:
             result = profile(model, args)
     result |= {"args": {k: v for k, v in vars(args).items() if k != "json"}, "git": git_record()}
     for r in result["steps"]:
-        print(f"prefill {r['prefill_tokens']:6d}  decode {r['decode_seqs']:4d}  launch {r['launch_ms']:8.2f} ms  "
-              f"wait {r['wait_ms']:8.2f} ms  read back {r['read_back_ms']:7.2f} ms")
+        print(f"pass {r['passed']}  prefill {r['prefill_tokens']:6d}  decode {r['decode_seqs']:4d}  "
+              f"launch {r['launch_ms']:8.2f} ms  wait {r['wait_ms']:8.2f} ms  read back {r['read_back_ms']:7.2f} ms")
     print("syncs:", *result["syncs"] or ["none"], sep="\n  ")
+    print("where the launches were:", *(f"{n:6d}  {w}" for w, n in result["launch_stacks"]), sep="\n  ")
+    print("runtime calls (count, total ms, longest ms):",
+          *(f"{name}: {c['count']}  {c['total_ms']:.1f}  {c['max_ms']:.2f}"
+            for name, c in list(result["runtime_calls"].items())[:10]), sep="\n  ")
+    print("allocator:", result["allocator"], " engine start:", f"{result['engine_start_s']:.2f} s")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 
