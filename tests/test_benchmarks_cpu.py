@@ -109,6 +109,20 @@ def test_the_launch_profile_times_each_wave_s_prefill_over_the_cached_document(t
     assert steps[-1]["decode_seqs"] == 0 and sum(s["decode_seqs"] for s in steps) == 6 * 2  # 2 tokens decoded each
     assert all(s[k] >= 0 for s in steps for k in ("launch_ms", "wait_ms", "read_back_ms"))
     assert data["syncs"] == [] and data["prefill_launch_ms"]["max"] >= data["prefill_launch_ms"]["mean"] > 0
+    assert {s["passed"] for s in steps} == {0} and data["runtime_calls"] == {} and data["allocator"] == {}
+    # the sampler saw the launches: each row is a "file:line function" and a positive count
+    assert data["launch_stacks"] and all(count > 0 and ":" in where for where, count in data["launch_stacks"])
+
+
+def test_profile_launch_passes_vary_their_shapes(tiny_model, tmp_path):
+    """Each pass has one question fewer a wave, so its shapes are new; a trace sums runtime calls."""
+    out = tmp_path / "launch.json"
+    profile_launch.main(["--model", tiny_model, "--context", "256", "--block-size", "16", "--waves", "2",
+                         "--questions", "3", "--question-tokens", "8", "--max-tokens", "2", "--passes", "2",
+                         "--trace", "--json", str(out)])
+    steps = json.loads(out.read_text())["steps"]
+    first = {p: next(s["prefill_tokens"] for s in steps if s["passed"] == p) for p in (0, 1)}
+    assert first == {0: 3 * 8, 1: 2 * 8}
 
 
 def test_stream_benchmark_compares_both_ways_on_the_same_texts(tiny_model, tmp_path):

@@ -1,5 +1,6 @@
-"""A worker serves transfer orders while a launched step runs (``Worker.while_stepping``): an
-order arriving mid-step is answered before the step's tokens are read back, not after."""
+"""A worker serves its links while a launched step runs (``Worker.while_stepping``): an order
+arriving mid-step is answered before the step's tokens are read back, not after, and a request
+arriving mid-step is read into the inbox then, with or without transfers."""
 
 from __future__ import annotations
 
@@ -76,3 +77,33 @@ async def test_a_finished_step_is_not_polled_again(worker):
     step = DeviceStep([None])  # ready at once
     await worker.while_stepping(step)
     assert step.polls == 1
+
+
+class InboxStep:
+    """A step the device finishes only once the worker's inbox holds a request (or after ``POLLS`` polls)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.polls = 0
+
+    def ready(self) -> bool:
+        self.polls += 1
+        return bool(self.worker.inbox) or self.polls >= POLLS
+
+
+@pytest.mark.parametrize("transfers", [False, True])
+async def test_a_request_arriving_during_a_step_is_read_before_the_step_ends(worker, transfers):
+    """Without transfers too: a step loop that blocked on the device instead would leave the
+    frontend's ring unread for the whole step, and its sends waiting once the ring is full."""
+    worker.transfers = Orders() if transfers else None
+    step = InboxStep(worker)
+
+    async def reader() -> None:  # the frontend link's reader, delivering while the step runs
+        await asyncio.sleep(0)
+        worker.inbox.append("a request")
+
+    delivery = asyncio.create_task(reader())
+    await worker.while_stepping(step)
+    assert worker.inbox == ["a request"]  # read while the step ran: it returns only once the step is done
+    assert 0 < step.polls < POLLS  # the step ended because the request was read, not at the bound
+    await delivery
