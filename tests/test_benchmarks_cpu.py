@@ -104,7 +104,9 @@ def test_the_launch_profile_times_each_wave_s_prefill_over_the_cached_document(t
     profile_launch.main(["--model", tiny_model, "--context", "256", "--block-size", "16", "--waves", "3",
                          "--questions", "2", "--question-tokens", "8", "--max-tokens", "3", "--json", str(out)])
     data = json.loads(out.read_text())
-    steps = data["steps"]
+    read = [s for s in data["steps"] if s["passed"] == "read"]
+    steps = [s for s in data["steps"] if s["passed"] != "read"]
+    assert sum(s["prefill_tokens"] for s in read) == 256 + 1  # the document and its one extra token
     assert [s["prefill_tokens"] for s in steps[:3]] == [16] * 3 and not any(s["prefill_tokens"] for s in steps[3:])
     assert steps[-1]["decode_seqs"] == 0 and sum(s["decode_seqs"] for s in steps) == 6 * 2  # 2 tokens decoded each
     assert all(s[k] >= 0 for s in steps for k in ("launch_ms", "wait_ms", "read_back_ms"))
@@ -121,8 +123,8 @@ def test_profile_launch_passes_vary_their_shapes(tiny_model, tmp_path):
                          "--questions", "3", "--question-tokens", "8", "--max-tokens", "2", "--passes", "2",
                          "--trace", "--json", str(out)])
     steps = json.loads(out.read_text())["steps"]
-    first = {p: next(s["prefill_tokens"] for s in steps if s["passed"] == p) for p in (0, 1)}
-    assert first == {0: 3 * 8, 1: 2 * 8}
+    first = {p: next(s["prefill_tokens"] for s in steps if s["passed"] == p) for p in ("read", 0, 1)}
+    assert first == {"read": 256 + 1, 0: 3 * 8, 1: 2 * 8}
 
 
 def test_stream_benchmark_compares_both_ways_on_the_same_texts(tiny_model, tmp_path):

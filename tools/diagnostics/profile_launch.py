@@ -7,14 +7,15 @@ one wave before each step, so each step's launch comes while the step before (a 
 previous wave's questions over the whole document) runs on the device. Per step: its prefill
 tokens and decoding sequences, the host seconds of ``begin_step`` (scheduling and launching),
 the wait for the step before (yielding, as ``Worker.while_stepping`` does) and ``end_step``
-(reading it back). A launch that takes about as long as the step before it ran waited for the
-device. On CUDA the steps run under ``torch.cuda.set_sync_debug_mode("warn")``: every call
-that synchronises with the device is listed by file and line. Where the launches wait is shown
+(reading it back); the document's own chunks of prefill are timed the same way (pass "read").
+A launch that takes about as long as the step before it ran waited for the device. On CUDA the
+steps run under ``torch.cuda.set_sync_debug_mode("warn")``: every call that synchronises
+with the device is listed by file and line. Where the launches wait is shown
 two ways: a thread samples the host's stack every half millisecond while ``begin_step`` runs
 (the lines where most samples fall, ``launch_stacks``), and with ``--trace`` the steps run under
 torch's profiler, whose CUDA runtime calls are summed by name (count, total and longest
 milliseconds, ``runtime_calls``): a launch queue that is full shows as long kernel launches, the
-allocator returning memory as long frees.
+allocator growing or returning memory as long mallocs or frees.
 
     python -m tools.diagnostics.profile_launch --preset 0.6b --device cuda --dtype bfloat16 \\
         --context 16384 --waves 4 --questions 16 --mps 4
@@ -114,19 +115,35 @@ def run_steps(core: EngineCore, rng: random.Random, doc: list[int], args, vocab:
                 core.add_request(f"q{questions}-{n}", doc + question, params)
                 n += 1
             waves += 1
-        t0 = time.perf_counter()
-        with sampler.sampling():
-            step = core.begin_step()
-        t1 = time.perf_counter()
-        while not step.ready():
-            time.sleep(0)
-        t2 = time.perf_counter()
-        core.end_step(step)
-        t3 = time.perf_counter()
-        batch = step.batch
-        rows.append({"prefill_tokens": batch.prefill_tokens, "decode_seqs": batch.decode_seqs,
-                     "launch_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3, "read_back_ms": (t3 - t2) * 1e3})
+        rows.append(timed_step(core, sampler))
     return rows
+
+
+def read_document(core: EngineCore, doc: list[int], sampler: StackSampler) -> list[dict]:
+    """The document's own steps (its chunks of prefill, each launched while the one before runs),
+    timed as the waves' are; it is cached once they are done."""
+    core.add_request("read", doc + [1], SamplingParams(temperature=0, max_tokens=1))
+    rows = []
+    while core.has_unfinished():
+        rows.append(timed_step(core, sampler))
+    rows.append(timed_step(core, sampler))  # an overlapped engine reads its last step back one call later
+    return rows
+
+
+def timed_step(core: EngineCore, sampler: StackSampler) -> dict:
+    """One step, its launch sampled: its shape and the host milliseconds of its three parts."""
+    t0 = time.perf_counter()
+    with sampler.sampling():
+        step = core.begin_step()
+    t1 = time.perf_counter()
+    while not step.ready():
+        time.sleep(0)
+    t2 = time.perf_counter()
+    core.end_step(step)
+    t3 = time.perf_counter()
+    batch = step.batch
+    return {"prefill_tokens": batch.prefill_tokens, "decode_seqs": batch.decode_seqs,
+            "launch_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3, "read_back_ms": (t3 - t2) * 1e3}
 
 
 def allocator_counts(on_cuda: bool) -> dict[str, int]:
@@ -158,18 +175,15 @@ def profile(model: str, args) -> dict:
     vocab = core.model_config.vocab_size
     rng = random.Random(args.seed)
     doc = [rng.randrange(vocab) for _ in range(args.context)]
-    core.add_request("read", doc + [1], SamplingParams(temperature=0, max_tokens=1))
-    while core.has_unfinished():
-        core.step()
-    core.step()  # an overlapped engine reads its last step back one call later
     on_cuda = args.device.startswith("cuda")
     allocated_before = allocator_counts(on_cuda)
     trace = profiler(on_cuda) if args.trace else nullcontext()
     with sync_warnings(on_cuda) as syncs, StackSampler(threading.get_ident()) as sampler, trace as prof:
-        rows = [dict(row, passed=p) for p in range(args.passes)
-                for row in run_steps(core, rng, doc, args, vocab, sampler, max(1, args.questions - p))]
+        rows = [dict(row, passed="read") for row in read_document(core, doc, sampler)]
+        rows += [dict(row, passed=p) for p in range(args.passes)
+                 for row in run_steps(core, rng, doc, args, vocab, sampler, max(1, args.questions - p))]
     allocated_after = allocator_counts(on_cuda)
-    prefills = [r for r in rows if r["prefill_tokens"]]
+    prefills = [r for r in rows if r["prefill_tokens"] and r["passed"] != "read"]
     return {"engine_start_s": start_s, "steps": rows, "syncs": syncs, "launch_stacks": sampler.top(),
             "runtime_calls": runtime_calls(prof) if prof is not None else {},
             "allocator": {k: allocated_after[k] - allocated_before[k] for k in allocated_after},
@@ -213,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             result = profile(model, args)
     result |= {"args": {k: v for k, v in vars(args).items() if k != "json"}, "git": git_record()}
     for r in result["steps"]:
-        print(f"pass {r['passed']}  prefill {r['prefill_tokens']:6d}  decode {r['decode_seqs']:4d}  "
+        print(f"pass {r['passed']:>4}  prefill {r['prefill_tokens']:6d}  decode {r['decode_seqs']:4d}  "
               f"launch {r['launch_ms']:8.2f} ms  wait {r['wait_ms']:8.2f} ms  read back {r['read_back_ms']:7.2f} ms")
     print("syncs:", *result["syncs"] or ["none"], sep="\n  ")
     print("where the launches were:", *(f"{n:6d}  {w}" for w, n in result["launch_stacks"]), sep="\n  ")
