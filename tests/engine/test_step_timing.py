@@ -90,3 +90,25 @@ def test_on_a_gpu_a_long_prefill_is_timed_as_the_longest_step(tiny_model):
     prefill = [s for s in samples if s.prefill_tokens >= 4000]
     assert len(prefill) == 1 and all(s.seconds > 0 for s in samples)
     assert prefill[0].seconds > max(s.seconds for s in samples if not s.prefill_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_every_chunk_of_a_long_prompt_is_awaited(tiny_model):
+    """A chunk that samples nothing still ends in an event the host waits for, so an overlapped
+    engine keeps at most one step queued behind the one running (unwaited, chunks filled the
+    device's launch queue and a launch held the host for whole chunks), and is timed on the
+    device's clock."""
+    core = EngineCore(EngineConfig(tiny_model, device="cuda", block_size=16, num_kv_blocks=512,
+                                   max_num_batched_tokens=512))
+    core.add_request("long", [1 + i % 1000 for i in range(2000)], SamplingParams(temperature=0, max_tokens=2))
+    awaited = []
+    while core.has_unfinished():
+        step = core.begin_step()
+        core.end_step(step)  # reads the awaited step back
+        if step.awaited is not None:
+            awaited.append((step.awaited.batch.prefill_tokens, step.awaited.pending.device_s(None)))
+    chunks = [a for a in awaited if a[0]]
+    assert len(chunks) >= 3
+    # timed on the device (None would mean no event): every chunk, sampling or not
+    assert all(seconds is not None and seconds > 0 for _, seconds in chunks)
