@@ -93,6 +93,7 @@ def assemble(spec: ControlSpec, gbm: GlobalBlockManager, send: Callable[[int, ob
     evictions = EvictionMemory(pool.world_size)
     gbm.watch_removed(evictions.removed)
     pricer = Pricer(gbm, links, model, limits(pool.engine), evictions.reuse)
+    gbm.watch_load(pricer.reported)  # a rank's work is priced as its report lands, not by the next route
     costs = cost_model(spec)
     # A restarted control process must not reuse the plan ids its predecessor's plans hold on
     # the workers, hence a random start.

@@ -73,6 +73,7 @@ class GlobalBlockManager:
                  for r in range(world_size)]
         self._registry = RankRegistry(ranks, clock)
         self.ranks = ranks
+        self._on_load: Callable[[int], None] | None = None  # told each rank whose load report was applied
 
     @property
     def alive_mask(self) -> int:
@@ -121,6 +122,10 @@ class GlobalBlockManager:
     def watch_removed(self, callback: Callable[[int, BlockHash], None]) -> None:
         """Tell ``callback(rank, hash)`` of every cached block a rank reports removed."""
         self._entries.watch_removed(callback)
+
+    def watch_load(self, callback: Callable[[int], None]) -> None:
+        """Tell ``callback(rank)`` of every load report, once it is applied (``update_load``)."""
+        self._on_load = callback
 
     # ---- rank life cycle -------------------------------------------------------------
 
@@ -188,6 +193,8 @@ class GlobalBlockManager:
         info.load = load
         self._reservations.release_admitted(rank, load.admitted)
         self._reservations.expire()
+        if self._on_load is not None:
+            self._on_load(rank)
 
     # ---- transfers: blocks not yet visible to routing ----------------------------------
 

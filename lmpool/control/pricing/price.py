@@ -46,11 +46,12 @@ from typing import NamedTuple
 
 import msgspec
 
+from lmpool.control.page_table.reservations import RankReservations
 from lmpool.control.page_table.view import PageTableView
 from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.pricing.step_model import StepCoefficients
 from lmpool.control.topology import Topology
-from lmpool.protocol import RouteQuery
+from lmpool.protocol import LoadReport, RouteQuery
 
 
 class RankPrice(msgspec.Struct, frozen=True, gc=False):
@@ -132,7 +133,7 @@ class Pricer:
         self.model = model
         self.limits = limits
         self.reuse = reuse  # a rank's measured reuse of what it evicts
-        self._work: dict[int, RankWork] = {}
+        self._work: list[RankWork | None] = [None] * table.world_size  # by rank (``work``)
 
     def serve(self, query: RouteQuery, ranks: Sequence[int], matched: list[int], seed: int | None,
               waits: dict[int, float] | None = None) -> list[RankPrice]:
@@ -151,13 +152,26 @@ class Pricer:
                           prompt + out / 2)
 
     def work(self, rank: int) -> RankWork:
-        """``rank``'s in-flight work, recomputed only when what it is computed from changed."""
+        """``rank``'s in-flight work, recomputed only when what it is computed from changed: its
+        load report (a new object per report), its reservations' version (moved by every change)
+        or its step fit (a new object per fit)."""
         info = self.table.ranks[rank]
-        load, res, c = info.load, info.reserved, self.model.coefficients(rank)
-        work = self._work.get(rank)
-        if work is not None and work.key[0] is load and work.key[1] is c and work.key[2] == res.version:
-            return work
-        key = (load, c, res.version)
+        work = self._work[rank]
+        if work is not None:
+            load, c, version = work.key
+            if version == info.reserved.version and load is info.load and c is self.model.coefficients(rank):
+                return work
+        work = self._work[rank] = self._compute_work(info.load, info.reserved, self.model.coefficients(rank))
+        return work
+
+    def reported(self, rank: int) -> None:
+        """``rank``'s load report landed: its work is priced now, between routes, not by the next
+        route (after a batch of reports, that route would price every rank's)."""
+        self.work(rank)
+
+    def _compute_work(self, load: LoadReport, res: RankReservations, c: StepCoefficients) -> RankWork:
+        """The module docstring's query-free terms of a rank with ``load`` as reported,
+        reservations ``res`` and step fit ``c``."""
         lim = self.limits
         seqs = load.num_running + load.num_waiting + res.count
         n = min(seqs, lim.max_num_seqs)
@@ -180,10 +194,9 @@ class Pricer:
         free = load.blocks_free - res.blocks
         busy = (2.0 * step if lim.overlapped else step) if seqs else 0.0
         drain = (left / seqs) * step if seqs else 0.0
-        work = RankWork(key, c, seqs, n, left, step, room, queue, seat, theirs, free, free + load.blocks_reclaimable,
-                        busy, next_step, load.num_running + res.count, load.blocks_used + res.blocks, drain)
-        self._work[rank] = work
-        return work
+        return RankWork((load, c, res.version), c, seqs, n, left, step, room, queue, seat, theirs, free,
+                        free + load.blocks_reclaimable, busy, next_step, load.num_running + res.count,
+                        load.blocks_used + res.blocks, drain)
 
     def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None,
               arriving: int = 0) -> RankPrice:
@@ -204,7 +217,10 @@ class Pricer:
         prompt, out = q.prompt, q.out
         missing = prompt - m * self.limits.block_size
         need = q.blocks - m + arriving
-        prefill = prefill_seconds(c, missing, prompt - missing)
+        # ``prefill_seconds(c, missing, prompt - missing)``, the same arithmetic inlined: every
+        # candidate of every route runs it, and two calls cost more than the sums.
+        prefill = c.prefill_token * missing + c.attention_pair * (missing * (prompt - missing)
+                                                                  + missing * (missing + 1) // 2)
         if need > available and held:
             wait_s = max(wait_s, self._room_s(w, need - available))
         ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat + busy
