@@ -25,14 +25,23 @@ ends with every candidate's price in milliseconds.
 
 from __future__ import annotations
 
+from lmpool.config.routing import RoutingConfig
+from lmpool.control.page_table.view import PageTableView
 from lmpool.control.pricing.gate import overloaded
-from lmpool.control.pricing.price import cheapest, describe
+from lmpool.control.pricing.price import Pricer, RankPrice, cheapest, describe
 from lmpool.control.routing.policy import RoutingPolicy
 from lmpool.control.routing.route import Choice, Route
 
 
 class LMPoolPolicy(RoutingPolicy):
     counts_pending = True
+
+    def __init__(self, table: PageTableView, config: RoutingConfig, pricer: Pricer) -> None:
+        super().__init__(table, config, pricer)
+        # Candidate ranks -> the reason's "; serve r0=%.0f r1=%.0f ..." template (``_serve_prices``):
+        # a function of the ranks alone, so it never goes stale; one per candidate set the router
+        # forms (every alive rank, or a seed's group), a handful.
+        self._serve_formats: dict[tuple[int, ...], str] = {}
 
     def choose(self, route: Route) -> Choice:
         query, cfg = route.query, self.config
@@ -43,7 +52,7 @@ class LMPoolPolicy(RoutingPolicy):
             pool, rule = prices, "no_capacity"
         best = cheapest(pool, cfg.price_tie)
         top = max([p.matched for p in pool])
-        alternatives = "; serve " + " ".join([f"r{p.rank}={p.total_s * 1e3:.0f}" for p in prices])
+        alternatives = self._serve_prices(route.ranks, prices)
         if top * self.table.block_size <= cfg.owner_min_match * query.num_prompt_tokens:
             return Choice(best.rank, describe(rule, best) + alternatives, prices, may_leave=True)
         owners = [p for p in pool if p.matched == top]
@@ -54,3 +63,12 @@ class LMPoolPolicy(RoutingPolicy):
             return Choice(best.rank, describe("owner", best) + alternatives, prices, may_leave=True)
         return Choice(best.rank, f"{describe('spill', best)} from {describe('owner', owner)}{alternatives}", prices,
                       may_leave=True)
+
+    def _serve_prices(self, ranks: tuple[int, ...], prices: list[RankPrice]) -> str:
+        """"; serve r0=12 r1=15 ...": each candidate's price in milliseconds, ``prices`` being in
+        ``ranks``' order (``Pricer.serve``). One ``%`` over the candidates' template, not one
+        format per rank: every route writes it."""
+        template = self._serve_formats.get(ranks)
+        if template is None:
+            template = self._serve_formats[ranks] = "; serve " + " ".join([f"r{r}=%.0f" for r in ranks])
+        return template % tuple([p.total_s * 1e3 for p in prices])
