@@ -214,21 +214,22 @@ class Pricer:
         """``price_terms`` from ``rank``'s work ``w`` (``work(rank)``, read this route): a caller
         that reads the work for more than the price reads it once."""
         _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, busy, _, _, held, _ = w
+        base, prefill_token, attention_pair, decode_seq, context_token = c  # one unpack, not a lookup per use
         prompt, out = q.prompt, q.out
         missing = prompt - m * self.limits.block_size
         need = q.blocks - m + arriving
         # ``prefill_seconds(c, missing, prompt - missing)``, the same arithmetic inlined: every
         # candidate of every route runs it, and two calls cost more than the sums.
-        prefill = c.prefill_token * missing + c.attention_pair * (missing * (prompt - missing)
-                                                                  + missing * (missing + 1) // 2)
+        cached = prompt - missing
+        prefill = prefill_token * missing + attention_pair * (missing * cached + missing * (missing + 1) // 2)
         if need > available and held:
             wait_s = max(wait_s, self._room_s(w, need - available))
         ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat + busy
-        mine = c.decode_seq + c.context_token * q.span
+        mine = decode_seq + context_token * q.span
         overlap = n * (out - 1)
         if overlap > left:
             overlap = left
-        total = ttft + (out - 1) * (c.base + mine) + overlap * (theirs + mine) + n * prefill
+        total = ttft + (out - 1) * (base + mine) + overlap * (theirs + mine) + n * prefill
         reclaim = need - free if free > 0 else need
         if reclaim > 0:
             total += reclaim * self._block_recompute_s(c, prompt) * self.reuse(rank)
