@@ -76,8 +76,7 @@ class PullPricer:
         if not takers:
             return []
         infos = self.gbm.ranks
-        holders = [r for r in route.ranks if ready[r] == deepest]  # the source is one of them
-        src = holders[0] if len(holders) == 1 else max(holders, key=lambda r: (-infos[r].in_flight_seqs, -r))
+        src = self._source(route.ranks, ready, deepest)
         partners = self.topology.partners(src)
         bound = route.chosen.total_s if route.chosen is not None else float("inf")
         pricer = self.pricer
@@ -106,6 +105,17 @@ class PullPricer:
             if self.room(r) >= price.need:
                 out.append(PullOption(price, src, start, top - start, seconds, steps))
         return out
+
+    def _source(self, ranks: tuple[int, ...], ready: list[int], deepest: int) -> int:
+        """The pull's source: of the ``ranks`` (ascending) matching ``deepest`` blocks, the one
+        with the fewest requests in flight, the lowest on a tie (a loop: no key function calls)."""
+        infos, src, least = self.gbm.ranks, -1, 0
+        for r in ranks:
+            if ready[r] == deepest:
+                seqs = infos[r].in_flight_seqs
+                if src < 0 or seqs < least:
+                    src, least = r, seqs
+        return src
 
 
 def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int) -> float:
