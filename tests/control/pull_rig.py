@@ -127,6 +127,9 @@ class PullRig:
     def check(self) -> None:
         self.gbm.check_invariants()
         self.pulls.check_invariants()
+        # A waiting request's reserved work is deferred until its pull ends, and only it is.
+        deferred = {k for k, r in self.gbm.reservations.items() if r.deferred}
+        assert deferred == set(self.pulls.waiting) & set(self.gbm.reservations), "deferred work and waiters differ"
         if not self.coordinator.plans:
             assert not self.pulls.waiting and not self.pulls.open
             assert not any(info.in_flight for info in self.gbm.ranks), "an ended plan left blocks in flight"

@@ -320,6 +320,7 @@ class PageTableMachine(RuleBasedStateMachine):
         self.gbm = GlobalBlockManager(WORLD, BLOCK, reservation_ttl_s=5.0, clock=self.clock)
         self.model = [ModelRank() for _ in range(WORLD)]
         self.reservations: dict[str, tuple[int, float]] = {}  # request id -> (rank, created)
+        self.deferred: set[str] = set()  # request ids whose reservation waits on a pull
         self.n = 0
 
     @initialize(registered=st.sets(st.integers(0, WORLD - 1)))
@@ -450,13 +451,22 @@ class PageTableMachine(RuleBasedStateMachine):
         if reserved is not None and not published and m.entries.get(h) == reserved:
             del m.entries[h]
 
-    @rule(rank=st.integers(0, WORLD - 1), blocks=st.integers(0, 4))
-    def reserve(self, rank: int, blocks: int) -> None:
+    @rule(rank=st.integers(0, WORLD - 1), blocks=st.integers(0, 4), deferred=st.booleans())
+    def reserve(self, rank: int, blocks: int, deferred: bool) -> None:
         if not self.model[rank].alive:
             return
         self.n += 1
-        self.gbm.reserve(f"q{self.n}", rank, blocks, blocks * BLOCK)
+        self.gbm.reserve(f"q{self.n}", rank, blocks, blocks * BLOCK, blocks, deferred=deferred)
         self.reservations[f"q{self.n}"] = (rank, self.clock.now)
+        if deferred:
+            self.deferred.add(f"q{self.n}")
+
+    @rule(data=st.data())
+    def pull_ends(self, data) -> None:
+        """The pull a deferred reservation's request waited on ends: its work is admissible."""
+        request_id = data.draw(st.sampled_from(sorted(self.deferred | {"unknown"})))
+        self.gbm.admissible(request_id)
+        self.deferred.discard(request_id)
 
     @rule(rank=st.integers(0, WORLD - 1), data=st.data())
     def admit(self, rank: int, data) -> None:
@@ -499,6 +509,13 @@ class PageTableMachine(RuleBasedStateMachine):
                 expected.append(n)
             assert self.gbm.prefix_match(chain) == expected
         assert set(self.gbm.reservations) == set(self.reservations)
+        self.deferred &= set(self.reservations)  # released, admitted or expired: no longer deferred anywhere
+        assert {k for k, r in self.gbm.reservations.items() if r.deferred} == self.deferred
+        for rank in range(WORLD):  # a deferred reservation's tokens (blocks * BLOCK) and pairs (blocks)
+            totals = self.gbm.ranks[rank].reserved
+            mine = [self.gbm.reservations[k] for k in self.deferred if self.gbm.reservations[k].rank == rank]
+            assert (totals.deferred_tokens, totals.deferred_attention) == (
+                sum(r.tokens for r in mine), sum(r.attention for r in mine))
 
     @invariant()
     def ready_index_and_rank_totals_agree_with_model(self) -> None:

@@ -220,3 +220,32 @@ def test_a_pull_s_floor_is_its_serve_price_less_all_the_pulled_blocks_could_save
     floor = serve.total_s - (1 + w.n) * pulled - -(-serve.missing // w.room) * w.step
     assert _least(w, serve, query.num_prompt_tokens, cached) == floor
     assert _least(w, None, query.num_prompt_tokens, cached) == float("-inf")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 20), st.integers(1, 4000), st.integers(0, 3000), st.floats(0.0, 0.5))
+def test_work_deferred_behind_a_pull_delays_only_a_request_that_waits_on_a_copy_too(running, tokens, queued, wait):
+    """Reserved prefill whose request waits on a pull starts once the pull lands: a request that
+    waits on a copy to that rank starts after it (its wait plus that work's queue), one that
+    does not is priced as if the same work were admissible now."""
+    priced = {}
+    for deferred in (False, True):
+        gbm = GlobalBlockManager(1, 16, clock=ManualClock())
+        gbm.register_rank(0, 1, 4096)
+        gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
+        gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=1000 * running,
+                                         decode_tokens_left=10 * running, waiting_prefill_tokens=queued,
+                                         blocks_free=4000))
+        gbm.reserve("waiter", 0, 4, tokens, tokens * 500, tokens, 8, deferred=deferred)
+        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192), lambda rank: 0.5)
+        query = RouteQuery("q", [1, 2], 35, 8)
+        priced[deferred] = (pricer.price(query, 0, 0, wait, None).ttft_s, pricer.price(query, 0, 0, 0.0, None).ttft_s)
+    w = pricer.work(0)
+    queue_of_deferred = -(-tokens // w.room) * w.step + COEF.prefill_token * tokens + COEF.attention_pair * tokens * 500
+    (waits_now, plain_now), (waits_deferred, plain_deferred) = priced[False], priced[True]
+    assert plain_deferred == plain_now  # no wait of its own: the deferred work is just queued work
+    if wait:
+        assert waits_deferred >= waits_now
+        assert waits_deferred - waits_now == pytest.approx(max(0.0, wait + queue_of_deferred - max(w.queue, wait)))
+    else:
+        assert waits_deferred == waits_now

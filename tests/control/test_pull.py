@@ -118,10 +118,34 @@ def test_requests_needing_the_same_blocks_on_the_same_rank_share_one_pull():
     assert d1.rank == d2.rank == 1
     assert len(rig.coordinator.plans) == 1 and rig.pulls.counters.shared == 1
     (plan_id,) = rig.coordinator.plans
+    # Both requests' work there waits on the pull: deferred, priced to start once it lands.
+    waiting = [rig.gbm.reservations[rid] for rid in (first, second)]
+    assert all(r.deferred and r.rank == 1 for r in waiting)
+    assert rig.gbm.ranks[1].reserved.deferred_tokens == sum(r.tokens for r in waiting) > 0
     rig.check()
     rig.finish(plan_id)
     assert sorted(rig.resolved) == [(first, "landed"), (second, "landed")]
+    assert not any(rig.gbm.reservations[rid].deferred for rid in (first, second))  # admissible, still reserved
+    assert rig.gbm.ranks[1].reserved.deferred_tokens == 0
     rig.check()
+
+
+def test_a_request_routed_to_a_pull_s_destination_waits_behind_the_work_deferred_there():
+    """The pull's later waiters start once the pull lands, after the earlier waiters' prefill:
+    a time to first token there counts the wait and that work, not the larger of the two."""
+    rig = PullRig(coefficients=DEAR)
+    busy_owner(rig)
+    first, _ = rig.route(DOC, tail_tokens=200)  # opens the pull; 200 tokens of its own to prefill there
+    (pull,) = rig.pulls.open.values()
+    pricer = rig.router.policy.pricer
+    query = RouteQuery("later", DOC, len(DOC) * BLOCK + 1, 64)
+    m = len(DOC)  # every block usable: the prompt's one more token is what it computes
+    behind = pricer.price(query, 1, m, pull.estimate_s, None).ttft_s
+    rig.gbm.admissible(first)  # as if that work could start now: the larger of wait and queue
+    level = pricer.price(query, 1, m, pull.estimate_s, None).ttft_s
+    deferred_queue = pricer.work(1).queue  # the same work, now counted as queued
+    assert behind > level
+    assert behind - level == pytest.approx(pull.estimate_s + deferred_queue - max(deferred_queue, pull.estimate_s))
 
 
 def test_an_aborted_pull_releases_its_waiters_to_recompute_and_leaves_nothing_in_flight():
@@ -133,6 +157,7 @@ def test_an_aborted_pull_releases_its_waiters_to_recompute_and_leaves_nothing_in
     assert rig.gbm.ranks[1].in_flight
     rig.fail(plan_id)
     assert rig.resolved[0][0] == rid and rig.resolved[0][1].startswith("aborted: rank 1 failed")
+    assert not rig.gbm.reservations[rid].deferred  # it recomputes there, from now
     assert rig.gbm.prefix_match(DOC)[1] == 0
     rig.check()
 

@@ -2,10 +2,14 @@
 reports show it. One per request; released when the rank reports the request admitted, when
 the rank goes, or ``ttl_s`` after it was taken (its request never arrived). A reservation holds
 what the request will add to the rank's load report once admitted: blocks, prompt tokens to
-compute and their attention pairs, its context and the tokens it will decode.
+compute and their attention pairs, its context and the tokens it will decode. A reservation is
+``deferred`` while its request waits on a pull to its rank: its prefill cannot start before the
+pull lands, and a rank's totals keep that part apart (``deferred_tokens``, ``deferred_attention``)
+until the pull ends (``admissible``).
 
-Invariants: each rank's totals are the sums of its reservations; every reservation can still
-expire (its id and creation time are in the expiry queue).
+Invariants: each rank's totals are the sums of its reservations, its deferred totals those of
+its deferred ones; every reservation can still expire (its id and creation time are in the
+expiry queue).
 """
 
 from __future__ import annotations
@@ -28,17 +32,21 @@ class Reservation(msgspec.Struct, frozen=True, gc=False):
     attention: int = 0
     context: int = 0
     decode: int = 0
+    deferred: bool = False  # its request waits on a pull to this rank
 
 
-# The fields a rank's totals sum, in ``Reservation``'s names.
+# The fields a rank's totals sum, in ``Reservation``'s names, and those it sums of deferred ones.
 SUMMED = ("blocks", "tokens", "attention", "context", "decode")
+DEFERRED = ("deferred_tokens", "deferred_attention")
 
 
 class RankReservations:
-    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "count", "version")
+    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "count", "deferred_tokens",
+                 "deferred_attention", "version")
 
     def __init__(self) -> None:
         self.blocks = self.tokens = self.attention = self.context = self.decode = self.count = 0
+        self.deferred_tokens = self.deferred_attention = 0  # of ``tokens`` and ``attention``: waiting on pulls
         self.version = 0  # every change adds one: what was priced from the totals knows when they moved
 
     def add(self, r: Reservation, sign: int) -> None:
@@ -49,6 +57,9 @@ class RankReservations:
         self.context += sign * r.context
         self.decode += sign * r.decode
         self.count += sign
+        if r.deferred:
+            self.deferred_tokens += sign * r.tokens
+            self.deferred_attention += sign * r.attention
 
 
 class Reservations:
@@ -62,13 +73,13 @@ class Reservations:
         self._expiry: deque[tuple[float, str]] = deque()
 
     def reserve(self, request_id: str, rank: int, blocks: int, tokens: int, attention: int = 0, context: int = 0,
-                decode: int = 0) -> None:
+                decode: int = 0, deferred: bool = False) -> None:
         if min(blocks, tokens, attention, context, decode) < 0:
             raise ValueError(f"reservation of {blocks} blocks, {tokens} tokens, {attention} pairs, {context} context, "
                              f"{decode} decode tokens: all must be >= 0")
         self.release(request_id)  # a re-routed request holds one reservation, not two
         now = self.clock()
-        reservation = Reservation(request_id, rank, blocks, tokens, now, attention, context, decode)
+        reservation = Reservation(request_id, rank, blocks, tokens, now, attention, context, decode, deferred)
         self.by_id[request_id] = reservation
         self._expiry.append((now, request_id))
         self.totals[rank].add(reservation, 1)
@@ -79,6 +90,17 @@ class Reservations:
             return False
         self.totals[reservation.rank].add(reservation, -1)
         return True
+
+    def admissible(self, request_id: str) -> None:
+        """The pull ``request_id`` waited on has ended: its work may start (no longer deferred)."""
+        reservation = self.by_id.get(request_id)
+        if reservation is None or not reservation.deferred:
+            return
+        now_admissible = msgspec.structs.replace(reservation, deferred=False)  # its creation time: it still expires
+        self.by_id[request_id] = now_admissible
+        totals = self.totals[reservation.rank]
+        totals.add(reservation, -1)
+        totals.add(now_admissible, 1)
 
     def release_admitted(self, rank: int, admitted: list[str]) -> None:
         """``rank`` admitted these requests: their reservations there are spent."""
@@ -110,7 +132,7 @@ class Reservations:
             assert reservation.request_id == request_id
             totals[reservation.rank].add(reservation, 1)
         for rank, (own, summed) in enumerate(zip(self.totals, totals)):
-            for name in (*SUMMED, "count"):  # (not the version: a count of changes, not a sum)
+            for name in (*SUMMED, *DEFERRED, "count"):  # (not the version: a count of changes, not a sum)
                 assert getattr(own, name) == getattr(summed, name), f"rank {rank}: reservation totals ({name})"
         pending = {request_id for _, request_id in self._expiry}
         assert self.by_id.keys() <= pending, "a reservation cannot expire"

@@ -17,7 +17,10 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     busy   = step when anything runs there: the step under way, which a new request waits for;
              two steps when the rank steps overlapped (``async_scheduling``): the step after it
              is already launched when the request arrives, so its first step is the one after
-    ttft   = max(queue, wait, room_s) + own + seat + busy   # wait: a copy the request waits on (a pull)
+    ttft   = max(queue, wait + deferred, room_s) + own + seat + busy
+             # wait: a copy the request waits on (a pull); deferred: the queue of the reserved work
+             # there that waits on pulls too (``D`` of the ``W`` tokens, ``Ad`` of the pairs), which
+             # starts only once they land (counted only when the request itself waits on a copy)
     decode = (M - 1) * (base + mine) + overlap * theirs
     harm   = overlap * mine + n * (prefill_token * p + attention_pair * a)
     evict  = reclaim blocks * the recompute of one * the rank's measured reuse (``eviction``)
@@ -118,6 +121,7 @@ class RankWork(NamedTuple):
     theirs: float
     free: int  # blocks free, less reservations
     available: int
+    deferred: float  # the queue of the reserved prefill that waits on pulls (starts once they land)
     busy: float  # the steps a request arriving now waits for: one when any runs, two when overlapped
     next_step: float  # the step a message arriving now waits for: ``step`` and its share of the queued prefill
     holders: int  # sequences holding blocks: running, and routed here (reserved) but not yet admitted
@@ -187,6 +191,10 @@ class Pricer:
             queue = -(-queued // room) * step + c.prefill_token * queued + c.attention_pair * attention
             chunk = min(queued, room)
             next_step = step + c.prefill_token * chunk + c.attention_pair * attention * chunk / queued
+        deferred = 0.0
+        if res.deferred_tokens:
+            deferred = (-(-res.deferred_tokens // room) * step + c.prefill_token * res.deferred_tokens
+                        + c.attention_pair * res.deferred_attention)
         seat = 0.0
         if seqs >= lim.max_num_seqs:  # k of n finish first after about 2 k / n of their mean left
             seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
@@ -195,7 +203,7 @@ class Pricer:
         busy = (2.0 * step if lim.overlapped else step) if seqs else 0.0
         drain = (left / seqs) * step if seqs else 0.0
         return RankWork((load, c, res.version), c, seqs, n, left, step, room, queue, seat, theirs, free,
-                        free + load.blocks_reclaimable, busy, next_step, load.num_running + res.count,
+                        free + load.blocks_reclaimable, deferred, busy, next_step, load.num_running + res.count,
                         load.blocks_used + res.blocks, drain)
 
     def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None,
@@ -213,7 +221,7 @@ class Pricer:
                    arriving: int) -> RankPrice:
         """``price_terms`` from ``rank``'s work ``w`` (``work(rank)``, read this route): a caller
         that reads the work for more than the price reads it once."""
-        _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, busy, _, _, held, _ = w
+        _, c, seqs, n, left, step, room, queue, seat, theirs, free, available, deferred, busy, _, _, held, _ = w
         base, prefill_token, attention_pair, decode_seq, context_token = c  # one unpack, not a lookup per use
         prompt, out = q.prompt, q.out
         missing = prompt - m * self.limits.block_size
@@ -222,9 +230,14 @@ class Pricer:
         # candidate of every route runs it, and two calls cost more than the sums.
         cached = prompt - missing
         prefill = prefill_token * missing + attention_pair * (missing * cached + missing * (missing + 1) // 2)
+        start = queue if queue > wait_s else wait_s
+        if wait_s and deferred and wait_s + deferred > start:  # the others waiting on pulls run first
+            start = wait_s + deferred
         if need > available and held:
-            wait_s = max(wait_s, self._room_s(w, need - available))
-        ttft = (queue if queue > wait_s else wait_s) + -(-missing // room) * step + prefill + seat + busy
+            room_s = self._room_s(w, need - available)
+            if room_s > start:
+                start = room_s
+        ttft = start + -(-missing // room) * step + prefill + seat + busy
         mine = decode_seq + context_token * q.span
         overlap = n * (out - 1)
         if overlap > left:

@@ -3,7 +3,8 @@ the rank reports it admitted (``lmpool.control.page_table.reservations``).
 
 It reserves the prompt tokens the request must compute there (and their attention pairs),
 its context and the tokens it will decode, and the new blocks it needs capped at what the
-rank has left, so reservations never promise capacity a rank did not report.
+rank has left, so reservations never promise capacity a rank did not report. A request that
+waits on a pull reserves its work deferred: it starts only once the pull ends.
 """
 
 from __future__ import annotations
@@ -23,4 +24,4 @@ class Reserve(RouteStage):
         blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))
         prompt = query.num_prompt_tokens
         self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing), prompt,
-                         max(1, query.max_tokens))
+                         max(1, query.max_tokens), route.waits_on_pull)

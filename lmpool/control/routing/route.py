@@ -42,6 +42,7 @@ class Route(msgspec.Struct):
     prices: list[RankPrice] | None = None
     may_leave: bool = False
     chosen: RankPrice | None = None  # the chosen option's price, when the policy prices
+    waits_on_pull: bool = False  # it runs on its rank only once a pull there ends (its work is deferred)
 
     def take(self, choice: Choice) -> None:
         self.rank, self.reason, self.prices, self.may_leave = (choice.rank, choice.reason, choice.prices,

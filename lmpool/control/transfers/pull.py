@@ -16,7 +16,9 @@ that nothing there references); the rest, shared, is copied.
 
 A waiting request is released (``on_resolved(request_id, outcome)``) once its pull's
 destination has published the blocks ("landed"), or once the plan aborts ("aborted: ...":
-the request then runs on that rank and recomputes what did not land). The control plane
+the request then runs on that rank and recomputes what did not land). Until then its
+reservation there is deferred (``Route.waits_on_pull``): priced as work that starts only once
+the pull ends. The control plane
 holds the request's route reply until then, so a worker never sees a request before its
 blocks; the coordinator unmarks and the workers release everything an aborted plan held.
 
@@ -88,7 +90,10 @@ class RoutePulls(RouteStage):
                 route.waits[r] = max(0.0, pull.estimate_s - (self.coordinator.clock() - pull.started))
 
     def settle(self, route: Route) -> None:
-        if route.prices is None or route.query.request_id in self.waiting:  # one wait per request id
+        if route.query.request_id in self.waiting:  # one wait per request id: it still waits on its pull
+            route.waits_on_pull = True
+            return
+        if route.prices is None:
             return
         if route.may_leave and self._pull(route):
             return
@@ -96,6 +101,7 @@ class RoutePulls(RouteStage):
         pull = self._pull_to(rank, hashes, m)
         if pull is not None:  # however it was routed, it waits for the blocks coming there
             self._wait(route.query.request_id, pull)
+            route.waits_on_pull = True
             self.counters.shared += 1
             route.expected[rank] = max(route.expected[rank], m + shared_depth(pull.hashes, hashes, m, len(hashes)))
 
@@ -113,6 +119,7 @@ class RoutePulls(RouteStage):
             route.reason += alternatives
             return False
         self._wait(route.query.request_id, self._start(route.query.block_hashes, best))
+        route.waits_on_pull = True
         route.reason = f"pull {described[at]} copy={best.copy_s * 1e3:.1f}ms over {route.reason}{alternatives}"
         route.rank, route.chosen = best.price.rank, best.price
         route.expected[route.rank] = best.start + best.blocks
@@ -167,6 +174,7 @@ class RoutePulls(RouteStage):
         del self._by_head[(pull.dst, pull.hashes[0])]
         for request_id in pull.waiters:
             del self.waiting[request_id]
+            self.gbm.admissible(request_id)  # its reserved work may start now
         for request_id in pull.waiters:
             self.on_resolved(request_id, outcome)
 
