@@ -57,6 +57,7 @@ class StepFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     samples: int = 0  # steps fitted since calibration
     calibrated: bool = False
     error: float = 0.0  # recent mean |relative error| of its predictions
+    speed: float = 1.0  # its recent steps' measured time over the pooled fit's (the coefficients include it)
 
 
 class RankState(Message, kw_only=True):

@@ -112,13 +112,62 @@ def test_a_rank_without_steps_of_its_own_is_priced_like_its_twins():
     faster = StepCoefficients(*(0.5 * v for v in TRUE))  # rank 1 now runs alone on the machine
     model.observe(StepTimings(1, 1, steps(rng, faster, 200, noise=0.0)))
     assert model.coefficients(1).base == pytest.approx(faster.base, rel=0.05)
-    assert model.coefficients(0) == model.coefficients(2) == model.coefficients(1), (
-        "the idle ranks follow the one rank fitted on its own steps, not their stale calibrations")
+    assert model.coefficients(0) == model.coefficients(2), "the idle ranks: the pooled fit, not their calibrations"
+    assert model.coefficients(0).base == pytest.approx(faster.base, rel=0.05), (
+        "... which is the one rank fitted on its own steps")
     model.observe(StepTimings(0, 1, steps(rng, TRUE, 200, noise=0.0)))
-    assert model.coefficients(0).base == pytest.approx(TRUE.base, rel=0.05)
+    assert model.coefficients(0).base == pytest.approx(TRUE.base, rel=0.05)  # the mean shape, times its speed
     assert model.coefficients(2).base == pytest.approx((TRUE.base + faster.base) / 2, rel=0.05)
     fit = model.describe(1)
     assert fit.calibrated and fit.samples == 200 and fit.base_ms == pytest.approx(faster.base * 1e3, rel=0.05)
+    assert model.describe(0).speed == pytest.approx(TRUE.base / ((TRUE.base + faster.base) / 2), rel=0.05)
+    assert model.describe(2).speed == 1.0  # no steps of its own
+
+
+def single_sequence_steps(rng: random.Random, c: StepCoefficients, n: int, noise: float) -> list[StepSample]:
+    """A long prompt read alone, then decoded alone: steps that vary the context and little else."""
+    out = []
+    for i in range(n):
+        context = 16_384 + i
+        seconds = c.step_s(0, 0, 1, context) * (1 + rng.uniform(-noise, noise))
+        out.append(StepSample(seconds, 0, 0, 1, context))
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000))
+def test_twins_that_ran_alike_are_priced_with_one_shape(seed):
+    """Two ranks whose steps cannot tell their coefficients apart (one sequence each, at one
+    context) are priced by one shape: every coefficient of one is the other's times one ratio,
+    and that ratio is their measured speeds', within the noise of their steps."""
+    rng = random.Random(seed)
+    model = EngineModel(2)
+    for rank in range(2):
+        model.observe(StepTimings(rank, 1, steps(rng, TRUE, 30), calibration=True))
+    for rank in range(2):
+        model.observe(StepTimings(rank, 1, single_sequence_steps(rng, TRUE, 80, noise=0.1)))
+    a, b = model.coefficients(0), model.coefficients(1)
+    ratios = [x / y for x, y in zip(a, b) if y > 0]
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
+    assert ratios[0] == pytest.approx(model.describe(0).speed / model.describe(1).speed, rel=1e-9)
+    assert 0.95 < ratios[0] < 1.05, "alike within their steps' noise"
+
+
+def test_a_replica_that_runs_slower_is_priced_slower_by_its_speed():
+    rng = random.Random(7)
+    model = EngineModel(2)
+    slow = StepCoefficients(*(1.6 * v for v in TRUE))  # its GPU shared with a busier neighbour
+    for rank, c in enumerate((TRUE, slow)):
+        model.observe(StepTimings(rank, 1, steps(rng, TRUE, 30), calibration=True))
+    for rank, c in enumerate((TRUE, slow)):
+        model.observe(StepTimings(rank, 1, steps(rng, c, 200, noise=0.02)))
+    assert model.describe(1).speed / model.describe(0).speed == pytest.approx(1.6, rel=0.05)
+    batch = (512, 512 * 4096, 16, 16 * 4096)  # a mixed step: every coefficient counts
+    assert model.coefficients(1).step_s(*batch) / model.coefficients(0).step_s(*batch) == pytest.approx(1.6, rel=0.05)
+    model.observe(StepTimings(1, 1, [StepSample(float("inf"), 1, 1, 1, 1), StepSample(float("nan"))]))
+    assert math.isfinite(model.describe(1).speed)  # untimed steps are not measured
+    model.observe(StepTimings(1, 2, steps(rng, TRUE, 30), calibration=True))  # it restarted
+    assert model.describe(1).speed == 1.0
 
 
 def test_the_bounded_load_gate_is_smg_s():

@@ -1,52 +1,90 @@
-"""The pool's engine model: one step-time fit per rank (``step_model``), fed by its workers.
+"""The pool's engine model: one step-time fit per rank (``step_model``), fed by its workers, and
+the coefficients each rank is priced by.
 
 A rank's fit starts from the prior, takes its worker's calibration steps when they arrive
 (before the rank serves), then every step it reports. Replicas of one pool run one model
-with one engine configuration, so they measure one thing: a rank that has not yet run
-``FITTED`` steps of its own is priced by the mean of the ranks that have (by the mean of the
-calibrations before any has). A few synthetic steps timed while the other workers calibrate
-too are noisy, and an idle rank's calibration goes stale while its twins' fits follow the
-machine as it is now; either alone would make an idle replica look dearer or cheaper than its
-twin for the whole run. Each rank's own steps then move its fit where it really differs (a
-replica on a busier GPU). A rank that restarts is a new engine state: its calibration resets
-its fit. ``describe`` is what ``stats()`` and ``lmpool top`` show of a rank's fit.
+with one engine configuration, so they share one shape of step time: every rank is priced by
+the pooled fit (the mean of the fits of the ranks that have run ``FITTED`` steps of their own;
+of the calibrations before any has) times its own speed. A rank's speed is its recent served
+steps' measured seconds over what the pooled fit predicts for them (its last ``WINDOW``), 1
+until it has run ``FITTED`` steps. One scalar is
+identified by any steps a rank runs, where its own fit's five coefficients are not: a rank
+that has only read one long document cannot tell its decode cost from its base, and two such
+twins, priced each by its own fit, differed by more than their real difference and split a
+burst unevenly. A few synthetic steps timed while the other workers calibrate too are noisy, and
+an idle rank's calibration goes stale while its twins' fits follow the machine as it is now;
+either alone would make an idle replica look dearer or cheaper than its twin for the whole run.
+The speed moves a rank's price where it really differs (a replica on a busier GPU). A rank that
+restarts is a new engine state: its calibration resets its fit and its speed. ``describe`` is
+what ``stats()`` and ``lmpool top`` show of a rank's fit.
 
-Invariant: every rank has a fit at all times (the prior until some worker has reported).
+Invariants: every rank has priced coefficients at all times (the prior until some worker has
+reported); they change only when a report is observed (a rank's pricing work is cached on their
+identity); a rank's speed is finite and > 0, and 1 until it has run ``FITTED`` steps.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
+
 from lmpool.control.pricing.step_model import FITTED, StepCoefficients, StepModel
-from lmpool.protocol import StepFit, StepTimings
+from lmpool.protocol import StepFit, StepSample, StepTimings
+
+WINDOW = 64  # a rank's recent served steps its speed is measured on
 
 
 def _mean(fits: list[StepCoefficients]) -> StepCoefficients:
     return StepCoefficients(*(sum(column) / len(fits) for column in zip(*fits)))
 
 
+def speed(recent: deque[StepSample], pooled: StepCoefficients) -> float:
+    """Measured over predicted seconds of the ``recent`` steps (1 where nothing is predicted)."""
+    predicted = sum(pooled.step_s(s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context)
+                    for s in recent)
+    return sum(s.seconds for s in recent) / predicted if predicted > 0 else 1.0
+
+
 class EngineModel:
     def __init__(self, world_size: int) -> None:
         self.ranks = [StepModel() for _ in range(world_size)]
         self._calibrations: dict[int, StepCoefficients] = {}  # rank -> its calibration's fit
-        self._pooled: StepCoefficients | None = None  # what a rank without steps of its own is priced by
+        self._pooled: StepCoefficients | None = None  # the shape every rank is priced by
+        self._recent: list[deque[StepSample]] = [deque(maxlen=WINDOW) for _ in range(world_size)]
+        self._speeds = [1.0] * world_size
+        self._priced: list[StepCoefficients] = []  # by rank, once there is a pooled fit
 
     def observe(self, timings: StepTimings) -> None:
-        model = self.ranks[timings.rank]
+        rank, model = timings.rank, self.ranks[timings.rank]
         if timings.calibration:
-            self._calibrations[timings.rank] = model.calibrate(timings.samples)
+            self._calibrations[rank] = model.calibrate(timings.samples)
+            self._recent[rank].clear()
         else:
             model.observe(timings.samples)
+            self._recent[rank].extend(s for s in timings.samples if 0 < s.seconds < math.inf)  # as the fit's
         fitted = [m.coefficients for m in self.ranks if m.samples >= FITTED]
         if fitted:
             self._pooled = _mean(fitted)
         elif self._calibrations:
             self._pooled = _mean(list(self._calibrations.values()))
+        self._reprice()
+
+    def _reprice(self) -> None:
+        """Every rank's priced coefficients: the pooled fit times its speed."""
+        pooled = self._pooled
+        if pooled is None:
+            return
+        priced = []
+        for rank, model in enumerate(self.ranks):
+            fitted = model.samples >= FITTED and self._recent[rank]
+            s = self._speeds[rank] = speed(self._recent[rank], pooled) if fitted else 1.0
+            priced.append(pooled if s == 1.0 else StepCoefficients(*(s * v for v in pooled)))
+        self._priced = priced
 
     def coefficients(self, rank: int) -> StepCoefficients:
-        model = self.ranks[rank]
-        if model.samples >= FITTED or self._pooled is None:
-            return model.coefficients
-        return self._pooled
+        """What ``rank`` is priced by: the pooled fit times its speed; its own fit (the prior)
+        until some worker has reported."""
+        return self._priced[rank] if self._pooled is not None else self.ranks[rank].coefficients
 
     def describe(self, rank: int) -> StepFit:
         model = self.ranks[rank]
@@ -54,4 +92,4 @@ class EngineModel:
         return StepFit(base_ms=c.base * 1e3, prefill_us_per_token=c.prefill_token * 1e6,
                        attention_ns_per_pair=c.attention_pair * 1e9, decode_us_per_seq=c.decode_seq * 1e6,
                        context_us_per_token=c.context_token * 1e6, samples=model.samples,
-                       calibrated=model.calibrated, error=model.error)
+                       calibrated=model.calibrated, error=model.error, speed=self._speeds[rank])
