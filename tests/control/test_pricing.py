@@ -298,3 +298,22 @@ def test_work_deferred_behind_a_pull_delays_only_a_request_that_waits_on_a_copy_
         assert waits_deferred - waits_now == pytest.approx(max(0.0, wait + queue_of_deferred - max(w.queue, wait)))
     else:
         assert waits_deferred == waits_now
+
+
+@given(st.lists(st.tuples(st.floats(1e-4, 1.0), st.integers(0, 8192), st.integers(0, 10**9), st.integers(0, 256),
+                          st.integers(0, 10**6)), max_size=200))
+def test_recent_steps_sum_their_last_window(rows):
+    """The running sums are those of the last ``WINDOW`` steps, and the speed their measured over
+    predicted seconds."""
+    from lmpool.control.pricing.engine_model import WINDOW, RecentSteps
+
+    recent = RecentSteps()
+    for seconds, tokens, pairs, seqs, context in rows:
+        recent.add(StepSample(seconds, tokens, pairs, seqs, context))
+    last = [StepSample(*r) for r in rows[-WINDOW:]]
+    assert len(recent) == len(last)
+    assert recent.seconds == pytest.approx(sum(s.seconds for s in last), rel=1e-9, abs=1e-12)
+    predicted = sum(TRUE.step_s(s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context) for s in last)
+    assert recent.speed(TRUE) == (pytest.approx(sum(s.seconds for s in last) / predicted, rel=1e-6) if last else 1.0)
+    recent.clear()
+    assert len(recent) == 0 and recent.speed(TRUE) == 1.0

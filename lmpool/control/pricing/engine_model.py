@@ -38,11 +38,50 @@ def _mean(fits: list[StepCoefficients]) -> StepCoefficients:
     return StepCoefficients(*(sum(column) / len(fits) for column in zip(*fits)))
 
 
-def speed(recent: deque[StepSample], pooled: StepCoefficients) -> float:
-    """Measured over predicted seconds of the ``recent`` steps (1 where nothing is predicted)."""
-    predicted = sum(pooled.step_s(s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context)
-                    for s in recent)
-    return sum(s.seconds for s in recent) / predicted if predicted > 0 else 1.0
+class RecentSteps:
+    """A rank's last ``WINDOW`` timed steps, as running sums: their seconds, and their count and
+    features (a prediction is linear in them, so the window's is one dot product)."""
+
+    def __init__(self) -> None:
+        self._steps: deque[StepSample] = deque()
+        self._added = 0
+        self.seconds = 0.0
+        self.features = [0.0] * 5  # steps, prefill tokens, attention pairs, decoding sequences, context
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(self, s: StepSample) -> None:
+        self._fold(s, 1.0)
+        self._steps.append(s)
+        if len(self._steps) > WINDOW:
+            self._fold(self._steps.popleft(), -1.0)
+        self._added += 1
+        if self._added % WINDOW == 0:  # summed afresh now and then: additions and removals round
+            self._resum()
+
+    def clear(self) -> None:
+        self._steps.clear()
+        self._resum()
+
+    def _resum(self) -> None:
+        self.seconds, self.features = 0.0, [0.0] * 5
+        for s in self._steps:
+            self._fold(s, 1.0)
+
+    def _fold(self, s: StepSample, sign: float) -> None:
+        f = self.features
+        self.seconds += sign * s.seconds
+        f[0] += sign
+        f[1] += sign * s.prefill_tokens
+        f[2] += sign * s.prefill_attention
+        f[3] += sign * s.decode_seqs
+        f[4] += sign * s.decode_context
+
+    def speed(self, pooled: StepCoefficients) -> float:
+        """Measured over ``pooled``'s predicted seconds of these steps (1 where nothing is predicted)."""
+        predicted = sum(c * f for c, f in zip(pooled, self.features))
+        return self.seconds / predicted if predicted > 0 else 1.0
 
 
 class EngineModel:
@@ -50,7 +89,7 @@ class EngineModel:
         self.ranks = [StepModel() for _ in range(world_size)]
         self._calibrations: dict[int, StepCoefficients] = {}  # rank -> its calibration's fit
         self._pooled: StepCoefficients | None = None  # the shape every rank is priced by
-        self._recent: list[deque[StepSample]] = [deque(maxlen=WINDOW) for _ in range(world_size)]
+        self._recent = [RecentSteps() for _ in range(world_size)]
         self._speeds = [1.0] * world_size
         self._priced: list[StepCoefficients] = []  # by rank, once there is a pooled fit
 
@@ -61,7 +100,10 @@ class EngineModel:
             self._recent[rank].clear()
         else:
             model.observe(timings.samples)
-            self._recent[rank].extend(s for s in timings.samples if 0 < s.seconds < math.inf)  # as the fit's
+            recent = self._recent[rank]
+            for s in timings.samples:
+                if 0 < s.seconds < math.inf:  # timed, as the fit takes them
+                    recent.add(s)
         fitted = [m.coefficients for m in self.ranks if m.samples >= FITTED]
         if fitted:
             self._pooled = _mean(fitted)
@@ -77,7 +119,7 @@ class EngineModel:
         priced = []
         for rank, model in enumerate(self.ranks):
             fitted = model.samples >= FITTED and self._recent[rank]
-            s = self._speeds[rank] = speed(self._recent[rank], pooled) if fitted else 1.0
+            s = self._speeds[rank] = self._recent[rank].speed(pooled) if fitted else 1.0
             priced.append(pooled if s == 1.0 else StepCoefficients(*(s * v for v in pooled)))
         self._priced = priced
 
