@@ -180,14 +180,17 @@ def test_the_bounded_load_gate_is_smg_s():
 
 
 def test_prices_within_the_tie_are_equal_and_the_emptier_rank_wins():
-    def p(rank, total_s, free, matched=0, affinity=0):
-        return RankPrice(rank, matched, 0, 1, 100, free, 0, total_s / 2, total_s, affinity)
+    def p(rank, total_s, free, matched=0, affinity=0, seqs=0):
+        return RankPrice(rank, matched, 0, 1, 100, free, seqs, total_s / 2, total_s, affinity)
 
     assert cheapest([p(0, 1.0, 10), p(1, 1.02, 90)], 0.03).rank == 1  # within 3 %: more free blocks
     assert cheapest([p(0, 1.0, 10), p(1, 1.05, 90)], 0.03).rank == 0  # beyond it: the price
     assert cheapest([p(0, 1.0, 10), p(1, 1.0, 90)], 0.0).rank == 1  # an exact tie
     assert cheapest([p(0, 1.0, 10, matched=3), p(1, 1.01, 90)], 0.03).rank == 0  # a longer match first
     assert cheapest([p(0, 1.0, 90), p(1, 1.01, 10, affinity=1)], 0.03).rank == 1  # nearer the seed first
+    assert cheapest([p(0, 1.0, 90, seqs=33), p(1, 1.02, 10, seqs=32)], 0.03).rank == 1  # fewer in flight first
+    assert cheapest([p(0, 1.0, 90, seqs=33), p(1, 1.05, 10, seqs=32)], 0.03).rank == 0  # ... within the tie only
+    assert cheapest([p(0, 1.0, 10, matched=3, seqs=9), p(1, 1.0, 90, seqs=1)], 0.03).rank == 0  # the match first
 
 
 def test_evictions_are_regretted_when_a_later_prompt_wants_what_was_evicted():

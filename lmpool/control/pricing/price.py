@@ -287,17 +287,21 @@ class Pricer:
 
 def cheapest(prices: Iterable[RankPrice], tie: float) -> RankPrice:
     """The cheapest of ``prices``, counting those within ``tie`` of its price as equal: among
-    them, higher topology affinity to the seed, a longer match, more free blocks, then the lower
-    price and rank. Free blocks decide between ranks the model cannot tell apart (idle ones,
-    say): an emptier cache evicts less, and a cache holding content nothing has asked for yet
-    is likely to be asked for it (a document read there, whose questions are coming)."""
+    them, higher topology affinity to the seed, a longer match, fewer sequences in flight
+    (running, waiting and reserved), more free blocks, then the lower price and rank. Prices
+    this close are ones the model cannot tell apart, so a burst over twin ranks splits by count,
+    not by whichever twin's estimate happens to be lower (a replica given one decoding sequence
+    more than its twin ends the burst last). Free blocks decide between ranks with as many
+    (idle ones, say): an emptier cache evicts less, and a cache holding content nothing has
+    asked for yet is likely to be asked for it (a document read there, whose questions are
+    coming)."""
     prices = list(prices)
     bound = min([p.total_s for p in prices]) * (1.0 + tie)
     best: RankPrice | None = None
-    best_key: tuple[int, int, int, float, int] | None = None
+    best_key: tuple[int, int, int, int, float, int] | None = None
     for p in prices:  # ``min`` by that key, without a key function call per price
         if p.total_s <= bound:
-            key = (-p.affinity, -p.matched, -p.free, p.total_s, p.rank)
+            key = (-p.affinity, -p.matched, p.seqs, -p.free, p.total_s, p.rank)
             if best_key is None or key < best_key:
                 best, best_key = p, key
     assert best is not None  # the cheapest price is within its own bound
