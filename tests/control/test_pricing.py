@@ -44,6 +44,15 @@ def steps(rng: random.Random, coefficients: StepCoefficients, n: int, noise: flo
     return out
 
 
+def one_rank(load: LoadReport) -> GlobalBlockManager:
+    """A page table of one live rank (16-token blocks, 4,096 of them) that reported ``load``."""
+    gbm = GlobalBlockManager(1, 16, clock=ManualClock())
+    gbm.register_rank(0, 1, 4096)
+    gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
+    gbm.update_load(0, 1, load)
+    return gbm
+
+
 def predictions_within(model: StepModel, samples: list[StepSample], coefficients: StepCoefficients) -> float:
     """The largest relative error of ``model``'s predictions against ``coefficients``' on ``samples``."""
     worst = 0.0
@@ -237,11 +246,8 @@ def test_an_overlapped_rank_makes_a_new_request_wait_one_step_more(running):
     request arrives, so it waits for both; an idle rank starts it at once either way."""
     ttft = {}
     for overlapped in (False, True):
-        gbm = GlobalBlockManager(1, 16, clock=ManualClock())
-        gbm.register_rank(0, 1, 4096)
-        gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
-        gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=1000 * running,
-                                         decode_tokens_left=10 * running, blocks_free=4000))
+        gbm = one_rank(LoadReport(num_running=running, context_tokens=1000 * running,
+                                  decode_tokens_left=10 * running, blocks_free=4000))
         pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, overlapped), lambda rank: 0.5)
         ttft[overlapped] = pricer.price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s
     step = COEF.base + COEF.decode_seq * running + COEF.context_token * 1000 * running
@@ -258,11 +264,8 @@ def test_a_pull_s_floor_is_its_serve_price_less_all_the_pulled_blocks_could_save
     from lmpool.control.pricing.price import prefill_seconds
     from lmpool.control.transfers.pull_price import _least
 
-    gbm = GlobalBlockManager(1, 16, clock=ManualClock())
-    gbm.register_rank(0, 1, 4096)
-    gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
-    gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
-                                     blocks_free=1000))
+    gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
+                              blocks_free=1000))
     pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, TRUE), Limits(16, 256, 8192), lambda rank: 0.5)
     query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, 8)
     serve = pricer.price(query, 0, min(matched, blocks), 0.0, None)
@@ -282,12 +285,9 @@ def test_work_deferred_behind_a_pull_delays_only_a_request_that_waits_on_a_copy_
     does not is priced as if the same work were admissible now."""
     priced = {}
     for deferred in (False, True):
-        gbm = GlobalBlockManager(1, 16, clock=ManualClock())
-        gbm.register_rank(0, 1, 4096)
-        gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
-        gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=1000 * running,
-                                         decode_tokens_left=10 * running, waiting_prefill_tokens=queued,
-                                         blocks_free=4000))
+        gbm = one_rank(LoadReport(num_running=running, context_tokens=1000 * running,
+                                  decode_tokens_left=10 * running, waiting_prefill_tokens=queued,
+                                  blocks_free=4000))
         gbm.reserve("waiter", 0, 4, tokens, tokens * 500, tokens, 8, deferred=deferred)
         pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192), lambda rank: 0.5)
         query = RouteQuery("q", [1, 2], 35, 8)

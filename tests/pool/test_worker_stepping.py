@@ -32,15 +32,15 @@ class Orders:
 
 
 class DeviceStep:
-    """A step the device finishes only once the worker has answered (or after ``POLLS`` polls)."""
+    """A step the device finishes only once ``done()`` holds (or after ``POLLS`` polls)."""
 
-    def __init__(self, sent: list) -> None:
-        self.sent = sent
+    def __init__(self, done) -> None:
+        self.done = done
         self.polls = 0
 
     def ready(self) -> bool:
         self.polls += 1
-        return bool(self.sent) or self.polls >= POLLS
+        return self.done() or self.polls >= POLLS
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ async def test_an_order_arriving_during_a_step_is_answered_before_the_step_ends(
         return True
 
     worker.send_control = send_control
-    step = DeviceStep(sent)
+    step = DeviceStep(lambda: bool(sent))  # done once the worker has answered
 
     async def reader() -> None:  # the control link's reader, delivering while the step runs
         await asyncio.sleep(0)
@@ -74,21 +74,9 @@ async def test_an_order_arriving_during_a_step_is_answered_before_the_step_ends(
 
 async def test_a_finished_step_is_not_polled_again(worker):
     worker.transfers = Orders()
-    step = DeviceStep([None])  # ready at once
+    step = DeviceStep(lambda: True)  # ready at once
     await worker.while_stepping(step)
     assert step.polls == 1
-
-
-class InboxStep:
-    """A step the device finishes only once the worker's inbox holds a request (or after ``POLLS`` polls)."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.polls = 0
-
-    def ready(self) -> bool:
-        self.polls += 1
-        return bool(self.worker.inbox) or self.polls >= POLLS
 
 
 @pytest.mark.parametrize("transfers", [False, True])
@@ -96,7 +84,7 @@ async def test_a_request_arriving_during_a_step_is_read_before_the_step_ends(wor
     """Without transfers too: a step loop that blocked on the device instead would leave the
     frontend's ring unread for the whole step, and its sends waiting once the ring is full."""
     worker.transfers = Orders() if transfers else None
-    step = InboxStep(worker)
+    step = DeviceStep(lambda: bool(worker.inbox))  # done once the request was read
 
     async def reader() -> None:  # the frontend link's reader, delivering while the step runs
         await asyncio.sleep(0)
