@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from lmpool.control.pricing.engine_model import EngineModel
+from lmpool.control.pricing.engine_model import MOVE, EngineModel
 from lmpool.control.pricing.eviction import EvictionMemory
 from lmpool.control.pricing.gate import overloaded
 from lmpool.control.page_table.manager import GlobalBlockManager
@@ -157,9 +157,26 @@ def test_twins_that_ran_alike_are_priced_with_one_shape(seed):
         model.observe(StepTimings(rank, 1, single_sequence_steps(rng, TRUE, 80, noise=0.1)))
     a, b = model.coefficients(0), model.coefficients(1)
     ratios = [x / y for x, y in zip(a, b) if y > 0]
-    assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
-    assert ratios[0] == pytest.approx(model.describe(0).speed / model.describe(1).speed, rel=1e-9)
+    moved = 2 * MOVE  # each rank's may lag the pooled fit times its speed by less than MOVE
+    assert max(ratios) == pytest.approx(min(ratios), rel=moved)
+    assert ratios[0] == pytest.approx(model.describe(0).speed / model.describe(1).speed, rel=moved)
     assert 0.95 < ratios[0] < 1.05, "alike within their steps' noise"
+
+
+def test_priced_coefficients_stay_the_same_object_until_they_move():
+    """A rank's pricing work is cached on its coefficients' identity: a report that moves none by
+    ``MOVE`` keeps them; one that does replaces them."""
+    rng = random.Random(3)
+    model = EngineModel(2)
+    for rank in range(2):
+        model.observe(StepTimings(rank, 1, steps(rng, TRUE, 30), calibration=True))
+        model.observe(StepTimings(rank, 1, steps(rng, TRUE, 64, noise=0.0)))
+    kept = model.coefficients(0)
+    model.observe(StepTimings(1, 1, steps(rng, TRUE, 1, noise=0.0)))  # one more step alike
+    assert model.coefficients(0) is kept
+    slower = StepCoefficients(*(1.5 * v for v in TRUE))
+    model.observe(StepTimings(0, 1, steps(rng, slower, 64, noise=0.0)))
+    assert model.coefficients(0) is not kept and model.describe(0).speed > 1.1
 
 
 def test_a_replica_that_runs_slower_is_priced_slower_by_its_speed():

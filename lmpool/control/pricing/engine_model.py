@@ -19,8 +19,9 @@ restarts is a new engine state: its calibration resets its fit and its speed. ``
 what ``stats()`` and ``lmpool top`` show of a rank's fit.
 
 Invariants: every rank has priced coefficients at all times (the prior until some worker has
-reported); they change only when a report is observed (a rank's pricing work is cached on their
-identity); a rank's speed is finite and > 0, and 1 until it has run ``FITTED`` steps.
+reported); they change only when a report is observed, and then only by ``MOVE`` or more (a
+rank's pricing work is cached on their identity); a rank's speed is finite and > 0, and 1 until
+it has run ``FITTED`` steps.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ from lmpool.control.pricing.step_model import FITTED, StepCoefficients, StepMode
 from lmpool.protocol import StepFit, StepSample, StepTimings
 
 WINDOW = 64  # a rank's recent served steps its speed is measured on
+MOVE = 0.005  # a relative move of a priced coefficient below this keeps the old ones (far below the fit's error)
+
+
+def _moved(old: StepCoefficients, new: StepCoefficients) -> bool:
+    """Whether any coefficient moved by ``MOVE`` of itself or more."""
+    return any(abs(b - a) >= MOVE * max(abs(a), abs(b)) for a, b in zip(old, new) if a != b)
 
 
 def _mean(fits: list[StepCoefficients]) -> StepCoefficients:
@@ -112,15 +119,21 @@ class EngineModel:
         self._reprice()
 
     def _reprice(self) -> None:
-        """Every rank's priced coefficients: the pooled fit times its speed."""
+        """Every rank's priced coefficients: the pooled fit times its speed. A rank keeps its
+        coefficients (the same object) while none moved by ``MOVE`` or more: a pooled fit moves
+        with every report, and every move re-prices the rank's work at the next route."""
         pooled = self._pooled
         if pooled is None:
             return
+        before = self._priced
         priced = []
         for rank, model in enumerate(self.ranks):
             fitted = model.samples >= FITTED and self._recent[rank]
             s = self._speeds[rank] = self._recent[rank].speed(pooled) if fitted else 1.0
-            priced.append(pooled if s == 1.0 else StepCoefficients(*(s * v for v in pooled)))
+            c = StepCoefficients(*(s * v for v in pooled))
+            if before and not _moved(before[rank], c):
+                c = before[rank]
+            priced.append(c)
         self._priced = priced
 
     def coefficients(self, rank: int) -> StepCoefficients:
