@@ -497,6 +497,8 @@ class ControlPlane:
     async def run(self) -> None:
         # Everything made so far (modules, the spec, the page table's start) lives as long as
         # the process: keep it out of the collector's full passes, which would stall routing.
+        # Collected first, as the workers and ``lmpool serve`` do: start-up garbage is not kept.
+        gc.collect()
         gc.freeze()
         self.kv_events = kv_pool_events.from_config(self.spec.pool.kv_events, self.gbm)
         frontend: Channel[FrontendToControl] = Channel(self.spec.frontend_end, FrontendToControl)
