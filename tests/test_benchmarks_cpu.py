@@ -13,7 +13,7 @@ import httpx
 
 from benchmarks import benchmark_ipc, benchmark_stream, benchmark_throughput
 from lmpool.outputs import RequestOutput
-from tools.diagnostics import profile_launch, profile_plan_bookkeeping
+from tools.diagnostics import profile_decode, profile_launch, profile_plan_bookkeeping
 
 
 def finished_bar(stderr: str, desc: str, total: int) -> bool:
@@ -125,6 +125,18 @@ def test_profile_launch_passes_vary_their_shapes(tiny_model, tmp_path):
     steps = json.loads(out.read_text())["steps"]
     first = {p: next(s["prefill_tokens"] for s in steps if s["passed"] == p) for p in ("read", 0, 1)}
     assert first == {"read": 256 + 1, 0: 3 * 8, 1: 2 * 8}
+
+
+def test_profile_decode_with_a_shared_prefix_reads_the_document_once(tiny_model, tmp_path):
+    """With a shared document, every sequence but the first finds all of the document's full
+    blocks in the prefix cache, and each window's steps run the whole batch."""
+    out = tmp_path / "decode.json"
+    profile_decode.main(["--model", tiny_model, "--batches", "3", "--context", "64", "--block-size", "16",
+                         "--steps", "2", "--shared-prefix", "8", "--paths", "overlapped", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["cached_prompt_tokens"] == 2 * 64
+    assert row["batch_sizes_timed"] == row["batch_sizes_profiled"] == [3, 3]
+    assert row["attention_splits"] is None  # CPU: no CUDA kernels to split
 
 
 def test_stream_benchmark_compares_both_ways_on_the_same_texts(tiny_model, tmp_path):

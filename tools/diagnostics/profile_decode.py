@@ -19,6 +19,12 @@ time between steps (same steps as the wall clock, no profiler), and run under
 ``torch.cuda.set_sync_debug_mode("warn")``: every call that synchronises with the device is
 listed by file and line (``--no-sync-debug`` turns that off).
 
+``--shared-prefix`` gives every sequence the same C-token document (prefilled once, then
+shared through the prefix cache) and a short prompt of its own, as in a hot-context burst
+where every decoding row reads one document's blocks; ``--mps N`` runs the engine as one of N
+MPS clients (1/N of the SMs), as a pool's replica does. Each row records the decode
+attention's split count at the batch's padded graph size.
+
     python -m tools.diagnostics.profile_decode --preset 0.6b --device cuda --dtype bfloat16 \\
         --batches 1,8,32,64 --context 2048 --json decode_profile.json
 """
@@ -158,19 +164,42 @@ def decode_headroom(batch: int, context: int, steps: int, budget: int) -> int:
     return prefill_steps + 2 * steps + 8
 
 
+def prompts(batch: int, context: int, vocab: int, seed: int, shared: int) -> list[list[int]]:
+    """``batch`` random prompts of ``context`` tokens, or, with ``shared`` > 0, one random
+    ``context``-token document followed by ``shared`` random tokens of each prompt's own."""
+    rng = random.Random(seed)
+    if not shared:
+        return [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+    document = [rng.randrange(vocab) for _ in range(context)]
+    return [document + [rng.randrange(vocab) for _ in range(shared)] for _ in range(batch)]
+
+
+def prefill(engine, requests: list[tuple[str, list[int]]], params: SamplingParams, shared: bool) -> None:
+    """Adds the requests and steps until every one decodes. A shared document is read once, by
+    the first request, before the others arrive to find it in the prefix cache."""
+    def settle():
+        while any(not s.num_output_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()  # prefill (chunked) until every sequence decodes
+
+    first = 1 if shared else len(requests)
+    for request_id, prompt in requests[:first]:
+        engine.add_request(request_id, prompt, params)
+    settle()
+    for request_id, prompt in requests[first:]:
+        engine.add_request(request_id, prompt, params)
+    settle()
+
+
 def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int, max_tokens: int,
-                 sync_debug: bool) -> dict:
+                 sync_debug: bool, shared: int = 0) -> dict:
     """Wall seconds of ``steps`` decode steps, the seconds they waited for the device, their batch
     sizes, device timeline and synchronising calls, then the profiler's kernel totals over as
     many steps; the requests are aborted afterwards."""
     engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"p{batch}-{i}", [rng.randrange(vocab) for _ in range(context)], params)
-    while any(not s.num_output_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # prefill (chunked) until every sequence decodes
+    batch_prompts = prompts(batch, context, engine.model_config.vocab_size, seed, shared)
+    prefill(engine, [(f"p{batch}-{i}", p) for i, p in enumerate(batch_prompts)], params, shared > 0)
+    cached = sum(s.num_cached_tokens for s in engine.scheduler.running)
     engine.step()
     walls, waits = [], []
     with timed_waits(waits), StepMarks(engine.runner) as marks, sync_warnings(sync_debug) as syncs:
@@ -200,7 +229,8 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int, max_
     while engine.in_flight is not None:
         engine.step()  # reads the last launched step back (its tokens are dropped)
     return {"walls": walls, "waited": sum(waits), "kernels": dict(kernels), "timeline": timeline,
-            "batches": marks.batches, "profiled_batches": profiled.batches, "syncs": syncs}
+            "batches": marks.batches, "profiled_batches": profiled.batches, "syncs": syncs,
+            "cached_prompt_tokens": cached}
 
 
 @contextlib.contextmanager
@@ -222,7 +252,8 @@ def torch_norms(active: bool):
 
 def profile_row(llm: LLM, norms: str, path: str, batch: int, args) -> dict:
     """One batch size on one engine: wall and device time per decode step, the top kernels."""
-    run = decode_steps(llm, batch, args.context, args.steps, batch, args.max_tokens, args.sync_debug)
+    run = decode_steps(llm, batch, args.context, args.steps, batch, args.max_tokens, args.sync_debug,
+                       args.shared_prefix)
     walls, kernels, timeline = run["walls"], run["kernels"], run["timeline"]
     host_ms = (sum(walls) - run["waited"]) / len(walls) * 1e3  # host time of a step: its wall time not spent waiting
     # The mean, not the median: an overlapped step's wall time alternates between host-bound
@@ -234,6 +265,10 @@ def profile_row(llm: LLM, norms: str, path: str, batch: int, args) -> dict:
     print(f"{norms:>5} {path:>10} B={batch:4d} context {args.context}: wall {wall_ms:7.3f} ms/step, "
           f"device busy {device_ms:7.3f} ms/step, wall / device {over}, host {host_ms:7.3f} ms/step")
     print(f"      {batch_line(batch, run['batches'], run['profiled_batches'])}")
+    splits = attention_splits(llm, batch)
+    if splits:
+        print(f"      decode attention: {splits['graph_rows']} rows (graph size), {splits['splits']} key splits, "
+              f"{splits['sms']} SMs seen")
     if timeline:
         print(f"      same steps as the wall clock: device span {timeline['device_span_ms_per_step']:7.3f} ms/step, "
               f"device idle before a step {timeline['device_idle_ms_before_step']:7.3f} ms")
@@ -247,7 +282,28 @@ def profile_row(llm: LLM, norms: str, path: str, batch: int, args) -> dict:
             "wall_ms_median": statistics.median(walls) * 1e3, "device_ms_per_step": device_ms,
             "wall_over_device": wall_ms / device_ms if device_ms else None, **timeline,
             "batch_sizes_timed": run["batches"], "batch_sizes_profiled": run["profiled_batches"],
-            "sync_calls": run["syncs"] if args.sync_debug else None, "top_kernels_ms_per_step": dict(top)}
+            "sync_calls": run["syncs"] if args.sync_debug else None, "top_kernels_ms_per_step": dict(top),
+            "attention_splits": splits, "cached_prompt_tokens": run["cached_prompt_tokens"]}
+
+
+def attention_splits(llm: LLM, batch: int) -> dict | None:
+    """The decode attention's key splits at the batch's padded graph size (CUDA only), and the SM
+    count the device reports to this process (all of them, or its MPS share)."""
+    runner = llm.engine.runner
+    if runner.device.type != "cuda":
+        return None
+    from lmpool.ops import cuda
+
+    graphs = getattr(runner, "graphs", None)
+    sizes = graphs.sizes if graphs is not None else [batch]
+    rows = next((s for s in sizes if s >= batch), batch)
+    config = llm.engine.model_config
+    width = runner.max_blocks_per_seq * runner.block_size
+    index = runner.device.index or 0
+    splits = cuda.load_extension().decode_splits(rows, config.num_attention_heads, config.num_key_value_heads,
+                                                 width, index)
+    return {"graph_rows": rows, "splits": splits,
+            "sms": torch.cuda.get_device_properties(index).multi_processor_count}
 
 
 def batch_line(batch: int, timed: list[int], profiled: list[int]) -> str:
@@ -270,6 +326,18 @@ def path_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+@contextlib.contextmanager
+def mps_share(clients: int):
+    """With ``clients`` > 0, an MPS daemon for the block, this process one client of that many."""
+    if not clients:
+        yield None
+        return
+    from benchmarks.device.mps import mps_daemon
+
+    with mps_daemon(clients) as mps:
+        yield mps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a Qwen3 directory (default: generate --preset)")
@@ -290,23 +358,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--no-sync-debug", dest="sync_debug", action="store_false",
                     help="CUDA: do not list the calls that synchronise with the device in the timed steps")
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="every sequence: one shared --context-token document, then N tokens of its own")
+    ap.add_argument("--mps", type=int, default=0, help="run as one of N MPS clients (1/N of the SMs); 0: whole GPU")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if not set(args.paths.split(",")) <= set(PATHS):
         ap.error(f"--paths takes serial and/or overlapped, got {args.paths!r}")
     batches = [int(b) for b in args.batches.split(",")]
     args.max_tokens = max(decode_headroom(b, args.context, args.steps, args.max_num_batched_tokens) for b in batches)
+    context = args.context + args.shared_prefix
     args.sync_debug = args.sync_debug and args.device.startswith("cuda")
     if not set(args.norms.split(",")) <= {"fused", "torch"}:
         ap.error(f"--norms takes 'fused' and/or 'torch', got {args.norms!r}")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, mps_share(args.mps) as mps:
         model = args.model or str(make_model(Path(tmp) / "model", preset=args.preset, seed=0))
         for norms in args.norms.split(","):
             for path in args.paths.split(","):
                 with torch_norms(norms == "torch"), LLM(
                         model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                        max_model_len=args.context + args.max_tokens + 16, max_num_seqs=max(batches),
+                        max_model_len=context + args.max_tokens + 16, max_num_seqs=max(batches),
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enforce_eager=args.enforce_eager, async_scheduling=PATHS[path]) as llm:
                     for batch in batches:
@@ -318,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "model")}
         config["model"] = Path(args.model).name if args.model else f"generated {args.preset}"
         args.json.write_text(json.dumps({"benchmark": "profile_decode", "config": config, "git": git_record(),
-                                         "torch": torch.__version__, "rows": rows,
+                                         "torch": torch.__version__, "mps": mps, "rows": rows,
                                          "overlapped_vs_serial": ratios}, indent=2) + "\n")
     return 0
 
