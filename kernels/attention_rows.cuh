@@ -269,23 +269,48 @@ cudaError_t launch_rows(const AttentionRowsArgs& a, cudaStream_t stream) {
                                      a.num_splits, stream);
 }
 
-template <typename T, int D>
-cudaError_t launch_rows_for_dim(const AttentionRowsArgs& a, cudaStream_t stream) {
-  switch (rows_heads_per_cta(a.q_heads / a.kv_heads)) {
-    case 1: return launch_rows<T, D, 1>(a, stream);
-    case 2: return launch_rows<T, D, 2>(a, stream);
-    case 4: return launch_rows<T, D, 4>(a, stream);
-    default: return launch_rows<T, D, 8>(a, stream);
+// The kernel instance for (T, head_dim, GQA group): calls f(RowsKernel<T, D, GT>{}), so the
+// launch and the occupancy query pick the same instance. head_dim is checked by the host first.
+template <typename T, int D, int GT>
+struct RowsKernel {
+  static cudaError_t launch(const AttentionRowsArgs& a, cudaStream_t stream) {
+    return launch_rows<T, D, GT>(a, stream);
   }
+  // CTAs of this kernel one SM holds at once; 0 if the runtime cannot say.
+  static int ctas_per_sm() {
+    int n = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_rows_kernel<T, D, GT>,
+                                                         kRowsThreads, 0) == cudaSuccess ? n : 0;
+  }
+};
+
+template <typename T, int D, typename F>
+auto with_rows_kernel_for_dim(int group, F&& f) {
+  switch (rows_heads_per_cta(group)) {
+    case 1: return f(RowsKernel<T, D, 1>{});
+    case 2: return f(RowsKernel<T, D, 2>{});
+    case 4: return f(RowsKernel<T, D, 4>{});
+    default: return f(RowsKernel<T, D, 8>{});
+  }
+}
+
+template <typename T, typename F>
+auto with_rows_kernel(int head_dim, int group, F&& f) {
+  return head_dim == 64 ? with_rows_kernel_for_dim<T, 64>(group, f)
+                        : with_rows_kernel_for_dim<T, 128>(group, f);
 }
 
 template <typename T>
 cudaError_t launch_rows_for(int head_dim, const AttentionRowsArgs& a, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: return launch_rows_for_dim<T, 64>(a, stream);
-    case 128: return launch_rows_for_dim<T, 128>(a, stream);
-    default: return cudaErrorInvalidValue;  // the host checks head_dim first
-  }
+  if (head_dim != 64 && head_dim != 128) return cudaErrorInvalidValue;  // the host checks head_dim first
+  return with_rows_kernel<T>(head_dim, a.q_heads / a.kv_heads,
+                             [&](auto kernel) { return decltype(kernel)::launch(a, stream); });
+}
+
+template <typename T>
+int rows_ctas_per_sm_for(int head_dim, int group) {
+  if (head_dim != 64 && head_dim != 128) return 0;
+  return with_rows_kernel<T>(head_dim, group, [](auto kernel) { return decltype(kernel)::ctas_per_sm(); });
 }
 
 }  // namespace lmpool

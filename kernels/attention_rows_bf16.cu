@@ -9,4 +9,8 @@ cudaError_t launch_attention_rows_bf16(int head_dim, const AttentionRowsArgs& ar
   return launch_rows_for<__nv_bfloat16>(head_dim, args, stream);
 }
 
+int attention_rows_ctas_per_sm_bf16(int head_dim, int group) {
+  return rows_ctas_per_sm_for<__nv_bfloat16>(head_dim, group);
+}
+
 }  // namespace lmpool

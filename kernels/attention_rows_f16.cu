@@ -9,4 +9,8 @@ cudaError_t launch_attention_rows_f16(int head_dim, const AttentionRowsArgs& arg
   return launch_rows_for<__half>(head_dim, args, stream);
 }
 
+int attention_rows_ctas_per_sm_f16(int head_dim, int group) {
+  return rows_ctas_per_sm_for<__half>(head_dim, group);
+}
+
 }  // namespace lmpool

@@ -9,4 +9,8 @@ cudaError_t launch_attention_rows_f32(int head_dim, const AttentionRowsArgs& arg
   return launch_rows_for<float>(head_dim, args, stream);
 }
 
+int attention_rows_ctas_per_sm_f32(int head_dim, int group) {
+  return rows_ctas_per_sm_for<float>(head_dim, group);
+}
+
 }  // namespace lmpool

@@ -39,15 +39,17 @@ std::string dev(const at::Device& d) { return d.str(); }
 
 const char* dtype_name(const at::Tensor& t) { return c10::toString(t.scalar_type()); }
 
-DType dtype_of(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
+DType dtype_of(at::ScalarType type, const char* name) {
+  switch (type) {
     case at::kFloat: return DType::kF32;
     case at::kHalf: return DType::kF16;
     case at::kBFloat16: return DType::kBF16;
     default:
-      TORCH_CHECK(false, name, " must be float32, float16 or bfloat16, got ", dtype_name(t));
+      TORCH_CHECK(false, name, " must be float32, float16 or bfloat16, got ", c10::toString(type));
   }
 }
+
+DType dtype_of(const at::Tensor& t, const char* name) { return dtype_of(t.scalar_type(), name); }
 
 void check_device(const at::Tensor& t, const char* name, const at::Device& device) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got a tensor on ", dev(t.device()));
@@ -156,9 +158,10 @@ cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(
 
 // Splits of the keys per row: enough CTAs to keep every SM streaming when few
 // sequences run, but never below kMinPartitionTokens keys per split for the
-// longest row the block table can describe.
+// longest row the block table can describe. `slots` is how many CTAs the SMs
+// hold at once (0: unknown).
 int64_t choose_splits(int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t max_tokens,
-                      int sms) {
+                      int sms, int64_t slots) {
   const int64_t group = q_heads / kv_heads;
   const int64_t heads_per_cta = rows_heads_per_cta(static_cast<int>(group));
   const int64_t base = std::max<int64_t>(1, rows * kv_heads * ((group + heads_per_cta - 1) / heads_per_cta));
@@ -167,7 +170,26 @@ int64_t choose_splits(int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t m
   // gets 2 splits, batch 128 and up none.
   const int64_t target = 6LL * sms;
   const int64_t useful = std::max<int64_t>(1, (max_tokens + kMinPartitionTokens - 1) / kMinPartitionTokens);
-  return std::clamp<int64_t>((target + base - 1) / base, 1, std::min<int64_t>(useful, 256));
+  const int64_t cap = std::min<int64_t>(useful, 256);
+  const int64_t splits = std::clamp<int64_t>((target + base - 1) / base, 1, cap);
+  if (slots <= 0 || base * splits <= slots) return splits;
+  // More CTAs than the SMs hold: the ones left when the first run out start
+  // late and run nearly alone. A few left over (33 rows x 8 heads on 256
+  // slots) add one whole CTA's time, ~15 % of a 16k-context step under MPS,
+  // where reading the keys at full bandwidth would add 3 %. With at least four
+  // slots' worth of CTAs, whatever is left over is short.
+  return std::clamp<int64_t>((4 * slots + base - 1) / base, splits, std::max(splits, cap));
+}
+
+// CTAs the SMs of `device` hold at once for the row kernel of these shapes: its
+// occupancy (asked once per instance) times the SMs this process may use.
+int64_t rows_slots(DType dtype, int64_t head_dim, int64_t group, int device) {
+  static std::array<std::array<int, 4>, 6> cache{};  // [dtype * 2 + (head_dim == 128)][heads/CTA index]
+  const int hpc = rows_heads_per_cta(static_cast<int>(group));
+  const int index = hpc == 1 ? 0 : hpc == 2 ? 1 : hpc == 4 ? 2 : 3;
+  int& ctas = cache[static_cast<int>(dtype) * 2 + (head_dim == 128)][index];
+  if (ctas == 0) ctas = attention_rows_ctas_per_sm(dtype, static_cast<int>(head_dim), static_cast<int>(group));
+  return static_cast<int64_t>(ctas) * num_sms(device);
 }
 
 // Splits of the keys per prefill tile: only when the tiles alone leave SMs idle
@@ -221,7 +243,10 @@ at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   TORCH_CHECK(c.kv_heads * ((group + 7) / 8) < 65536, what, ": too many kv heads");
   const int64_t max_tokens = block_tables.size(1) * c.block_size;
   const int64_t splits = pick_splits(
-      num_splits, choose_splits(rows, q_heads, c.kv_heads, max_tokens, num_sms(q.get_device())), what);
+      num_splits,
+      choose_splits(rows, q_heads, c.kv_heads, max_tokens, num_sms(q.get_device()),
+                    rows_slots(dtype_of(q, "q"), c.head_dim, group, q.get_device())),
+      what);
 
   AttentionRowsArgs a{};
   a.q = q.data_ptr();
@@ -523,9 +548,17 @@ at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, double ep
 }
 
 int64_t decode_splits(int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t max_tokens,
-                      int64_t device_index) {
+                      int64_t device_index, int64_t head_dim, at::ScalarType dtype) {
   TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "q_heads must be a multiple of kv_heads");
-  return choose_splits(rows, q_heads, kv_heads, max_tokens, num_sms(static_cast<int>(device_index)));
+  const int device = static_cast<int>(device_index);
+  return choose_splits(rows, q_heads, kv_heads, max_tokens, num_sms(device),
+                       rows_slots(dtype_of(dtype, "dtype"), head_dim, q_heads / kv_heads, device));
+}
+
+int64_t decode_slots(int64_t q_heads, int64_t kv_heads, int64_t device_index, int64_t head_dim,
+                     at::ScalarType dtype) {
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "q_heads must be a multiple of kv_heads");
+  return rows_slots(dtype_of(dtype, "dtype"), head_dim, q_heads / kv_heads, static_cast<int>(device_index));
 }
 
 int64_t prefill_splits(int64_t total_q, int64_t num_seqs, int64_t q_heads, int64_t kv_heads,
@@ -570,7 +603,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Per-head RMSNorm of [tokens, heads, head_dim], then rotary embedding at each token's position.");
   m.def("decode_splits", &lmpool::decode_splits, py::arg("rows"), py::arg("q_heads"),
         py::arg("kv_heads"), py::arg("max_tokens"), py::arg("device_index"),
+        py::arg("head_dim") = 128, py::arg("dtype") = at::kBFloat16,
         "The split-K factor paged_decode_attention picks for these shapes.");
+  m.def("decode_slots", &lmpool::decode_slots, py::arg("q_heads"), py::arg("kv_heads"),
+        py::arg("device_index"), py::arg("head_dim") = 128, py::arg("dtype") = at::kBFloat16,
+        "CTAs of the decode kernel the device's SMs (this process's share) hold at once.");
   m.def("prefill_splits", &lmpool::prefill_splits, py::arg("total_q"), py::arg("num_seqs"),
         py::arg("q_heads"), py::arg("kv_heads"), py::arg("max_tokens"), py::arg("device_index"),
         "The key split paged_prefill_attention's tensor-core path picks for these shapes.");

@@ -74,6 +74,19 @@ cudaError_t launch_attention_rows_f32(int head_dim, const AttentionRowsArgs& arg
 cudaError_t launch_attention_rows_f16(int head_dim, const AttentionRowsArgs& args, cudaStream_t stream);
 cudaError_t launch_attention_rows_bf16(int head_dim, const AttentionRowsArgs& args, cudaStream_t stream);
 
+// CTAs of the row kernel for (dtype, head_dim, GQA group) one SM holds at once; 0 if unknown.
+int attention_rows_ctas_per_sm_f32(int head_dim, int group);
+int attention_rows_ctas_per_sm_f16(int head_dim, int group);
+int attention_rows_ctas_per_sm_bf16(int head_dim, int group);
+
+inline int attention_rows_ctas_per_sm(DType dtype, int head_dim, int group) {
+  switch (dtype) {
+    case DType::kF32: return attention_rows_ctas_per_sm_f32(head_dim, group);
+    case DType::kF16: return attention_rows_ctas_per_sm_f16(head_dim, group);
+    default: return attention_rows_ctas_per_sm_bf16(head_dim, group);
+  }
+}
+
 inline cudaError_t launch_attention_rows(DType dtype, int head_dim, const AttentionRowsArgs& args,
                                          cudaStream_t stream) {
   switch (dtype) {

@@ -31,8 +31,9 @@ import sys
 from benchmarks.peers import eval_dynamo
 import msgspec
 import pytest
-import zmq
-import zmq.asyncio
+
+zmq = pytest.importorskip("zmq", reason="pyzmq (the dev extra) carries LMPool's KV events to Dynamo")
+import zmq.asyncio  # noqa: E402
 from benchmarks.replay.eval_driver import Arrival, replay
 from benchmarks.peers.eval_policies import DYNAMO
 from benchmarks.replay.eval_settings import Setting
