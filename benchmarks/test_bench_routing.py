@@ -7,9 +7,11 @@ cached on 2 or 3 ranks, added until the table holds 1,000,000 entries. Queries a
 tail, or a complete miss, in equal parts. Every route takes a reservation; the
 ranks' load reports admit them in batches, as workers would, and their stored-block reports
 confirm the admitted requests' pending prefixes (the table itself stays at its 1,000,000
-entries: those blocks are not added to it). Timed per call
-with ``perf_counter_ns`` around ``Router.route`` alone; results go to
-``benchmarks/results/routing_cpu.json`` (or ``LMPOOL_BENCH_JSON``).
+entries: those blocks are not added to it). Timed per call with ``perf_counter_ns``: the
+decision (``Router.decide``, what a request waits for) and, apart, the route's bookkeeping
+after its reply (``Router.record``: reservation, pending prefix, demand), which the control
+process runs before the next route; results go to ``benchmarks/results/routing_cpu.json``
+(or ``LMPOOL_BENCH_JSON``).
 
 Every policy is built as the control process builds it (``lmpool.control.build.assemble``),
 its ranks' step times at the engine model's prior. ``lmpool+pull`` is the LMPool policy with
@@ -133,7 +135,10 @@ class Routes:
                     self.pending.confirm(rank, h)
 
     def route(self, query: RouteQuery):
-        return self.router.route(query)
+        return self.router.decide(query)
+
+    def record(self) -> None:
+        self.router.record()
 
     def between(self, full: bool) -> tuple[list[float], float] | None:
         """One placement pass in the control process's slices: each slice's microseconds, and the
@@ -156,19 +161,22 @@ class Routes:
 
 def run_policy(
     gbm: GlobalBlockManager, policy: str, qs: list[RouteQuery], rng: random.Random
-) -> tuple[list[float], collections.Counter, list[float]]:
-    """Route every query; the microseconds of each after the warm-up, how often each rule
-    decided, and the microseconds of each placement slice and pass."""
+) -> tuple[list[float], list[float], collections.Counter, list[float], list[float]]:
+    """Route every query; the microseconds of each decision and of each record after the
+    warm-up, how often each rule decided, and the microseconds of each placement slice and pass."""
     routes = Routes(gbm, policy)
     pending: list[list[RouteQuery]] = [[] for _ in range(WORLD)]
-    times, slices, passes = [], [], []
+    times, records, slices, passes = [], [], [], []
     rules: collections.Counter = collections.Counter()
     for i, q in enumerate(qs):
         start = time.perf_counter_ns()
         decision = routes.route(q)
-        elapsed = time.perf_counter_ns() - start
+        decided = time.perf_counter_ns()
+        routes.record()
+        recorded = time.perf_counter_ns()
         if i >= WARMUP:
-            times.append(elapsed / 1e3)
+            times.append((decided - start) / 1e3)
+            records.append((recorded - decided) / 1e3)
             rules[decision.reason.split()[0]] += 1
         pending[decision.rank].append(q)
         if i % ADMIT_EVERY == ADMIT_EVERY - 1:  # every rank reports what it admitted (not timed)
@@ -191,7 +199,7 @@ def run_policy(
     routes.end_plans()
     for rank in range(WORLD):
         gbm.update_load(rank, 0, LoadReport(blocks_free=200_000, admitted=[q.request_id for q in pending[rank]]))
-    return times, rules, slices, passes
+    return times, records, rules, slices, passes
 
 
 @pytest.mark.slow
@@ -209,9 +217,10 @@ def test_route_latency_1m_entries():
     gc.freeze()
     load_before = os.getloadavg()[0]
     for policy in (*POLICIES, "lmpool+pull", "lmpool+all"):
-        times, rules, slices, passes = run_policy(gbm, policy, qs, rng)
-        results[policy] = summary(times) | {"rules": dict(rules.most_common())}
-        line = f"{policy:>20}: p50 {results[policy]['p50_us']:7.2f} us  p99 {results[policy]['p99_us']:7.2f} us"
+        times, records, rules, slices, passes = run_policy(gbm, policy, qs, rng)
+        results[policy] = summary(times) | {"record_us": summary(records), "rules": dict(rules.most_common())}
+        line = (f"{policy:>20}: p50 {results[policy]['p50_us']:7.2f} us  p99 {results[policy]['p99_us']:7.2f} us"
+                f"  record p50 {results[policy]['record_us']['p50_us']:6.2f} p99 {results[policy]['record_us']['p99_us']:6.2f}")
         if passes:
             results[policy]["placement_slice_us"] = summary(slices) | {"slices": len(slices)}
             results[policy]["placement_pass_us"] = summary(passes) | {"passes": len(passes)}

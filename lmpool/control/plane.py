@@ -6,7 +6,9 @@ Background placement runs over every remembered chain each ``interval_s`` and ov
 routed ones right after routes (``react``), in slices of ``placement_slice_s`` so that routes
 run between them. With route-time pulls (``lmpool.control.transfers.pull``) a route may open
 a copy plan for the request's prefix; that route's reply waits until the copy has landed or
-aborted, never the routing of others.
+aborted, never the routing of others. A route's bookkeeping (its reservation, pending prefix,
+demand) runs once its reply is written (``Router.record``), so the route latency in ``stats``
+is the decision's.
 
 Invariants: every state change runs as a callback of the one loop, so the page table, router
 and coordinator need no locks; KV bytes never pass through; a gap in a worker's deltas is
@@ -426,7 +428,7 @@ class ControlPlane:
 
     def route_once(self, request: RouteQuery) -> RouteDecision:
         start = time.perf_counter_ns()
-        decision = self.router.route(request)
+        decision = self.router.decide(request)  # recorded once its reply is written (serve's after_reply)
         elapsed_ns = time.perf_counter_ns() - start
         self.route_us[self.route_queries % ROUTE_SAMPLES] = elapsed_ns / 1e3
         self.route_latency.observe(elapsed_ns / 1e9)
@@ -445,6 +447,7 @@ class ControlPlane:
             decision = self.route_once(request)
             if pulls is None or request.request_id not in pulls.waiting:
                 return decision
+            self.router.record()  # its reply waits on the pull: its bookkeeping does not
             waiter = asyncio.get_running_loop().create_future()
             self.pull_waiters[request.request_id] = waiter
             if self.check:
@@ -520,7 +523,7 @@ class ControlPlane:
             if self.policies.background:
                 tasks.append(asyncio.create_task(self.place()))
         try:
-            await Responder(frontend, FrontendToControl, self.handle).serve()
+            await Responder(frontend, FrontendToControl, self.handle, after_reply=self.router.record).serve()
         except IpcError:
             pass  # the frontend died: nothing left to serve
         finally:

@@ -101,6 +101,34 @@ def test_failures_reach_only_the_request_they_concern(pool, run):
     run(main())
 
 
+def test_after_reply_runs_once_each_reply_is_written_failures_included(pool, run):
+    """The hook runs after each reply's frame is in the ring (the channel counted it sent),
+    once per request, for a failed handler too."""
+    link = pool.create_link()
+
+    async def main():
+        async with Channel(link.a) as a, Channel(link.b) as b:
+            sent_at_hook: list[int] = []
+
+            async def handle(req: Square) -> Squared:
+                if req.x < 0:
+                    raise ValueError("negative")
+                return Squared(req.x, req.x * req.x)
+
+            server = asyncio.create_task(
+                Responder(b, Square, handle, after_reply=lambda: sent_at_hook.append(b.stats.sent)).serve())
+            requester = Requester(a, Squared)
+            assert await requester.request(Square(3)) == Squared(3, 9)
+            with pytest.raises(RemoteError):
+                await requester.request(Square(-1))
+            assert await requester.request(Square(4)) == Squared(4, 16)
+            assert sent_at_hook == [1, 2, 3]  # each hook after its own reply was written
+            a.close()
+            await server
+
+    run(main())
+
+
 def test_a_cancelled_request_does_not_disturb_the_others(pool, run):
     link = pool.create_link()
 

@@ -14,7 +14,7 @@ class RecordDemand(RouteStage):
         self.gbm = gbm
         self.evictions = evictions
 
-    def settle(self, route: Route) -> None:
+    def record(self, route: Route) -> None:
         hashes = route.query.block_hashes
         self.gbm.record_route(hashes, max(route.ready), route.ready[route.rank])
         if self.evictions is not None:

@@ -117,7 +117,7 @@ class CountPending(RouteStage):
     def expect(self, route: Route) -> None:
         self.pending.extend_ranks(route.ranks, route.query.block_hashes, route.expected)
 
-    def settle(self, route: Route) -> None:
+    def record(self, route: Route) -> None:
         self.pending.add(route.rank, route.query.block_hashes[route.ready[route.rank]:])
 
     def rank_down(self, rank: int) -> None:

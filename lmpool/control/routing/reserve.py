@@ -18,7 +18,7 @@ class Reserve(RouteStage):
     def __init__(self, gbm: GlobalBlockManager) -> None:
         self.gbm = gbm
 
-    def settle(self, route: Route) -> None:
+    def record(self, route: Route) -> None:
         query, rank = route.query, route.rank
         _, missing, need = request_shape(query, route.expected[rank], self.gbm.block_size)
         blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))

@@ -3,8 +3,10 @@
 The router fills a ``Route`` with the candidates and each rank's ready match; each stage may
 then raise what a rank will hold when the request runs there (``expect``: pending prefixes,
 pulls under way); the policy chooses (a ``Choice``, with its priced candidates if it prices);
-each stage then settles the route in turn (``settle``: steer to a lease, pull, reserve,
-record demand). ``control/build.py`` lists the stages, in that order.
+each stage then settles the route in turn (``settle``: steer to a lease, pull), which ends the
+decision. Once the reply is on its way, each stage records the route (``record``: its pending
+prefix, reservation, demand, placement's chain), always before the next route is decided.
+``control/build.py`` lists the stages, in that order.
 
 Invariants: ``expected[r] >= ready[r]`` for every rank; ``waits[r]`` is set only where
 ``expected[r]`` counts blocks a pull is still bringing; ``rank`` is a candidate once chosen,
@@ -63,7 +65,10 @@ class RouteStage:
         """Before the policy: raise ``route.expected`` (and ``waits``) where a rank will hold more."""
 
     def settle(self, route: Route) -> None:
-        """After the policy: change the choice, or act on it."""
+        """After the policy: change the choice, or act on it (part of the decision)."""
+
+    def record(self, route: Route) -> None:
+        """After the decision, off the reply's path: what later routes must see of this one."""
 
     def rank_down(self, rank: int) -> None:
         """``rank`` died or restarted: forget what this stage held for it."""

@@ -1,12 +1,15 @@
 """The router: picks the rank for a new request with one routing policy (``registry.POLICIES``)
 and the pipeline of stages ``control/build.py`` gives it.
 
-``route`` takes the candidates (alive ranks, within the seed's NVLink group when a seed is
+``decide`` takes the candidates (alive ranks, within the seed's NVLink group when a seed is
 given, else every alive rank), matches the prompt in the page table, lets each stage raise
 what a rank will hold (``expect``), lets the policy choose, and lets each stage settle the
-route (``settle``); see ``lmpool.control.routing.route``. The stages are what every policy
-shares (reservations, demand) and what LMPool's adds (pending prefixes, leases, pulls), so
-comparisons isolate the rule.
+route (``settle``); see ``lmpool.control.routing.route``. ``record`` then lets each stage and
+the policy record it: the control process does so once the reply is written, so a route's
+bookkeeping is not on its reply's path. Invariant: a decided route is recorded before the
+next is decided and before a rank goes down (both record first); ``route`` does both at once.
+The stages are what every policy shares (reservations, demand) and what LMPool's adds (pending
+prefixes, leases, pulls), so comparisons isolate the rule.
 
 A query pinned to a rank (``RouteQuery.pinned``, ``AsyncLMPool.generate(rank=...)``) that is a
 candidate goes there without the policy: its route is priced and settled like any other (its
@@ -40,9 +43,17 @@ class Router:
         self.stages = stages
         # Candidate bitmask -> its ranks, ascending: a handful of masks, met route after route.
         self._ranks_of: dict[int, tuple[int, ...]] = {}
+        self._unrecorded: tuple[Route, bool] | None = None  # the last decided route, and whether pinned
 
     def route(self, query: RouteQuery, seed_rank: int | None = None) -> RouteDecision:
-        """Choose a rank for ``query`` and say why; the stages reserve capacity there."""
+        """Choose a rank for ``query``, say why, and record the route (its reservation there)."""
+        decision = self.decide(query, seed_rank)
+        self.record()
+        return decision
+
+    def decide(self, query: RouteQuery, seed_rank: int | None = None) -> RouteDecision:
+        """Choose a rank for ``query`` and say why; ``record`` (or the next decision) records it."""
+        self.record()
         gbm = self.gbm
         gbm.expire_reservations()
         candidates = self._candidates(seed_rank)
@@ -60,10 +71,21 @@ class Router:
             route.take(self.policy.choose(route))
         for stage in self.stages:
             stage.settle(route)
-        if not pinned:  # a policy's memory of its routes holds its own choices only
-            self.policy.routed(query, route.rank)
+        self._unrecorded = (route, pinned)
         chosen = route.chosen
         return RouteDecision(route.rank, ready[route.rank], route.reason, None if chosen is None else chosen.ttft_s)
+
+    def record(self) -> None:
+        """Record the last decided route, if it is not yet: each stage's bookkeeping, then the
+        policy's memory of its own choices (a pinned route is not one)."""
+        if self._unrecorded is None:
+            return
+        route, pinned = self._unrecorded
+        self._unrecorded = None
+        for stage in self.stages:
+            stage.record(route)
+        if not pinned:
+            self.policy.routed(route.query, route.rank)
 
     def _pin(self, route: Route) -> None:
         """The caller chose the rank: the route is accounted for there (reserved, its demand and
@@ -75,6 +97,7 @@ class Router:
 
     def rank_down(self, rank: int) -> None:
         """``rank`` died: the page table forgets it, and nothing routed there will be computed."""
+        self.record()
         self.gbm.mark_dead(rank)
         for stage in self.stages:
             stage.rank_down(rank)

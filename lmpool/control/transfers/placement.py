@@ -152,7 +152,7 @@ class ObserveChains(RouteStage):
     def __init__(self, chains: HotChains) -> None:
         self.chains = chains
 
-    def settle(self, route: Route) -> None:
+    def record(self, route: Route) -> None:
         self.chains.observe(route.query.block_hashes, max(route.ready))
 
 
