@@ -70,6 +70,8 @@ async def replay(pool, trace, arrival: Arrival, on_done: Callable[[], None] = la
                 "max_tokens": req.max_tokens, "pinned_rank": req.rank, "rank": last.rank,
                 # The rule that chose the rank, without its cost figures: "owner", "spill", ...
                 "route": (getattr(last, "route", None) or "").split(" ", 1)[0] or None,
+                # ... and the whole reason: the priced candidates' figures, to compare term by term.
+                "route_reason": getattr(last, "route", None) or None,
                 # The route's predicted time to first token (a pricing policy's), rounded as the times are.
                 "predicted_ttft_s": _rounded(getattr(last, "predicted_ttft_s", None)),
                 # Submission to hand-over to the rank: the pool's own front end, before any engine.

@@ -67,6 +67,7 @@ def test_trace_order_window_and_phase_barriers():
     assert cols["output_len"] == [3] * 72
     assert cols["pinned_rank"][:36] == cols["rank"][:36]  # warm-up and pressure are pinned
     assert cols["route"] == ["spill" if rank else "pinned" for rank in cols["rank"]], "the rule, not its figures"
+    assert all(reason.startswith(rule) for reason, rule in zip(cols["route_reason"], cols["route"]))
     assert cols["phase"] == [r.phase for r in trace.requests]
     assert all(a <= f <= c for a, f, c in zip(cols["arrival_s"], cols["first_token_s"], cols["completion_s"]))
 
