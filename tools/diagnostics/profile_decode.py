@@ -294,9 +294,8 @@ def attention_splits(llm: LLM, batch: int) -> dict | None:
         return None
     from lmpool.ops import cuda
 
-    graphs = getattr(runner, "graphs", None)
-    sizes = graphs.sizes if graphs is not None else [batch]
-    rows = next((s for s in sizes if s >= batch), batch)
+    graphs = runner.graphs
+    rows = (graphs.padded_size(batch) if graphs is not None else None) or batch
     config = llm.engine.model_config
     width = runner.max_blocks_per_seq * runner.block_size
     index = runner.device.index or 0

@@ -188,13 +188,10 @@ class Pricer:
         next_step = step if seqs else 0.0
         if queued > 0:
             attention = load.prefill_attention + res.attention
-            queue = -(-queued // room) * step + c.prefill_token * queued + c.attention_pair * attention
+            queue = queued_s(c, queued, attention, room, step)
             chunk = min(queued, room)
             next_step = step + c.prefill_token * chunk + c.attention_pair * attention * chunk / queued
-        deferred = 0.0
-        if res.deferred_tokens:
-            deferred = (-(-res.deferred_tokens // room) * step + c.prefill_token * res.deferred_tokens
-                        + c.attention_pair * res.deferred_attention)
+        deferred = queued_s(c, res.deferred_tokens, res.deferred_attention, room, step)
         seat = 0.0
         if seqs >= lim.max_num_seqs:  # k of n finish first after about 2 k / n of their mean left
             seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
@@ -283,6 +280,12 @@ class Pricer:
         sequences' mean decode left (placement's load)."""
         w = self.work(rank)
         return w.queue + (w.step * w.left / w.seqs if w.seqs else 0.0)
+
+
+def queued_s(c: StepCoefficients, tokens: int, attention: int, room: int, step: float) -> float:
+    """Seconds a rank computes ``tokens`` queued prompt tokens (``attention`` pairs) in, ``room``
+    of them a step beside steps of ``step`` seconds; 0 for none."""
+    return -(-tokens // room) * step + c.prefill_token * tokens + c.attention_pair * attention
 
 
 def cheapest(prices: Iterable[RankPrice], tie: float) -> RankPrice:
