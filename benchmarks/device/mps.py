@@ -47,6 +47,17 @@ _POLL_S = 0.05
 
 
 @contextmanager
+def mps_share(clients: int) -> Iterator[dict | None]:
+    """With ``clients`` > 0, ``mps_daemon(clients)`` for the block, so that CUDA started in it
+    runs as one of that many clients (a diagnostic timing one replica's share); else nothing."""
+    if not clients:
+        yield None
+        return
+    with mps_daemon(clients) as mps:
+        yield mps
+
+
+@contextmanager
 def mps_daemon(replicas_per_gpu: int, quit_timeout_s: float | None = None) -> Iterator[dict]:
     """Run an MPS control daemon for the duration of the block; yields what was set up.
 

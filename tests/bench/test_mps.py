@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.device import mps
-from benchmarks.device.mps import mps_daemon
+from benchmarks.device.mps import mps_daemon, mps_share
 
 FAKE = r'''#!{python}
 import os, signal, subprocess, sys, time
@@ -128,6 +128,16 @@ def assert_all_stopped(log: Path, tmp_root: Path) -> None:
     assert [p for p in started(log) if mps._alive(p)] == []
     assert list(tmp_root.iterdir()) == []  # the private pipe and log directories are gone
     assert not any(v in os.environ for v in mps._VARS)
+
+
+def test_a_share_of_one_in_n_runs_the_daemon_and_none_runs_nothing(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS", "clean")
+    with mps_share(0) as info:
+        assert info is None and not any(v in os.environ for v in mps._VARS)
+    assert started(fake) == []
+    with mps_share(4) as info:
+        assert info["enabled"] and os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert_all_stopped(fake, tmp_path / "tmp")
 
 
 def test_clean_quit_sets_and_restores_the_environment(fake, tmp_path, monkeypatch):

@@ -50,6 +50,7 @@ from torch.profiler import ProfilerActivity, profile
 from lmpool import LLM, SamplingParams
 from lmpool.engine.model_runner import PendingTokens
 from lmpool.model.make_model import PRESETS, make_model
+from benchmarks.device.mps import mps_share
 from benchmarks.lib.revision import git_record
 
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of device time
@@ -323,18 +324,6 @@ def path_ratios(rows: list[dict]) -> list[dict]:
             out.append({"norms": norms, "batch": batch,
                         "wall_ratio": r["wall_ms_per_step"] / serial["wall_ms_per_step"]})
     return out
-
-
-@contextlib.contextmanager
-def mps_share(clients: int):
-    """With ``clients`` > 0, an MPS daemon for the block, this process one client of that many."""
-    if not clients:
-        yield None
-        return
-    from benchmarks.device.mps import mps_daemon
-
-    with mps_daemon(clients) as mps:
-        yield mps
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,7 @@ from collections import Counter
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from benchmarks.device.mps import mps_share
 from benchmarks.lib.revision import git_record
 from lmpool import SamplingParams
 from lmpool.config.engine import EngineConfig
@@ -218,12 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         if model is None:
             model = str(Path(tmp) / "model")
             make_model(model, preset=args.preset, seed=args.seed)
-        if args.mps:
-            from benchmarks.device.mps import mps_daemon
-
-            with mps_daemon(args.mps):
-                result = profile(model, args)
-        else:
+        with mps_share(args.mps):
             result = profile(model, args)
     result |= {"args": {k: v for k, v in vars(args).items() if k != "json"}, "git": git_record()}
     for r in result["steps"]:
