@@ -159,25 +159,30 @@ cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(
 // Splits of the keys per row: enough CTAs to keep every SM streaming when few
 // sequences run, but never below kMinPartitionTokens keys per split for the
 // longest row the block table can describe. `slots` is how many CTAs the SMs
-// hold at once (0: unknown).
+// hold at once (0: unknown): a launch runs in waves of that many.
 int64_t choose_splits(int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t max_tokens,
                       int sms, int64_t slots) {
   const int64_t group = q_heads / kv_heads;
   const int64_t heads_per_cta = rows_heads_per_cta(static_cast<int>(group));
   const int64_t base = std::max<int64_t>(1, rows * kv_heads * ((group + heads_per_cta - 1) / heads_per_cta));
-  // On the H200, once (seq, kv head) pairs alone fill ~4 CTAs per SM, extra
-  // splits only add partial-output traffic and a tail: batch 64 x 8 kv heads
-  // gets 2 splits, batch 128 and up none.
+  // Few rows: about six CTAs an SM, so that every SM streams keys. Once (seq,
+  // kv head) pairs alone fill that, extra splits only add partial-output
+  // traffic: batch 128 x 8 kv heads and up get none on the H200.
   const int64_t target = 6LL * sms;
   const int64_t useful = std::max<int64_t>(1, (max_tokens + kMinPartitionTokens - 1) / kMinPartitionTokens);
   const int64_t cap = std::min<int64_t>(useful, 256);
-  const int64_t splits = std::clamp<int64_t>((target + base - 1) / base, 1, cap);
-  if (slots <= 0 || base * splits <= slots) return splits;
-  // More CTAs than the SMs hold: the ones left when the first run out start
-  // late and run nearly alone. A few left over (33 rows x 8 heads on 256
-  // slots) add one whole CTA's time, ~15 % of a 16k-context step under MPS,
-  // where reading the keys at full bandwidth would add 3 %. With at least four
-  // slots' worth of CTAs, whatever is left over is short.
+  int64_t splits = std::clamp<int64_t>((target + base - 1) / base, 1, cap);
+  if (slots <= 0) return splits;
+  // The rows fit one wave: splitting them past it only adds a second wave
+  // (64 rows x 8 heads on the H200's 528 slots: 1 split 0.140 ms, 2 0.147).
+  if (base <= slots && base * splits > slots) splits = std::max<int64_t>(1, slots / base);
+  const int64_t tail = base * splits % slots;
+  if (base * splits <= slots || tail == 0 || 2 * tail > slots) return splits;
+  // A short last wave: its few CTAs start when the rest end and run nearly
+  // alone (33 rows x 8 heads on 128 slots, 32 SMs under MPS, leave 8 CTAs for a
+  // third wave: ~15 % of a 16k-context step, where reading their keys at full
+  // bandwidth would add 3 %). With at least four slots' worth of CTAs, what is left over
+  // is short. A last wave over half full costs less than the splits would.
   return std::clamp<int64_t>((4 * slots + base - 1) / base, splits, std::max(splits, cap));
 }
 

@@ -309,13 +309,17 @@ def test_work_deferred_behind_a_pull_delays_only_a_request_that_waits_on_a_copy_
         pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192), lambda rank: 0.5)
         query = RouteQuery("q", [1, 2], 35, 8)
         priced[deferred] = (pricer.price(query, 0, 0, wait, None).ttft_s, pricer.price(query, 0, 0, 0.0, None).ttft_s)
-    w = pricer.work(0)
-    queue_of_deferred = -(-tokens // w.room) * w.step + COEF.prefill_token * tokens + COEF.attention_pair * tokens * 500
+    w, missing = pricer.work(0), 35
+    assert (w.deferred, w.deferred_work) == (tokens, COEF.prefill_token * tokens + COEF.attention_pair * tokens * 500)
+    # Its prefill packed behind the queue's (deferred or not, all of it), or behind its copy
+    start = w.queue_work + -(-(w.queued + missing) // w.room) * w.first
+    landed_now = wait + -(-missing // w.room) * w.first
+    landed_deferred = wait + w.deferred_work + -(-(tokens + missing) // w.room) * w.first
     (waits_now, plain_now), (waits_deferred, plain_deferred) = priced[False], priced[True]
     assert plain_deferred == plain_now  # no wait of its own: the deferred work is just queued work
     if wait:
         assert waits_deferred >= waits_now
-        assert waits_deferred - waits_now == pytest.approx(max(0.0, wait + queue_of_deferred - max(w.queue, wait)))
+        assert waits_deferred - waits_now == pytest.approx(max(start, landed_deferred) - max(start, landed_now))
     else:
         assert waits_deferred == waits_now
 

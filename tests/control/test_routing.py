@@ -100,9 +100,10 @@ def test_a_rank_is_priced_by_its_queue_its_decodes_and_the_delay_it_causes():
     load(gbm, 0, num_running=4, context_tokens=4000, decode_tokens_left=40, waiting_prefill_tokens=100)
     q = query(chain(10))  # 165 prompt tokens, 16 to generate, nothing cached
     step = COEF.base + 4 * COEF.decode_seq + 4000 * COEF.context_token  # a step beside the 4 decodes
-    queue = step + 100 * COEF.prefill_token
     prefill = 165 * COEF.prefill_token
-    ttft = queue + step + prefill + 2 * step  # ... and the step under way there, and the next, launched with it
+    # The queued 100 tokens and its 165 fit one step together; then the step under way there, and
+    # the next, launched with it.
+    ttft = 100 * COEF.prefill_token + step + prefill + 2 * step
     mine = COEF.decode_seq + COEF.context_token * (165 + 8)  # what it adds to each shared step
     theirs = COEF.decode_seq + COEF.context_token * 1000  # what one of the four adds
     overlap = min(4 * 15, 40)
@@ -311,12 +312,11 @@ def test_a_burst_sharing_a_new_prefix_goes_to_one_owner_until_the_pending_prefix
     second = router.route(query(prefix + chain(1, family=8)))
     assert first.rank == second.rank, "the second request queues behind the first and reuses its prefill"
     assert second.matched_blocks == 0 and second.reason.startswith(f"owner r{first.rank} m20")
-    # It waits for the first's prefill (a step beside the first, reserved), then computes only its
-    # own block and tail (another)
+    # The first's prefill and its own block and tail fit one step together, and nothing decodes
+    # beside them (the first is reserved there, not yet arrived): a step of base cost ...
     first_prefill = 21 * BLOCK + 5
-    step = COEF.base + COEF.decode_seq + COEF.context_token * first_prefill
-    # ... and, the rank busy with the first, the step under way and the next (overlapped stepping).
-    assert second.predicted_ttft_s == pytest.approx(4 * step + COEF.prefill_token * (first_prefill + BLOCK + 5))
+    # ... then, the rank busy with the first, the step under way and the next (overlapped stepping).
+    assert second.predicted_ttft_s == pytest.approx(3 * COEF.base + COEF.prefill_token * (first_prefill + BLOCK + 5))
     clock.now += 5.0
     release_all(gbm)
     load(gbm, first.rank, waiting_prefill_tokens=10_000)  # the producer is still prefilling

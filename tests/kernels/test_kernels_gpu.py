@@ -166,17 +166,23 @@ def test_decode_through_cuda_ops_picks_splits_for_few_long_sequences():
     assert cuda.load_extension().decode_splits(2, 16, 8, tables.shape[1] * 256, 0) > 1
 
 
-def test_a_decode_launch_past_what_the_sms_hold_gets_four_slots_of_ctas():
-    """One row more than the SMs hold at once (8 kv heads, GQA group 2, one CTA a row and head):
-    the CTAs left over would start when the rest end and run alone, so the keys are split until
-    there are at least four slots' worth. A launch that fits keeps the target's split."""
+def test_a_decode_launch_splits_its_keys_by_the_waves_the_sms_run():
+    """The SMs hold ``slots`` CTAs at once (8 kv heads, GQA group 2: one CTA a row and head), so
+    a launch runs in waves of that many. One row more than a wave leaves 8 CTAs to start when the
+    rest end and run alone: the keys are split until there are at least four slots' worth. Rows
+    that fit one wave are not split into a second; a last wave over half full is not split."""
     ext = cuda.load_extension()
     slots = ext.decode_slots(16, 8, 0)
-    assert slots > 0
+    assert slots >= 16
     rows = slots // 8 + 1
     assert rows * 8 * ext.decode_splits(rows, 16, 8, 16384, 0) >= 4 * slots
+    half = slots // 16
+    assert half * 8 * ext.decode_splits(half, 16, 8, 16384, 0) <= slots
+    fuller = slots * 7 // 32  # 1.75 waves of CTAs with one split
+    assert ext.decode_splits(fuller, 16, 8, 16384, 0) == 1
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert ext.decode_splits(1, 16, 8, 16384, 0) == min(64, -(-6 * sms // 8))  # 64: 256 keys a split
+    # 64: 256 keys a split
+    assert ext.decode_splits(1, 16, 8, 16384, 0) == min(64, -(-6 * sms // 8), slots // 8)
     # the split counts this chooses are as correct as any: test_decode_split_k
 
 
