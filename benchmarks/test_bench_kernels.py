@@ -153,7 +153,7 @@ def test_decode(ext, report, copy_gbps, batch, ctx, block_size):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 4, 6, 8, 0])
-@pytest.mark.parametrize("batch,ctx", [(64, 2048), (64, 4096), (128, 2048), (256, 2048)])
+@pytest.mark.parametrize("batch,ctx", [(64, 2048), (64, 4096), (128, 2048), (256, 2048), (67, 8192)])
 def test_decode_split_sweep(ext, report, copy_gbps, batch, ctx, num_splits):
     """The split-K factor against bandwidth; 0 is the automatic choice."""
     q, k_cache, v_cache, tables, lens = _decode_inputs(batch, ctx, 256)
@@ -172,10 +172,15 @@ def test_decode_few_long_sequences(ext, report, copy_gbps, batch):
     q, k_cache, v_cache, tables, lens = _decode_inputs(batch, ctx, block_size)
     auto_ms = time_ms(lambda: ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1))
     one_ms = time_ms(lambda: ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, 1))
+    # The few-rows target alone (about six CTAs an SM), which may pass one wave of the SMs' slots
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    target = min(ctx // 256, -(-6 * sms // (batch * KV_HEADS)))
+    target_ms = time_ms(lambda: ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, target))
     gbps = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2 / (auto_ms * 1e-3) / GB
     _record(report, "decode_long", {
         "batch": batch, "ctx": ctx, "splits": ext.decode_splits(batch, Q_HEADS, KV_HEADS, ctx, 0),
         "ms": auto_ms, "frac_copy": gbps / copy_gbps, "no_split_ms": one_ms, "split_speedup": one_ms / auto_ms,
+        "target_splits": target, "target_ms": target_ms, "slots": ext.decode_slots(Q_HEADS, KV_HEADS, 0),
     })
 
 
