@@ -312,9 +312,9 @@ def test_work_deferred_behind_a_pull_delays_only_a_request_that_waits_on_a_copy_
     w, missing = pricer.work(0), 35
     assert (w.deferred, w.deferred_work) == (tokens, COEF.prefill_token * tokens + COEF.attention_pair * tokens * 500)
     # Its prefill packed behind the queue's (deferred or not, all of it), or behind its copy
-    start = w.queue_work + -(-(w.queued + missing) // w.room) * w.first
-    landed_now = wait + -(-missing // w.room) * w.first
-    landed_deferred = wait + w.deferred_work + -(-(tokens + missing) // w.room) * w.first
+    start = w.queue_work + -(-(w.queued + missing) // w.room) * w.step
+    landed_now = wait + -(-missing // w.room) * w.step
+    landed_deferred = wait + w.deferred_work + -(-(tokens + missing) // w.room) * w.step
     (waits_now, plain_now), (waits_deferred, plain_deferred) = priced[False], priced[True]
     assert plain_deferred == plain_now  # no wait of its own: the deferred work is just queued work
     if wait:

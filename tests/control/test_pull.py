@@ -144,9 +144,9 @@ def test_a_request_routed_to_a_pull_s_destination_waits_behind_the_work_deferred
     rig.gbm.admissible(first)  # as if that work could start now: the larger of wait and queue
     level = pricer.price(query, 1, m, pull.estimate_s, None).ttft_s
     w = pricer.work(1)  # the same work, now counted as queued: packed with the later one's in its steps
-    packed = w.queue_work + -(-(w.queued + 1) // w.room) * w.first
+    packed = w.queue_work + -(-(w.queued + 1) // w.room) * w.step
     assert behind > level
-    assert behind - level == pytest.approx(pull.estimate_s + packed - max(packed, pull.estimate_s + w.first))
+    assert behind - level == pytest.approx(pull.estimate_s + packed - max(packed, pull.estimate_s + w.step))
 
 
 def test_an_aborted_pull_releases_its_waiters_to_recompute_and_leaves_nothing_in_flight():

@@ -21,7 +21,7 @@ from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 
 PEERS_DIGEST = "aa52d3175df3fd43521e5fec92dbb5567ca666119688db0a4ed0bcd68482d7f3"
-LMPOOL_DIGEST = "d45e86ab1d94f9bb264441396c06313c76fdee5e01949cd0e9e11d5184bf62b7"
+LMPOOL_DIGEST = "129c5d45680fa5b4b69f2f7065df46e0066acd83dead2208baa15c3a34583684"
 
 
 class Clock:

@@ -312,11 +312,12 @@ def test_a_burst_sharing_a_new_prefix_goes_to_one_owner_until_the_pending_prefix
     second = router.route(query(prefix + chain(1, family=8)))
     assert first.rank == second.rank, "the second request queues behind the first and reuses its prefill"
     assert second.matched_blocks == 0 and second.reason.startswith(f"owner r{first.rank} m20")
-    # The first's prefill and its own block and tail fit one step together, and nothing decodes
-    # beside them (the first is reserved there, not yet arrived): a step of base cost ...
+    # The first's prefill and its own block and tail fit one step together (a step beside the
+    # first, reserved) ...
     first_prefill = 21 * BLOCK + 5
+    step = COEF.base + COEF.decode_seq + COEF.context_token * first_prefill
     # ... then, the rank busy with the first, the step under way and the next (overlapped stepping).
-    assert second.predicted_ttft_s == pytest.approx(3 * COEF.base + COEF.prefill_token * (first_prefill + BLOCK + 5))
+    assert second.predicted_ttft_s == pytest.approx(3 * step + COEF.prefill_token * (first_prefill + BLOCK + 5))
     clock.now += 5.0
     release_all(gbm)
     load(gbm, first.rank, waiting_prefill_tokens=10_000)  # the producer is still prefilling

@@ -6,27 +6,25 @@ A rank's in-flight work is its last load report plus its route reservations: ``n
 pairs). With the rank's step coefficients (base, per prefill token, per attention pair, per
 decoding sequence, per context token), a step beside the decodes costs
 ``step = base + seq * n + tok * ctx``, and takes at most ``room = chunk - n`` prefill tokens.
-Before a request's first token, though, only what the worker holds now (its load report: ``n0``
-sequences, ``ctx0`` tokens) decodes beside the prefill: the reserved requests, routed there but
-not yet arrived, are prefilling in those steps, not decoding, so ``first = base + seq * n0 + tok *
-ctx0``. For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` to compute
+(The requests routed there before it arrive there before it too, so its steps count them.)
+For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` to compute
 (``a`` attention pairs) and ``M`` tokens to generate:
 
     queue  = ceil(W / room) * step + prefill_token * W + attention_pair * Aw     (0 when W = 0)
-    start  = ceil((W + p) / room) * first + prefill_token * W + attention_pair * Aw
+    start  = ceil((W + p) / room) * step + prefill_token * W + attention_pair * Aw
              # the queued prefill and the request's own are packed into the same steps: a short
              # prompt behind a short queue shares its step (a burst's questions do)
     own    = prefill_token * p + attention_pair * a
     seat   = the wait for a free sequence slot when n >= max_num_seqs
     room_s = the wait for blocks when the rank lacks them now: until enough of its running
              sequences finish to release the shortfall (each holding its share of the used blocks)
-    busy   = first when anything runs there: the step under way, which a new request waits for;
+    busy   = step when anything runs there: the step under way, which a new request waits for;
              two steps when the rank steps overlapped (``async_scheduling``): the step after it
              is already launched when the request arrives, so its first step is the one after
-    ttft   = max(start, wait + deferred, room_s + ceil(p / room) * first) + own + seat + busy
+    ttft   = max(start, wait + deferred, room_s + ceil(p / room) * step) + own + seat + busy
              # wait: a copy the request waits on (a pull); deferred: that wait, then the reserved
              # work there that waits on pulls too (``D`` of the ``W`` tokens, ``Ad`` of the pairs)
-             # packed with the request's own, as in ``start``: ``ceil((D + p) / room) * first +
+             # packed with the request's own, as in ``start``: ``ceil((D + p) / room) * step +
              # prefill_token * D + attention_pair * Ad`` (counted only when the request waits on
              # a copy: such work starts once the copies land)
     decode = (M - 1) * (base + mine) + overlap * theirs
@@ -134,7 +132,6 @@ class RankWork(NamedTuple):
     holders: int  # sequences holding blocks: running, and routed here (reserved) but not yet admitted
     held: int  # the blocks they hold or have reserved, released as they finish
     drain: float  # seconds until a sequence's mean decode left is done
-    first: float  # a step before a first token there: what the worker holds now decodes beside it
     queued: int  # W: prompt tokens queued to prefill
     queue_work: float  # their prefill and attention seconds, without the steps they take
     deferred: int  # D: those of the W whose requests wait on pulls (start once they land)
@@ -194,17 +191,15 @@ class Pricer:
         ctx = load.context_tokens + res.context
         left = load.decode_tokens_left + res.decode
         step = c.base + c.decode_seq * n + c.context_token * ctx
-        held_now = min(load.num_running + load.num_waiting, lim.max_num_seqs)
-        first = c.base + c.decode_seq * held_now + c.context_token * load.context_tokens
         room = max(1, lim.max_num_batched_tokens - n)
         queued = load.waiting_prefill_tokens + res.tokens
         attention = load.prefill_attention + res.attention
         queue_work = c.prefill_token * queued + c.attention_pair * attention
         queue = queue_work + -(-queued // room) * step
-        next_step = first if seqs else 0.0
+        next_step = step if seqs else 0.0
         if queued > 0:
             chunk = min(queued, room)
-            next_step = first + c.prefill_token * chunk + c.attention_pair * attention * chunk / queued
+            next_step = step + c.prefill_token * chunk + c.attention_pair * attention * chunk / queued
         deferred = res.deferred_tokens
         deferred_work = c.prefill_token * deferred + c.attention_pair * res.deferred_attention
         seat = 0.0
@@ -212,11 +207,11 @@ class Pricer:
             seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
         theirs = c.decode_seq + c.context_token * ctx / n if n else 0.0
         free = load.blocks_free - res.blocks
-        busy = (2.0 * first if lim.overlapped else first) if seqs else 0.0
+        busy = (2.0 * step if lim.overlapped else step) if seqs else 0.0
         drain = (left / seqs) * step if seqs else 0.0
         return RankWork((load, c, res.version), c, seqs, n, left, step, room, queue, seat, theirs, free,
                         free + load.blocks_reclaimable, busy, next_step, load.num_running + res.count,
-                        load.blocks_used + res.blocks, drain, first, queued, queue_work, deferred, deferred_work)
+                        load.blocks_used + res.blocks, drain, queued, queue_work, deferred, deferred_work)
 
     def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None,
               arriving: int = 0) -> RankPrice:
@@ -233,7 +228,7 @@ class Pricer:
                    arriving: int) -> RankPrice:
         """``price_terms`` from ``rank``'s work ``w`` (``work(rank)``, read this route): a caller
         that reads the work for more than the price reads it once."""
-        (_, c, seqs, n, left, _, room, _, seat, theirs, free, available, busy, _, _, held, _, first, queued,
+        (_, c, seqs, n, left, step, room, _, seat, theirs, free, available, busy, _, _, held, _, queued,
          queue_work, deferred, deferred_work) = w
         base, prefill_token, attention_pair, decode_seq, context_token = c  # one unpack, not a lookup per use
         prompt, out = q.prompt, q.out
@@ -243,10 +238,10 @@ class Pricer:
         # candidate of every route runs it, and two calls cost more than the sums.
         cached = prompt - missing
         prefill = prefill_token * missing + attention_pair * (missing * cached + missing * (missing + 1) // 2)
-        own_steps = -(-missing // room) * first
-        start = queue_work + -(-(queued + missing) // room) * first  # its prefill packed behind the queue's
+        own_steps = -(-missing // room) * step
+        start = queue_work + -(-(queued + missing) // room) * step  # its prefill packed behind the queue's
         if wait_s:  # a copy first, then the others waiting on pulls, packed with its own
-            landed = wait_s + (deferred_work + -(-(deferred + missing) // room) * first if deferred else own_steps)
+            landed = wait_s + (deferred_work + -(-(deferred + missing) // room) * step if deferred else own_steps)
             if landed > start:
                 start = landed
         if need > available and held:
