@@ -251,6 +251,7 @@ def test_route_latency_1m_entries():
             "python": platform.python_version(),
             "machine": platform.machine(),
             "processor": platform.processor(),
+            "cpu_model": _cpu_model(),  # absolute figures differ across CPUs several-fold
             "cpus": os.cpu_count(),
             # Other processes share the machine: the 1-minute load average around the timed runs.
             "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -268,3 +269,15 @@ def summary(micros: list[float]) -> dict:
     ordered = sorted(micros)
     return {"p50_us": round(percentile(ordered, 0.50), 2), "p99_us": round(percentile(ordered, 0.99), 2),
             "max_us": round(ordered[-1], 2), "mean_us": round(statistics.fmean(ordered), 2)}
+
+
+def _cpu_model() -> str:
+    """The CPU's model name where the system says it (Linux), else the platform's processor."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
