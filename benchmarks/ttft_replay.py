@@ -1,0 +1,139 @@
+"""Re-price recorded requests' time to first token with the pricing as it is now, against the
+state their run's records show at each route: how good the price's formula is, apart from how
+stale the control plane's view was when it priced.
+
+At a request's route (its arrival plus its front-end wait, ``dispatch_s``), the requests of its
+rank that had a first token and were not done are running (their prompt and half their output as
+context, the rest of their output to decode); those routed there before it without a first
+token yet are reserved, as the route stage reserves them (their uncached prompt tokens to
+prefill). Each rank is priced by the step fit its run ended with (``rank_stats[].step_fit``).
+Routes that opened a pull are left out (their copy's wait is not in the records); a later
+request that waited on that pull is answered once the copy lands, so ``dispatch_s`` holds its
+wait and it is measured from then, against a replayed price without the wait. Printed per
+run: the share of requests whose priced time is within 25 % of the measured time from the route
+to the first token, and the median priced / measured, for the recorded prices and the replay.
+
+    python -m benchmarks.ttft_replay benchmarks/results/eval_h200_0.6b_hot_context_16k.json [--phase burst]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Iterable
+
+from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.pricing.price import Limits, Pricer, attention_pairs, request_shape
+from lmpool.control.pricing.step_model import StepCoefficients
+from lmpool.control.topology import Topology
+from lmpool.protocol import LoadReport, RouteQuery
+from lmpool.protocol.kv_events import KVSnapshot
+
+BLOCKS = 1 << 20  # every rank's capacity in the replay: room is not what it prices
+
+
+class FixedFits:
+    """An engine model of fixed coefficients per rank (what ``Pricer`` reads of one)."""
+
+    def __init__(self, fits: dict[int, StepCoefficients]) -> None:
+        self.fits = fits
+
+    def coefficients(self, rank: int) -> StepCoefficients:
+        return self.fits[rank]
+
+
+def coefficients(fit: dict) -> StepCoefficients:
+    """A rank's ``step_fit`` record as step coefficients (seconds)."""
+    return StepCoefficients(fit["base_ms"] * 1e-3, fit["prefill_us_per_token"] * 1e-6,
+                            fit["attention_ns_per_pair"] * 1e-9, fit["decode_us_per_seq"] * 1e-6,
+                            fit["context_us_per_token"] * 1e-6)
+
+
+def requests(run: dict) -> list[dict]:
+    """The run's request records as dicts, in the order they were routed."""
+    cols = run["requests"]
+    rows = [{k: cols[k][i] for k in cols} for i in range(len(cols["index"]))]
+    for r in rows:
+        r["routed_s"] = r["arrival_s"] + (r.get("dispatch_s") or 0.0)
+    return sorted(rows, key=lambda r: r["routed_s"])
+
+
+def replay_run(run: dict, limits: Limits, phase: str | None = None) -> list[tuple[float, float]]:
+    """(recorded, replayed) priced over measured time to first token of ``run``'s priced requests."""
+    fits = {s["rank"]: coefficients(s["step_fit"]) for s in run["rank_stats"] if s.get("step_fit")}
+    rows = requests(run)
+    out = []
+    for i, r in enumerate(rows):
+        measured = r["first_token_s"] - r["routed_s"]
+        if (r.get("predicted_ttft_s") is None or measured <= 0 or r["rank"] not in fits
+                or (phase and r.get("phase") != phase) or str(r.get("route", "")).startswith("pull")):
+            continue
+        replayed = price_at(rows[:i], r, fits, limits)
+        recorded = r["predicted_ttft_s"] - (r.get("dispatch_s") or 0.0)
+        out.append((recorded / measured, replayed / measured))
+    return out
+
+
+def price_at(earlier: Iterable[dict], r: dict, fits: dict[int, StepCoefficients], limits: Limits) -> float:
+    """``r``'s time to first token on its rank, priced against what ``earlier`` requests left there."""
+    t, rank, block = r["routed_s"], r["rank"], limits.block_size
+    gbm = GlobalBlockManager(1, block)
+    gbm.register_rank(0, 1, BLOCKS)
+    gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
+    running = context = left = 0
+    reserved = []
+    for e in earlier:
+        if e["rank"] != rank or e["completion_s"] <= t:
+            continue
+        if e["first_token_s"] <= t:
+            running += 1
+            context += e["prompt_len"] + e["output_len"] // 2
+            left += e["output_len"] - e["output_len"] // 2
+        else:
+            reserved.append(e)
+    gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=context, decode_tokens_left=left,
+                                     blocks_free=BLOCKS))
+    for k, e in enumerate(reserved):
+        missing = e["prompt_len"] - e["num_cached_tokens"]
+        gbm.reserve(f"r{k}", 0, 0, missing, attention_pairs(missing, e["num_cached_tokens"]), e["prompt_len"],
+                    max(1, e["max_tokens"]))
+    pricer = Pricer(gbm, Topology.virtual(1), FixedFits({0: fits[rank]}), limits, lambda _: 0.0)
+    query = RouteQuery("q", [], r["prompt_len"], r["max_tokens"])
+    m, _, _ = request_shape(query, r["num_cached_tokens"] // block, block)
+    return pricer.price(query, 0, m, 0.0, None).ttft_s
+
+
+def within(ratios: list[float], tolerance: float = 0.25) -> float:
+    return sum(1 - tolerance <= x <= 1 + tolerance for x in ratios) / len(ratios)
+
+
+def summary(pairs: list[tuple[float, float]]) -> dict:
+    recorded, replayed = [p[0] for p in pairs], [p[1] for p in pairs]
+    return {"requests": len(pairs), "recorded_25pct": within(recorded), "replayed_25pct": within(replayed),
+            "recorded_median": statistics.median(recorded), "replayed_median": statistics.median(replayed)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--policy", default="lmpool")
+    ap.add_argument("--phase", default=None, help="only requests of this phase (say, burst)")
+    args = ap.parse_args(argv)
+    for path in args.files:
+        data = json.load(open(path))
+        config = data["metadata"]["config"]
+        limits = Limits(config["block_size"], config["max_num_seqs"], config["max_num_batched_tokens"])
+        for run in data["runs"]:
+            if run["policy"] != args.policy or run.get("status", "ok") != "ok":
+                continue
+            pairs = replay_run(run, limits, args.phase)
+            if pairs:
+                s = summary(pairs)
+                print(f"{run['workload']} rep {run['rep']}: {s['requests']} requests, within 25 %: recorded "
+                      f"{s['recorded_25pct']:.2f}, replayed {s['replayed_25pct']:.2f}; median priced/measured "
+                      f"{s['recorded_median']:.2f} / {s['replayed_median']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

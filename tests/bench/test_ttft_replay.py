@@ -1,0 +1,56 @@
+"""The TTFT replay (``benchmarks/ttft_replay.py``) prices recorded requests against the state the
+records show at their routes, with the pricing as it is."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.ttft_replay import main, replay_run
+from lmpool.control.pricing.price import Limits
+
+BLOCK = 16
+FIT = {"base_ms": 2.0, "prefill_us_per_token": 30.0, "attention_ns_per_pair": 0.0, "decode_us_per_seq": 40.0,
+       "context_us_per_token": 0.1}
+LIMITS = Limits(BLOCK, 64, 8192)
+
+
+def record(arrival: float, first: float, done: float, prompt: int, cached: int, route: str = "owner",
+           predicted: float = 0.01) -> dict:
+    return {"index": 0, "phase": "burst", "rank": 0, "arrival_s": arrival, "dispatch_s": 0.0,
+            "first_token_s": first, "completion_s": done, "prompt_len": prompt, "num_cached_tokens": cached,
+            "output_len": 8, "max_tokens": 8, "route": route, "predicted_ttft_s": predicted}
+
+
+def run_of(rows: list[dict]) -> dict:
+    cols = {k: [r[k] for r in rows] for k in rows[0]}
+    return {"workload": "w", "rep": 0, "policy": "lmpool", "requests": cols,
+            "rank_stats": [{"rank": 0, "step_fit": FIT}]}
+
+
+def test_a_request_on_an_idle_rank_is_priced_one_step_and_its_prefill():
+    (ratio,) = replay_run(run_of([record(0.0, 0.1, 0.2, 5 * BLOCK + 1, 5 * BLOCK)]), LIMITS)
+    step, prefill = 2e-3, 30e-6 * 1  # the last prompt token is computed
+    assert ratio[0] == pytest.approx(0.01 / 0.1)
+    assert ratio[1] == pytest.approx((step + prefill) / 0.1)
+
+
+def test_a_request_behind_one_without_a_first_token_shares_its_step_and_waits_for_the_steps_under_way():
+    rows = [record(0.0, 0.5, 0.9, 64, 0), record(0.01, 0.5, 0.9, 32, 0), record(0.02, 0.5, 0.9, 16, 0, "pull r0")]
+    first, second = replay_run(run_of(rows), LIMITS)  # the pull-routed one is left out
+    assert first[1] == pytest.approx((2e-3 + 30e-6 * 64) / 0.5)
+    # The first is reserved there (its prompt as context): the two prefills packed into one step,
+    # then the step under way and the next (overlapped stepping).
+    step = 2e-3 + 40e-6 + 0.1e-6 * 64
+    assert second[1] == pytest.approx((3 * step + 30e-6 * (64 + 32)) / 0.49)
+
+
+def test_the_command_prints_each_run_s_shares(tmp_path, capsys):
+    import json
+
+    rows = [record(0.0, 0.1, 0.2, 64, 0), record(0.01, 0.2, 0.3, 64, 0)]
+    data = {"metadata": {"config": {"block_size": BLOCK, "max_num_seqs": 64, "max_num_batched_tokens": 8192}},
+            "runs": [run_of(rows) | {"status": "ok"}]}
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(data))
+    main([str(path)])
+    assert "w rep 0: 2 requests, within 25 %: recorded" in capsys.readouterr().out
