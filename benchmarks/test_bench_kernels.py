@@ -184,6 +184,25 @@ def test_decode_few_long_sequences(ext, report, copy_gbps, batch):
     })
 
 
+@pytest.mark.parametrize("rows,prefix", [(8, 16384), (32, 16384), (64, 16384), (32, 32768), (32, 2048)])
+def test_cascade_decode(ext, report, rows, prefix):
+    """Rows sharing one cached document (a burst's questions about it), each with its own 64
+    keys after it: the prefix read once for all rows on tensor cores against every row reading
+    it (``paged_decode_attention`` over the same tables)."""
+    from tests.kernels.cascade_cases import cascade_case
+
+    gen = torch.Generator().manual_seed(rows)
+    case = cascade_case([(prefix // 256, [64] * rows)], 256, Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE, gen, "cuda")
+    scale = HEAD_DIM**-0.5
+    cascade_ms = time_ms(lambda: ext.cascade_decode_attention(*case.cascade_args(), scale))
+    decode_ms = time_ms(lambda: ext.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                                           case.context_lens, scale))
+    _record(report, "cascade_decode", {
+        "rows": rows, "prefix": prefix, "own": 64, "cascade_ms": cascade_ms, "decode_ms": decode_ms,
+        "speedup": decode_ms / cascade_ms,
+    })
+
+
 @pytest.fixture(scope="module")
 def kv_cache():
     # 192 blocks of Qwen3-0.6B: 28 layers x {K, V} x 512 KiB per block = 5.6 GB.

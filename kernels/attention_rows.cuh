@@ -10,7 +10,10 @@
 // shared memory. No barrier in the main loop: warps stream independently.
 //
 // With more than one split (flash-decoding), each split writes its normalized
-// partial output and log2-sum-exp; `combine_splits_kernel` merges them.
+// partial output and log2-sum-exp; `combine_splits_kernel` merges them. In a
+// cascade (cascade_decode_attention), a row attends only to its keys from
+// kv_start[row] on, and the merge also takes the slots its shared prefix's pass
+// (the tensor-core prefill kernel, over the group's rows at once) wrote.
 //
 // The split count is fixed by the host from shapes alone (no device->host
 // read), and each row sizes its partitions from its own length on the device,
@@ -85,9 +88,11 @@ __global__ void __launch_bounds__(kRowsThreads)
 
   int seq, kv_len;
   locate_row(a, row, seq, kv_len);
-  const int part = partition_tokens<kTile>(kv_len, a.num_splits);
-  const int start = split * part;
+  const int first = a.kv_start == nullptr ? 0 : min(kv_len, max(0, __ldg(a.kv_start + row)));
+  const int part = partition_tokens<kTile>(kv_len - first, a.num_splits);
+  const int start = first + split * part;
   const int end = min(kv_len, start + part);
+  const bool partial = a.split_stride > 1;
 
   const int tid = threadIdx.x;
   const int lane = tid % kLanes;  // which 16-byte slice of head_dim
@@ -95,9 +100,9 @@ __global__ void __launch_bounds__(kRowsThreads)
   const int64_t out_row = (int64_t)row * a.q_heads;
 
   if (start >= end) {  // nothing to attend to in this split
-    if (a.num_splits > 1) {
+    if (partial) {
       if (tid < heads_here)
-        a.partial_lse[(out_row + q_head0 + tid) * a.num_splits + split] = -INFINITY;
+        a.partial_lse[(out_row + q_head0 + tid) * a.split_stride + split] = -INFINITY;
     } else {
       T* out = static_cast<T*>(a.out);
       for (int i = tid; i < heads_here * D; i += kRowsThreads)
@@ -249,11 +254,11 @@ __global__ void __launch_bounds__(kRowsThreads)
     // start < end guarantees one key, so sum >= 1 here.
     const float value = o / sum;
     const int64_t rh = out_row + q_head0 + h;
-    if (a.num_splits == 1) {
+    if (!partial) {
       static_cast<T*>(a.out)[rh * D + d] = float_to<T>(value);
     } else {
-      a.partial_out[(rh * a.num_splits + split) * D + d] = value;
-      if (d == 0) a.partial_lse[rh * a.num_splits + split] = row_max + log2f(sum);
+      a.partial_out[(rh * a.split_stride + split) * D + d] = value;
+      if (d == 0) a.partial_lse[rh * a.split_stride + split] = row_max + log2f(sum);
     }
   }
 }
@@ -264,9 +269,9 @@ cudaError_t launch_rows(const AttentionRowsArgs& a, cudaStream_t stream) {
   const dim3 grid(a.num_rows, a.kv_heads * ceil_div(group, GT), a.num_splits);
   attention_rows_kernel<T, D, GT><<<grid, kRowsThreads, 0, stream>>>(a);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || a.num_splits == 1) return err;
+  if (err != cudaSuccess || a.split_stride <= 1) return err;
   return launch_combine_splits<T, D>(a.partial_out, a.partial_lse, a.out, a.num_rows, a.q_heads,
-                                     a.num_splits, stream);
+                                     a.split_stride, stream);
 }
 
 // The kernel instance for (T, head_dim, GQA group): calls f(RowsKernel<T, D, GT>{}), so the

@@ -236,6 +236,72 @@ int64_t prefill_tiles(int64_t total_q, int64_t num_seqs, int64_t tokens_per_tile
   return (total_q + num_seqs * (tokens_per_tile - 1)) / tokens_per_tile;
 }
 
+// The row kernel's arguments for `q` over the cache, these tables and lengths: all but the
+// query layout, the outputs and the splits.
+AttentionRowsArgs rows_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            const CacheShape& c, double scale) {
+  AttentionRowsArgs a{};
+  a.q = q.data_ptr();
+  a.q_row_stride = q.stride(0);
+  a.q_head_stride = q.stride(1);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = block_tables.data_ptr<int>();
+  a.block_table_stride = block_tables.stride(0);
+  a.context_lens = context_lens.data_ptr<int>();
+  a.num_rows = static_cast<int>(q.size(0));
+  a.num_seqs = static_cast<int>(block_tables.size(0));
+  a.q_heads = static_cast<int>(q.size(1));
+  a.kv_heads = static_cast<int>(c.kv_heads);
+  a.block_size = static_cast<int>(c.block_size);
+  a.block_shift = block_shift(c.block_size);
+  a.max_blocks = static_cast<int>(block_tables.size(1));
+  a.scale_log2 = static_cast<float>(scale * kLog2E);
+  return a;
+}
+
+// The tensor-core prefill kernel's arguments for the `total_q` query tokens of `q` in the
+// sequences `query_start_loc` bounds, over the cache, these tables and lengths, causal: all
+// but the outputs and the splits.
+PrefillArgs prefill_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens,
+                         const at::Tensor& query_start_loc, const CacheShape& c, double scale,
+                         int64_t total_q, const char* what) {
+  const int64_t num_seqs = block_tables.size(0), group = q.size(1) / c.kv_heads;
+  PrefillArgs a{};
+  a.q = q.data_ptr();
+  a.q_row_stride = q.stride(0);
+  a.q_head_stride = q.stride(1);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = block_tables.data_ptr<int>();
+  a.block_table_stride = block_tables.stride(0);
+  a.context_lens = context_lens.data_ptr<int>();
+  a.query_start_loc = query_start_loc.data_ptr<int>();
+  a.num_seqs = static_cast<int>(num_seqs);
+  a.q_heads = static_cast<int>(q.size(1));
+  a.kv_heads = static_cast<int>(c.kv_heads);
+  a.block_size = static_cast<int>(c.block_size);
+  a.block_shift = block_shift(c.block_size);
+  a.max_blocks = static_cast<int>(block_tables.size(1));
+  a.tokens_per_tile = static_cast<int>(kPrefillRows / group);
+  const int64_t tiles = prefill_tiles(total_q, num_seqs, a.tokens_per_tile);
+  TORCH_CHECK(tiles < INT_MAX && c.kv_heads < 65536, what, ": batch too large");
+  a.num_tiles = static_cast<int>(tiles);
+  a.total_q = static_cast<int>(total_q);
+  a.causal = 1;
+  a.scale_log2 = static_cast<float>(scale * kLog2E);
+  return a;
+}
+
+// Whether q's dtype, layout and device let the tensor-core prefill kernel run for a GQA group.
+bool tensor_cores_fit(const at::Tensor& q, int64_t group) {
+  return dtype_of(q, "q") != DType::kF32 && group <= kPrefillRows &&
+         device_attribute(cudaDevAttrComputeCapabilityMajor, q.get_device()) >= 8 && q.stride(0) % 8 == 0 &&
+         q.stride(1) % 8 == 0 && is_aligned16(q);
+}
+
 at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& context_lens,
                     const at::Tensor* query_start_loc, const CacheShape& c, double scale,
@@ -253,29 +319,13 @@ at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                     rows_slots(dtype_of(q, "q"), c.head_dim, group, q.get_device())),
       what);
 
-  AttentionRowsArgs a{};
-  a.q = q.data_ptr();
-  a.q_row_stride = q.stride(0);
-  a.q_head_stride = q.stride(1);
-  a.k_cache = k_cache.data_ptr();
-  a.v_cache = v_cache.data_ptr();
-  a.block_tables = block_tables.data_ptr<int>();
-  a.block_table_stride = block_tables.stride(0);
-  a.context_lens = context_lens.data_ptr<int>();
+  AttentionRowsArgs a = rows_args(q, k_cache, v_cache, block_tables, context_lens, c, scale);
   a.query_start_loc = query_start_loc ? query_start_loc->data_ptr<int>() : nullptr;
   a.out = out.data_ptr();
   const SplitWorkspace workspace(q, rows, splits, c.head_dim);
   a.partial_out = workspace.out_ptr();
   a.partial_lse = workspace.lse_ptr();
-  a.num_rows = static_cast<int>(rows);
-  a.num_seqs = static_cast<int>(block_tables.size(0));
-  a.q_heads = static_cast<int>(q_heads);
-  a.kv_heads = static_cast<int>(c.kv_heads);
-  a.block_size = static_cast<int>(c.block_size);
-  a.block_shift = block_shift(c.block_size);
-  a.max_blocks = static_cast<int>(block_tables.size(1));
-  a.num_splits = static_cast<int>(splits);
-  a.scale_log2 = static_cast<float>(scale * kLog2E);
+  a.num_splits = a.split_stride = static_cast<int>(splits);
   check_launch(launch_attention_rows(dtype_of(q, "q"), static_cast<int>(c.head_dim), a,
                                      current_stream()),
                what);
@@ -313,48 +363,102 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   TORCH_CHECK(num_splits >= 0, "num_splits must be >= 0 (0 picks one), got ", num(num_splits));
 
   const DType dtype = dtype_of(q, "q");
-  const bool tensor_cores = use_tensor_cores && dtype != DType::kF32 && group <= kPrefillRows &&
-                            device_attribute(cudaDevAttrComputeCapabilityMajor, q.get_device()) >= 8 && q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 &&
-                            is_aligned16(q);
-  if (!tensor_cores)
+  if (!use_tensor_cores || !tensor_cores_fit(q, group))
     return run_rows(q, k_cache, v_cache, block_tables, context_lens, &query_start_loc, c, scale, num_splits,
                     "paged_attention");
 
   auto out = at::empty({total_q, q_heads, c.head_dim}, q.options());
   if (total_q == 0) return out;
-  PrefillArgs a{};
-  a.q = q.data_ptr();
-  a.q_row_stride = q.stride(0);
-  a.q_head_stride = q.stride(1);
-  a.k_cache = k_cache.data_ptr();
-  a.v_cache = v_cache.data_ptr();
-  a.block_tables = block_tables.data_ptr<int>();
-  a.block_table_stride = block_tables.stride(0);
-  a.context_lens = context_lens.data_ptr<int>();
-  a.query_start_loc = query_start_loc.data_ptr<int>();
+  PrefillArgs a = prefill_args(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, c, scale,
+                               total_q, "paged_attention");
   a.out = out.data_ptr();
-  a.num_seqs = static_cast<int>(num_seqs);
-  a.q_heads = static_cast<int>(q_heads);
-  a.kv_heads = static_cast<int>(c.kv_heads);
-  a.block_size = static_cast<int>(c.block_size);
-  a.block_shift = block_shift(c.block_size);
-  a.max_blocks = static_cast<int>(block_tables.size(1));
-  a.tokens_per_tile = static_cast<int>(kPrefillRows / group);
-  const int64_t tiles = prefill_tiles(total_q, num_seqs, a.tokens_per_tile);
-  TORCH_CHECK(tiles < INT_MAX && c.kv_heads < 65536, "paged_attention: batch too large");
-  a.num_tiles = static_cast<int>(tiles);
   const int64_t max_tokens = block_tables.size(1) * c.block_size;
   const int64_t splits = pick_splits(
-      num_splits, choose_prefill_splits(tiles, c.kv_heads, max_tokens, num_sms(q.get_device())), "paged_attention");
+      num_splits, choose_prefill_splits(a.num_tiles, c.kv_heads, max_tokens, num_sms(q.get_device())),
+      "paged_attention");
   const SplitWorkspace workspace(q, total_q, splits, c.head_dim);
   a.partial_out = workspace.out_ptr();
   a.partial_lse = workspace.lse_ptr();
-  a.total_q = static_cast<int>(total_q);
-  a.num_splits = static_cast<int>(splits);
-  a.scale_log2 = static_cast<float>(scale * kLog2E);
+  a.num_splits = a.split_stride = static_cast<int>(splits);
   check_launch(launch_prefill_mma(dtype, static_cast<int>(c.head_dim), a,
                                   current_stream()),
                "paged_attention");
+  return out;
+}
+
+// Decode over groups of rows that share a cached prefix (cascade attention): each group's
+// shared keys are read once, on tensor cores, for all of its rows (the prefill kernel,
+// non-causal, over the group's prefix_lens[g] keys of prefix_tables[g]), and each row attends
+// with the row kernel to the rest of its keys, from kv_start[row] on; the two passes' partials
+// merge by their log-sum-exps. prefix_rows lists every row once, group by group, the groups
+// bounded by prefix_starts; a row of no shared prefix is a group of one with prefix_lens 0.
+// The caller guarantees what only the device could check: each row's first kv_start[row] keys
+// are its group's prefix (the same cached blocks), and prefix_rows is a permutation of the rows.
+at::Tensor cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                    const at::Tensor& context_lens, const at::Tensor& kv_start,
+                                    const at::Tensor& prefix_tables, const at::Tensor& prefix_lens,
+                                    const at::Tensor& prefix_starts, const at::Tensor& prefix_rows,
+                                    double scale, int64_t num_splits, int64_t prefix_splits) {
+  constexpr const char* what = "cascade_decode_attention";
+  const CacheShape c = check_attention(q, k_cache, v_cache, block_tables, context_lens);
+  const auto device = q.device();
+  const int64_t rows = q.size(0), q_heads = q.size(1), groups = prefix_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == rows, what, ": one query per sequence: q has ", num(rows),
+              " rows but block_tables has ", num(block_tables.size(0)));
+  check_int32(kv_start, "kv_start", 1, device);
+  check_int32(prefix_tables, "prefix_tables", 2, device);
+  check_int32(prefix_lens, "prefix_lens", 1, device);
+  check_int32(prefix_starts, "prefix_starts", 1, device);
+  check_int32(prefix_rows, "prefix_rows", 1, device);
+  TORCH_CHECK(kv_start.size(0) == rows && prefix_rows.size(0) == rows, what,
+              ": kv_start and prefix_rows need one entry per row (", num(rows), "), got ",
+              num(kv_start.size(0)), " and ", num(prefix_rows.size(0)));
+  TORCH_CHECK(prefix_tables.size(0) == groups && prefix_starts.size(0) == groups + 1, what,
+              ": prefix_tables needs one row and prefix_starts groups + 1 entries for ", num(groups),
+              " groups, got ", num(prefix_tables.size(0)), " and ", num(prefix_starts.size(0)));
+  TORCH_CHECK(prefix_tables.size(1) * c.block_size < INT_MAX, what, ": prefix_tables covers too many tokens");
+  TORCH_CHECK(num_splits >= 0 && prefix_splits >= 0, what, ": split counts must be >= 0 (0 picks one)");
+  const int64_t group = q_heads / c.kv_heads;
+  TORCH_CHECK(tensor_cores_fit(q, group), what,
+              " reads shared prefixes on tensor cores: q must be fp16 or bf16, 16-byte aligned, with "
+              "strides of multiples of 8, on a device of compute capability 8 or more");
+  const c10::cuda::CUDAGuard guard(device);
+  auto out = at::empty({rows, q_heads, c.head_dim}, q.options());
+  if (rows == 0) return out;
+  TORCH_CHECK(groups > 0, what, ": every row belongs to a group, and there are none");
+  const int sms = num_sms(q.get_device());
+  const DType dtype = dtype_of(q, "q");
+  const int64_t splits = pick_splits(
+      num_splits,
+      choose_splits(rows, q_heads, c.kv_heads, block_tables.size(1) * c.block_size, sms,
+                    rows_slots(dtype, c.head_dim, group, q.get_device())),
+      what);
+  PrefillArgs p = prefill_args(q, k_cache, v_cache, prefix_tables, prefix_lens, prefix_starts, c, scale, rows, what);
+  const int64_t prefix_splits_used = pick_splits(
+      prefix_splits, choose_prefill_splits(p.num_tiles, c.kv_heads, prefix_tables.size(1) * c.block_size, sms),
+      what);
+  const int64_t slots = splits + prefix_splits_used;
+  TORCH_CHECK(slots < 65536, what, ": too many splits (", num(slots), ")");
+  const SplitWorkspace workspace(q, rows, slots, c.head_dim);
+  // The prefix pass fills slots [splits, slots); the row pass [0, splits), then merges them all.
+  p.q_rows = prefix_rows.data_ptr<int>();
+  p.causal = 0;
+  p.out = out.data_ptr();
+  p.partial_out = workspace.out_ptr();
+  p.partial_lse = workspace.lse_ptr();
+  p.num_splits = static_cast<int>(prefix_splits_used);
+  p.split_stride = static_cast<int>(slots);
+  p.split_base = static_cast<int>(splits);
+  check_launch(launch_prefill_mma(dtype, static_cast<int>(c.head_dim), p, current_stream()), what);
+  AttentionRowsArgs r = rows_args(q, k_cache, v_cache, block_tables, context_lens, c, scale);
+  r.kv_start = kv_start.data_ptr<int>();
+  r.out = out.data_ptr();
+  r.partial_out = workspace.out_ptr();
+  r.partial_lse = workspace.lse_ptr();
+  r.num_splits = static_cast<int>(splits);
+  r.split_stride = static_cast<int>(slots);
+  check_launch(launch_attention_rows(dtype, static_cast<int>(c.head_dim), r, current_stream()), what);
   return out;
 }
 
@@ -591,6 +695,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_splits") = 0,
         "Ragged causal attention over cached prefixes; fp16/bf16 use tensor cores when allowed; "
         "num_splits=0 picks the split of the keys from the shapes.");
+  m.def("cascade_decode_attention", &lmpool::cascade_decode_attention, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("kv_start"),
+        py::arg("prefix_tables"), py::arg("prefix_lens"), py::arg("prefix_starts"), py::arg("prefix_rows"),
+        py::arg("scale"), py::arg("num_splits") = 0, py::arg("prefix_splits") = 0,
+        "One query per sequence, groups of sequences sharing a cached prefix reading it once; "
+        "split counts of 0 are picked from the shapes.");
   m.def("write_kv", &lmpool::write_kv, py::arg("key"), py::arg("value"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), "Store K/V rows at their slots; -1 is skipped.");
   m.def("pack_kv", &lmpool::pack_kv, py::arg("kv_cache"), py::arg("block_ids"),

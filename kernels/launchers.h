@@ -55,9 +55,10 @@ struct AttentionRowsArgs {
   int64_t block_table_stride;
   const int* context_lens;     // [num_seqs]
   const int* query_start_loc;  // [num_seqs + 1]; nullptr: decode, row b is sequence b
+  const int* kv_start;         // [rows] the first key each row attends to; nullptr: 0 (a cascade's suffix)
   void* out;                   // [rows, q_heads, head_dim], contiguous
-  float* partial_out;          // [rows, q_heads, num_splits, head_dim] if num_splits > 1
-  float* partial_lse;          // [rows, q_heads, num_splits] (log2 domain)
+  float* partial_out;          // [rows, q_heads, split_stride, head_dim] if split_stride > 1
+  float* partial_lse;          // [rows, q_heads, split_stride] (log2 domain)
   int num_rows;
   int num_seqs;
   int q_heads;
@@ -66,6 +67,10 @@ struct AttentionRowsArgs {
   int block_shift;  // log2(block_size) if a power of two, else -1
   int max_blocks;   // block_tables.size(1): bounds every read of the table
   int num_splits;
+  // Partial slots per (row, q head): num_splits, or more when a cascade's prefix pass has
+  // filled the slots after this launch's. Over 1, the splits write partials (slots [0,
+  // num_splits)) and the launch merges all split_stride of them; 1: the output directly.
+  int split_stride;
   float scale_log2;  // softmax scale * log2(e): kernels work in the exp2 domain
 };
 
@@ -118,9 +123,12 @@ struct PrefillArgs {
   int64_t block_table_stride;
   const int* context_lens;
   const int* query_start_loc;
+  // [total_q] the q (and out) row of each query token; nullptr: the token's own index. A
+  // cascade's prefix pass: a sequence is a group of decode rows sharing a prefix.
+  const int* q_rows;
   void* out;  // [total_q, q_heads, head_dim], contiguous
-  float* partial_out;  // [total_q, q_heads, num_splits, head_dim] if num_splits > 1
-  float* partial_lse;  // [total_q, q_heads, num_splits] (log2 domain)
+  float* partial_out;  // [rows, q_heads, split_stride, head_dim] if split_stride > 1
+  float* partial_lse;  // [rows, q_heads, split_stride] (log2 domain)
   int total_q;
   int num_seqs;
   int q_heads;
@@ -131,6 +139,12 @@ struct PrefillArgs {
   int tokens_per_tile;  // kPrefillRows / group: a tile holds whole GQA groups
   int num_tiles;        // grid size: an upper bound on the tiles of all sequences
   int num_splits;       // grid.z: each tile's keys in this many tile-aligned shares
+  // Partial slots per (row, q head), this launch's from split_base on. Over 1 the splits
+  // write partials; the launch merges them only when it owns every slot (split_stride ==
+  // num_splits), else whoever fills the rest does (a cascade's suffix pass).
+  int split_stride;
+  int split_base;
+  int causal;  // 0: every query sees all of its sequence's keys (a cascade's shared prefix)
   float scale_log2;
 };
 

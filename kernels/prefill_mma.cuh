@@ -20,6 +20,11 @@
 // one share and writes its normalized output and log2-sum-exp per row, and
 // combine_splits_kernel merges them. A share past kv_end, or one whose keys a
 // row may not see, writes -inf for that row, which the merge skips.
+//
+// A cascade's prefix pass (cascade_decode_attention) runs it non-causal: a
+// "sequence" is a group of decode rows sharing a prefix (q_rows names their q
+// rows), every row sees all of the prefix's keys, and the splits write into the
+// slots after those of the rows kernel that then attends to the rest.
 #pragma once
 
 #include <cmath>
@@ -118,7 +123,10 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
   const int prefix = ctx - n;  // keys cached before this step's tokens
   const int tok_end = min(tok0 + tpt, n);
   const int rows_valid = (tok_end - tok0) * group;
-  const int kv_end = max(0, min(ctx, prefix + tok_end));  // keys any row here may see
+  const bool causal = a.causal != 0, partial = a.split_stride > 1;
+  const int kv_end = causal ? max(0, min(ctx, prefix + tok_end)) : ctx;  // keys any row here may see
+  // The q and output row of query token t of this sequence.
+  auto q_row = [&](int t) { return a.q_rows == nullptr ? q_start + t : __ldg(a.q_rows + q_start + t); };
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* q = static_cast<const T*>(a.q);
@@ -131,13 +139,13 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
     const int share = max(ceil_div(ceil_div(kv_end, a.num_splits), kKeys) * kKeys, kMinPrefillSplitKeys);
     kv_begin = min(kv_end, split * share);
     kv_stop = min(kv_end, kv_begin + share);
-    if (kv_begin == kv_stop) {  // an empty share: uniform exit, before any barrier
-      for (int r = tid; r < rows_valid; r += 128) {
-        const int64_t rh = (int64_t)(q_start + tok0 + r / group) * a.q_heads + kv_head * group + r % group;
-        a.partial_lse[rh * a.num_splits + split] = -INFINITY;
-      }
-      return;
+  }
+  if (partial && kv_begin == kv_stop) {  // an empty share: uniform exit, before any barrier
+    for (int r = tid; r < rows_valid; r += 128) {
+      const int64_t rh = (int64_t)q_row(tok0 + r / group) * a.q_heads + kv_head * group + r % group;
+      a.partial_lse[rh * a.split_stride + a.split_base + split] = -INFINITY;
     }
+    return;
   }
 
   // Stage this tile's queries through shared memory, then keep them in registers.
@@ -146,7 +154,7 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < rows_valid) {
       const int t = tok0 + r / group, h = kv_head * group + r % group;
-      v = *reinterpret_cast<const uint4*>(q + (int64_t)(q_start + t) * a.q_row_stride +
+      v = *reinterpret_cast<const uint4*>(q + (int64_t)q_row(t) * a.q_row_stride +
                                           (int64_t)h * a.q_head_stride + col);
     }
     *reinterpret_cast<uint4*>(&smem[r * kStride + col]) = v;
@@ -166,9 +174,9 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int rr = warp * 16 + lane / 4 + r * 8;
-    limit[r] = rr < rows_valid ? min(ctx, prefix + tok0 + rr / group + 1) : kv_end;
+    limit[r] = rr >= rows_valid ? kv_end : causal ? min(ctx, prefix + tok0 + rr / group + 1) : ctx;
   }
-  const int unmasked_end = min(ctx, prefix + tok0 + 1);  // keys below it are visible to all rows
+  const int unmasked_end = causal ? min(ctx, prefix + tok0 + 1) : ctx;  // keys below it are visible to all rows
 
   float o[D / 8][4];
 #pragma unroll
@@ -297,8 +305,8 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row with no key reads as zeros
     const int rr = warp * 16 + lane / 4 + r * 8;
     if (rr >= rows_valid) continue;
-    const int64_t rh = (int64_t)(q_start + tok0 + rr / group) * a.q_heads + kv_head * group + rr % group;
-    if (a.num_splits == 1) {
+    const int64_t rh = (int64_t)q_row(tok0 + rr / group) * a.q_heads + kv_head * group + rr % group;
+    if (!partial) {
       T* dst = out + rh * D + (lane % 4) * 2;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt)
@@ -306,12 +314,13 @@ __global__ void __launch_bounds__(128) prefill_mma_kernel(const PrefillArgs a) {
             pack_pair<T>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
     } else {
       // row_max and the sum are the quad's (reduced above), so any lane may write the lse.
-      float* dst = a.partial_out + (rh * a.num_splits + split) * D + (lane % 4) * 2;
+      const int64_t slot = rh * a.split_stride + a.split_base + split;
+      float* dst = a.partial_out + slot * D + (lane % 4) * 2;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt)
         *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
       if (lane % 4 == 0)
-        a.partial_lse[rh * a.num_splits + split] = sum > 0.f ? row_max[r] + log2f(sum) : -INFINITY;
+        a.partial_lse[slot] = sum > 0.f ? row_max[r] + log2f(sum) : -INFINITY;
     }
   }
 }
@@ -332,7 +341,8 @@ cudaError_t launch_prefill_dim(const PrefillArgs& a, cudaStream_t stream) {
   }
   prefill_mma_kernel<T, D><<<dim3(a.num_tiles, a.kv_heads, a.num_splits), 128, kSmem, stream>>>(a);
   err = cudaGetLastError();
-  if (err != cudaSuccess || a.num_splits == 1) return err;
+  // A launch merges its splits only when it owns every slot (a cascade's suffix pass merges).
+  if (err != cudaSuccess || a.split_stride <= 1 || a.split_stride != a.num_splits) return err;
   // Only real (token, q head) rows are merged: total_q is the last sequence's end.
   return launch_combine_splits<T, D>(a.partial_out, a.partial_lse, a.out, a.total_q, a.q_heads,
                                      a.num_splits, stream);

@@ -24,6 +24,7 @@ class KVOps:
     write_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
+    cascade_decode_attention: Callable[..., torch.Tensor]
     pack_kv: Callable[..., torch.Tensor]
     unpack_kv: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]
@@ -35,6 +36,7 @@ TORCH_OPS = KVOps(
     write_kv=reference.write_kv,
     paged_attention=reference.paged_attention,
     paged_decode_attention=reference.paged_decode_attention,
+    cascade_decode_attention=reference.cascade_decode_attention,
     pack_kv=reference.pack_kv,
     unpack_kv=reference.unpack_kv,
     rms_norm=reference.rms_norm,

@@ -223,6 +223,26 @@ def paged_decode_attention(
     )
 
 
+def cascade_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    kv_start: torch.Tensor,
+    prefix_tables: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    prefix_starts: torch.Tensor,
+    prefix_rows: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode with groups of rows reading their shared cached prefix once (``reference.cascade_decode_attention``)."""
+    return load_extension().cascade_decode_attention(
+        q, k_cache, v_cache, _int32(block_tables), _int32(context_lens), _int32(kv_start), _int32(prefix_tables),
+        _int32(prefix_lens), _int32(prefix_starts), _int32(prefix_rows), float(scale),
+    )
+
+
 def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, max_ctas: int = 0,
             keep_payload: bool = False) -> torch.Tensor:
     """Gather blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``.
@@ -261,6 +281,7 @@ CUDA_OPS = KVOps(
     write_kv=write_kv,
     paged_attention=paged_attention,
     paged_decode_attention=paged_decode_attention,
+    cascade_decode_attention=cascade_decode_attention,
     pack_kv=pack_kv,
     unpack_kv=unpack_kv,
     rms_norm=rms_norm,

@@ -121,6 +121,54 @@ def paged_decode_attention(
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 
 
+def cascade_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    kv_start: torch.Tensor,
+    prefix_tables: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    prefix_starts: torch.Tensor,
+    prefix_rows: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_decode_attention`` for rows in groups that share a cached prefix (cascade
+    attention): group ``g`` is rows ``prefix_rows[prefix_starts[g]:prefix_starts[g + 1]]``,
+    whose first ``prefix_lens[g]`` keys are the blocks of ``prefix_tables[g]``; its queries
+    attend to them at once, each row attends to its own keys from ``kv_start[row]`` on, and the
+    two parts merge by their log-sum-exps. Every row is in one group (a group of one with
+    ``prefix_lens`` 0 shares nothing), and ``kv_start[row]`` is its group's ``prefix_lens``.
+    Equal to ``paged_decode_attention`` whenever each row's first ``kv_start[row]`` keys are its
+    group's prefix."""
+    rows, q_heads, head_dim = q.shape
+    group = q_heads // k_cache.shape[2]
+    parts = torch.zeros(rows, q_heads, 2, head_dim, device=q.device)
+    lse = torch.full((rows, q_heads, 2), float("-inf"), device=q.device)
+
+    def attend(queries: torch.Tensor, table: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``[n, q_heads, D]`` over keys ``[lo, hi)`` of ``table``: ``[n, q_heads, D]``
+        outputs and ``[n, q_heads]`` log-sum-exps."""
+        keys = gather_sequence_kv(k_cache, table, hi)[lo:].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        vals = gather_sequence_kv(v_cache, table, hi)[lo:].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(queries.float().transpose(0, 1), keys.transpose(1, 2)) * scale  # [Hq, n, keys]
+        out = torch.matmul(torch.softmax(scores, dim=-1), vals)
+        return out.transpose(0, 1), torch.logsumexp(scores, dim=-1).transpose(0, 1)
+
+    starts, members = prefix_starts.tolist(), prefix_rows.tolist()
+    for g, length in enumerate(prefix_lens.tolist()):
+        idx = members[starts[g]:starts[g + 1]]
+        if idx and length > 0:
+            parts[idx, :, 0], lse[idx, :, 0] = attend(q[idx], prefix_tables[g], 0, length)
+    for row, (lo, hi) in enumerate(zip(kv_start.tolist(), context_lens.tolist())):
+        if hi > lo:
+            (out,), (row_lse,) = attend(q[row:row + 1], block_tables[row], lo, hi)
+            parts[row, :, 1], lse[row, :, 1] = out, row_lse
+    weights = torch.softmax(lse, dim=-1).nan_to_num(0.0)  # a row with no key at all reads as zeros
+    return (weights[..., None] * parts).sum(dim=2).to(q.dtype)
+
+
 def pack_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, max_ctas: int = 0,
             keep_payload: bool = False) -> torch.Tensor:
     """Gather blocks of every layer into one ``[layers, 2, B, block_size, kv_heads, head_dim]``.

@@ -463,3 +463,51 @@ def test_bad_inputs_are_rejected_with_a_message(ext, case):
     message, call = _bad_calls()[case]
     with pytest.raises(RuntimeError, match=message):
         call(ext)
+
+
+# --------------------------------------------------------------------------- cascade decode
+
+# (shared prefix blocks, the rows' own keys after it): a long shared document with many rows,
+# a short one, rows sharing nothing (groups of one), a row whose own keys end a block exactly.
+CASCADE_GROUPS = [(12, [1, 3, 17, 40, 64, 5, 9, 2]), (2, [1, 64]), (0, [30]), (0, [1]), (5, [33, 64])]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cascade_decode_matches_decode_over_the_whole_context(ext, dtype, group, head_dim):
+    from tests.kernels.cascade_cases import cascade_case
+
+    gen = torch.Generator().manual_seed(group + head_dim)
+    case = cascade_case(CASCADE_GROUPS, 32, 2 * group, 2, head_dim, dtype, gen, DEVICE)
+    scale = head_dim**-0.5
+    starts = torch.arange(case.q.shape[0] + 1, dtype=torch.int32)
+    ref = reference_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens.tolist(),
+                              starts, scale)
+    for splits, prefix_splits in ((0, 0), (1, 1), (3, 5)):
+        poison_allocator()
+        out = ext.cascade_decode_attention(*case.cascade_args(), scale, splits, prefix_splits)
+        assert out.shape == case.q.shape and out.dtype == dtype
+        assert_close(out, ref, dtype)
+
+
+def test_cascade_decode_through_cuda_ops_on_the_qwen3_shape():
+    """16 q heads over 8 kv heads, 256-token blocks: 32 rows over one 16k-token document, as a
+    replica decodes a burst of questions about it."""
+    from tests.kernels.cascade_cases import cascade_case
+
+    gen = torch.Generator().manual_seed(0)
+    case = cascade_case([(64, [40 + i for i in range(32)])], 256, 16, 8, 128, torch.bfloat16, gen, DEVICE)
+    out = cuda.CUDA_OPS.cascade_decode_attention(*case.cascade_args(), 128**-0.5)
+    starts = torch.arange(33, dtype=torch.int32)
+    ref = reference_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens.tolist(),
+                              starts, 128**-0.5)
+    assert_close(out, ref, torch.bfloat16)
+
+
+def test_cascade_decode_refuses_fp32_with_a_message(ext):
+    from tests.kernels.cascade_cases import cascade_case
+
+    case = cascade_case([(1, [3])], 16, 4, 2, 64, torch.float32, torch.Generator().manual_seed(0), DEVICE)
+    with pytest.raises(RuntimeError, match="tensor cores: q must be fp16 or bf16"):
+        ext.cascade_decode_attention(*case.cascade_args(), 0.125)

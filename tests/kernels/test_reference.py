@@ -10,8 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmpool.ops import reference
+from tests.kernels.cascade_cases import cascade_case
 
 
 def _paged_cache(kv_lens, block_size, kv_heads, head_dim, gen, spare_blocks=3):
@@ -137,3 +140,18 @@ def test_unpack_rejects_a_payload_of_another_size():
     payload = torch.zeros(1, 2, 3, 2, 1, 8)
     with pytest.raises(ValueError, match="3 blocks but 2 block ids"):
         reference.unpack_kv(kv_cache, torch.tensor([0, 1]), payload)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(1, 40), min_size=1, max_size=4)), min_size=1,
+                max_size=4), st.sampled_from([1, 2, 4]), st.integers(0, 2**16))
+def test_cascade_decode_equals_decode_over_the_whole_context(groups, group, seed):
+    """Rows sharing a prefix attend to it together and to their own keys apart, merged by
+    log-sum-exp: the same as each row attending to all of its keys (every slot no sequence
+    fills is NaN, so a read past a row's keys shows)."""
+    case = cascade_case(groups, 8, 2 * group, 2, 16, torch.float32, torch.Generator().manual_seed(seed))
+    out = reference.cascade_decode_attention(*case.cascade_args(), 0.25)
+    whole = reference.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                             case.context_lens, 0.25)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
