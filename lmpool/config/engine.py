@@ -37,6 +37,11 @@ class EngineConfig:
     # Overlapped stepping: the host schedules and launches step N+1 before reading step N's
     # tokens back (``lmpool.engine.core``); False runs each step to its end first.
     async_scheduling: bool = True
+    # A decode step whose rows share cached prefixes reads each prefix once for all of its rows
+    # (cascade attention, ``lmpool.engine.cascade``) when that saves at least this many key
+    # reads, and then runs without its CUDA graph. 0: never (the torch reference computes a
+    # cascade row by row: a CPU engine gains nothing from one).
+    cascade_min_saved_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -63,7 +68,8 @@ class EngineConfig:
     def _check_integers(self) -> None:
         """Every integer setting is an int (not a bool, nor a string of digits) at least its minimum."""
         minimum = {"block_size": 1, "num_kv_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1,
-                   "max_model_len": 1, "cpu_kv_cache_bytes": 1, "cpu_threads": 1, "seed": None}
+                   "max_model_len": 1, "cpu_kv_cache_bytes": 1, "cpu_threads": 1, "seed": None,
+                   "cascade_min_saved_tokens": 0}
         for name, low in minimum.items():
             value = getattr(self, name)
             if value is None and name in ("num_kv_blocks", "max_model_len"):

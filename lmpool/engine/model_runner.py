@@ -129,6 +129,7 @@ class ModelRunner:
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
             arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq),
+            config.cascade_min_saved_tokens,
         )
         self.graphs = None
         # The torch reference synchronises with the host, so only the kernels can be captured.

@@ -4,6 +4,7 @@ Every index the model needs is int32 and lives in one flat arena, laid out as
 
     ids[P] | positions[P] | slots[P] | context_lens[C] | query_start_loc[B + 1]
            | sample_rows[R] | block_tables[B * W] | fill_rows[F] | fill_sources[F]
+           | kv_start[K] | prefix_rows[K] | prefix_starts[G + 1] | prefix_lens[G] | prefix_tables[G * V]
 
 for B sequences and T token rows, W the longest block table of the batch, and R
 the sampled rows (R = 0 when the sampled rows are exactly every row: a decode
@@ -20,6 +21,10 @@ previous step sampled it and the host has not read it back). Their id is written
 as 0 on the host; ``fill_rows`` (their token rows) and ``fill_sources`` (their
 rows in the previous step's sampled tokens) let the runner copy the real ids in
 on the device, so a step never waits for the previous one's tokens.
+
+A decode step whose rows share cached prefixes enough (``lmpool.engine.cascade``) is a
+cascade: K = B, its G groups' prefixes V blocks wide at most, and it runs eagerly (no
+graph), its attention reading each group's prefix once. Otherwise K = G = 0 and none of it.
 
 Invariants:
 - On CUDA the host arena is pinned and reaches the device with a single
@@ -48,8 +53,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from lmpool.engine.cascade import CascadePlan, plan_cascade
 from lmpool.engine.scheduler import ScheduledBatch
-from lmpool.model.qwen3 import AttentionMetadata
+from lmpool.model.qwen3 import AttentionMetadata, CascadeInputs
 
 
 class GraphSizes(Protocol):
@@ -74,24 +80,28 @@ class StepInputs:
 
 
 def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
-    """Int32 entries of the largest step: P = C = max(tokens, seqs) and R, F <= B."""
+    """Int32 entries of the largest step: P = C = max(tokens, seqs), R, F, K, G <= B and V <= W."""
     rows = max(max_tokens, max_seqs)
-    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width
+    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + 4 * max_seqs + 1 + max_seqs * max_width
 
 
 # A step's views into the device arena: ids, positions, slots, block tables, context lengths, query
-# starts, sampled rows, graph header and pending-token fill (the last three where the step has them).
+# starts, sampled rows, graph header, pending-token fill and cascade (the last four where the step
+# has them).
 _Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-               torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+               torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, CascadeInputs | None]
 
 
 class StepInputBuilder:
-    def __init__(self, device: torch.device, block_size: int, capacity: int) -> None:
+    def __init__(self, device: torch.device, block_size: int, capacity: int, cascade_min_saved: int = 0) -> None:
+        """``cascade_min_saved``: the key reads a decode step's shared prefixes must save for it to
+        run as a cascade (``EngineConfig.cascade_min_saved_tokens``; 0: never)."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.device = device
         self.block_size = block_size
         self.block_shift = block_size.bit_length() - 1
+        self.cascade_min_saved = cascade_min_saved
         self.on_cuda = device.type == "cuda"
         self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self.on_cuda else None
         self._turn = 0  # the host arena of the latest build
@@ -156,8 +166,11 @@ class StepInputBuilder:
         rows_needed = not (decode and all_sample)
         num_rows_sampled = num_sampled if rows_needed else 0
 
+        plan = None
+        if decode and self.cascade_min_saved:
+            plan = plan_cascade(tables, ends.tolist(), self.block_size, self.cascade_min_saved)
         graph_size = None
-        if decode and graphs is not None and width <= graphs.max_width:
+        if decode and plan is None and graphs is not None and width <= graphs.max_width:
             graph_size = graphs.padded_size(num_seqs)
         padded = graph_size or num_rows
         ctx_rows = graph_size or num_seqs
@@ -167,7 +180,10 @@ class StepInputBuilder:
         o_tab = o_rows + num_rows_sampled
         o_fill = o_tab + num_seqs * width
         num_fill = len(pending)
-        end = o_fill + 2 * num_fill
+        o_cascade = o_fill + 2 * num_fill
+        groups = len(plan.lens) if plan else 0
+        prefix_width = max(1, max(map(len, plan.tables))) if plan else 0
+        end = o_cascade + (2 * num_seqs + 2 * groups + 1 + groups * prefix_width if plan else 0)
         if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)
             self._allocate(max(end, 2 * self.capacity))
         a = self.host_nps[self._turn]
@@ -215,14 +231,16 @@ class StepInputBuilder:
             a[o_rows:o_tab] = query_start[1:][samples] - 1
         if pending:
             a[o_fill : o_fill + num_fill] = query_start[1:][pending] - 1  # a pending token is its sequence's last row
-            a[o_fill + num_fill : end] = [seqs[i].pending_row for i in pending]
+            a[o_fill + num_fill : o_cascade] = [seqs[i].pending_row for i in pending]
+        if plan:
+            self._write_cascade(a[o_cascade:end], plan, num_seqs, prefix_width)
 
         if self.on_cuda:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
             assert self._copied is not None  # made on CUDA
             self._copied[self._turn].record(torch.cuda.current_stream(self.device))  # the copy's stream
         key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0,
-               num_fill)
+               num_fill, groups, prefix_width)
         views = self._views.get(key)
         if views is None:
             if len(self._views) > 256:
@@ -237,13 +255,14 @@ class StepInputBuilder:
                 dev[o_qsl:o_rows],
                 dev[o_rows:o_tab] if rows_needed else None,
                 dev[: 4 * graph_size].view(4, graph_size) if graph_size else None,
-                dev[o_fill:end].view(2, num_fill) if num_fill else None,
+                dev[o_fill:o_cascade].view(2, num_fill) if num_fill else None,
+                self._cascade_views(dev[o_cascade:end], num_seqs, groups, prefix_width) if plan else None,
             )
-        ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v = views
+        ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v, cascade_v = views
         return StepInputs(
             ids=ids_v,
             positions=pos_v,
-            meta=AttentionMetadata(slots_v, tables_v, ctx_v, qsl_v, decode),
+            meta=AttentionMetadata(slots_v, tables_v, ctx_v, qsl_v, decode, cascade_v),
             num_seqs=num_seqs,
             sample_rows=rows_v,
             sample_index=None if all_sample else np.flatnonzero(samples).tolist(),
@@ -251,6 +270,31 @@ class StepInputBuilder:
             graph_header=header_v,
             fill=fill_v,
         )
+
+    @staticmethod
+    def _write_cascade(a: np.ndarray, plan: CascadePlan, num_seqs: int, prefix_width: int) -> None:
+        """The plan's arrays into ``a``, its part of the host arena (prefix tables padded with 0)."""
+        o = _cascade_layout(num_seqs, len(plan.lens), prefix_width)
+        a[o[0]:o[1]] = plan.kv_start
+        a[o[1]:o[2]] = plan.rows
+        a[o[2]:o[3]] = plan.starts
+        a[o[3]:o[4]] = plan.lens
+        tables = a[o[4]:o[5]].reshape(len(plan.lens), prefix_width)
+        tables[:] = 0
+        for g, blocks in enumerate(plan.tables):
+            tables[g, : len(blocks)] = blocks
+
+    @staticmethod
+    def _cascade_views(dev: torch.Tensor, num_seqs: int, groups: int, prefix_width: int) -> CascadeInputs:
+        o = _cascade_layout(num_seqs, groups, prefix_width)
+        return CascadeInputs(dev[o[0]:o[1]], dev[o[4]:o[5]].view(groups, prefix_width), dev[o[3]:o[4]],
+                             dev[o[2]:o[3]], dev[o[1]:o[2]])
+
+
+def _cascade_layout(num_seqs: int, groups: int, prefix_width: int) -> list[int]:
+    """Offsets of the cascade's arrays in its part of the arena (the module docstring's K..V), and its end."""
+    sizes = (num_seqs, num_seqs, groups + 1, groups, groups * prefix_width)
+    return [0, *np.cumsum(sizes).tolist()]
 
 
 def check_pending(seqs: list, pending: list[int], starts: list[int], counts: list[int]) -> None:

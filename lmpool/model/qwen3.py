@@ -17,7 +17,7 @@ plain torch launches eight to twenty (``kernels/norm_rope.cu``, same roundings).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, cast
+from typing import Iterable, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,17 @@ from torch import nn
 from lmpool.model.config import ModelConfig
 from lmpool.model.rope import YarnScaling, inv_freq
 from lmpool.ops import TORCH_OPS, KVOps
+
+
+class CascadeInputs(NamedTuple):
+    """A decode step's groups of rows sharing a cached prefix, as ``ops.cascade_decode_attention``
+    takes them (``lmpool.engine.cascade``), all int32."""
+
+    kv_start: torch.Tensor  # [B] the first key each row attends to on its own
+    prefix_tables: torch.Tensor  # [G, V] each group's prefix blocks
+    prefix_lens: torch.Tensor  # [G] each group's prefix tokens
+    prefix_starts: torch.Tensor  # [G + 1] group g is prefix_rows[prefix_starts[g]:prefix_starts[g + 1]]
+    prefix_rows: torch.Tensor  # [B] every row once, group by group
 
 
 @dataclass
@@ -37,6 +48,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     is_decode: bool  # every sequence has exactly one new token
+    cascade: CascadeInputs | None = None  # a decode step whose rows read shared prefixes once
 
 
 class RMSNorm(nn.Module):
@@ -93,7 +105,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_decode:
+        if meta.is_decode and meta.cascade is not None:
+            o = ops.cascade_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, *meta.cascade, self.scale
+            )
+        elif meta.is_decode:
             o = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
             )

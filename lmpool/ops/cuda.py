@@ -236,7 +236,11 @@ def cascade_decode_attention(
     prefix_rows: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Decode with groups of rows reading their shared cached prefix once (``reference.cascade_decode_attention``)."""
+    """Decode with groups of rows reading their shared cached prefix once (``reference.cascade_decode_attention``).
+    The prefix pass runs on tensor cores: fp32 decodes every row's whole context instead (the same
+    result), as it would without a cascade."""
+    if q.dtype == torch.float32:
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return load_extension().cascade_decode_attention(
         q, k_cache, v_cache, _int32(block_tables), _int32(context_lens), _int32(kv_start), _int32(prefix_tables),
         _int32(prefix_lens), _int32(prefix_starts), _int32(prefix_rows), float(scale),

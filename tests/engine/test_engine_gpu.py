@@ -312,3 +312,35 @@ def test_gpu_logprobs_and_penalties_equal_cpu(tiny_model, async_scheduling, enfo
             assert (g is None) == (w is None)
             if g is not None:
                 assert g[:2] == w[:2] and all(abs(a - b) < 1e-3 for a, b in zip(g[2], w[2]))
+
+
+def test_gpu_bf16_decode_steps_sharing_a_document_run_as_cascades(tiny_model, monkeypatch):
+    """Questions about one cached document decode as cascades on the kernels (the op's numerics:
+    ``tests/kernels``), beside a graph-replaying engine: every request completes, and the first
+    tokens, which no cascade computes, equal the plain engine's."""
+    import dataclasses
+
+    doc = prompts(1)[0] * 8
+    questions = [doc + [5 + q, 9 + q] for q in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(cascade: int) -> tuple[list[list[int]], int]:
+        calls = []
+        with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=BLOCK,
+                 cascade_min_saved_tokens=cascade) as llm:
+            runner = llm.engine.runner
+            ops = runner.ops
+
+            def counted(*args, **kwargs):
+                calls.append(1)
+                return ops.cascade_decode_attention(*args, **kwargs)
+
+            monkeypatch.setattr(runner, "ops", dataclasses.replace(ops, cascade_decode_attention=counted))
+            llm.generate([doc], params)  # the document, cached
+            return [o.token_ids for o in llm.generate(questions, params)], len(calls)
+
+    plain, none = run(0)
+    cascaded, calls = run(1)
+    assert none == 0 and calls > 0
+    assert all(len(t) == 12 for t in cascaded)
+    assert [t[0] for t in cascaded] == [t[0] for t in plain]

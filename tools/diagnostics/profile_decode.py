@@ -349,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                     help="every sequence: one shared --context-token document, then N tokens of its own")
     ap.add_argument("--mps", type=int, default=0, help="run as one of N MPS clients (1/N of the SMs); 0: whole GPU")
+    ap.add_argument("--cascade-min-saved-tokens", type=int, default=0, metavar="N",
+                    help="decode steps sharing prefixes read them once when that saves N key reads "
+                         "(EngineConfig.cascade_min_saved_tokens; 0: never)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if not set(args.paths.split(",")) <= set(PATHS):
@@ -368,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                         model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                         max_model_len=context + args.max_tokens + 16, max_num_seqs=max(batches),
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        enforce_eager=args.enforce_eager, async_scheduling=PATHS[path]) as llm:
+                        enforce_eager=args.enforce_eager, async_scheduling=PATHS[path],
+                        cascade_min_saved_tokens=args.cascade_min_saved_tokens) as llm:
                     for batch in batches:
                         rows.append(profile_row(llm, norms, path, batch, args))
     ratios = path_ratios(rows)

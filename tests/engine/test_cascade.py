@@ -1,0 +1,137 @@
+"""Cascade decode in the engine: which rows of a step share a cached prefix (``engine.cascade``),
+the step inputs that carry the groups, and an engine whose decode steps read shared prefixes
+once generating what one reading every row's whole context does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmpool.config import EngineConfig
+from lmpool.engine.cascade import plan_cascade
+from lmpool.engine.core import EngineCore
+from lmpool.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+@st.composite
+def decode_rows(draw):
+    """Block tables of decode rows: some start with one of a few shared documents (a random
+    share of its blocks), then blocks of their own; context lengths within their tables."""
+    docs = [list(range(100 * d, 100 * d + draw(st.integers(1, 6)))) for d in range(draw(st.integers(1, 3)))]
+    tables, lens = [], []
+    own = iter(range(10_000, 20_000))
+    for _ in range(draw(st.integers(1, 10))):
+        head = []
+        if draw(st.booleans()):
+            doc = docs[draw(st.integers(0, len(docs) - 1))]
+            head = doc[: draw(st.integers(1, len(doc)))]
+        table = head + [next(own) for _ in range(draw(st.integers(1, 3)))]
+        tables.append(table)
+        lens.append(draw(st.integers((len(table) - 1) * BLOCK + 1, len(table) * BLOCK)))
+    return tables, lens
+
+
+@settings(max_examples=300, deadline=None)
+@given(decode_rows(), st.integers(1, 64))
+def test_a_plan_groups_rows_by_the_whole_blocks_they_share(rows, min_saved):
+    tables, lens = rows
+    plan = plan_cascade(tables, lens, BLOCK, min_saved)
+    if plan is None:
+        return
+    assert sorted(plan.rows) == list(range(len(tables)))  # a partition of the rows
+    assert plan.starts[0] == 0 and plan.starts[-1] == len(tables) and plan.starts == sorted(plan.starts)
+    saved = 0
+    for g, tokens in enumerate(plan.lens):
+        members = plan.rows[plan.starts[g]:plan.starts[g + 1]]
+        assert members and tokens == len(plan.tables[g]) * BLOCK
+        assert len(members) > 1 or tokens == 0  # a group of one shares nothing
+        for r in members:
+            assert plan.kv_start[r] == tokens < lens[r]  # its own keys, at least its new token's
+            assert tables[r][: len(plan.tables[g])] == plan.tables[g]
+        saved += (len(members) - 1) * tokens
+    assert plan.saved == saved >= min_saved
+    # No two groups could have shared more: their first blocks differ.
+    firsts = [t[0] for t in plan.tables if t]
+    assert len(firsts) == len(set(firsts))
+
+
+def test_no_plan_below_its_threshold_or_when_off():
+    tables = [[1, 2, 3, 7], [1, 2, 3, 8]]
+    lens = [4 * BLOCK, 4 * BLOCK]
+    assert plan_cascade(tables, lens, BLOCK, 3 * BLOCK).saved == 3 * BLOCK
+    assert plan_cascade(tables, lens, BLOCK, 3 * BLOCK + 1) is None
+    assert plan_cascade(tables, lens, BLOCK, 0) is None
+
+
+def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
+        if i == 0:  # the shared document is cached before the rest arrive
+            while core.has_unfinished():
+                for o in core.step():
+                    out.setdefault(o.request_id, []).append(o.new_token_id)
+    while core.has_unfinished():
+        for o in core.step():
+            out.setdefault(o.request_id, []).append(o.new_token_id)
+    return out
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_an_engine_reading_shared_prefixes_once_generates_the_same_tokens(tiny_model, monkeypatch, overlapped):
+    doc = [(7 * i + 3) % 900 for i in range(10 * BLOCK + 1)]
+    prompts = [doc] + [doc + [50 + q, 60 + q, 70 + q] for q in range(5)] + [list(range(300, 313))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = run(EngineCore(EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=128,
+                                        async_scheduling=overlapped)), prompts, params)
+    core = EngineCore(EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=128, async_scheduling=overlapped,
+                                   cascade_min_saved_tokens=1))
+    calls = []
+    runner = core.runner
+    ops = runner.ops
+
+    def counted(*args, **kwargs):
+        calls.append(args[9].numel())  # prefix_rows: the step's rows
+        return ops.cascade_decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "ops", dataclasses.replace(ops, cascade_decode_attention=counted))
+    assert run(core, prompts, params) == plain
+    assert calls, "no decode step ran as a cascade"
+
+
+def test_a_cascade_step_carries_its_groups_and_replays_no_graph():
+    """Three decode rows, two of them sharing two whole blocks, and a later step without any
+    sharing from the same builder: the first carries the plan's arrays (no graph), the next none."""
+    import torch
+
+    from lmpool.engine.scheduler import ScheduledBatch
+    from lmpool.engine.sequence import Sequence
+    from lmpool.engine.step_inputs import StepInputBuilder
+    from tests.engine.test_step_inputs import FakeGraphs
+
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def seq(name: str, table: list[int], length: int) -> Sequence:
+        s = Sequence(name, list(range(length)), params, BLOCK)
+        s.num_computed_tokens = length - 1
+        s.block_table = table
+        return s
+
+    builder = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1)
+    graphs = FakeGraphs(8, 16)
+    rows = [seq("a", [5, 6, 40], 10), seq("b", [9, 41], 6), seq("c", [5, 6, 42, 43], 13)]
+    inputs = builder.build(ScheduledBatch(seqs=rows, num_tokens=[1, 1, 1]), graphs)
+    plan = plan_cascade([r.block_table for r in rows], [10, 6, 13], BLOCK, 1)
+    assert inputs.graph_size is None and inputs.meta.cascade is not None
+    kv_start, prefix_tables, prefix_lens, prefix_starts, prefix_rows = (t.tolist() for t in inputs.meta.cascade)
+    assert (kv_start, prefix_rows, prefix_starts, prefix_lens) == (plan.kv_start, plan.rows, plan.starts, plan.lens)
+    assert kv_start == [8, 0, 8] and prefix_tables == [[5, 6], [0, 0]]
+    assert inputs.meta.context_lens.tolist() == [10, 6, 13]
+    alone = builder.build(ScheduledBatch(seqs=[seq("d", [7, 8], 6), seq("e", [9, 10], 6)], num_tokens=[1, 1]),
+                          graphs)
+    assert alone.meta.cascade is None and alone.graph_size == 2
