@@ -234,6 +234,9 @@ class StepInputBuilder:
             a[o_fill + num_fill : o_cascade] = [seqs[i].pending_row for i in pending]
         if plan:
             self._write_cascade(a[o_cascade:end], plan, num_seqs, prefix_width)
+            # The step's shape for the step-time model counts the keys it reads: each shared
+            # prefix once, not once per row.
+            batch.decode_context -= plan.saved
 
         if self.on_cuda:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)

@@ -48,4 +48,4 @@ class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):
     prefill_tokens: int = 0
     prefill_attention: int = 0
     decode_seqs: int = 0
-    decode_context: int = 0  # tokens the decoding sequences attend to, in all
+    decode_context: int = 0  # keys the decoding sequences read, in all (a prefix a cascade reads once, once)

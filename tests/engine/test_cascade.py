@@ -125,7 +125,10 @@ def test_a_cascade_step_carries_its_groups_and_replays_no_graph():
     builder = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1)
     graphs = FakeGraphs(8, 16)
     rows = [seq("a", [5, 6, 40], 10), seq("b", [9, 41], 6), seq("c", [5, 6, 42, 43], 13)]
-    inputs = builder.build(ScheduledBatch(seqs=rows, num_tokens=[1, 1, 1]), graphs)
+    batch = ScheduledBatch(seqs=rows, num_tokens=[1, 1, 1])
+    batch.decode_context = 10 + 6 + 13
+    inputs = builder.build(batch, graphs)
+    assert batch.decode_context == 10 + 6 + 13 - 8  # the shared two blocks read once: the keys the step reads
     plan = plan_cascade([r.block_table for r in rows], [10, 6, 13], BLOCK, 1)
     assert inputs.graph_size is None and inputs.meta.cascade is not None
     kv_start, prefix_tables, prefix_lens, prefix_starts, prefix_rows = (t.tolist() for t in inputs.meta.cascade)
