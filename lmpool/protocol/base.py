@@ -27,7 +27,9 @@ class LoadReport(Message):
     # Causal attention pairs of that prefill still to compute (``StepSample.prefill_attention``).
     prefill_attention: int = 0
     decode_tokens_left: int = 0  # tokens still to generate by running and waiting sequences (max_tokens bound)
-    context_tokens: int = 0  # tokens held by running and waiting sequences: what their decode steps attend to
+    # Tokens held by running and waiting sequences: the keys their decode steps read (a shared
+    # prefix that running sequences decode as a cascade, once).
+    context_tokens: int = 0
     blocks_free: int = 0
     blocks_reclaimable: int = 0
     blocks_used: int = 0

@@ -44,6 +44,7 @@ import msgspec
 import uvloop
 
 from lmpool.engine.calibration import calibrate
+from lmpool.engine.cascade import plan_cascade
 from lmpool.engine.core import EngineCore, StepUnderWay
 from lmpool.protocol import (
     AbortRequest,
@@ -175,6 +176,11 @@ class Worker:
             context += length
         self.cached_on_arrival = {s.request_id: self.cached_on_arrival[s.request_id]
                                   for s in sched.waiting if s.request_id in self.cached_on_arrival}
+        # Running sequences that decode as a cascade read their shared prefixes once a step.
+        plan = plan_cascade([s.block_table for s in sched.running], [len(s) for s in sched.running],
+                            bm.block_size, self.core.config.cascade_min_saved_tokens)
+        if plan is not None:
+            context -= plan.saved
         return LoadReport(
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),

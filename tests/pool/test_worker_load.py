@@ -37,3 +37,30 @@ def test_queued_prompts_count_only_what_their_rank_must_compute(tiny_model):
     assert load.num_waiting == 2
     assert load.waiting_prefill_tokens == (4 * BLOCK + 3) + 2 * BLOCK
     assert load.new_prefill_tokens == 3 + 2 * BLOCK
+
+
+def test_running_sequences_that_decode_as_a_cascade_count_their_shared_prefix_once(tiny_model):
+    """``context_tokens`` is what the running sequences' decode steps read: with cascades on,
+    two sequences sharing four cached blocks read them once."""
+    contexts = {}
+    for cascade in (0, 1):
+        pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64,
+                                       cascade_min_saved_tokens=cascade)
+        spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
+        core = EngineCore(pool.engine_of(0))
+        worker = Worker(spec, core, frontend=None)
+        shared = list(range(1, 4 * BLOCK + 1))
+        worker.handle(add("first", shared + [99], SamplingParams(temperature=0, max_tokens=1)))
+        while core.has_unfinished():  # the shared prefix's four blocks, cached
+            core.step()
+        core.step()
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        worker.handle(add("a", shared + [5, 6, 7], params))
+        worker.handle(add("b", shared + [8, 9], params))
+        core.step()
+        core.step()  # both prefilled (their own tokens), now decoding
+        load = worker.load()
+        assert load.num_running == 2
+        contexts[cascade] = (load.context_tokens, sum(len(s) for s in core.scheduler.running))
+    (plain, held), (cascaded, held_again) = contexts[0], contexts[1]
+    assert plain == held and cascaded == held_again - 4 * BLOCK
