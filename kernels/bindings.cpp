@@ -236,12 +236,13 @@ int64_t prefill_tiles(int64_t total_q, int64_t num_seqs, int64_t tokens_per_tile
   return (total_q + num_seqs * (tokens_per_tile - 1)) / tokens_per_tile;
 }
 
-// The row kernel's arguments for `q` over the cache, these tables and lengths: all but the
-// query layout, the outputs and the splits.
-AttentionRowsArgs rows_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            const CacheShape& c, double scale) {
-  AttentionRowsArgs a{};
+// The fields both attention kernels' arguments share (AttentionRowsArgs and PrefillArgs name
+// them alike): `q` over the cache, these tables and lengths.
+template <typename Args>
+Args attention_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& context_lens, const CacheShape& c,
+                    double scale) {
+  Args a{};
   a.q = q.data_ptr();
   a.q_row_stride = q.stride(0);
   a.q_head_stride = q.stride(1);
@@ -250,7 +251,6 @@ AttentionRowsArgs rows_args(const at::Tensor& q, const at::Tensor& k_cache, cons
   a.block_tables = block_tables.data_ptr<int>();
   a.block_table_stride = block_tables.stride(0);
   a.context_lens = context_lens.data_ptr<int>();
-  a.num_rows = static_cast<int>(q.size(0));
   a.num_seqs = static_cast<int>(block_tables.size(0));
   a.q_heads = static_cast<int>(q.size(1));
   a.kv_heads = static_cast<int>(c.kv_heads);
@@ -261,37 +261,29 @@ AttentionRowsArgs rows_args(const at::Tensor& q, const at::Tensor& k_cache, cons
   return a;
 }
 
+// The row kernel's arguments: all but the query layout, the outputs and the splits.
+AttentionRowsArgs rows_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            const CacheShape& c, double scale) {
+  auto a = attention_args<AttentionRowsArgs>(q, k_cache, v_cache, block_tables, context_lens, c, scale);
+  a.num_rows = static_cast<int>(q.size(0));
+  return a;
+}
+
 // The tensor-core prefill kernel's arguments for the `total_q` query tokens of `q` in the
-// sequences `query_start_loc` bounds, over the cache, these tables and lengths, causal: all
-// but the outputs and the splits.
+// sequences `query_start_loc` bounds, causal: all but the outputs and the splits.
 PrefillArgs prefill_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                          const at::Tensor& query_start_loc, const CacheShape& c, double scale,
                          int64_t total_q, const char* what) {
-  const int64_t num_seqs = block_tables.size(0), group = q.size(1) / c.kv_heads;
-  PrefillArgs a{};
-  a.q = q.data_ptr();
-  a.q_row_stride = q.stride(0);
-  a.q_head_stride = q.stride(1);
-  a.k_cache = k_cache.data_ptr();
-  a.v_cache = v_cache.data_ptr();
-  a.block_tables = block_tables.data_ptr<int>();
-  a.block_table_stride = block_tables.stride(0);
-  a.context_lens = context_lens.data_ptr<int>();
+  auto a = attention_args<PrefillArgs>(q, k_cache, v_cache, block_tables, context_lens, c, scale);
   a.query_start_loc = query_start_loc.data_ptr<int>();
-  a.num_seqs = static_cast<int>(num_seqs);
-  a.q_heads = static_cast<int>(q.size(1));
-  a.kv_heads = static_cast<int>(c.kv_heads);
-  a.block_size = static_cast<int>(c.block_size);
-  a.block_shift = block_shift(c.block_size);
-  a.max_blocks = static_cast<int>(block_tables.size(1));
-  a.tokens_per_tile = static_cast<int>(kPrefillRows / group);
-  const int64_t tiles = prefill_tiles(total_q, num_seqs, a.tokens_per_tile);
+  a.tokens_per_tile = static_cast<int>(kPrefillRows / (q.size(1) / c.kv_heads));
+  const int64_t tiles = prefill_tiles(total_q, block_tables.size(0), a.tokens_per_tile);
   TORCH_CHECK(tiles < INT_MAX && c.kv_heads < 65536, what, ": batch too large");
   a.num_tiles = static_cast<int>(tiles);
   a.total_q = static_cast<int>(total_q);
   a.causal = 1;
-  a.scale_log2 = static_cast<float>(scale * kLog2E);
   return a;
 }
 
