@@ -427,9 +427,11 @@ at::Tensor cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_cac
                     rows_slots(dtype, c.head_dim, group, q.get_device())),
       what);
   PrefillArgs p = prefill_args(q, k_cache, v_cache, prefix_tables, prefix_lens, prefix_starts, c, scale, rows, what);
+  // As many splits as one group's tile needs to fill the GPU: the largest group decides the
+  // step's time, and the host cannot see the grouping (it is on the device, and a CUDA graph
+  // serves any grouping of its rows). A shorter prefix leaves its trailing splits empty.
   const int64_t prefix_splits_used = pick_splits(
-      prefix_splits, choose_prefill_splits(p.num_tiles, c.kv_heads, prefix_tables.size(1) * c.block_size, sms),
-      what);
+      prefix_splits, choose_prefill_splits(1, c.kv_heads, prefix_tables.size(1) * c.block_size, sms), what);
   const int64_t slots = splits + prefix_splits_used;
   TORCH_CHECK(slots < 65536, what, ": too many splits (", num(slots), ")");
   const SplitWorkspace workspace(q, rows, slots, c.head_dim);

@@ -12,12 +12,22 @@ Invariants of a plan: its groups partition the step's rows (``rows`` lists each 
 group, ``starts`` bounding the groups); each row's first ``kv_start`` keys are its group's
 prefix (the blocks of its ``tables`` entry, ``lens`` tokens), and fewer than its context; a
 group of one row shares nothing (its prefix is empty).
+
+A plan travels to the device as int32 arrays in one span (``write_cascade``), laid out for K
+rows, G groups and prefix tables V blocks wide: a decode graph's span is laid out for its padded
+batch (K = G = the batch, V = the graphs' table width), its padding rows groups of one and its
+groups past the plan's empty, so any plan of that many rows or fewer fills it.
 """
 
 from __future__ import annotations
 
 import os
 from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from lmpool.model.qwen3 import CascadeInputs
 
 
 class CascadePlan(NamedTuple):
@@ -75,3 +85,41 @@ def plan_cascade(tables: list[list[int]], context_lens: list[int], block_size: i
             lens.append(0)
             prefixes.append([])
     return CascadePlan(kv_start, rows, starts, lens, prefixes, saved)
+
+
+def cascade_offsets(rows: int, groups: int, width: int) -> list[int]:
+    """Where a span of K = ``rows``, G = ``groups``, V = ``width`` holds, in order, kv_start[K],
+    prefix_rows[K], prefix_starts[G + 1], prefix_lens[G] and prefix_tables[G * V]; and its end."""
+    return np.cumsum([0, rows, rows, groups + 1, groups, groups * width]).tolist()
+
+
+def write_cascade(a: np.ndarray, plan: CascadePlan, rows: int, groups: int, width: int) -> None:
+    """``plan`` into ``a``, a span laid out for ``rows`` rows, ``groups`` groups and ``width``
+    blocks (``cascade_offsets``): rows past the plan's are groups of one, and groups past those
+    are empty; prefix tables are padded with block 0 (never read)."""
+    real, planned = len(plan.kv_start), len(plan.lens)
+    padding = rows - real
+    if padding < 0 or planned + padding > groups or any(len(t) > width for t in plan.tables):
+        raise ValueError(f"a plan of {real} rows and {planned} groups does not fit a span of {rows} rows, "
+                         f"{groups} groups and {width} blocks")
+    o = cascade_offsets(rows, groups, width)
+    a[o[0]:o[0] + real] = plan.kv_start
+    a[o[0] + real:o[1]] = 0
+    a[o[1]:o[1] + real] = plan.rows
+    a[o[1] + real:o[2]] = np.arange(real, rows)
+    a[o[2]:o[2] + planned + 1] = plan.starts
+    a[o[2] + planned + 1:o[2] + planned + 1 + padding] = np.arange(real + 1, rows + 1)
+    a[o[2] + planned + 1 + padding:o[3]] = rows
+    a[o[3]:o[3] + planned] = plan.lens
+    a[o[3] + planned:o[4]] = 0
+    tables = a[o[4]:o[5]].reshape(groups, width)
+    tables[:] = 0
+    for g, blocks in enumerate(plan.tables):
+        tables[g, : len(blocks)] = blocks
+
+
+def cascade_views(span: torch.Tensor, rows: int, groups: int, width: int) -> CascadeInputs:
+    """The attention's view of a span laid out for ``rows``, ``groups`` and ``width``."""
+    o = cascade_offsets(rows, groups, width)
+    return CascadeInputs(span[o[0]:o[1]], span[o[4]:o[5]].view(groups, width), span[o[3]:o[4]],
+                         span[o[2]:o[3]], span[o[1]:o[2]])

@@ -18,15 +18,23 @@ and the live KV, which padding rows barely add to. The attention's key splits
 are chosen for the padded size, by the waves of CTAs its rows make
 (``decode_splits``): padding close to the real rows keeps a short last wave of
 real rows visible to that choice (33 rows padded to 48 hid theirs).
+
+With cascades on (``EngineConfig.cascade_min_saved_tokens``), every size has a second graph, its
+attention a cascade (``lmpool.engine.cascade``) read from a static span laid out for the size
+(its rows, as many groups, the table's width), which a step copies its plan into. Its key
+splits are fixed at capture (the kernels size each split from the lengths on the device), so
+one graph serves any grouping of its rows.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from lmpool.engine.cascade import CascadePlan, cascade_offsets, cascade_views, write_cascade
 from lmpool.model.qwen3 import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -44,8 +52,9 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     @torch.inference_mode()
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+    def __init__(self, runner: ModelRunner, max_batch: int, cascades: bool = False) -> None:
         dev = runner.device
+        self.cascades = cascades
         self.sizes = batch_sizes(max_batch)
         self.max_batch = max_batch
         self.max_width = runner.max_blocks_per_seq
@@ -57,20 +66,35 @@ class DecodeGraphs:
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        pool = None
+        # Cascade graphs' static spans, each holding every row as a group of one until a step's plan.
+        self.spans: dict[int, torch.Tensor] = {}
+        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.cascade_outputs: dict[int, torch.Tensor] = {}
+        self._pool: Any = None  # the graphs' shared memory pool (torch's handle), after the first capture
         # A capture stream of this device: torch's default one is made once per process, on
         # whatever device was current then, and capturing on another device's stream fails.
-        capture_stream = torch.cuda.Stream(dev)
+        self._stream = torch.cuda.Stream(dev)
         for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            meta = self._meta(b)
-            args = (self.header[0, :b], self.header[1, :b], meta, runner.kv_cache, runner.ops)
-            runner.model(*args)  # warm-up outside capture (lazy initialisation, autotuning)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
-                self.outputs[b] = runner.model(*args)
-            pool = graph.pool()
-            self.graphs[b] = graph
+            self.graphs[b], self.outputs[b] = self._capture(runner, b, self._meta(b))
+            if cascades:
+                span = np.zeros(cascade_offsets(b, b, self.max_width)[-1], dtype=np.int32)
+                write_cascade(span, CascadePlan([], [], [0], [], [], 0), b, b, self.max_width)
+                self.spans[b] = torch.from_numpy(span).to(dev)
+                meta = self._meta(b)
+                meta.cascade = cascade_views(self.spans[b], b, b, self.max_width)
+                self.cascade_graphs[b], self.cascade_outputs[b] = self._capture(runner, b, meta)
         torch.cuda.synchronize(dev)
+
+    def _capture(self, runner: ModelRunner, b: int, meta: AttentionMetadata
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The forward of ``b`` rows with ``meta``, captured (into the graphs' shared memory pool)."""
+        args = (self.header[0, :b], self.header[1, :b], meta, runner.kv_cache, runner.ops)
+        runner.model(*args)  # warm-up outside capture (lazy initialisation, autotuning)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+            out = runner.model(*args)
+        self._pool = graph.pool()
+        return graph, out
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -94,5 +118,9 @@ class DecodeGraphs:
         tables = inputs.meta.block_tables
         self.header[:, :b].copy_(inputs.graph_header)
         self.tables[:n, : tables.shape[1]].copy_(tables)
+        if inputs.graph_cascade is not None:
+            self.spans[b].copy_(inputs.graph_cascade)
+            self.cascade_graphs[b].replay()
+            return self.cascade_outputs[b][:n]
         self.graphs[b].replay()
         return self.outputs[b][:n]

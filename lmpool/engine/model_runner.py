@@ -134,7 +134,7 @@ class ModelRunner:
         self.graphs = None
         # The torch reference synchronises with the host, so only the kernels can be captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.ops.name == "cuda":
-            self.graphs = DecodeGraphs(self, min(config.max_num_seqs, 512))
+            self.graphs = DecodeGraphs(self, min(config.max_num_seqs, 512), config.cascade_min_saved_tokens > 0)
         if self.device.type == "cuda":
             warm_up(self.model, self.device, self.dtype, config.max_num_seqs, config.max_num_batched_tokens)
 

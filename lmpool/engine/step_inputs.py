@@ -23,8 +23,9 @@ rows in the previous step's sampled tokens) let the runner copy the real ids in
 on the device, so a step never waits for the previous one's tokens.
 
 A decode step whose rows share cached prefixes enough (``lmpool.engine.cascade``) is a
-cascade: K = B, its G groups' prefixes V blocks wide at most, and it runs eagerly (no
-graph), its attention reading each group's prefix once. Otherwise K = G = 0 and none of it.
+cascade, its attention reading each group's prefix once: K = B, its G groups' prefixes V
+blocks wide at most; or, replaying a cascade graph of batch G, K = G and V the graphs' table
+width (``cascade.write_cascade``). Otherwise K = G = 0 and none of it.
 
 Invariants:
 - On CUDA the host arena is pinned and reaches the device with a single
@@ -53,7 +54,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from lmpool.engine.cascade import CascadePlan, plan_cascade
+from lmpool.engine.cascade import cascade_offsets, cascade_views, plan_cascade, write_cascade
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.model.qwen3 import AttentionMetadata, CascadeInputs
 
@@ -62,6 +63,7 @@ class GraphSizes(Protocol):
     """What the builder needs to know of the decode graphs (``DecodeGraphs``)."""
 
     max_width: int  # block-table columns the graphs' static table holds
+    cascades: bool  # whether cascade steps have graphs too
 
     def padded_size(self, num_seqs: int) -> int | None: ...
 
@@ -77,19 +79,21 @@ class StepInputs:
     graph_size: int | None = None  # padded batch G when a decode graph replays this step
     graph_header: torch.Tensor | None = None  # [4, G]: ids, positions, slots, context lengths
     fill: torch.Tensor | None = None  # [2, F]: token rows to fill, rows of the previous step's tokens
+    graph_cascade: torch.Tensor | None = None  # a cascade graph step's cascade span, laid out for G
 
 
 def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
     """Int32 entries of the largest step: P = C = max(tokens, seqs), R, F, K, G <= B and V <= W."""
     rows = max(max_tokens, max_seqs)
-    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + 4 * max_seqs + 1 + max_seqs * max_width
+    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + cascade_offsets(max_seqs, max_seqs, max_width)[-1]
 
 
 # A step's views into the device arena: ids, positions, slots, block tables, context lengths, query
-# starts, sampled rows, graph header, pending-token fill and cascade (the last four where the step
-# has them).
+# starts, sampled rows, graph header, pending-token fill, cascade and a cascade graph's span (the
+# last five where the step has them).
 _Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-               torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, CascadeInputs | None]
+               torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, CascadeInputs | None,
+               torch.Tensor | None]
 
 
 class StepInputBuilder:
@@ -170,7 +174,7 @@ class StepInputBuilder:
         if decode and self.cascade_min_saved:
             plan = plan_cascade(tables, ends.tolist(), self.block_size, self.cascade_min_saved)
         graph_size = None
-        if decode and plan is None and graphs is not None and width <= graphs.max_width:
+        if decode and graphs is not None and width <= graphs.max_width and (plan is None or graphs.cascades):
             graph_size = graphs.padded_size(num_seqs)
         padded = graph_size or num_rows
         ctx_rows = graph_size or num_seqs
@@ -181,9 +185,13 @@ class StepInputBuilder:
         o_fill = o_tab + num_seqs * width
         num_fill = len(pending)
         o_cascade = o_fill + 2 * num_fill
-        groups = len(plan.lens) if plan else 0
-        prefix_width = max(1, max(map(len, plan.tables))) if plan else 0
-        end = o_cascade + (2 * num_seqs + 2 * groups + 1 + groups * prefix_width if plan else 0)
+        cascade_rows = groups = prefix_width = 0
+        if plan and graph_size is not None:
+            cascade_rows = groups = graph_size
+            prefix_width = graphs.max_width if graphs is not None else 0
+        elif plan:
+            cascade_rows, groups, prefix_width = num_seqs, len(plan.lens), max(1, max(map(len, plan.tables)))
+        end = o_cascade + (cascade_offsets(cascade_rows, groups, prefix_width)[-1] if plan else 0)
         if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)
             self._allocate(max(end, 2 * self.capacity))
         a = self.host_nps[self._turn]
@@ -233,7 +241,7 @@ class StepInputBuilder:
             a[o_fill : o_fill + num_fill] = query_start[1:][pending] - 1  # a pending token is its sequence's last row
             a[o_fill + num_fill : o_cascade] = [seqs[i].pending_row for i in pending]
         if plan:
-            self._write_cascade(a[o_cascade:end], plan, num_seqs, prefix_width)
+            write_cascade(a[o_cascade:end], plan, cascade_rows, groups, prefix_width)
             # The step's shape for the step-time model counts the keys it reads: each shared
             # prefix once, not once per row.
             batch.decode_context -= plan.saved
@@ -259,45 +267,22 @@ class StepInputBuilder:
                 dev[o_rows:o_tab] if rows_needed else None,
                 dev[: 4 * graph_size].view(4, graph_size) if graph_size else None,
                 dev[o_fill:o_cascade].view(2, num_fill) if num_fill else None,
-                self._cascade_views(dev[o_cascade:end], num_seqs, groups, prefix_width) if plan else None,
+                cascade_views(dev[o_cascade:end], cascade_rows, groups, prefix_width) if plan else None,
+                dev[o_cascade:end] if plan and graph_size else None,
             )
-        ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v, cascade_v = views
+        ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v, cascade_v, span_v = views
         return StepInputs(
             ids=ids_v,
             positions=pos_v,
-            meta=AttentionMetadata(slots_v, tables_v, ctx_v, qsl_v, decode, cascade_v),
+            meta=AttentionMetadata(slots_v, tables_v, ctx_v, qsl_v, decode, None if graph_size else cascade_v),
             num_seqs=num_seqs,
             sample_rows=rows_v,
             sample_index=None if all_sample else np.flatnonzero(samples).tolist(),
             graph_size=graph_size,
             graph_header=header_v,
             fill=fill_v,
+            graph_cascade=span_v,
         )
-
-    @staticmethod
-    def _write_cascade(a: np.ndarray, plan: CascadePlan, num_seqs: int, prefix_width: int) -> None:
-        """The plan's arrays into ``a``, its part of the host arena (prefix tables padded with 0)."""
-        o = _cascade_layout(num_seqs, len(plan.lens), prefix_width)
-        a[o[0]:o[1]] = plan.kv_start
-        a[o[1]:o[2]] = plan.rows
-        a[o[2]:o[3]] = plan.starts
-        a[o[3]:o[4]] = plan.lens
-        tables = a[o[4]:o[5]].reshape(len(plan.lens), prefix_width)
-        tables[:] = 0
-        for g, blocks in enumerate(plan.tables):
-            tables[g, : len(blocks)] = blocks
-
-    @staticmethod
-    def _cascade_views(dev: torch.Tensor, num_seqs: int, groups: int, prefix_width: int) -> CascadeInputs:
-        o = _cascade_layout(num_seqs, groups, prefix_width)
-        return CascadeInputs(dev[o[0]:o[1]], dev[o[4]:o[5]].view(groups, prefix_width), dev[o[3]:o[4]],
-                             dev[o[2]:o[3]], dev[o[1]:o[2]])
-
-
-def _cascade_layout(num_seqs: int, groups: int, prefix_width: int) -> list[int]:
-    """Offsets of the cascade's arrays in its part of the arena (the module docstring's K..V), and its end."""
-    sizes = (num_seqs, num_seqs, groups + 1, groups, groups * prefix_width)
-    return [0, *np.cumsum(sizes).tolist()]
 
 
 def check_pending(seqs: list, pending: list[int], starts: list[int], counts: list[int]) -> None:

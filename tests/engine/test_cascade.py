@@ -104,9 +104,10 @@ def test_an_engine_reading_shared_prefixes_once_generates_the_same_tokens(tiny_m
     assert calls, "no decode step ran as a cascade"
 
 
-def test_a_cascade_step_carries_its_groups_and_replays_no_graph():
+def test_a_cascade_step_carries_its_groups_and_replays_no_graph_where_none_was_captured():
     """Three decode rows, two of them sharing two whole blocks, and a later step without any
-    sharing from the same builder: the first carries the plan's arrays (no graph), the next none."""
+    sharing from the same builder: the first carries the plan's arrays (no graph: the graphs
+    have no cascades), the next none."""
     import torch
 
     from lmpool.engine.scheduler import ScheduledBatch
@@ -138,3 +139,60 @@ def test_a_cascade_step_carries_its_groups_and_replays_no_graph():
     alone = builder.build(ScheduledBatch(seqs=[seq("d", [7, 8], 6), seq("e", [9, 10], 6)], num_tokens=[1, 1]),
                           graphs)
     assert alone.meta.cascade is None and alone.graph_size == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(decode_rows(), st.integers(0, 6))
+def test_a_plan_fills_a_span_padded_for_a_larger_batch(rows, padding):
+    """``write_cascade`` into a span laid out for ``rows + padding`` rows and as many groups:
+    the rows past the plan's are groups of one with nothing shared, the groups past those are
+    empty, and the plan's own groups are as planned."""
+    import numpy as np
+    import torch
+
+    from lmpool.engine.cascade import cascade_offsets, cascade_views, write_cascade
+
+    tables, lens = rows
+    plan = plan_cascade(tables, lens, BLOCK, 1)
+    if plan is None:
+        return
+    size, width = len(tables) + padding, max(map(len, tables))
+    span = np.full(cascade_offsets(size, size, width)[-1], -7, dtype=np.int32)
+    write_cascade(span, plan, size, size, width)
+    kv_start, prefix_tables, prefix_lens, starts, members = (t.tolist() for t in
+                                                              cascade_views(torch.from_numpy(span), size, size, width))
+    assert sorted(members) == list(range(size)) and starts[0] == 0 and starts[-1] == size
+    assert starts == sorted(starts)
+    planned = len(plan.lens)
+    assert (kv_start[: len(tables)], members[: len(tables)], starts[: planned + 1], prefix_lens[:planned]) == (
+        plan.kv_start, plan.rows, plan.starts, plan.lens)
+    for g in range(planned, size):
+        group = members[starts[g]:starts[g + 1]]
+        assert prefix_lens[g] == 0 and len(group) <= 1 and all(r >= len(tables) and kv_start[r] == 0 for r in group)
+    for g, blocks in enumerate(plan.tables):
+        assert prefix_tables[g][: len(blocks)] == blocks
+
+
+def test_a_cascade_step_replays_the_cascade_graph_of_its_padded_size():
+    import torch
+
+    from lmpool.engine.cascade import cascade_views
+    from lmpool.engine.scheduler import ScheduledBatch
+    from lmpool.engine.sequence import Sequence
+    from lmpool.engine.step_inputs import StepInputBuilder
+    from tests.engine.test_step_inputs import FakeGraphs
+
+    params = SamplingParams(temperature=0, max_tokens=4)
+    seqs = []
+    for name, table, length in (("a", [5, 6, 40], 10), ("b", [9, 41], 6), ("c", [5, 6, 42, 43], 13)):
+        s = Sequence(name, list(range(length)), params, BLOCK)
+        s.num_computed_tokens = length - 1
+        s.block_table = table
+        seqs.append(s)
+    builder = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1)
+    inputs = builder.build(ScheduledBatch(seqs=seqs, num_tokens=[1, 1, 1]), FakeGraphs(8, 16, cascades=True))
+    assert inputs.graph_size == 4 and inputs.meta.cascade is None and inputs.graph_cascade is not None
+    kv_start, prefix_tables, prefix_lens, starts, members = (t.tolist() for t in
+                                                              cascade_views(inputs.graph_cascade, 4, 4, 16))
+    assert kv_start == [8, 0, 8, 0] and members == [0, 2, 1, 3] and starts == [0, 2, 3, 4, 4]
+    assert prefix_lens == [8, 0, 0, 0] and prefix_tables[0][:3] == [5, 6, 0]

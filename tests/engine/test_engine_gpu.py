@@ -78,6 +78,7 @@ def test_gpu_bf16_runs_with_preemption(tiny_model, block_size):
 class _GraphSizes:
     def __init__(self, max_batch: int, max_width: int) -> None:
         self.sizes, self.max_batch, self.max_width = batch_sizes(max_batch), max_batch, max_width
+        self.cascades = False
 
     def padded_size(self, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_seqs), None)
@@ -314,30 +315,29 @@ def test_gpu_logprobs_and_penalties_equal_cpu(tiny_model, async_scheduling, enfo
                 assert g[:2] == w[:2] and all(abs(a - b) < 1e-3 for a, b in zip(g[2], w[2]))
 
 
-def test_gpu_bf16_decode_steps_sharing_a_document_run_as_cascades(tiny_model, monkeypatch):
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_gpu_bf16_decode_steps_sharing_a_document_run_as_cascades(tiny_model, monkeypatch, enforce_eager):
     """Questions about one cached document decode as cascades on the kernels (the op's numerics:
-    ``tests/kernels``), beside a graph-replaying engine: every request completes, and the first
-    tokens, which no cascade computes, equal the plain engine's."""
-    import dataclasses
-
+    ``tests/kernels``), eagerly or replaying cascade graphs: every request completes, and the
+    first tokens, which no cascade computes, equal the plain engine's."""
     doc = prompts(1)[0] * 8
     questions = [doc + [5 + q, 9 + q] for q in range(6)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def run(cascade: int) -> tuple[list[list[int]], int]:
-        calls = []
-        with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=BLOCK,
+        steps = []
+        with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=BLOCK, enforce_eager=enforce_eager,
                  cascade_min_saved_tokens=cascade) as llm:
             runner = llm.engine.runner
-            ops = runner.ops
+            forward = runner.forward_hidden
 
-            def counted(*args, **kwargs):
-                calls.append(1)
-                return ops.cascade_decode_attention(*args, **kwargs)
+            def counted(inputs):  # a cascade step, eager or replaying its graph
+                steps.append(inputs.meta.cascade is not None or inputs.graph_cascade is not None)
+                return forward(inputs)
 
-            monkeypatch.setattr(runner, "ops", dataclasses.replace(ops, cascade_decode_attention=counted))
+            monkeypatch.setattr(runner, "forward_hidden", counted)
             llm.generate([doc], params)  # the document, cached
-            return [o.token_ids for o in llm.generate(questions, params)], len(calls)
+            return [o.token_ids for o in llm.generate(questions, params)], sum(steps)
 
     plain, none = run(0)
     cascaded, calls = run(1)

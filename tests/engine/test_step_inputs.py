@@ -26,10 +26,11 @@ PARAMS = SamplingParams(temperature=0, max_tokens=1)
 class FakeGraphs:
     """The builder's view of DecodeGraphs: captured sizes up to ``max_batch``, table width."""
 
-    def __init__(self, max_batch: int, max_width: int) -> None:
+    def __init__(self, max_batch: int, max_width: int, cascades: bool = False) -> None:
         self.sizes = batch_sizes(max_batch)
         self.max_batch = max_batch
         self.max_width = max_width
+        self.cascades = cascades
 
     def padded_size(self, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_seqs), None)
