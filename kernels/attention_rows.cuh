@@ -13,7 +13,9 @@
 // partial output and log2-sum-exp; `combine_splits_kernel` merges them. In a
 // cascade (cascade_decode_attention), a row attends only to its keys from
 // kv_start[row] on, and the merge also takes the slots its shared prefix's pass
-// (the tensor-core prefill kernel, over the group's rows at once) wrote.
+// (the tensor-core prefill kernel, over the group's rows at once) wrote; a row
+// that shares no prefix (kv_start 0) is in no group, and its first split's CTA
+// marks those slots empty.
 //
 // The split count is fixed by the host from shapes alone (no device->host
 // read), and each row sizes its partitions from its own length on the device,
@@ -98,6 +100,11 @@ __global__ void __launch_bounds__(kRowsThreads)
   const int lane = tid % kLanes;  // which 16-byte slice of head_dim
   const int grp = tid / kLanes;   // which token of each kGroups-token step
   const int64_t out_row = (int64_t)row * a.q_heads;
+  if (a.kv_start != nullptr && split == 0 && __ldg(a.kv_start + row) <= 0) {  // no prefix pass wrote its slots
+    for (int i = tid; i < heads_here * (a.split_stride - a.num_splits); i += kRowsThreads)
+      a.partial_lse[(out_row + q_head0 + i % heads_here) * a.split_stride + a.num_splits +
+                    i / heads_here] = -INFINITY;
+  }
 
   if (start >= end) {  // nothing to attend to in this split
     if (partial) {

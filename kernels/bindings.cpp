@@ -382,10 +382,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 // shared keys are read once, on tensor cores, for all of its rows (the prefill kernel,
 // non-causal, over the group's prefix_lens[g] keys of prefix_tables[g]), and each row attends
 // with the row kernel to the rest of its keys, from kv_start[row] on; the two passes' partials
-// merge by their log-sum-exps. prefix_rows lists every row once, group by group, the groups
-// bounded by prefix_starts; a row of no shared prefix is a group of one with prefix_lens 0.
-// The caller guarantees what only the device could check: each row's first kv_start[row] keys
-// are its group's prefix (the same cached blocks), and prefix_rows is a permutation of the rows.
+// merge by their log-sum-exps. prefix_rows lists the grouped rows, group by group, the groups
+// bounded by prefix_starts (entries past the last group's end are never read; groups past the
+// last row are empty); a row in no group has kv_start 0. The caller guarantees what only the
+// device could check: a row is in a group exactly when its kv_start is above 0, and then its
+// first kv_start keys are its group's prefix (the same cached blocks), at least one key short
+// of its context.
 at::Tensor cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& context_lens, const at::Tensor& kv_start,
@@ -395,16 +397,18 @@ at::Tensor cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_cac
   constexpr const char* what = "cascade_decode_attention";
   const CacheShape c = check_attention(q, k_cache, v_cache, block_tables, context_lens);
   const auto device = q.device();
-  const int64_t rows = q.size(0), q_heads = q.size(1), groups = prefix_lens.size(0);
-  TORCH_CHECK(block_tables.size(0) == rows, what, ": one query per sequence: q has ", num(rows),
-              " rows but block_tables has ", num(block_tables.size(0)));
   check_int32(kv_start, "kv_start", 1, device);
   check_int32(prefix_tables, "prefix_tables", 2, device);
   check_int32(prefix_lens, "prefix_lens", 1, device);
   check_int32(prefix_starts, "prefix_starts", 1, device);
   check_int32(prefix_rows, "prefix_rows", 1, device);
-  TORCH_CHECK(kv_start.size(0) == rows && prefix_rows.size(0) == rows, what,
-              ": kv_start and prefix_rows need one entry per row (", num(rows), "), got ",
+  const int64_t rows = q.size(0), q_heads = q.size(1), groups = prefix_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == rows, what, ": one query per sequence: q has ", num(rows),
+              " rows but block_tables has ", num(block_tables.size(0)));
+  TORCH_CHECK(rows < INT_MAX && c.kv_heads * ((q_heads / c.kv_heads + 7) / 8) < 65536, what,
+              ": too many rows or kv heads");
+  TORCH_CHECK(kv_start.size(0) == rows && prefix_rows.size(0) <= rows, what,
+              ": kv_start needs one entry per row (", num(rows), ") and prefix_rows at most as many, got ",
               num(kv_start.size(0)), " and ", num(prefix_rows.size(0)));
   TORCH_CHECK(prefix_tables.size(0) == groups && prefix_starts.size(0) == groups + 1, what,
               ": prefix_tables needs one row and prefix_starts groups + 1 entries for ", num(groups),
@@ -418,7 +422,6 @@ at::Tensor cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_cac
   const c10::cuda::CUDAGuard guard(device);
   auto out = at::empty({rows, q_heads, c.head_dim}, q.options());
   if (rows == 0) return out;
-  TORCH_CHECK(groups > 0, what, ": every row belongs to a group, and there are none");
   const int sms = num_sms(q.get_device());
   const DType dtype = dtype_of(q, "q");
   const int64_t splits = pick_splits(
@@ -426,7 +429,8 @@ at::Tensor cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_cac
       choose_splits(rows, q_heads, c.kv_heads, block_tables.size(1) * c.block_size, sms,
                     rows_slots(dtype, c.head_dim, group, q.get_device())),
       what);
-  PrefillArgs p = prefill_args(q, k_cache, v_cache, prefix_tables, prefix_lens, prefix_starts, c, scale, rows, what);
+  PrefillArgs p = prefill_args(q, k_cache, v_cache, prefix_tables, prefix_lens, prefix_starts, c, scale,
+                               prefix_rows.size(0), what);
   // As many splits as one group's tile needs to fill the GPU: the largest group decides the
   // step's time, and the host cannot see the grouping (it is on the device, and a CUDA graph
   // serves any grouping of its rows). A shorter prefix leaves its trailing splits empty.
@@ -444,7 +448,8 @@ at::Tensor cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_cac
   p.num_splits = static_cast<int>(prefix_splits_used);
   p.split_stride = static_cast<int>(slots);
   p.split_base = static_cast<int>(splits);
-  check_launch(launch_prefill_mma(dtype, static_cast<int>(c.head_dim), p, current_stream()), what);
+  if (p.num_tiles > 0 && groups > 0)  // no group: the row pass marks every row's prefix slots empty
+    check_launch(launch_prefill_mma(dtype, static_cast<int>(c.head_dim), p, current_stream()), what);
   AttentionRowsArgs r = rows_args(q, k_cache, v_cache, block_tables, context_lens, c, scale);
   r.kv_start = kv_start.data_ptr<int>();
   r.out = out.data_ptr();

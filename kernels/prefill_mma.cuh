@@ -24,7 +24,8 @@
 // A cascade's prefix pass (cascade_decode_attention) runs it non-causal: a
 // "sequence" is a group of decode rows sharing a prefix (q_rows names their q
 // rows), every row sees all of the prefix's keys, and the splits write into the
-// slots after those of the rows kernel that then attends to the rest.
+// slots after those of the rows kernel that then attends to the rest. Rows in
+// no group are not its queries (the rows kernel marks their slots empty).
 #pragma once
 
 #include <cmath>

@@ -243,7 +243,7 @@ class EngineCore:
         if seconds is None:
             seconds = done - max(launched, self._last_done)
         self.step_samples.append(StepSample(seconds, batch.prefill_tokens, batch.prefill_attention,
-                                            batch.decode_seqs, batch.decode_context))
+                                            batch.decode_seqs, batch.decode_context - batch.decode_keys_saved))
         self._last_done = done
         self._timed_pending = pending
 

@@ -19,11 +19,11 @@ are chosen for the padded size, by the waves of CTAs its rows make
 (``decode_splits``): padding close to the real rows keeps a short last wave of
 real rows visible to that choice (33 rows padded to 48 hid theirs).
 
-With cascades on (``EngineConfig.cascade_min_saved_tokens``), every size has a second graph, its
-attention a cascade (``lmpool.engine.cascade``) read from a static span laid out for the size
-(its rows, as many groups, the table's width), which a step copies its plan into. Its key
-splits are fixed at capture (the kernels size each split from the lengths on the device), so
-one graph serves any grouping of its rows.
+With cascades on (``EngineConfig.cascade_min_saved_tokens``), every size of two rows or more has
+a second graph, its attention a cascade (``lmpool.engine.cascade``) read from a static span laid
+out for the size (its rows, up to ``GRAPH_GROUPS`` groups, the table's width), which a step
+copies its plan into. Its key splits are fixed at capture (the kernels size each split from the
+lengths on the device), so one graph serves any grouping of its rows into that many groups.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lmpool.engine.cascade import CascadePlan, cascade_offsets, cascade_views, write_cascade
+from lmpool.engine.cascade import GRAPH_GROUPS, CascadePlan, cascade_offsets, cascade_views, write_cascade
 from lmpool.model.qwen3 import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -76,12 +76,13 @@ class DecodeGraphs:
         self._stream = torch.cuda.Stream(dev)
         for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             self.graphs[b], self.outputs[b] = self._capture(runner, b, self._meta(b))
-            if cascades:
-                span = np.zeros(cascade_offsets(b, b, self.max_width)[-1], dtype=np.int32)
-                write_cascade(span, CascadePlan([], [], [0], [], [], 0), b, b, self.max_width)
+            if cascades and b > 1:  # a plan groups two rows or more
+                layout = (b, b, GRAPH_GROUPS, self.max_width)
+                span = np.zeros(cascade_offsets(*layout)[-1], dtype=np.int32)
+                write_cascade(span, CascadePlan([], [], [0], [], [], 0), *layout)  # no group yet
                 self.spans[b] = torch.from_numpy(span).to(dev)
                 meta = self._meta(b)
-                meta.cascade = cascade_views(self.spans[b], b, b, self.max_width)
+                meta.cascade = cascade_views(self.spans[b], *layout)
                 self.cascade_graphs[b], self.cascade_outputs[b] = self._capture(runner, b, meta)
         torch.cuda.synchronize(dev)
 

@@ -52,6 +52,7 @@ class ScheduledBatch:
     prefill_attention: int = 0
     decode_seqs: int = 0
     decode_context: int = 0
+    decode_keys_saved: int = 0  # of the decode context, the keys a cascade reads once for several rows
     # Indices of the sequences computing prompt positions whose logprobs they asked for.
     prompt_logprobs: list[int] = field(default_factory=list)
 

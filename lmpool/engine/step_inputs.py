@@ -4,7 +4,7 @@ Every index the model needs is int32 and lives in one flat arena, laid out as
 
     ids[P] | positions[P] | slots[P] | context_lens[C] | query_start_loc[B + 1]
            | sample_rows[R] | block_tables[B * W] | fill_rows[F] | fill_sources[F]
-           | kv_start[K] | prefix_rows[K] | prefix_starts[G + 1] | prefix_lens[G] | prefix_tables[G * V]
+           | kv_start[K] | prefix_rows[R] | prefix_starts[G + 1] | prefix_lens[G] | prefix_tables[G * V]
 
 for B sequences and T token rows, W the longest block table of the batch, and R
 the sampled rows (R = 0 when the sampled rows are exactly every row: a decode
@@ -23,9 +23,10 @@ rows in the previous step's sampled tokens) let the runner copy the real ids in
 on the device, so a step never waits for the previous one's tokens.
 
 A decode step whose rows share cached prefixes enough (``lmpool.engine.cascade``) is a
-cascade, its attention reading each group's prefix once: K = B, its G groups' prefixes V
-blocks wide at most; or, replaying a cascade graph of batch G, K = G and V the graphs' table
-width (``cascade.write_cascade``). Otherwise K = G = 0 and none of it.
+cascade, its attention reading each group's prefix once: K = B, its R grouped rows in G groups,
+their prefixes V blocks wide at most; or, replaying the cascade graph of its padded batch, K =
+R = that batch, G = ``cascade.GRAPH_GROUPS`` and V the graphs' table width (a step of more groups
+runs eagerly). Otherwise none of it.
 
 Invariants:
 - On CUDA the host arena is pinned and reaches the device with a single
@@ -54,7 +55,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from lmpool.engine.cascade import cascade_offsets, cascade_views, plan_cascade, write_cascade
+from lmpool.engine.cascade import GRAPH_GROUPS, cascade_offsets, cascade_views, plan_cascade, write_cascade
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.model.qwen3 import AttentionMetadata, CascadeInputs
 
@@ -83,9 +84,11 @@ class StepInputs:
 
 
 def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
-    """Int32 entries of the largest step: P = C = max(tokens, seqs), R, F, K, G <= B and V <= W."""
+    """Int32 entries of the largest step: P = C = max(tokens, seqs), R, F, K <= B, G <= B / 2 (or the
+    graphs' ``GRAPH_GROUPS``) and V <= W."""
     rows = max(max_tokens, max_seqs)
-    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + cascade_offsets(max_seqs, max_seqs, max_width)[-1]
+    cascade = cascade_offsets(max_seqs, max_seqs, max(max_seqs // 2, GRAPH_GROUPS), max_width)[-1]
+    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + cascade
 
 
 # A step's views into the device arena: ids, positions, slots, block tables, context lengths, query
@@ -174,7 +177,8 @@ class StepInputBuilder:
         if decode and self.cascade_min_saved:
             plan = plan_cascade(tables, ends.tolist(), self.block_size, self.cascade_min_saved)
         graph_size = None
-        if decode and graphs is not None and width <= graphs.max_width and (plan is None or graphs.cascades):
+        graphed = plan is None or (graphs is not None and graphs.cascades and len(plan.lens) <= GRAPH_GROUPS)
+        if decode and graphs is not None and width <= graphs.max_width and graphed:
             graph_size = graphs.padded_size(num_seqs)
         padded = graph_size or num_rows
         ctx_rows = graph_size or num_seqs
@@ -185,13 +189,12 @@ class StepInputBuilder:
         o_fill = o_tab + num_seqs * width
         num_fill = len(pending)
         o_cascade = o_fill + 2 * num_fill
-        cascade_rows = groups = prefix_width = 0
-        if plan and graph_size is not None:
-            cascade_rows = groups = graph_size
-            prefix_width = graphs.max_width if graphs is not None else 0
+        layout = (0, 0, 0, 0)  # the cascade span's rows, grouped rows, groups and prefix width
+        if plan and graph_size is not None and graphs is not None:
+            layout = (graph_size, graph_size, GRAPH_GROUPS, graphs.max_width)
         elif plan:
-            cascade_rows, groups, prefix_width = num_seqs, len(plan.lens), max(1, max(map(len, plan.tables)))
-        end = o_cascade + (cascade_offsets(cascade_rows, groups, prefix_width)[-1] if plan else 0)
+            layout = (num_seqs, len(plan.rows), len(plan.lens), max(map(len, plan.tables)))
+        end = o_cascade + (cascade_offsets(*layout)[-1] if plan else 0)
         if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)
             self._allocate(max(end, 2 * self.capacity))
         a = self.host_nps[self._turn]
@@ -241,17 +244,16 @@ class StepInputBuilder:
             a[o_fill : o_fill + num_fill] = query_start[1:][pending] - 1  # a pending token is its sequence's last row
             a[o_fill + num_fill : o_cascade] = [seqs[i].pending_row for i in pending]
         if plan:
-            write_cascade(a[o_cascade:end], plan, cascade_rows, groups, prefix_width)
-            # The step's shape for the step-time model counts the keys it reads: each shared
-            # prefix once, not once per row.
-            batch.decode_context -= plan.saved
+            write_cascade(a[o_cascade:end], plan, *layout)
+        # The step's shape for the step-time model counts the keys it reads: each shared prefix once.
+        batch.decode_keys_saved = plan.saved if plan else 0
 
         if self.on_cuda:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
             assert self._copied is not None  # made on CUDA
             self._copied[self._turn].record(torch.cuda.current_stream(self.device))  # the copy's stream
         key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0,
-               num_fill, groups, prefix_width)
+               num_fill, *layout)
         views = self._views.get(key)
         if views is None:
             if len(self._views) > 256:
@@ -267,7 +269,7 @@ class StepInputBuilder:
                 dev[o_rows:o_tab] if rows_needed else None,
                 dev[: 4 * graph_size].view(4, graph_size) if graph_size else None,
                 dev[o_fill:o_cascade].view(2, num_fill) if num_fill else None,
-                cascade_views(dev[o_cascade:end], cascade_rows, groups, prefix_width) if plan else None,
+                cascade_views(dev[o_cascade:end], *layout) if plan else None,
                 dev[o_cascade:end] if plan and graph_size else None,
             )
         ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v, cascade_v, span_v = views

@@ -176,9 +176,10 @@ class Worker:
             context += length
         self.cached_on_arrival = {s.request_id: self.cached_on_arrival[s.request_id]
                                   for s in sched.waiting if s.request_id in self.cached_on_arrival}
-        # Running sequences that decode as a cascade read their shared prefixes once a step.
-        plan = plan_cascade([s.block_table for s in sched.running], [len(s) for s in sched.running],
-                            bm.block_size, self.core.config.cascade_min_saved_tokens)
+        # Sequences that decode as a cascade read their shared prefixes once a step.
+        decoding = [s for s in sched.running if s.num_computed_tokens >= len(s) - 1]
+        plan = plan_cascade([s.block_table for s in decoding], [len(s) for s in decoding], bm.block_size,
+                            self.core.config.cascade_min_saved_tokens)
         if plan is not None:
             context -= plan.saved
         return LoadReport(

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmpool.config import EngineConfig
-from lmpool.engine.cascade import plan_cascade
+from lmpool.engine.cascade import GRAPH_GROUPS, plan_cascade
 from lmpool.engine.core import EngineCore
 from lmpool.sampling_params import SamplingParams
 
@@ -43,20 +43,21 @@ def test_a_plan_groups_rows_by_the_whole_blocks_they_share(rows, min_saved):
     plan = plan_cascade(tables, lens, BLOCK, min_saved)
     if plan is None:
         return
-    assert sorted(plan.rows) == list(range(len(tables)))  # a partition of the rows
-    assert plan.starts[0] == 0 and plan.starts[-1] == len(tables) and plan.starts == sorted(plan.starts)
+    assert len(set(plan.rows)) == len(plan.rows)  # disjoint groups
+    assert plan.starts[0] == 0 and plan.starts[-1] == len(plan.rows) and plan.starts == sorted(plan.starts)
     saved = 0
     for g, tokens in enumerate(plan.lens):
         members = plan.rows[plan.starts[g]:plan.starts[g + 1]]
-        assert members and tokens == len(plan.tables[g]) * BLOCK
-        assert len(members) > 1 or tokens == 0  # a group of one shares nothing
+        assert len(members) > 1 and tokens == len(plan.tables[g]) * BLOCK > 0
         for r in members:
             assert plan.kv_start[r] == tokens < lens[r]  # its own keys, at least its new token's
             assert tables[r][: len(plan.tables[g])] == plan.tables[g]
         saved += (len(members) - 1) * tokens
+    grouped = set(plan.rows)
+    assert all(plan.kv_start[r] == 0 for r in range(len(tables)) if r not in grouped)
     assert plan.saved == saved >= min_saved
     # No two groups could have shared more: their first blocks differ.
-    firsts = [t[0] for t in plan.tables if t]
+    firsts = [t[0] for t in plan.tables]
     assert len(firsts) == len(set(firsts))
 
 
@@ -127,26 +128,27 @@ def test_a_cascade_step_carries_its_groups_and_replays_no_graph_where_none_was_c
     graphs = FakeGraphs(8, 16)
     rows = [seq("a", [5, 6, 40], 10), seq("b", [9, 41], 6), seq("c", [5, 6, 42, 43], 13)]
     batch = ScheduledBatch(seqs=rows, num_tokens=[1, 1, 1])
-    batch.decode_context = 10 + 6 + 13
     inputs = builder.build(batch, graphs)
-    assert batch.decode_context == 10 + 6 + 13 - 8  # the shared two blocks read once: the keys the step reads
+    assert batch.decode_keys_saved == 8  # the shared two blocks read once: fewer keys read by the step
     plan = plan_cascade([r.block_table for r in rows], [10, 6, 13], BLOCK, 1)
     assert inputs.graph_size is None and inputs.meta.cascade is not None
     kv_start, prefix_tables, prefix_lens, prefix_starts, prefix_rows = (t.tolist() for t in inputs.meta.cascade)
     assert (kv_start, prefix_rows, prefix_starts, prefix_lens) == (plan.kv_start, plan.rows, plan.starts, plan.lens)
-    assert kv_start == [8, 0, 8] and prefix_tables == [[5, 6], [0, 0]]
+    assert kv_start == [8, 0, 8] and prefix_tables == [[5, 6]] and prefix_rows == [0, 2]
     assert inputs.meta.context_lens.tolist() == [10, 6, 13]
     alone = builder.build(ScheduledBatch(seqs=[seq("d", [7, 8], 6), seq("e", [9, 10], 6)], num_tokens=[1, 1]),
                           graphs)
     assert alone.meta.cascade is None and alone.graph_size == 2
+    builder.build(batch, graphs)
+    assert batch.decode_keys_saved == 8  # built again, counted once
 
 
 @settings(max_examples=200, deadline=None)
-@given(decode_rows(), st.integers(0, 6))
-def test_a_plan_fills_a_span_padded_for_a_larger_batch(rows, padding):
-    """``write_cascade`` into a span laid out for ``rows + padding`` rows and as many groups:
-    the rows past the plan's are groups of one with nothing shared, the groups past those are
-    empty, and the plan's own groups are as planned."""
+@given(decode_rows(), st.integers(0, 6), st.integers(0, 3))
+def test_a_plan_fills_a_span_laid_out_for_a_larger_batch(rows, padding, more_groups):
+    """``write_cascade`` into a span laid out for ``rows + padding`` rows, as many grouped rows and
+    ``more_groups`` groups more than the plan's: the rows past the plan's are in no group, the
+    groups past its own are empty, and its own are as planned."""
     import numpy as np
     import torch
 
@@ -156,21 +158,18 @@ def test_a_plan_fills_a_span_padded_for_a_larger_batch(rows, padding):
     plan = plan_cascade(tables, lens, BLOCK, 1)
     if plan is None:
         return
-    size, width = len(tables) + padding, max(map(len, tables))
-    span = np.full(cascade_offsets(size, size, width)[-1], -7, dtype=np.int32)
-    write_cascade(span, plan, size, size, width)
-    kv_start, prefix_tables, prefix_lens, starts, members = (t.tolist() for t in
-                                                              cascade_views(torch.from_numpy(span), size, size, width))
-    assert sorted(members) == list(range(size)) and starts[0] == 0 and starts[-1] == size
-    assert starts == sorted(starts)
-    planned = len(plan.lens)
-    assert (kv_start[: len(tables)], members[: len(tables)], starts[: planned + 1], prefix_lens[:planned]) == (
-        plan.kv_start, plan.rows, plan.starts, plan.lens)
-    for g in range(planned, size):
-        group = members[starts[g]:starts[g + 1]]
-        assert prefix_lens[g] == 0 and len(group) <= 1 and all(r >= len(tables) and kv_start[r] == 0 for r in group)
+    size, groups, width = len(tables) + padding, len(plan.lens) + more_groups, max(map(len, tables))
+    span = np.full(cascade_offsets(size, size, groups, width)[-1], -7, dtype=np.int32)
+    write_cascade(span, plan, size, size, groups, width)
+    view = cascade_views(torch.from_numpy(span), size, size, groups, width)
+    kv_start, prefix_tables, prefix_lens, starts, members = (t.tolist() for t in view)
+    planned, grouped = len(plan.lens), len(plan.rows)
+    assert kv_start == plan.kv_start + [0] * padding
+    assert members[:grouped] == plan.rows and starts == plan.starts + [grouped] * more_groups
+    assert prefix_lens == plan.lens + [0] * more_groups
     for g, blocks in enumerate(plan.tables):
-        assert prefix_tables[g][: len(blocks)] == blocks
+        assert prefix_tables[g] == blocks + [0] * (width - len(blocks))
+    assert -7 not in span.tolist()  # every entry written
 
 
 def test_a_cascade_step_replays_the_cascade_graph_of_its_padded_size():
@@ -192,7 +191,29 @@ def test_a_cascade_step_replays_the_cascade_graph_of_its_padded_size():
     builder = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1)
     inputs = builder.build(ScheduledBatch(seqs=seqs, num_tokens=[1, 1, 1]), FakeGraphs(8, 16, cascades=True))
     assert inputs.graph_size == 4 and inputs.meta.cascade is None and inputs.graph_cascade is not None
-    kv_start, prefix_tables, prefix_lens, starts, members = (t.tolist() for t in
-                                                              cascade_views(inputs.graph_cascade, 4, 4, 16))
-    assert kv_start == [8, 0, 8, 0] and members == [0, 2, 1, 3] and starts == [0, 2, 3, 4, 4]
-    assert prefix_lens == [8, 0, 0, 0] and prefix_tables[0][:3] == [5, 6, 0]
+    view = cascade_views(inputs.graph_cascade, 4, 4, GRAPH_GROUPS, 16)
+    kv_start, prefix_tables, prefix_lens, starts, members = (t.tolist() for t in view)
+    assert kv_start == [8, 0, 8, 0] and members[:2] == [0, 2] and starts == [0] + [2] * GRAPH_GROUPS
+    assert prefix_lens == [8] + [0] * (GRAPH_GROUPS - 1) and prefix_tables[0][:3] == [5, 6, 0]
+
+
+def test_a_step_of_more_groups_than_a_cascade_graph_holds_runs_eagerly():
+    import torch
+
+    from lmpool.engine.scheduler import ScheduledBatch
+    from lmpool.engine.sequence import Sequence
+    from lmpool.engine.step_inputs import StepInputBuilder
+    from tests.engine.test_step_inputs import FakeGraphs
+
+    params = SamplingParams(temperature=0, max_tokens=4)
+    seqs = []
+    for g in range(GRAPH_GROUPS + 1):  # as many documents, two rows on each
+        for r in range(2):
+            s = Sequence(f"{g}-{r}", list(range(7)), params, BLOCK)
+            s.num_computed_tokens = 6
+            s.block_table = [100 * g, 100 * g + 10 + r]
+            seqs.append(s)
+    builder = StepInputBuilder(torch.device("cpu"), BLOCK, 8192, cascade_min_saved=1)
+    inputs = builder.build(ScheduledBatch(seqs=seqs, num_tokens=[1] * len(seqs)), FakeGraphs(16, 16, cascades=True))
+    assert inputs.graph_size is None and inputs.meta.cascade is not None
+    assert inputs.meta.cascade.prefix_lens.tolist() == [BLOCK] * (GRAPH_GROUPS + 1)

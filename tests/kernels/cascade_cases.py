@@ -28,9 +28,10 @@ class CascadeCase(NamedTuple):
 def cascade_case(groups: list[tuple[int, list[int]]], block_size: int, q_heads: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, gen: torch.Generator, device: str = "cpu") -> CascadeCase:
     """``groups``: for each, its shared prefix in blocks and its rows' own keys after it (each at
-    least 1). The rows of all groups are shuffled in the batch; every block holds its own random
-    keys, slots no sequence fills are NaN (a read of one shows), and block-table entries past a
-    row's blocks name real blocks."""
+    least 1); a group of no blocks is rows that share nothing, in no group of the cascade. The
+    rows of all groups are shuffled in the batch; every block holds its own random keys, slots no
+    sequence fills are NaN (a read of one shows), and block-table entries past a row's blocks
+    name real blocks."""
     rows = [(g, suffix) for g, (_, suffixes) in enumerate(groups) for suffix in suffixes]
     order = torch.randperm(len(rows), generator=gen).tolist()  # batch row i is rows[order[i]]
     prefix_blocks = [blocks for blocks, _ in groups]
@@ -57,8 +58,10 @@ def cascade_case(groups: list[tuple[int, list[int]]], block_size: int, q_heads: 
         fill(own[-1], suffix)
     width = max(len(shared[g]) + len(own[r]) for r, (g, _) in enumerate(rows)) + 1
     tables = torch.randint(0, num_blocks, (len(rows), width), generator=gen, dtype=torch.int32)
+    shared_groups = [g for g, blocks in enumerate(prefix_blocks) if blocks]
     prefix_width = max(1, max(prefix_blocks))
-    prefix_tables = torch.randint(0, num_blocks, (len(groups), prefix_width), generator=gen, dtype=torch.int32)
+    prefix_tables = torch.randint(0, num_blocks, (len(shared_groups), prefix_width), generator=gen,
+                                  dtype=torch.int32)
     context_lens, kv_start = [], []
     members: list[list[int]] = [[] for _ in groups]
     for i, r in enumerate(order):
@@ -68,11 +71,11 @@ def cascade_case(groups: list[tuple[int, list[int]]], block_size: int, q_heads: 
         context_lens.append(len(shared[g]) * block_size + suffix)
         kv_start.append(len(shared[g]) * block_size)
         members[g].append(i)
-    for g, blocks in enumerate(shared):
-        prefix_tables[g, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    for i, g in enumerate(shared_groups):
+        prefix_tables[i, : len(shared[g])] = torch.tensor(shared[g], dtype=torch.int32)
     starts = [0]
-    for m in members:
-        starts.append(starts[-1] + len(m))
+    for g in shared_groups:
+        starts.append(starts[-1] + len(members[g]))
 
     def on(t: torch.Tensor) -> torch.Tensor:
         return t.to(device)
@@ -82,5 +85,5 @@ def cascade_case(groups: list[tuple[int, list[int]]], block_size: int, q_heads: 
 
     q = torch.randn(len(rows), q_heads, head_dim, generator=gen)
     return CascadeCase(on(q.to(dtype)), on(k_cache.to(dtype)), on(v_cache.to(dtype)), on(tables), ints(context_lens),
-                       ints(kv_start), on(prefix_tables), ints([b * block_size for b in prefix_blocks]),
-                       ints(starts), ints([i for m in members for i in m]))
+                       ints(kv_start), on(prefix_tables), ints([prefix_blocks[g] * block_size for g in shared_groups]),
+                       ints(starts), ints([i for g in shared_groups for i in members[g]]))

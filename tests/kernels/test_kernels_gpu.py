@@ -505,6 +505,19 @@ def test_cascade_decode_through_cuda_ops_on_the_qwen3_shape():
     assert_close(out, ref, torch.bfloat16)
 
 
+def test_cascade_decode_of_rows_sharing_nothing_is_plain_decode(ext):
+    """No group at all: the prefix pass launches nothing, and every row's prefix slots read empty."""
+    from tests.kernels.cascade_cases import cascade_case
+
+    case = cascade_case([(0, [5, 300, 1])], 16, 4, 2, 128, torch.bfloat16, torch.Generator().manual_seed(1), DEVICE)
+    assert case.prefix_lens.numel() == 0 and case.prefix_rows.numel() == 0
+    starts = torch.arange(4, dtype=torch.int32)
+    ref = reference_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens.tolist(),
+                              starts, 128**-0.5)
+    poison_allocator()
+    assert_close(ext.cascade_decode_attention(*case.cascade_args(), 128**-0.5), ref, torch.bfloat16)
+
+
 def test_cascade_decode_refuses_fp32_with_a_message(ext):
     from tests.kernels.cascade_cases import cascade_case
 
