@@ -14,8 +14,8 @@ its ``kv_start`` is above 0, and then its first ``kv_start`` keys are its group'
 blocks of its ``tables`` entry, ``lens`` tokens), fewer than its context.
 
 A plan travels to the device as int32 arrays in one span (``write_cascade``), laid out for K
-rows, R grouped rows, G groups and prefix tables V blocks wide. A decode graph's span is laid
-out for its padded batch (K = R = the batch, G = ``GRAPH_GROUPS`` or fewer, V = the graphs'
+rows, J grouped rows, G groups and prefix tables V blocks wide. A decode graph's span is laid
+out for its padded batch (K = J = the batch, G = ``GRAPH_GROUPS`` or fewer, V = the graphs'
 table width): a plan of at most that many rows and groups fills it, its padding rows in no
 group and the groups past its own empty.
 """
@@ -81,8 +81,8 @@ def plan_cascade(tables: list[list[int]], context_lens: list[int], block_size: i
 
 
 def cascade_offsets(rows: int, grouped: int, groups: int, width: int) -> list[int]:
-    """Where a span of K = ``rows``, R = ``grouped``, G = ``groups`` and V = ``width`` holds, in
-    order, kv_start[K], prefix_rows[R], prefix_starts[G + 1], prefix_lens[G] and
+    """Where a span of K = ``rows``, J = ``grouped``, G = ``groups`` and V = ``width`` holds, in
+    order, kv_start[K], prefix_rows[J], prefix_starts[G + 1], prefix_lens[G] and
     prefix_tables[G * V]; and its end."""
     return np.cumsum([0, rows, grouped, groups + 1, groups, groups * width]).tolist()
 

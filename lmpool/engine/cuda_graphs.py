@@ -66,7 +66,7 @@ class DecodeGraphs:
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        # Cascade graphs' static spans, each holding every row as a group of one until a step's plan.
+        # Cascade graphs' static spans, holding no group until a step copies its plan in.
         self.spans: dict[int, torch.Tensor] = {}
         self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.cascade_outputs: dict[int, torch.Tensor] = {}

@@ -4,7 +4,7 @@ Every index the model needs is int32 and lives in one flat arena, laid out as
 
     ids[P] | positions[P] | slots[P] | context_lens[C] | query_start_loc[B + 1]
            | sample_rows[R] | block_tables[B * W] | fill_rows[F] | fill_sources[F]
-           | kv_start[K] | prefix_rows[R] | prefix_starts[G + 1] | prefix_lens[G] | prefix_tables[G * V]
+           | kv_start[K] | prefix_rows[J] | prefix_starts[G + 1] | prefix_lens[G] | prefix_tables[G * V]
 
 for B sequences and T token rows, W the longest block table of the batch, and R
 the sampled rows (R = 0 when the sampled rows are exactly every row: a decode
@@ -23,9 +23,9 @@ rows in the previous step's sampled tokens) let the runner copy the real ids in
 on the device, so a step never waits for the previous one's tokens.
 
 A decode step whose rows share cached prefixes enough (``lmpool.engine.cascade``) is a
-cascade, its attention reading each group's prefix once: K = B, its R grouped rows in G groups,
+cascade, its attention reading each group's prefix once: K = B, its J grouped rows in G groups,
 their prefixes V blocks wide at most; or, replaying the cascade graph of its padded batch, K =
-R = that batch, G = ``cascade.GRAPH_GROUPS`` and V the graphs' table width (a step of more groups
+J = that batch, G = ``cascade.GRAPH_GROUPS`` and V the graphs' table width (a step of more groups
 runs eagerly). Otherwise none of it.
 
 Invariants:
@@ -84,8 +84,8 @@ class StepInputs:
 
 
 def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
-    """Int32 entries of the largest step: P = C = max(tokens, seqs), R, F, K <= B, G <= B / 2 (or the
-    graphs' ``GRAPH_GROUPS``) and V <= W."""
+    """Int32 entries of the largest step: P = C = max(tokens, seqs), R, F, K, J <= B, G <= B / 2 (or
+    the graphs' ``GRAPH_GROUPS``) and V <= W."""
     rows = max(max_tokens, max_seqs)
     cascade = cascade_offsets(max_seqs, max_seqs, max(max_seqs // 2, GRAPH_GROUPS), max_width)[-1]
     return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + cascade
