@@ -39,8 +39,8 @@ class EngineConfig:
     async_scheduling: bool = True
     # A decode step whose rows share cached prefixes reads each prefix once for all of its rows
     # (cascade attention, ``lmpool.engine.cascade``) when that saves at least this many key
-    # reads, and then runs without its CUDA graph. 0: never (the torch reference computes a
-    # cascade row by row: a CPU engine gains nothing from one).
+    # reads (with CUDA graphs, a cascade graph of its size when its groups are few). 0: never
+    # (the torch reference computes a cascade row by row: a CPU engine gains nothing from one).
     cascade_min_saved_tokens: int = 0
 
     def __post_init__(self) -> None:

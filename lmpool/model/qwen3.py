@@ -32,11 +32,11 @@ class CascadeInputs(NamedTuple):
     """A decode step's groups of rows sharing a cached prefix, as ``ops.cascade_decode_attention``
     takes them (``lmpool.engine.cascade``), all int32."""
 
-    kv_start: torch.Tensor  # [B] the first key each row attends to on its own
+    kv_start: torch.Tensor  # [B] the first key each row attends to on its own (0: in no group)
     prefix_tables: torch.Tensor  # [G, V] each group's prefix blocks
     prefix_lens: torch.Tensor  # [G] each group's prefix tokens
     prefix_starts: torch.Tensor  # [G + 1] group g is prefix_rows[prefix_starts[g]:prefix_starts[g + 1]]
-    prefix_rows: torch.Tensor  # [B] every row once, group by group
+    prefix_rows: torch.Tensor  # [J] the grouped rows, group by group
 
 
 @dataclass

@@ -138,9 +138,9 @@ def cascade_decode_attention(
     attention): group ``g`` is rows ``prefix_rows[prefix_starts[g]:prefix_starts[g + 1]]``,
     whose first ``prefix_lens[g]`` keys are the blocks of ``prefix_tables[g]``; its queries
     attend to them at once, each row attends to its own keys from ``kv_start[row]`` on, and the
-    two parts merge by their log-sum-exps. Every row is in one group (a group of one with
-    ``prefix_lens`` 0 shares nothing), and ``kv_start[row]`` is its group's ``prefix_lens``.
-    Equal to ``paged_decode_attention`` whenever each row's first ``kv_start[row]`` keys are its
+    two parts merge by their log-sum-exps. A row is in at most one group, and then its
+    ``kv_start`` is its group's ``prefix_lens``; a row in no group has ``kv_start`` 0. Equal to
+    ``paged_decode_attention`` whenever each grouped row's first ``kv_start[row]`` keys are its
     group's prefix."""
     rows, q_heads, head_dim = q.shape
     group = q_heads // k_cache.shape[2]
