@@ -22,6 +22,11 @@ graph capture happens when the engine is built, before it.
 
 Defaults are sized for the CPU path (a few thousand tokens, well under a minute). A bar on
 stderr counts each run's tokens as its steps return them (``--no-progress``: none).
+
+``--prefill 16384,8192:8192`` also times long prefills on a fresh engine (``prefill_rate``:
+NEW[:CACHED] tokens, TFLOP/s and the fraction of the GPU's tensor-core rate beside the decode
+runs' HBM roofline), ``--paths none`` only those; ``--mps N`` runs everything as one of N MPS
+clients (a quarter of the SMs for 4, as a pool's replica).
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ from pathlib import Path
 
 import torch
 
-from lmpool import LLM, SamplingParams
-from lmpool.model.config import ModelConfig
-from lmpool.model.make_model import make_model
+from benchmarks import prefill_rate
+from benchmarks.device.mps import mps_share
 from benchmarks.lib.progress import NoBar, bar
 from benchmarks.lib.progress import add_argument as add_progress_argument
 from benchmarks.lib.revision import git_revision
+from lmpool import LLM, SamplingParams
+from lmpool.model.config import ModelConfig
+from lmpool.model.make_model import make_model
 
 
 def workload(num_seqs: int, lo_in: int, hi_in: int, lo_out: int, hi_out: int, vocab: int, seed: int):
@@ -61,6 +68,25 @@ def sync(device: str) -> None:
 
 
 PATHS = {"serial": False, "overlapped": True}  # path name -> EngineConfig.async_scheduling
+
+
+def run_prefill(model: str, args) -> list[dict]:
+    """The ``--prefill`` cases on an engine of their own, long enough for the longest."""
+    cases = prefill_rate.parse_cases(args.prefill)
+    longest = max(new + cached for new, cached in cases)
+    llm = LLM(
+        model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
+        enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops,
+    )
+    try:
+        llm.generate([[1] * min(longest, 64)], SamplingParams(temperature=0, max_tokens=1))  # warm-up
+        rows = prefill_rate.measure(llm, cases, args.prefill_reps, args.seed)
+    finally:
+        llm.shutdown()
+    for row in rows:
+        print(prefill_rate.describe(row))
+    return rows
 
 
 def run_lmpool(model: str, prompts, outputs, args, path: str = "overlapped") -> dict:
@@ -332,26 +358,42 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--paths", default="serial,overlapped",
-                    help="comma-separated engine runs: serial (async_scheduling off) and/or overlapped (on)")
+                    help="comma-separated engine runs: serial (async_scheduling off) and/or overlapped (on); "
+                         "none: only --prefill")
+    ap.add_argument("--prefill", default="", metavar="NEW[:CACHED],...",
+                    help="also time the prefill of NEW tokens after CACHED cached ones (prefill_rate)")
+    ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--mps", type=int, default=0, help="run as one of N MPS clients (1/N of the SMs); 0: whole GPU")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     add_progress_argument(ap)
     args = ap.parse_args(argv)
-    if not args.paths or not set(args.paths.split(",")) <= set(PATHS):
-        ap.error(f"--paths takes serial and/or overlapped, got {args.paths!r}")
+    paths = [] if args.paths == "none" else args.paths.split(",")
+    if not set(paths) <= set(PATHS) or not (paths or args.prefill):
+        ap.error(f"--paths takes serial and/or overlapped (or none, with --prefill), got {args.paths!r}")
+    if args.prefill:
+        try:
+            prefill_rate.parse_cases(args.prefill)
+        except ValueError as e:
+            ap.error(str(e))
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, mps_share(args.mps) as mps:
         model = args.model or str(make_model(Path(tmp) / "model", preset=args.preset, seed=args.seed))
         vocab = ModelConfig.from_pretrained(model).vocab_size
         prompts, outputs = workload(
             args.num_seqs, args.min_input, args.max_input, args.min_output, args.max_output, vocab, args.seed
         )
         result = {"config": vars(args) | {"model": Path(args.model).name if args.model else None, "json": None}, "environment": environment(args.device)}
+        if mps is not None:
+            result["mps"] = mps
         runs = {}
-        for path in args.paths.split(","):
+        for path in paths:
             runs[path] = run_lmpool(model, prompts, outputs, args, path)
             report(runs[path])
-        result["lmpool"] = runs.get("overlapped") or runs[path]
+        if runs:
+            result["lmpool"] = runs.get("overlapped") or runs[paths[-1]]
+        if args.prefill:
+            result["prefill"] = run_prefill(model, args)
         if "serial" in runs:
             result["lmpool_serial"] = runs["serial"]
         if len(runs) == 2:
@@ -359,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
             ratio = result["overlapped_vs_serial"]
             print(f"overlapped / serial: {ratio['output_tok_s']:.2f}x output tok/s; "
                   f"same tokens: {ratio['same_tokens']}")
-        if args.compare_hf:
+        if args.compare_hf and runs:
             result["transformers"] = run_hf(model, prompts, outputs, args)
             ratio = result["lmpool"]["output_tok_s"] / result["transformers"]["output_tok_s"]
             result["speedup_vs_transformers"] = ratio

@@ -10,6 +10,7 @@ import json
 import types
 
 import httpx
+import pytest
 
 from benchmarks import benchmark_ipc, benchmark_stream, benchmark_throughput
 from lmpool.outputs import RequestOutput
@@ -150,3 +151,27 @@ def test_stream_benchmark_compares_both_ways_on_the_same_texts(tiny_model, tmp_p
     assert data["summary"]["ratio"]["tokens_per_s"] > 0
     assert data["streams_with_the_same_tokens_both_ways"] == [3, 3]  # CPU fp32 greedy is batch-invariant here
     assert data["config"]["model"] == "model" and data["git"]["revision"]
+
+
+def test_throughput_benchmark_times_long_prefills_alone(tiny_model, tmp_path):
+    """``--paths none --prefill``: only the prefill cases, a cached prefix found cached, FLOPs
+    counted from the model's shape (one layer's linear and causal attention work, by hand)."""
+    from benchmarks import prefill_rate
+    from lmpool.model.config import ModelConfig
+
+    out = tmp_path / "prefill.json"
+    benchmark_throughput.main(["--model", tiny_model, "--paths", "none", "--prefill", "40,24:32", "--block-size",
+                               "16", "--prefill-reps", "2", "--no-progress", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert "lmpool" not in data
+    rows = data["prefill"]
+    assert [(r["new_tokens"], r["cached_tokens"], len(r["seconds"])) for r in rows] == [(40, 0, 2), (24, 32, 2)]
+    assert all(r["tflops"] > 0 for r in rows)
+    c = ModelConfig.from_pretrained(tiny_model)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    linear = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    pairs = 24 * 32 + 24 * 25 // 2
+    want = c.num_hidden_layers * (2 * linear * 24 + 4 * q * pairs) + 2 * c.hidden_size * c.vocab_size
+    assert prefill_rate.prefill_flops(c, 24, 32) == want
+    with pytest.raises(SystemExit):
+        benchmark_throughput.main(["--model", tiny_model, "--paths", "none"])  # nothing to run
