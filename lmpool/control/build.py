@@ -135,14 +135,15 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
         pending = PendingPrefixes(gbm.world_size, config.pending_ttl_s, gbm.clock)
         gbm.watch_stored(pending.confirm)
         stages.append(CountPending(pending))
-    stages += [Reserve(gbm), RecordDemand(gbm, evictions)]
+    stages += [Reserve(gbm, pricer.limits.cascades), RecordDemand(gbm, evictions)]
     if chains is not None:
         stages.append(ObserveChains(chains))
     return Router(gbm, links, policy, stages)
 
 
 def limits(engine: EngineConfig) -> Limits:
-    return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens, engine.async_scheduling)
+    return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens, engine.async_scheduling,
+                  engine.cascade_min_saved_tokens > 0)
 
 
 def topology(spec: ControlSpec) -> Topology:

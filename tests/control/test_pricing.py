@@ -341,3 +341,37 @@ def test_recent_steps_sum_their_last_window(rows):
     assert recent.speed(TRUE) == (pytest.approx(sum(s.seconds for s in last) / predicted, rel=1e-6) if last else 1.0)
     recent.clear()
     assert len(recent) == 0 and recent.speed(TRUE) == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 50_000), st.integers(1, 30), st.integers(0, 30), st.integers(1, 64))
+def test_where_ranks_decode_shared_prefixes_once_a_cached_prefix_is_not_a_request_s_own_reading(
+        running, context, blocks, matched, out):
+    """With cascades, what a request adds to each decode step is its keys past the prefix it found
+    cached (read once for the sequences sharing it): its price falls by those keys over every
+    step it decodes in and shares, and its time to first token is the same."""
+    prices = {}
+    for cascades in (False, True):
+        gbm = one_rank(LoadReport(num_running=running, context_tokens=context, decode_tokens_left=8 * running,
+                                  blocks_free=2000))
+        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, cascades),
+                        lambda rank: 0.5)
+        query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
+        prices[cascades] = pricer.price(query, 0, min(matched, blocks), 0.0, None)
+    plain, cascaded = prices[False], prices[True]
+    cached = plain.matched * 16
+    overlap = min(running * (out - 1), 8 * running)
+    assert cascaded.ttft_s == plain.ttft_s
+    assert plain.total_s - cascaded.total_s == pytest.approx(COEF.context_token * cached * (out - 1 + overlap))
+
+
+def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_keys_as_context():
+    from lmpool.control.routing.reserve import Reserve
+    from lmpool.control.routing.route import Route
+
+    for cascades, context in ((False, 5 * 16 + 3), (True, 16 + 3)):
+        gbm = one_rank(LoadReport(blocks_free=100))
+        query = RouteQuery("q", list(range(5)), 5 * 16 + 3, 8)
+        route = Route(query, None, (0,), [4], [4], rank=0)
+        Reserve(gbm, cascades).record(route)
+        assert gbm.ranks[0].reserved.context == context

@@ -32,7 +32,10 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     evict  = reclaim blocks * the recompute of one * the rank's measured reuse (``eviction``)
     total  = ttft + decode + harm + evict
 
-where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step it decodes in,
+where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step it decodes in
+(``P - s + M / 2`` when the ranks decode shared prefixes once, ``s`` its cached tokens there: the
+prefix it found cached is, in a burst, one that others there read too, and a worker's load
+counts such a prefix once),
 ``theirs = seq + tok * ctx / n`` what one co-running sequence adds, and ``overlap = min(n *
 (M - 1), left)`` the steps they share. ``total`` is the request's own latency plus the delay it
 causes the sequences already there: what a route minimises. Reclaim is the new blocks it needs
@@ -98,6 +101,9 @@ class Limits(NamedTuple):
     max_num_seqs: int
     max_num_batched_tokens: int
     overlapped: bool = True  # ``EngineConfig.async_scheduling``: a step is launched before the last is read
+    # ``EngineConfig.cascade_min_saved_tokens`` > 0: a decode step reads a prefix its sequences
+    # share once (``lmpool.engine.cascade``), so a request's cached prefix is not its own reading
+    cascades: bool = False
 
 
 class QueryTerms(msgspec.Struct, frozen=True, gc=False):
@@ -145,6 +151,7 @@ class Pricer:
         self.topology = topology
         self.model = model
         self.limits = limits
+        self._cascades = limits.cascades  # read by every candidate's price
         self.reuse = reuse  # a rank's measured reuse of what it evicts
         self._work: list[RankWork | None] = [None] * table.world_size  # by rank (``work``)
 
@@ -249,7 +256,7 @@ class Pricer:
             if room_s > start:
                 start = room_s
         ttft = start + prefill + seat + busy
-        mine = decode_seq + context_token * q.span
+        mine = decode_seq + context_token * (q.span - cached if self._cascades else q.span)
         overlap = n * (out - 1)
         if overlap > left:
             overlap = left

@@ -4,7 +4,9 @@ the rank reports it admitted (``lmpool.control.page_table.reservations``).
 It reserves the prompt tokens the request must compute there (and their attention pairs),
 its context and the tokens it will decode, and the new blocks it needs capped at what the
 rank has left, so reservations never promise capacity a rank did not report. A request that
-waits on a pull reserves its work deferred: it starts only once the pull ends.
+waits on a pull reserves its work deferred: it starts only once the pull ends. Where the ranks
+decode shared prefixes once (cascades), its context is what it reads on its own: its prompt
+less the prefix it found cached there (``Limits.cascades``).
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from lmpool.control.routing.route import Route, RouteStage
 
 
 class Reserve(RouteStage):
-    def __init__(self, gbm: GlobalBlockManager) -> None:
+    def __init__(self, gbm: GlobalBlockManager, cascades: bool = False) -> None:
         self.gbm = gbm
+        self.cascades = cascades
 
     def record(self, route: Route) -> None:
         query, rank = route.query, route.rank
         _, missing, need = request_shape(query, route.expected[rank], self.gbm.block_size)
         blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))
         prompt = query.num_prompt_tokens
-        self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing), prompt,
+        context = missing if self.cascades else prompt
+        self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing), context,
                          max(1, query.max_tokens), route.waits_on_pull)
