@@ -420,6 +420,8 @@ at::Tensor cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_cac
               " reads shared prefixes on tensor cores: q must be fp16 or bf16, 16-byte aligned, with "
               "strides of multiples of 8, on a device of compute capability 8 or more");
   const c10::cuda::CUDAGuard guard(device);
+  // No group: every row reads its whole context (its kv_start is 0), as plain decode does.
+  if (groups == 0) return run_rows(q, k_cache, v_cache, block_tables, context_lens, nullptr, c, scale, num_splits, what);
   auto out = at::empty({rows, q_heads, c.head_dim}, q.options());
   if (rows == 0) return out;
   const int sms = num_sms(q.get_device());
@@ -448,7 +450,7 @@ at::Tensor cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_cac
   p.num_splits = static_cast<int>(prefix_splits_used);
   p.split_stride = static_cast<int>(slots);
   p.split_base = static_cast<int>(splits);
-  if (p.num_tiles > 0 && groups > 0)  // no group: the row pass marks every row's prefix slots empty
+  if (p.num_tiles > 0)
     check_launch(launch_prefill_mma(dtype, static_cast<int>(c.head_dim), p, current_stream()), what);
   AttentionRowsArgs r = rows_args(q, k_cache, v_cache, block_tables, context_lens, c, scale);
   r.kv_start = kv_start.data_ptr<int>();

@@ -126,15 +126,19 @@ class ModelRunner:
             c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device,
         )
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
+        # The kernels read a shared prefix on tensor cores: an fp32 engine on them decodes as
+        # without cascades (``ops.cuda.cascade_decode_attention``), so it plans none.
+        tensor_cores = self.ops.name != "cuda" or self.dtype in (torch.float16, torch.bfloat16)
+        self.cascade_min_saved = config.cascade_min_saved_tokens if tensor_cores else 0
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
             arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq),
-            config.cascade_min_saved_tokens,
+            self.cascade_min_saved,
         )
         self.graphs = None
         # The torch reference synchronises with the host, so only the kernels can be captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.ops.name == "cuda":
-            self.graphs = DecodeGraphs(self, min(config.max_num_seqs, 512), config.cascade_min_saved_tokens > 0)
+            self.graphs = DecodeGraphs(self, min(config.max_num_seqs, 512), self.cascade_min_saved > 0)
         if self.device.type == "cuda":
             warm_up(self.model, self.device, self.dtype, config.max_num_seqs, config.max_num_batched_tokens)
 

@@ -179,7 +179,7 @@ class Worker:
         # Sequences that decode as a cascade read their shared prefixes once a step.
         decoding = [s for s in sched.running if s.num_computed_tokens >= len(s) - 1]
         plan = plan_cascade([s.block_table for s in decoding], [len(s) for s in decoding], bm.block_size,
-                            self.core.config.cascade_min_saved_tokens)
+                            self.core.runner.cascade_min_saved)
         if plan is not None:
             context -= plan.saved
         return LoadReport(

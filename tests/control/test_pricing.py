@@ -375,3 +375,24 @@ def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_k
         route = Route(query, None, (0,), [4], [4], rank=0)
         Reserve(gbm, cascades).record(route)
         assert gbm.ranks[0].reserved.context == context
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 300), st.integers(0, 200_000), st.integers(0, 50_000), st.integers(1, 60), st.integers(0, 60),
+       st.integers(0, 60), st.integers(1, 64), st.booleans())
+def test_a_pull_s_floor_is_below_the_price_of_serving_at_its_depth(running, context, queued, blocks, matched, top,
+                                                                   out, cascades):
+    """Whatever the ranks' decode (cascades or not), no pull to a depth prices below its floor: the
+    floor is at most the price of serving there with those blocks already held, at once."""
+    from lmpool.control.transfers.pull_price import _least
+
+    gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
+                              decode_tokens_left=16 * running, blocks_free=100_000))
+    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, TRUE), Limits(16, 256, 8192, True, cascades),
+                    lambda rank: 0.5)
+    query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
+    usable = pricer.terms(query).usable
+    serve = pricer.price(query, 0, min(matched, usable), 0.0, None)
+    depth = min(top, usable)
+    held = pricer.price(query, 0, depth, 0.0, None)
+    assert _least(pricer.work(0), serve, query.num_prompt_tokens, depth * 16, out, cascades) <= held.total_s * (1 + 1e-9)

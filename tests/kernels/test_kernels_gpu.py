@@ -506,7 +506,7 @@ def test_cascade_decode_through_cuda_ops_on_the_qwen3_shape():
 
 
 def test_cascade_decode_of_rows_sharing_nothing_is_plain_decode(ext):
-    """No group at all: the prefix pass launches nothing, and every row's prefix slots read empty."""
+    """No group at all: every row reads its whole context, as plain decode does."""
     from tests.kernels.cascade_cases import cascade_case
 
     case = cascade_case([(0, [5, 300, 1])], 16, 4, 2, 128, torch.bfloat16, torch.Generator().manual_seed(1), DEVICE)

@@ -90,7 +90,7 @@ class PullPricer:
             if r not in partners:
                 continue
             w = work(r)  # read once for its floor, its step and its price
-            if _least(w, serving.get(r), prompt, cached) >= bound:
+            if _least(w, serving.get(r), prompt, cached, terms.out, pricer.limits.cascades) >= bound:
                 continue  # no copy, however fast, makes it the cheapest: skip its estimate
             in_flight = infos[r].in_flight
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
@@ -118,16 +118,21 @@ class PullPricer:
         return src
 
 
-def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int) -> float:
+def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, out: int = 1,
+           cascades: bool = False) -> float:
     """A floor under any pull's price to a rank of work ``work`` of the prompt's first ``cached``
     tokens: its serve price (``serve``) less everything the pulled blocks could save there, their
-    prefill (its own, and that of the steps the sequences there share with it) and every step of
-    that prefill."""
+    prefill (its own, and that of the steps the sequences there share with it), every step of
+    that prefill and, where the ranks decode shared prefixes once (``cascades``), the keys they
+    take off each of its ``out - 1`` decode steps and of every step it shares (at most n a step)."""
     if serve is None:
         return float("-inf")
     c, missing, rest = work.c, serve.missing, prompt - cached  # c: what ``Pricer.prefill_s`` would read
     pulled = prefill_seconds(c, missing, prompt - missing) - prefill_seconds(c, rest, cached)
-    return serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
+    floor = serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
+    if cascades and missing > rest:
+        floor -= (1 + work.n) * (out - 1) * c.context_token * (missing - rest)
+    return floor
 
 
 def shared_depth(chain: list[bytes], hashes: list[bytes], start: int, end: int) -> int:
