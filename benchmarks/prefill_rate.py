@@ -19,6 +19,7 @@ import time
 import torch
 
 from lmpool import LLM, SamplingParams
+from lmpool.control.pricing.price import attention_pairs
 from lmpool.model.config import ModelConfig
 
 # Dense bf16/fp16 tensor-core peak FLOP/s and SM count, by device name (the vendor's figures).
@@ -42,9 +43,9 @@ def prefill_flops(config: ModelConfig, new: int, cached: int) -> float:
     hidden, inter, head = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
     per_token = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter  # qkv, o, gate/up/down
-    pairs = new * cached + new * (new + 1) // 2
     layers, head_row = config.num_hidden_layers, 2.0 * hidden * config.vocab_size
-    return layers * (2.0 * per_token * new + 4.0 * config.num_attention_heads * head * pairs) + head_row
+    attention = 4.0 * config.num_attention_heads * head * attention_pairs(new, cached)
+    return layers * (2.0 * per_token * new + attention) + head_row
 
 
 def matmul_rate(device: str, dtype: torch.dtype, n: int = 8192) -> float:

@@ -80,7 +80,7 @@ class StepInputs:
     graph_size: int | None = None  # padded batch G when a decode graph replays this step
     graph_header: torch.Tensor | None = None  # [4, G]: ids, positions, slots, context lengths
     fill: torch.Tensor | None = None  # [2, F]: token rows to fill, rows of the previous step's tokens
-    graph_cascade: torch.Tensor | None = None  # a cascade graph step's cascade span, laid out for G
+    graph_cascade: torch.Tensor | None = None  # a cascade graph step's span, laid out for its padded batch
 
 
 def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:

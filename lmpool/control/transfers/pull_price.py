@@ -118,8 +118,7 @@ class PullPricer:
         return src
 
 
-def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, out: int = 1,
-           cascades: bool = False) -> float:
+def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, out: int, cascades: bool) -> float:
     """A floor under any pull's price to a rank of work ``work`` of the prompt's first ``cached``
     tokens: its serve price (``serve``) less everything the pulled blocks could save there, their
     prefill (its own, and that of the steps the sequences there share with it), every step of
