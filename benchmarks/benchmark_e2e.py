@@ -8,7 +8,8 @@ and LMPool with each transfer mode (background copy, foreground move, both, pull
 - memory skew: 6 session prefixes are built on the source ranks (the first half), 30
   pressure requests pinned there share only a session's first block and fill memory with
   cold tokens, then 36 routed requests reuse the whole session prefixes;
-- sessions, agent sessions and chat (only when named, ``--workloads sessions,agent_sessions,chat``):
+- sessions, agent sessions (even or Zipf-popular preambles) and chat (only when named,
+  ``--workloads sessions,agent_sessions,agent_sessions_zipf,chat``):
   multi-turn sessions whose histories grow turn by turn under KV pressure (``sessions.py``),
   and a chat service of a few tenants' system prompts under unique traffic (``chat_service.py``).
 
@@ -36,7 +37,7 @@ from benchmarks.eval_suite import (
     chosen_policies, file_traces, finish_arguments, run_suite, vocab_size,
 )
 from benchmarks.workloads.chat_service import chat_service
-from benchmarks.workloads.sessions import agent_sessions, sessions
+from benchmarks.workloads.sessions import agent_sessions, agent_sessions_zipf, sessions
 from benchmarks.workloads.traces import load_skew, memory_skew
 
 POLICIES = (*PEERS, LMPOOL, LMPOOL_ROUTING, *TRANSFER_MODES, TRANSFERS_IDLE, *PEER_VARIANTS, *GATEWAYS)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
     ap.add_argument("--workloads",
-                    help="default load_skew,memory_skew (none with --trace); also: sessions, agent_sessions, chat")
+                    help="default load_skew,memory_skew (none with --trace); also: sessions, agent_sessions, agent_sessions_zipf, chat")
     args = finish_arguments(ap.parse_args(argv), POOL_BLOCKS, "e2e")
     policies = chosen_policies(args, POLICIES, QUICK_POLICIES)
     vocab = vocab_size(args)
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
         "memory_skew": lambda seed: memory_skew(seed, vocab, args.world_size, args.scale, args.max_tokens),
         "sessions": lambda seed: sessions(seed, vocab, args.scale, args.max_tokens),
         "agent_sessions": lambda seed: agent_sessions(seed, vocab, args.scale, args.max_tokens),
+        "agent_sessions_zipf": lambda seed: agent_sessions_zipf(seed, vocab, args.scale, args.max_tokens),
         "chat": lambda seed: chat_service(seed, vocab, args.scale, args.max_tokens),
     }
     names = args.workloads.split(",") if args.workloads else [] if args.trace else list(WORKLOADS)

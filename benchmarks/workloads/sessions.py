@@ -1,8 +1,9 @@
-"""Multi-turn sessions whose histories grow under KV pressure (workloads ``sessions`` and
-``agent_sessions``).
+"""Multi-turn sessions whose histories grow under KV pressure (workloads ``sessions``,
+``agent_sessions`` and ``agent_sessions_zipf``).
 
 A session's turn 0 is one of the shared preambles (a system prompt; session ``s`` opens with
-preamble ``s mod preambles``) followed by the session's own opening request; turn k's prompt is
+preamble ``s mod preambles``, or, with a Zipf exponent, preambles drawn by popularity) followed
+by the session's own opening request; turn k's prompt is
 turn k-1's prompt, then turn k-1's reply, then a new user turn. Replies are recorded tokens of
 ``max_tokens`` length drawn with the trace (a replayed conversation: the model's own output
 does not feed back, so every policy sees the same prompts). Each turn is a phase (a barrier),
@@ -17,12 +18,19 @@ sessions arrive interleaved in a seeded shuffled order.
   definitions, say), 1,024-token openings, 256-token user turns: about 18 blocks a session by
   its last turn, 576 in all, beside 4 shared preambles. Run it at 128 blocks per replica
   (``--num-kv-blocks 128``) for KV pressure, and at twice that for little.
+- ``agent_sessions_zipf``: the same, but the preambles' popularity follows Zipf (exponent 1.1,
+  as the chat service's tenants): 15, 8, 5 and 4 sessions. Keeping every session with its
+  preamble's cache now loads one replica with half the sessions and their growing histories;
+  what decides a policy is when a session is worth opening elsewhere.
 
 Invariants (beside ``workloads``' own): turn k's prompt begins with turn k-1's whole prompt;
-sessions share only their preamble; lengths do not depend on the seed.
+sessions share only their preamble; lengths and each session's preamble do not depend on the
+seed.
 """
 
 from __future__ import annotations
+
+import random
 
 from benchmarks.workloads.traces import DEFAULT_MAX_TOKENS, Tokens, Trace, TraceRequest, check_max_tokens, scaled
 
@@ -34,13 +42,16 @@ USER_TURN = 512  # each later user turn
 # agent_sessions
 AGENT_SESSIONS, AGENT_TURNS, AGENT_PREAMBLES = 32, 6, 4
 AGENT_PREAMBLE, AGENT_OPENING, AGENT_USER_TURN = 2048, 1024, 256
+ZIPF = 1.1  # agent_sessions_zipf's preamble popularity
 
 
 def sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = DEFAULT_MAX_TOKENS,
              n_sessions: int = SESSIONS, turns: int = TURNS, preambles: int = 1, preamble: int = SYSTEM_PROMPT,
-             opening: int = OPENING, user_turn: int = USER_TURN, name: str = "sessions") -> Trace:
+             opening: int = OPENING, user_turn: int = USER_TURN, name: str = "sessions",
+             zipf: float = 0.0) -> Trace:
     """``n_sessions`` sessions of ``turns`` turns over ``preambles`` shared preambles of
-    ``preamble`` tokens, one phase per turn (``turn0``, ...)."""
+    ``preamble`` tokens, one phase per turn (``turn0``, ...); ``zipf`` > 0 gives the preambles
+    that popularity (``preamble_of``)."""
     check_max_tokens(max_tokens)
     if n_sessions < 1 or turns < 1 or not 1 <= preambles <= n_sessions:
         raise ValueError(f"need sessions >= 1, turns >= 1 and 1 <= preambles <= sessions, got "
@@ -48,7 +59,8 @@ def sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = D
     tokens = Tokens(name, seed, vocab_size)
     shared = [tokens.draw(scaled(preamble, scale)) for _ in range(preambles)]
     opening, user = scaled(opening, scale), scaled(user_turn, scale)
-    history = [shared[s % preambles] + tokens.draw(opening) for s in range(n_sessions)]
+    owner = preamble_of(n_sessions, preambles, zipf)
+    history = [shared[owner[s]] + tokens.draw(opening) for s in range(n_sessions)]
     requests: list[TraceRequest] = []
     for turn in range(turns):
         order = list(range(n_sessions))
@@ -60,6 +72,9 @@ def sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = D
     params = {"sessions": n_sessions, "turns": turns, "preambles": preambles, "preamble_tokens": len(shared[0]),
               "opening_tokens": opening, "user_turn_tokens": user, "reply_tokens": max_tokens,
               "max_tokens": max_tokens, "scale": scale}
+    if zipf:
+        params["zipf"] = zipf
+        params["preamble_sessions"] = [owner.count(k) for k in range(preambles)]
     if preambles == 1:  # the record's older name for the one system prompt
         params["system_tokens"] = params["preamble_tokens"]
     return Trace(name, seed, tuple(f"turn{t}" for t in range(turns)), tuple(requests), params)
@@ -68,3 +83,27 @@ def sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = D
 def agent_sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = DEFAULT_MAX_TOKENS) -> Trace:
     return sessions(seed, vocab_size, scale, max_tokens, AGENT_SESSIONS, AGENT_TURNS, AGENT_PREAMBLES,
                     AGENT_PREAMBLE, AGENT_OPENING, AGENT_USER_TURN, name="agent_sessions")
+
+
+def agent_sessions_zipf(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = DEFAULT_MAX_TOKENS) -> Trace:
+    return sessions(seed, vocab_size, scale, max_tokens, AGENT_SESSIONS, AGENT_TURNS, AGENT_PREAMBLES,
+                    AGENT_PREAMBLE, AGENT_OPENING, AGENT_USER_TURN, name="agent_sessions_zipf", zipf=ZIPF)
+
+
+def preamble_of(n_sessions: int, preambles: int, zipf: float) -> list[int]:
+    """Each session's preamble: ``s mod preambles`` without ``zipf``; with it, preamble k opens
+    a share of the sessions proportional to ``1 / (k + 1) ** zipf`` (largest remainders; every
+    preamble at least one session), the sessions dealt in a fixed shuffled order, so the seed
+    changes none of it."""
+    if not zipf:
+        return [s % preambles for s in range(n_sessions)]
+    weights = [1 / (k + 1) ** zipf for k in range(preambles)]
+    spare = n_sessions - preambles  # one each first
+    quotas = [spare * w / sum(weights) for w in weights]
+    counts = [1 + int(q) for q in quotas]
+    by_remainder = sorted(range(preambles), key=lambda k: (int(quotas[k]) - quotas[k], k))
+    for k in by_remainder[:n_sessions - sum(counts)]:
+        counts[k] += 1
+    owner = [k for k in range(preambles) for _ in range(counts[k])]
+    random.Random("sessions/preambles").shuffle(owner)
+    return owner

@@ -5,7 +5,10 @@ system prompt, and the histories outgrow the e2e suite's KV budget."""
 from __future__ import annotations
 
 from benchmarks.workloads.dataset_profile import profile_trace
-from benchmarks.workloads.sessions import agent_sessions, sessions
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from benchmarks.workloads.sessions import agent_sessions, agent_sessions_zipf, preamble_of, sessions
 
 VOCAB = 151936
 
@@ -61,3 +64,25 @@ def test_agent_sessions_share_one_of_four_preambles_and_outgrow_128_blocks_a_rep
     assert p["phases"]["turn0"]["requests_sharing"] == 28 and p["phases"]["turn0"]["shared_tokens"] == 28 * 2048
     a, b = profile_trace(agent_sessions(5, VOCAB), 256), p
     assert all(a[key] == b[key] for key in ("requests_sharing", "prompt_tokens", "shared_tokens"))
+
+
+def test_zipf_popular_preambles_open_15_8_5_and_4_sessions_whatever_the_seed():
+    trace = agent_sessions_zipf(0, VOCAB)
+    assert trace.params["preamble_sessions"] == [15, 8, 5, 4]
+    openings = {r.group: tuple(r.prompt[:2048]) for r in trace.phase_requests("turn0")}
+    by_preamble = sorted((list(openings.values()).count(p) for p in set(openings.values())), reverse=True)
+    assert by_preamble == [15, 8, 5, 4]
+    other = {r.group: tuple(r.prompt[:2048]) for r in agent_sessions_zipf(7, VOCAB).phase_requests("turn0")}
+    same = {s: {t for t in openings if openings[t] == openings[s]} for s in openings}  # who shares with whom
+    assert same == {s: {t for t in other if other[t] == other[s]} for s in other}
+    assert openings != other  # the seed changes the tokens
+
+
+@given(st.integers(1, 64), st.integers(1, 8), st.floats(0.1, 3.0))
+def test_zipf_preambles_open_every_session_once_and_the_popular_ones_most(sessions_, preambles, zipf):
+    assume(preambles <= sessions_)
+    owner = preamble_of(sessions_, preambles, zipf)
+    counts = [owner.count(k) for k in range(preambles)]
+    assert len(owner) == sessions_ and min(counts) >= 1
+    assert counts == sorted(counts, reverse=True)
+    assert preamble_of(sessions_, preambles, 0.0) == [s % preambles for s in range(sessions_)]
