@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <tuple>
 
 #include "launchers.h"
 
@@ -612,6 +613,60 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  for (const auto& [t, name] : {std::pair{x, "x"}, std::pair{residual, "residual"}}) {
+    TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got a tensor on ", dev(t.device()));
+    TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name,
+                " must be [rows, dim] with a contiguous last dimension, got shape ", shape(t.sizes()),
+                " strides ", shape(t.strides()));
+  }
+  check_device(residual, "residual", x.device());
+  TORCH_CHECK(residual.sizes() == x.sizes(), "residual has shape ", shape(residual.sizes()), ", x ",
+              shape(x.sizes()));
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "residual dtype ", dtype_name(residual),
+              " differs from the input's ", dtype_name(x));
+  check_norm_weight(weight, x, x.size(1));
+  const DType dtype = dtype_of(x, "x");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  auto sum = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.numel() == 0) return {out, sum};
+  const c10::cuda::CUDAGuard guard(x.device());
+  RmsNormArgs a{};
+  a.x = x.data_ptr();
+  a.x_row_stride = x.stride(0);
+  a.residual = residual.data_ptr();
+  a.residual_row_stride = residual.stride(0);
+  a.sum_out = sum.data_ptr();
+  a.weight = weight.data_ptr();
+  a.out = out.data_ptr();
+  a.rows = x.size(0);
+  a.dim = static_cast<int>(x.size(1));
+  a.eps = static_cast<float>(eps);
+  check_launch(launch_rms_norm(dtype, a, current_stream()), "add_rms_norm");
+  return {out, sum};
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.is_cuda(), "gate_up must be a CUDA tensor, got a tensor on ", dev(gate_up.device()));
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2 * dim] with a contiguous last dimension, got shape ",
+              shape(gate_up.sizes()), " strides ", shape(gate_up.strides()));
+  TORCH_CHECK(gate_up.size(1) / 2 <= INT_MAX, "silu_mul: rows too wide");
+  const DType dtype = dtype_of(gate_up, "gate_up");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  SiluMulArgs a{};
+  a.gate_up = gate_up.data_ptr();
+  a.row_stride = gate_up.stride(0);
+  a.out = out.data_ptr();
+  a.rows = gate_up.size(0);
+  a.dim = static_cast<int>(gate_up.size(1) / 2);
+  check_launch(launch_silu_mul(dtype, a, current_stream()), "silu_mul");
+  return out;
+}
+
 at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& positions) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got a tensor on ", dev(x.device()));
@@ -714,6 +769,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Scatter a packed payload into block_ids of every layer; max_ctas as for pack_kv.");
   m.def("rms_norm", &lmpool::rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
         "RMSNorm of [rows, dim] (transformers' Qwen3 roundings), into a new contiguous tensor.");
+  m.def("add_rms_norm", &lmpool::add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"),
+        py::arg("eps"), "(RMSNorm of x + residual, x + residual), the sum rounded to the dtype as torch adds.");
+  m.def("silu_mul", &lmpool::silu_mul, py::arg("gate_up"),
+        "SiLU(gate) * up of [rows, 2 * dim] (gate first), torch's roundings, into a new [rows, dim] tensor.");
   m.def("qk_norm_rope", &lmpool::qk_norm_rope, py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::arg("cos"), py::arg("sin"), py::arg("positions"),
         "Per-head RMSNorm of [tokens, heads, head_dim], then rotary embedding at each token's position.");

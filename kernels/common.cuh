@@ -64,6 +64,32 @@ __device__ __forceinline__ void vec_to_float(const uint4& v, float (&out)[N]) {
 
 template <typename T>
 __device__ __forceinline__ float scalar_to_float(T x);
+
+// Two fp32 values packed into one 32-bit register of 16-bit elements (each rounded to
+// nearest), the operand format of the tensor-core mma instructions.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// fp32 lanes to one 16-byte vector of T, each rounded to nearest: ``vec_to_float``'s inverse.
+template <typename T, int N>
+__device__ __forceinline__ uint4 float_to_vec(const float (&f)[N]) {
+  if constexpr (sizeof(T) == 4) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  } else {
+    return make_uint4(pack_pair<T>(f[0], f[1]), pack_pair<T>(f[2], f[3]), pack_pair<T>(f[4], f[5]),
+                      pack_pair<T>(f[6], f[7]));
+  }
+}
 template <>
 __device__ __forceinline__ float scalar_to_float<float>(float x) { return x; }
 template <>
@@ -82,21 +108,6 @@ __device__ __forceinline__ __half float_to<__half>(float x) { return __float2hal
 template <>
 __device__ __forceinline__ __nv_bfloat16 float_to<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
-}
-
-// Two fp32 values packed into one 32-bit register of 16-bit elements, the
-// operand format of the tensor-core mma instructions.
-template <typename T>
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
 }
 
 }  // namespace lmpool

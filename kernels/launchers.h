@@ -199,18 +199,30 @@ cudaError_t launch_pack_kv(const BlockCopyArgs& args, cudaStream_t stream);
 cudaError_t launch_unpack_kv(const BlockCopyArgs& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
-// RMSNorm of rows, and RMSNorm then rotary embedding of q/k heads (norm_rope.cu).
+// RMSNorm of rows (optionally after a residual add), and RMSNorm then rotary embedding of q/k
+// heads (norm_rope.cu); SwiGLU's SiLU(gate) * up (silu_mul.cu).
 
 constexpr int kMaxRopeHeadDim = 512;  // a head's row is staged in shared memory
 
 struct RmsNormArgs {
   const void* x;  // [rows, dim], last dimension contiguous
   int64_t x_row_stride;
+  const void* residual;  // null, or [rows, dim] added to x first (last dimension contiguous)
+  int64_t residual_row_stride;
+  void* sum_out;       // with residual: [rows, dim], contiguous, x + residual in the dtype of x
   const void* weight;  // [dim], the dtype of x
   void* out;           // [rows, dim], contiguous
   int64_t rows;
   int dim;
   float eps;
+};
+
+struct SiluMulArgs {
+  const void* gate_up;  // [rows, 2 * dim]: gate then up, last dimension contiguous
+  int64_t row_stride;
+  void* out;  // [rows, dim], contiguous
+  int64_t rows;
+  int dim;
 };
 
 struct QkNormRopeArgs {
@@ -231,5 +243,6 @@ struct QkNormRopeArgs {
 
 cudaError_t launch_rms_norm(DType dtype, const RmsNormArgs& args, cudaStream_t stream);
 cudaError_t launch_qk_norm_rope(DType dtype, const QkNormRopeArgs& args, cudaStream_t stream);
+cudaError_t launch_silu_mul(DType dtype, const SiluMulArgs& args, cudaStream_t stream);
 
 }  // namespace lmpool

@@ -1,6 +1,13 @@
-// RMSNorm, and RMSNorm followed by rotary embedding for the per-head q/k norms of Qwen3,
-// each one kernel where torch runs eight to twenty small ones (at small batches a decode
-// step was mostly the launch floor of those: results/h200/runs/NOTES.md, run 41).
+// RMSNorm (optionally after the residual add that feeds it), and RMSNorm followed by rotary
+// embedding for the per-head q/k norms of Qwen3, each one kernel where torch runs eight to
+// twenty small ones (at small batches a decode step was mostly the launch floor of those:
+// results/h200/runs/NOTES.md, run 41).
+//
+// The residual add rounds the sum to the model dtype (torch's add in that dtype) and writes
+// it out: the next layer's residual. Rows whose pointers, row strides and width allow it are
+// read and written 16 bytes a lane with every load of a lane's row issued before the first
+// is used: a lane reading its row element by element waited on each load in turn, about
+// 12 us a norm on an H200 at any batch (results/profile_decode_h200_0.6b.json).
 //
 // Numerics follow lmpool/ops/reference.py rounding for rounding (its RMSNorm is
 // transformers' Qwen3 one; its rotation works in fp32): the sum of squares and the scaling
@@ -37,23 +44,78 @@ __device__ __forceinline__ float inverse_rms(float sum_squares, int dim, float e
   return rsqrtf(__fadd_rn(__fmul_rn(sum_squares, 1.0f / static_cast<float>(dim)), eps));
 }
 
-template <typename T>
+// Element i of the row: x's, or x's plus the residual's rounded to T (the add's result).
+template <typename T, bool kAdd>
+__device__ __forceinline__ float row_value(const T* x, const T* residual, int i) {
+  const float v = scalar_to_float<T>(x[i]);
+  if constexpr (kAdd) return rounded<T>(__fadd_rn(v, scalar_to_float<T>(residual[i])));
+  return v;
+}
+
+template <typename T, bool kAdd>
 __global__ void rms_norm_kernel(RmsNormArgs a) {
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + threadIdx.x / 32;
   if (row >= a.rows) return;  // warp-uniform: the whole warp leaves together
   const T* x = static_cast<const T*>(a.x) + row * a.x_row_stride;
+  const T* residual = kAdd ? static_cast<const T*>(a.residual) + row * a.residual_row_stride : nullptr;
   const T* weight = static_cast<const T*>(a.weight);
   T* out = static_cast<T*>(a.out) + row * a.dim;
   float sum = 0.f;
   for (int i = lane; i < a.dim; i += 32) {
-    const float v = scalar_to_float<T>(x[i]);
+    const float v = row_value<T, kAdd>(x, residual, i);
+    if constexpr (kAdd) static_cast<T*>(a.sum_out)[row * a.dim + i] = float_to<T>(v);
     sum = __fadd_rn(sum, __fmul_rn(v, v));
   }
   const float inv = inverse_rms(warp_sum(sum), a.dim, a.eps);
   for (int i = lane; i < a.dim; i += 32) {  // the second read of the row comes from L1
-    const float normed = rounded<T>(__fmul_rn(scalar_to_float<T>(x[i]), inv));
+    const float normed = rounded<T>(__fmul_rn(row_value<T, kAdd>(x, residual, i), inv));
     out[i] = float_to<T>(__fmul_rn(scalar_to_float<T>(weight[i]), normed));
+  }
+}
+
+// A lane's 16-byte vector v of the row, as floats: x's, or rounded x + residual.
+template <typename T, bool kAdd, int N>
+__device__ __forceinline__ void row_vector(const T* x, const T* residual, int v, float (&f)[N]) {
+  vec_to_float<T>(load16(x + v * N), f);
+  if constexpr (kAdd) {
+    float r[N];
+    vec_to_float<T>(load16(residual + v * N), r);
+#pragma unroll
+    for (int i = 0; i < N; ++i) f[i] = rounded<T>(__fadd_rn(f[i], r[i]));
+  }
+}
+
+// ``rms_norm_kernel`` 16 bytes at a time; the launcher checks the alignment it needs.
+template <typename T, bool kAdd>
+__global__ void rms_norm_vec_kernel(RmsNormArgs a) {
+  constexpr int N = Vec16<T>::kElems;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + threadIdx.x / 32;
+  if (row >= a.rows) return;  // warp-uniform
+  const T* x = static_cast<const T*>(a.x) + row * a.x_row_stride;
+  const T* residual = kAdd ? static_cast<const T*>(a.residual) + row * a.residual_row_stride : nullptr;
+  const T* weight = static_cast<const T*>(a.weight);
+  T* out = static_cast<T*>(a.out) + row * a.dim;
+  const int vectors = a.dim / N;
+  float sum = 0.f;
+#pragma unroll 4
+  for (int v = lane; v < vectors; v += 32) {
+    float f[N];
+    row_vector<T, kAdd>(x, residual, v, f);
+    if constexpr (kAdd) reinterpret_cast<uint4*>(static_cast<T*>(a.sum_out) + row * a.dim)[v] = float_to_vec<T>(f);
+#pragma unroll
+    for (int i = 0; i < N; ++i) sum = __fadd_rn(sum, __fmul_rn(f[i], f[i]));
+  }
+  const float inv = inverse_rms(warp_sum(sum), a.dim, a.eps);
+#pragma unroll 4
+  for (int v = lane; v < vectors; v += 32) {  // the inputs again (read-only, from L1), not sum_out
+    float f[N], w[N];
+    row_vector<T, kAdd>(x, residual, v, f);
+    vec_to_float<T>(load16(weight + v * N), w);
+#pragma unroll
+    for (int i = 0; i < N; ++i) f[i] = __fmul_rn(w[i], rounded<T>(__fmul_rn(f[i], inv)));
+    reinterpret_cast<uint4*>(out)[v] = float_to_vec<T>(f);
   }
 }
 
@@ -110,12 +172,47 @@ cudaError_t launch_qk_for(const QkNormRopeArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_rms_norm(DType dtype, const RmsNormArgs& a, cudaStream_t stream) {
+namespace {
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether every row of ``a`` can be read and written in 16-byte vectors of T.
+template <typename T>
+bool vector_rows(const RmsNormArgs& a) {
+  constexpr int N = Vec16<T>::kElems;
+  bool ok = a.dim % N == 0 && a.x_row_stride % N == 0 && aligned16(a.x) && aligned16(a.weight) && aligned16(a.out);
+  if (a.residual != nullptr) {
+    ok = ok && a.residual_row_stride % N == 0 && aligned16(a.residual) && aligned16(a.sum_out);
+  }
+  return ok;
+}
+
+template <typename T, bool kAdd>
+void launch_norm_for(const RmsNormArgs& a, cudaStream_t stream) {
   const int blocks = norm_blocks(a.rows);
+  if (vector_rows<T>(a)) {
+    rms_norm_vec_kernel<T, kAdd><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+  } else {
+    rms_norm_kernel<T, kAdd><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+  }
+}
+
+template <typename T>
+void launch_norm_for(const RmsNormArgs& a, cudaStream_t stream) {
+  if (a.residual != nullptr) {
+    launch_norm_for<T, true>(a, stream);
+  } else {
+    launch_norm_for<T, false>(a, stream);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_rms_norm(DType dtype, const RmsNormArgs& a, cudaStream_t stream) {
   switch (dtype) {
-    case DType::kF32: rms_norm_kernel<float><<<blocks, kNormWarps * 32, 0, stream>>>(a); break;
-    case DType::kF16: rms_norm_kernel<__half><<<blocks, kNormWarps * 32, 0, stream>>>(a); break;
-    default: rms_norm_kernel<__nv_bfloat16><<<blocks, kNormWarps * 32, 0, stream>>>(a); break;
+    case DType::kF32: launch_norm_for<float>(a, stream); break;
+    case DType::kF16: launch_norm_for<__half>(a, stream); break;
+    default: launch_norm_for<__nv_bfloat16>(a, stream); break;
   }
   return cudaGetLastError();
 }

@@ -9,9 +9,10 @@ model dtype. q/k/v and gate/up projections are fused at load time so a layer
 runs two matmuls where the checkpoint has five.
 
 Attention is delegated to a ``KVOps`` backend; every forward first writes this
-step's keys and values into the cache, then attends over the cache only. The norms and
-the q/k norm-then-rotate go through the backend too: on CUDA each is one kernel where
-plain torch launches eight to twenty (``kernels/norm_rope.cu``, same roundings).
+step's keys and values into the cache, then attends over the cache only. The norms (each
+with the residual add before it), the q/k norm-then-rotate and SwiGLU's gating go through the
+backend too: on CUDA each is one kernel where plain torch launches two to twenty
+(``kernels/norm_rope.cu``, ``kernels/silu_mul.cu``, same roundings).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: KVOps = TORCH_OPS) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
+
+    def after_add(self, x: torch.Tensor, residual: torch.Tensor,
+                  ops: KVOps = TORCH_OPS) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of ``x + residual``, ``x + residual``): the residual add and its norm."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -128,9 +134,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: KVOps = TORCH_OPS) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -165,13 +170,18 @@ class Qwen3ForCausalLM(nn.Module):
         ops: KVOps,
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]``; ``kv_cache`` is ``[layers, 2, blocks, ...]``."""
-        h = self.embed_tokens(input_ids)
+        # The residual stream: each sublayer's output is added to it by the norm that reads the
+        # sum (one kernel on CUDA), with the roundings of ``h = h + sublayer(norm(h))``.
+        residual, out = self.embed_tokens(input_ids), None
         for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
-            h = h + layer.self_attn(
-                layer.input_layernorm(h, ops), positions, self.rotary, meta, kv_cache[i], ops
-            )
-            h = h + layer.mlp(layer.post_attention_layernorm(h, ops))
-        return self.norm(h, ops)
+            if out is None:
+                x = layer.input_layernorm(residual, ops)
+            else:
+                x, residual = layer.input_layernorm.after_add(out, residual, ops)
+            out = layer.self_attn(x, positions, self.rotary, meta, kv_cache[i], ops)
+            x, residual = layer.post_attention_layernorm.after_add(out, residual, ops)
+            out = layer.mlp(x, ops)
+        return self.norm(residual, ops) if out is None else self.norm.after_add(out, residual, ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Logits of ``hidden[R, hidden]``, cast to fp32 unless ``fp32`` is False.

@@ -28,6 +28,8 @@ class KVOps:
     pack_kv: Callable[..., torch.Tensor]
     unpack_kv: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_mul: Callable[..., torch.Tensor]
     qk_norm_rope: Callable[..., torch.Tensor]
 
 
@@ -40,6 +42,8 @@ TORCH_OPS = KVOps(
     pack_kv=reference.pack_kv,
     unpack_kv=reference.unpack_kv,
     rms_norm=reference.rms_norm,
+    add_rms_norm=reference.add_rms_norm,
+    silu_mul=reference.silu_mul,
     qk_norm_rope=reference.qk_norm_rope,
 )
 

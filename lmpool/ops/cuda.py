@@ -42,6 +42,7 @@ _SOURCES = (
     "prefill_mma_bf16.cu",
     "kv_cache.cu",
     "norm_rope.cu",
+    "silu_mul.cu",
 )
 _HEADERS = ("launchers.h", "common.cuh", "combine_splits.cuh", "attention_rows.cuh", "prefill_mma.cuh")
 _CUDA_FLAGS = ("-O3", "-lineinfo")
@@ -274,6 +275,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return load_extension().rms_norm(flat, weight, float(eps)).view(x.shape)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.add_rms_norm`` in one kernel: (RMSNorm of ``x + residual``, the sum)."""
+    shape = x.shape
+    out, total = load_extension().add_rms_norm(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), weight,
+                                               float(eps))
+    return out.view(shape), total.view(shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``reference.silu_mul`` in one kernel."""
+    shape = gate_up.shape
+    return load_extension().silu_mul(gate_up.reshape(-1, shape[-1])).view(*shape[:-1], shape[-1] // 2)
+
+
 def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
     """Per-head RMSNorm then rotary embedding of ``x[tokens, heads, head_dim]`` in one kernel."""
@@ -289,5 +305,7 @@ CUDA_OPS = KVOps(
     pack_kv=pack_kv,
     unpack_kv=unpack_kv,
     rms_norm=rms_norm,
+    add_rms_norm=add_rms_norm,
+    silu_mul=silu_mul,
     qk_norm_rope=qk_norm_rope,
 )

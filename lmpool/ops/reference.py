@@ -23,6 +23,7 @@ Layouts (shared with the CUDA kernels in ``kernels/``):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv(
@@ -196,6 +197,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``rms_norm`` of ``x + residual``, ``x + residual``): a residual add in the model dtype and
+    the norm that reads its result."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating of ``gate_up[..., 2 * dim]`` (gate first): ``silu(gate) * up`` in the model
+    dtype, each rounded as torch's two ops round."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

@@ -4,10 +4,10 @@ system prompt, and the histories outgrow the e2e suite's KV budget."""
 
 from __future__ import annotations
 
-from benchmarks.workloads.dataset_profile import profile_trace
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from benchmarks.workloads.dataset_profile import profile_trace
 from benchmarks.workloads.sessions import agent_sessions, agent_sessions_zipf, preamble_of, sessions
 
 VOCAB = 151936

@@ -1,11 +1,14 @@
-"""The fused RMSNorm and q/k norm-then-rotate kernels (``kernels/norm_rope.cu``) against the
-torch reference in the same dtype, whose roundings they follow (needs a GPU).
+"""The fused RMSNorm (with and without the residual add before it), q/k norm-then-rotate and
+SwiGLU gating kernels (``kernels/norm_rope.cu``, ``kernels/silu_mul.cu``) against the torch
+reference in the same dtype, whose roundings they follow (needs a GPU).
 
 Inputs are strided views, as the model passes them (q and k are slices of the fused qkv
 projection); freed allocator memory is NaN before each call, so an output element the
 kernel forgets to write shows. Only the order of the sum of squares differs from torch, so
 fp32 agrees to rounding and fp16/bf16 results are the reference's bits but for rare
-one-unit differences.
+one-unit differences; a residual sum and the gating are the reference's bits. Rows offset by
+one element from 16-byte alignment take the kernels' element-wise path, aligned ones their
+16-byte vectors.
 """
 
 from __future__ import annotations
@@ -58,6 +61,37 @@ def test_rms_norm_equals_the_reference_on_a_strided_input(dtype, dim, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [1024, 200, 1000])
+@pytest.mark.parametrize("offset", [8, 1], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("rows", [1, 7, 333])
+def test_add_rms_norm_equals_the_reference_and_returns_the_sum(dtype, dim, offset, rows):
+    g = torch.Generator(device="cuda").manual_seed(dim * 1000 + rows + offset)
+    x = torch.randn(rows, dim + 24, device="cuda", generator=g).to(dtype)[:, offset : offset + dim]
+    residual = (4 * torch.randn(rows, dim + 8, device="cuda", generator=g)).to(dtype)[:, 8 : 8 + dim]
+    weight = (1 + 0.3 * torch.randn(dim, device="cuda", generator=g)).to(dtype)
+    poisoned()
+    out, total = cuda.add_rms_norm(x, residual, weight, 1e-6)
+    ref_out, ref_total = reference.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, ref_total)
+    check(out, ref_out)
+    check(cuda.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6))  # the same path without the add
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [3072, 200, 1001])
+@pytest.mark.parametrize("rows", [1, 7, 333])
+def test_silu_mul_is_the_reference_s_bits(dtype, dim, rows):
+    g = torch.Generator(device="cuda").manual_seed(dim + rows)
+    gate_up = (3 * torch.randn(rows, 2 * dim + 8, device="cuda", generator=g)).to(dtype)[:, 8:]
+    poisoned()
+    out = cuda.silu_mul(gate_up)
+    ref = reference.silu_mul(gate_up)
+    assert out.shape == ref.shape == (rows, dim) and out.dtype == dtype and out.is_contiguous()
+    assert not torch.isnan(out).any(), "an output element was never written"
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 96])
 @pytest.mark.parametrize("positions_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("yarn", [False, True], ids=["plain", "yarn"])
@@ -77,25 +111,35 @@ def test_qk_norm_rope_equals_the_reference_on_a_qkv_slice(dtype, head_dim, posit
         check(cuda.qk_norm_rope(*args), reference.qk_norm_rope(*args))
 
 
-def test_both_replay_in_a_cuda_graph_on_new_inputs():
+def test_each_replays_in_a_cuda_graph_on_new_inputs():
     dim, heads, tokens = 128, 4, 16
     rotary = RotaryEmbedding(dim, 512, 10000.0).to("cuda")
     x = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
     w, wh = torch.rand(dim, device="cuda", dtype=torch.bfloat16), torch.rand(1024, device="cuda", dtype=torch.bfloat16)
     pos = torch.arange(tokens, device="cuda", dtype=torch.int32)
+    r = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(tokens, 2 * 3072, device="cuda", dtype=torch.bfloat16)
     cuda.qk_norm_rope(x, w, 1e-6, rotary.cos, rotary.sin, pos)  # warm up outside the capture
     cuda.rms_norm(h, wh, 1e-6)
+    cuda.add_rms_norm(h, r, wh, 1e-6)
+    cuda.silu_mul(gate_up)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_q = cuda.qk_norm_rope(x, w, 1e-6, rotary.cos, rotary.sin, pos)
         out_h = cuda.rms_norm(h, wh, 1e-6)
-    x.copy_(torch.randn_like(x))
-    h.copy_(torch.randn_like(h))
+        out_a, total = cuda.add_rms_norm(h, r, wh, 1e-6)
+        out_g = cuda.silu_mul(gate_up)
+    for t in (x, h, r, gate_up):
+        t.copy_(torch.randn_like(t))
     pos.copy_(torch.randint(0, 512, (tokens,), device="cuda", dtype=torch.int32))
     graph.replay()
     check(out_q, reference.qk_norm_rope(x, w, 1e-6, rotary.cos, rotary.sin, pos))
     check(out_h, reference.rms_norm(h, wh, 1e-6))
+    ref_a, ref_total = reference.add_rms_norm(h, r, wh, 1e-6)
+    check(out_a, ref_a)
+    assert torch.equal(total, ref_total)
+    assert torch.equal(out_g, reference.silu_mul(gate_up))
 
 
 def test_bad_inputs_are_refused_naming_the_problem():
@@ -114,8 +158,12 @@ def test_bad_inputs_are_refused_naming_the_problem():
         "positions has 2 entries for 3 tokens": lambda: ext.qk_norm_rope(x, w, 1e-6, table, table, pos[:2]),
         r"x must be \[rows, dim\]": lambda: ext.rms_norm(x, w, 1e-6),
         r"weight must be a contiguous \[8\]": lambda: ext.rms_norm(x[:, 0], torch.ones(4, device="cuda"), 1e-6),
+        r"residual has shape \[3, 4\]": lambda: ext.add_rms_norm(x[:, 0], torch.zeros(3, 4, device="cuda"), w, 1e-6),
+        "residual dtype": lambda: ext.add_rms_norm(x[:, 0], x[:, 0].half(), w, 1e-6),
+        r"gate_up must be \[rows, 2 \* dim\]": lambda: ext.silu_mul(torch.zeros(3, 7, device="cuda")),
     }
     for message, call in cases.items():
         with pytest.raises(RuntimeError, match=message):
             call()
     assert ext.rms_norm(torch.zeros(0, 8, device="cuda"), w, 1e-6).shape == (0, 8)
+    assert ext.silu_mul(torch.zeros(0, 8, device="cuda")).shape == (0, 4)

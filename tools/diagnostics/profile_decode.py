@@ -244,7 +244,8 @@ def torch_norms(active: bool):
     from lmpool.ops import cuda, reference
 
     fused = cuda.CUDA_OPS
-    cuda.CUDA_OPS = dataclasses.replace(fused, rms_norm=reference.rms_norm, qk_norm_rope=reference.qk_norm_rope)
+    cuda.CUDA_OPS = dataclasses.replace(fused, rms_norm=reference.rms_norm, add_rms_norm=reference.add_rms_norm,
+                                        silu_mul=reference.silu_mul, qk_norm_rope=reference.qk_norm_rope)
     try:
         yield
     finally:
@@ -339,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per batch")
     ap.add_argument("--norms", default="fused",
-                    help="comma-separated, run in turn: 'fused' (the norm kernels) and/or 'torch' (the norms "
-                         "and rotary as plain torch ops on the GPU, as before kernels/norm_rope.cu)")
+                    help="comma-separated, run in turn: 'fused' (the norm and SwiGLU kernels) and/or 'torch' (the "
+                         "norms, residual adds, rotary and gating as plain torch ops on the GPU)")
     ap.add_argument("--paths", default="serial,overlapped",
                     help="comma-separated: serial (async_scheduling off) and/or overlapped (on)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
