@@ -1,4 +1,5 @@
-"""Which rows of a decode step share a cached prefix, and whether reading it once for them pays.
+"""Which decode rows of a step share a cached prefix, and whether reading it once for them pays
+(every row of a decode step; a mixed step's single-token rows, which its batch lists first).
 
 Prefix caching hands sequences that start alike the same physical blocks, so rows sharing a
 prefix hold the same block ids at the head of their block tables. A decode step's rows are

@@ -2,7 +2,8 @@
 
 Each step spends at most ``max_num_batched_tokens`` tokens. Running sequences go
 first, in admission order: a decoding sequence takes one token, a sequence still
-prefilling takes the next chunk of its prompt. Waiting sequences are then
+prefilling takes the next chunk of its prompt. The batch lists the sequences computing one
+token first (``ScheduledBatch.decode_first``), each part in the order it was scheduled. Waiting sequences are then
 admitted first-come-first-served while the budget, ``max_num_seqs`` and the KV
 blocks allow. When a running sequence needs a block and none is available, the
 most recently admitted running sequence is preempted: its blocks are dropped
@@ -72,6 +73,18 @@ class ScheduledBatch:
         else:
             self.prefill_tokens += n
             self.prefill_attention += n * c + n * (n + 1) // 2
+
+    def decode_first(self) -> None:
+        """List the single-token rows first, each part in its order (the prompt logprobs' indices
+        follow): a mixed step's attention then takes its decode rows as one slice."""
+        if self.decode_seqs in (0, len(self.seqs)):
+            return
+        order = sorted(range(len(self.seqs)), key=lambda i: self.num_tokens[i] != 1)  # stable
+        self.seqs = [self.seqs[i] for i in order]
+        self.num_tokens = [self.num_tokens[i] for i in order]
+        if self.prompt_logprobs:
+            moved = {old: new for new, old in enumerate(order)}
+            self.prompt_logprobs = sorted(moved[i] for i in self.prompt_logprobs)
 
     def samples(self, i: int) -> bool:
         """Whether sequence ``i`` reaches its last token this step, and so yields a new token."""
@@ -144,6 +157,7 @@ class Scheduler:
             budget -= n
             i += 1
         if batch.num_preempted:
+            batch.decode_first()
             return batch
         # Without a prefix cache nothing computed now could be reused later: no one is passed over.
         computing = self._blocks_in_progress() if bm.enable_prefix_caching and self.waiting else None
@@ -180,6 +194,7 @@ class Scheduler:
             if computing is not None:
                 computing.update(seq.block_hashes[len(hit):])
         self.waiting.extendleft(reversed(passed))  # back at the front, in their order
+        batch.decode_first()
         return batch
 
     def _grow_or_preempt(self, seq: Sequence, target: int, batch: ScheduledBatch) -> bool:

@@ -5,6 +5,7 @@ Every index the model needs is int32 and lives in one flat arena, laid out as
     ids[P] | positions[P] | slots[P] | context_lens[C] | query_start_loc[B + 1]
            | sample_rows[R] | block_tables[B * W] | fill_rows[F] | fill_sources[F]
            | kv_start[K] | prefix_rows[J] | prefix_starts[G + 1] | prefix_lens[G] | prefix_tables[G * V]
+           | mixed_query_start[M]
 
 for B sequences and T token rows, W the longest block table of the batch, and R
 the sampled rows (R = 0 when the sampled rows are exactly every row: a decode
@@ -26,7 +27,10 @@ A decode step whose rows share cached prefixes enough (``lmpool.engine.cascade``
 cascade, its attention reading each group's prefix once: K = B, its J grouped rows in G groups,
 their prefixes V blocks wide at most; or, replaying the cascade graph of its padded batch, K =
 J = that batch, G = ``cascade.GRAPH_GROUPS`` and V the graphs' table width (a step of more groups
-runs eagerly). Otherwise none of it.
+runs eagerly). Otherwise none of it. A mixed step (prompt chunks beside decodes) lists its K
+single-token rows first (``ScheduledBatch.decode_first``); when they share prefixes enough they
+are a cascade too, and ``mixed_query_start[M]`` (M = B - K + 1) then gives the query starts of
+the rest, which attend as a prefill. It runs eagerly, as every mixed step.
 
 Invariants:
 - On CUDA the host arena is pinned and reaches the device with a single
@@ -85,18 +89,18 @@ class StepInputs:
 
 def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
     """Int32 entries of the largest step: P = C = max(tokens, seqs), R, F, K, J <= B, G <= B / 2 (or
-    the graphs' ``GRAPH_GROUPS``) and V <= W."""
+    the graphs' ``GRAPH_GROUPS``), V <= W and the mixed query starts M <= B + 1."""
     rows = max(max_tokens, max_seqs)
     cascade = cascade_offsets(max_seqs, max_seqs, max(max_seqs // 2, GRAPH_GROUPS), max_width)[-1]
-    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + cascade
+    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + cascade + max_seqs + 1
 
 
 # A step's views into the device arena: ids, positions, slots, block tables, context lengths, query
-# starts, sampled rows, graph header, pending-token fill, cascade and a cascade graph's span (the
-# last five where the step has them).
+# starts, sampled rows, graph header, pending-token fill, cascade, a cascade graph's span and a
+# mixed cascade's query starts of the rest (the last six where the step has them).
 _Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, CascadeInputs | None,
-               torch.Tensor | None]
+               torch.Tensor | None, torch.Tensor | None]
 
 
 class StepInputBuilder:
@@ -173,9 +177,12 @@ class StepInputBuilder:
         rows_needed = not (decode and all_sample)
         num_rows_sampled = num_sampled if rows_needed else 0
 
+        # The leading single-token rows (``ScheduledBatch.decode_first``): every row of a decode step.
+        singles = num_seqs if decode else next(i for i, n in enumerate(counts) if n != 1)
         plan = None
-        if decode and self.cascade_min_saved:
-            plan = plan_cascade(tables, ends.tolist(), self.block_size, self.cascade_min_saved)
+        if singles >= 2 and self.cascade_min_saved:
+            plan = plan_cascade(tables[:singles], ends[:singles].tolist(), self.block_size, self.cascade_min_saved)
+        mixed = 0 if decode or plan is None else singles  # a mixed step's cascade rows
         graph_size = None
         graphed = plan is None or (graphs is not None and graphs.cascades and len(plan.lens) <= GRAPH_GROUPS)
         if decode and graphs is not None and width <= graphs.max_width and graphed:
@@ -193,8 +200,9 @@ class StepInputBuilder:
         if plan and graph_size is not None and graphs is not None:
             layout = (graph_size, graph_size, GRAPH_GROUPS, graphs.max_width)
         elif plan:
-            layout = (num_seqs, len(plan.rows), len(plan.lens), max(map(len, plan.tables)))
-        end = o_cascade + (cascade_offsets(*layout)[-1] if plan else 0)
+            layout = (singles, len(plan.rows), len(plan.lens), max(map(len, plan.tables)))
+        o_mixed = o_cascade + (cascade_offsets(*layout)[-1] if plan else 0)
+        end = o_mixed + (num_seqs - mixed + 1 if mixed else 0)
         if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)
             self._allocate(max(end, 2 * self.capacity))
         a = self.host_nps[self._turn]
@@ -244,7 +252,9 @@ class StepInputBuilder:
             a[o_fill : o_fill + num_fill] = query_start[1:][pending] - 1  # a pending token is its sequence's last row
             a[o_fill + num_fill : o_cascade] = [seqs[i].pending_row for i in pending]
         if plan:
-            write_cascade(a[o_cascade:end], plan, *layout)
+            write_cascade(a[o_cascade:o_mixed], plan, *layout)
+        if mixed:  # the rest's query starts: its rows follow the single-token ones
+            a[o_mixed:end] = query_start[mixed:] - mixed
         # The step's shape for the step-time model counts the keys it reads: each shared prefix once.
         batch.decode_keys_saved = plan.saved if plan else 0
 
@@ -253,7 +263,7 @@ class StepInputBuilder:
             assert self._copied is not None  # made on CUDA
             self._copied[self._turn].record(torch.cuda.current_stream(self.device))  # the copy's stream
         key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0,
-               num_fill, *layout)
+               num_fill, *layout, mixed)
         views = self._views.get(key)
         if views is None:
             if len(self._views) > 256:
@@ -269,14 +279,16 @@ class StepInputBuilder:
                 dev[o_rows:o_tab] if rows_needed else None,
                 dev[: 4 * graph_size].view(4, graph_size) if graph_size else None,
                 dev[o_fill:o_cascade].view(2, num_fill) if num_fill else None,
-                cascade_views(dev[o_cascade:end], *layout) if plan else None,
-                dev[o_cascade:end] if plan and graph_size else None,
+                cascade_views(dev[o_cascade:o_mixed], *layout) if plan else None,
+                dev[o_cascade:o_mixed] if plan and graph_size else None,
+                dev[o_mixed:end] if mixed else None,
             )
-        ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v, cascade_v, span_v = views
+        ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v, cascade_v, span_v, mixed_v = views
         return StepInputs(
             ids=ids_v,
             positions=pos_v,
-            meta=AttentionMetadata(slots_v, tables_v, ctx_v, qsl_v, decode, None if graph_size else cascade_v),
+            meta=AttentionMetadata(slots_v, tables_v, ctx_v, qsl_v, decode, None if graph_size else cascade_v,
+                                   mixed, mixed_v),
             num_seqs=num_seqs,
             sample_rows=rows_v,
             sample_index=None if all_sample else np.flatnonzero(samples).tolist(),

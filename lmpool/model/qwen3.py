@@ -49,7 +49,12 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     is_decode: bool  # every sequence has exactly one new token
-    cascade: CascadeInputs | None = None  # a decode step whose rows read shared prefixes once
+    # Decode rows reading shared prefixes once: a decode step's, or a mixed step's first
+    # ``mixed_decode_rows`` (its single-token rows, listed first; the rest attend as a prefill
+    # whose query starts are ``mixed_query_start_loc``).
+    cascade: CascadeInputs | None = None
+    mixed_decode_rows: int = 0
+    mixed_query_start_loc: torch.Tensor | None = None  # [B - mixed_decode_rows + 1] int32
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +116,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_decode and meta.cascade is not None:
+        if meta.mixed_decode_rows:
+            o = self._mixed_cascade(q, k_cache, v_cache, meta, ops)
+        elif meta.is_decode and meta.cascade is not None:
             o = ops.cascade_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, *meta.cascade, self.scale
             )
@@ -125,6 +132,16 @@ class Attention(nn.Module):
                 meta.query_start_loc, self.scale,
             )
         return self.o_proj(o.reshape(-1, self.q_size))
+
+    def _mixed_cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       ops: KVOps) -> torch.Tensor:
+        """A mixed step's attention: its decode rows (the first ``d``) as a cascade, the rest as a prefill."""
+        d, tables, lens = meta.mixed_decode_rows, meta.block_tables, meta.context_lens
+        assert meta.cascade is not None and meta.mixed_query_start_loc is not None
+        decoded = ops.cascade_decode_attention(q[:d], k_cache, v_cache, tables[:d], lens[:d], *meta.cascade, self.scale)
+        rest = ops.paged_attention(q[d:], k_cache, v_cache, tables[d:], lens[d:], meta.mixed_query_start_loc,
+                                   self.scale)
+        return torch.cat((decoded, rest))
 
 
 class MLP(nn.Module):

@@ -217,3 +217,89 @@ def test_a_step_of_more_groups_than_a_cascade_graph_holds_runs_eagerly():
     inputs = builder.build(ScheduledBatch(seqs=seqs, num_tokens=[1] * len(seqs)), FakeGraphs(16, 16, cascades=True))
     assert inputs.graph_size is None and inputs.meta.cascade is not None
     assert inputs.meta.cascade.prefix_lens.tolist() == [BLOCK] * (GRAPH_GROUPS + 1)
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_decode_rows_beside_prompt_chunks_read_shared_prefixes_once_with_the_same_tokens(tiny_model, monkeypatch,
+                                                                                        overlapped):
+    """Questions over a cached document decode while later ones (and an unrelated prompt) are
+    prefilled in the same steps: those mixed steps' decode rows run as a cascade, the prompt
+    chunks as a prefill, and every request generates what it does without cascades."""
+    from lmpool.model import qwen3
+
+    doc = [(7 * i + 3) % 900 for i in range(10 * BLOCK + 1)]
+    first = [doc + [50 + q, 60 + q, 70 + q] for q in range(4)]
+    later = [doc + list(range(100 + 9 * q, 109 + 9 * q)) for q in range(3)] + [list(range(300, 313))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def staggered(core: EngineCore) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+
+        def step() -> None:
+            for o in core.step():
+                out.setdefault(o.request_id, []).append(o.new_token_id)
+
+        core.add_request("doc", doc, params)
+        while core.has_unfinished():
+            step()
+        for i, prompt in enumerate(first):
+            core.add_request(f"a{i}", prompt, params)
+        for _ in range(3):  # prefilled, then decoding
+            step()
+        for i, prompt in enumerate(later):
+            core.add_request(f"b{i}", prompt, params)
+        while core.has_unfinished():
+            step()
+        return out
+
+    def config(**kw) -> EngineConfig:
+        return EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=128, async_scheduling=overlapped, **kw)
+
+    plain = staggered(EngineCore(config()))
+    mixed_steps = []
+    split = qwen3.Attention._mixed_cascade
+
+    def counted(self, q, *args):
+        mixed_steps.append((q.shape[0], args[2].mixed_decode_rows))
+        return split(self, q, *args)
+
+    monkeypatch.setattr(qwen3.Attention, "_mixed_cascade", counted)
+    assert staggered(EngineCore(config(cascade_min_saved_tokens=1))) == plain
+    assert mixed_steps, "no mixed step ran its decode rows as a cascade"
+    assert all(rows > decode_rows >= 2 for rows, decode_rows in mixed_steps)
+
+
+def test_a_mixed_step_lists_its_decode_rows_first_and_gives_the_rest_their_query_starts():
+    import torch
+
+    from lmpool.engine.scheduler import ScheduledBatch
+    from lmpool.engine.sequence import Sequence
+    from lmpool.engine.step_inputs import StepInputBuilder
+
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def seq(name: str, table: list[int], length: int, computed: int) -> Sequence:
+        s = Sequence(name, list(range(length)), params, BLOCK)
+        s.num_computed_tokens = computed
+        s.block_table = table
+        return s
+
+    batch = ScheduledBatch()
+    batch.add(seq("p", [5, 6, 50], 11, 8), 3)  # a prompt's last chunk, over the shared blocks
+    batch.add(seq("a", [5, 6, 40], 10, 9), 1)
+    batch.add(seq("q", [60, 61], 7, 0), 7)
+    batch.add(seq("c", [5, 6, 42, 43], 13, 12), 1)
+    batch.decode_first()
+    assert [s.request_id for s in batch.seqs] == ["a", "c", "p", "q"] and batch.num_tokens == [1, 1, 3, 7]
+    inputs = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1).build(batch)
+    meta = inputs.meta
+    assert not meta.is_decode and meta.mixed_decode_rows == 2 and batch.decode_keys_saved == 8
+    assert meta.mixed_query_start_loc.tolist() == [0, 3, 10]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 5, 12]
+    assert meta.cascade.kv_start.tolist() == [8, 8] and meta.cascade.prefix_lens.tolist() == [8]
+    assert meta.cascade.prefix_rows.tolist() == [0, 1] and meta.cascade.prefix_tables.tolist() == [[5, 6]]
+    unshared = ScheduledBatch()
+    unshared.add(seq("a", [5, 6, 40], 10, 9), 1)
+    unshared.add(seq("q", [60, 61], 7, 0), 7)
+    plain = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1).build(unshared).meta
+    assert plain.mixed_decode_rows == 0 and plain.cascade is None and plain.mixed_query_start_loc is None

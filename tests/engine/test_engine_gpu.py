@@ -344,3 +344,54 @@ def test_gpu_bf16_decode_steps_sharing_a_document_run_as_cascades(tiny_model, mo
     assert none == 0 and calls > 0
     assert all(len(t) == 12 for t in cascaded)
     assert [t[0] for t in cascaded] == [t[0] for t in plain]
+
+
+def test_gpu_bf16_decode_rows_beside_prompt_chunks_run_as_a_cascade(tiny_model, monkeypatch):
+    """Questions about one cached document decode while later questions are prefilled in the same
+    steps: those mixed steps run their decode rows as a cascade and their prompt chunks as a
+    prefill on the kernels; every request completes, and the tokens no cascade computed equal the
+    plain engine's."""
+    from lmpool.model import qwen3
+
+    doc = prompts(1)[0] * 8
+    first = [doc + [5 + q, 9 + q] for q in range(4)]
+    later = [doc + list(range(20 + 7 * q, 27 + 7 * q)) for q in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    mixed_steps = []
+    split = qwen3.Attention._mixed_cascade
+
+    def counted(self, q, *args):
+        mixed_steps.append(args[2].mixed_decode_rows)
+        return split(self, q, *args)
+
+    monkeypatch.setattr(qwen3.Attention, "_mixed_cascade", counted)
+
+    def run(cascade: int) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=BLOCK,
+                 cascade_min_saved_tokens=cascade) as llm:
+            core = llm.engine
+
+            def step() -> None:
+                for o in core.step():
+                    out.setdefault(o.request_id, []).append(o.new_token_id)
+
+            llm.generate([doc], params)  # the document, cached
+            for i, prompt in enumerate(first):
+                core.add_request(f"a{i}", prompt, params)
+            for _ in range(3):
+                step()
+            for i, prompt in enumerate(later):
+                core.add_request(f"b{i}", prompt, params)
+            while core.has_unfinished():
+                step()
+        return out
+
+    plain = run(0)
+    assert not mixed_steps
+    cascaded = run(1)
+    assert mixed_steps and all(rows >= 2 for rows in mixed_steps)
+    assert all(len(t) == 12 for t in cascaded.values()) and cascaded.keys() == plain.keys()
+    # The first questions' first tokens come before any cascade; the later ones' from a prefill
+    # whose key splits may differ from the plain step's (its rows are fewer): rounding apart.
+    assert [cascaded[f"a{i}"][0] for i in range(4)] == [plain[f"a{i}"][0] for i in range(4)]

@@ -8,7 +8,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from lmpool.engine.block_manager import BlockManager
-from lmpool.engine.scheduler import Scheduler
+from lmpool.engine.scheduler import ScheduledBatch, Scheduler
 from lmpool.engine.sequence import Sequence
 from lmpool.sampling_params import SamplingParams
 
@@ -90,3 +90,23 @@ def test_no_block_is_computed_twice_in_a_step_and_everyone_finishes(requests, bu
                 sched.finish(seq, "length")
         bm.check_invariants([s.block_table for s in sched.running])
     assert not pending and not sched.has_unfinished(), "every request was admitted and finished"
+
+
+@given(st.lists(st.tuples(st.integers(1, 3), st.booleans()), max_size=12))
+def test_a_batch_lists_its_single_token_rows_first_each_part_in_its_order(rows):
+    """``decode_first``: a permutation, single-token rows first, each part in scheduling order,
+    the prompt-logprob indices still naming the same sequences."""
+    batch = ScheduledBatch()
+    for i, (n, asks) in enumerate(rows):
+        seq = Sequence(f"s{i}", list(range(8)), SamplingParams(max_tokens=1, prompt_logprobs=1 if asks else None),
+                       BLOCK)
+        seq.num_computed_tokens = 0 if asks else 8 - n
+        batch.add(seq, n)
+    before = list(zip(batch.seqs, batch.num_tokens))
+    asking = {batch.seqs[i].request_id for i in batch.prompt_logprobs}
+    batch.decode_first()
+    after = list(zip(batch.seqs, batch.num_tokens))
+    assert sorted(after, key=lambda p: p[0].request_id) == sorted(before, key=lambda p: p[0].request_id)
+    assert after == [p for p in before if p[1] == 1] + [p for p in before if p[1] != 1]
+    assert {batch.seqs[i].request_id for i in batch.prompt_logprobs} == asking
+    assert batch.prompt_logprobs == sorted(batch.prompt_logprobs)
