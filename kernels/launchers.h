@@ -210,6 +210,7 @@ struct RmsNormArgs {
   const void* residual;  // null, or [rows, dim] added to x first (last dimension contiguous)
   int64_t residual_row_stride;
   void* sum_out;       // with residual: [rows, dim], contiguous, x + residual in the dtype of x
+                       // (out and sum_out never alias x or residual: the kernels read those twice)
   const void* weight;  // [dim], the dtype of x
   void* out;           // [rows, dim], contiguous
   int64_t rows;

@@ -395,3 +395,45 @@ def test_gpu_bf16_decode_rows_beside_prompt_chunks_run_as_a_cascade(tiny_model, 
     # The first questions' first tokens come before any cascade; the later ones' from a prefill
     # whose key splits may differ from the plain step's (its rows are fewer): rounding apart.
     assert [cascaded[f"a{i}"][0] for i in range(4)] == [plain[f"a{i}"][0] for i in range(4)]
+
+
+def test_gpu_a_mixed_cascade_attends_as_one_prefill_over_the_whole_batch():
+    """A mixed step's attention on the kernels, as the builder lays it out (decode rows listed
+    first, three of them sharing two blocks, then two prompt chunks, one over the same blocks):
+    the cascade over the decode rows and the prefill over the rest equal one prefill over every
+    row, to bf16 rounding."""
+    from types import SimpleNamespace
+
+    from lmpool.model import qwen3
+    from lmpool.ops import cuda
+
+    heads, kv_heads, dim = 8, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(7)
+    k_cache = torch.randn(64, BLOCK, kv_heads, dim, device="cuda", generator=g).bfloat16()
+    v_cache = torch.randn(64, BLOCK, kv_heads, dim, device="cuda", generator=g).bfloat16()
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def seq(name: str, table: list[int], length: int, computed: int) -> Sequence:
+        s = Sequence(name, list(range(length)), params, BLOCK)
+        s.num_computed_tokens = computed
+        s.block_table = table
+        return s
+
+    batch = ScheduledBatch()
+    batch.add(seq("p", [3, 4, 20, 21], 60, 40), 20)  # a prompt's chunk over the shared blocks
+    batch.add(seq("a", [3, 4, 10], 40, 39), 1)
+    batch.add(seq("q", [30, 31, 32], 37, 0), 37)
+    batch.add(seq("b", [3, 4, 11, 12], 55, 54), 1)
+    batch.add(seq("c", [3, 4, 13], 33, 32), 1)
+    batch.decode_first()
+    inputs = StepInputBuilder(torch.device("cuda"), BLOCK, 4096, cascade_min_saved=1).build(batch)
+    meta = inputs.meta
+    assert meta.mixed_decode_rows == 3 and meta.cascade is not None
+    rows = int(meta.query_start_loc[-1])
+    q = torch.randn(rows, heads, dim, device="cuda", generator=g).bfloat16()
+    scale = dim**-0.5
+    split = qwen3.Attention._mixed_cascade(SimpleNamespace(scale=scale), q, k_cache, v_cache, meta, cuda.CUDA_OPS)
+    whole = cuda.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
+                                 scale)
+    assert split.shape == whole.shape == (rows, heads, dim)
+    torch.testing.assert_close(split.float(), whole.float(), rtol=2e-2, atol=2e-2)
