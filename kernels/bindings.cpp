@@ -667,16 +667,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
-                        const at::Tensor& sin, const at::Tensor& positions) {
-  TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got a tensor on ", dev(x.device()));
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1,
-              "x must be [tokens, heads, head_dim] with a contiguous last dimension, got shape ",
-              shape(x.sizes()), " strides ", shape(x.strides()));
-  const int64_t dim = x.size(2);
-  TORCH_CHECK(dim % 2 == 0 && dim <= kMaxRopeHeadDim, "head_dim must be even and at most ",
-              num(kMaxRopeHeadDim), ", got ", num(dim));
-  check_norm_weight(weight, x, dim);
+// The rotary tables (fp32 [positions, dim / 2]) and the tokens' positions for the rows of x.
+void check_rotation(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& x,
+                    int64_t dim) {
   for (const auto& [table, name] : {std::pair{cos, "cos"}, std::pair{sin, "sin"}}) {
     check_device(table, name, x.device());
     TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.size(1) == dim / 2 &&
@@ -688,6 +681,77 @@ at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, double ep
   check_ids(positions, "positions", x.device());
   TORCH_CHECK(positions.size(0) == x.size(0), "positions has ", num(positions.size(0)), " entries for ",
               num(x.size(0)), " tokens");
+}
+
+// q/k RMSNorm and rotation over a whole qkv projection, the keys and values stored into the
+// paged cache at their tokens' slots (what qk_norm_rope twice and write_kv do); returns q.
+at::Tensor qkv_norm_rope_store(const at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                               double eps, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& positions, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t heads) {
+  TORCH_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", dev(qkv.device()));
+  check_device(k_cache, "k_cache", qkv.device());
+  check_device(v_cache, "v_cache", qkv.device());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, head_dim] alike, got shapes ",
+              shape(k_cache.sizes()), " and ", shape(v_cache.sizes()));
+  const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  TORCH_CHECK(heads > 0 && dim % 2 == 0 && dim <= kMaxRopeHeadDim, "heads must be > 0 and head_dim even and at most ",
+              num(kMaxRopeHeadDim), ", got ", num(heads), " and ", num(dim));
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "qkv must be [tokens, (", num(heads), " + 2 x ", num(kv_heads), ") x ", num(dim),
+              "] with a contiguous last dimension, got shape ", shape(qkv.sizes()), " strides ",
+              shape(qkv.strides()));
+  check_norm_weight(q_weight, qkv, dim);
+  check_norm_weight(k_weight, qkv, dim);
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "the caches' dtype ", dtype_name(k_cache), " differs from qkv's ", dtype_name(qkv));
+  check_rotation(cos, sin, positions, qkv, dim);
+  check_ids(slot_mapping, "slot_mapping", qkv.device());
+  TORCH_CHECK(slot_mapping.size(0) == qkv.size(0), "slot_mapping has ", num(slot_mapping.size(0)),
+              " entries for ", num(qkv.size(0)), " tokens");
+  TORCH_CHECK(qkv.size(0) <= INT_MAX / (heads + 2 * kv_heads), "qkv_norm_rope_store: too many tokens");
+  const DType dtype = dtype_of(qkv, "qkv");
+  auto q = at::empty({qkv.size(0), heads, dim}, qkv.options());
+  if (qkv.size(0) == 0) return q;
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  QkvNormRopeStoreArgs a{};
+  a.qkv = qkv.data_ptr();
+  a.qkv_token_stride = qkv.stride(0);
+  a.q_weight = q_weight.data_ptr();
+  a.k_weight = k_weight.data_ptr();
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  a.positions = positions.data_ptr();
+  a.positions_int64 = positions.scalar_type() == at::kLong;
+  a.num_positions = cos.size(0);
+  a.q_out = q.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.slot_mapping = slot_mapping.data_ptr();
+  a.slots_int64 = slot_mapping.scalar_type() == at::kLong;
+  a.num_slots = k_cache.size(0) * k_cache.size(1);
+  a.tokens = static_cast<int>(qkv.size(0));
+  a.heads = static_cast<int>(heads);
+  a.kv_heads = static_cast<int>(kv_heads);
+  a.dim = static_cast<int>(dim);
+  a.eps = static_cast<float>(eps);
+  check_launch(launch_qkv_norm_rope_store(dtype, a, current_stream()), "qkv_norm_rope_store");
+  return q;
+}
+
+at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& positions) {
+  TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got a tensor on ", dev(x.device()));
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1,
+              "x must be [tokens, heads, head_dim] with a contiguous last dimension, got shape ",
+              shape(x.sizes()), " strides ", shape(x.strides()));
+  const int64_t dim = x.size(2);
+  TORCH_CHECK(dim % 2 == 0 && dim <= kMaxRopeHeadDim, "head_dim must be even and at most ",
+              num(kMaxRopeHeadDim), ", got ", num(dim));
+  check_norm_weight(weight, x, dim);
+  check_rotation(cos, sin, positions, x, dim);
   const DType dtype = dtype_of(x, "x");
   auto out = at::empty({x.size(0), x.size(1), dim}, x.options());
   if (x.numel() == 0) return out;
@@ -773,6 +837,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"), "(RMSNorm of x + residual, x + residual), the sum rounded to the dtype as torch adds.");
   m.def("silu_mul", &lmpool::silu_mul, py::arg("gate_up"),
         "SiLU(gate) * up of [rows, 2 * dim] (gate first), torch's roundings, into a new [rows, dim] tensor.");
+  m.def("qkv_norm_rope_store", &lmpool::qkv_norm_rope_store, py::arg("qkv"), py::arg("q_weight"),
+        py::arg("k_weight"), py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("heads"),
+        "q/k RMSNorm and rotation over [tokens, (heads + 2 kv_heads) * head_dim], keys and values stored at "
+        "their slots (-1: none); returns q [tokens, heads, head_dim].");
   m.def("qk_norm_rope", &lmpool::qk_norm_rope, py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::arg("cos"), py::arg("sin"), py::arg("positions"),
         "Per-head RMSNorm of [tokens, heads, head_dim], then rotary embedding at each token's position.");

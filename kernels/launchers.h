@@ -242,7 +242,31 @@ struct QkNormRopeArgs {
   float eps;
 };
 
+struct QkvNormRopeStoreArgs {
+  const void* qkv;  // [tokens, (heads + 2 * kv_heads) * dim]: q heads, k heads, v heads
+  int64_t qkv_token_stride;
+  const void* q_weight;  // [dim] each, the dtype of qkv
+  const void* k_weight;
+  const float* cos;  // [num_positions, dim / 2], contiguous
+  const float* sin;
+  const void* positions;  // [tokens], int32 or int64
+  bool positions_int64;
+  int64_t num_positions;
+  void* q_out;    // [tokens, heads, dim], contiguous
+  void* k_cache;  // [num_blocks, block_size, kv_heads, dim], contiguous, the dtype of qkv
+  void* v_cache;
+  const void* slot_mapping;  // [tokens], int32 or int64; -1 (padding) stores nothing
+  bool slots_int64;
+  int64_t num_slots;  // num_blocks * block_size: larger slots are skipped
+  int tokens;
+  int heads;
+  int kv_heads;
+  int dim;  // even, at most kMaxRopeHeadDim
+  float eps;
+};
+
 cudaError_t launch_rms_norm(DType dtype, const RmsNormArgs& args, cudaStream_t stream);
+cudaError_t launch_qkv_norm_rope_store(DType dtype, const QkvNormRopeStoreArgs& args, cudaStream_t stream);
 cudaError_t launch_qk_norm_rope(DType dtype, const QkNormRopeArgs& args, cudaStream_t stream);
 cudaError_t launch_silu_mul(DType dtype, const SiluMulArgs& args, cudaStream_t stream);
 

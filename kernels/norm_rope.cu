@@ -1,5 +1,6 @@
 // RMSNorm (optionally after the residual add that feeds it), and RMSNorm followed by rotary
-// embedding for the per-head q/k norms of Qwen3, each one kernel where torch runs eight to
+// embedding for the per-head q/k norms of Qwen3 (alone, or over a whole qkv projection with the
+// keys and values stored into the paged cache), each one kernel where torch runs eight to
 // twenty small ones (at small batches a decode step was mostly the launch floor of those:
 // results/h200/runs/NOTES.md, run 41).
 //
@@ -119,6 +120,42 @@ __global__ void rms_norm_vec_kernel(RmsNormArgs a) {
   }
 }
 
+// The token's position, clamped into the tables: the engine's positions lie below the table's
+// length (max_model_len); clamping keeps every read in bounds whatever a caller passes.
+template <typename Pos>
+__device__ __forceinline__ int64_t table_row(const void* positions, int64_t token, int64_t num_positions) {
+  const int64_t pos = static_cast<int64_t>(static_cast<const Pos*>(positions)[token]);
+  return pos < 0 ? 0 : (pos >= num_positions ? num_positions - 1 : pos);
+}
+
+// One head's row x (``dim`` elements) RMSNormed by ``weight``, then rotated by the tables' row
+// ``pos``, into ``out``; by one warp, staging the row in its shared ``values``.
+template <typename T>
+__device__ __forceinline__ void norm_rope_row(const T* x, const T* weight, int dim, float eps, const float* cos_table,
+                                              const float* sin_table, int64_t pos, T* out, float* values, int lane) {
+  float sum = 0.f;
+#pragma unroll 4
+  for (int i = lane; i < dim; i += 32) {
+    const float v = scalar_to_float<T>(x[i]);
+    values[i] = v;
+    sum = __fadd_rn(sum, __fmul_rn(v, v));
+  }
+  const float inv = inverse_rms(warp_sum(sum), dim, eps);
+  for (int i = lane; i < dim; i += 32) {  // each lane rewrites only the elements it read
+    const float normed = rounded<T>(__fmul_rn(values[i], inv));
+    values[i] = rounded<T>(__fmul_rn(scalar_to_float<T>(weight[i]), normed));
+  }
+  __syncwarp();  // the rotation pairs element i with i + dim / 2, written by another lane
+  const int half = dim / 2;
+  const float* cos = cos_table + pos * half;
+  const float* sin = sin_table + pos * half;
+  for (int i = lane; i < half; i += 32) {
+    const float x1 = values[i], x2 = values[i + half], c = cos[i], s = sin[i];
+    out[i] = float_to<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+    out[i + half] = float_to<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+  }
+}
+
 template <typename T, typename Pos>
 __global__ void qk_norm_rope_kernel(QkNormRopeArgs a) {
   __shared__ float rows[kNormWarps][kMaxRopeHeadDim];
@@ -128,33 +165,41 @@ __global__ void qk_norm_rope_kernel(QkNormRopeArgs a) {
   const int64_t token = row / a.heads;
   const int head = static_cast<int>(row % a.heads);
   const T* x = static_cast<const T*>(a.x) + token * a.x_token_stride + head * a.x_head_stride;
-  const T* weight = static_cast<const T*>(a.weight);
-  float* values = rows[warp];
-  float sum = 0.f;
-  for (int i = lane; i < a.dim; i += 32) {
-    const float v = scalar_to_float<T>(x[i]);
-    values[i] = v;
-    sum = __fadd_rn(sum, __fmul_rn(v, v));
+  norm_rope_row<T>(x, static_cast<const T*>(a.weight), a.dim, a.eps, a.cos, a.sin,
+                   table_row<Pos>(a.positions, token, a.num_positions), static_cast<T*>(a.out) + row * a.dim,
+                   rows[warp], lane);
+}
+
+// A whole qkv projection row's heads, one warp each: q heads normed and rotated into q_out, k
+// heads normed and rotated into the key cache at the token's slot, v heads copied into the
+// value cache there (a slot of -1, padding, stores nothing).
+template <typename T, typename Pos, typename Slot>
+__global__ void qkv_norm_rope_store_kernel(QkvNormRopeStoreArgs a) {
+  __shared__ float rows[kNormWarps][kMaxRopeHeadDim];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int all = a.heads + 2 * a.kv_heads;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + warp;
+  if (row >= static_cast<int64_t>(a.tokens) * all) return;  // warp-uniform
+  const int64_t token = row / all;
+  const int head = static_cast<int>(row % all);
+  const T* x = static_cast<const T*>(a.qkv) + token * a.qkv_token_stride + static_cast<int64_t>(head) * a.dim;
+  const int64_t pos = table_row<Pos>(a.positions, token, a.num_positions);
+  if (head < a.heads) {
+    T* out = static_cast<T*>(a.q_out) + (token * a.heads + head) * a.dim;
+    norm_rope_row<T>(x, static_cast<const T*>(a.q_weight), a.dim, a.eps, a.cos, a.sin, pos, out, rows[warp], lane);
+    return;
   }
-  const float inv = inverse_rms(warp_sum(sum), a.dim, a.eps);
-  for (int i = lane; i < a.dim; i += 32) {  // each lane rewrites only the elements it read
-    const float normed = rounded<T>(__fmul_rn(values[i], inv));
-    values[i] = rounded<T>(__fmul_rn(scalar_to_float<T>(weight[i]), normed));
+  const int64_t slot = static_cast<int64_t>(static_cast<const Slot*>(a.slot_mapping)[token]);
+  if (slot < 0 || slot >= a.num_slots) return;  // warp-uniform
+  const int kv = head - a.heads;  // keys, then values
+  if (kv < a.kv_heads) {
+    T* out = static_cast<T*>(a.k_cache) + (slot * a.kv_heads + kv) * a.dim;
+    norm_rope_row<T>(x, static_cast<const T*>(a.k_weight), a.dim, a.eps, a.cos, a.sin, pos, out, rows[warp], lane);
+    return;
   }
-  __syncwarp();  // the rotation pairs element i with i + dim / 2, written by another lane
-  // The engine's positions lie below the table's length (max_model_len); clamping keeps
-  // every read in bounds whatever a caller passes.
-  int64_t pos = static_cast<int64_t>(static_cast<const Pos*>(a.positions)[token]);
-  pos = pos < 0 ? 0 : (pos >= a.num_positions ? a.num_positions - 1 : pos);
-  const int half = a.dim / 2;
-  const float* cos = a.cos + pos * half;
-  const float* sin = a.sin + pos * half;
-  T* out = static_cast<T*>(a.out) + row * a.dim;
-  for (int i = lane; i < half; i += 32) {
-    const float x1 = values[i], x2 = values[i + half], c = cos[i], s = sin[i];
-    out[i] = float_to<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-    out[i + half] = float_to<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
-  }
+  T* out = static_cast<T*>(a.v_cache) + (slot * a.kv_heads + kv - a.kv_heads) * a.dim;
+#pragma unroll 4
+  for (int i = lane; i < a.dim; i += 32) out[i] = x[i];
 }
 
 int norm_blocks(int64_t rows) { return static_cast<int>((rows + kNormWarps - 1) / kNormWarps); }
@@ -170,7 +215,35 @@ cudaError_t launch_qk_for(const QkNormRopeArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename T, typename Pos>
+void launch_qkv_for(const QkvNormRopeStoreArgs& a, cudaStream_t stream) {
+  const int blocks = norm_blocks(static_cast<int64_t>(a.tokens) * (a.heads + 2 * a.kv_heads));
+  if (a.slots_int64) {
+    qkv_norm_rope_store_kernel<T, Pos, int64_t><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+  } else {
+    qkv_norm_rope_store_kernel<T, Pos, int><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+  }
+}
+
+template <typename T>
+void launch_qkv_for(const QkvNormRopeStoreArgs& a, cudaStream_t stream) {
+  if (a.positions_int64) {
+    launch_qkv_for<T, int64_t>(a, stream);
+  } else {
+    launch_qkv_for<T, int>(a, stream);
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_qkv_norm_rope_store(DType dtype, const QkvNormRopeStoreArgs& a, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF32: launch_qkv_for<float>(a, stream); break;
+    case DType::kF16: launch_qkv_for<__half>(a, stream); break;
+    default: launch_qkv_for<__nv_bfloat16>(a, stream); break;
+  }
+  return cudaGetLastError();
+}
 
 namespace {
 

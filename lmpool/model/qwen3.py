@@ -10,9 +10,10 @@ runs two matmuls where the checkpoint has five.
 
 Attention is delegated to a ``KVOps`` backend; every forward first writes this
 step's keys and values into the cache, then attends over the cache only. The norms (each
-with the residual add before it), the q/k norm-then-rotate and SwiGLU's gating go through the
-backend too: on CUDA each is one kernel where plain torch launches two to twenty
-(``kernels/norm_rope.cu``, ``kernels/silu_mul.cu``, same roundings).
+with the residual add before it), the q/k norm-then-rotate with the store of this step's keys
+and values, and SwiGLU's gating go through the backend too: on CUDA each is one kernel where
+plain torch launches two to twenty (``kernels/norm_rope.cu``, ``kernels/silu_mul.cu``, same
+roundings).
 """
 
 from __future__ import annotations
@@ -77,13 +78,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         freq, scale = inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), freq)
-        # fp32 [max_positions, head_dim / 2] tables, applied by ``ops.qk_norm_rope``.
+        # fp32 [max_positions, head_dim / 2] tables, applied by ``ops.qkv_norm_rope_store``.
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
-    def norm_and_rotate(self, x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, ops: KVOps) -> torch.Tensor:
-        """``norm`` each head of ``x[T, heads, head_dim]``, then rotate it by its token's position."""
-        return ops.qk_norm_rope(x, norm.weight, norm.eps, self.cos, self.sin, positions)
 
 
 class Attention(nn.Module):
@@ -110,12 +108,11 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         ops: KVOps,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary.norm_and_rotate(q.view(-1, self.num_heads, self.head_dim), self.q_norm, positions, ops)
-        k = rotary.norm_and_rotate(k.view(-1, self.num_kv_heads, self.head_dim), self.k_norm, positions, ops)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # q and k normed per head and rotated; this step's keys and values stored at their slots.
+        q = ops.qkv_norm_rope_store(self.qkv_proj(x), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                    rotary.cos, rotary.sin, positions, k_cache, v_cache, meta.slot_mapping,
+                                    self.num_heads)
         if meta.mixed_decode_rows:
             o = self._mixed_cascade(q, k_cache, v_cache, meta, ops)
         elif meta.is_decode and meta.cascade is not None:

@@ -31,6 +31,7 @@ class KVOps:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul: Callable[..., torch.Tensor]
     qk_norm_rope: Callable[..., torch.Tensor]
+    qkv_norm_rope_store: Callable[..., torch.Tensor]
 
 
 TORCH_OPS = KVOps(
@@ -45,6 +46,7 @@ TORCH_OPS = KVOps(
     add_rms_norm=reference.add_rms_norm,
     silu_mul=reference.silu_mul,
     qk_norm_rope=reference.qk_norm_rope,
+    qkv_norm_rope_store=reference.qkv_norm_rope_store,
 )
 
 

@@ -290,6 +290,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return load_extension().silu_mul(gate_up.reshape(-1, shape[-1])).view(*shape[:-1], shape[-1] // 2)
 
 
+def qkv_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, heads: int) -> torch.Tensor:
+    """``reference.qkv_norm_rope_store`` in one kernel."""
+    return load_extension().qkv_norm_rope_store(qkv, q_weight, k_weight, float(eps), cos, sin, positions, k_cache,
+                                                v_cache, slot_mapping, int(heads))
+
+
 def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
     """Per-head RMSNorm then rotary embedding of ``x[tokens, heads, head_dim]`` in one kernel."""
@@ -308,4 +316,5 @@ CUDA_OPS = KVOps(
     add_rms_norm=add_rms_norm,
     silu_mul=silu_mul,
     qk_norm_rope=qk_norm_rope,
+    qkv_norm_rope_store=qkv_norm_rope_store,
 )

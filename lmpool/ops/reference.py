@@ -199,6 +199,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def qkv_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, heads: int) -> torch.Tensor:
+    """A qkv projection ``[T, (heads + 2 * kv_heads) * head_dim]``'s attention inputs: its q heads
+    normed and rotated (returned ``[T, heads, head_dim]``), its k heads normed and rotated and
+    its v heads stored into the caches at ``slot_mapping`` (``qk_norm_rope`` twice, then
+    ``write_kv``)."""
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = qk_norm_rope(q.view(-1, heads, dim), q_weight, eps, cos, sin, positions)
+    k = qk_norm_rope(k.view(-1, kv_heads, dim), k_weight, eps, cos, sin, positions)
+    write_kv(k, v.view(-1, kv_heads, dim), k_cache, v_cache, slot_mapping)
+    return q
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(``rms_norm`` of ``x + residual``, ``x + residual``): a residual add in the model dtype and

@@ -172,3 +172,58 @@ def test_bad_inputs_are_refused_naming_the_problem():
             call()
     assert ext.rms_norm(torch.zeros(0, 8, device="cuda"), w, 1e-6).shape == (0, 8)
     assert ext.silu_mul(torch.zeros(0, 8, device="cuda")).shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("slots_dtype", [torch.int32, torch.int64])
+def test_qkv_norm_rope_store_equals_the_two_rotations_and_the_store(dtype, head_dim, slots_dtype):
+    """The fused op against ``reference.qk_norm_rope`` on q and k and ``reference.write_kv``: q
+    to rounding, the caches' written rows to rounding (values exactly), every other row untouched
+    (a padding slot of -1 stores nothing)."""
+    tokens, heads, kv_heads, blocks, block = 37, 8, 2, 16, 16
+    g = torch.Generator(device="cuda").manual_seed(head_dim + (slots_dtype == torch.int64))
+    rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to("cuda")
+    wide = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim + 8, device="cuda", generator=g).to(dtype)
+    qkv = wide[:, 8:]  # rows strided, as a slice of a wider tensor
+    q_weight, k_weight = ((1 + 0.3 * torch.randn(head_dim, device="cuda", generator=g)).to(dtype) for _ in range(2))
+    positions = torch.randint(0, 4096, (tokens,), device="cuda", generator=g).to(torch.int32)
+    slots = torch.randperm(blocks * block, device="cuda", generator=g)[:tokens].to(slots_dtype)
+    slots[5] = -1
+    caches = [torch.randn(blocks, block, kv_heads, head_dim, device="cuda", generator=g).to(dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    args = (q_weight, k_weight, 1e-6, rotary.cos, rotary.sin, positions)
+    poisoned()
+    q = cuda.qkv_norm_rope_store(qkv, *args, *caches, slots, heads)
+    ref_q = reference.qkv_norm_rope_store(qkv, *args, *ref_caches, slots, heads)
+    check(q, ref_q)
+    written = slots[slots >= 0].long()
+    for ours, ref in zip(caches, ref_caches):
+        flat, ref_flat = ours.view(-1, kv_heads, head_dim), ref.view(-1, kv_heads, head_dim)
+        kept = torch.ones(flat.shape[0], dtype=torch.bool, device="cuda")
+        kept[written] = False
+        assert torch.equal(flat[kept], ref_flat[kept]), "a row no token writes changed"
+        check(flat[written].contiguous(), ref_flat[written].contiguous())
+    assert torch.equal(caches[1], ref_caches[1])  # values are copied, not computed
+
+
+def test_qkv_norm_rope_store_refuses_what_does_not_match_its_cache():
+    ext = cuda.load_extension()
+    cache = torch.zeros(4, 16, 2, 8, device="cuda")
+    w, table = torch.ones(8, device="cuda"), torch.zeros(16, 4, device="cuda")
+    pos, slots = torch.zeros(3, dtype=torch.int32, device="cuda"), torch.zeros(3, dtype=torch.int32, device="cuda")
+    qkv = torch.zeros(3, (4 + 4) * 8, device="cuda")
+    cases = {
+        r"qkv must be \[tokens, \(3 \+ 2 x 2\) x 8\]": lambda: ext.qkv_norm_rope_store(qkv, w, w, 1e-6, table, table, pos,
+                                                                                   cache, cache, slots, 3),
+        "the caches' dtype": lambda: ext.qkv_norm_rope_store(qkv, w, w, 1e-6, table, table, pos, cache.half(),
+                                                             cache.half(), slots, 4),
+        "slot_mapping has 2 entries for 3 tokens": lambda: ext.qkv_norm_rope_store(qkv, w, w, 1e-6, table, table, pos,
+                                                                                   cache, cache, slots[:2], 4),
+        r"k_cache and v_cache must be contiguous": lambda: ext.qkv_norm_rope_store(qkv, w, w, 1e-6, table, table,
+                                                                                   pos, cache, cache[:2], slots, 4),
+    }
+    for message, call in cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    assert ext.qkv_norm_rope_store(qkv[:0], w, w, 1e-6, table, table, pos[:0], cache, cache, slots[:0], 4).shape == (0, 4, 8)
