@@ -71,21 +71,26 @@ PATHS = {"serial": False, "overlapped": True}  # path name -> EngineConfig.async
 
 
 def run_prefill(model: str, args) -> list[dict]:
-    """The ``--prefill`` cases on an engine of their own, long enough for the longest."""
+    """The ``--prefill`` cases on an engine of their own per prefill attention (``--prefill-attention``,
+    one after the other), long enough for the longest; each row names its attention."""
     cases = prefill_rate.parse_cases(args.prefill)
     longest = max(new + cached for new, cached in cases)
-    llm = LLM(
-        model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
-        enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops,
-    )
-    try:
-        llm.generate([[1] * min(longest, 64)], SamplingParams(temperature=0, max_tokens=1))  # warm-up
-        rows = prefill_rate.measure(llm, cases, args.prefill_reps, args.seed)
-    finally:
-        llm.shutdown()
-    for row in rows:
-        print(prefill_rate.describe(row))
+    rows = []
+    for attention in args.prefill_attention.split(","):
+        llm = LLM(
+            model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
+            enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops, prefill_attention=attention,
+        )
+        try:
+            llm.generate([[1] * min(longest, 64)], SamplingParams(temperature=0, max_tokens=1))  # warm-up
+            measured = prefill_rate.measure(llm, cases, args.prefill_reps, args.seed)
+        finally:
+            llm.shutdown()
+        for row in measured:
+            row["attention"] = attention
+            print(f"{attention}: {prefill_rate.describe(row)}")
+        rows += measured
     return rows
 
 
@@ -363,6 +368,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefill", default="", metavar="NEW[:CACHED],...",
                     help="also time the prefill of NEW tokens after CACHED cached ones (prefill_rate)")
     ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--prefill-attention", default="lmpool", metavar="lmpool,flash",
+                    help="the --prefill cases' attention (EngineConfig.prefill_attention), each on its own engine; "
+                         "flash needs --block-size a multiple of 256")
     ap.add_argument("--mps", type=int, default=0, help="run as one of N MPS clients (1/N of the SMs); 0: whole GPU")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)

@@ -98,6 +98,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cascade-min-saved-tokens", type=int, default=0, metavar="N",
                     help="decode steps sharing prefixes read them once when that saves N key reads "
                          "(EngineConfig.cascade_min_saved_tokens; 0: never)")
+    ap.add_argument("--prefill-attention", choices=["lmpool", "flash"], default="lmpool",
+                    help="attention of the steps that prefill (EngineConfig.prefill_attention): LMPool's "
+                         "kernel or torch's FlashAttention over the paged cache (blocks of a multiple of 256)")
     ap.add_argument("--reps", type=int, help="repetitions (default 5; quick 1)")
     ap.add_argument("--first-rep", type=int, default=0,
                     help="number of the first repetition (seed --seed + number), to split a suite")
@@ -341,7 +344,8 @@ class Progress:
 def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) -> dict:
     kw = {"block_size": args.block_size, "num_kv_blocks": setting.kv_blocks, "max_num_seqs": args.max_num_seqs,
           "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": max_model_len,
-          "enforce_eager": args.enforce_eager, "cascade_min_saved_tokens": args.cascade_min_saved_tokens}
+          "enforce_eager": args.enforce_eager, "cascade_min_saved_tokens": args.cascade_min_saved_tokens,
+          "prefill_attention": args.prefill_attention}
     if args.dtype:
         kw["dtype"] = args.dtype
     return kw

@@ -239,6 +239,9 @@ PREFILL_CASES = [  # (sequences, new tokens each, cached prefix each)
     (4, 64, 16384),
     (1, 64, 32768),
     (32, 64, 16384),
+    # A 16k-token document's prefill in the engine's 8192-token steps: cold, then over the first half.
+    (1, 8192, 0),
+    (1, 8192, 8192),
 ]
 
 
@@ -274,6 +277,13 @@ def test_prefill(ext, report, seqs, new, prefix):
         ref_ms = slow_ms(lambda: reference.paged_attention(q, k_cache, v_cache, tables, lens, starts, scale))
         row["ref_ms"] = ref_ms
         row["speedup_vs_ref"] = ref_ms / mma_ms
+    # torch's FlashAttention reading the same paged cache by the same tables (prefill_attention="flash").
+    key_starts = torch.arange(0, seqs * ctx + 1, ctx, dtype=torch.int32, device="cuda")
+    flash_ms = time_ms(lambda: cuda.flash_paged_attention(q, k_cache, v_cache, tables, lens, starts, scale, key_starts,
+                                                          new, ctx))
+    row["flash_paged_ms"] = flash_ms
+    row["flash_TFLOPs"] = flops / (flash_ms * 1e-3) / 1e12
+    row["speedup_vs_flash_paged"] = flash_ms / mma_ms
     if prefix == 0:
         # Dense anchor: torch SDPA (flash) causal on contiguous K/V of the same tokens.
         k = k_cache[tables.long()].flatten(1, 2)[:, :new].transpose(1, 2).contiguous()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from lmpool.errors import ArgumentTypeError, strict_bool, strict_float, strict_int
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")  # the engine's torch dtypes: ``model_runner.DTYPES``
+PREFILL_ATTENTION = ("lmpool", "flash")  # ``EngineConfig.prefill_attention``
+FLASH_BLOCK_MULTIPLE = 256  # FlashAttention 2's paged KV cache takes pages of a multiple of this
 
 
 @dataclass
@@ -42,6 +44,10 @@ class EngineConfig:
     # reads (with CUDA graphs, a cascade graph of its size when its groups are few). 0: never
     # (the torch reference computes a cascade row by row: a CPU engine gains nothing from one).
     cascade_min_saved_tokens: int = 0
+    # Attention of the steps that prefill, on CUDA: "lmpool" (LMPool's tensor-core kernel) or
+    # "flash" (torch's FlashAttention reading the paged cache through the block tables; blocks
+    # of a multiple of 256 tokens, fp16 or bf16). Decode always runs LMPool's kernels.
+    prefill_attention: str = "lmpool"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -59,6 +65,13 @@ class EngineConfig:
         self._check_integers()
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        attention = self.prefill_attention
+        if attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention must be one of {list(PREFILL_ATTENTION)}, got {attention!r}")
+        if attention == "flash" and self.block_size % FLASH_BLOCK_MULTIPLE:
+            raise ValueError(f"prefill_attention 'flash' reads the paged cache in blocks of a multiple of "
+                             f"{FLASH_BLOCK_MULTIPLE} tokens (FlashAttention's paged KV), got block_size "
+                             f"{self.block_size}")
         for name in ("enable_prefix_caching", "use_kernels", "enforce_eager"):
             strict_bool(getattr(self, name), name)
         utilization = strict_float(self.gpu_memory_utilization, "gpu_memory_utilization")

@@ -95,8 +95,10 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)  # process-wide: see EngineConfig.cpu_threads
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.ops = get_backend(self.device, config.use_kernels, model_config.head_dim)
-        if self.ops.name == "cuda":
+        self.ops = get_backend(self.device, config.use_kernels, model_config.head_dim, config.prefill_attention)
+        if self.ops.name == "cuda+flash" and self.dtype == torch.float32:
+            raise ValueError("prefill_attention 'flash' takes float16 or bfloat16; this engine runs float32")
+        if self.ops.name.startswith("cuda"):
             # Build (or load) the kernels now, not inside the first step: a pool's worker is
             # watched for hangs from the moment it is ready, and a cold build takes minutes.
             from lmpool.ops.cuda import load_extension
@@ -137,7 +139,7 @@ class ModelRunner:
         )
         self.graphs = None
         # The torch reference synchronises with the host, so only the kernels can be captured.
-        if self.device.type == "cuda" and not config.enforce_eager and self.ops.name == "cuda":
+        if self.device.type == "cuda" and not config.enforce_eager and self.ops.name.startswith("cuda"):
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs, 512), self.cascade_min_saved > 0)
         if self.device.type == "cuda":
             warm_up(self.model, self.device, self.dtype, config.max_num_seqs, config.max_num_batched_tokens)

@@ -5,7 +5,7 @@ Every index the model needs is int32 and lives in one flat arena, laid out as
     ids[P] | positions[P] | slots[P] | context_lens[C] | query_start_loc[B + 1]
            | sample_rows[R] | block_tables[B * W] | fill_rows[F] | fill_sources[F]
            | kv_start[K] | prefix_rows[J] | prefix_starts[G + 1] | prefix_lens[G] | prefix_tables[G * V]
-           | mixed_query_start[M]
+           | mixed_query_start[M] | key_starts[B + 1] | mixed_key_starts[M]
 
 for B sequences and T token rows, W the longest block table of the batch, and R
 the sampled rows (R = 0 when the sampled rows are exactly every row: a decode
@@ -30,7 +30,9 @@ J = that batch, G = ``cascade.GRAPH_GROUPS`` and V the graphs' table width (a st
 runs eagerly). Otherwise none of it. A mixed step (prompt chunks beside decodes) lists its K
 single-token rows first (``ScheduledBatch.decode_first``); when they share prefixes enough they
 are a cascade too, and ``mixed_query_start[M]`` (M = B - K + 1) then gives the query starts of
-the rest, which attend as a prefill. It runs eagerly, as every mixed step.
+the rest, which attend as a prefill. It runs eagerly, as every mixed step. A step that prefills
+carries where each context starts among them all (``key_starts``, the contexts' cumulative
+lengths; ``mixed_key_starts`` the rest's) and, in its metadata, its longest query and context.
 
 Invariants:
 - On CUDA the host arena is pinned and reaches the device with a single
@@ -89,18 +91,19 @@ class StepInputs:
 
 def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
     """Int32 entries of the largest step: P = C = max(tokens, seqs), R, F, K, J <= B, G <= B / 2 (or
-    the graphs' ``GRAPH_GROUPS``), V <= W and the mixed query starts M <= B + 1."""
+    the graphs' ``GRAPH_GROUPS``), V <= W, and M <= B + 1 twice and B + 1."""
     rows = max(max_tokens, max_seqs)
     cascade = cascade_offsets(max_seqs, max_seqs, max(max_seqs // 2, GRAPH_GROUPS), max_width)[-1]
-    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + cascade + max_seqs + 1
+    return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + cascade + 3 * (max_seqs + 1)
 
 
 # A step's views into the device arena: ids, positions, slots, block tables, context lengths, query
-# starts, sampled rows, graph header, pending-token fill, cascade, a cascade graph's span and a
-# mixed cascade's query starts of the rest (the last six where the step has them).
+# starts, sampled rows, graph header, pending-token fill, cascade, a cascade graph's span, a mixed
+# cascade's query starts of the rest, the key starts and the rest's (the last eight where the step
+# has them).
 _Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, CascadeInputs | None,
-               torch.Tensor | None, torch.Tensor | None]
+               torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 class StepInputBuilder:
@@ -202,7 +205,9 @@ class StepInputBuilder:
         elif plan:
             layout = (singles, len(plan.rows), len(plan.lens), max(map(len, plan.tables)))
         o_mixed = o_cascade + (cascade_offsets(*layout)[-1] if plan else 0)
-        end = o_mixed + (num_seqs - mixed + 1 if mixed else 0)
+        o_keys = o_mixed + (num_seqs - mixed + 1 if mixed else 0)
+        o_mixed_keys = o_keys + (0 if decode else num_seqs + 1)
+        end = o_mixed_keys + (num_seqs - mixed + 1 if mixed else 0)
         if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)
             self._allocate(max(end, 2 * self.capacity))
         a = self.host_nps[self._turn]
@@ -254,7 +259,13 @@ class StepInputBuilder:
         if plan:
             write_cascade(a[o_cascade:o_mixed], plan, *layout)
         if mixed:  # the rest's query starts: its rows follow the single-token ones
-            a[o_mixed:end] = query_start[mixed:] - mixed
+            a[o_mixed:o_keys] = query_start[mixed:] - mixed
+        if not decode:  # where each context starts among all of them (and among the rest's)
+            key_starts = a[o_keys:o_mixed_keys]
+            key_starts[0] = 0
+            np.cumsum(ends, out=key_starts[1:])
+            if mixed:
+                a[o_mixed_keys:end] = key_starts[mixed:] - key_starts[mixed]
         # The step's shape for the step-time model counts the keys it reads: each shared prefix once.
         batch.decode_keys_saved = plan.saved if plan else 0
 
@@ -281,14 +292,18 @@ class StepInputBuilder:
                 dev[o_fill:o_cascade].view(2, num_fill) if num_fill else None,
                 cascade_views(dev[o_cascade:o_mixed], *layout) if plan else None,
                 dev[o_cascade:o_mixed] if plan and graph_size else None,
-                dev[o_mixed:end] if mixed else None,
+                dev[o_mixed:o_keys] if mixed else None,
+                None if decode else dev[o_keys:o_mixed_keys],
+                dev[o_mixed_keys:end] if mixed else None,
             )
-        ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v, cascade_v, span_v, mixed_v = views
+        (ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v, cascade_v, span_v, mixed_v, keys_v,
+         mixed_keys_v) = views
+        longest = (0, 0) if decode else (max(counts), int(ends.max()))
         return StepInputs(
             ids=ids_v,
             positions=pos_v,
             meta=AttentionMetadata(slots_v, tables_v, ctx_v, qsl_v, decode, None if graph_size else cascade_v,
-                                   mixed, mixed_v),
+                                   mixed, mixed_v, keys_v, mixed_keys_v, *longest),
             num_seqs=num_seqs,
             sample_rows=rows_v,
             sample_index=None if all_sample else np.flatnonzero(samples).tolist(),

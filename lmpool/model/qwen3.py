@@ -56,6 +56,13 @@ class AttentionMetadata:
     cascade: CascadeInputs | None = None
     mixed_decode_rows: int = 0
     mixed_query_start_loc: torch.Tensor | None = None  # [B - mixed_decode_rows + 1] int32
+    # A step that prefills: its contexts' cumulative lengths ([B + 1] int32; the rest's, after a
+    # mixed cascade's rows), its longest query and context (for ``ops.paged_attention``'s backends
+    # that size their launch on the host).
+    key_starts: torch.Tensor | None = None
+    mixed_key_starts: torch.Tensor | None = None
+    max_query_len: int = 0
+    max_context_len: int = 0
 
 
 class RMSNorm(nn.Module):
@@ -125,8 +132,8 @@ class Attention(nn.Module):
             )
         else:
             o = ops.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                meta.query_start_loc, self.scale,
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, self.scale,
+                meta.key_starts, meta.max_query_len, meta.max_context_len,
             )
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -137,7 +144,7 @@ class Attention(nn.Module):
         assert meta.cascade is not None and meta.mixed_query_start_loc is not None
         decoded = ops.cascade_decode_attention(q[:d], k_cache, v_cache, tables[:d], lens[:d], *meta.cascade, self.scale)
         rest = ops.paged_attention(q[d:], k_cache, v_cache, tables[d:], lens[d:], meta.mixed_query_start_loc,
-                                   self.scale)
+                                   self.scale, meta.mixed_key_starts, meta.max_query_len, meta.max_context_len)
         return torch.cat((decoded, rest))
 
 

@@ -54,10 +54,12 @@ TORCH_OPS = KVOps(
 KERNEL_HEAD_DIMS = (64, 128)
 
 
-def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: int | None = None) -> KVOps:
+def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: int | None = None,
+                prefill_attention: str = "lmpool") -> KVOps:
     """The ops for tensors on ``device``: CUDA kernels on a GPU unless ``use_kernels`` is False,
     or unless the model's ``head_dim`` is one the kernels are not compiled for: such a model
-    still runs, on the torch reference, with a warning that says so."""
+    still runs, on the torch reference, with a warning that says so. ``prefill_attention``
+    "flash" takes the prefill's attention from torch's FlashAttention (``EngineConfig``)."""
     if torch.device(device).type != "cuda" or not use_kernels:
         return TORCH_OPS
     if head_dim is not None and head_dim not in KERNEL_HEAD_DIMS:
@@ -69,4 +71,4 @@ def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: 
         return TORCH_OPS
     from lmpool.ops import cuda  # builds the extension on first use
 
-    return cuda.CUDA_OPS
+    return cuda.FLASH_PREFILL_OPS if prefill_attention == "flash" else cuda.CUDA_OPS

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -197,8 +198,12 @@ def paged_attention(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    key_starts: torch.Tensor | None = None,
+    max_query_len: int = 0,
+    max_context_len: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of ragged new queries over their sequences' paged KV."""
+    """Causal attention of ragged new queries over their sequences' paged KV (the last three
+    arguments are ``flash_paged_attention``'s, unused here)."""
     return load_extension().paged_prefill_attention(
         q,
         k_cache,
@@ -208,6 +213,32 @@ def paged_attention(
         _int32(query_start_loc),
         float(scale),
     )
+
+
+def flash_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    key_starts: torch.Tensor | None = None,
+    max_query_len: int = 0,
+    max_context_len: int = 0,
+) -> torch.Tensor:
+    """``paged_attention`` through torch's FlashAttention reading the paged cache by the block
+    tables (``aten._flash_attention_forward``, as ``torch.nn.attention.varlen.varlen_attn`` calls
+    it): its causal mask is aligned bottom right, as a sequence's new tokens end its context.
+    Needs ``key_starts`` and the longest query and context (launch sizes read on the host), blocks
+    of a multiple of 256 tokens, and fp16 or bf16."""
+    if key_starts is None or max_query_len < 1 or max_context_len < 1:
+        raise ValueError("flash_paged_attention needs key_starts, max_query_len and max_context_len")
+    return torch.ops.aten._flash_attention_forward(
+        q, k_cache, v_cache, _int32(query_start_loc), _int32(key_starts), int(max_query_len), int(max_context_len),
+        0.0, True, return_debug_mask=False, scale=float(scale), seqused_k=_int32(context_lens),
+        block_table=_int32(block_tables),
+    )[0]
 
 
 def paged_decode_attention(
@@ -318,3 +349,5 @@ CUDA_OPS = KVOps(
     qk_norm_rope=qk_norm_rope,
     qkv_norm_rope_store=qkv_norm_rope_store,
 )
+# Prefill attention through torch's FlashAttention (``EngineConfig.prefill_attention``).
+FLASH_PREFILL_OPS = dataclasses.replace(CUDA_OPS, name="cuda+flash", paged_attention=flash_paged_attention)

@@ -60,10 +60,15 @@ def paged_attention(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    key_starts: torch.Tensor | None = None,
+    max_query_len: int = 0,
+    max_context_len: int = 0,
 ) -> torch.Tensor:
     """Causal attention of ragged new queries over their sequences' paged KV.
 
-    Returns ``[total_q, q_heads, head_dim]`` in ``q``'s dtype; math runs in fp32.
+    Returns ``[total_q, q_heads, head_dim]`` in ``q``'s dtype; math runs in fp32. ``key_starts``
+    (the contexts' cumulative lengths, ``[B + 1]``) and the longest query and context are for
+    backends that size their launch on the host (``cuda.flash_paged_attention``); unused here.
     """
     q_heads, kv_heads = q.shape[1], k_cache.shape[2]
     group = q_heads // kv_heads

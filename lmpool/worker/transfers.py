@@ -119,7 +119,7 @@ class TransferExecutor:
             from lmpool.dataplane.cuda_ipc import CudaIpcTransport
 
             self.ipc = CudaIpcTransport(spec.transfer_rendezvous, spec.rank, self.world_size, device=str(self.device),
-                                        kv_cache=runner.kv_cache, use_kernels=runner.ops.name == "cuda")
+                                        kv_cache=runner.kv_cache, use_kernels=runner.ops.name.startswith("cuda"))
         self.paths: dict[int, str] = {}  # peer -> "pull" | "packed"
         self.broken: dict[int, str] = {}  # peer -> why its data path could not be set up
         self.orders: list[tuple[Incoming, float]] = []  # with when each arrived (``time.monotonic``)

@@ -296,6 +296,9 @@ def test_a_mixed_step_lists_its_decode_rows_first_and_gives_the_rest_their_query
     assert not meta.is_decode and meta.mixed_decode_rows == 2 and batch.decode_keys_saved == 8
     assert meta.mixed_query_start_loc.tolist() == [0, 3, 10]
     assert meta.query_start_loc.tolist() == [0, 1, 2, 5, 12]
+    assert meta.key_starts.tolist() == [0, 10, 23, 34, 41]  # contexts 10, 13, 11 and 7
+    assert meta.mixed_key_starts.tolist() == [0, 11, 18]
+    assert (meta.max_query_len, meta.max_context_len) == (7, 13)
     assert meta.cascade.kv_start.tolist() == [8, 8] and meta.cascade.prefix_lens.tolist() == [8]
     assert meta.cascade.prefix_rows.tolist() == [0, 1] and meta.cascade.prefix_tables.tolist() == [[5, 6]]
     unshared = ScheduledBatch()
@@ -303,3 +306,4 @@ def test_a_mixed_step_lists_its_decode_rows_first_and_gives_the_rest_their_query
     unshared.add(seq("q", [60, 61], 7, 0), 7)
     plain = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1).build(unshared).meta
     assert plain.mixed_decode_rows == 0 and plain.cascade is None and plain.mixed_query_start_loc is None
+    assert plain.key_starts.tolist() == [0, 10, 17] and plain.mixed_key_starts is None

@@ -437,3 +437,23 @@ def test_gpu_a_mixed_cascade_attends_as_one_prefill_over_the_whole_batch():
                                  scale)
     assert split.shape == whole.shape == (rows, heads, dim)
     torch.testing.assert_close(split.float(), whole.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_gpu_an_engine_prefilling_through_flash_attention_serves_every_request(tiny_model):
+    """``prefill_attention='flash'`` (blocks of 256 tokens): prompts cold and over a cached prefix,
+    chunked past the step's budget, all complete, and greedy decoding gives the LMPool kernel's
+    first tokens (the kernels agree to bf16 rounding: ``tests/kernels``)."""
+    doc = prompts(1)[0] * 12
+    batch = [doc + [5 + q, 9 + q] for q in range(4)] + prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(attention: str) -> list[list[int]]:
+        with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=256, max_num_batched_tokens=512,
+                 prefill_attention=attention) as llm:
+            assert llm.engine.runner.ops.name == ("cuda+flash" if attention == "flash" else "cuda")
+            llm.generate([doc], params)  # the document, cached
+            return [o.token_ids for o in llm.generate(batch, params)]
+
+    lmpool, flash = run("lmpool"), run("flash")
+    assert all(len(t) == 8 for t in flash)
+    assert sum(a[0] == b[0] for a, b in zip(flash, lmpool)) >= len(batch) - 1

@@ -277,6 +277,32 @@ def test_prefill_through_cuda_ops_matches_reference():
     assert_close(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("group,head_dim,dtype", [(2, 128, torch.bfloat16), (8, 64, torch.float16),
+                                                  (1, 128, torch.bfloat16)])
+def test_flash_prefill_over_the_paged_cache_matches_reference(group, head_dim, dtype):
+    """``cuda.flash_paged_attention`` (torch's FlashAttention reading the cache by the block
+    tables, ``EngineConfig.prefill_attention='flash'``) on the split shapes' mix of short
+    questions over long contexts and cold prompts: causal from the bottom right, GQA, rows past a
+    context's end (NaN here) unread."""
+    gen = torch.Generator().manual_seed(group + head_dim)
+    kv_heads = 2
+    kv_lens = [n + p for n, p in SPLIT_SHAPES]
+    k_cache, v_cache, tables = paged_kv(kv_lens, 256, kv_heads, head_dim, dtype, gen)
+    new = torch.tensor([n for n, _ in SPLIT_SHAPES])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), new.cumsum(0)]).to(torch.int32)
+    key_starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(kv_lens).cumsum(0)]).to(torch.int32)
+    q = torch.randn(int(new.sum()), kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    ctx = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    poison_allocator()
+    out = cuda.FLASH_PREFILL_OPS.paged_attention(q, k_cache, v_cache, tables, ctx, starts.to(DEVICE), scale,
+                                                 key_starts.to(DEVICE), int(new.max()), max(kv_lens))
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, reference_attention(q, k_cache, v_cache, tables, kv_lens, starts, scale), dtype)
+    with pytest.raises(ValueError, match="needs key_starts"):
+        cuda.flash_paged_attention(q, k_cache, v_cache, tables, ctx, starts.to(DEVICE), scale)
+
+
 # --------------------------------------------------------------------------- write_kv
 
 
