@@ -99,6 +99,7 @@ def host_args(args, setting, max_model_len: int) -> list[str]:
         out += ["--dtype", args.dtype]
     if args.enforce_eager:
         out.append("--enforce-eager")
+    out += ["--cascade-min-saved-tokens", str(args.cascade_min_saved_tokens), "--prefill-attention", args.prefill_attention]
     return out
 
 

@@ -56,6 +56,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens one engine step schedules per replica")
     p.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    p.add_argument("--cascade-min-saved-tokens", type=int,
+                   help="decode rows sharing cached prefixes read them once when that saves this many key reads "
+                        "(default 0: never)")
+    p.add_argument("--prefill-attention", choices=["lmpool", "flash"],
+                   help="attention of the steps that prefill: LMPool's kernel (default) or torch's FlashAttention "
+                        "over the paged cache (blocks of a multiple of 256)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help="the share of each GPU the replicas on it fill together (default: 0.9)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -163,7 +169,8 @@ def limits_from(args: argparse.Namespace) -> HttpLimits:
 def settings_from(args: argparse.Namespace) -> ServeSettings:
     pool_args: dict = {"world_size": args.world_size, "device": args.device, "routing": args.routing}
     for name in ("dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "enforce_eager", "gpu_memory_utilization", "enable_prefix_caching", "seed"):
+                 "enforce_eager", "gpu_memory_utilization", "enable_prefix_caching", "seed", "cascade_min_saved_tokens",
+                 "prefill_attention"):
         if getattr(args, name) is not None:
             pool_args[name] = getattr(args, name)
     if importlib.util.find_spec("prometheus_client") is not None:
