@@ -116,6 +116,7 @@ def _decode_inputs(batch, ctx, block_size, seed=0):
 
 
 DECODE_CASES = [(b, c, bs) for bs in (256, 16) for c in (2048, 4096) for b in (64, 128, 256)]
+DECODE_CASES += [(1, 2048, 256), (8, 2048, 256)]  # the small batches of a latency-bound step
 
 
 @pytest.mark.parametrize("batch,ctx,block_size", DECODE_CASES)
@@ -134,6 +135,13 @@ def test_decode(ext, report, copy_gbps, batch, ctx, block_size):
         "GBps": gbps,
         "frac_copy": gbps / copy_gbps,
     }
+    if block_size == 256:  # torch's FlashAttention over the same paged cache, one query a sequence
+        starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        keys = torch.arange(0, batch * ctx + 1, ctx, dtype=torch.int32, device="cuda")
+        flash_ms = time_ms(lambda: cuda.flash_paged_attention(q, k_cache, v_cache, tables, lens, starts, scale, keys,
+                                                              1, ctx))
+        row["flash_paged_ms"] = flash_ms
+        row["speedup_vs_flash_paged"] = flash_ms / ms
     if batch == 64 and ctx == 2048:
         ref_ms = slow_ms(lambda: reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
         row["ref_ms"] = ref_ms
