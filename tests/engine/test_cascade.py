@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from lmpool.config import EngineConfig
 from lmpool.engine.cascade import GRAPH_GROUPS, plan_cascade
 from lmpool.engine.core import EngineCore
+from lmpool.engine.sequence import Sequence
 from lmpool.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -69,6 +70,35 @@ def test_no_plan_below_its_threshold_or_when_off():
     assert plan_cascade(tables, lens, BLOCK, 0) is None
 
 
+def placed(name: str, table: list[int], length: int, computed: int, block_size: int = BLOCK) -> Sequence:
+    """A sequence of ``length`` tokens, ``computed`` of them in the cache, holding the blocks ``table``."""
+    s = Sequence(name, list(range(length)), SamplingParams(temperature=0, max_tokens=4), block_size)
+    s.num_computed_tokens = computed
+    s.block_table = table
+    return s
+
+
+def arrive_while_decoding(core: EngineCore, first: list[list[int]], later: list[list[int]],
+                          params: SamplingParams) -> dict[str, list[int]]:
+    """Each request's tokens when ``first`` (``a0``, ...) are prefilled and decoding before ``later``
+    (``b0``, ...) arrive: the steps that prefill ``later`` are mixed."""
+    out: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in core.step():
+            out.setdefault(o.request_id, []).append(o.new_token_id)
+
+    for i, prompt in enumerate(first):
+        core.add_request(f"a{i}", prompt, params)
+    for _ in range(3):  # prefilled, then decoding
+        step()
+    for i, prompt in enumerate(later):
+        core.add_request(f"b{i}", prompt, params)
+    while core.has_unfinished():
+        step()
+    return out
+
+
 def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
@@ -112,17 +142,11 @@ def test_a_cascade_step_carries_its_groups_and_replays_no_graph_where_none_was_c
     import torch
 
     from lmpool.engine.scheduler import ScheduledBatch
-    from lmpool.engine.sequence import Sequence
     from lmpool.engine.step_inputs import StepInputBuilder
     from tests.engine.test_step_inputs import FakeGraphs
 
-    params = SamplingParams(temperature=0, max_tokens=4)
-
     def seq(name: str, table: list[int], length: int) -> Sequence:
-        s = Sequence(name, list(range(length)), params, BLOCK)
-        s.num_computed_tokens = length - 1
-        s.block_table = table
-        return s
+        return placed(name, table, length, length - 1)
 
     builder = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1)
     graphs = FakeGraphs(8, 16)
@@ -163,7 +187,7 @@ def test_a_plan_fills_a_span_laid_out_for_a_larger_batch(rows, padding, more_gro
     write_cascade(span, plan, size, size, groups, width)
     view = cascade_views(torch.from_numpy(span), size, size, groups, width)
     kv_start, prefix_tables, prefix_lens, starts, members = (t.tolist() for t in view)
-    planned, grouped = len(plan.lens), len(plan.rows)
+    grouped = len(plan.rows)
     assert kv_start == plan.kv_start + [0] * padding
     assert members[:grouped] == plan.rows and starts == plan.starts + [grouped] * more_groups
     assert prefix_lens == plan.lens + [0] * more_groups
@@ -177,17 +201,11 @@ def test_a_cascade_step_replays_the_cascade_graph_of_its_padded_size():
 
     from lmpool.engine.cascade import cascade_views
     from lmpool.engine.scheduler import ScheduledBatch
-    from lmpool.engine.sequence import Sequence
     from lmpool.engine.step_inputs import StepInputBuilder
     from tests.engine.test_step_inputs import FakeGraphs
 
-    params = SamplingParams(temperature=0, max_tokens=4)
-    seqs = []
-    for name, table, length in (("a", [5, 6, 40], 10), ("b", [9, 41], 6), ("c", [5, 6, 42, 43], 13)):
-        s = Sequence(name, list(range(length)), params, BLOCK)
-        s.num_computed_tokens = length - 1
-        s.block_table = table
-        seqs.append(s)
+    seqs = [placed(name, table, length, length - 1)
+            for name, table, length in (("a", [5, 6, 40], 10), ("b", [9, 41], 6), ("c", [5, 6, 42, 43], 13))]
     builder = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1)
     inputs = builder.build(ScheduledBatch(seqs=seqs, num_tokens=[1, 1, 1]), FakeGraphs(8, 16, cascades=True))
     assert inputs.graph_size == 4 and inputs.meta.cascade is None and inputs.graph_cascade is not None
@@ -233,24 +251,10 @@ def test_decode_rows_beside_prompt_chunks_read_shared_prefixes_once_with_the_sam
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     def staggered(core: EngineCore) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-
-        def step() -> None:
-            for o in core.step():
-                out.setdefault(o.request_id, []).append(o.new_token_id)
-
         core.add_request("doc", doc, params)
         while core.has_unfinished():
-            step()
-        for i, prompt in enumerate(first):
-            core.add_request(f"a{i}", prompt, params)
-        for _ in range(3):  # prefilled, then decoding
-            step()
-        for i, prompt in enumerate(later):
-            core.add_request(f"b{i}", prompt, params)
-        while core.has_unfinished():
-            step()
-        return out
+            core.step()
+        return arrive_while_decoding(core, first, later, params)
 
     def config(**kw) -> EngineConfig:
         return EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=128, async_scheduling=overlapped, **kw)
@@ -273,17 +277,9 @@ def test_a_mixed_step_lists_its_decode_rows_first_and_gives_the_rest_their_query
     import torch
 
     from lmpool.engine.scheduler import ScheduledBatch
-    from lmpool.engine.sequence import Sequence
     from lmpool.engine.step_inputs import StepInputBuilder
 
-    params = SamplingParams(temperature=0, max_tokens=4)
-
-    def seq(name: str, table: list[int], length: int, computed: int) -> Sequence:
-        s = Sequence(name, list(range(length)), params, BLOCK)
-        s.num_computed_tokens = computed
-        s.block_table = table
-        return s
-
+    seq = placed
     batch = ScheduledBatch()
     batch.add(seq("p", [5, 6, 50], 11, 8), 3)  # a prompt's last chunk, over the shared blocks
     batch.add(seq("a", [5, 6, 40], 10, 9), 1)

@@ -352,6 +352,7 @@ def test_gpu_bf16_decode_rows_beside_prompt_chunks_run_as_a_cascade(tiny_model, 
     prefill on the kernels; every request completes, and the tokens no cascade computed equal the
     plain engine's."""
     from lmpool.model import qwen3
+    from tests.engine.test_cascade import arrive_while_decoding
 
     doc = prompts(1)[0] * 8
     first = [doc + [5 + q, 9 + q] for q in range(4)]
@@ -367,25 +368,10 @@ def test_gpu_bf16_decode_rows_beside_prompt_chunks_run_as_a_cascade(tiny_model, 
     monkeypatch.setattr(qwen3.Attention, "_mixed_cascade", counted)
 
     def run(cascade: int) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
         with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=BLOCK,
                  cascade_min_saved_tokens=cascade) as llm:
-            core = llm.engine
-
-            def step() -> None:
-                for o in core.step():
-                    out.setdefault(o.request_id, []).append(o.new_token_id)
-
             llm.generate([doc], params)  # the document, cached
-            for i, prompt in enumerate(first):
-                core.add_request(f"a{i}", prompt, params)
-            for _ in range(3):
-                step()
-            for i, prompt in enumerate(later):
-                core.add_request(f"b{i}", prompt, params)
-            while core.has_unfinished():
-                step()
-        return out
+            return arrive_while_decoding(llm.engine, first, later, params)
 
     plain = run(0)
     assert not mixed_steps
@@ -406,18 +392,14 @@ def test_gpu_a_mixed_cascade_attends_as_one_prefill_over_the_whole_batch():
 
     from lmpool.model import qwen3
     from lmpool.ops import cuda
+    from tests.engine.test_cascade import placed
 
     heads, kv_heads, dim = 8, 2, 128
     g = torch.Generator(device="cuda").manual_seed(7)
     k_cache = torch.randn(64, BLOCK, kv_heads, dim, device="cuda", generator=g).bfloat16()
     v_cache = torch.randn(64, BLOCK, kv_heads, dim, device="cuda", generator=g).bfloat16()
-    params = SamplingParams(temperature=0, max_tokens=4)
-
     def seq(name: str, table: list[int], length: int, computed: int) -> Sequence:
-        s = Sequence(name, list(range(length)), params, BLOCK)
-        s.num_computed_tokens = computed
-        s.block_table = table
-        return s
+        return placed(name, table, length, computed, BLOCK)
 
     batch = ScheduledBatch()
     batch.add(seq("p", [3, 4, 20, 21], 60, 40), 20)  # a prompt's chunk over the shared blocks
