@@ -9,11 +9,14 @@ sequences sample.
 
 from __future__ import annotations
 
+import itertools
+
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 
+from lmpool.engine.cascade import GRAPH_GROUPS, plan_cascade
 from lmpool.engine.cuda_graphs import batch_sizes
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.engine.sequence import Sequence
@@ -63,17 +66,23 @@ def batches(draw, block_size: int):
     for i in range(num_seqs):
         length = draw(st.integers(1, 5 * block_size))
         computed = draw(st.integers(max(0, length - 1) if decode else 0, length - 1))
-        n = 1 if decode else draw(st.integers(1, length - computed))
+        n = 1 if decode or draw(st.booleans()) else draw(st.integers(1, length - computed))
         tokens = draw(st.lists(st.integers(0, 999), min_size=length, max_size=length))
         seq = Sequence(f"s{i}", tokens, PARAMS, block_size)
         seq.num_computed_tokens = computed
         blocks = -(-(computed + n) // block_size) + draw(st.integers(0, 1))  # grow may have run ahead
+        # Some lead with one of two shared prefixes' blocks (cached for several rows; cascades).
+        shared = draw(st.sampled_from([[], [10_001, 10_002, 10_003], [20_001]]))[: blocks - 1]
         # Block ids scattered, so a wrong table entry shows up in the slots.
-        seq.block_table = [next_block + 7 * j + 3 for j in range(blocks)]
+        seq.block_table = shared + [next_block + 7 * j + 3 for j in range(blocks - len(shared))]
         next_block += 7 * blocks + 5
         seqs.append(seq)
         counts.append(n)
-    return ScheduledBatch(seqs=seqs, num_tokens=counts)
+    batch = ScheduledBatch()
+    for seq, n in zip(seqs, counts):
+        batch.add(seq, n)
+    batch.decode_first()  # as the scheduler lists a mixed batch
+    return batch
 
 
 def check(builder: StepInputBuilder, batch: ScheduledBatch, graphs: FakeGraphs | None) -> None:
@@ -90,13 +99,18 @@ def check(builder: StepInputBuilder, batch: ScheduledBatch, graphs: FakeGraphs |
     assert got.meta.block_tables.tolist() == want["tables"]
     for t in (got.ids, got.positions, got.meta.slot_mapping, got.meta.block_tables, got.meta.context_lens):
         assert t.dtype == torch.int32
+    check_cascade_and_key_starts(builder, batch, got, want)
     rows = list(range(num_rows)) if got.sample_rows is None else got.sample_rows.tolist()
     assert rows == want["rows"]
     if got.sample_rows is None:
         assert decode and len(want["index"]) == num_seqs
     assert (got.sample_index is None) == (len(want["index"]) == num_seqs)
     assert (list(range(num_seqs)) if got.sample_index is None else got.sample_index) == want["index"]
-    if graphs is None or not decode or num_seqs > graphs.max_batch:
+    # A decode cascade runs eagerly where no graph holds it: graphs without cascades, or too many groups.
+    eager_cascade = decode and got.meta.cascade is not None
+    if eager_cascade and graphs is not None and num_seqs <= graphs.max_batch:
+        assert not graphs.cascades or len(got.meta.cascade.prefix_lens) > GRAPH_GROUPS
+    if graphs is None or not decode or num_seqs > graphs.max_batch or eager_cascade:
         assert got.graph_size is None and got.graph_header is None
         return
     size = got.graph_size
@@ -107,13 +121,45 @@ def check(builder: StepInputBuilder, batch: ScheduledBatch, graphs: FakeGraphs |
     assert [h[num_seqs:] for h in header] == [[0] * pad, [0] * pad, [-1] * pad, [1] * pad]
 
 
+def check_cascade_and_key_starts(builder: StepInputBuilder, batch: ScheduledBatch, got, want: dict) -> None:
+    """A step's cascade (over every row of a decode step, over a mixed step's leading single-token
+    rows) is the plan of those rows, and a step that prefills carries its key starts, longest
+    query and context, and a mixed cascade the rest's query and key starts."""
+    meta, counts, ctx = got.meta, batch.num_tokens, want["ctx"]
+    decode = meta.is_decode
+    singles = len(counts) if decode else next(i for i, n in enumerate(counts) if n != 1)
+    tables = [s.block_table for s in batch.seqs]
+    plan = None
+    if singles >= 2:
+        plan = plan_cascade(tables[:singles], ctx[:singles], builder.block_size, builder.cascade_min_saved)
+    assert batch.decode_keys_saved == (plan.saved if plan else 0)
+    if decode:
+        assert meta.key_starts is None and meta.mixed_decode_rows == 0
+        assert (meta.cascade is not None or got.graph_cascade is not None) == (plan is not None)
+        return
+    key_starts = [0] + list(itertools.accumulate(ctx))
+    assert meta.key_starts.tolist() == key_starts
+    assert (meta.max_query_len, meta.max_context_len) == (max(counts), max(ctx))
+    if plan is None:
+        assert meta.cascade is None and meta.mixed_decode_rows == 0 and meta.mixed_query_start_loc is None
+        return
+    event("a mixed step ran a cascade")
+    assert meta.mixed_decode_rows == singles and meta.cascade.kv_start.tolist() == plan.kv_start
+    assert meta.cascade.prefix_rows.tolist() == plan.rows and meta.cascade.prefix_starts.tolist() == plan.starts
+    assert meta.cascade.prefix_lens.tolist() == plan.lens
+    assert [row[: len(t)] for row, t in zip(meta.cascade.prefix_tables.tolist(), plan.tables)] == plan.tables
+    assert meta.mixed_query_start_loc.tolist() == [q - singles for q in want["qsl"][singles:]]
+    assert meta.mixed_key_starts.tolist() == [k - key_starts[singles] for k in key_starts[singles:]]
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_inputs_equal_the_per_token_construction(block_size, data):
-    graphs = data.draw(st.sampled_from([None, FakeGraphs(32, 64)]))
-    # A small arena, so that some batches make it grow.
-    builder = StepInputBuilder(torch.device("cpu"), block_size, capacity=data.draw(st.integers(16, 512)))
+    graphs = data.draw(st.sampled_from([None, FakeGraphs(32, 64), FakeGraphs(32, 64, cascades=True)]))
+    # A small arena, so that some batches make it grow; cascades planned at any saving, or never.
+    builder = StepInputBuilder(torch.device("cpu"), block_size, capacity=data.draw(st.integers(16, 512)),
+                               cascade_min_saved=data.draw(st.sampled_from([0, 1])))
     for _ in range(data.draw(st.integers(1, 4))):
         check(builder, data.draw(batches(block_size)), graphs)
 
