@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The engine's kernels on one H200, in steps that each fit one device call (at most 10 minutes):
+#   check     build the kernels, then the GPU tests of what no H200 has run yet (decode splits,
+#             cascade decode in decode and mixed steps, the norm / rotation / gating fusions,
+#             FlashAttention prefill); about 6 minutes with a cold kernel build
+#   kernels   the kernel benchmark's decode, split, cascade and prefill cases (LMPool's kernels
+#             beside torch's FlashAttention on the same paged cache); about 3 minutes
+#   decode    profile_decode: a step at 1, 8 and 64 sequences of 2,048 tokens with the fused ops
+#             against torch's (issue: 2x at 1 and 8), and one shared 16k document as a replica of
+#             4 under MPS decodes it, cascades off and on; about 5 minutes
+#   prefill   a 16k document's prefill (cold, and 8k after 8k cached) through LMPool's kernel and
+#             FlashAttention, on the whole GPU and as one MPS client of 4; about 4 minutes
+# Usage (from the repository root, with the wheels in .whl/):
+#   OUT=results_dir bash benchmarks/device/run_engine_h200.sh check kernels
+# Every part runs under its own timeout and writes its log (and JSON) under OUT; a part that
+# fails is reported and the next one runs. Set LMPOOL_GIT_REVISION to the revision copied.
+set -uo pipefail
+OUT=${OUT:?set OUT to the folder the results go to}
+mkdir -p "$OUT"
+. benchmarks/device/setup.sh
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$OUT/gpu.txt"
+build_kernels > "$OUT/build.log" 2>&1 || { echo "kernel build failed: $OUT/build.log" >&2; tail -30 "$OUT/build.log"; exit 1; }
+
+part() {  # part NAME SECONDS COMMAND...: run it under a timeout, log it, say how it ended
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $((SECONDS - start)) s; $(tail -1 "$OUT/$name.log")"
+}
+
+PRESET=(--preset 0.6b --device cuda --dtype bfloat16)
+for step in ${*:-check kernels}; do
+  case $step in
+    check)
+      part kernel_tests 200 python3 -m pytest --noconftest -q -p no:cacheprovider tests/kernels/test_kernels_gpu.py \
+        tests/kernels/test_norm_rope_gpu.py -k "decode or split or cascade or norm or silu or qkv or flash"
+      part engine_tests 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py ;;
+    kernels)
+      LMPOOL_BENCH_JSON=$OUT/kernels.json part kernel_bench 240 python3 -m pytest --noconftest -q -s \
+        -p no:cacheprovider benchmarks/test_bench_kernels.py -k "decode or cascade or prefill" ;;
+    decode)
+      part decode_fusions 120 python3 -m tools.diagnostics.profile_decode "${PRESET[@]}" --batches 1,8,64 \
+        --context 2048 --paths overlapped --norms torch,fused --json "$OUT/decode_fusions.json"
+      for c in 0 65536; do
+        part "decode_cascade$c" 120 python3 -m tools.diagnostics.profile_decode "${PRESET[@]}" --context 16384 \
+          --shared-prefix 64 --batches 32,33,36,40,48 --paths overlapped --mps 4 --no-sync-debug \
+          --cascade-min-saved-tokens "$c" --json "$OUT/decode_cascade$c.json"
+      done ;;
+    prefill)
+      for m in 0 4; do
+        part "prefill_mps$m" 150 python3 -m benchmarks.benchmark_throughput "${PRESET[@]}" --paths none \
+          --prefill 16384,8192:8192 --prefill-attention lmpool,flash --mps "$m" --no-progress \
+          --json "$OUT/prefill_mps$m.json"
+      done ;;
+    *) echo "unknown step $step (check, kernels, decode, prefill)" >&2; exit 2 ;;
+  esac
+done
