@@ -91,7 +91,7 @@ class StepInputs:
 
 def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
     """Int32 entries of the largest step: P = C = max(tokens, seqs), R, F, K, J <= B, G <= B / 2 (or
-    the graphs' ``GRAPH_GROUPS``), V <= W, and M <= B + 1 twice and B + 1."""
+    the graphs' ``GRAPH_GROUPS``), V <= W, the two mixed spans M <= B + 1 and the key starts B + 1."""
     rows = max(max_tokens, max_seqs)
     cascade = cascade_offsets(max_seqs, max_seqs, max(max_seqs // 2, GRAPH_GROUPS), max_width)[-1]
     return 4 * rows + 4 * max_seqs + 1 + max_seqs * max_width + cascade + 3 * (max_seqs + 1)
