@@ -5,11 +5,11 @@ first, in admission order: a decoding sequence takes one token, a sequence still
 prefilling takes the next chunk of its prompt. Waiting sequences are then
 admitted first-come-first-served while the budget, ``max_num_seqs`` and the KV
 blocks allow. The batch lists the sequences computing one token first
-(``ScheduledBatch.decode_first``), each part in the order it was scheduled. When a running sequence needs a block and none is available, the
-most recently admitted running sequence is preempted: its blocks are dropped
-and it waits at the head of the queue to be recomputed (its complete blocks are
-usually still in the prefix cache). No sequence is admitted in a step that
-preempted, so the pool does not thrash.
+(``ScheduledBatch.decode_first``), each part in the order it was scheduled. When a
+running sequence needs a block and none is available, the most recently admitted
+running sequence is preempted: its blocks are dropped and it waits at the head of
+the queue to be recomputed (its complete blocks are usually still in the prefix
+cache). No sequence is admitted in a step that preempted, so the pool does not thrash.
 
 A request that asks for prompt logprobs never starts from cached blocks (``prefix_hit``): its
 prompt's every position must run through the model to give its logits. So it is never passed
