@@ -421,21 +421,37 @@ def test_gpu_a_mixed_cascade_attends_as_one_prefill_over_the_whole_batch():
     torch.testing.assert_close(split.float(), whole.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_gpu_an_engine_prefilling_through_flash_attention_serves_every_request(tiny_model):
+@pytest.mark.parametrize("cascade", [0, 1], ids=["plain", "mixed_cascades"])
+def test_gpu_an_engine_prefilling_through_flash_attention_serves_every_request(tiny_model, monkeypatch, cascade):
     """``prefill_attention='flash'`` (blocks of 256 tokens): prompts cold and over a cached prefix,
-    chunked past the step's budget, all complete, and greedy decoding gives the LMPool kernel's
-    first tokens (the kernels agree to bf16 rounding: ``tests/kernels``)."""
-    doc = prompts(1)[0] * 12
-    batch = [doc + [5 + q, 9 + q] for q in range(4)] + prompts(4)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    chunked past the step's budget and arriving while others decode (with cascades on, those
+    mixed steps send their prompt chunks to FlashAttention with the rest's starts), all
+    complete, and greedy decoding gives the LMPool kernel's first tokens (the kernels agree to
+    bf16 rounding: ``tests/kernels``)."""
+    from lmpool.model import qwen3
+    from tests.engine.test_cascade import arrive_while_decoding
 
-    def run(attention: str) -> list[list[int]]:
+    doc = prompts(1)[0] * 12
+    first = [doc + [5 + q, 9 + q] for q in range(4)]
+    later = [doc + list(range(20 + 7 * q, 27 + 7 * q)) for q in range(3)] + prompts(2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    mixed_steps = []
+    split = qwen3.Attention._mixed_cascade
+
+    def counted(self, q, *args):
+        mixed_steps.append(args[2].mixed_decode_rows)
+        return split(self, q, *args)
+
+    monkeypatch.setattr(qwen3.Attention, "_mixed_cascade", counted)
+
+    def run(attention: str) -> dict[str, list[int]]:
         with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=256, max_num_batched_tokens=512,
-                 prefill_attention=attention) as llm:
+                 prefill_attention=attention, cascade_min_saved_tokens=cascade) as llm:
             assert llm.engine.runner.ops.name == ("cuda+flash" if attention == "flash" else "cuda")
             llm.generate([doc], params)  # the document, cached
-            return [o.token_ids for o in llm.generate(batch, params)]
+            return arrive_while_decoding(llm.engine, first, later, params)
 
     lmpool, flash = run("lmpool"), run("flash")
-    assert all(len(t) == 8 for t in flash)
-    assert sum(a[0] == b[0] for a, b in zip(flash, lmpool)) >= len(batch) - 1
+    assert bool(mixed_steps) == bool(cascade)
+    assert flash.keys() == lmpool.keys() and all(len(t) == 8 for t in flash.values())
+    assert sum(flash[r][0] == lmpool[r][0] for r in flash) >= len(flash) - 1

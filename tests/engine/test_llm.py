@@ -243,3 +243,10 @@ def test_bad_engine_arguments(tiny_model, tmp_path):
     for bad in (0, -5, 2.5):
         with pytest.raises(ValueError, match="max_model_len must be an integer >= 1"):
             LLM(tiny_model, max_model_len=bad)
+
+
+def test_flash_prefill_on_an_engine_without_the_kernels_says_it_is_ignored(tiny_model):
+    with pytest.warns(RuntimeWarning, match="prefill_attention 'flash' needs LMPool's CUDA kernels"):
+        llm = LLM(tiny_model, block_size=256, prefill_attention="flash")
+    assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
+    llm.shutdown()

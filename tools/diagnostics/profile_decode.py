@@ -243,10 +243,19 @@ def torch_norms(active: bool):
         return
     from lmpool.ops import cuda, reference
 
+    def qkv_norm_rope_store(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache, slots, heads):
+        # The rotations as torch ops, the store as the kernel (the reference's store reads the
+        # slots on the host, which a CUDA graph's capture refuses)
+        kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        k = reference.qk_norm_rope(k.view(-1, kv_heads, dim), k_weight, eps, cos, sin, positions)
+        cuda.write_kv(k, v.view(-1, kv_heads, dim), k_cache, v_cache, slots)
+        return reference.qk_norm_rope(q.view(-1, heads, dim), q_weight, eps, cos, sin, positions)
+
     fused = cuda.CUDA_OPS
     cuda.CUDA_OPS = dataclasses.replace(fused, rms_norm=reference.rms_norm, add_rms_norm=reference.add_rms_norm,
                                         silu_mul=reference.silu_mul, qk_norm_rope=reference.qk_norm_rope,
-                                        qkv_norm_rope_store=reference.qkv_norm_rope_store)
+                                        qkv_norm_rope_store=qkv_norm_rope_store)
     try:
         yield
     finally:
