@@ -100,8 +100,8 @@ class ModelRunner:
         if self.ops.name == "cuda+flash" and self.dtype == torch.float32:
             raise ValueError("prefill_attention 'flash' takes float16 or bfloat16; this engine runs float32")
         if config.prefill_attention == "flash" and self.ops.name != "cuda+flash":
-            warnings.warn(f"prefill_attention 'flash' needs LMPool's CUDA kernels; this engine runs the {self.ops.name} "
-                          "ops, which prefill as they decode", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"prefill_attention 'flash' needs LMPool's CUDA kernels; this engine runs the "
+                          f"{self.ops.name} ops, which prefill as they decode", RuntimeWarning, stacklevel=2)
         if self.ops.name.startswith("cuda"):
             # Build (or load) the kernels now, not inside the first step: a pool's worker is
             # watched for hangs from the moment it is ready, and a cold build takes minutes.
