@@ -5,11 +5,12 @@ checked step by step on random traces of shared prefixes (no model: the steps ar
 from __future__ import annotations
 
 import hypothesis.strategies as st
-from hypothesis import given, settings
+from hypothesis import event, given, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.scheduler import ScheduledBatch, Scheduler
-from lmpool.engine.sequence import Sequence
+from lmpool.engine.sequence import Sequence, SequenceStatus
 from lmpool.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -110,3 +111,68 @@ def test_a_batch_lists_its_single_token_rows_first_each_part_in_its_order(rows):
     assert after == [p for p in before if p[1] == 1] + [p for p in before if p[1] != 1]
     assert {batch.seqs[i].request_id for i in batch.prompt_logprobs} == asking
     assert batch.prompt_logprobs == sorted(batch.prompt_logprobs)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Requests over a few shared prefixes arrive, steps run (each computes what was scheduled; a
+    sequence whose tokens are all computed takes a new one, until its output is long enough),
+    requests abort. After every step: the batch keeps the token budget and the sequence limit,
+    lists its single-token rows first, holds running sequences once each, and its prompt-logprob
+    indices name the sequences that asked; the block manager's invariants hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(40, BLOCK)
+        self.sched = Scheduler(self.bm, max_num_seqs=5, max_num_batched_tokens=12)
+        self.n = 0
+        self.live: list[Sequence] = []
+
+    @rule(stem=st.integers(0, 2), tail=st.integers(1, 9), out=st.integers(1, 4), asks=st.booleans())
+    def add(self, stem: int, tail: int, out: int, asks: bool) -> None:
+        self.n += 1
+        params = SamplingParams(temperature=0, max_tokens=out, prompt_logprobs=1 if asks else None)
+        seq = Sequence(f"r{self.n}", prompt(stem, 2, self.n)[: 2 * BLOCK + tail], params, BLOCK)
+        self.sched.add(seq)
+        self.live.append(seq)
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule()
+    def step(self) -> None:
+        batch = self.sched.schedule()
+        self.check(batch)
+        self.sched.complete_step(batch)
+        for seq in batch.seqs:
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 0:
+                if len(seq) - seq.num_prompt_tokens >= seq.params.max_tokens:
+                    self.sched.retire(seq, "length")
+                    self.live.remove(seq)
+                else:
+                    seq.append_token(7)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        seq = data.draw(st.sampled_from(self.live))
+        self.sched.abort(seq)
+        self.live.remove(seq)
+
+    def check(self, batch: ScheduledBatch) -> None:
+        counts = batch.num_tokens
+        assert sum(counts) <= self.sched.max_num_batched_tokens and len(batch.seqs) <= self.sched.max_num_seqs
+        assert all(n >= 1 for n in counts)
+        singles = sum(n == 1 for n in counts)
+        if 0 < singles < len(counts):
+            event("a mixed batch")
+        assert all(n == 1 for n in counts[:singles]) and batch.decode_seqs == singles
+        assert len({id(s) for s in batch.seqs}) == len(batch.seqs)
+        assert all(s.status is SequenceStatus.RUNNING and s in self.sched.running for s in batch.seqs)
+        for i in batch.prompt_logprobs:
+            assert batch.seqs[i].params.prompt_logprobs is not None
+
+    @invariant()
+    def blocks_consistent(self) -> None:
+        self.bm.check_invariants([s.block_table for s in self.sched.running])
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
