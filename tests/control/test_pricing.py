@@ -21,7 +21,7 @@ from lmpool.control.pricing.step_model import StepCoefficients, StepModel
 from lmpool.control.topology import Topology
 from lmpool.protocol import LoadReport, RouteQuery, StepSample, StepTimings
 from lmpool.protocol.kv_events import KVSnapshot
-from control_testkit import COEF, ManualClock, engine_model
+from control_testkit import COEF, ManualClock, cache, engine_model
 
 TRUE = StepCoefficients(base=2e-3, prefill_token=30e-6, attention_pair=8e-9, decode_seq=40e-6, context_token=0.12e-6)
 
@@ -343,38 +343,57 @@ def test_recent_steps_sum_their_last_window(rows):
     assert len(recent) == 0 and recent.speed(TRUE) == 1.0
 
 
+def branched_after(gbm: GlobalBlockManager, chain: list[int], depth: int) -> None:
+    """Cache ``chain`` on rank 0 and route two prompts that continue its first ``depth`` blocks two
+    ways (two questions about one document): those blocks are shared, the rest is one prompt's own."""
+    cache(gbm, 0, chain)
+    if depth:
+        for other in (10_000, 10_001):
+            gbm.record_route(chain[:depth] + [other], depth, depth)
+    assert gbm.branched_depth(chain) == depth
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 40), st.integers(0, 50_000), st.integers(1, 30), st.integers(0, 30), st.integers(1, 64))
-def test_where_ranks_decode_shared_prefixes_once_a_cached_prefix_is_not_a_request_s_own_reading(
-        running, context, blocks, matched, out):
-    """With cascades, what a request adds to each decode step is its keys past the prefix it found
-    cached (read once for the sequences sharing it): its price falls by those keys over every
-    step it decodes in and shares, and its time to first token is the same."""
+@given(st.integers(0, 40), st.integers(0, 50_000), st.integers(1, 30), st.integers(0, 30), st.integers(0, 30),
+       st.integers(1, 64))
+def test_where_ranks_decode_shared_prefixes_once_a_shared_cached_prefix_is_not_a_request_s_own_reading(
+        running, context, blocks, matched, shared, out):
+    """With cascades, what a request adds to each decode step is its keys past the cached prefix
+    other routed prompts share (read once for the sequences sharing it): its price falls by those
+    keys over every step it decodes in and shares, and its time to first token is the same. A
+    cached prefix no other prompt shares (a conversation's own history) it reads alone: no fall."""
     prices = {}
+    chain = list(range(blocks))
+    depth = min(shared, blocks)
     for cascades in (False, True):
         gbm = one_rank(LoadReport(num_running=running, context_tokens=context, decode_tokens_left=8 * running,
                                   blocks_free=2000))
+        branched_after(gbm, chain, depth)
         pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, cascades),
                         lambda rank: 0.5)
-        query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
+        query = RouteQuery("q", chain, blocks * 16 + 3, out)
         prices[cascades] = pricer.price(query, 0, min(matched, blocks), 0.0, None)
     plain, cascaded = prices[False], prices[True]
-    cached = plain.matched * 16
+    read_once = min(plain.matched, depth) * 16
     overlap = min(running * (out - 1), 8 * running)
     assert cascaded.ttft_s == plain.ttft_s
-    assert plain.total_s - cascaded.total_s == pytest.approx(COEF.context_token * cached * (out - 1 + overlap))
+    assert plain.total_s - cascaded.total_s == pytest.approx(COEF.context_token * read_once * (out - 1 + overlap))
 
 
-def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_keys_as_context():
+@pytest.mark.parametrize("cascades, depth, context", [(False, 4, 5 * 16 + 3), (True, 4, 16 + 3), (True, 2, 3 * 16 + 3),
+                                                      (True, 0, 5 * 16 + 3)])
+def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_keys_as_context(cascades, depth,
+                                                                                               context):
+    """Its context is its prompt less the cached prefix other prompts share (4 of its 5 blocks cached)."""
     from lmpool.control.routing.reserve import Reserve
     from lmpool.control.routing.route import Route
 
-    for cascades, context in ((False, 5 * 16 + 3), (True, 16 + 3)):
-        gbm = one_rank(LoadReport(blocks_free=100))
-        query = RouteQuery("q", list(range(5)), 5 * 16 + 3, 8)
-        route = Route(query, None, (0,), [4], [4], rank=0)
-        Reserve(gbm, cascades).record(route)
-        assert gbm.ranks[0].reserved.context == context
+    gbm = one_rank(LoadReport(blocks_free=100))
+    branched_after(gbm, list(range(5)), depth)
+    query = RouteQuery("q", list(range(5)), 5 * 16 + 3, 8)
+    route = Route(query, None, (0,), [4], [4], rank=0)
+    Reserve(gbm, cascades).record(route)
+    assert gbm.ranks[0].reserved.context == context
 
 
 @settings(max_examples=300, deadline=None)

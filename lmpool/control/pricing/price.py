@@ -33,9 +33,10 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     total  = ttft + decode + harm + evict
 
 where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step it decodes in
-(``P - s + M / 2`` when the ranks decode shared prefixes once, ``s`` its cached tokens there: the
-prefix it found cached is, in a burst, one that others there read too, and a worker's load
-counts such a prefix once),
+(``P - s + M / 2`` when the ranks decode shared prefixes once, ``s`` the tokens it found cached
+there that other routed prompts share too, the chain's branched depth: a burst's document is read
+once for all of its questions, and a worker's load counts it once, while a conversation's own
+history is read by it alone),
 ``theirs = seq + tok * ctx / n`` what one co-running sequence adds, and ``overlap = min(n *
 (M - 1), left)`` the steps they share. ``total`` is the request's own latency plus the delay it
 causes the sequences already there: what a route minimises. Reclaim is the new blocks it needs
@@ -115,6 +116,9 @@ class QueryTerms(msgspec.Struct, frozen=True, gc=False):
     blocks: int  # the blocks its sequence fills, nothing cached: ceil((P + M) / block size)
     usable: int  # matched blocks it can use: the worker recomputes the last prompt token
     span: float  # P + M / 2: the mean context of its decode steps
+    # With cascades, the leading tokens of its prompt that other routed prompts share (the chain's
+    # branched depth): ranks that decode shared prefixes once read those once for it; 0 without.
+    shared: int = 0
 
 
 class RankWork(NamedTuple):
@@ -168,8 +172,9 @@ class Pricer:
         """What every rank's price reads of ``query``."""
         prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
         block_size = self.limits.block_size
+        shared = self.table.branched_depth(query.block_hashes) * block_size if self._cascades else 0
         return QueryTerms(prompt, out, -(-(prompt + out) // block_size), max(0, (prompt - 1) // block_size),
-                          prompt + out / 2)
+                          prompt + out / 2, shared)
 
     def work(self, rank: int) -> RankWork:
         """``rank``'s in-flight work, recomputed only when what it is computed from changed: its
@@ -256,7 +261,7 @@ class Pricer:
             if room_s > start:
                 start = room_s
         ttft = start + prefill + seat + busy
-        mine = decode_seq + context_token * (q.span - cached if self._cascades else q.span)
+        mine = decode_seq + context_token * (q.span - (cached if cached < q.shared else q.shared))
         overlap = n * (out - 1)
         if overlap > left:
             overlap = left

@@ -6,7 +6,8 @@ its context and the tokens it will decode, and the new blocks it needs capped at
 rank has left, so reservations never promise capacity a rank did not report. A request that
 waits on a pull reserves its work deferred: it starts only once the pull ends. Where the ranks
 decode shared prefixes once (cascades), its context is what it reads on its own: its prompt
-less the prefix it found cached there (``Limits.cascades``).
+less the prefix it found cached there that other routed prompts share too (``Limits.cascades``;
+the pricing's ``QueryTerms.shared``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Reserve(RouteStage):
         _, missing, need = request_shape(query, route.expected[rank], self.gbm.block_size)
         blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))
         prompt = query.num_prompt_tokens
-        context = missing if self.cascades else prompt
+        # With cascades, the prefix other prompts share is read once there: not this request's own.
+        shared = self.gbm.branched_depth(query.block_hashes) * self.gbm.block_size if self.cascades else 0
+        context = prompt - min(prompt - missing, shared)
         self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing), context,
                          max(1, query.max_tokens), route.waits_on_pull)
