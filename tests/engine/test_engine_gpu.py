@@ -346,26 +346,33 @@ def test_gpu_bf16_decode_steps_sharing_a_document_run_as_cascades(tiny_model, mo
     assert [t[0] for t in cascaded] == [t[0] for t in plain]
 
 
+def count_mixed_cascades(monkeypatch) -> list[int]:
+    """The decode rows of every mixed step that runs them as a cascade, from now on."""
+    from lmpool.model import qwen3
+
+    rows: list[int] = []
+    split = qwen3.Attention._mixed_cascade
+
+    def counted(self, q, *args):
+        rows.append(args[2].mixed_decode_rows)
+        return split(self, q, *args)
+
+    monkeypatch.setattr(qwen3.Attention, "_mixed_cascade", counted)
+    return rows
+
+
 def test_gpu_bf16_decode_rows_beside_prompt_chunks_run_as_a_cascade(tiny_model, monkeypatch):
     """Questions about one cached document decode while later questions are prefilled in the same
     steps: those mixed steps run their decode rows as a cascade and their prompt chunks as a
     prefill on the kernels; every request completes, and the tokens no cascade computed equal the
     plain engine's."""
-    from lmpool.model import qwen3
     from tests.engine.test_cascade import arrive_while_decoding
 
     doc = prompts(1)[0] * 8
     first = [doc + [5 + q, 9 + q] for q in range(4)]
     later = [doc + list(range(20 + 7 * q, 27 + 7 * q)) for q in range(3)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    mixed_steps = []
-    split = qwen3.Attention._mixed_cascade
-
-    def counted(self, q, *args):
-        mixed_steps.append(args[2].mixed_decode_rows)
-        return split(self, q, *args)
-
-    monkeypatch.setattr(qwen3.Attention, "_mixed_cascade", counted)
+    mixed_steps = count_mixed_cascades(monkeypatch)
 
     def run(cascade: int) -> dict[str, list[int]]:
         with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=BLOCK,
@@ -398,6 +405,7 @@ def test_gpu_a_mixed_cascade_attends_as_one_prefill_over_the_whole_batch():
     g = torch.Generator(device="cuda").manual_seed(7)
     k_cache = torch.randn(64, BLOCK, kv_heads, dim, device="cuda", generator=g).bfloat16()
     v_cache = torch.randn(64, BLOCK, kv_heads, dim, device="cuda", generator=g).bfloat16()
+
     def seq(name: str, table: list[int], length: int, computed: int) -> Sequence:
         return placed(name, table, length, computed, BLOCK)
 
@@ -428,21 +436,13 @@ def test_gpu_an_engine_prefilling_through_flash_attention_serves_every_request(t
     mixed steps send their prompt chunks to FlashAttention with the rest's starts), all
     complete, and greedy decoding gives the LMPool kernel's first tokens (the kernels agree to
     bf16 rounding: ``tests/kernels``)."""
-    from lmpool.model import qwen3
     from tests.engine.test_cascade import arrive_while_decoding
 
     doc = prompts(1)[0] * 12
     first = [doc + [5 + q, 9 + q] for q in range(4)]
     later = [doc + list(range(20 + 7 * q, 27 + 7 * q)) for q in range(3)] + prompts(2)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    mixed_steps = []
-    split = qwen3.Attention._mixed_cascade
-
-    def counted(self, q, *args):
-        mixed_steps.append(args[2].mixed_decode_rows)
-        return split(self, q, *args)
-
-    monkeypatch.setattr(qwen3.Attention, "_mixed_cascade", counted)
+    mixed_steps = count_mixed_cascades(monkeypatch)
 
     def run(attention: str) -> dict[str, list[int]]:
         with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=256, max_num_batched_tokens=512,
