@@ -19,6 +19,9 @@ struct Vec16 {
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// Whether a pointer may be read or written as 16-byte vectors (launchers pick their kernels by it).
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Read-only, L1-cached 16-byte load: K/V rows and block-table entries are never
 // written while a kernel runs, so the non-coherent path is safe.
 __device__ __forceinline__ uint4 load16(const void* ptr) {

@@ -247,8 +247,6 @@ cudaError_t launch_qkv_norm_rope_store(DType dtype, const QkvNormRopeStoreArgs& 
 
 namespace {
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Whether every row of ``a`` can be read and written in 16-byte vectors of T.
 template <typename T>
 bool vector_rows(const RmsNormArgs& a) {

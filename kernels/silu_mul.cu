@@ -56,8 +56,6 @@ __global__ void silu_mul_vec_kernel(SiluMulArgs a) {
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 template <typename T>
 void launch_for(const SiluMulArgs& a, cudaStream_t stream) {
   constexpr int N = Vec16<T>::kElems;
