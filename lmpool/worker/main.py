@@ -177,11 +177,12 @@ class Worker:
         self.cached_on_arrival = {s.request_id: self.cached_on_arrival[s.request_id]
                                   for s in sched.waiting if s.request_id in self.cached_on_arrival}
         # Sequences that decode as a cascade read their shared prefixes once a step.
-        decoding = [s for s in sched.running if s.num_computed_tokens >= len(s) - 1]
-        plan = plan_cascade([s.block_table for s in decoding], [len(s) for s in decoding], bm.block_size,
-                            self.core.runner.cascade_min_saved)
-        if plan is not None:
-            context -= plan.saved
+        if self.core.runner.cascade_min_saved:
+            decoding = [s for s in sched.running if s.num_computed_tokens >= len(s) - 1]
+            plan = plan_cascade([s.block_table for s in decoding], [len(s) for s in decoding], bm.block_size,
+                                self.core.runner.cascade_min_saved)
+            if plan is not None:
+                context -= plan.saved
         return LoadReport(
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
