@@ -30,7 +30,6 @@ class KVOps:
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul: Callable[..., torch.Tensor]
-    qk_norm_rope: Callable[..., torch.Tensor]
     qkv_norm_rope_store: Callable[..., torch.Tensor]
 
 
@@ -45,7 +44,6 @@ TORCH_OPS = KVOps(
     rms_norm=reference.rms_norm,
     add_rms_norm=reference.add_rms_norm,
     silu_mul=reference.silu_mul,
-    qk_norm_rope=reference.qk_norm_rope,
     qkv_norm_rope_store=reference.qkv_norm_rope_store,
 )
 

@@ -346,7 +346,6 @@ CUDA_OPS = KVOps(
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     silu_mul=silu_mul,
-    qk_norm_rope=qk_norm_rope,
     qkv_norm_rope_store=qkv_norm_rope_store,
 )
 # Prefill attention through torch's FlashAttention (``EngineConfig.prefill_attention``).

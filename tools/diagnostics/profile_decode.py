@@ -254,8 +254,7 @@ def torch_norms(active: bool):
 
     fused = cuda.CUDA_OPS
     cuda.CUDA_OPS = dataclasses.replace(fused, rms_norm=reference.rms_norm, add_rms_norm=reference.add_rms_norm,
-                                        silu_mul=reference.silu_mul, qk_norm_rope=reference.qk_norm_rope,
-                                        qkv_norm_rope_store=qkv_norm_rope_store)
+                                        silu_mul=reference.silu_mul, qkv_norm_rope_store=qkv_norm_rope_store)
     try:
         yield
     finally:
