@@ -77,11 +77,16 @@ def run_prefill(model: str, args) -> list[dict]:
     longest = max(new + cached for new, cached in cases)
     rows = []
     for attention in args.prefill_attention.split(","):
-        llm = LLM(
-            model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
-            enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops, prefill_attention=attention,
-        )
+        try:
+            llm = LLM(
+                model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
+                enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops, prefill_attention=attention,
+            )
+        except ValueError as e:  # e.g. FlashAttention without paged caches in this torch: the row says so
+            print(f"{attention}: unavailable: {e}")
+            rows.append({"attention": attention, "unavailable": str(e)})
+            continue
         try:
             llm.generate([[1] * min(longest, 64)], SamplingParams(temperature=0, max_tokens=1))  # warm-up
             measured = prefill_rate.measure(llm, cases, args.prefill_reps, args.seed)

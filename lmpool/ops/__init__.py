@@ -57,7 +57,8 @@ def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: 
     """The ops for tensors on ``device``: CUDA kernels on a GPU unless ``use_kernels`` is False,
     or unless the model's ``head_dim`` is one the kernels are not compiled for: such a model
     still runs, on the torch reference, with a warning that says so. ``prefill_attention``
-    "flash" takes the prefill's attention from torch's FlashAttention (``EngineConfig``)."""
+    "flash" takes the prefill's attention from torch's FlashAttention (``EngineConfig``): a
+    ``ValueError`` says why where this torch cannot read a paged cache with it."""
     if torch.device(device).type != "cuda" or not use_kernels:
         return TORCH_OPS
     if head_dim is not None and head_dim not in KERNEL_HEAD_DIMS:
@@ -69,4 +70,9 @@ def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: 
         return TORCH_OPS
     from lmpool.ops import cuda  # builds the extension on first use
 
-    return cuda.FLASH_PREFILL_OPS if prefill_attention == "flash" else cuda.CUDA_OPS
+    if prefill_attention != "flash":
+        return cuda.CUDA_OPS
+    unavailable = cuda.flash_paged_unavailable()
+    if unavailable:
+        raise ValueError(unavailable)
+    return cuda.FLASH_PREFILL_OPS

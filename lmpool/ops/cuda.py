@@ -215,6 +215,17 @@ def paged_attention(
     )
 
 
+def flash_paged_unavailable() -> str | None:
+    """None where this torch's FlashAttention reads a paged KV cache through block tables, else
+    why not (its ``aten._flash_attention_forward`` gained ``block_table`` after torch 2.11)."""
+    schema = str(torch.ops.aten._flash_attention_forward.default._schema)
+    if "block_table" in schema:
+        return None
+    return (f"prefill_attention 'flash' reads the paged KV cache through FlashAttention's block tables, "
+            f"which torch {torch.__version__} lacks (aten._flash_attention_forward has no block_table); "
+            f"use prefill_attention 'lmpool' or a torch that has them")
+
+
 def flash_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -14,6 +14,7 @@ from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.engine.sequence import Sequence
 from lmpool.engine.step_inputs import StepInputBuilder
 from lmpool.model.make_model import make_model
+from lmpool.ops import cuda
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -429,6 +430,7 @@ def test_gpu_a_mixed_cascade_attends_as_one_prefill_over_the_whole_batch():
     torch.testing.assert_close(split.float(), whole.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(cuda.flash_paged_unavailable() is not None, reason=str(cuda.flash_paged_unavailable()))
 @pytest.mark.parametrize("cascade", [0, 1], ids=["plain", "mixed_cascades"])
 def test_gpu_an_engine_prefilling_through_flash_attention_serves_every_request(tiny_model, monkeypatch, cascade):
     """``prefill_attention='flash'`` (blocks of 256 tokens): prompts cold and over a cached prefix,
@@ -455,3 +457,9 @@ def test_gpu_an_engine_prefilling_through_flash_attention_serves_every_request(t
     assert bool(mixed_steps) == bool(cascade)
     assert flash.keys() == lmpool.keys() and all(len(t) == 8 for t in flash.values())
     assert sum(flash[r][0] == lmpool[r][0] for r in flash) >= len(flash) - 1
+
+
+@pytest.mark.skipif(cuda.flash_paged_unavailable() is None, reason="this torch's FlashAttention reads paged caches")
+def test_gpu_an_engine_asking_for_flash_prefill_on_a_torch_without_it_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="prefill_attention 'flash'.*lacks"):
+        LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=256, prefill_attention="flash")

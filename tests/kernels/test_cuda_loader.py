@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,19 @@ def test_a_head_dim_the_kernels_lack_falls_back_to_the_torch_ops_saying_so(head_
     """Decided before the extension is touched, so this holds with or without CUDA."""
     with pytest.warns(RuntimeWarning, match=f"head_dim 64 or 128, this model has {head_dim}"):
         assert get_backend("cuda", head_dim=head_dim).name == "torch"
+
+
+def test_flash_prefill_on_a_torch_without_paged_flash_is_refused_saying_why(monkeypatch):
+    """torch 2.11's FlashAttention takes no block tables: asking for it there is a ``ValueError``
+    that names the setting and the torch, decided from the op's schema (no kernel is touched)."""
+    class Op:  # a torch 2.11 schema
+        _schema = "aten::_flash_attention_forward(Tensor query, ..., Tensor? seqused_k=None, Tensor? alibi_slopes=None)"
+
+    assert cuda.flash_paged_unavailable() is None  # the pinned torch has them
+    monkeypatch.setattr(torch.ops.aten._flash_attention_forward, "default", Op)
+    with pytest.raises(ValueError, match=f"prefill_attention 'flash'.*torch {re.escape(torch.__version__)} lacks"):
+        get_backend("cuda", head_dim=128, prefill_attention="flash")
+    assert get_backend("cpu", prefill_attention="flash").name == "torch"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")

@@ -277,6 +277,7 @@ def test_prefill_through_cuda_ops_matches_reference():
     assert_close(out, ref, torch.bfloat16)
 
 
+@pytest.mark.skipif(cuda.flash_paged_unavailable() is not None, reason=str(cuda.flash_paged_unavailable()))
 @pytest.mark.parametrize("group,head_dim,dtype", [(2, 128, torch.bfloat16), (8, 64, torch.float16),
                                                   (1, 128, torch.bfloat16)])
 def test_flash_prefill_over_the_paged_cache_matches_reference(group, head_dim, dtype):
