@@ -99,7 +99,9 @@ def host_args(args, setting, max_model_len: int) -> list[str]:
         out += ["--dtype", args.dtype]
     if args.enforce_eager:
         out.append("--enforce-eager")
-    out += ["--cascade-min-saved-tokens", str(args.cascade_min_saved_tokens), "--prefill-attention", args.prefill_attention]
+    if args.cascade_min_saved_tokens is not None:
+        out += ["--cascade-min-saved-tokens", str(args.cascade_min_saved_tokens)]
+    out += ["--prefill-attention", args.prefill_attention]
     return out
 
 

@@ -143,7 +143,7 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
 
 def limits(engine: EngineConfig) -> Limits:
     return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens, engine.async_scheduling,
-                  engine.cascade_min_saved_tokens > 0)
+                  engine.plans_cascades())
 
 
 def topology(spec: ControlSpec) -> Topology:

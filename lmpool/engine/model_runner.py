@@ -135,7 +135,7 @@ class ModelRunner:
         # The kernels read a shared prefix on tensor cores: an fp32 engine on them decodes as
         # without cascades (``ops.cuda.cascade_decode_attention``), so it plans none.
         tensor_cores = not self.ops.name.startswith("cuda") or self.dtype in (torch.float16, torch.bfloat16)
-        self.cascade_min_saved = config.cascade_min_saved_tokens if tensor_cores else 0
+        self.cascade_min_saved = config.cascade_threshold() if tensor_cores else 0
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
             arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq),

@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmpool.config import EngineConfig
+from lmpool.config.engine import CASCADE_MIN_SAVED_TOKENS
+from lmpool.control.build import limits
 from lmpool.engine.cascade import GRAPH_GROUPS, plan_cascade
 from lmpool.engine.core import EngineCore
 from lmpool.engine.sequence import Sequence
@@ -68,6 +70,22 @@ def test_no_plan_below_its_threshold_or_when_off():
     assert plan_cascade(tables, lens, BLOCK, 3 * BLOCK).saved == 3 * BLOCK
     assert plan_cascade(tables, lens, BLOCK, 3 * BLOCK + 1) is None
     assert plan_cascade(tables, lens, BLOCK, 0) is None
+
+
+@pytest.mark.parametrize("kw, threshold, plans", [
+    ({}, 0, False),  # a CPU engine: the torch reference gains nothing from a cascade
+    ({"device": "cuda"}, CASCADE_MIN_SAVED_TOKENS, True),
+    ({"device": "cuda:1", "dtype": "bfloat16"}, CASCADE_MIN_SAVED_TOKENS, True),
+    ({"device": "cuda", "dtype": "float32"}, CASCADE_MIN_SAVED_TOKENS, False),  # the kernels cascade on tensor cores
+    ({"device": "cuda", "dtype": "float32", "use_kernels": False}, CASCADE_MIN_SAVED_TOKENS, True),
+    ({"device": "cuda", "cascade_min_saved_tokens": 0}, 0, False),
+    ({"cascade_min_saved_tokens": 16}, 16, True),
+])
+def test_cascades_are_on_by_default_where_the_kernels_run_them_and_the_pricing_agrees(kw, threshold, plans):
+    engine = EngineConfig("model", **kw)
+    assert engine.cascade_threshold() == threshold
+    assert engine.plans_cascades() is plans
+    assert limits(engine).cascades is plans  # the control plane prices a shared prefix as read once
 
 
 def placed(name: str, table: list[int], length: int, computed: int, block_size: int = BLOCK) -> Sequence:

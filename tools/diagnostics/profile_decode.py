@@ -359,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                     help="every sequence: one shared --context-token document, then N tokens of its own")
     ap.add_argument("--mps", type=int, default=0, help="run as one of N MPS clients (1/N of the SMs); 0: whole GPU")
-    ap.add_argument("--cascade-min-saved-tokens", type=int, default=0, metavar="N",
+    ap.add_argument("--cascade-min-saved-tokens", type=int, default=None, metavar="N",
                     help="decode steps sharing prefixes read them once when that saves N key reads "
-                         "(EngineConfig.cascade_min_saved_tokens; 0: never)")
+                         "(EngineConfig.cascade_min_saved_tokens; 0: never; default: the engine's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if not set(args.paths.split(",")) <= set(PATHS):

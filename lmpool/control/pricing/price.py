@@ -102,7 +102,7 @@ class Limits(NamedTuple):
     max_num_seqs: int
     max_num_batched_tokens: int
     overlapped: bool = True  # ``EngineConfig.async_scheduling``: a step is launched before the last is read
-    # ``EngineConfig.cascade_min_saved_tokens`` > 0: a decode step reads a prefix its sequences
+    # ``EngineConfig.plans_cascades()``: a decode step reads a prefix its sequences
     # share once (``lmpool.engine.cascade``), so a request's cached prefix is not its own reading
     cascades: bool = False
 
