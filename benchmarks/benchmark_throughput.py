@@ -353,7 +353,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="checkpoint directory (default: generate --preset)")
     ap.add_argument("--preset", default="tiny", choices=["tiny", "0.6b", "1.7b"])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    # Resolved inside the MPS block: asking torch whether CUDA exists starts the driver, which then
+    # never connects to an MPS daemon started after it (the --mps runs would time the whole GPU).
+    ap.add_argument("--device", help="cuda or cpu (default: cuda where present)")
     ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--num-seqs", type=int, default=32)
     ap.add_argument("--min-input", type=int, default=32)
@@ -391,6 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error(str(e))
 
     with tempfile.TemporaryDirectory() as tmp, mps_share(args.mps) as mps:
+        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = args.model or str(make_model(Path(tmp) / "model", preset=args.preset, seed=args.seed))
         vocab = ModelConfig.from_pretrained(model).vocab_size
         prompts, outputs = workload(

@@ -49,7 +49,10 @@ _POLL_S = 0.05
 @contextmanager
 def mps_share(clients: int) -> Iterator[dict | None]:
     """With ``clients`` > 0, ``mps_daemon(clients)`` for the block, so that CUDA started in it
-    runs as one of that many clients (a diagnostic timing one replica's share); else nothing."""
+    runs as one of that many clients (a diagnostic timing one replica's share); else nothing.
+    The CUDA driver must not start before the block, not even by ``torch.cuda.is_available()``:
+    it reads the daemon's settings once, when it starts (the record's ``shutdown`` says whether
+    this process was a client)."""
     if not clients:
         yield None
         return
