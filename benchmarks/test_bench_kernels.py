@@ -242,6 +242,28 @@ def test_pack_unpack(ext, report, copy_gbps, kv_cache, blocks):
         assert gbps / copy_gbps > 0.5, f"{op} far below copy bandwidth"
 
 
+# The 0.6B shape's projections (qkv, o, gate/up, down) and its tied output projection, [n, k].
+LINEAR_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("n,k", LINEAR_SHAPES)
+def test_linear(ext, report, copy_gbps, rows, n, k):
+    """A decode step's projections: the skinny kernel (each weight read once) against cuBLAS
+    (``F.linear``), in weight bytes a second and as a share of the copy bandwidth."""
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(rows, k, generator=gen, device="cuda", dtype=DTYPE)
+    w = torch.randn(n, k, generator=gen, device="cuda", dtype=DTYPE)
+    ms = time_ms(lambda: ext.skinny_linear(x, w))
+    cublas_ms = time_ms(lambda: F.linear(x, w))
+    weight_gb = n * k * 2 / GB
+    _record(report, "linear", {
+        "rows": rows, "n": n, "k": k, "ms": ms, "GBps": weight_gb / (ms * 1e-3),
+        "frac_copy": weight_gb / (ms * 1e-3) / copy_gbps, "cublas_ms": cublas_ms,
+        "cublas_GBps": weight_gb / (cublas_ms * 1e-3), "speedup_vs_cublas": cublas_ms / ms,
+    })
+
+
 PREFILL_CASES = [  # (sequences, new tokens each, cached prefix each)
     (8, 512, 0),
     (4, 256, 2048),

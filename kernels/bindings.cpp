@@ -667,6 +667,43 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// x[rows, k] @ w[n, k]^T for at most kSkinnyMaxRows rows of fp16 or bf16, reading each weight once.
+bool skinny_linear_fits(const at::Tensor& x, const at::Tensor& w) {
+  return x.is_cuda() && w.is_cuda() && x.dim() == 2 && w.dim() == 2 && x.scalar_type() == w.scalar_type() &&
+         (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) && x.size(0) >= 1 &&
+         x.size(0) <= kSkinnyMaxRows && x.size(1) == w.size(1) && x.size(1) % 8 == 0 && x.size(1) <= INT_MAX &&
+         x.stride(1) == 1 && w.stride(1) == 1 && x.stride(0) % 8 == 0 && w.stride(0) % 8 == 0 &&
+         is_aligned16(x) && is_aligned16(w) && x.device() == w.device();
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(skinny_linear_fits(x, w), "skinny_linear takes x [1..", kSkinnyMaxRows, ", k] and w [n, k] of one ",
+              "half dtype on one CUDA device, k a multiple of 8, rows contiguous and 16-byte aligned; got x ",
+              shape(x.sizes()), " ", x.scalar_type(), " strides ", shape(x.strides()), ", w ", shape(w.sizes()), " ",
+              w.scalar_type(), " strides ", shape(w.strides()));
+  auto out = at::empty({x.size(0), w.size(0)}, x.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  SkinnyLinearArgs a{};
+  a.x = x.data_ptr();
+  a.x_stride = x.stride(0);
+  a.w = w.data_ptr();
+  a.w_stride = w.stride(0);
+  a.out = out.data_ptr();
+  a.rows = static_cast<int>(x.size(0));
+  a.k = static_cast<int>(x.size(1));
+  a.n = w.size(0);
+  check_launch(launch_skinny_linear(dtype_of(x, "x"), a, current_stream()), "skinny_linear");
+  return out;
+}
+
+// A linear layer without bias: the skinny kernel where it fits (a decode step's few rows), else
+// cuBLAS (at::linear); x [..., k] keeps its leading shape.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
+  if (x.dim() == 2 && skinny_linear_fits(x, w)) return skinny_linear(x, w);
+  return at::linear(x, w);
+}
+
 // The rotary tables (fp32 [positions, dim / 2]) and the tokens' positions for the rows of x.
 void check_rotation(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& x,
                     int64_t dim) {
@@ -835,6 +872,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "RMSNorm of [rows, dim] (transformers' Qwen3 roundings), into a new contiguous tensor.");
   m.def("add_rms_norm", &lmpool::add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"),
         py::arg("eps"), "(RMSNorm of x + residual, x + residual), the sum rounded to the dtype as torch adds.");
+  m.def("skinny_linear", &lmpool::skinny_linear, py::arg("x"), py::arg("w"),
+        "x [1..8, k] @ w [n, k]^T in fp16 or bf16 with fp32 sums, each weight read once.");
+  m.def("linear", &lmpool::linear, py::arg("x"), py::arg("w"),
+        "x @ w^T: skinny_linear where it fits (a few contiguous half rows), else at::linear.");
   m.def("silu_mul", &lmpool::silu_mul, py::arg("gate_up"),
         "SiLU(gate) * up of [rows, 2 * dim] (gate first), torch's roundings, into a new [rows, dim] tensor.");
   m.def("qkv_norm_rope_store", &lmpool::qkv_norm_rope_store, py::arg("qkv"), py::arg("q_weight"),

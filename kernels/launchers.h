@@ -270,4 +270,18 @@ cudaError_t launch_qkv_norm_rope_store(DType dtype, const QkvNormRopeStoreArgs& 
 cudaError_t launch_qk_norm_rope(DType dtype, const QkNormRopeArgs& args, cudaStream_t stream);
 cudaError_t launch_silu_mul(DType dtype, const SiluMulArgs& args, cudaStream_t stream);
 
+// y[rows, n] = x[rows, k] @ w[n, k]^T for a few rows (``kernels/skinny_linear.cu``).
+constexpr int kSkinnyMaxRows = 8;
+struct SkinnyLinearArgs {
+  const void* x;  // [rows, k], last dimension contiguous
+  int64_t x_stride;
+  const void* w;  // [n, k], last dimension contiguous
+  int64_t w_stride;
+  void* out;  // [rows, n], contiguous
+  int rows;  // 1..kSkinnyMaxRows
+  int k;  // a multiple of 8
+  int64_t n;
+};
+cudaError_t launch_skinny_linear(DType dtype, const SkinnyLinearArgs& args, cudaStream_t stream);
+
 }  // namespace lmpool

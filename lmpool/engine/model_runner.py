@@ -256,9 +256,9 @@ class ModelRunner:
         if all(s.plain_greedy for s in seqs):
             # Greedy rows only: argmax of the model-dtype logits equals the sampler's
             # argmax of their (exact) fp32 cast, without materialising that copy.
-            logits = self.model.compute_logits(hidden, fp32=False)
+            logits = self.model.compute_logits(hidden, fp32=False, ops=self.ops)
             return logits.argmax(dim=-1), finite_rows(logits), None
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, ops=self.ops)
         params = [s.params for s in seqs]
         penalized = apply_penalties(logits, seqs, previous)
         tokens = self.sampler.sample(penalized, params, [s.request_id for s in seqs])

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Iterable, NamedTuple, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmpool.model.config import ModelConfig
@@ -80,6 +79,12 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def project(layer: nn.Linear, x: torch.Tensor, ops: KVOps) -> torch.Tensor:
+    """``layer(x)`` through ``ops.linear`` (a decode step's few rows read each weight once on
+    CUDA); a layer with a bias runs as torch's."""
+    return layer(x) if layer.bias is not None else ops.linear(x, layer.weight)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: YarnScaling | None = None) -> None:
         super().__init__()
@@ -117,9 +122,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # q and k normed per head and rotated; this step's keys and values stored at their slots.
-        q = ops.qkv_norm_rope_store(self.qkv_proj(x), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                    rotary.cos, rotary.sin, positions, k_cache, v_cache, meta.slot_mapping,
-                                    self.num_heads)
+        q = ops.qkv_norm_rope_store(project(self.qkv_proj, x, ops), self.q_norm.weight, self.k_norm.weight,
+                                    self.q_norm.eps, rotary.cos, rotary.sin, positions, k_cache, v_cache,
+                                    meta.slot_mapping, self.num_heads)
         if meta.mixed_decode_rows:
             o = self._mixed_cascade(q, k_cache, v_cache, meta, ops)
         elif meta.is_decode and meta.cascade is not None:
@@ -135,7 +140,7 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, self.scale,
                 meta.key_starts, meta.max_query_len, meta.max_context_len,
             )
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return project(self.o_proj, o.reshape(-1, self.q_size), ops)
 
     def _mixed_cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                        ops: KVOps) -> torch.Tensor:
@@ -156,7 +161,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: KVOps = TORCH_OPS) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return project(self.down_proj, ops.silu_mul(project(self.gate_up_proj, x, ops)), ops)
 
 
 class DecoderLayer(nn.Module):
@@ -204,14 +209,14 @@ class Qwen3ForCausalLM(nn.Module):
             out = layer.mlp(x, ops)
         return self.norm(residual, ops) if out is None else self.norm.after_add(out, residual, ops)[0]
 
-    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True, ops: KVOps = TORCH_OPS) -> torch.Tensor:
         """Logits of ``hidden[R, hidden]``, cast to fp32 unless ``fp32`` is False.
 
         The cast is exact, so the model-dtype logits have the same argmax (greedy
         decoding skips writing and reading a ``[R, vocab]`` fp32 copy).
         """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = ops.linear(hidden, weight)
         return logits.float() if fp32 else logits
 
     # ---- weights ---------------------------------------------------------------

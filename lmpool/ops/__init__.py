@@ -30,6 +30,7 @@ class KVOps:
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul: Callable[..., torch.Tensor]
+    linear: Callable[..., torch.Tensor]
     qkv_norm_rope_store: Callable[..., torch.Tensor]
 
 
@@ -44,6 +45,7 @@ TORCH_OPS = KVOps(
     rms_norm=reference.rms_norm,
     add_rms_norm=reference.add_rms_norm,
     silu_mul=reference.silu_mul,
+    linear=reference.linear,
     qkv_norm_rope_store=reference.qkv_norm_rope_store,
 )
 

@@ -227,6 +227,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(total, weight, eps), total
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A projection without bias, ``x @ weight.T`` (``weight [out, in]``, as ``nn.Linear`` holds it)."""
+    return F.linear(x, weight)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gating of ``gate_up[..., 2 * dim]`` (gate first): ``silu(gate) * up`` in the model
     dtype, each rounded as torch's two ops round."""
