@@ -53,7 +53,6 @@ from benchmarks.stats.policy_order import ORDERS, policy_order, run_order
 from benchmarks.lib.revision import git_record
 from benchmarks.workloads.trace_file import load_trace, trace_name
 from benchmarks.workloads.traces import max_request_tokens
-from lmpool.config.engine import EngineConfig
 from lmpool.worker.loop_stages import LoopStages
 
 # Runs write here unless --json names a file: the committed results change only when asked.
@@ -147,8 +146,6 @@ def finish_arguments(args: argparse.Namespace, pool_blocks: int, name: str) -> a
     args.device = args.device or "cpu"
     if args.world_size is None:
         args.world_size = 4 if args.device == "cuda" else 2
-    if args.cascade_min_saved_tokens is None:  # the engine's default for the device, recorded as such
-        args.cascade_min_saved_tokens = EngineConfig("-", device=args.device).cascade_threshold()
     # Quick mode divides lengths and the block size alike, so prompts keep their block counts.
     defaults = {"block_size": 8 if quick else 256, "reps": 1 if quick else 5,
                 "scale": 1 / 32 if quick else 1.0, "max_tokens": 4 if quick else 32}

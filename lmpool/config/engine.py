@@ -14,9 +14,11 @@ from lmpool.errors import ArgumentTypeError, strict_bool, strict_float, strict_i
 DTYPE_NAMES = ("float32", "float16", "bfloat16")  # the engine's torch dtypes: ``model_runner.DTYPES``
 PREFILL_ATTENTION = ("lmpool", "flash")  # ``EngineConfig.prefill_attention``
 FLASH_BLOCK_MULTIPLE = 256  # FlashAttention 2's paged KV cache takes pages of a multiple of this
-# The key reads a decode step's shared prefixes must save for it to run as a cascade, on CUDA by
-# default: on the H200, 32-48 rows over one shared 16k document decode 8x faster as a cascade.
+# The key reads a decode step's shared prefixes must save for it to run as a cascade, by default
+# where the kernels run: on the H200, 32-48 rows over one shared 16k document decode 8x faster so.
 CASCADE_MIN_SAVED_TOKENS = 65536
+# The head sizes LMPool's CUDA attention kernels are compiled for: Qwen3's 128, and 64.
+KERNEL_HEAD_DIMS = (64, 128)
 
 
 @dataclass
@@ -45,8 +47,9 @@ class EngineConfig:
     # A decode step whose rows share cached prefixes reads each prefix once for all of its rows
     # (cascade attention, ``lmpool.engine.cascade``) when that saves at least this many key
     # reads (with CUDA graphs, a cascade graph of its size when its groups are few). 0: never.
-    # None: ``CASCADE_MIN_SAVED_TOKENS`` on CUDA, 0 on CPU (the torch reference computes a
-    # cascade row by row: a CPU engine gains nothing from one); ``cascade_threshold()``.
+    # None: ``CASCADE_MIN_SAVED_TOKENS`` where LMPool's kernels run in half precision, else 0
+    # (the torch reference computes a cascade row by row: it gains nothing from one); what an
+    # engine plans with is ``cascade_min_saved``'s.
     cascade_min_saved_tokens: int | None = None
     # Attention of the steps that prefill, on CUDA: "lmpool" (LMPool's tensor-core kernel) or
     # "flash" (torch's FlashAttention reading the paged cache through the block tables; blocks
@@ -81,20 +84,6 @@ class EngineConfig:
         utilization = strict_float(self.gpu_memory_utilization, "gpu_memory_utilization")
         if not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-
-    def cascade_threshold(self) -> int:
-        """``cascade_min_saved_tokens`` resolved: its default is on for CUDA engines only."""
-        if self.cascade_min_saved_tokens is not None:
-            return self.cascade_min_saved_tokens
-        return CASCADE_MIN_SAVED_TOKENS if self.device.startswith("cuda") else 0
-
-    def plans_cascades(self) -> bool:
-        """Whether decode steps run shared prefixes as cascades: a threshold, and, on CUDA, a
-        half-precision engine (the kernels read a shared prefix on tensor cores, so an fp32 one on
-        them plans none: ``ModelRunner``; a checkpoint's own dtype is taken to be half, as
-        Qwen3's are) or the torch ops."""
-        fp32_kernels = self.device.startswith("cuda") and self.use_kernels and self.dtype == "float32"
-        return self.cascade_threshold() > 0 and not fp32_kernels
 
     def _check_integers(self) -> None:
         """Every integer setting is an int (not a bool, nor a string of digits) at least its minimum."""
@@ -153,3 +142,17 @@ def check_port(value, what: str) -> int | None:
     if not 0 <= port <= 65535:
         raise ValueError(f"{what} must be a TCP port in [0, 65535] (0: any free one) or None, got {value!r}")
     return port
+
+
+def cascade_min_saved(engine: EngineConfig, dtype: str, head_dim: int) -> int:
+    """The key reads a decode step's shared prefixes must save for the engine to run it as a
+    cascade (0: it never does), given the engine's resolved ``dtype`` name and the model's
+    ``head_dim``: the one rule the engine plans by and the control plane prices by. LMPool's
+    kernels read a shared prefix on tensor cores, so in fp32 they run none; the torch
+    reference computes one row by row, so it runs them only when asked."""
+    kernels = engine.device.startswith("cuda") and engine.use_kernels and head_dim in KERNEL_HEAD_DIMS
+    if kernels and dtype == "float32":
+        return 0
+    if engine.cascade_min_saved_tokens is None:
+        return CASCADE_MIN_SAVED_TOKENS if kernels else 0
+    return engine.cascade_min_saved_tokens

@@ -92,7 +92,7 @@ def assemble(spec: ControlSpec, gbm: GlobalBlockManager, send: Callable[[int, ob
     model = EngineModel(pool.world_size)
     evictions = EvictionMemory(pool.world_size)
     gbm.watch_removed(evictions.removed)
-    pricer = Pricer(gbm, links, model, limits(pool.engine), evictions.reuse)
+    pricer = Pricer(gbm, links, model, limits(pool.engine, spec.cascade_min_saved), evictions.reuse)
     gbm.watch_load(pricer.reported)  # a rank's work is priced as its report lands, not by the next route
     costs = cost_model(spec)
     # A restarted control process must not reuse the plan ids its predecessor's plans hold on
@@ -135,15 +135,17 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
         pending = PendingPrefixes(gbm.world_size, config.pending_ttl_s, gbm.clock)
         gbm.watch_stored(pending.confirm)
         stages.append(CountPending(pending))
-    stages += [Reserve(gbm, pricer.limits.cascades), RecordDemand(gbm, evictions)]
+    stages += [Reserve(gbm, pricer.limits.cascade_min_saved), RecordDemand(gbm, evictions)]
     if chains is not None:
         stages.append(ObserveChains(chains))
     return Router(gbm, links, policy, stages)
 
 
-def limits(engine: EngineConfig) -> Limits:
+def limits(engine: EngineConfig, cascade_min_saved: int = 0) -> Limits:
+    """What the ranks' schedulers allow; ``cascade_min_saved`` as the engines resolve it
+    (``config.engine.cascade_min_saved``, carried by the ``ControlSpec``)."""
     return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens, engine.async_scheduling,
-                  engine.plans_cascades())
+                  cascade_min_saved)
 
 
 def topology(spec: ControlSpec) -> Topology:

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from lmpool.config.engine import DTYPE_NAMES, EngineConfig
+from lmpool.config.engine import DTYPE_NAMES, EngineConfig, cascade_min_saved
 from lmpool.engine.cuda_graphs import DecodeGraphs
 from lmpool.engine.logprobs import (
     PromptSlice,
@@ -52,6 +52,11 @@ def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtyp
     if torch.device(config.device).type == "cpu":
         return torch.float32  # CPU matmuls in half precision are slow and inexact
     return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``DTYPES``' key of ``dtype`` (the configuration's name for it)."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
 
 
 def check_cache_fits(num_blocks: int, block_bytes: int, device: torch.device, utilization: float) -> None:
@@ -132,10 +137,8 @@ class ModelRunner:
             c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device,
         )
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
-        # The kernels read a shared prefix on tensor cores: an fp32 engine on them decodes as
-        # without cascades (``ops.cuda.cascade_decode_attention``), so it plans none.
-        tensor_cores = not self.ops.name.startswith("cuda") or self.dtype in (torch.float16, torch.bfloat16)
-        self.cascade_min_saved = config.cascade_threshold() if tensor_cores else 0
+        # The rule the control plane prices by too (``AsyncLMPool``'s ``ControlSpec``).
+        self.cascade_min_saved = cascade_min_saved(config, dtype_name(self.dtype), c.head_dim)
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
             arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq),

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from lmpool.config.engine import KERNEL_HEAD_DIMS
 from lmpool.ops import reference
 
 
@@ -50,8 +51,6 @@ TORCH_OPS = KVOps(
 )
 
 
-# The head sizes the attention kernels are compiled for: Qwen3's 128, and 64.
-KERNEL_HEAD_DIMS = (64, 128)
 
 
 def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: int | None = None,

@@ -37,6 +37,9 @@ class ControlSpec(msgspec.Struct, kw_only=True):
     board: str | None = None  # the pool-state board to publish on (``state_board``)
     worker_pids: list[int] = []
     kv_bytes_per_block: int = 0  # for the transfer cost model
+    # The key reads the ranks' cascades must save (``config.engine.cascade_min_saved``; 0: none),
+    # for the pricing of a shared prefix read once.
+    cascade_min_saved: int = 0
 
 
 PR_SET_PDEATHSIG = 1

@@ -355,44 +355,48 @@ def branched_after(gbm: GlobalBlockManager, chain: list[int], depth: int) -> Non
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 40), st.integers(0, 50_000), st.integers(1, 30), st.integers(0, 30), st.integers(0, 30),
-       st.integers(1, 64))
+       st.integers(1, 64), st.integers(1, 2000))
 def test_where_ranks_decode_shared_prefixes_once_a_shared_cached_prefix_is_not_a_request_s_own_reading(
-        running, context, blocks, matched, shared, out):
+        running, context, blocks, matched, shared, out, min_saved):
     """With cascades, what a request adds to each decode step is its keys past the cached prefix
     other routed prompts share (read once for the sequences sharing it): its price falls by those
     keys over every step it decodes in and shares, and its time to first token is the same. A
-    cached prefix no other prompt shares (a conversation's own history) it reads alone: no fall."""
+    cached prefix no other prompt shares (a conversation's own history) it reads alone: no fall;
+    nor where the sequences there could not save a cascade's worth of key reads with it."""
     prices = {}
     chain = list(range(blocks))
     depth = min(shared, blocks)
-    for cascades in (False, True):
+    for threshold in (0, min_saved):
         gbm = one_rank(LoadReport(num_running=running, context_tokens=context, decode_tokens_left=8 * running,
                                   blocks_free=2000))
         branched_after(gbm, chain, depth)
-        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, cascades),
+        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, threshold),
                         lambda rank: 0.5)
         query = RouteQuery("q", chain, blocks * 16 + 3, out)
-        prices[cascades] = pricer.price(query, 0, min(matched, blocks), 0.0, None)
-    plain, cascaded = prices[False], prices[True]
-    read_once = min(plain.matched, depth) * 16
+        prices[threshold] = pricer.price(query, 0, min(matched, blocks), 0.0, None)
+    plain, cascaded = prices[0], prices[min_saved]
+    read_once = min(plain.matched, depth) * 16 if depth * 16 * running >= min_saved else 0
     overlap = min(running * (out - 1), 8 * running)
     assert cascaded.ttft_s == plain.ttft_s
     assert plain.total_s - cascaded.total_s == pytest.approx(COEF.context_token * read_once * (out - 1 + overlap))
 
 
-@pytest.mark.parametrize("cascades, depth, context", [(False, 4, 5 * 16 + 3), (True, 4, 16 + 3), (True, 2, 3 * 16 + 3),
-                                                      (True, 0, 5 * 16 + 3)])
-def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_keys_as_context(cascades, depth,
+@pytest.mark.parametrize("min_saved, depth, context", [(0, 4, 5 * 16 + 3), (128, 4, 16 + 3), (64, 2, 3 * 16 + 3),
+                                                       (128, 2, 5 * 16 + 3), (128, 0, 5 * 16 + 3),
+                                                       (129, 4, 5 * 16 + 3)])
+def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_keys_as_context(min_saved, depth,
                                                                                                context):
-    """Its context is its prompt less the cached prefix other prompts share (4 of its 5 blocks cached)."""
+    """Its context is its prompt less the cached prefix other prompts share (4 of its 5 blocks
+    cached), where the 2 sequences running there could save a cascade's worth with it (its
+    shared keys each: 128 key reads at a depth of 4 blocks, 64 at 2)."""
     from lmpool.control.routing.reserve import Reserve
     from lmpool.control.routing.route import Route
 
-    gbm = one_rank(LoadReport(blocks_free=100))
+    gbm = one_rank(LoadReport(num_running=2, blocks_free=100))
     branched_after(gbm, list(range(5)), depth)
     query = RouteQuery("q", list(range(5)), 5 * 16 + 3, 8)
     route = Route(query, None, (0,), [4], [4], rank=0)
-    Reserve(gbm, cascades).record(route)
+    Reserve(gbm, min_saved).record(route)
     assert gbm.ranks[0].reserved.context == context
 
 
@@ -407,7 +411,7 @@ def test_a_pull_s_floor_is_below_the_price_of_serving_at_its_depth(running, cont
 
     gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
                               decode_tokens_left=16 * running, blocks_free=100_000))
-    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, TRUE), Limits(16, 256, 8192, True, cascades),
+    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, TRUE), Limits(16, 256, 8192, True, 16 * cascades),
                     lambda rank: 0.5)
     query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
     usable = pricer.terms(query).usable

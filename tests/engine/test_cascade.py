@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmpool.config import EngineConfig
-from lmpool.config.engine import CASCADE_MIN_SAVED_TOKENS
-from lmpool.control.build import limits
+from lmpool.config.engine import CASCADE_MIN_SAVED_TOKENS, cascade_min_saved
 from lmpool.engine.cascade import GRAPH_GROUPS, plan_cascade
 from lmpool.engine.core import EngineCore
 from lmpool.engine.sequence import Sequence
@@ -72,20 +71,36 @@ def test_no_plan_below_its_threshold_or_when_off():
     assert plan_cascade(tables, lens, BLOCK, 0) is None
 
 
-@pytest.mark.parametrize("kw, threshold, plans", [
-    ({}, 0, False),  # a CPU engine: the torch reference gains nothing from a cascade
-    ({"device": "cuda"}, CASCADE_MIN_SAVED_TOKENS, True),
-    ({"device": "cuda:1", "dtype": "bfloat16"}, CASCADE_MIN_SAVED_TOKENS, True),
-    ({"device": "cuda", "dtype": "float32"}, CASCADE_MIN_SAVED_TOKENS, False),  # the kernels cascade on tensor cores
-    ({"device": "cuda", "dtype": "float32", "use_kernels": False}, CASCADE_MIN_SAVED_TOKENS, True),
-    ({"device": "cuda", "cascade_min_saved_tokens": 0}, 0, False),
-    ({"cascade_min_saved_tokens": 16}, 16, True),
+@pytest.mark.parametrize("kw, dtype, head_dim, threshold", [
+    ({}, "float32", 128, 0),  # a CPU engine: the torch reference gains nothing from a cascade
+    ({"device": "cuda"}, "bfloat16", 128, CASCADE_MIN_SAVED_TOKENS),
+    ({"device": "cuda:1"}, "float16", 64, CASCADE_MIN_SAVED_TOKENS),
+    ({"device": "cuda"}, "float32", 128, 0),  # the kernels cascade on tensor cores only
+    ({"device": "cuda", "cascade_min_saved_tokens": 16}, "float32", 128, 0),
+    ({"device": "cuda", "use_kernels": False}, "bfloat16", 128, 0),  # the torch ops: only when asked
+    ({"device": "cuda"}, "bfloat16", 96, 0),  # a head size the kernels lack runs the torch ops
+    ({"device": "cuda", "use_kernels": False, "cascade_min_saved_tokens": 16}, "float32", 128, 16),
+    ({"device": "cuda", "cascade_min_saved_tokens": 0}, "bfloat16", 128, 0),
+    ({"cascade_min_saved_tokens": 16}, "float32", 128, 16),
 ])
-def test_cascades_are_on_by_default_where_the_kernels_run_them_and_the_pricing_agrees(kw, threshold, plans):
-    engine = EngineConfig("model", **kw)
-    assert engine.cascade_threshold() == threshold
-    assert engine.plans_cascades() is plans
-    assert limits(engine).cascades is plans  # the control plane prices a shared prefix as read once
+def test_cascades_are_on_by_default_where_the_kernels_run_them_in_half_precision(kw, dtype, head_dim, threshold):
+    assert cascade_min_saved(EngineConfig("model", **kw), dtype, head_dim) == threshold
+
+
+@pytest.mark.parametrize("kw", [{}, {"cascade_min_saved_tokens": 16}, {"cascade_min_saved_tokens": 0}])
+def test_an_engine_plans_cascades_by_the_threshold_its_pool_prices_by(tiny_model, kw):
+    """The runner plans with what the pool's control plane is told (``ControlSpec``)."""
+    from types import SimpleNamespace
+
+    from lmpool.config.pool import PoolConfig
+    from lmpool.frontend.client import PoolClient
+    from lmpool.model.config import ModelConfig
+
+    engine = EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=16, **kw)
+    pool = SimpleNamespace(config=PoolConfig(engine=engine, world_size=1),
+                           model_config=ModelConfig.from_pretrained(tiny_model))
+    core = EngineCore(engine)
+    assert core.runner.cascade_min_saved == PoolClient.cascade_min_saved(pool) == kw.get("cascade_min_saved_tokens", 0)
 
 
 def placed(name: str, table: list[int], length: int, computed: int, block_size: int = BLOCK) -> Sequence:

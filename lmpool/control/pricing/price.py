@@ -102,9 +102,10 @@ class Limits(NamedTuple):
     max_num_seqs: int
     max_num_batched_tokens: int
     overlapped: bool = True  # ``EngineConfig.async_scheduling``: a step is launched before the last is read
-    # ``EngineConfig.plans_cascades()``: a decode step reads a prefix its sequences
-    # share once (``lmpool.engine.cascade``), so a request's cached prefix is not its own reading
-    cascades: bool = False
+    # The key reads a decode step's shared prefixes must save for the ranks to read them once
+    # (``lmpool.engine.cascade``; ``config.engine.cascade_min_saved``, 0: never): where enough
+    # sequences share it, a request's cached shared prefix is not its own reading.
+    cascade_min_saved: int = 0
 
 
 class QueryTerms(msgspec.Struct, frozen=True, gc=False):
@@ -155,7 +156,7 @@ class Pricer:
         self.topology = topology
         self.model = model
         self.limits = limits
-        self._cascades = limits.cascades  # read by every candidate's price
+        self._cascades = limits.cascade_min_saved > 0  # read by every route's terms
         self.reuse = reuse  # a rank's measured reuse of what it evicts
         self._work: list[RankWork | None] = [None] * table.world_size  # by rank (``work``)
 
@@ -261,7 +262,9 @@ class Pricer:
             if room_s > start:
                 start = room_s
         ttft = start + prefill + seat + busy
-        mine = decode_seq + context_token * (q.span - (cached if cached < q.shared else q.shared))
+        # A shared prefix is read once only where the sequences there could save a cascade's worth.
+        shared = q.shared if q.shared * n >= self.limits.cascade_min_saved else 0
+        mine = decode_seq + context_token * (q.span - (cached if cached < shared else shared))
         overlap = n * (out - 1)
         if overlap > left:
             overlap = left

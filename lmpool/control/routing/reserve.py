@@ -6,8 +6,9 @@ its context and the tokens it will decode, and the new blocks it needs capped at
 rank has left, so reservations never promise capacity a rank did not report. A request that
 waits on a pull reserves its work deferred: it starts only once the pull ends. Where the ranks
 decode shared prefixes once (cascades), its context is what it reads on its own: its prompt
-less the prefix it found cached there that other routed prompts share too (``Limits.cascades``;
-the pricing's ``QueryTerms.shared``).
+less the prefix it found cached there that other routed prompts share too, where the sequences
+in flight there could save a cascade's worth with it (``Limits.cascade_min_saved``; the
+pricing's ``QueryTerms.shared``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from lmpool.control.routing.route import Route, RouteStage
 
 
 class Reserve(RouteStage):
-    def __init__(self, gbm: GlobalBlockManager, cascades: bool = False) -> None:
+    def __init__(self, gbm: GlobalBlockManager, cascade_min_saved: int = 0) -> None:
         self.gbm = gbm
-        self.cascades = cascades
+        self.cascade_min_saved = cascade_min_saved  # 0: the ranks run no cascades
 
     def record(self, route: Route) -> None:
         query, rank = route.query, route.rank
@@ -28,7 +29,11 @@ class Reserve(RouteStage):
         blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))
         prompt = query.num_prompt_tokens
         # With cascades, the prefix other prompts share is read once there: not this request's own.
-        shared = self.gbm.branched_depth(query.block_hashes) * self.gbm.block_size if self.cascades else 0
+        shared = 0
+        if self.cascade_min_saved:
+            shared = self.gbm.branched_depth(query.block_hashes) * self.gbm.block_size
+            if shared * self.gbm.ranks[rank].in_flight_seqs < self.cascade_min_saved:
+                shared = 0
         context = prompt - min(prompt - missing, shared)
         self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing), context,
                          max(1, query.max_tokens), route.waits_on_pull)

@@ -90,7 +90,7 @@ class PullPricer:
             if r not in partners:
                 continue
             w = work(r)  # read once for its floor, its step and its price
-            if _least(w, serving.get(r), prompt, cached, terms.out, pricer.limits.cascades) >= bound:
+            if _least(w, serving.get(r), prompt, cached, terms.out, pricer.limits.cascade_min_saved > 0) >= bound:
                 continue  # no copy, however fast, makes it the cheapest: skip its estimate
             in_flight = infos[r].in_flight
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):

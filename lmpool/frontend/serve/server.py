@@ -58,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     p.add_argument("--cascade-min-saved-tokens", type=int,
                    help="decode rows sharing cached prefixes read them once when that saves this many key reads "
-                        "(default: 65536 on CUDA, 0 (never) on CPU)")
+                        "(default: 65536 where the CUDA kernels run in half precision, else 0: never)")
     p.add_argument("--prefill-attention", choices=["lmpool", "flash"],
                    help="attention of the steps that prefill: LMPool's kernel (default) or torch's FlashAttention "
                         "over the paged cache (blocks of a multiple of 256)")
