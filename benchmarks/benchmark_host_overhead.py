@@ -90,7 +90,7 @@ class StubModel:
             self.hidden = torch.zeros(n, self.hidden_size)
         return self.hidden[:n]
 
-    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True, ops: object = None) -> torch.Tensor:
         n = hidden.shape[0]
         if self.logits.shape[0] < n:
             self.logits = self.logits_table.repeat(n, 1)

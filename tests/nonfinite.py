@@ -27,8 +27,8 @@ def poisoning(sample_checked, value: float = float("nan")):
             return sample_checked(runner, hidden, seqs, *rest)
         compute = runner.model.compute_logits
 
-        def compute_logits(h, fp32=True):
-            logits = compute(h, fp32=fp32)
+        def compute_logits(h, fp32=True, **ops):
+            logits = compute(h, fp32=fp32, **ops)
             logits[rows, 5] = value  # one entry is enough: a row must be finite throughout
             return logits
 
