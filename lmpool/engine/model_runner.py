@@ -137,7 +137,7 @@ class ModelRunner:
             c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device,
         )
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
-        # The rule the control plane prices by too (``AsyncLMPool``'s ``ControlSpec``).
+        # The rule the control plane prices by too (``PoolClient.cascade_min_saved``).
         self.cascade_min_saved = cascade_min_saved(config, dtype_name(self.dtype), c.head_dim)
         self.inputs = StepInputBuilder(
             self.device, self.block_size,

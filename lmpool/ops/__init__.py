@@ -1,5 +1,5 @@
-"""KV-cache operations (and the model's fused norms) behind one interface, backed by torch or
-by LMPool's CUDA kernels.
+"""KV-cache operations (and the model's fused norms and projections) behind one interface,
+backed by torch or by LMPool's CUDA kernels.
 
 ``get_backend(device)`` returns a ``KVOps`` whose functions all follow the layouts
 documented in ``lmpool.ops.reference``. The torch reference is the CPU path and the
