@@ -53,6 +53,9 @@ from benchmarks.stats.policy_order import ORDERS, policy_order, run_order
 from benchmarks.lib.revision import git_record
 from benchmarks.workloads.trace_file import load_trace, trace_name
 from benchmarks.workloads.traces import max_request_tokens
+from lmpool.config.engine import EngineConfig, cascade_min_saved
+from lmpool.engine.model_runner import dtype_name, resolve_dtype
+from lmpool.model.config import ModelConfig
 from lmpool.worker.loop_stages import LoopStages
 
 # Runs write here unless --json names a file: the committed results change only when asked.
@@ -219,8 +222,6 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 
 def vocab_size(args: argparse.Namespace) -> int:
-    from lmpool.model.config import ModelConfig
-
     return ModelConfig.from_pretrained(resolve_model(args)).vocab_size
 
 
@@ -340,6 +341,15 @@ class Progress:
 
 
 # ---- runs ------------------------------------------------------------------------------
+
+def planned_cascades(args: argparse.Namespace, model: str) -> int:
+    """The key reads the pools' engines run cascades at (0: none), as the engines resolve
+    ``--cascade-min-saved-tokens`` with their dtype (``config.engine.cascade_min_saved``)."""
+    config = ModelConfig.from_pretrained(model)
+    engine = EngineConfig(model, device=args.device, dtype=args.dtype,
+                          cascade_min_saved_tokens=args.cascade_min_saved_tokens)
+    return cascade_min_saved(engine, dtype_name(resolve_dtype(engine, config)), config.head_dim)
+
 
 def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) -> dict:
     kw = {"block_size": args.block_size, "num_kv_blocks": setting.kv_blocks, "max_num_seqs": args.max_num_seqs,
@@ -527,7 +537,7 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
         "benchmark": benchmark,
         "metadata": {
             "command": [_portable(a) for a in sys.argv],
-            "config": config | {"max_model_len": max_model_len},
+            "config": config | {"max_model_len": max_model_len, "cascade_min_saved": planned_cascades(args, model)},
             "model": model_record(model, args.preset if args.preset_given or not args.model else None),
             **environment(args.device),
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -156,6 +156,7 @@ def check_order_and_settings(data: dict) -> None:
 
     names = list(data["policies"])
     assert data["metadata"]["config"]["order"] == "williams"
+    assert data["metadata"]["config"]["cascade_min_saved"] == 0  # what CPU engines plan: none
     for rep, order in data["orders"].items():
         assert order == run_order(names, int(rep))
     for r in data["runs"]:
