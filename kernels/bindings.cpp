@@ -677,10 +677,10 @@ bool skinny_linear_fits(const at::Tensor& x, const at::Tensor& w) {
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(skinny_linear_fits(x, w), "skinny_linear takes x [1..", kSkinnyMaxRows, ", k] and w [n, k] of one ",
-              "half dtype on one CUDA device, k a multiple of 8, rows contiguous and 16-byte aligned; got x ",
-              shape(x.sizes()), " ", x.scalar_type(), " strides ", shape(x.strides()), ", w ", shape(w.sizes()), " ",
-              w.scalar_type(), " strides ", shape(w.strides()));
+  TORCH_CHECK(skinny_linear_fits(x, w), "skinny_linear takes x [1..", num(kSkinnyMaxRows), ", k] and w [n, k] of ",
+              "one half dtype on one CUDA device, k a multiple of 8, rows contiguous and 16-byte aligned; got x ",
+              shape(x.sizes()), " ", dtype_name(x), " strides ", shape(x.strides()), ", w ", shape(w.sizes()), " ",
+              dtype_name(w), " strides ", shape(w.strides()));
   auto out = at::empty({x.size(0), w.size(0)}, x.options());
   if (out.numel() == 0) return out;
   const c10::cuda::CUDAGuard guard(x.device());

@@ -243,8 +243,12 @@ class ModelRunner:
             seq, start = batch.seqs[i], batch.seqs[i].num_computed_tokens
             count = prompt_targets(seq, start, batch.num_tokens[i])
             if count:
-                slices.append(prompt_logprobs(self.model.compute_logits, hidden, seq, rows[i], start, count))
+                slices.append(prompt_logprobs(self._logits, hidden, seq, rows[i], start, count))
         return slices
+
+    def _logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """``compute_logits`` through this runner's ops, for sampled tokens and prompt logprobs alike."""
+        return self.model.compute_logits(hidden, fp32=fp32, ops=self.ops)
 
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Next token of each row of ``hidden`` (one per sequence of ``seqs``), left on the device."""
@@ -259,9 +263,9 @@ class ModelRunner:
         if all(s.plain_greedy for s in seqs):
             # Greedy rows only: argmax of the model-dtype logits equals the sampler's
             # argmax of their (exact) fp32 cast, without materialising that copy.
-            logits = self.model.compute_logits(hidden, fp32=False, ops=self.ops)
+            logits = self._logits(hidden, fp32=False)
             return logits.argmax(dim=-1), finite_rows(logits), None
-        logits = self.model.compute_logits(hidden, ops=self.ops)
+        logits = self._logits(hidden)
         params = [s.params for s in seqs]
         penalized = apply_penalties(logits, seqs, previous)
         tokens = self.sampler.sample(penalized, params, [s.request_id for s in seqs])

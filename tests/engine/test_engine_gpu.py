@@ -64,6 +64,20 @@ def test_gpu_torch_reference_path_equals_kernels(tiny_model, cpu_tokens):
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == cpu_tokens
 
 
+def test_gpu_bf16_kernels_decode_as_the_torch_ops_do(tiny_model):
+    """Each decode step of 8 rows or fewer runs every projection and the output projection
+    through the skinny linear kernel (the prompt's steps through cuBLAS): a bf16 engine on the
+    kernels gives the torch ops' first two tokens, give or take a near tie (a rounding apart)."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    firsts = []
+    for use_kernels in (True, False):
+        with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=BLOCK, use_kernels=use_kernels) as llm:
+            assert llm.engine.runner.ops.name == ("cuda" if use_kernels else "torch")
+            firsts.append([o.token_ids for o in llm.generate(prompts(8), params)])
+    kernels, torch_ops = firsts
+    assert sum(a == b for a, b in zip(kernels, torch_ops)) >= len(kernels) - 1
+
+
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_gpu_bf16_runs_with_preemption(tiny_model, block_size):
     with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=block_size, num_kv_blocks=8 if block_size == 16 else 3) as llm:

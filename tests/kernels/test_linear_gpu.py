@@ -39,7 +39,7 @@ def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", HALVES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (1001, 8), (7, 1000), (151936, 1024)])
 def test_skinny_linear_is_the_exact_sum_rounded(dtype, rows, n, k):
     gen = torch.Generator(device="cuda").manual_seed(rows * 7 + k)
@@ -52,19 +52,30 @@ def test_skinny_linear_is_the_exact_sum_rounded(dtype, rows, n, k):
     check(cuda.linear(x, w), x, w)
 
 
-@pytest.mark.parametrize("case", ["nine_rows", "fp32", "unaligned", "odd_k", "three_dims"])
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_a_weight_sliced_out_of_a_larger_one_is_read_by_its_own_row_stride(rows):
+    """Rows of a wider weight, from an offset: the kernel steps by the weight's stride, not k."""
+    k, n = 1024, 1001
+    big = (torch.randn(n + 3, k + 64, device="cuda") / k**0.5).to(torch.bfloat16)
+    w = big[3:, 32:32 + k]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    poisoned()
+    check(cuda.load_extension().skinny_linear(x, w), x, w)
+
+
+@pytest.mark.parametrize("case", ["nine_rows", "fp32", "unaligned", "odd_k", "three_dims_ten_rows"])
 def test_linear_sends_what_the_kernel_does_not_take_to_cublas(case):
     """Each such input gives ``F.linear``'s own bits: the kernel never saw it."""
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
     rows, k = (9 if case == "nine_rows" else 4), (1004 if case == "odd_k" else 1024)
     base = torch.randn(rows * k + 1, device="cuda").to(dtype)
     x = base[1:].view(rows, k) if case == "unaligned" else base[:-1].view(rows, k)
-    if case == "three_dims":
+    if case == "three_dims_ten_rows":
         x = torch.randn(2, 5, k, device="cuda", dtype=dtype)
     w = torch.randn(384, k, device="cuda", dtype=dtype)
     out = cuda.linear(x, w)
     assert torch.equal(out, F.linear(x, w))
-    if case != "three_dims":
+    if case != "three_dims_ten_rows":
         with pytest.raises(RuntimeError, match="skinny_linear takes"):
             cuda.load_extension().skinny_linear(x, w)
 
@@ -95,5 +106,7 @@ def test_a_row_s_result_does_not_depend_on_the_rows_beside_it():
     w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
     ext = cuda.load_extension()
-    assert torch.equal(ext.skinny_linear(x[:3], w), ext.skinny_linear(x[:4], w)[:3])
-    assert torch.equal(ext.skinny_linear(x[:3], w), ext.skinny_linear(x, w)[:3])
+    alone = [ext.skinny_linear(x[i:i + 1], w) for i in range(8)]
+    for rows in range(2, 9):
+        together = ext.skinny_linear(x[:rows], w)
+        assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows)), f"{rows} rows"
