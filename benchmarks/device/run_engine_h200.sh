@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The engine's kernels on one H200, in steps that each fit one device call (at most 10 minutes):
-#   check     build the kernels, then the GPU tests of what no H200 has run yet (decode splits,
-#             cascade decode in decode and mixed steps, the norm / rotation / gating fusions,
-#             FlashAttention prefill); about 6 minutes with a cold kernel build
-#   kernels   the kernel benchmark's decode, split, cascade and prefill cases (LMPool's kernels
-#             beside torch's FlashAttention on the same paged cache); about 3 minutes
+#   check     build the kernels, then the GPU tests of what no H200 has run yet (the skinny
+#             linear kernel first, then decode splits, cascade decode in decode and mixed steps,
+#             the norm / rotation / gating fusions, FlashAttention prefill, the engine's tests);
+#             about 7 minutes with a cold kernel build
+#   kernels   the kernel benchmark's linear, decode, split, cascade and prefill cases (LMPool's
+#             kernels beside cuBLAS and torch's FlashAttention on the same inputs); about 3 minutes
 #   decode    profile_decode: a step at 1, 8 and 64 sequences of 2,048 tokens with the fused ops
 #             against torch's (issue: 2x at 1 and 8), and one shared 16k document as a replica of
 #             4 under MPS decodes it, cascades off and on; about 5 minutes
@@ -36,12 +37,13 @@ PRESET=(--preset 0.6b --device cuda --dtype bfloat16)
 for step in ${*:-check}; do
   case $step in
     check)
+      part linear_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_gpu.py
       part kernel_tests 170 python3 -m pytest --noconftest -q -p no:cacheprovider tests/kernels/test_kernels_gpu.py \
         tests/kernels/test_norm_rope_gpu.py -k "decode or split or cascade or norm or silu or qkv or flash"
-      part engine_tests 170 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py ;;
+      part engine_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py ;;
     kernels)
       LMPOOL_BENCH_JSON=$OUT/kernels.json part kernel_bench 240 python3 -m pytest --noconftest -q -s \
-        -p no:cacheprovider benchmarks/test_bench_kernels.py -k "decode or cascade or prefill" ;;
+        -p no:cacheprovider benchmarks/test_bench_kernels.py -k "linear or decode or cascade or prefill" ;;
     decode)
       part decode_fusions 120 python3 -m tools.diagnostics.profile_decode "${PRESET[@]}" --batches 1,8,64 \
         --context 2048 --paths overlapped --norms torch,fused --json "$OUT/decode_fusions.json"
