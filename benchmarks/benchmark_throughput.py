@@ -51,6 +51,7 @@ from benchmarks.lib.revision import git_revision
 from lmpool import LLM, SamplingParams
 from lmpool.model.config import ModelConfig
 from lmpool.model.make_model import make_model
+from lmpool.ops.cuda import flash_paged_unavailable
 
 
 def workload(num_seqs: int, lo_in: int, hi_in: int, lo_out: int, hi_out: int, vocab: int, seed: int):
@@ -77,18 +78,16 @@ def run_prefill(model: str, args) -> list[dict]:
     longest = max(new + cached for new, cached in cases)
     rows = []
     for attention in args.prefill_attention.split(","):
-        try:
-            llm = LLM(
-                model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
-                enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops, prefill_attention=attention,
-            )
-        except ValueError as e:  # FlashAttention without paged caches in this torch: the row says so
-            if attention != "flash" or "lacks" not in str(e):
-                raise
-            print(f"{attention}: unavailable: {e}")
-            rows.append({"attention": attention, "unavailable": str(e)})
+        unavailable = attention == "flash" and args.device.startswith("cuda") and flash_paged_unavailable()
+        if unavailable:  # FlashAttention without paged caches in this torch: the row says so
+            print(f"{attention}: unavailable: {unavailable}")
+            rows.append({"attention": attention, "unavailable": unavailable})
             continue
+        llm = LLM(
+            model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
+            enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops, prefill_attention=attention,
+        )
         try:
             llm.generate([[1] * min(longest, 64)], SamplingParams(temperature=0, max_tokens=1))  # warm-up
             measured = prefill_rate.measure(llm, cases, args.prefill_reps, args.seed)

@@ -53,8 +53,8 @@ from benchmarks.stats.policy_order import ORDERS, policy_order, run_order
 from benchmarks.lib.revision import git_record
 from benchmarks.workloads.trace_file import load_trace, trace_name
 from benchmarks.workloads.traces import max_request_tokens
-from lmpool.config.engine import EngineConfig, cascade_min_saved
-from lmpool.engine.model_runner import dtype_name, resolve_dtype
+from lmpool.config.engine import EngineConfig
+from lmpool.engine.model_runner import planned_cascades
 from lmpool.model.config import ModelConfig
 from lmpool.worker.loop_stages import LoopStages
 
@@ -345,10 +345,9 @@ class Progress:
 def planned_cascades(args: argparse.Namespace, model: str) -> int:
     """The key reads the pools' engines run cascades at (0: none), as the engines resolve
     ``--cascade-min-saved-tokens`` with their dtype (``config.engine.cascade_min_saved``)."""
-    config = ModelConfig.from_pretrained(model)
     engine = EngineConfig(model, device=args.device, dtype=args.dtype,
                           cascade_min_saved_tokens=args.cascade_min_saved_tokens)
-    return cascade_min_saved(engine, dtype_name(resolve_dtype(engine, config)), config.head_dim)
+    return planned_cascades(engine, ModelConfig.from_pretrained(model))
 
 
 def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) -> dict:

@@ -700,7 +700,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
 // A linear layer without bias: the skinny kernel where it fits (a decode step's few rows), else
 // cuBLAS (at::linear); x [..., k] keeps its leading shape.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
-  if (x.dim() == 2 && skinny_linear_fits(x, w)) return skinny_linear(x, w);
+  if (skinny_linear_fits(x, w)) return skinny_linear(x, w);
   return at::linear(x, w);
 }
 

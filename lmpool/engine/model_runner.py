@@ -59,6 +59,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
+def planned_cascades(config: EngineConfig, model_config: ModelConfig) -> int:
+    """``config.engine.cascade_min_saved`` for an engine of ``config`` running this model: what
+    its runner plans with and, through the ``ControlSpec``, what its pool prices with."""
+    return cascade_min_saved(config, dtype_name(resolve_dtype(config, model_config)), model_config.head_dim)
+
+
 def check_cache_fits(num_blocks: int, block_bytes: int, device: torch.device, utilization: float) -> None:
     """Refuse, saying why and what to change, a KV cache the device cannot hold: what it has
     free once torch has handed back what it keeps cached. ``gpu_memory_utilization`` is a
@@ -137,8 +143,7 @@ class ModelRunner:
             c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device,
         )
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
-        # The rule the control plane prices by too (``PoolClient.cascade_min_saved``).
-        self.cascade_min_saved = cascade_min_saved(config, dtype_name(self.dtype), c.head_dim)
+        self.cascade_min_saved = planned_cascades(config, model_config)  # what the pool prices with
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
             arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq),

@@ -32,11 +32,10 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from lmpool.config.engine import cascade_min_saved
 from lmpool.config.pool import PoolConfig
 from lmpool.config.transfer_profile import TransferProfile
 from lmpool.engine.hashing import chain_hashes
-from lmpool.engine.model_runner import dtype_name, resolve_dtype
+from lmpool.engine.model_runner import planned_cascades, resolve_dtype
 from lmpool.engine.validation import check_prompt, check_wire_size, validate_request
 from lmpool.errors import ArgumentTypeError, strict_bool
 from lmpool.frontend import launcher as process
@@ -241,7 +240,7 @@ class PoolClient:
             pool_id=self.ipc.pool_id, owner_pid=self.ipc.owner_pid, started_at=self.started_at,
             board=self.board, worker_pids=[r.proc.pid for r in self.ranks],
             transfers=self.rendezvous is not None, kv_bytes_per_block=self.kv_bytes_per_block(),
-            cascade_min_saved=self.cascade_min_saved(),
+            cascade_min_saved=planned_cascades(self.config.engine_of(0), self.model_config),
         )
         self.control_proc = process.spawn("lmpool.control.main", spec)
         self._control_channel = Channel(link.a, object)
@@ -256,13 +255,6 @@ class PoolClient:
         """KV bytes of one block on a rank (the transfer cost model's unit)."""
         dtype = resolve_dtype(self.config.engine_of(0), self.model_config)
         return self.model_config.kv_bytes_per_block(self.block_size, dtype)
-
-    def cascade_min_saved(self) -> int:
-        """The key reads a decode step's shared prefixes must save for the ranks to run it as a
-        cascade (0: never), as their engines decide it (``config.engine.cascade_min_saved``)."""
-        engine = self.config.engine_of(0)
-        dtype = dtype_name(resolve_dtype(engine, self.model_config))
-        return cascade_min_saved(engine, dtype, self.model_config.head_dim)
 
     async def _restart_control(self, failed: Requester) -> None:
         """Start a new control process unless another task already replaced ``failed``."""

@@ -90,17 +90,15 @@ def test_cascades_are_on_by_default_where_the_kernels_run_them_in_half_precision
 @pytest.mark.parametrize("kw", [{}, {"cascade_min_saved_tokens": 16}, {"cascade_min_saved_tokens": 0}])
 def test_an_engine_plans_cascades_by_the_threshold_its_pool_prices_by(tiny_model, kw):
     """The runner plans with what the pool's control plane is told (``ControlSpec``)."""
-    from types import SimpleNamespace
-
     from lmpool.config.pool import PoolConfig
-    from lmpool.frontend.client import PoolClient
+    from lmpool.engine.model_runner import planned_cascades
     from lmpool.model.config import ModelConfig
 
     engine = EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=16, **kw)
-    pool = SimpleNamespace(config=PoolConfig(engine=engine, world_size=1),
-                           model_config=ModelConfig.from_pretrained(tiny_model))
+    spec_engine = PoolConfig(engine=engine, world_size=1).engine_of(0)  # what PoolClient sends in its ControlSpec
     core = EngineCore(engine)
-    assert core.runner.cascade_min_saved == PoolClient.cascade_min_saved(pool) == kw.get("cascade_min_saved_tokens", 0)
+    assert (core.runner.cascade_min_saved == planned_cascades(spec_engine, ModelConfig.from_pretrained(tiny_model))
+            == kw.get("cascade_min_saved_tokens", 0))
 
 
 def placed(name: str, table: list[int], length: int, computed: int, block_size: int = BLOCK) -> Sequence:

@@ -108,6 +108,13 @@ class Limits(NamedTuple):
     cascade_min_saved: int = 0
 
 
+def read_once(shared: int, sequences: int, cascade_min_saved: int) -> int:
+    """Of a request's ``shared`` cached prefix tokens, those its rank reads once for it: all of them
+    where the ``sequences`` in flight there could save a cascade's worth of key reads with it
+    (``Limits.cascade_min_saved``), else none."""
+    return shared if shared * sequences >= cascade_min_saved else 0
+
+
 class QueryTerms(msgspec.Struct, frozen=True, gc=False):
     """What pricing reads of a request, the same on every rank: computed once per route
     (``Pricer.terms``), not once per candidate."""
@@ -262,7 +269,7 @@ class Pricer:
             if room_s > start:
                 start = room_s
         ttft = start + prefill + seat + busy
-        # A shared prefix is read once only where the sequences there could save a cascade's worth.
+        # ``read_once(q.shared, n, ...)``, inlined as the rest of this function is.
         shared = q.shared if q.shared * n >= self.limits.cascade_min_saved else 0
         mine = decode_seq + context_token * (q.span - (cached if cached < shared else shared))
         overlap = n * (out - 1)

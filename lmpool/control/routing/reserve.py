@@ -14,7 +14,7 @@ pricing's ``QueryTerms.shared``).
 from __future__ import annotations
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import attention_pairs, request_shape
+from lmpool.control.pricing.price import attention_pairs, read_once, request_shape
 from lmpool.control.routing.route import Route, RouteStage
 
 
@@ -31,9 +31,8 @@ class Reserve(RouteStage):
         # With cascades, the prefix other prompts share is read once there: not this request's own.
         shared = 0
         if self.cascade_min_saved:
-            shared = self.gbm.branched_depth(query.block_hashes) * self.gbm.block_size
-            if shared * self.gbm.ranks[rank].in_flight_seqs < self.cascade_min_saved:
-                shared = 0
+            shared = read_once(self.gbm.branched_depth(query.block_hashes) * self.gbm.block_size,
+                               self.gbm.ranks[rank].in_flight_seqs, self.cascade_min_saved)
         context = prompt - min(prompt - missing, shared)
         self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing), context,
                          max(1, query.max_tokens), route.waits_on_pull)
