@@ -342,7 +342,7 @@ class Progress:
 
 # ---- runs ------------------------------------------------------------------------------
 
-def planned_cascades(args: argparse.Namespace, model: str) -> int:
+def cascade_record(args: argparse.Namespace, model: str) -> int:
     """The key reads the pools' engines run cascades at (0: none), as the engines resolve
     ``--cascade-min-saved-tokens`` with their dtype (``config.engine.cascade_min_saved``)."""
     engine = EngineConfig(model, device=args.device, dtype=args.dtype,
@@ -536,7 +536,7 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
         "benchmark": benchmark,
         "metadata": {
             "command": [_portable(a) for a in sys.argv],
-            "config": config | {"max_model_len": max_model_len, "cascade_min_saved": planned_cascades(args, model)},
+            "config": config | {"max_model_len": max_model_len, "cascade_min_saved": cascade_record(args, model)},
             "model": model_record(model, args.preset if args.preset_given or not args.model else None),
             **environment(args.device),
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
