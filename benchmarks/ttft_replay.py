@@ -12,8 +12,12 @@ request that waited on that pull is answered once the copy lands, so ``dispatch_
 wait and it is measured from then, against a replayed price without the wait. Printed per
 run: the share of requests whose priced time is within 25 % of the measured time from the route
 to the first token, and the median priced / measured, for the recorded prices and the replay.
+The replay models neither cascade decode (every running request reads its whole context) nor a
+launched prefill (it counts every routed request without a first token as queued): on a run
+with cascades, only the recorded prices hold.
 
     python -m benchmarks.ttft_replay benchmarks/results/eval_h200_0.6b_hot_context_16k.json [--phase burst]
+    python -m benchmarks.ttft_replay --table benchmarks/results/eval_h200_*.json   # the distribution per workload
 """
 
 from __future__ import annotations
@@ -114,16 +118,55 @@ def summary(pairs: list[tuple[float, float]]) -> dict:
             "recorded_median": statistics.median(recorded), "replayed_median": statistics.median(replayed)}
 
 
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def table(paths: list[str], policy: str, phase: str | None) -> list[str]:
+    """One markdown row per file and workload, its repetitions pooled: the priced requests, the
+    share within 25 % (recorded, replayed) and the recorded priced / measured at its 10th, 50th
+    and 90th percentiles (the goal's distribution)."""
+    rows = ["| file | workload | requests | within 25 %, recorded | replayed | recorded p10 / p50 / p90 |",
+            "| --- | --- | ---: | ---: | ---: | --- |"]
+    for path in paths:
+        data = json.load(open(path))
+        limits = limits_of(data)
+        pooled: dict[str, list[tuple[float, float]]] = {}
+        for run in data["runs"]:
+            if run["policy"] == policy and run.get("status", "ok") == "ok":
+                pooled.setdefault(run["workload"], []).extend(replay_run(run, limits, phase))
+        name = path.rsplit("/", 1)[-1].removesuffix(".json")
+        for workload, pairs in pooled.items():
+            if not pairs:
+                continue
+            s, recorded = summary(pairs), [p[0] for p in pairs]
+            spread = " / ".join(f"{quantile(recorded, q):.2f}" for q in (0.1, 0.5, 0.9))
+            rows.append(f"| `{name}` | {workload} | {s['requests']} | {s['recorded_25pct']:.2f} | "
+                        f"{s['replayed_25pct']:.2f} | {spread} |")
+    return rows
+
+
+def limits_of(data: dict) -> Limits:
+    """The scheduler limits a result file's pool ran with."""
+    config = data["metadata"]["config"]
+    return Limits(config["block_size"], config["max_num_seqs"], config["max_num_batched_tokens"])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--policy", default="lmpool")
     ap.add_argument("--phase", default=None, help="only requests of this phase (say, burst)")
+    ap.add_argument("--table", action="store_true",
+                    help="one markdown row per file and workload, repetitions pooled, with the distribution")
     args = ap.parse_args(argv)
+    if args.table:
+        print("\n".join(table(args.files, args.policy, args.phase)))
+        return
     for path in args.files:
         data = json.load(open(path))
-        config = data["metadata"]["config"]
-        limits = Limits(config["block_size"], config["max_num_seqs"], config["max_num_batched_tokens"])
+        limits = limits_of(data)
         for run in data["runs"]:
             if run["policy"] != args.policy or run.get("status", "ok") != "ok":
                 continue

@@ -8,6 +8,9 @@ rows hold, counting only each row's whole blocks before the one its new token go
 one is its own). Reading a group's prefix once for all of its rows (cascade attention,
 ``ops.cascade_decode_attention``) instead of once per row saves ``(rows - 1) * prefix`` key
 reads; a step is planned as a cascade when its groups save at least ``min_saved`` of them.
+A group's prefix pass still attends each of its rows to every prefix key, as a prefill chunk
+attends its queries (a tensor-core tile of rows against key blocks): the step-time model counts
+its ``rows * prefix`` pairs as attention pairs, not as key reads (``StepSample``).
 
 Invariants of a plan: its groups are disjoint sets of at least two rows (``rows`` lists the
 grouped rows, group by group, ``starts`` bounding the groups); a row is in a group exactly when
@@ -44,6 +47,7 @@ class CascadePlan(NamedTuple):
     lens: list[int]  # per group: its prefix tokens (whole blocks)
     tables: list[list[int]]  # per group: its prefix blocks
     saved: int  # key reads saved against every row reading its whole context
+    pairs: int  # (query, key) pairs its prefix passes attend: each group's rows times its prefix
 
 
 def plan_cascade(tables: list[list[int]], context_lens: list[int], block_size: int,
@@ -62,7 +66,7 @@ def plan_cascade(tables: list[list[int]], context_lens: list[int], block_size: i
     starts = [0]
     lens: list[int] = []
     prefixes: list[list[int]] = []
-    saved = 0
+    saved = pairs = 0
     for members in by_first.values():
         if len(members) < 2:
             continue
@@ -76,9 +80,10 @@ def plan_cascade(tables: list[list[int]], context_lens: list[int], block_size: i
         lens.append(tokens)
         prefixes.append(prefix)
         saved += (len(members) - 1) * tokens
+        pairs += len(members) * tokens
     if saved < min_saved:
         return None
-    return CascadePlan(kv_start, rows, starts, lens, prefixes, saved)
+    return CascadePlan(kv_start, rows, starts, lens, prefixes, saved, pairs)
 
 
 def cascade_offsets(rows: int, grouped: int, groups: int, width: int) -> list[int]:

@@ -122,6 +122,11 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self.awaiting_prompt_logprobs: set[str] = set()  # requests whose prompt logprobs are not sent yet
         self.in_flight: InFlightStep | None = None  # overlapped stepping: launched, not read back
+        # The launched step whose tokens the scheduler counts as computed and the host has not
+        # read back: its prefill has left the queue, not the device (a worker's load reports it).
+        # Serial: the step between its launch and its read-back. Overlapped: the latest step that
+        # ``end_step`` advanced; a step ``begin_step`` launched is still counted as queued until then.
+        self.launched: ScheduledBatch | None = None
         # The batch whose tokens the latest ``step`` read back: the one it ran when serial, the
         # one before when overlapped (what a step's wall time measures once the device is busy).
         self.last_read_back = ScheduledBatch()
@@ -242,8 +247,7 @@ class EngineCore:
         seconds = pending.device_s(self._timed_pending) if pending is not None else None
         if seconds is None:
             seconds = done - max(launched, self._last_done)
-        self.step_samples.append(StepSample(seconds, batch.prefill_tokens, batch.prefill_attention,
-                                            batch.decode_seqs, batch.decode_context - batch.decode_keys_saved))
+        self.step_samples.append(batch.sample(seconds))
         self._last_done = done
         self._timed_pending = pending
 
@@ -256,9 +260,11 @@ class EngineCore:
         # Block accounting needs only the batch, not the new tokens: it runs while
         # the device computes them.
         self.scheduler.complete_step(batch)
+        self.launched = batch
         return StepUnderWay(batch, InFlightStep(batch, pending, started))
 
     def _end_serial(self, step: StepUnderWay) -> list[StepOutput]:
+        self.launched = None
         if step.awaited is None:
             return []
         pending = step.awaited.pending
@@ -291,9 +297,11 @@ class EngineCore:
             # (after the commit: ``commit`` reads only tokens known before the previous step).
             self.scheduler.commit(previous.batch)
             outputs = self._read_back(previous.pending, tokens)
+        self.launched = None
         if batch.seqs:
             # After the previous step's commit, which must not count this step's tokens.
             self.scheduler.advance(batch)
+            self.launched = batch
         return outputs
 
     def _expect_tokens(self, pending: PendingTokens) -> None:

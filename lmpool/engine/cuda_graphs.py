@@ -79,7 +79,7 @@ class DecodeGraphs:
             if cascades and b > 1:  # a plan groups two rows or more
                 layout = (b, b, GRAPH_GROUPS, self.max_width)
                 span = np.zeros(cascade_offsets(*layout)[-1], dtype=np.int32)
-                write_cascade(span, CascadePlan([], [], [0], [], [], 0), *layout)  # no group yet
+                write_cascade(span, CascadePlan([], [], [0], [], [], 0, 0), *layout)  # no group yet
                 self.spans[b] = torch.from_numpy(span).to(dev)
                 meta = self._meta(b)
                 meta.cascade = cascade_views(self.spans[b], *layout)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.sequence import Sequence, SequenceStatus
-from lmpool.protocol.base import BlockHash
+from lmpool.protocol.base import BlockHash, StepSample
 
 
 @dataclass
@@ -52,8 +52,10 @@ class ScheduledBatch:
     prefill_tokens: int = 0
     prefill_attention: int = 0
     decode_seqs: int = 0
-    decode_context: int = 0
-    decode_keys_saved: int = 0  # of the decode context, the keys a cascade reads once for several rows
+    decode_context: int = 0  # keys the decoding rows attend to, in all
+    # Of those, the (row, key) pairs a cascade's prefix passes attend (``CascadePlan.pairs``): set
+    # once the step's inputs are planned.
+    cascade_pairs: int = 0
     # Indices of the sequences computing prompt positions whose logprobs they asked for.
     prompt_logprobs: list[int] = field(default_factory=list)
 
@@ -73,6 +75,12 @@ class ScheduledBatch:
         else:
             self.prefill_tokens += n
             self.prefill_attention += n * c + n * (n + 1) // 2
+
+    def sample(self, seconds: float) -> StepSample:
+        """This step, taking ``seconds``, as the step-time model reads it: a cascade's prefix
+        passes count as attention pairs, the keys each row reads on its own as its context."""
+        return StepSample(seconds, self.prefill_tokens, self.prefill_attention + self.cascade_pairs,
+                          self.decode_seqs, self.decode_context - self.cascade_pairs)
 
     def decode_first(self) -> None:
         """List the single-token rows first, each part in its order (the prompt logprobs' indices

@@ -266,8 +266,8 @@ class StepInputBuilder:
             np.cumsum(ends, out=key_starts[1:])
             if mixed:
                 a[o_mixed_keys:end] = key_starts[mixed:] - key_starts[mixed]
-        # The step's shape for the step-time model counts the keys it reads: each shared prefix once.
-        batch.decode_keys_saved = plan.saved if plan else 0
+        # The step-time model counts a cascade's prefix passes apart from the keys rows read alone.
+        batch.cascade_pairs = plan.pairs if plan else 0
 
         if self.on_cuda:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)

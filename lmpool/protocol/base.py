@@ -24,11 +24,12 @@ class LoadReport(Message):
     num_running: int = 0
     waiting_prefill_tokens: int = 0  # prompt tokens not yet computed, over waiting and running
     new_prefill_tokens: int = 0  # the same, less each queued prompt's cached prefix as it stood on arrival
-    # Causal attention pairs of that prefill still to compute (``StepSample.prefill_attention``).
+    # Causal attention pairs of that prefill still to compute (as ``StepSample.attention`` counts them).
     prefill_attention: int = 0
     decode_tokens_left: int = 0  # tokens still to generate by running and waiting sequences (max_tokens bound)
-    # Tokens held by running and waiting sequences: the keys their decode steps read (a shared
-    # prefix that running sequences decode as a cascade, once).
+    # Tokens held by running and waiting sequences: the keys their decode steps read each on
+    # its own (without the shared prefixes that running sequences decode as a cascade: those are
+    # ``cascade_pairs``).
     context_tokens: int = 0
     blocks_free: int = 0
     blocks_reclaimable: int = 0
@@ -37,6 +38,13 @@ class LoadReport(Message):
     prefix_hit_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
     admitted: list[str] = []  # request ids that reached the worker since the previous report
     generated_tokens: int = 0  # cumulative tokens this worker has emitted
+    # (row, key) pairs a decode step's cascade prefix passes attend over the running sequences
+    # (``StepSample.attention`` counts them so): each shared prefix times the rows sharing it.
+    cascade_pairs: int = 0
+    # The prefill of the step launched and not yet read back (overlapped stepping): its prompt
+    # tokens and their attention pairs, no longer queued but still ahead of any new request.
+    launched_prefill_tokens: int = 0
+    launched_attention: int = 0
 
 
 class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -44,10 +52,13 @@ class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):
     its launch, or the previous step's end if later, to its tokens read back) and its batch.
 
     A sequence computing one token decodes; one computing more prefills a chunk of ``n`` tokens
-    after ``c`` computed ones, which attends ``n * c + n * (n + 1) / 2`` (query, key) pairs."""
+    after ``c`` computed ones, which attends ``n * c + n * (n + 1) / 2`` (query, key) pairs.
+    Decoding rows that a cascade groups under a shared prefix of ``p`` tokens attend it in one
+    prefix pass, a prefill-like kernel of ``rows * p`` pairs (``lmpool.engine.cascade``): those
+    pairs count as attention, and only the keys each row reads alone as its context."""
 
     seconds: float
     prefill_tokens: int = 0
-    prefill_attention: int = 0
+    attention: int = 0  # (query, key) pairs: the prefill chunks' and the cascade prefix passes'
     decode_seqs: int = 0
-    decode_context: int = 0  # keys the decoding sequences read, in all (a prefix a cascade reads once, once)
+    decode_context: int = 0  # keys the decoding rows read each on its own (not a cascade's prefix)

@@ -176,13 +176,16 @@ class Worker:
             context += length
         self.cached_on_arrival = {s.request_id: self.cached_on_arrival[s.request_id]
                                   for s in sched.waiting if s.request_id in self.cached_on_arrival}
-        # Sequences that decode as a cascade read their shared prefixes once a step.
+        launched = self.core.launched  # its prefill counted neither above nor in the queue
+        # Sequences that decode as a cascade attend their shared prefixes in its prefix passes.
+        cascade_pairs = 0
         if self.core.runner.cascade_min_saved:
             decoding = [s for s in sched.running if s.num_computed_tokens >= len(s) - 1]
             plan = plan_cascade([s.block_table for s in decoding], [len(s) for s in decoding], bm.block_size,
                                 self.core.runner.cascade_min_saved)
             if plan is not None:
-                context -= plan.saved
+                cascade_pairs = plan.pairs
+                context -= plan.pairs
         return LoadReport(
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
@@ -197,6 +200,9 @@ class Worker:
             prompt_tokens=self.prompt_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
             generated_tokens=self.generated_tokens,
+            cascade_pairs=cascade_pairs,
+            launched_prefill_tokens=launched.prefill_tokens if launched else 0,
+            launched_attention=launched.prefill_attention if launched else 0,
         )
 
     async def send_steps(self, force: bool = False) -> None:

@@ -54,3 +54,18 @@ def test_the_command_prints_each_run_s_shares(tmp_path, capsys):
     path.write_text(json.dumps(data))
     main([str(path)])
     assert "w rep 0: 2 requests, within 25 %: recorded" in capsys.readouterr().out
+
+
+def test_the_table_pools_each_workload_s_repetitions_and_gives_the_distribution(tmp_path, capsys):
+    import json
+
+    rows = [record(0.0, 0.1, 0.2, 64, 0, predicted=0.1), record(0.01, 0.2, 0.3, 64, 0, predicted=0.38)]
+    runs = [run_of(rows) | {"status": "ok", "rep": rep} for rep in (0, 1)]
+    data = {"metadata": {"config": {"block_size": BLOCK, "max_num_seqs": 64, "max_num_batched_tokens": 8192}},
+            "runs": runs + [run_of(rows) | {"status": "failed", "rep": 2}]}
+    path = tmp_path / "eval_x.json"
+    path.write_text(json.dumps(data))
+    main(["--table", str(path)])
+    line = capsys.readouterr().out.splitlines()[-1]
+    # Four priced requests: two priced exactly (1.0), two at twice their 0.19 s (outside 25 %).
+    assert line.startswith("| `eval_x` | w | 4 | 0.50 |") and line.endswith("| 1.00 / 2.00 / 2.00 |")

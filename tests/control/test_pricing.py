@@ -24,6 +24,7 @@ from lmpool.protocol.kv_events import KVSnapshot
 from control_testkit import COEF, ManualClock, cache, engine_model
 
 TRUE = StepCoefficients(base=2e-3, prefill_token=30e-6, attention_pair=8e-9, decode_seq=40e-6, context_token=0.12e-6)
+PAIRED = COEF._replace(attention_pair=5e-9)  # COEF charges no attention pairs: a pair term's test needs some
 
 
 def steps(rng: random.Random, coefficients: StepCoefficients, n: int, noise: float = 0.05) -> list[StepSample]:
@@ -57,7 +58,7 @@ def predictions_within(model: StepModel, samples: list[StepSample], coefficients
     """The largest relative error of ``model``'s predictions against ``coefficients``' on ``samples``."""
     worst = 0.0
     for s in samples:
-        true = coefficients.step_s(s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context)
+        true = coefficients.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context)
         worst = max(worst, abs(model.predict(s) - true) / true)
     return worst
 
@@ -260,15 +261,44 @@ def test_every_price_is_finite_non_negative_and_at_least_its_time_to_first_token
 @pytest.mark.parametrize("running", [0, 3])
 def test_an_overlapped_rank_makes_a_new_request_wait_one_step_more(running):
     """With ``async_scheduling`` the step after the one under way is already launched when a
-    request arrives, so it waits for both; an idle rank starts it at once either way."""
+    request arrives, so it waits for both; an idle rank starts it at once either way. A step
+    reads the keys its rows read alone and attends the pairs of its cascade's prefix pass."""
     ttft = {}
     for overlapped in (False, True):
         gbm = one_rank(LoadReport(num_running=running, context_tokens=1000 * running,
-                                  decode_tokens_left=10 * running, blocks_free=4000))
-        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, overlapped), lambda rank: 0.5)
+                                  decode_tokens_left=10 * running, blocks_free=4000, cascade_pairs=3000 * running))
+        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192, overlapped),
+                        lambda rank: 0.5)
         ttft[overlapped] = pricer.price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s
-    step = COEF.base + COEF.decode_seq * running + COEF.context_token * 1000 * running
+    step = (PAIRED.base + PAIRED.decode_seq * running + PAIRED.context_token * 1000 * running
+            + PAIRED.attention_pair * 3000 * running)
     assert ttft[True] - ttft[False] == pytest.approx(step if running else 0.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 8192), st.integers(0, 10**9), st.booleans())
+def test_a_new_request_waits_for_the_prefill_its_rank_has_launched(running, tokens, pairs, overlapped):
+    """A prefill launched and not yet read back has left the rank's queue, not its device: a
+    request arriving now waits for it too (a burst's questions admitted into one step)."""
+    ttft = []
+    for launched, attention in ((0, 0), (tokens, pairs)):
+        gbm = one_rank(LoadReport(num_running=running, context_tokens=1000 * running, decode_tokens_left=10 * running,
+                                  blocks_free=4000, launched_prefill_tokens=launched, launched_attention=attention))
+        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192, overlapped),
+                        lambda rank: 0.5)
+        ttft.append(pricer.price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s)
+    assert ttft[1] - ttft[0] == pytest.approx(PAIRED.prefill_token * tokens + PAIRED.attention_pair * pairs)
+
+
+def test_a_launched_prefill_is_waited_for_where_no_sequence_runs_any_more():
+    """Prompts that generate one token leave ``running`` when their step is launched: the rank
+    then runs nothing, but its device still computes their prefill."""
+    idle = one_rank(LoadReport(blocks_free=4000))
+    busy = one_rank(LoadReport(blocks_free=4000, launched_prefill_tokens=500, launched_attention=125_250))
+    ttft = [Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192, True), lambda rank: 0.5)
+            .price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s for gbm in (idle, busy)]
+    assert ttft[1] - ttft[0] == pytest.approx(2 * PAIRED.base + PAIRED.prefill_token * 500
+                                              + PAIRED.attention_pair * 125_250)
 
 
 @settings(max_examples=200, deadline=None)
@@ -337,7 +367,7 @@ def test_recent_steps_sum_their_last_window(rows):
     last = [StepSample(*r) for r in rows[-WINDOW:]]
     assert len(recent) == len(last)
     assert recent.seconds == pytest.approx(sum(s.seconds for s in last), rel=1e-9, abs=1e-12)
-    predicted = sum(TRUE.step_s(s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context) for s in last)
+    predicted = sum(TRUE.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context) for s in last)
     assert recent.speed(TRUE) == (pytest.approx(sum(s.seconds for s in last) / predicted, rel=1e-6) if last else 1.0)
     recent.clear()
     assert len(recent) == 0 and recent.speed(TRUE) == 1.0
@@ -359,8 +389,9 @@ def branched_after(gbm: GlobalBlockManager, chain: list[int], depth: int) -> Non
 def test_where_ranks_decode_shared_prefixes_once_a_shared_cached_prefix_is_not_a_request_s_own_reading(
         running, context, blocks, matched, shared, out, min_saved):
     """With cascades, what a request adds to each decode step is its keys past the cached prefix
-    other routed prompts share (read once for the sequences sharing it): its price falls by those
-    keys over every step it decodes in and shares, and its time to first token is the same. A
+    other routed prompts share, and that prefix's pairs in the prefix pass that attends it once for
+    the sequences sharing it: its price falls by the difference over every step it decodes in and
+    shares, and its time to first token is the same. A
     cached prefix no other prompt shares (a conversation's own history) it reads alone: no fall;
     nor where the sequences there could not save a cascade's worth of key reads with it."""
     prices = {}
@@ -370,7 +401,7 @@ def test_where_ranks_decode_shared_prefixes_once_a_shared_cached_prefix_is_not_a
         gbm = one_rank(LoadReport(num_running=running, context_tokens=context, decode_tokens_left=8 * running,
                                   blocks_free=2000))
         branched_after(gbm, chain, depth)
-        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, threshold),
+        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192, True, threshold),
                         lambda rank: 0.5)
         query = RouteQuery("q", chain, blocks * 16 + 3, out)
         prices[threshold] = pricer.price(query, 0, min(matched, blocks), 0.0, None)
@@ -378,7 +409,8 @@ def test_where_ranks_decode_shared_prefixes_once_a_shared_cached_prefix_is_not_a
     read_once = min(plain.matched, depth) * 16 if depth * 16 * running >= min_saved else 0
     overlap = min(running * (out - 1), 8 * running)
     assert cascaded.ttft_s == plain.ttft_s
-    assert plain.total_s - cascaded.total_s == pytest.approx(COEF.context_token * read_once * (out - 1 + overlap))
+    fall = (PAIRED.context_token - PAIRED.attention_pair) * read_once * (out - 1 + overlap)
+    assert plain.total_s - cascaded.total_s == pytest.approx(fall)
 
 
 @pytest.mark.parametrize("min_saved, depth, context", [(0, 4, 5 * 16 + 3), (128, 4, 16 + 3), (64, 2, 3 * 16 + 3),
@@ -388,7 +420,8 @@ def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_k
                                                                                                context):
     """Its context is its prompt less the cached prefix other prompts share (4 of its 5 blocks
     cached), where the 2 sequences running there could save a cascade's worth with it (its
-    shared keys each: 128 key reads at a depth of 4 blocks, 64 at 2)."""
+    shared keys each: 128 key reads at a depth of 4 blocks, 64 at 2); that prefix it holds as
+    cascade pairs."""
     from lmpool.control.routing.reserve import Reserve
     from lmpool.control.routing.route import Route
 
@@ -398,24 +431,29 @@ def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_k
     route = Route(query, None, (0,), [4], [4], rank=0)
     Reserve(gbm, min_saved).record(route)
     assert gbm.ranks[0].reserved.context == context
+    assert gbm.ranks[0].reserved.cascade == 5 * 16 + 3 - context
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 300), st.integers(0, 200_000), st.integers(0, 50_000), st.integers(1, 60), st.integers(0, 60),
-       st.integers(0, 60), st.integers(1, 64), st.booleans())
+       st.integers(0, 60), st.integers(1, 64), st.booleans(), st.integers(0, 60),
+       st.sampled_from([TRUE, TRUE._replace(attention_pair=1e-6)]))
 def test_a_pull_s_floor_is_below_the_price_of_serving_at_its_depth(running, context, queued, blocks, matched, top,
-                                                                   out, cascades):
-    """Whatever the ranks' decode (cascades or not), no pull to a depth prices below its floor: the
-    floor is at most the price of serving there with those blocks already held, at once."""
+                                                                   out, cascades, shared, coefficients):
+    """Whatever the ranks' decode (cascades or not, a shared prefix's pair dearer or cheaper than
+    its key read alone), no pull to a depth prices below its floor: the floor is at most the
+    price of serving there with those blocks already held, at once."""
     from lmpool.control.transfers.pull_price import _least
 
     gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
                               decode_tokens_left=16 * running, blocks_free=100_000))
-    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, TRUE), Limits(16, 256, 8192, True, 16 * cascades),
-                    lambda rank: 0.5)
+    branched_after(gbm, list(range(blocks)), min(shared, blocks))  # the prefix other prompts share
+    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, coefficients),
+                    Limits(16, 256, 8192, True, 16 * cascades), lambda rank: 0.5)
     query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
     usable = pricer.terms(query).usable
-    serve = pricer.price(query, 0, min(matched, usable), 0.0, None)
     depth = min(top, usable)
+    serve = pricer.price(query, 0, min(matched, depth), 0.0, None)  # a pull brings blocks past its match
     held = pricer.price(query, 0, depth, 0.0, None)
-    assert _least(pricer.work(0), serve, query.num_prompt_tokens, depth * 16, out, cascades) <= held.total_s * (1 + 1e-9)
+    floor = _least(pricer.work(0), serve, query.num_prompt_tokens, depth * 16, out, cascades)
+    assert floor <= held.total_s * (1 + 1e-9)

@@ -15,6 +15,7 @@ from lmpool.config.engine import CASCADE_MIN_SAVED_TOKENS, cascade_min_saved
 from lmpool.engine.cascade import GRAPH_GROUPS, plan_cascade
 from lmpool.engine.core import EngineCore
 from lmpool.engine.sequence import Sequence
+from lmpool.protocol import StepSample
 from lmpool.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -47,7 +48,7 @@ def test_a_plan_groups_rows_by_the_whole_blocks_they_share(rows, min_saved):
         return
     assert len(set(plan.rows)) == len(plan.rows)  # disjoint groups
     assert plan.starts[0] == 0 and plan.starts[-1] == len(plan.rows) and plan.starts == sorted(plan.starts)
-    saved = 0
+    saved = pairs = 0
     for g, tokens in enumerate(plan.lens):
         members = plan.rows[plan.starts[g]:plan.starts[g + 1]]
         assert len(members) > 1 and tokens == len(plan.tables[g]) * BLOCK > 0
@@ -55,9 +56,10 @@ def test_a_plan_groups_rows_by_the_whole_blocks_they_share(rows, min_saved):
             assert plan.kv_start[r] == tokens < lens[r]  # its own keys, at least its new token's
             assert tables[r][: len(plan.tables[g])] == plan.tables[g]
         saved += (len(members) - 1) * tokens
+        pairs += len(members) * tokens
     grouped = set(plan.rows)
     assert all(plan.kv_start[r] == 0 for r in range(len(tables)) if r not in grouped)
-    assert plan.saved == saved >= min_saved
+    assert plan.saved == saved >= min_saved and plan.pairs == pairs
     # No two groups could have shared more: their first blocks differ.
     firsts = [t[0] for t in plan.tables]
     assert len(firsts) == len(set(firsts))
@@ -149,8 +151,8 @@ def test_an_engine_reading_shared_prefixes_once_generates_the_same_tokens(tiny_m
     doc = [(7 * i + 3) % 900 for i in range(10 * BLOCK + 1)]
     prompts = [doc] + [doc + [50 + q, 60 + q, 70 + q] for q in range(5)] + [list(range(300, 313))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    plain = run(EngineCore(EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=128,
-                                        async_scheduling=overlapped)), prompts, params)
+    plain_core = EngineCore(EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=128, async_scheduling=overlapped))
+    plain = run(plain_core, prompts, params)
     core = EngineCore(EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=128, async_scheduling=overlapped,
                                    cascade_min_saved_tokens=1))
     calls = []
@@ -164,6 +166,14 @@ def test_an_engine_reading_shared_prefixes_once_generates_the_same_tokens(tiny_m
     monkeypatch.setattr(runner, "ops", dataclasses.replace(ops, cascade_decode_attention=counted))
     assert run(core, prompts, params) == plain
     assert calls, "no decode step ran as a cascade"
+    # The same steps, as the step-time model sees them: a cascade step's prefix pass moves
+    # (row, key) pairs from its context to its attention, and every row still reads its new token.
+    cascaded, steps = list(core.step_samples), list(plain_core.step_samples)
+    assert [(s.prefill_tokens, s.decode_seqs, s.attention + s.decode_context) for s in cascaded] == [
+        (s.prefill_tokens, s.decode_seqs, s.attention + s.decode_context) for s in steps]
+    moved = [c.attention - s.attention for c, s in zip(cascaded, steps)]
+    assert min(moved) == 0 and max(moved) >= 2 * 10 * BLOCK  # the document's ten blocks, two rows at least
+    assert all(c.decode_context >= c.decode_seqs for c in cascaded)
 
 
 def test_a_cascade_step_carries_its_groups_and_replays_no_graph_where_none_was_captured():
@@ -184,7 +194,7 @@ def test_a_cascade_step_carries_its_groups_and_replays_no_graph_where_none_was_c
     rows = [seq("a", [5, 6, 40], 10), seq("b", [9, 41], 6), seq("c", [5, 6, 42, 43], 13)]
     batch = ScheduledBatch(seqs=rows, num_tokens=[1, 1, 1])
     inputs = builder.build(batch, graphs)
-    assert batch.decode_keys_saved == 8  # the shared two blocks read once: fewer keys read by the step
+    assert batch.cascade_pairs == 2 * 8  # the prefix pass: two rows attend the shared two blocks
     plan = plan_cascade([r.block_table for r in rows], [10, 6, 13], BLOCK, 1)
     assert inputs.graph_size is None and inputs.meta.cascade is not None
     kv_start, prefix_tables, prefix_lens, prefix_starts, prefix_rows = (t.tolist() for t in inputs.meta.cascade)
@@ -195,7 +205,7 @@ def test_a_cascade_step_carries_its_groups_and_replays_no_graph_where_none_was_c
                           graphs)
     assert alone.meta.cascade is None and alone.graph_size == 2
     builder.build(batch, graphs)
-    assert batch.decode_keys_saved == 8  # built again, counted once
+    assert batch.cascade_pairs == 16  # built again, counted once
 
 
 @settings(max_examples=200, deadline=None)
@@ -320,7 +330,9 @@ def test_a_mixed_step_lists_its_decode_rows_first_and_gives_the_rest_their_query
     assert [s.request_id for s in batch.seqs] == ["a", "c", "p", "q"] and batch.num_tokens == [1, 1, 3, 7]
     inputs = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1).build(batch)
     meta = inputs.meta
-    assert not meta.is_decode and meta.mixed_decode_rows == 2 and batch.decode_keys_saved == 8
+    assert not meta.is_decode and meta.mixed_decode_rows == 2 and batch.cascade_pairs == 16
+    # The step model's view: the prefix pass's pairs are attention, what the rows read alone context.
+    assert batch.sample(1.0) == StepSample(1.0, 3 + 7, (3 * 8 + 6) + 28 + 16, 2, 10 + 13 - 16)
     assert meta.mixed_query_start_loc.tolist() == [0, 3, 10]
     assert meta.query_start_loc.tolist() == [0, 1, 2, 5, 12]
     assert meta.key_starts.tolist() == [0, 10, 23, 34, 41]  # contexts 10, 13, 11 and 7

@@ -132,7 +132,7 @@ def check_cascade_and_key_starts(builder: StepInputBuilder, batch: ScheduledBatc
     plan = None
     if singles >= 2:
         plan = plan_cascade(tables[:singles], ctx[:singles], builder.block_size, builder.cascade_min_saved)
-    assert batch.decode_keys_saved == (plan.saved if plan else 0)
+    assert batch.cascade_pairs == (plan.pairs if plan else 0)
     if decode:
         assert meta.key_starts is None and meta.mixed_decode_rows == 0
         assert (meta.cascade is not None or got.graph_cascade is not None) == (plan is not None)

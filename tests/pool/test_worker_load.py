@@ -1,6 +1,7 @@
 """What a worker reports of its queue: ``new_prefill_tokens`` (Dynamo's prefill term) counts a
 queued prompt less the prefix its rank cached when it arrived; ``waiting_prefill_tokens`` counts
-every uncomputed prompt token."""
+every uncomputed prompt token; the prefill of a step launched and not yet read back is reported
+apart (``launched_prefill_tokens``)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ def test_queued_prompts_count_only_what_their_rank_must_compute(tiny_model):
     assert load.new_prefill_tokens == 3 + 2 * BLOCK
 
 
-def test_running_sequences_that_decode_as_a_cascade_count_their_shared_prefix_once(tiny_model):
-    """``context_tokens`` is what the running sequences' decode steps read: with cascades on,
-    two sequences sharing four cached blocks read them once."""
+def test_running_sequences_that_decode_as_a_cascade_report_its_prefix_pass_apart(tiny_model):
+    """``context_tokens`` is what the running sequences' decode steps read each on its own: with
+    cascades on, two sequences sharing four cached blocks attend them in the cascade's prefix
+    pass instead, reported as its 2 x 4 blocks of ``cascade_pairs``."""
     contexts = {}
     for cascade in (0, 1):
         pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64,
@@ -61,6 +63,35 @@ def test_running_sequences_that_decode_as_a_cascade_count_their_shared_prefix_on
         core.step()  # both prefilled (their own tokens), now decoding
         load = worker.load()
         assert load.num_running == 2
-        contexts[cascade] = (load.context_tokens, sum(len(s) for s in core.scheduler.running))
-    (plain, held), (cascaded, held_again) = contexts[0], contexts[1]
-    assert plain == held and cascaded == held_again - 4 * BLOCK
+        contexts[cascade] = (load.context_tokens, load.cascade_pairs, sum(len(s) for s in core.scheduler.running))
+    (plain, none, held), (cascaded, pairs, held_again) = contexts[0], contexts[1]
+    assert plain == held and none == 0
+    assert pairs == 2 * 4 * BLOCK and cascaded == held_again - pairs
+
+
+def test_a_worker_reports_the_prefill_it_launched_once_its_queue_no_longer_counts_it(tiny_model):
+    """A launched prompt's prefill is reported as launched from when the scheduler counts it as
+    computed until its tokens are read back, never also as queued: serial, from its launch;
+    overlapped, from the read-back of the step before it (a heartbeat in between sees it queued)."""
+    prompt = list(range(1, 3 * BLOCK + 6))
+    n = len(prompt)
+    for overlapped in (True, False):
+        pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64,
+                                       async_scheduling=overlapped)
+        spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
+        core = EngineCore(pool.engine_of(0))
+        worker = Worker(spec, core, frontend=None)
+        worker.handle(add("a", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+
+        def reported() -> tuple[int, int, int]:
+            load = worker.load()
+            return load.waiting_prefill_tokens, load.launched_prefill_tokens, load.launched_attention
+
+        assert reported() == (n, 0, 0)
+        step = core.begin_step()  # the prefill launched (a heartbeat may report while it runs)
+        assert reported() == ((n, 0, 0) if overlapped else (0, n, n * (n + 1) // 2))
+        read_back = core.end_step(step)
+        assert len(read_back) == (0 if overlapped else 1)  # overlapped: its token comes one call later
+        assert reported() == ((0, n, n * (n + 1) // 2) if overlapped else (0, 0, 0))
+        core.step()  # the prefill read back, a decode step launched
+        assert reported()[1:] == (0, 0)

@@ -2,7 +2,9 @@
 reports show it. One per request; released when the rank reports the request admitted, when
 the rank goes, or ``ttl_s`` after it was taken (its request never arrived). A reservation holds
 what the request will add to the rank's load report once admitted: blocks, prompt tokens to
-compute and their attention pairs, its context and the tokens it will decode. A reservation is
+compute and their attention pairs, its context (the keys it reads on its own), the shared prefix
+its decode steps attend in a cascade's prefix pass (``cascade``) and the tokens it will decode.
+A reservation is
 ``deferred`` while its request waits on a pull to its rank: its prefill cannot start before the
 pull lands, and a rank's totals keep that part apart (``deferred_tokens``, ``deferred_attention``)
 until the pull ends (``admissible``).
@@ -33,19 +35,20 @@ class Reservation(msgspec.Struct, frozen=True, gc=False):
     context: int = 0
     decode: int = 0
     deferred: bool = False  # its request waits on a pull to this rank
+    cascade: int = 0  # shared prefix tokens its decode steps attend in a cascade's prefix pass
 
 
 # The fields a rank's totals sum, in ``Reservation``'s names, and those it sums of deferred ones.
-SUMMED = ("blocks", "tokens", "attention", "context", "decode")
+SUMMED = ("blocks", "tokens", "attention", "context", "decode", "cascade")
 DEFERRED = ("deferred_tokens", "deferred_attention")
 
 
 class RankReservations:
-    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "count", "deferred_tokens",
+    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "cascade", "count", "deferred_tokens",
                  "deferred_attention", "version")
 
     def __init__(self) -> None:
-        self.blocks = self.tokens = self.attention = self.context = self.decode = self.count = 0
+        self.blocks = self.tokens = self.attention = self.context = self.decode = self.cascade = self.count = 0
         self.deferred_tokens = self.deferred_attention = 0  # of ``tokens`` and ``attention``: waiting on pulls
         self.version = 0  # every change adds one: what was priced from the totals knows when they moved
 
@@ -56,6 +59,7 @@ class RankReservations:
         self.attention += sign * r.attention
         self.context += sign * r.context
         self.decode += sign * r.decode
+        self.cascade += sign * r.cascade
         self.count += sign
         if r.deferred:
             self.deferred_tokens += sign * r.tokens
@@ -73,13 +77,13 @@ class Reservations:
         self._expiry: deque[tuple[float, str]] = deque()
 
     def reserve(self, request_id: str, rank: int, blocks: int, tokens: int, attention: int = 0, context: int = 0,
-                decode: int = 0, deferred: bool = False) -> None:
-        if min(blocks, tokens, attention, context, decode) < 0:
+                decode: int = 0, deferred: bool = False, cascade: int = 0) -> None:
+        if min(blocks, tokens, attention, context, decode, cascade) < 0:
             raise ValueError(f"reservation of {blocks} blocks, {tokens} tokens, {attention} pairs, {context} context, "
-                             f"{decode} decode tokens: all must be >= 0")
+                             f"{decode} decode tokens, {cascade} cascade pairs: all must be >= 0")
         self.release(request_id)  # a re-routed request holds one reservation, not two
         now = self.clock()
-        reservation = Reservation(request_id, rank, blocks, tokens, now, attention, context, decode, deferred)
+        reservation = Reservation(request_id, rank, blocks, tokens, now, attention, context, decode, deferred, cascade)
         self.by_id[request_id] = reservation
         self._expiry.append((now, request_id))
         self.totals[rank].add(reservation, 1)

@@ -81,7 +81,7 @@ class RecentSteps:
         self.seconds += sign * s.seconds
         f[0] += sign
         f[1] += sign * s.prefill_tokens
-        f[2] += sign * s.prefill_attention
+        f[2] += sign * s.attention
         f[3] += sign * s.decode_seqs
         f[4] += sign * s.decode_context
 

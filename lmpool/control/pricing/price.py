@@ -1,11 +1,13 @@
 """What a request costs on each rank, in predicted seconds, from each rank's fitted step time.
 
 A rank's in-flight work is its last load report plus its route reservations: ``n`` sequences
-(running, waiting, reserved; at most ``max_num_seqs`` run), their ``ctx`` context tokens and
-``left`` tokens still to decode, and ``W`` prompt tokens still to prefill (``Aw`` attention
-pairs). With the rank's step coefficients (base, per prefill token, per attention pair, per
-decoding sequence, per context token), a step beside the decodes costs
-``step = base + seq * n + tok * ctx``, and takes at most ``room = chunk - n`` prefill tokens.
+(running, waiting, reserved; at most ``max_num_seqs`` run), their ``ctx`` context tokens (read
+each on its own) and ``cp`` cascade pairs (the shared prefixes they attend in a cascade's prefix
+passes), ``left`` tokens still to decode, and ``W`` prompt tokens still to prefill (``Aw``
+attention pairs). With the rank's step coefficients (base, per prefill token, per attention
+pair, per decoding sequence, per context token), a step beside the decodes costs
+``step = base + seq * n + tok * ctx + pair * cp``, and takes at most ``room = chunk - n`` prefill
+tokens.
 (The requests routed there before it arrive there before it too, so its steps count them.)
 For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` to compute
 (``a`` attention pairs) and ``M`` tokens to generate:
@@ -20,7 +22,10 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
              sequences finish to release the shortfall (each holding its share of the used blocks)
     busy   = step when anything runs there: the step under way, which a new request waits for;
              two steps when the rank steps overlapped (``async_scheduling``): the step after it
-             is already launched when the request arrives, so its first step is the one after
+             is already launched when the request arrives, so its first step is the one after;
+             plus the prefill that launched step computes (``L`` tokens, ``Al`` pairs, as the
+             worker reports it: ``prefill_token * L + attention_pair * Al``), which has left
+             the rank's queue but not its device: a burst's questions admitted together
     ttft   = max(start, wait + deferred, room_s + ceil(p / room) * step) + own + seat + busy
              # wait: a copy the request waits on (a pull); deferred: that wait, then the reserved
              # work there that waits on pulls too (``D`` of the ``W`` tokens, ``Ad`` of the pairs)
@@ -33,11 +38,11 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     total  = ttft + decode + harm + evict
 
 where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step it decodes in
-(``P - s + M / 2`` when the ranks decode shared prefixes once, ``s`` the tokens it found cached
-there that other routed prompts share too, the chain's branched depth: a burst's document is read
-once for all of its questions, and a worker's load counts it once, while a conversation's own
-history is read by it alone),
-``theirs = seq + tok * ctx / n`` what one co-running sequence adds, and ``overlap = min(n *
+(``seq + tok * (P - s + M / 2) + pair * s`` when the ranks decode shared prefixes once, ``s`` the
+tokens it found cached there that other routed prompts share too, the chain's branched depth: a
+burst's document is read once for all of its questions, in a prefix pass that attends each of
+them to it as a prefill chunk would, while a conversation's own history is read by it alone),
+``theirs = seq + (tok * ctx + pair * cp) / n`` what one co-running sequence adds, and ``overlap = min(n *
 (M - 1), left)`` the steps they share. ``total`` is the request's own latency plus the delay it
 causes the sequences already there: what a route minimises. Reclaim is the new blocks it needs
 beyond the free ones (reservations take free blocks first). A rank is feasible when its free and
@@ -145,7 +150,7 @@ class RankWork(NamedTuple):
     theirs: float
     free: int  # blocks free, less reservations
     available: int
-    busy: float  # the steps a request arriving now waits for: one when any runs, two when overlapped
+    busy: float  # what a new request waits for: one step when any runs, two when overlapped; a launched prefill
     next_step: float  # the step a message arriving now waits for: ``step`` and its share of the queued prefill
     holders: int  # sequences holding blocks: running, and routed here (reserved) but not yet admitted
     held: int  # the blocks they hold or have reserved, released as they finish
@@ -210,7 +215,8 @@ class Pricer:
         n = min(seqs, lim.max_num_seqs)
         ctx = load.context_tokens + res.context
         left = load.decode_tokens_left + res.decode
-        step = c.base + c.decode_seq * n + c.context_token * ctx
+        reads = c.context_token * ctx + c.attention_pair * (load.cascade_pairs + res.cascade)  # a step's keys
+        step = c.base + c.decode_seq * n + reads
         room = max(1, lim.max_num_batched_tokens - n)
         queued = load.waiting_prefill_tokens + res.tokens
         attention = load.prefill_attention + res.attention
@@ -225,9 +231,12 @@ class Pricer:
         seat = 0.0
         if seqs >= lim.max_num_seqs:  # k of n finish first after about 2 k / n of their mean left
             seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
-        theirs = c.decode_seq + c.context_token * ctx / n if n else 0.0
+        theirs = c.decode_seq + reads / n if n else 0.0
         free = load.blocks_free - res.blocks
-        busy = (2.0 * step if lim.overlapped else step) if seqs else 0.0
+        busy = 0.0
+        if seqs or load.launched_prefill_tokens:  # a one-token request leaves ``running`` at its launch
+            busy = ((2.0 * step if lim.overlapped else step) + c.prefill_token * load.launched_prefill_tokens
+                    + c.attention_pair * load.launched_attention)
         drain = (left / seqs) * step if seqs else 0.0
         return RankWork((load, c, res.version), c, seqs, n, left, step, room, queue, seat, theirs, free,
                         free + load.blocks_reclaimable, busy, next_step, load.num_running + res.count,
@@ -271,7 +280,9 @@ class Pricer:
         ttft = start + prefill + seat + busy
         # ``read_once(q.shared, n, ...)``, inlined as the rest of this function is.
         shared = q.shared if q.shared * n >= self.limits.cascade_min_saved else 0
-        mine = decode_seq + context_token * (q.span - (cached if cached < shared else shared))
+        if cached < shared:
+            shared = cached
+        mine = decode_seq + context_token * (q.span - shared) + attention_pair * shared
         overlap = n * (out - 1)
         if overlap > left:
             overlap = left

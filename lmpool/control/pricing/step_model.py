@@ -1,6 +1,6 @@
 """A rank's step time as a function of its batch, fitted online from the steps it reports.
 
-    seconds = base + prefill_tokens * s_per_prefill_token + prefill_attention * s_per_attention_pair
+    seconds = base + prefill_tokens * s_per_prefill_token + attention * s_per_attention_pair
           + decode_seqs * s_per_decode_seq + decode_context * s_per_context_token
 
 (``lmpool.protocol.StepSample`` says what each count is.) The fit minimises relative error
@@ -56,7 +56,7 @@ _FLOOR = np.array(DEFAULT_PRIOR) * 1e-3  # a coefficient's scale where its prior
 
 
 def _row(s: StepSample) -> tuple:
-    return 1.0, s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context
+    return 1.0, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context
 
 
 def _timed(samples: Iterable[StepSample]) -> list[StepSample]:
@@ -118,7 +118,7 @@ class StepModel:
         self.coefficients = self._solve(self._xx, self._x)
 
     def predict(self, s: StepSample) -> float:
-        return self.coefficients.step_s(s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context)
+        return self.coefficients.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context)
 
     def _solve(self, xx: np.ndarray, x: np.ndarray) -> StepCoefficients:
         """argmin over u >= 0 of sum (1 - row u)^2 + ridge |u - prior / scales|^2, from the sums

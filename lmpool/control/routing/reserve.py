@@ -8,7 +8,8 @@ waits on a pull reserves its work deferred: it starts only once the pull ends. W
 decode shared prefixes once (cascades), its context is what it reads on its own: its prompt
 less the prefix it found cached there that other routed prompts share too, where the sequences
 in flight there could save a cascade's worth with it (``Limits.cascade_min_saved``; the
-pricing's ``QueryTerms.shared``).
+pricing's ``QueryTerms.shared``); that prefix it reserves as cascade pairs, which its decode
+steps attend in the prefix pass.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ class Reserve(RouteStage):
         _, missing, need = request_shape(query, route.expected[rank], self.gbm.block_size)
         blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))
         prompt = query.num_prompt_tokens
-        # With cascades, the prefix other prompts share is read once there: not this request's own.
+        # With cascades, the prefix other prompts share is not its own reading: cascade pairs there.
         shared = 0
         if self.cascade_min_saved:
             shared = read_once(self.gbm.branched_depth(query.block_hashes) * self.gbm.block_size,
                                self.gbm.ranks[rank].in_flight_seqs, self.cascade_min_saved)
-        context = prompt - min(prompt - missing, shared)
-        self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing), context,
-                         max(1, query.max_tokens), route.waits_on_pull)
+        cascade = min(prompt - missing, shared)
+        self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing),
+                         prompt - cascade, max(1, query.max_tokens), route.waits_on_pull, cascade)

@@ -122,15 +122,17 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, ou
     """A floor under any pull's price to a rank of work ``work`` of the prompt's first ``cached``
     tokens: its serve price (``serve``) less everything the pulled blocks could save there, their
     prefill (its own, and that of the steps the sequences there share with it), every step of
-    that prefill and, where the ranks decode shared prefixes once (``cascades``), the keys they
-    take off each of its ``out - 1`` decode steps and of every step it shares (at most n a step)."""
+    that prefill and, where the ranks decode shared prefixes once (``cascades``), what they take
+    off each of its ``out - 1`` decode steps and of every step it shares (at most n a step): each
+    key read alone becomes a pair of the cascade's prefix pass."""
     if serve is None:
         return float("-inf")
     c, missing, rest = work.c, serve.missing, prompt - cached  # c: what ``Pricer.prefill_s`` would read
     pulled = prefill_seconds(c, missing, prompt - missing) - prefill_seconds(c, rest, cached)
     floor = serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
-    if cascades and missing > rest:
-        floor -= (1 + work.n) * (out - 1) * c.context_token * (missing - rest)
+    saved = c.context_token - c.attention_pair  # a read-once key's saving a step (a loss where negative)
+    if cascades and missing > rest and saved > 0:
+        floor -= (1 + work.n) * (out - 1) * saved * (missing - rest)
     return floor
 
 
