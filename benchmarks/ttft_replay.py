@@ -18,12 +18,14 @@ with cascades, only the recorded prices hold.
 
     python -m benchmarks.ttft_replay benchmarks/results/eval_h200_0.6b_hot_context_16k.json [--phase burst]
     python -m benchmarks.ttft_replay --table benchmarks/results/eval_h200_*.json   # the distribution per workload
+                                                     # (and the step fits' accuracy by kind of step, where recorded)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections.abc import Iterable
 
@@ -147,6 +149,31 @@ def table(paths: list[str], policy: str, phase: str | None) -> list[str]:
     return rows
 
 
+def step_table(paths: list[str], policy: str) -> list[str]:
+    """One markdown row per file, workload and kind of step: how well the ranks' priced step
+    times predicted their steps (``step_fit.kinds``, recorded since the step accuracy existed),
+    each rank's recent figures weighted by its steps of that kind, over the repetitions."""
+    rows = ["| file | workload | kind | steps | predicted / measured | within 25 % |",
+            "| --- | --- | --- | ---: | ---: | ---: |"]
+    for path in paths:
+        data = json.load(open(path))
+        pooled: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
+        for run in data["runs"]:
+            if run["policy"] != policy or run.get("status", "ok") != "ok":
+                continue
+            for rank in run.get("rank_stats") or []:
+                for k in (rank.get("step_fit") or {}).get("kinds", []):
+                    pooled.setdefault((run["workload"], k["kind"]), []).append(
+                        (k["steps"], k["predicted_over_measured"], k["within_25pct"]))
+        name = path.rsplit("/", 1)[-1].removesuffix(".json")
+        for (workload, kind), figures in pooled.items():
+            steps = sum(n for n, _, _ in figures)
+            ratio = math.exp(sum(n * math.log(r) for n, r, _ in figures) / steps)
+            share = sum(n * w for n, _, w in figures) / steps
+            rows.append(f"| `{name}` | {workload} | {kind} | {steps} | {ratio:.2f} | {share:.2f} |")
+    return rows
+
+
 def limits_of(data: dict) -> Limits:
     """The scheduler limits a result file's pool ran with."""
     config = data["metadata"]["config"]
@@ -163,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.table:
         print("\n".join(table(args.files, args.policy, args.phase)))
+        steps = step_table(args.files, args.policy)
+        if len(steps) > 2:  # files recorded with the step accuracy
+            print("\n" + "\n".join(steps))
         return
     for path in args.files:
         data = json.load(open(path))

@@ -55,6 +55,7 @@ from lmpool.protocol import (
     RouteQuery,
     Shutdown,
     StatsQuery,
+    StepFit,
     StepOutputs,
     TokenDelta,
     TransferChain,
@@ -74,6 +75,11 @@ from lmpool_ipc.frames import max_payload
 # rank dies too fails instead, so that one request that crashes workers (a bug it triggers)
 # cannot take down every rank of the pool in turn.
 MAX_REROUTES = 1
+def step_fit_dict(fit: StepFit) -> dict:
+    """A rank's step fit as ``stats()`` gives it: a dict, each kind of step's accuracy one too."""
+    return msgspec.structs.asdict(fit) | {"kinds": [msgspec.structs.asdict(k) for k in fit.kinds]}
+
+
 LIVE_STATS = ("num_waiting", "num_running", "blocks_free", "blocks_reclaimable", "blocks_used", "cached_blocks")
 MAX_MESSAGE_BYTES = max_payload(DEFAULT_CAPACITY)  # the most one message between the pool's processes holds
 # A worker's snapshot of its cache to the control plane takes about 1.1 kB per cached block at
@@ -515,7 +521,7 @@ class PoolClient:
                 "blocks_used": load.blocks_used, "prompt_tokens": load.prompt_tokens,
                 "prefix_hit_tokens": load.prefix_hit_tokens, "heartbeat_age_s": state.heartbeat_age_s,
                 "epoch": state.epoch, "snapshot_version": state.snapshot_version,
-                "cached_blocks": state.cached_blocks, "step_fit": msgspec.structs.asdict(state.step_fit),
+                "cached_blocks": state.cached_blocks, "step_fit": step_fit_dict(state.step_fit),
                 "loop_ms": state.loop_ms,
             })
             if not rank.alive:  # a dead rank queues, runs and holds nothing: no stale figures

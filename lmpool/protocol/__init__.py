@@ -25,6 +25,7 @@ from lmpool.protocol.frontend_control import (
     RouteQuery,
     StatsQuery,
     StepFit,
+    StepKindFit,
     TransferChain,
     TransferResult,
     TransferStats,
@@ -92,7 +93,7 @@ __all__ = [
     "ORDERS", "PhaseFailed", "PlanAnswer", "PlanOrder", "PlanState", "PrepareDest", "PrepareSource", "Publish",
     "Published", "QueryAnswer", "RankDown", "RankState", "RankUp", "ReleaseOutcome", "RequestRejected",
     "ResyncRequest", "RouteDecision", "RouteQuery", "SUCCESS", "ShortageReport", "Shutdown", "SourcePrepared",
-    "StatsQuery", "StepFit", "StepOutputs", "StepSample", "StepTimings", "SyncAnswer", "SyncQuery", "TokenDelta",
-    "TransferChain", "TransferOrder", "TransferResult", "TransferStats", "WaitRanks", "WorkerDelta", "WorkerFailed",
-    "WorkerQuery", "WorkerReady", "WorkerSnapshot", "WorkerToControl", "WorkerToFrontend",
+    "StatsQuery", "StepFit", "StepKindFit", "StepOutputs", "StepSample", "StepTimings", "SyncAnswer", "SyncQuery",
+    "TokenDelta", "TransferChain", "TransferOrder", "TransferResult", "TransferStats", "WaitRanks", "WorkerDelta",
+    "WorkerFailed", "WorkerQuery", "WorkerReady", "WorkerSnapshot", "WorkerToControl", "WorkerToFrontend",
 ]

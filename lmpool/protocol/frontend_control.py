@@ -45,6 +45,16 @@ class StatsQuery(Message, tag="stats"):
 
 
 # msgspec lets a frozen struct extend an unfrozen one; mypy reads it with dataclass rules.
+class StepKindFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
+    """How well a rank's priced step time predicts one kind of its steps
+    (``lmpool.control.pricing.step_accuracy``: decode, cascade, prefill or mixed)."""
+
+    kind: str
+    steps: int = 0  # of this kind, since the rank's first report
+    predicted_over_measured: float = 1.0  # recent geometric mean
+    within_25pct: float = 0.0  # recent share of steps predicted within 25 %
+
+
 class StepFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     """A rank's fitted step time (``lmpool.control.pricing.step_model``): a step's seconds are
     base + per prefill token + per attention pair + per decoding sequence + per context token."""
@@ -58,6 +68,7 @@ class StepFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     calibrated: bool = False
     error: float = 0.0  # recent mean |relative error| of its predictions
     speed: float = 1.0  # its recent steps' measured time over the pooled fit's (the coefficients include it)
+    kinds: list[StepKindFit] = []  # its priced predictions by kind of step
 
 
 class RankState(Message, kw_only=True):

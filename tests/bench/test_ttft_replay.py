@@ -69,3 +69,20 @@ def test_the_table_pools_each_workload_s_repetitions_and_gives_the_distribution(
     line = capsys.readouterr().out.splitlines()[-1]
     # Four priced requests: two priced exactly (1.0), two at twice their 0.19 s (outside 25 %).
     assert line.startswith("| `eval_x` | w | 4 | 0.50 |") and line.endswith("| 1.00 / 2.00 / 2.00 |")
+
+
+def test_the_table_adds_the_step_fits_accuracy_by_kind_where_the_records_have_it(tmp_path, capsys):
+    import json
+
+    rows = [record(0.0, 0.1, 0.2, 64, 0, predicted=0.1)]
+    kinds = [[{"kind": "decode", "steps": 30, "predicted_over_measured": 1.0, "within_25pct": 0.9}],
+             [{"kind": "decode", "steps": 10, "predicted_over_measured": 0.5, "within_25pct": 0.1}]]
+    run = run_of(rows) | {"status": "ok", "rank_stats": [{"rank": r, "step_fit": FIT | {"kinds": kinds[r]}}
+                                                        for r in (0, 1)]}
+    data = {"metadata": {"config": {"block_size": BLOCK, "max_num_seqs": 64, "max_num_batched_tokens": 8192}},
+            "runs": [run]}
+    path = tmp_path / "eval_y.json"
+    path.write_text(json.dumps(data))
+    main(["--table", str(path)])
+    # The two ranks weighted by their steps: ratio exp((30 log 1 + 10 log 0.5) / 40), share 0.7.
+    assert capsys.readouterr().out.splitlines()[-1] == "| `eval_y` | w | decode | 40 | 0.84 | 0.70 |"

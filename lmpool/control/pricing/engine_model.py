@@ -16,7 +16,8 @@ an idle rank's calibration goes stale while its twins' fits follow the machine a
 either alone would make an idle replica look dearer or cheaper than its twin for the whole run.
 The speed moves a rank's price where it really differs (a replica on a busier GPU). A rank that
 restarts is a new engine state: its calibration resets its fit and its speed. ``describe`` is
-what ``stats()`` and ``lmpool top`` show of a rank's fit.
+what ``stats()`` and ``lmpool top`` show of a rank's fit, with how well its priced coefficients
+predicted each kind of its steps (``step_accuracy``).
 
 Invariants: every rank has priced coefficients at all times (the prior until some worker has
 reported); they change only when a report is observed, and then only by ``MOVE`` or more (a
@@ -29,6 +30,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from lmpool.control.pricing.step_accuracy import StepAccuracy
 from lmpool.control.pricing.step_model import FITTED, StepCoefficients, StepModel
 from lmpool.protocol import StepFit, StepSample, StepTimings
 
@@ -99,6 +101,7 @@ class EngineModel:
         self._recent = [RecentSteps() for _ in range(world_size)]
         self._speeds = [1.0] * world_size
         self._priced: list[StepCoefficients] = []  # by rank, once there is a pooled fit
+        self._accuracy = [StepAccuracy() for _ in range(world_size)]  # of the priced coefficients, by kind of step
 
     def observe(self, timings: StepTimings) -> None:
         rank, model = timings.rank, self.ranks[timings.rank]
@@ -106,6 +109,8 @@ class EngineModel:
             self._calibrations[rank] = model.calibrate(timings.samples)
             self._recent[rank].clear()
         else:
+            # Against what the routes priced this rank's steps with, before these steps move it.
+            self._accuracy[rank].observe(timings.samples, self.coefficients(rank).predict)
             model.observe(timings.samples)
             recent = self._recent[rank]
             for s in timings.samples:
@@ -147,4 +152,5 @@ class EngineModel:
         return StepFit(base_ms=c.base * 1e3, prefill_us_per_token=c.prefill_token * 1e6,
                        attention_ns_per_pair=c.attention_pair * 1e9, decode_us_per_seq=c.decode_seq * 1e6,
                        context_us_per_token=c.context_token * 1e6, samples=model.samples,
-                       calibrated=model.calibrated, error=model.error, speed=self._speeds[rank])
+                       calibrated=model.calibrated, error=model.error, speed=self._speeds[rank],
+                       kinds=self._accuracy[rank].describe())

@@ -47,6 +47,10 @@ class StepCoefficients(NamedTuple):
         return (self.base + self.prefill_token * prefill_tokens + self.attention_pair * attention
                 + self.decode_seq * decode_seqs + self.context_token * context)
 
+    def predict(self, s: StepSample) -> float:
+        """The seconds of a step of ``s``'s shape."""
+        return self.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context)
+
 
 # A rough prior for a replica before it reports anything (an H200 quarter, 0.6B shape): the
 # calibration samples that follow replace it within a few steps.
@@ -118,7 +122,7 @@ class StepModel:
         self.coefficients = self._solve(self._xx, self._x)
 
     def predict(self, s: StepSample) -> float:
-        return self.coefficients.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context)
+        return self.coefficients.predict(s)
 
     def _solve(self, xx: np.ndarray, x: np.ndarray) -> StepCoefficients:
         """argmin over u >= 0 of sum (1 - row u)^2 + ridge |u - prior / scales|^2, from the sums

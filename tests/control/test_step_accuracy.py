@@ -1,0 +1,80 @@
+"""How well a rank's priced step time predicted each kind of its steps
+(``lmpool.control.pricing.step_accuracy``), as ``stats()`` shows it."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+from control_testkit import engine_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmpool.control.pricing.step_accuracy import KINDS, StepAccuracy, kind_of
+from lmpool.control.pricing.step_model import StepCoefficients
+from lmpool.protocol import StepSample, StepTimings
+
+PRICED = StepCoefficients(base=2e-3, prefill_token=20e-6, attention_pair=5e-9, decode_seq=30e-6, context_token=0.1e-6)
+
+
+def test_each_step_has_one_kind():
+    assert kind_of(StepSample(1.0, 0, 0, 8, 8000)) == "decode"
+    assert kind_of(StepSample(1.0, 0, 2 * 16384, 2, 10)) == "cascade"  # a prefix pass's pairs, no prompt tokens
+    assert kind_of(StepSample(1.0, 512, 512 * 513 // 2, 0, 0)) == "prefill"
+    assert kind_of(StepSample(1.0, 64, 64 * 16384, 8, 8000)) == "mixed"
+
+
+def test_a_rank_s_fit_says_which_kind_of_step_its_price_misses():
+    """Decode steps as priced, mixed steps twice as long as priced, prefills 10 % short: each kind
+    is summed apart against the coefficients the routes priced the rank with."""
+    model = engine_model(1, PRICED)
+    decode, mixed, prefill = StepSample(0.0, 0, 0, 8, 8000), StepSample(0.0, 64, 64 * 4096, 8, 8000), \
+        StepSample(0.0, 2048, 2048 * 2049 // 2, 0, 0)
+    steps = []
+    for shape, factor in ((decode, 1.0), (mixed, 2.0), (prefill, 1 / 0.9)):
+        steps += [msgspec.structs.replace(shape, seconds=PRICED.predict(shape) * factor) for _ in range(10)]
+    model.observe(StepTimings(0, 1, steps))
+    kinds = {k.kind: k for k in model.describe(0).kinds}
+    assert set(kinds) == {"decode", "mixed", "prefill"}  # no cascade step ran: none shown
+    assert kinds["decode"].steps == 10 and kinds["decode"].predicted_over_measured == pytest.approx(1.0)
+    assert kinds["decode"].within_25pct == pytest.approx(1.0)
+    assert kinds["mixed"].predicted_over_measured == pytest.approx(0.5) and kinds["mixed"].within_25pct == 0.0
+    assert kinds["prefill"].predicted_over_measured == pytest.approx(0.9) and kinds["prefill"].within_25pct == 1.0
+
+
+def test_steps_without_a_time_count_nowhere():
+    accuracy = StepAccuracy()
+    accuracy.observe([StepSample(0.0, 0, 0, 1, 10), StepSample(math.inf, 0, 0, 1, 10),
+                      StepSample(float("nan"), 0, 0, 1, 10)], PRICED.predict)
+    accuracy.observe([StepSample(1.0, 0, 0, 1, 10)], lambda s: 0.0)  # nothing predicted: no ratio
+    assert accuracy.describe() == [] and sum(accuracy.steps.values()) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e-6, 10.0), st.integers(0, 8192), st.integers(0, 10**8), st.integers(0, 64),
+                          st.integers(0, 10**6)), max_size=60), st.floats(10.0, 5000.0))
+def test_every_kind_shown_has_a_finite_ratio_and_a_share(rows, half_life):
+    accuracy = StepAccuracy(half_life)
+    samples = [StepSample(*row) for row in rows]
+    accuracy.observe(samples, PRICED.predict)
+    shown = accuracy.describe()
+    assert [k.kind for k in shown] == [k for k in KINDS if any(kind_of(s) == k for s in samples)]
+    for k in shown:
+        assert k.steps == sum(kind_of(s) == k.kind for s in samples)
+        assert 0 < k.predicted_over_measured < math.inf and 0.0 <= k.within_25pct <= 1.0 + 1e-12
+
+
+def test_stats_gives_a_rank_s_fit_and_its_kinds_as_plain_dicts():
+    """What an evaluation's records store (``json.dumps``) and a script reads by name."""
+    import json
+
+    from lmpool.frontend.client import step_fit_dict
+
+    model = engine_model(1, PRICED)
+    model.observe(StepTimings(0, 1, [StepSample(0.01, 0, 0, 4, 4000)]))
+    fit = json.loads(json.dumps(step_fit_dict(model.describe(0))))
+    assert fit["samples"] == 1 and fit["base_ms"] > 0  # the fit's figures, by name
+    # Priced at 2.52 ms (before the step moved the fit), measured 10 ms.
+    assert fit["kinds"] == [{"kind": "decode", "steps": 1, "predicted_over_measured": pytest.approx(0.252),
+                             "within_25pct": 0.0}]
