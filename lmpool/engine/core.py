@@ -122,10 +122,11 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self.awaiting_prompt_logprobs: set[str] = set()  # requests whose prompt logprobs are not sent yet
         self.in_flight: InFlightStep | None = None  # overlapped stepping: launched, not read back
-        # The launched step whose tokens the scheduler counts as computed and the host has not
-        # read back: its prefill has left the queue, not the device (a worker's load reports it).
+        # The launched step whose tokens the scheduler counts as computed and the device has not
+        # finished: its prefill has left the queue, not the device (a worker's load reports it).
         # Serial: the step between its launch and its read-back. Overlapped: the latest step that
         # ``end_step`` advanced; a step ``begin_step`` launched is still counted as queued until then.
+        # None on a CPU, whose launch returns once the step is computed.
         self.launched: ScheduledBatch | None = None
         # The batch whose tokens the latest ``step`` read back: the one it ran when serial, the
         # one before when overlapped (what a step's wall time measures once the device is busy).
@@ -260,7 +261,7 @@ class EngineCore:
         # Block accounting needs only the batch, not the new tokens: it runs while
         # the device computes them.
         self.scheduler.complete_step(batch)
-        self.launched = batch
+        self.launched = None if self._synchronous else batch
         return StepUnderWay(batch, InFlightStep(batch, pending, started))
 
     def _end_serial(self, step: StepUnderWay) -> list[StepOutput]:
@@ -301,7 +302,7 @@ class EngineCore:
         if batch.seqs:
             # After the previous step's commit, which must not count this step's tokens.
             self.scheduler.advance(batch)
-            self.launched = batch
+            self.launched = None if self._synchronous else batch
         return outputs
 
     def _expect_tokens(self, pending: PendingTokens) -> None:

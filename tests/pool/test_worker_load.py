@@ -71,15 +71,19 @@ def test_running_sequences_that_decode_as_a_cascade_report_its_prefix_pass_apart
 
 def test_a_worker_reports_the_prefill_it_launched_once_its_queue_no_longer_counts_it(tiny_model):
     """A launched prompt's prefill is reported as launched from when the scheduler counts it as
-    computed until its tokens are read back, never also as queued: serial, from its launch;
-    overlapped, from the read-back of the step before it (a heartbeat in between sees it queued)."""
+    computed until the device has finished it, never also as queued: serial, from its launch;
+    overlapped, from the read-back of the step before it (a heartbeat in between sees it queued).
+    A CPU computes a step inside its launch, so a CPU engine never reports one; a GPU's launch
+    returns at once, which the core is told here (``_synchronous``) to follow the same steps."""
     prompt = list(range(1, 3 * BLOCK + 6))
     n = len(prompt)
-    for overlapped in (True, False):
+    pairs = n * (n + 1) // 2
+    for overlapped, on_device in ((True, True), (False, True), (True, False), (False, False)):
         pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64,
                                        async_scheduling=overlapped)
         spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
         core = EngineCore(pool.engine_of(0))
+        core._synchronous = not on_device
         worker = Worker(spec, core, frontend=None)
         worker.handle(add("a", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
 
@@ -87,11 +91,11 @@ def test_a_worker_reports_the_prefill_it_launched_once_its_queue_no_longer_count
             load = worker.load()
             return load.waiting_prefill_tokens, load.launched_prefill_tokens, load.launched_attention
 
+        launched = (n, pairs) if on_device else (0, 0)
         assert reported() == (n, 0, 0)
         step = core.begin_step()  # the prefill launched (a heartbeat may report while it runs)
-        assert reported() == ((n, 0, 0) if overlapped else (0, n, n * (n + 1) // 2))
-        read_back = core.end_step(step)
-        assert len(read_back) == (0 if overlapped else 1)  # overlapped: its token comes one call later
-        assert reported() == ((0, n, n * (n + 1) // 2) if overlapped else (0, 0, 0))
+        assert reported() == ((n, 0, 0) if overlapped else (0, *launched))
+        core.end_step(step)  # overlapped: its token comes one call later
+        assert reported() == ((0, *launched) if overlapped else (0, 0, 0))
         core.step()  # the prefill read back, a decode step launched
         assert reported()[1:] == (0, 0)
