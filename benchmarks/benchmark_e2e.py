@@ -9,7 +9,7 @@ and LMPool with each transfer mode (background copy, foreground move, both, pull
   pressure requests pinned there share only a session's first block and fill memory with
   cold tokens, then 36 routed requests reuse the whole session prefixes;
 - sessions, agent sessions (even or Zipf-popular preambles) and chat (only when named,
-  ``--workloads sessions,agent_sessions,agent_sessions_zipf,chat``):
+  ``--workloads sessions,agent_sessions,agent_sessions_zipf,agent_sessions_scaleout,chat``):
   multi-turn sessions whose histories grow turn by turn under KV pressure (``sessions.py``),
   and a chat service of a few tenants' system prompts under unique traffic (``chat_service.py``).
 
@@ -37,7 +37,7 @@ from benchmarks.eval_suite import (
     chosen_policies, file_traces, finish_arguments, run_suite, vocab_size,
 )
 from benchmarks.workloads.chat_service import chat_service
-from benchmarks.workloads.sessions import agent_sessions, agent_sessions_zipf, sessions
+from benchmarks.workloads.sessions import agent_sessions, agent_sessions_scaleout, agent_sessions_zipf, sessions
 from benchmarks.workloads.traces import load_skew, memory_skew
 
 POLICIES = (*PEERS, LMPOOL, LMPOOL_ROUTING, *TRANSFER_MODES, TRANSFERS_IDLE, *PEER_VARIANTS, *GATEWAYS)
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
     ap.add_argument("--workloads",
-                    help="default load_skew,memory_skew (none with --trace); also: sessions, agent_sessions, agent_sessions_zipf, chat")
+                    help="default load_skew,memory_skew (none with --trace); also: sessions, agent_sessions, "
+                         "agent_sessions_zipf, agent_sessions_scaleout, chat")
     args = finish_arguments(ap.parse_args(argv), POOL_BLOCKS, "e2e")
     policies = chosen_policies(args, POLICIES, QUICK_POLICIES)
     vocab = vocab_size(args)
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sessions": lambda seed: sessions(seed, vocab, args.scale, args.max_tokens),
         "agent_sessions": lambda seed: agent_sessions(seed, vocab, args.scale, args.max_tokens),
         "agent_sessions_zipf": lambda seed: agent_sessions_zipf(seed, vocab, args.scale, args.max_tokens),
+        "agent_sessions_scaleout": lambda seed: agent_sessions_scaleout(seed, vocab, args.scale, args.max_tokens),
         "chat": lambda seed: chat_service(seed, vocab, args.scale, args.max_tokens),
     }
     names = args.workloads.split(",") if args.workloads else [] if args.trace else list(WORKLOADS)

@@ -22,6 +22,12 @@ sessions arrive interleaved in a seeded shuffled order.
   as the chat service's tenants): 15, 8, 5 and 4 sessions. Keeping every session with its
   preamble's cache now loads one replica with half the sessions and their growing histories;
   what decides a policy is when a session is worth opening elsewhere.
+- ``agent_sessions_scaleout``: ``agent_sessions`` on a pool that has just scaled out: every
+  session opened on replica 0 (turn 0 pinned there), the others empty. A policy that keeps each
+  session with its history keeps replica 0 carrying them all; one that balances recomputes
+  histories elsewhere. (Found by a red-team run on CPU: the default kept about 115 of 132 later
+  turns on the first replica of two, its own prices finding the other cheaper, and lost a quarter
+  of the throughput of SGLang's copy, whose tree never sees a pinned request.)
 
 Invariants (beside ``workloads``' own): turn k's prompt begins with turn k-1's whole prompt;
 sessions share only their preamble; lengths and each session's preamble do not depend on the
@@ -48,10 +54,10 @@ ZIPF = 1.1  # agent_sessions_zipf's preamble popularity
 def sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = DEFAULT_MAX_TOKENS,
              n_sessions: int = SESSIONS, turns: int = TURNS, preambles: int = 1, preamble: int = SYSTEM_PROMPT,
              opening: int = OPENING, user_turn: int = USER_TURN, name: str = "sessions",
-             zipf: float = 0.0) -> Trace:
+             zipf: float = 0.0, opened_on: int | None = None) -> Trace:
     """``n_sessions`` sessions of ``turns`` turns over ``preambles`` shared preambles of
     ``preamble`` tokens, one phase per turn (``turn0``, ...); ``zipf`` > 0 gives the preambles
-    that popularity (``preamble_of``)."""
+    that popularity (``preamble_of``); ``opened_on``: the rank every session's turn 0 is pinned to."""
     check_max_tokens(max_tokens)
     if n_sessions < 1 or turns < 1 or not 1 <= preambles <= n_sessions:
         raise ValueError(f"need sessions >= 1, turns >= 1 and 1 <= preambles <= sessions, got "
@@ -66,12 +72,15 @@ def sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = D
         order = list(range(n_sessions))
         tokens.shuffle(order)
         for s in order:
-            requests.append(TraceRequest(len(requests), f"turn{turn}", f"session{s:02d}", history[s], max_tokens))
+            rank = opened_on if turn == 0 else None
+            requests.append(TraceRequest(len(requests), f"turn{turn}", f"session{s:02d}", history[s], max_tokens, rank))
         # The next turn carries this turn's recorded reply and a new user turn.
         history = [h + tokens.draw(max_tokens) + tokens.draw(user) for h in history]
     params = {"sessions": n_sessions, "turns": turns, "preambles": preambles, "preamble_tokens": len(shared[0]),
               "opening_tokens": opening, "user_turn_tokens": user, "reply_tokens": max_tokens,
               "max_tokens": max_tokens, "scale": scale}
+    if opened_on is not None:
+        params["opened_on"] = opened_on
     if zipf:
         params["zipf"] = zipf
         params["preamble_sessions"] = [owner.count(k) for k in range(preambles)]
@@ -88,6 +97,12 @@ def agent_sessions(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: i
 def agent_sessions_zipf(seed: int, vocab_size: int, scale: float = 1.0, max_tokens: int = DEFAULT_MAX_TOKENS) -> Trace:
     return sessions(seed, vocab_size, scale, max_tokens, AGENT_SESSIONS, AGENT_TURNS, AGENT_PREAMBLES,
                     AGENT_PREAMBLE, AGENT_OPENING, AGENT_USER_TURN, name="agent_sessions_zipf", zipf=ZIPF)
+
+
+def agent_sessions_scaleout(seed: int, vocab_size: int, scale: float = 1.0,
+                            max_tokens: int = DEFAULT_MAX_TOKENS) -> Trace:
+    return sessions(seed, vocab_size, scale, max_tokens, AGENT_SESSIONS, AGENT_TURNS, AGENT_PREAMBLES,
+                    AGENT_PREAMBLE, AGENT_OPENING, AGENT_USER_TURN, name="agent_sessions_scaleout", opened_on=0)
 
 
 def preamble_of(n_sessions: int, preambles: int, zipf: float) -> list[int]:

@@ -8,7 +8,13 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from benchmarks.workloads.dataset_profile import profile_trace
-from benchmarks.workloads.sessions import agent_sessions, agent_sessions_zipf, preamble_of, sessions
+from benchmarks.workloads.sessions import (
+    agent_sessions,
+    agent_sessions_scaleout,
+    agent_sessions_zipf,
+    preamble_of,
+    sessions,
+)
 
 VOCAB = 151936
 
@@ -86,3 +92,13 @@ def test_zipf_preambles_open_every_session_once_and_the_popular_ones_most(sessio
     assert len(owner) == sessions_ and min(counts) >= 1
     assert counts == sorted(counts, reverse=True)
     assert preamble_of(sessions_, preambles, 0.0) == [s % preambles for s in range(sessions_)]
+
+
+def test_a_scaled_out_pool_s_sessions_all_open_on_replica_0_then_route_freely():
+    """The agent sessions' prompts, turn by turn, with only turn 0 placed (on replica 0)."""
+    trace, plain = agent_sessions_scaleout(3, VOCAB), agent_sessions(3, VOCAB)
+    assert [r.prompt for r in trace.requests] != [r.prompt for r in plain.requests]  # its own tokens
+    assert trace.phases == plain.phases and trace.params["opened_on"] == 0
+    assert {r.rank for r in trace.phase_requests("turn0")} == {0}
+    assert all(r.rank is None for r in trace.requests if r.phase != "turn0")
+    assert [len(r.prompt) for r in trace.requests] == [len(r.prompt) for r in plain.requests]
