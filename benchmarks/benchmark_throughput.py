@@ -90,7 +90,7 @@ def run_prefill(model: str, args) -> list[dict]:
         )
         try:
             llm.generate([[1] * min(longest, 64)], SamplingParams(temperature=0, max_tokens=1))  # warm-up
-            measured = prefill_rate.measure(llm, cases, args.prefill_reps, args.seed)
+            measured = prefill_rate.measure(llm, cases, args.prefill_reps, args.seed, args.prefill_kernels)
         finally:
             llm.shutdown()
         for row in measured:
@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefill", default="", metavar="NEW[:CACHED],...",
                     help="also time the prefill of NEW tokens after CACHED cached ones (prefill_rate)")
     ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--prefill-kernels", action="store_true",
+                    help="profile each --prefill case once more: its device time by kernel (a GPU's)")
     ap.add_argument("--prefill-attention", default="lmpool", metavar="lmpool,flash",
                     help="the --prefill cases' attention (EngineConfig.prefill_attention), each on its own engine; "
                          "flash needs --block-size a multiple of 256")

@@ -7,7 +7,9 @@ linear layer's ``2 * in * out`` a token (the language-model head once, for the s
 attention's ``4 * q_heads * head_dim`` a causal (query, key) pair (QK^T and PV), over the
 layers. Reported: TFLOP/s over the median time, as a fraction of a large matmul's rate measured
 in the same process (this process's share of the GPU, under MPS too) and of the spec peak of
-this process's share of the SMs, where the device is known.
+this process's share of the SMs, where the device is known. With ``kernels``, one more prompt of
+the case runs under ``torch.profiler``: its device time by kernel (``lib.kernel_table``), the
+largest first, the per-kernel table beside the rate.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 
 import torch
 
+from benchmarks.lib.kernel_table import device_kernels, top
 from lmpool import LLM, SamplingParams
 from lmpool.control.pricing.price import attention_pairs
 from lmpool.model.config import ModelConfig
@@ -63,8 +66,9 @@ def matmul_rate(device: str, dtype: torch.dtype, n: int = 8192) -> float:
     return 2.0 * n**3 / statistics.median(times[1:])
 
 
-def measure(llm: LLM, cases: list[tuple[int, int]], reps: int, seed: int = 0) -> list[dict]:
-    """Each case's prefill, timed ``reps`` times (see the module docstring)."""
+def measure(llm: LLM, cases: list[tuple[int, int]], reps: int, seed: int = 0, kernels: bool = False) -> list[dict]:
+    """Each case's prefill, timed ``reps`` times, and with ``kernels`` profiled once more (see
+    the module docstring)."""
     config = llm.engine.model_config
     device = llm.config.device
     rng = random.Random(seed)
@@ -102,6 +106,10 @@ def measure(llm: LLM, cases: list[tuple[int, int]], reps: int, seed: int = 0) ->
         if spec is not None:
             row["spec_tflops_of_share"] = spec / 1e12
             row["fraction_of_spec"] = flops / median / spec
+        if kernels:
+            prompt = prefix + [rng.randrange(config.vocab_size) for _ in range(new)]
+            table = device_kernels(lambda: llm.generate([prompt], one), device)
+            row["kernels_ms"] = [[name, round(ms, 4)] for name, ms in top(table)]
         rows.append(row)
     return rows
 
@@ -113,4 +121,6 @@ def describe(row: dict) -> str:
         text += f", {row['fraction_of_matmul']:.1%} of the matmul rate ({row['matmul_tflops']:.0f})"
     if "fraction_of_spec" in row:
         text += f", {row['fraction_of_spec']:.1%} of the spec peak of this share ({row['spec_tflops_of_share']:.0f})"
+    for name, ms in row.get("kernels_ms", []):
+        text += f"\n    {ms:9.3f} ms  {name[:100]}"
     return text

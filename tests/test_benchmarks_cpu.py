@@ -161,12 +161,13 @@ def test_throughput_benchmark_times_long_prefills_alone(tiny_model, tmp_path):
 
     out = tmp_path / "prefill.json"
     benchmark_throughput.main(["--model", tiny_model, "--paths", "none", "--prefill", "40,24:32", "--block-size",
-                               "16", "--prefill-reps", "2", "--no-progress", "--json", str(out)])
+                               "16", "--prefill-reps", "2", "--prefill-kernels", "--no-progress", "--json", str(out)])
     data = json.loads(out.read_text())
     assert "lmpool" not in data
     rows = data["prefill"]
     assert [(r["new_tokens"], r["cached_tokens"], len(r["seconds"])) for r in rows] == [(40, 0, 2), (24, 32, 2)]
     assert all(r["tflops"] > 0 for r in rows)
+    assert all(r["kernels_ms"] == [] for r in rows)  # a CPU's profile has operators, no kernels
     c = ModelConfig.from_pretrained(tiny_model)
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     linear = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
@@ -175,3 +176,11 @@ def test_throughput_benchmark_times_long_prefills_alone(tiny_model, tmp_path):
     assert prefill_rate.prefill_flops(c, 24, 32) == want
     with pytest.raises(SystemExit):
         benchmark_throughput.main(["--model", tiny_model, "--paths", "none"])  # nothing to run
+
+
+def test_a_kernel_table_keeps_the_largest_and_sums_the_rest():
+    from benchmarks.lib.kernel_table import top
+
+    kernels = {"gemm": 5.0, "attention": 3.0, "norm": 0.5, "rope": 0.25}
+    assert top(kernels, 2) == [("gemm", 5.0), ("attention", 3.0), ("(the rest)", 0.75)]
+    assert top(kernels, 4) == list(kernels.items()) and top({}, 3) == []

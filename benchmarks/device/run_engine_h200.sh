@@ -10,7 +10,8 @@
 #             against torch's (issue: 2x at 1 and 8), and one shared 16k document as a replica of
 #             4 under MPS decodes it, cascades off and on; about 5 minutes
 #   prefill   a 16k document's prefill (cold, and 8k after 8k cached) through LMPool's kernel and
-#             FlashAttention, on the whole GPU and as one MPS client of 4; about 4 minutes
+#             FlashAttention, on the whole GPU and as one MPS client of 4, each with its device
+#             time by kernel; about 4 minutes
 # Usage (from the repository root, with the wheels in .whl/), one device call each:
 #   OUT=results_dir bash benchmarks/device/run_engine_h200.sh check
 #   OUT=results_dir bash benchmarks/device/run_engine_h200.sh kernels prefill
@@ -55,7 +56,7 @@ for step in ${*:-check}; do
     prefill)
       for m in 0 4; do
         part "prefill_mps$m" 150 python3 -m benchmarks.benchmark_throughput "${PRESET[@]}" --paths none \
-          --prefill 16384,8192:8192 --prefill-attention lmpool,flash --mps "$m" --no-progress \
+          --prefill 16384,8192:8192 --prefill-attention lmpool,flash --prefill-kernels --mps "$m" --no-progress \
           --json "$OUT/prefill_mps$m.json"
       done ;;
     *) echo "unknown step $step (check, kernels, decode, prefill)" >&2; exit 2 ;;

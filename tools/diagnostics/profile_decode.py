@@ -45,15 +45,14 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.device.mps import mps_share
+from benchmarks.lib.kernel_table import device_kernels
+from benchmarks.lib.revision import git_record
 from lmpool import LLM, SamplingParams
 from lmpool.engine.model_runner import PendingTokens
 from lmpool.model.make_model import PRESETS, make_model
-from benchmarks.device.mps import mps_share
-from benchmarks.lib.revision import git_record
 
-DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of device time
 PATHS = {"serial": False, "overlapped": True}  # path name -> EngineConfig.async_scheduling
 
 
@@ -209,27 +208,13 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, seed: int, max_
             engine.step()
             walls.append(time.perf_counter() - t0)
     timeline = marks.device_timeline()  # synchronises: after the timed steps
-    cuda = engine.runner.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(engine.runner.device)  # an overlapped step may still run: not profiled
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof, StepMarks(engine.runner) as profiled:
-        for _ in range(steps):
-            engine.step()
-        if cuda:
-            torch.cuda.synchronize(engine.runner.device)  # exactly the kernels of the steps launched
-    kernels: dict[str, float] = collections.defaultdict(float)
-    with tempfile.TemporaryDirectory() as tmp:  # the exported trace names kernels in every torch version
-        prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
-        events = json.loads((Path(tmp) / "trace.json").read_text())["traceEvents"]
-    for event in events:
-        if event.get("cat") in DEVICE_WORK:
-            kernels[event["name"]] += event["dur"] / 1e3 / steps  # ms per step
+    with StepMarks(engine.runner) as profiled:  # ms per step by kernel (an overlapped step still running is not)
+        kernels = device_kernels(lambda: [engine.step() for _ in range(steps)], engine.runner.device, steps)
     for request_id in list(engine.requests):  # the next batch starts from an idle engine
         engine.abort_request(request_id)
     while engine.in_flight is not None:
         engine.step()  # reads the last launched step back (its tokens are dropped)
-    return {"walls": walls, "waited": sum(waits), "kernels": dict(kernels), "timeline": timeline,
+    return {"walls": walls, "waited": sum(waits), "kernels": kernels, "timeline": timeline,
             "batches": marks.batches, "profiled_batches": profiled.batches, "syncs": syncs,
             "cached_prompt_tokens": cached}
 
