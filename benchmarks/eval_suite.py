@@ -44,8 +44,8 @@ from benchmarks.workloads.dataset_profile import profile_trace
 from benchmarks.replay.eval_driver import Arrival, replay
 from benchmarks.stats.eval_metrics import run_metrics, summarize
 from benchmarks.peers.eval_policies import (
-    GATEWAYS, LMPOOL, LMPOOL_ROUTING, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, Policy,
-    select_policies,
+    GATEWAYS, LMPOOL, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, TRANSFER_MODES,
+    TRANSFERS_IDLE, Policy, select_policies,
 )
 from benchmarks.replay.eval_settings import Setting, cell_key, parse_arrival, parse_sweep, settings
 from benchmarks.device.mps import mps_daemon
@@ -65,19 +65,19 @@ MAX_FAILURES = 2
 
 
 # The policy tables live in ``eval_policies``; the runners and tests import them from here too.
-__all__ = ["GATEWAYS", "LMPOOL", "LMPOOL_ROUTING", "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS", "Policy",
-           "TRANSFERS_IDLE", "TRANSFER_MODES", "run_order", "select_policies"]
+__all__ = ["GATEWAYS", "LMPOOL", "LMPOOL_OWNER_PULLS", "LMPOOL_ROUTING", "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS",
+           "Policy", "TRANSFERS_IDLE", "TRANSFER_MODES", "run_order", "select_policies"]
 
 
 def chosen_policies(args: argparse.Namespace, available: tuple[Policy, ...], quick: str) -> list[Policy]:
     """``--policies`` ('all' or none: every one that runs a pool, Dynamo's router in front of one
     included); in quick mode without it, the runner's ``quick`` set, which the recorded config
     then names. The real gateway starts server processes of its own and runs only when named, so
-    'all' costs what it did before it."""
+    'all' costs what it did before it; so does the candidate for the default (``LMPOOL_OWNER_PULLS``)."""
     if args.quick and not args.policies:
         args.policies = quick
     if args.policies in (None, "all"):
-        return [p for p in available if p not in GATEWAYS]
+        return [p for p in available if p not in GATEWAYS and p != LMPOOL_OWNER_PULLS]
     return select_policies(available, args.policies)
 
 

@@ -126,6 +126,10 @@ LMPOOL_ROUTING = Policy("lmpool-routing", "lmpool")  # routing only, whatever th
 LMPOOL_VARIANTS = (
     Policy("lmpool-pending", "lmpool", routing_config=(("pending_ttl_s", 0.0),)),
 )
+# A candidate for the default, run beside it: its pulls allowed from an owner the gate keeps
+# (``RoutingConfig.owner_pulls``: a session's history moved to a cheaper rank, not recomputed).
+LMPOOL_OWNER_PULLS = Policy("lmpool-owner-pulls", "lmpool", transfer_mode=None,
+                            routing_config=(("owner_pulls", True),))
 TRANSFER_MODES = (
     Policy("lmpool+background", "lmpool", "background"),
     Policy("lmpool+foreground", "lmpool", "foreground"),

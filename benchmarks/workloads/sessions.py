@@ -22,12 +22,16 @@ sessions arrive interleaved in a seeded shuffled order.
   as the chat service's tenants): 15, 8, 5 and 4 sessions. Keeping every session with its
   preamble's cache now loads one replica with half the sessions and their growing histories;
   what decides a policy is when a session is worth opening elsewhere.
-- ``agent_sessions_scaleout``: ``agent_sessions`` on a pool that has just scaled out: every
-  session opened on replica 0 (turn 0 pinned there), the others empty. A policy that keeps each
-  session with its history keeps replica 0 carrying them all; one that balances recomputes
-  histories elsewhere. (Found by a red-team run on CPU: the default kept about 115 of 132 later
-  turns on the first replica of two, its own prices finding the other cheaper, and lost a quarter
-  of the throughput of SGLang's copy, whose tree never sees a pinned request.)
+- ``agent_sessions_scaleout``: ``agent_sessions`` over caches its router did not build: every
+  session opened on replica 0 (turn 0 pinned there), the others empty, as after a scale-out or
+  a gateway restart. A policy that keeps each session with its history keeps replica 0 carrying
+  them all; one that balances recomputes or moves histories. The router's knowledge differs by
+  design here: a pinned request never reaches the SGLang copy's tree or the real gateway's
+  (they meet turn 1 knowing nothing, as a restarted gateway would), while LMPool reads the
+  replicas' caches and Dynamo's router their KV events. A red-team trace of this kind (16
+  sessions of 9 turns on 2 replicas, on CPU) had the default run about 115 of its 144 requests on
+  replica 0 and 24 % behind the SGLang copy's throughput; this workload on CPU showed no gap
+  beyond the run-to-run noise (``results/eval_NOTES.md``).
 
 Invariants (beside ``workloads``' own): turn k's prompt begins with turn k-1's whole prompt;
 sessions share only their preamble; lengths and each session's preamble do not depend on the

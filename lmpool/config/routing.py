@@ -16,6 +16,11 @@ class RoutingConfig:
     owner_min_match: float = 0.3
     gate_abs_threshold: int = 64
     gate_rel_threshold: float = 1.5
+    # Whether a route-time pull may still bring an owner's prefix to a rank priced cheaper with it
+    # there, when the gate keeps the owner (a pull moves a session's history rather than
+    # recomputing it). Off: the owner keeps it. The "lmpool-owner-pulls" evaluation policy; a CPU
+    # red-team found sessions that all opened on one replica kept there (``agent_sessions_scaleout``).
+    owner_pulls: bool = False
     # Prices within this fraction of the cheapest are equal (the step fits err by a few percent);
     # among them the rank with the most free blocks wins (``lmpool.control.pricing.price.cheapest``).
     price_tie: float = 0.03

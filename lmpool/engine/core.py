@@ -122,8 +122,8 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self.awaiting_prompt_logprobs: set[str] = set()  # requests whose prompt logprobs are not sent yet
         self.in_flight: InFlightStep | None = None  # overlapped stepping: launched, not read back
-        # The launched step whose tokens the scheduler counts as computed and the device has not
-        # finished: its prefill has left the queue, not the device (a worker's load reports it).
+        # The launched step whose tokens the scheduler counts as computed and the host has not
+        # read back: its prefill has left the queue, not the device (a worker's load reports it).
         # Serial: the step between its launch and its read-back. Overlapped: the latest step that
         # ``end_step`` advanced; a step ``begin_step`` launched is still counted as queued until then.
         # None on a CPU, whose launch returns once the step is computed.

@@ -75,17 +75,17 @@ from lmpool_ipc.frames import max_payload
 # rank dies too fails instead, so that one request that crashes workers (a bug it triggers)
 # cannot take down every rank of the pool in turn.
 MAX_REROUTES = 1
-def step_fit_dict(fit: StepFit) -> dict:
-    """A rank's step fit as ``stats()`` gives it: a dict, each kind of step's accuracy one too."""
-    return msgspec.structs.asdict(fit) | {"kinds": [msgspec.structs.asdict(k) for k in fit.kinds]}
-
-
 LIVE_STATS = ("num_waiting", "num_running", "blocks_free", "blocks_reclaimable", "blocks_used", "cached_blocks")
 MAX_MESSAGE_BYTES = max_payload(DEFAULT_CAPACITY)  # the most one message between the pool's processes holds
 # A worker's snapshot of its cache to the control plane takes about 1.1 kB per cached block at
 # 256 tokens (two 32-byte hashes and the block's token ids): some 14k blocks per message; a larger
 # one goes in parts (``lmpool.worker.report_parts``). Ring pages are touched only as they are used.
 CONTROL_LINK_CAPACITY = 16 << 20
+
+
+def step_fit_dict(fit: StepFit) -> dict:
+    """A rank's step fit as ``stats()`` gives it: a dict, each kind of step's accuracy one too."""
+    return msgspec.structs.asdict(fit) | {"kinds": [msgspec.structs.asdict(k) for k in fit.kinds]}
 
 
 class PoolError(RuntimeError):

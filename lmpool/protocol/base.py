@@ -41,8 +41,9 @@ class LoadReport(Message):
     # (row, key) pairs a decode step's cascade prefix passes attend over the running sequences
     # (``StepSample.attention`` counts them so): each shared prefix times the rows sharing it.
     cascade_pairs: int = 0
-    # The prefill of the step launched and not yet read back (overlapped stepping): its prompt
-    # tokens and their attention pairs, no longer queued but still ahead of any new request.
+    # The prefill of the launched step whose tokens are not read back yet (a GPU's; a CPU computes
+    # a step inside its launch): its prompt tokens and their attention pairs, no longer queued
+    # but still ahead of any new request (``EngineCore.launched``).
     launched_prefill_tokens: int = 0
     launched_attention: int = 0
 

@@ -9,7 +9,7 @@ import pytest
 
 
 from benchmarks import benchmark_kv_routing
-from benchmarks.eval_suite import LMPOOL, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy
+from benchmarks.eval_suite import LMPOOL, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy
 
 
 def test_a_variant_passes_its_routing_config_and_a_plain_policy_passes_none():
@@ -113,3 +113,19 @@ def test_the_default_mode_passes_no_transfer_mode_and_records_which_it_ran():
     assert {"sglang_cache_threshold", "sglang_balance_abs_threshold", "sglang_balance_rel_threshold"} <= set(
         sglang["rule_fields"])
     assert "rule_fields" not in LMPOOL.record()
+
+
+def test_the_candidate_default_runs_the_default_mode_with_owner_pulls_and_only_when_named():
+    import argparse
+
+    from benchmarks import benchmark_e2e, benchmark_hot_context
+    from benchmarks.eval_suite import chosen_policies
+
+    kw = LMPOOL_OWNER_PULLS.pool_kwargs()
+    assert kw["routing"] == "lmpool" and kw["routing_config"].owner_pulls and "transfer_mode" not in kw
+    for runner in (benchmark_e2e, benchmark_hot_context, benchmark_kv_routing):
+        assert LMPOOL_OWNER_PULLS in runner.POLICIES
+        every = chosen_policies(argparse.Namespace(quick=False, policies="all"), runner.POLICIES, "")
+        assert LMPOOL_OWNER_PULLS not in every and LMPOOL in every
+        named = chosen_policies(argparse.Namespace(quick=False, policies="lmpool,lmpool-owner-pulls"), runner.POLICIES, "")
+        assert named == [LMPOOL, LMPOOL_OWNER_PULLS]

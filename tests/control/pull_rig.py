@@ -33,9 +33,10 @@ NUM_BLOCKS = 1000
 
 
 class PullRig:
-    def __init__(self, world: int = 2, *, coefficients=COEF, held: bool = True) -> None:
+    def __init__(self, world: int = 2, *, coefficients=COEF, held: bool = True, config=None) -> None:
         """``held``: whether plan orders wait for a rank's step under way (CPU workers), or are
-        served while it runs (CUDA workers under overlapped stepping)."""
+        served while it runs (CUDA workers under overlapped stepping); ``config``: the router's
+        ``RoutingConfig``."""
         self.clock = ManualClock()
         self.gbm = GlobalBlockManager(world, BLOCK, clock=self.clock)
         topology = Topology.virtual(world)
@@ -45,7 +46,7 @@ class PullRig:
                                                cost_model=self.cost_model, on_end=self._ended,
                                                on_published=self._published)
         self.resolved: list[tuple[str, str]] = []
-        self.router = priced_router(self.gbm, topology, coefficients=coefficients)
+        self.router = priced_router(self.gbm, topology, config=config, coefficients=coefficients)
         pricer = PullPricer(self.gbm, topology, self.router.policy.pricer, self.cost_model.estimate,
                             self.coordinator.room, source_held=held, dest_held=held)
         self.pulls = RoutePulls(self.gbm, self.coordinator, pricer,

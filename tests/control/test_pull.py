@@ -110,6 +110,26 @@ def test_an_idle_owner_keeps_its_request_and_no_copy_starts():
     assert not rig.coordinator.plans and not rig.pulls.waiting
 
 
+@pytest.mark.parametrize("owner_pulls", [False, True])
+def test_an_owner_the_gate_keeps_has_its_prefix_pulled_only_where_the_pool_allows_it(owner_pulls):
+    """Five long sequences on the owner (within the gate: it counts sequences, not their
+    context) make it dearer than copying the document to the idle partner: the owner keeps the
+    request by default; with ``RoutingConfig.owner_pulls`` the copy goes ahead."""
+    from lmpool.config import RoutingConfig
+
+    rig = PullRig(coefficients=DEAR, config=RoutingConfig(owner_pulls=owner_pulls))
+    busy_owner(rig, running=5, context=20_000)
+    _, decision = rig.route(DOC)
+    if not owner_pulls:
+        assert decision.rank == 0 and decision.reason.startswith("owner r0") and not rig.coordinator.plans
+        assert "; pull " not in decision.reason  # no pull was even priced
+        return
+    assert decision.rank == 1 and decision.reason.startswith("pull r1<-r0:32b=") and "over owner r0" in decision.reason
+    (plan,) = rig.coordinator.plans.values()
+    assert (plan.src, plan.dst, plan.hashes) == (0, 1, DOC)
+    rig.check()
+
+
 def test_requests_needing_the_same_blocks_on_the_same_rank_share_one_pull():
     rig = PullRig(coefficients=DEAR)
     busy_owner(rig)

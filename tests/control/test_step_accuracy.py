@@ -48,7 +48,17 @@ def test_steps_without_a_time_count_nowhere():
     accuracy.observe([StepSample(0.0, 0, 0, 1, 10), StepSample(math.inf, 0, 0, 1, 10),
                       StepSample(float("nan"), 0, 0, 1, 10)], PRICED.predict)
     accuracy.observe([StepSample(1.0, 0, 0, 1, 10)], lambda s: 0.0)  # nothing predicted: no ratio
+    accuracy.observe([StepSample(1e300, 0, 0, 1, 10)], lambda s: 1e-30)  # a ratio that underflows
     assert accuracy.describe() == [] and sum(accuracy.steps.values()) == 0
+
+
+def test_a_rank_s_calibration_starts_its_figures_afresh():
+    """A restarted worker calibrates again: a new engine state, scored from then on."""
+    model = engine_model(1, PRICED)
+    model.observe(StepTimings(0, 1, [StepSample(0.01, 0, 0, 4, 4000)]))
+    assert [k.kind for k in model.describe(0).kinds] == ["decode"]
+    model.observe(StepTimings(0, 2, [StepSample(0.01, 0, 0, 4, 4000)], calibration=True))
+    assert model.describe(0).kinds == []
 
 
 @settings(max_examples=100, deadline=None)

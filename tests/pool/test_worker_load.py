@@ -71,7 +71,7 @@ def test_running_sequences_that_decode_as_a_cascade_report_its_prefix_pass_apart
 
 def test_a_worker_reports_the_prefill_it_launched_once_its_queue_no_longer_counts_it(tiny_model):
     """A launched prompt's prefill is reported as launched from when the scheduler counts it as
-    computed until the device has finished it, never also as queued: serial, from its launch;
+    computed until its tokens are read back, never also as queued: serial, from its launch;
     overlapped, from the read-back of the step before it (a heartbeat in between sees it queued).
     A CPU computes a step inside its launch, so a CPU engine never reports one; a GPU's launch
     returns at once, which the core is told here (``_synchronous``) to follow the same steps."""
@@ -95,7 +95,8 @@ def test_a_worker_reports_the_prefill_it_launched_once_its_queue_no_longer_count
         assert reported() == (n, 0, 0)
         step = core.begin_step()  # the prefill launched (a heartbeat may report while it runs)
         assert reported() == ((n, 0, 0) if overlapped else (0, *launched))
-        core.end_step(step)  # overlapped: its token comes one call later
+        read_back = core.end_step(step)
+        assert len(read_back) == (0 if overlapped else 1)  # overlapped: its token comes one call later
         assert reported() == ((0, *launched) if overlapped else (0, 0, 0))
         core.step()  # the prefill read back, a decode step launched
         assert reported()[1:] == (0, 0)

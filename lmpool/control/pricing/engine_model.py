@@ -16,8 +16,8 @@ an idle rank's calibration goes stale while its twins' fits follow the machine a
 either alone would make an idle replica look dearer or cheaper than its twin for the whole run.
 The speed moves a rank's price where it really differs (a replica on a busier GPU). A rank that
 restarts is a new engine state: its calibration resets its fit and its speed. ``describe`` is
-what ``stats()`` and ``lmpool top`` show of a rank's fit, with how well its priced coefficients
-predicted each kind of its steps (``step_accuracy``).
+what ``stats()`` and ``lmpool top`` show of a rank's fit; ``stats()`` also says how well its priced
+coefficients predicted each kind of its steps (``step_accuracy``), since the rank's last calibration.
 
 Invariants: every rank has priced coefficients at all times (the prior until some worker has
 reported); they change only when a report is observed, and then only by ``MOVE`` or more (a
@@ -108,6 +108,7 @@ class EngineModel:
         if timings.calibration:
             self._calibrations[rank] = model.calibrate(timings.samples)
             self._recent[rank].clear()
+            self._accuracy[rank] = StepAccuracy()  # a restarted worker is a new engine state
         else:
             # Against what the routes priced this rank's steps with, before these steps move it.
             self._accuracy[rank].observe(timings.samples, self.coefficients(rank).predict)

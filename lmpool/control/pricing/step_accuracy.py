@@ -13,7 +13,8 @@ Per kind: the steps seen, and over the last ``HALF_LIFE`` or so of them (exponen
 decayed) the geometric mean of predicted / measured and the share within 25 %.
 
 Invariants: a kind's weights are > 0 once it has a step, its ratio finite and > 0 and its share
-in [0, 1]; a step without a time or a prediction counts nowhere.
+in [0, 1]; a step without a time or a prediction, or whose ratio is not finite, counts nowhere.
+A rank's figures start afresh with its calibration (a restarted worker).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ class StepAccuracy:
         d = self.decay
         for s in samples:
             predicted = predict(s)
-            if not (0 < s.seconds < math.inf and 0 < predicted < math.inf):
+            ratio = predicted / s.seconds if 0 < s.seconds < math.inf else math.nan
+            if not (0 < predicted < math.inf and 0 < ratio < math.inf):
                 continue
-            kind, ratio = kind_of(s), predicted / s.seconds
+            kind = kind_of(s)
             self.steps[kind] += 1
             self._weight[kind] = self._weight[kind] * d + 1.0
             self._log[kind] = self._log[kind] * d + math.log(ratio)

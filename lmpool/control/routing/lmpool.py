@@ -14,7 +14,8 @@ with it.
 - an owner that the bounded-load gate (``lmpool.control.pricing.gate``, over requests in
   flight) does not find overloaded: the cheapest of the owner and its ties ("owner"), and no
   later stage may send the request elsewhere, even when it must wait for blocks there (what
-  the owner's cache holds is why it is the owner; SGLang's gateway does not look at memory);
+  the owner's cache holds is why it is the owner; SGLang's gateway does not look at memory),
+  unless ``RoutingConfig.owner_pulls``: then a pull may bring the prefix to a cheaper rank;
 - an overloaded owner: the cheapest rank ("spill" when it is no owner), and a later stage may
   still pull the prefix to another rank.
 
@@ -58,7 +59,7 @@ class LMPoolPolicy(RoutingPolicy):
         owners = [p for p in pool if p.matched == top]
         owner = cheapest(owners, cfg.price_tie)
         if not overloaded(owner.seqs, [p.seqs for p in prices], cfg.gate_abs_threshold, cfg.gate_rel_threshold):
-            return Choice(owner.rank, describe("owner", owner) + alternatives, prices)
+            return Choice(owner.rank, describe("owner", owner) + alternatives, prices, may_leave=cfg.owner_pulls)
         if best.matched == top:
             return Choice(best.rank, describe("owner", best) + alternatives, prices, may_leave=True)
         return Choice(best.rank, f"{describe('spill', best)} from {describe('owner', owner)}{alternatives}", prices,
