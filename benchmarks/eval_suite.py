@@ -44,8 +44,8 @@ from benchmarks.workloads.dataset_profile import profile_trace
 from benchmarks.replay.eval_driver import Arrival, replay
 from benchmarks.stats.eval_metrics import run_metrics, summarize
 from benchmarks.peers.eval_policies import (
-    GATEWAYS, LMPOOL, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, TRANSFER_MODES,
-    TRANSFERS_IDLE, Policy, select_policies,
+    GATEWAYS, LMPOOL, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, NAMED_ONLY, PEER_VARIANTS, PEERS,
+    TRANSFER_MODES, TRANSFERS_IDLE, Policy, select_policies,
 )
 from benchmarks.replay.eval_settings import Setting, cell_key, parse_arrival, parse_sweep, settings
 from benchmarks.device.mps import mps_daemon
@@ -72,12 +72,12 @@ __all__ = ["GATEWAYS", "LMPOOL", "LMPOOL_OWNER_PULLS", "LMPOOL_ROUTING", "LMPOOL
 def chosen_policies(args: argparse.Namespace, available: tuple[Policy, ...], quick: str) -> list[Policy]:
     """``--policies`` ('all' or none: every one that runs a pool, Dynamo's router in front of one
     included); in quick mode without it, the runner's ``quick`` set, which the recorded config
-    then names. The real gateway starts server processes of its own and runs only when named, so
-    'all' costs what it did before it; so does the candidate for the default (``LMPOOL_OWNER_PULLS``)."""
+    then names. Policies in ``NAMED_ONLY`` (the real gateway, the candidate default) run only when
+    named, so 'all' costs what it did before them."""
     if args.quick and not args.policies:
         args.policies = quick
     if args.policies in (None, "all"):
-        return [p for p in available if p not in GATEWAYS and p != LMPOOL_OWNER_PULLS]
+        return [p for p in available if p not in NAMED_ONLY]
     return select_policies(available, args.policies)
 
 

@@ -130,6 +130,9 @@ LMPOOL_VARIANTS = (
 # (``RoutingConfig.owner_pulls``: a session's history moved to a cheaper rank, not recomputed).
 LMPOOL_OWNER_PULLS = Policy("lmpool-owner-pulls", "lmpool", transfer_mode=None,
                             routing_config=(("owner_pulls", True),))
+# Policies that run only when named (``--policies all`` leaves them out): the real gateway starts
+# server processes of its own; the candidate default is run beside the default, not in every suite.
+NAMED_ONLY = (*GATEWAYS, LMPOOL_OWNER_PULLS)
 TRANSFER_MODES = (
     Policy("lmpool+background", "lmpool", "background"),
     Policy("lmpool+foreground", "lmpool", "foreground"),

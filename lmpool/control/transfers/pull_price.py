@@ -130,9 +130,10 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, ou
     c, missing, rest = work.c, serve.missing, prompt - cached  # c: what ``Pricer.prefill_s`` would read
     pulled = prefill_seconds(c, missing, prompt - missing) - prefill_seconds(c, rest, cached)
     floor = serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
-    saved = c.context_token - c.attention_pair  # a read-once key's saving a step (a loss where negative)
-    if cascades and missing > rest and saved > 0:
-        floor -= (1 + work.n) * (out - 1) * saved * (missing - rest)
+    if cascades and missing > rest:
+        saved = c.context_token - c.attention_pair  # a read-once key's saving a step (a loss where negative)
+        if saved > 0:
+            floor -= (1 + work.n) * (out - 1) * saved * (missing - rest)
     return floor
 
 
