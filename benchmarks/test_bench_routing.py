@@ -12,7 +12,8 @@ decision (``Router.decide``, what a request waits for) and, apart, the route's b
 after its reply (``Router.record``: reservation, pending prefix, demand), which the control
 process runs before the next route. A route that opens a pull is answered only once the copy
 has landed, milliseconds later, so the decisions are also summarised without those
-(``answered_now_us``). Results go to ``benchmarks/results/routing_cpu.json`` (or
+(``answered_now_us``), and those apart (``pulled_us``); the pull's plan opens as its route is
+recorded. Results go to ``benchmarks/results/routing_cpu.json`` (or
 ``LMPOOL_BENCH_JSON``).
 
 Every policy is built as the control process builds it (``lmpool.control.build.assemble``),
@@ -229,6 +230,8 @@ def test_route_latency_1m_entries():
         now = [t for t, pulled in zip(times, pulls) if not pulled]
         results[policy] = summary(times) | {"answered_now_us": summary(now), "record_us": summary(records),
                                             "rules": dict(rules.most_common())}
+        if len(now) < len(times):  # the routes that open a pull, apart: the default's tail
+            results[policy]["pulled_us"] = summary([t for t, pulled in zip(times, pulls) if pulled])
         line = (f"{policy:>20}: p50 {results[policy]['p50_us']:7.2f} us  p99 {results[policy]['p99_us']:7.2f} us"
                 f"  (answered at once p99 {results[policy]['answered_now_us']['p99_us']:7.2f})"
                 f"  record p50 {results[policy]['record_us']['p50_us']:6.2f} p99 {results[policy]['record_us']['p99_us']:6.2f}")
@@ -264,7 +267,7 @@ def test_route_latency_1m_entries():
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(data, indent=2) + "\n")
     assert results["lmpool"]["p99_us"] <= 100, "route p99 above the 100 us goal"
-    assert results["lmpool+pull"]["p99_us"] - results["lmpool"]["p99_us"] <= 100, "pull pricing adds over 100 us p99"
+    assert results["lmpool+pull"]["p99_us"] <= 100, "the default's route p99 (transfer mode pull) above the 100 us goal"
     assert results["lmpool+all"]["p99_us"] - results["lmpool"]["p99_us"] <= 100, "pulls and placement add over 100 us p99"
     assert results["lmpool+all"]["placement_slice_us"]["p99_us"] <= 100, "a route waits over 100 us for placement"
 

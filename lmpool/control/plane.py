@@ -445,9 +445,9 @@ class ControlPlane:
         pulls = self.policies.pulls
         while True:
             decision = self.route_once(request)
-            if pulls is None or request.request_id not in pulls.waiting:
+            if pulls is None or not pulls.waits(request.request_id):
                 return decision
-            self.router.record()  # its reply waits on the pull: its bookkeeping does not
+            self.router.record()  # its reply waits on the pull (which this opens): its bookkeeping does not
             waiter = asyncio.get_running_loop().create_future()
             self.pull_waiters[request.request_id] = waiter
             if self.check:

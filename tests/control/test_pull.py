@@ -53,6 +53,37 @@ def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first
     rig.check()
 
 
+def test_a_pull_decided_opens_its_plan_as_its_route_is_recorded():
+    """The decision ends with the choice: the plan and its waiter open with the route's record
+    (before the next route is decided), and the request is known to wait from the decision on."""
+    rig = PullRig(coefficients=DEAR)
+    busy_owner(rig)
+    query = RouteQuery("first", DOC, len(DOC) * BLOCK + 1, 64)
+    decision = rig.router.decide(query)
+    assert decision.rank == 1 and decision.reason.startswith("pull r1<-r0:32b=")
+    assert not rig.coordinator.plans and not rig.pulls.waiting and not rig.sent
+    assert rig.pulls.waits("first") and not rig.pulls.waits("other")
+    rig.router.record()
+    (plan,) = rig.coordinator.plans.values()
+    assert rig.pulls.waiting == {"first": plan.plan_id} and rig.pulls.waits("first")
+    # The next request for the document shares it: it is decided after the first was recorded.
+    rid, decision = rig.route(DOC)
+    assert decision.rank == 1 and rig.pulls.waiting == {"first": plan.plan_id, rid: plan.plan_id}
+    rig.check()
+
+
+def test_a_pull_of_a_decision_never_recorded_never_opens():
+    """A route whose decision failed after its pull was chosen is never recorded: the next
+    route's settling forgets that pull, and no plan opens for it."""
+    rig = PullRig(coefficients=DEAR)
+    busy_owner(rig)
+    rig.router.decide(RouteQuery("lost", DOC, len(DOC) * BLOCK + 1, 64))
+    rig.router._unrecorded = None  # as if the decision had raised before it ended
+    rid, decision = rig.route([100, 101])  # another prompt: no pull
+    assert not rig.pulls.waits("lost") and not rig.coordinator.plans and not rig.pulls.waiting
+    rig.check()
+
+
 def test_where_workers_serve_orders_while_stepping_a_busy_source_delays_no_pull():
     """CUDA workers answer a plan's orders while a step runs: the pull's price then counts only
     the destination's step under way, behind which its copy runs (none: it is idle)."""

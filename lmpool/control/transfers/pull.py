@@ -3,7 +3,9 @@
 A route stage. Once the routing policy has chosen, and only where it lets the request leave
 its rank (an overloaded owner, or no owner: ``Choice.may_leave``), ``settle`` prices a pull to
 every candidate that could take one (``pull_price``); the cheapest (``pricing.price.cheapest``) wins if it costs
-less than the policy's choice, and opens a copy plan (kind "pull") for the missing blocks to that rank.
+less than the policy's choice, and a copy plan (kind "pull") for the missing blocks to that rank opens as
+the route is recorded (``record``: right after the decision, always before the next; the request's
+reply waits for the copy, not for the plan's opening, so the decision ends with the choice).
 A request routed to a rank that an open pull is bringing its prefix to waits for that pull,
 however it was routed: concurrent requests needing the same blocks on the same rank share
 one plan. Before the policy chooses, ``expect`` counts an open pull's blocks as its
@@ -72,6 +74,7 @@ class RoutePulls(RouteStage):
         self.open: dict[int, OpenPull] = {}  # by plan id
         self._by_head: dict[tuple[int, bytes], OpenPull] = {}  # (destination, first hash) -> its pull
         self.waiting: dict[str, int] = {}  # request id -> the plan it waits on
+        self._opening: tuple[Route, PullOption] | None = None  # the last route's pull, opened as it is recorded
         self.counters = PullCounters()
 
     # ---- routing -------------------------------------------------------------------------
@@ -90,6 +93,7 @@ class RoutePulls(RouteStage):
                 route.waits[r] = max(0.0, pull.estimate_s - (self.coordinator.clock() - pull.started))
 
     def settle(self, route: Route) -> None:
+        self._opening = None  # a decision that failed after its pull was chosen was never recorded
         if route.query.request_id in self.waiting:  # one wait per request id: it still waits on its pull
             route.waits_on_pull = True
             return
@@ -118,13 +122,27 @@ class RoutePulls(RouteStage):
         if route.chosen is None or best.price.total_s >= route.chosen.total_s:
             route.reason += alternatives
             return False
-        self._wait(route.query.request_id, self._start(route.query.block_hashes, best))
+        self._opening = (route, best)
         route.waits_on_pull = True
         route.reason = f"pull {described[at]} copy={best.copy_s * 1e3:.1f}ms over {route.reason}{alternatives}"
         route.rank, route.chosen = best.price.rank, best.price
         route.expected[route.rank] = best.start + best.blocks
         self.counters.routed += 1
         return True
+
+    def record(self, route: Route) -> None:
+        """Open the pull ``route`` was decided to wait on, if any: its plan, its waiter."""
+        if self._opening is None or self._opening[0] is not route:
+            return
+        option = self._opening[1]
+        self._opening = None
+        self._wait(route.query.request_id, self._start(route.query.block_hashes, option))
+
+    def waits(self, request_id: str) -> bool:
+        """Whether ``request_id``'s route waits on a pull: one it shares, or the one it opens
+        as it is recorded."""
+        opening = self._opening
+        return request_id in self.waiting or (opening is not None and opening[0].query.request_id == request_id)
 
     def _pull_to(self, rank: int, hashes: list[bytes], m: int) -> OpenPull | None:
         """The open pull bringing ``hashes``' block ``m`` (rank's first missing one) to ``rank``."""
