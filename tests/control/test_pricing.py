@@ -17,7 +17,7 @@ from lmpool.control.pricing.eviction import EvictionMemory
 from lmpool.control.pricing.gate import overloaded
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.pricing.price import Limits, Pricer, RankPrice, cheapest
-from lmpool.control.pricing.step_model import StepCoefficients, StepModel
+from lmpool.control.pricing.step_model import DEFAULT_PRIOR, StepCoefficients, StepModel
 from lmpool.control.topology import Topology
 from lmpool.protocol import LoadReport, RouteQuery, StepSample, StepTimings
 from lmpool.protocol.kv_events import KVSnapshot
@@ -109,6 +109,34 @@ def test_a_calibration_replaces_the_prior_and_the_fit_starts_afresh():
     assert model.calibrated and model.samples == 0 and fitted == model.coefficients
     assert predictions_within(model, steps(rng, TRUE, 100, noise=0.0), TRUE) < 0.2
     assert model.calibrate([StepSample(0.0), StepSample(float("nan"))]) == fitted, "nothing timed: unchanged"
+
+
+def calibration_steps(rng: random.Random, coefficients: StepCoefficients) -> list[StepSample]:
+    """The shapes a worker's calibration times (``lmpool.engine.calibration``), 8-token blocks:
+    one short request decoding alone, 16 prefilled together then decoding, one long prompt."""
+    out = [StepSample(0.0, 64, 64 * 65 // 2, 0, 0)]
+    out += [StepSample(0.0, 0, 0, 1, 65 + i) for i in range(7)]
+    out += [StepSample(0.0, 1024, 16 * 64 * 65 // 2, 0, 0)]
+    out += [StepSample(0.0, 0, 0, 16, 16 * (65 + i)) for i in range(7)]
+    out += [StepSample(0.0, 591, 591 * 592 // 2, 0, 0)] + [StepSample(0.0, 0, 0, 1, 592 + i) for i in range(3)]
+    return [StepSample(coefficients.predict(s) * rng.uniform(0.95, 1.05), s.prefill_tokens, s.attention,
+                       s.decode_seqs, s.decode_context) for s in out]
+
+
+@pytest.mark.parametrize("factors", [(1, 1, 1, 1, 1), (1, 2, 90, 1.5, 15), (0.5, 0.2, 0.05, 0.3, 0.1), (8, 8, 8, 8, 8)])
+def test_a_calibration_moves_the_fit_as_far_from_the_prior_as_its_steps_say(factors):
+    """A worker's few calibration steps set its fit wherever they put it: a CPU's attention pair
+    costs ~90 times the prior's (an H200 quarter's); a larger model's every coefficient 8 times.
+    Ridged in multiples of the prior, the attention coefficient stayed near it, and a long
+    prompt's prefill was priced at a quarter of its time. Online, a coefficient moves from there."""
+    rng = random.Random(5)
+    engine = StepCoefficients(*(f * v for f, v in zip(factors, DEFAULT_PRIOR)))
+    model = StepModel()
+    model.calibrate(calibration_steps(rng, engine))
+    assert predictions_within(model, calibration_steps(rng, engine), engine) < 0.25
+    for _ in range(20):
+        model.observe(calibration_steps(rng, engine))
+    assert predictions_within(model, calibration_steps(rng, engine), engine) < 0.1
 
 
 def test_a_rank_without_steps_of_its_own_is_priced_like_its_twins():

@@ -11,8 +11,10 @@ neighbours come and go), with a ridge toward a prior: a rough figure until the r
 calibration steps arrive, their fit from then on. A feature the recent steps do not vary
 (no prefill for a while) thus falls back to what calibration measured rather than to noise.
 Coefficients are fitted as multiples of the prior's (``_scales``), so the ridge weighs each
-one's relative departure alike. Once fitted, a sample far from the prediction (a stall, a
-collection) counts as a bounded miss, not at its full weight.
+one's relative departure alike; a calibration first finds each coefficient's magnitude, so its
+few steps can move one any distance from a prior made for another machine (``calibrate``).
+Once fitted, a sample far from the prediction (a stall, a collection) counts as a bounded
+miss, not at its full weight.
 
 Invariants: the coefficients are finite and >= 0, so a predicted step never gets shorter
 when any count grows; ``observe`` takes samples in any number, ``predict`` is plain floats.
@@ -32,6 +34,12 @@ HALF_LIFE = 2000  # samples
 RIDGE = 0.5  # the prior's weight, in samples' worth of relative error per coefficient
 FITTED = 32  # samples after which a far miss is bounded
 MISS = 4.0  # a sample counts as at most this many times (and at least 1/this of) its prediction
+# A calibration's ridge toward a prior made for another machine and model, as a share of the
+# online fit's toward the calibration: the calibration's three shapes inform a coefficient in a
+# few steps each, and at the full ridge an engine 8 times the prior was priced up to a third too
+# fast on those very shapes (``tests/control/test_pricing.py``).
+CALIBRATION_RIDGE = 0.2
+UNIT_FLOOR = 0.01  # the online fit's scale of a coefficient is at least this share of its unit (``_units``)
 
 
 class StepCoefficients(NamedTuple):
@@ -67,6 +75,19 @@ def _timed(samples: Iterable[StepSample]) -> list[StepSample]:
     return [s for s in samples if s.seconds > 0 and math.isfinite(s.seconds)]
 
 
+def _units(rows: np.ndarray, seconds: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+    """Each coefficient's unit in timed steps of these ``rows`` (features) and ``seconds``: the
+    median, over the steps that have its feature, of their seconds per unit of it (the
+    coefficient at which that feature alone would take the whole step); ``fallback``'s where no
+    step has it. A departure of one unit changes such a step by about its whole length."""
+    units = fallback.astype(float).copy()
+    for j in range(rows.shape[1]):
+        has = rows[:, j] > 0
+        if has.any():
+            units[j] = float(np.median(seconds[has] / rows[has, j]))
+    return units
+
+
 class StepModel:
     def __init__(self, prior: StepCoefficients = DEFAULT_PRIOR, half_life: float = HALF_LIFE,
                  ridge: float = RIDGE) -> None:
@@ -84,19 +105,42 @@ class StepModel:
         self.reseed(prior)
 
     def calibrate(self, samples: Iterable[StepSample]) -> StepCoefficients:
-        """A worker's calibration steps: their fit (ridged toward the current prior) becomes the
-        prior, and the decayed sums start afresh (a restarted worker is a new machine state)."""
+        """A worker's calibration steps: their fit becomes the prior, and the decayed sums start
+        afresh (a restarted worker is a new machine state). The prior is a rough figure for one
+        machine and model, and the calibration's few steps must be able to move a coefficient by
+        any factor (a CPU's attention pair costs ~100 times an H200 quarter's): ridged in
+        multiples of the prior, as the online fit is, a coefficient 100 times its prior cost
+        the fit thousands of samples' worth and stayed near the prior. The online fit then moves
+        each coefficient in multiples of itself, or of ``UNIT_FLOOR`` of its unit (``_units``)
+        where that is larger: one calibrated near 0 could otherwise never leave it."""
         timed = _timed(samples)
         if timed:
-            x = np.array([_row(s) for s in timed]) * self._scales / np.array([s.seconds for s in timed])[:, None]
-            self.reseed(self._solve(x.T @ x, x.sum(axis=0)))
+            rows, seconds = np.array([_row(s) for s in timed]), np.array([s.seconds for s in timed])
+            units = _units(rows, seconds, self._scales)
+            # Twice: the first fit, ridged in the samples' units, only finds each coefficient's
+            # magnitude; the second is ridged in multiples of that magnitude or the prior's,
+            # whichever is larger: a coefficient the steps put far above its prior is free to go
+            # there, and where nearly collinear counts leave a direction uncertain (a decoding
+            # sequence and its context, the base and a decoding sequence) the prior still holds,
+            # if more loosely than a calibration holds the online fit (``CALIBRATION_RIDGE``).
+            first = np.array(self._fit(rows, seconds, units, self.ridge))
+            scales = np.maximum(first, self._scales)
+            fit = np.array(self._fit(rows, seconds, scales, CALIBRATION_RIDGE * self.ridge))
+            self.reseed(StepCoefficients(*(float(v) for v in fit)), floor=UNIT_FLOOR * units)
             self.calibrated = True
         return self.coefficients
 
-    def reseed(self, prior: StepCoefficients) -> None:
-        """Start afresh from ``prior``: the fit forgets every sample."""
+    def _fit(self, rows: np.ndarray, seconds: np.ndarray, scales: np.ndarray, ridge: float) -> StepCoefficients:
+        """The fit of steps of features ``rows`` taking ``seconds``, ridged by ``ridge`` toward
+        the prior in multiples of ``scales``."""
+        x = rows * scales / seconds[:, None]
+        return self._solve(x.T @ x, x.sum(axis=0), scales, ridge)
+
+    def reseed(self, prior: StepCoefficients, floor: np.ndarray = _FLOOR) -> None:
+        """Start afresh from ``prior``: the fit forgets every sample. Each coefficient is fitted
+        in multiples of its prior's, or of ``floor`` where that is larger."""
         self._prior = np.array(prior, dtype=float)
-        self._scales = np.maximum(self._prior, _FLOOR)
+        self._scales = np.maximum(self._prior, floor)
         self._xx[:] = 0.0
         self._x[:] = 0.0
         self.samples = 0
@@ -124,12 +168,16 @@ class StepModel:
     def predict(self, s: StepSample) -> float:
         return self.coefficients.predict(s)
 
-    def _solve(self, xx: np.ndarray, x: np.ndarray) -> StepCoefficients:
+    def _solve(self, xx: np.ndarray, x: np.ndarray, scales: np.ndarray | None = None,
+               ridge: float | None = None) -> StepCoefficients:
         """argmin over u >= 0 of sum (1 - row u)^2 + ridge |u - prior / scales|^2, from the sums
-        of row row' and of row: solve on the free set, pin the most negative multiple at 0,
-        repeat (five times at most); the coefficients are u times the scales."""
-        a = xx + self.ridge * np.eye(len(x))
-        b = x + self.ridge * self._prior / self._scales
+        of row row' and of row (rows in multiples of ``scales``; the fit's own scales and ridge
+        by default): solve on the free set, pin the most negative multiple at 0, repeat (five
+        times at most); the coefficients are u times the scales."""
+        scales = self._scales if scales is None else scales
+        ridge = self.ridge if ridge is None else ridge
+        a = xx + ridge * np.eye(len(x))
+        b = x + ridge * self._prior / scales
         free = list(range(len(x)))
         u = np.zeros(len(x))
         while free:
@@ -138,4 +186,4 @@ class StepModel:
                 u[free] = sub
                 break
             del free[int(np.argmin(sub))]
-        return StepCoefficients(*(float(v) for v in u * self._scales))
+        return StepCoefficients(*(float(v) for v in u * scales))
