@@ -13,7 +13,9 @@ after its reply (``Router.record``: reservation, pending prefix, demand), which 
 process runs before the next route. A route that opens a pull is answered only once the copy
 has landed, milliseconds later, so the decisions are also summarised without those
 (``answered_now_us``), and those apart (``pulled_us``); the pull's plan opens as its route is
-recorded. Results go to ``benchmarks/results/routing_cpu.json`` (or
+recorded. Each policy routes the same queries and sees the same load reports; after an untimed
+warm-up, the policies take turns, ``CHUNK`` queries at a time in a rotating order, so that
+neither the order nor a noisy stretch of a shared machine favours one. Results go to ``benchmarks/results/routing_cpu.json`` (or
 ``LMPOOL_BENCH_JSON``).
 
 Every policy is built as the control process builds it (``lmpool.control.build.assemble``),
@@ -40,6 +42,7 @@ import statistics
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from lmpool.config.pool import PoolConfig
@@ -54,7 +57,8 @@ from lmpool.protocol.spec import ControlSpec
 WORLD, BLOCK, CHAIN = 8, 256, 40
 STEM_BLOCKS, FAMILIES_PER_STEM = 8, 100
 TARGET_ENTRIES = 1_000_000
-QUERIES, WARMUP, ADMIT_EVERY = 20_000, 2_000, 64
+QUERIES, WARMUP, ADMIT_EVERY = 20_000, 2_048, 64
+CHUNK = 2_048  # timed queries a policy routes before the next policy's turn (a multiple of ADMIT_EVERY)
 FULL_PASS_EVERY = 64  # batches of reports: every 4,096 routes, about 0.1 s of routing
 RESULT = Path(os.environ.get("LMPOOL_BENCH_JSON", Path(__file__).parent / "results" / "routing_cpu.json"))
 
@@ -162,49 +166,71 @@ class Routes:
             self.coordinator.abort(plan_id, "the benchmark's plans end with each batch of reports")
 
 
-def run_policy(
-    gbm: GlobalBlockManager, policy: str, qs: list[RouteQuery], rng: random.Random
-) -> tuple[list[float], list[float], list[bool], collections.Counter, list[float], list[float]]:
-    """Route every query; the microseconds of each decision and of each record after the
-    warm-up, how often each rule decided, and the microseconds of each placement slice and pass."""
-    routes = Routes(gbm, policy)
-    pending: list[list[RouteQuery]] = [[] for _ in range(WORLD)]
-    times, records, slices, passes, pulls = [], [], [], [], []
-    rules: collections.Counter = collections.Counter()
-    for i, q in enumerate(qs):
-        start = time.perf_counter_ns()
-        decision = routes.route(q)
-        decided = time.perf_counter_ns()
-        routes.record()
-        recorded = time.perf_counter_ns()
-        if i >= WARMUP:
-            times.append((decided - start) / 1e3)
-            records.append((recorded - decided) / 1e3)
-            rule = decision.reason.split()[0]
-            rules[rule] += 1
-            pulls.append(rule == "pull")
-        pending[decision.rank].append(q)
-        if i % ADMIT_EVERY == ADMIT_EVERY - 1:  # every rank reports what it admitted (not timed)
-            routes.end_plans()
-            for rank in range(WORLD):
-                load = LoadReport(
-                    num_waiting=rng.randrange(8), num_running=rng.randrange(64),
-                    waiting_prefill_tokens=rng.randrange(20_000), decode_tokens_left=rng.randrange(50_000),
-                    context_tokens=rng.randrange(500_000),
-                    blocks_free=rng.randrange(50_000), blocks_reclaimable=rng.randrange(100_000),
-                    blocks_used=rng.randrange(50_000), admitted=[q.request_id for q in pending[rank]],
-                )
-                gbm.update_load(rank, 0, load)
-                routes.prefilled(rank, pending[rank])
-                pending[rank] = []
-            placed = routes.between(full=i // ADMIT_EVERY % FULL_PASS_EVERY == 0)
-            if placed is not None and i >= WARMUP:
-                slices += placed[0]
-                passes.append(placed[1])
-    routes.end_plans()
-    for rank in range(WORLD):
-        gbm.update_load(rank, 0, LoadReport(blocks_free=200_000, admitted=[q.request_id for q in pending[rank]]))
-    return times, records, pulls, rules, slices, passes
+class PolicyRun:
+    """One policy's routes over the query stream, run in chunks that the benchmark interleaves
+    with the other policies' (so a noisy second of the machine falls on every policy alike):
+    the microseconds of each timed decision and record, how often each rule decided, and the
+    microseconds of each placement slice and pass. Every chunk ends with every rank admitting
+    what was routed to it (the page table holds no reservation between chunks) and starts from
+    the policy's own last load reports, drawn from its own generator: every policy sees the
+    same loads."""
+
+    def __init__(self, gbm: GlobalBlockManager, policy: str) -> None:
+        self.gbm, self.policy = gbm, policy
+        self.routes = Routes(gbm, policy)
+        self.rng = random.Random(1)
+        self.loads: list[LoadReport] = [LoadReport(blocks_free=200_000)] * WORLD
+        self.routed = 0
+        self.times: list[float] = []
+        self.records: list[float] = []
+        self.pulls: list[bool] = []
+        self.slices: list[float] = []
+        self.passes: list[float] = []
+        self.rules: collections.Counter = collections.Counter()
+
+    def run(self, qs: list[RouteQuery], timed: bool) -> None:
+        gbm, routes = self.gbm, self.routes
+        for rank, load in enumerate(self.loads):
+            gbm.update_load(rank, 0, load)
+        pending: list[list[RouteQuery]] = [[] for _ in range(WORLD)]
+        for q in qs:
+            start = time.perf_counter_ns()
+            decision = routes.route(q)
+            decided = time.perf_counter_ns()
+            routes.record()
+            recorded = time.perf_counter_ns()
+            if timed:
+                self.times.append((decided - start) / 1e3)
+                self.records.append((recorded - decided) / 1e3)
+                rule = decision.reason.split()[0]
+                self.rules[rule] += 1
+                self.pulls.append(rule == "pull")
+            pending[decision.rank].append(q)
+            self.routed += 1
+            if self.routed % ADMIT_EVERY == 0:  # every rank reports what it admitted (not timed)
+                self._report(pending)
+                placed = routes.between(full=self.routed // ADMIT_EVERY % FULL_PASS_EVERY == 0)
+                if placed is not None and timed:
+                    self.slices += placed[0]
+                    self.passes.append(placed[1])
+        self._report(pending)
+
+    def _report(self, pending: list[list[RouteQuery]]) -> None:
+        """Every rank's load report, admitting what was routed there; the plans opened end."""
+        self.routes.end_plans()
+        rng = self.rng
+        for rank in range(WORLD):
+            load = LoadReport(
+                num_waiting=rng.randrange(8), num_running=rng.randrange(64),
+                waiting_prefill_tokens=rng.randrange(20_000), decode_tokens_left=rng.randrange(50_000),
+                context_tokens=rng.randrange(500_000),
+                blocks_free=rng.randrange(50_000), blocks_reclaimable=rng.randrange(100_000),
+                blocks_used=rng.randrange(50_000), admitted=[q.request_id for q in pending[rank]],
+            )
+            self.gbm.update_load(rank, 0, load)
+            self.routes.prefilled(rank, pending[rank])
+            pending[rank] = []
+            self.loads[rank] = msgspec.structs.replace(load, admitted=[])
 
 
 @pytest.mark.slow
@@ -221,27 +247,36 @@ def test_route_latency_1m_entries():
     gc.collect()
     gc.freeze()
     load_before = os.getloadavg()[0]
-    # One untimed pass first (its own load draws): the first policy timed paid for the warm-up of
-    # the page table's memory and the interpreter's caches (on the H200 host, LMPool routing
-    # only, timed first, had a higher p50 than the default, which decides the same and more).
-    run_policy(gbm, "lmpool", qs, random.Random(1))
-    for policy in (*POLICIES, "lmpool+pull", "lmpool+all"):
-        times, records, pulls, rules, slices, passes = run_policy(gbm, policy, qs, rng)
+    policies = (*POLICIES, "lmpool+pull", "lmpool+all")
+    runs = {policy: PolicyRun(gbm, policy) for policy in policies}
+    for run in runs.values():  # each policy's warm-up, untimed
+        run.run(qs[:WARMUP], timed=False)
+    # The timed queries in chunks, the policies in a rotating order chunk by chunk: a policy
+    # timed first paid for the warm-up of the interpreter's caches (on the H200 host LMPool
+    # routing only, timed first, had a higher p50 than the default, which decides the same
+    # and more), and a noisy stretch of a shared machine fell on one policy.
+    timed = qs[WARMUP:]
+    for n, at in enumerate(range(0, len(timed), CHUNK)):
+        order = policies[n % len(policies):] + policies[:n % len(policies)]
+        for policy in order:
+            runs[policy].run(timed[at:at + CHUNK], timed=True)
+    for policy, run in runs.items():
+        times, pulls, rules = run.times, run.pulls, run.rules
         now = [t for t, pulled in zip(times, pulls) if not pulled]
-        results[policy] = summary(times) | {"answered_now_us": summary(now), "record_us": summary(records),
+        results[policy] = summary(times) | {"answered_now_us": summary(now), "record_us": summary(run.records),
                                             "rules": dict(rules.most_common())}
         if len(now) < len(times):  # the routes that open a pull, apart: the default's tail
             results[policy]["pulled_us"] = summary([t for t, pulled in zip(times, pulls) if pulled])
         line = (f"{policy:>20}: p50 {results[policy]['p50_us']:7.2f} us  p99 {results[policy]['p99_us']:7.2f} us"
                 f"  (answered at once p99 {results[policy]['answered_now_us']['p99_us']:7.2f})"
                 f"  record p50 {results[policy]['record_us']['p50_us']:6.2f} p99 {results[policy]['record_us']['p99_us']:6.2f}")
-        if passes:
-            results[policy]["placement_slice_us"] = summary(slices) | {"slices": len(slices)}
-            results[policy]["placement_pass_us"] = summary(passes) | {"passes": len(passes)}
+        if run.passes:
+            results[policy]["placement_slice_us"] = summary(run.slices) | {"slices": len(run.slices)}
+            results[policy]["placement_pass_us"] = summary(run.passes) | {"passes": len(run.passes)}
             line += f"  placement slice p99 {results[policy]['placement_slice_us']['p99_us']:.1f} us" \
                     f" pass p50 {results[policy]['placement_pass_us']['p50_us']:.1f} us"
         print(f"{line}  {dict(rules.most_common())}")
-        gbm.check_invariants()
+    gbm.check_invariants()
     gc.unfreeze()
     print(f"build {build_s:.2f} s for {gbm.num_entries():,} entries, {distinct:,} distinct hashes")
     data = {
