@@ -51,7 +51,6 @@ from benchmarks.lib.revision import git_revision
 from lmpool import LLM, SamplingParams
 from lmpool.model.config import ModelConfig
 from lmpool.model.make_model import make_model
-from lmpool.ops.cuda import flash_paged_unavailable
 
 
 def workload(num_seqs: int, lo_in: int, hi_in: int, lo_out: int, hi_out: int, vocab: int, seed: int):
@@ -78,24 +77,20 @@ def run_prefill(model: str, args) -> list[dict]:
     longest = max(new + cached for new, cached in cases)
     rows = []
     for attention in args.prefill_attention.split(","):
-        unavailable = attention == "flash" and args.device.startswith("cuda") and flash_paged_unavailable()
-        if unavailable:  # FlashAttention without paged caches in this torch: the row says so
-            print(f"{attention}: unavailable: {unavailable}")
-            rows.append({"attention": attention, "unavailable": unavailable})
-            continue
         llm = LLM(
             model, device=args.device, dtype=args.dtype, block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
             enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops, prefill_attention=attention,
         )
+        ops = llm.engine.runner.ops.name  # "cuda+flash-gather": FlashAttention over keys gathered (torch 2.11)
         try:
             llm.generate([[1] * min(longest, 64)], SamplingParams(temperature=0, max_tokens=1))  # warm-up
             measured = prefill_rate.measure(llm, cases, args.prefill_reps, args.seed, args.prefill_kernels)
         finally:
             llm.shutdown()
         for row in measured:
-            row["attention"] = attention
-            print(f"{attention}: {prefill_rate.describe(row)}")
+            row["attention"], row["ops"] = attention, ops
+            print(f"{attention} ({ops}): {prefill_rate.describe(row)}")
         rows += measured
     return rows
 

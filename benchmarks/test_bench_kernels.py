@@ -322,6 +322,15 @@ def test_prefill(ext, report, seqs, new, prefix):
     row["flash_varlen_TFLOPs"] = flops / (varlen_ms * 1e-3) / 1e12
     row["speedup_vs_flash_varlen"] = varlen_ms / mma_ms
     del k, v
+    # ... and with the copy timed: prefill_attention="flash" on a torch whose FlashAttention reads
+    # no block tables gathers each context's keys and values by their slots, every layer.
+    slots = (tables.long()[:, :, None] * block_size + torch.arange(block_size, device="cuda")).flatten(1)[:, :ctx]
+    slots = slots.flatten().to(torch.int32)
+    gather_ms = time_ms(lambda: cuda.flash_gathered_attention(q, k_cache, v_cache, tables, lens, starts, scale,
+                                                             key_starts, new, ctx, slots))
+    row["flash_gather_ms"] = gather_ms
+    row["flash_gather_TFLOPs"] = flops / (gather_ms * 1e-3) / 1e12
+    row["speedup_vs_flash_gather"] = gather_ms / mma_ms
     if NO_FLASH_PAGED:
         row["flash_paged"] = NO_FLASH_PAGED
     else:  # reading the same paged cache by the same tables (prefill_attention="flash")

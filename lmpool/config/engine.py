@@ -52,8 +52,10 @@ class EngineConfig:
     # engine plans with is ``cascade_min_saved``'s.
     cascade_min_saved_tokens: int | None = None
     # Attention of the steps that prefill, on CUDA: "lmpool" (LMPool's tensor-core kernel) or
-    # "flash" (torch's FlashAttention reading the paged cache through the block tables; blocks
-    # of a multiple of 256 tokens, fp16 or bf16). Decode always runs LMPool's kernels.
+    # "flash" (torch's FlashAttention reading the paged cache through the block tables; where
+    # this torch's reads none, 2.11, over the keys gathered out of it for long prompts, LMPool's
+    # kernel for short queries; blocks of a multiple of 256 tokens, fp16 or bf16). Decode always
+    # runs LMPool's kernels.
     prefill_attention: str = "lmpool"
 
     def __post_init__(self) -> None:

@@ -44,6 +44,13 @@ from lmpool.model.qwen3 import Qwen3ForCausalLM
 from lmpool.ops import get_backend
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+# FlashAttention over keys gathered out of the cache (``ops.cuda.flash_gathered_attention``) takes
+# a prefill step whose (query, key) pairs are at least this many times its keys: the copy moves
+# ~8 KB a key a layer (0.6B heads, bf16) where its attention saves ~25 ps a pair at the rates of
+# ``results/kernels_NOTES.md`` (LMPool's prefill kernel ~220 TFLOP/s, flash ~600), so it pays
+# from ~100 queries a key. A burst's short questions over a long document stay on LMPool's
+# kernel, which splits their keys over the GPU.
+GATHER_KEYS_MIN_QUERY = 256
 
 
 def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
@@ -108,9 +115,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.ops = get_backend(self.device, config.use_kernels, model_config.head_dim, config.prefill_attention)
-        if self.ops.name == "cuda+flash" and self.dtype == torch.float32:
+        flash = self.ops.name.startswith("cuda+flash")
+        if flash and self.dtype == torch.float32:
             raise ValueError("prefill_attention 'flash' takes float16 or bfloat16; this engine runs float32")
-        if config.prefill_attention == "flash" and self.ops.name != "cuda+flash":
+        if config.prefill_attention == "flash" and not flash:
             warnings.warn(f"prefill_attention 'flash' needs LMPool's CUDA kernels; this engine runs the "
                           f"{self.ops.name} ops, which prefill as they decode", RuntimeWarning, stacklevel=2)
         if self.ops.name.startswith("cuda"):
@@ -147,7 +155,7 @@ class ModelRunner:
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
             arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq),
-            self.cascade_min_saved,
+            self.cascade_min_saved, GATHER_KEYS_MIN_QUERY if self.ops.name == "cuda+flash-gather" else 0,
         )
         self.graphs = None
         # The torch reference synchronises with the host, so only the kernels can be captured.

@@ -5,7 +5,7 @@ Every index the model needs is int32 and lives in one flat arena, laid out as
     ids[P] | positions[P] | slots[P] | context_lens[C] | query_start_loc[B + 1]
            | sample_rows[R] | block_tables[B * W] | fill_rows[F] | fill_sources[F]
            | kv_start[K] | prefix_rows[J] | prefix_starts[G + 1] | prefix_lens[G] | prefix_tables[G * V]
-           | mixed_query_start[M] | key_starts[B + 1] | mixed_key_starts[M]
+           | mixed_query_start[M] | key_starts[B + 1] | mixed_key_starts[M] | key_slots[S]
 
 for B sequences and T token rows, W the longest block table of the batch, and R
 the sampled rows (R = 0 when the sampled rows are exactly every row: a decode
@@ -33,6 +33,10 @@ are a cascade too, and ``mixed_query_start[M]`` (M = B - K + 1) then gives the q
 the rest, which attend as a prefill. It runs eagerly, as every mixed step. A step that prefills
 carries where each context starts among them all (``key_starts``, the contexts' cumulative
 lengths; ``mixed_key_starts`` the rest's) and, in its metadata, its longest query and context.
+Where the attention reads a prefill's keys gathered out of the cache (``gather_keys_min_query``),
+a prefill step without a mixed cascade whose (query, key) pairs are at least that many times its
+keys lists every context's slots, context after context (``key_slots``, S = the contexts' total):
+there the copy, once a key, is small beside the attention over it. Otherwise S = 0.
 
 Invariants:
 - On CUDA the host arena is pinned and reaches the device with a single
@@ -99,23 +103,28 @@ def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
 
 # A step's views into the device arena: ids, positions, slots, block tables, context lengths, query
 # starts, sampled rows, graph header, pending-token fill, cascade, a cascade graph's span, a mixed
-# cascade's query starts of the rest, the key starts and the rest's (the last eight where the step
-# has them).
+# cascade's query starts of the rest, the key starts, the rest's and the key slots (the last nine
+# where the step has them).
 _Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, CascadeInputs | None,
-               torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+               torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+               torch.Tensor | None]
 
 
 class StepInputBuilder:
-    def __init__(self, device: torch.device, block_size: int, capacity: int, cascade_min_saved: int = 0) -> None:
+    def __init__(self, device: torch.device, block_size: int, capacity: int, cascade_min_saved: int = 0,
+                 gather_keys_min_query: int = 0) -> None:
         """``cascade_min_saved``: the key reads a decode step's shared prefixes must save for it to
-        run as a cascade (``EngineConfig.cascade_min_saved_tokens``; 0: never)."""
+        run as a cascade (``EngineConfig.cascade_min_saved_tokens``; 0: never);
+        ``gather_keys_min_query``: the mean queries per key at which a prefill step lists its key
+        slots (module docstring; 0: never)."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.device = device
         self.block_size = block_size
         self.block_shift = block_size.bit_length() - 1
         self.cascade_min_saved = cascade_min_saved
+        self.gather_keys_min_query = gather_keys_min_query
         self.on_cuda = device.type == "cuda"
         self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self.on_cuda else None
         self._turn = 0  # the host arena of the latest build
@@ -147,6 +156,14 @@ class StepInputBuilder:
         if n > len(self._arange):
             self._arange = np.arange(2 * n, dtype=np.int64)
         return self._arange[:n]
+
+    def _key_slots(self, table: np.ndarray, ends: np.ndarray, key_starts: np.ndarray) -> np.ndarray:
+        """Every context's slots, context after context: position p of sequence b (its ``ends[b]``
+        tokens, ``key_starts`` their cumulative count) is in block ``table[b, p / block_size]``."""
+        owner = np.repeat(self._iota(len(ends)), ends)
+        positions = self._iota(len(owner)) - key_starts[:-1][owner]
+        blocks = table[owner, positions >> self.block_shift].astype(np.int64)
+        return (blocks << self.block_shift) | (positions & (self.block_size - 1))
 
     def build(self, batch: ScheduledBatch, graphs: GraphSizes | None = None) -> StepInputs:
         seqs, counts = batch.seqs, batch.num_tokens
@@ -207,7 +224,13 @@ class StepInputBuilder:
         o_mixed = o_cascade + (cascade_offsets(*layout)[-1] if plan else 0)
         o_keys = o_mixed + (num_seqs - mixed + 1 if mixed else 0)
         o_mixed_keys = o_keys + (0 if decode else num_seqs + 1)
-        end = o_mixed_keys + (num_seqs - mixed + 1 if mixed else 0)
+        o_key_slots = o_mixed_keys + (num_seqs - mixed + 1 if mixed else 0)
+        gathered = 0
+        if not decode and not mixed and self.gather_keys_min_query:
+            keys = int(ends.sum())
+            if int(np.dot(count_arr, ends)) >= self.gather_keys_min_query * keys:  # the visible pairs, at most
+                gathered = keys
+        end = o_key_slots + gathered
         if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)
             self._allocate(max(end, 2 * self.capacity))
         a = self.host_nps[self._turn]
@@ -265,7 +288,9 @@ class StepInputBuilder:
             key_starts[0] = 0
             np.cumsum(ends, out=key_starts[1:])
             if mixed:
-                a[o_mixed_keys:end] = key_starts[mixed:] - key_starts[mixed]
+                a[o_mixed_keys:o_key_slots] = key_starts[mixed:] - key_starts[mixed]
+            if gathered:
+                a[o_key_slots:end] = self._key_slots(table, ends, key_starts)
         # The step-time model counts a cascade's prefix passes apart from the keys rows read alone.
         batch.cascade_pairs = plan.pairs if plan else 0
 
@@ -274,7 +299,7 @@ class StepInputBuilder:
             assert self._copied is not None  # made on CUDA
             self._copied[self._turn].record(torch.cuda.current_stream(self.device))  # the copy's stream
         key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0,
-               num_fill, *layout, mixed)
+               num_fill, *layout, mixed, gathered)
         views = self._views.get(key)
         if views is None:
             if len(self._views) > 256:
@@ -294,16 +319,17 @@ class StepInputBuilder:
                 dev[o_cascade:o_mixed] if plan and graph_size else None,
                 dev[o_mixed:o_keys] if mixed else None,
                 None if decode else dev[o_keys:o_mixed_keys],
-                dev[o_mixed_keys:end] if mixed else None,
+                dev[o_mixed_keys:o_key_slots] if mixed else None,
+                dev[o_key_slots:end] if gathered else None,
             )
         (ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v, cascade_v, span_v, mixed_v, keys_v,
-         mixed_keys_v) = views
+         mixed_keys_v, key_slots_v) = views
         longest = (0, 0) if decode else (max(counts), int(ends.max()))
         return StepInputs(
             ids=ids_v,
             positions=pos_v,
             meta=AttentionMetadata(slots_v, tables_v, ctx_v, qsl_v, decode, None if graph_size else cascade_v,
-                                   mixed, mixed_v, keys_v, mixed_keys_v, *longest),
+                                   mixed, mixed_v, keys_v, mixed_keys_v, *longest, key_slots_v),
             num_seqs=num_seqs,
             sample_rows=rows_v,
             sample_index=None if all_sample else np.flatnonzero(samples).tolist(),

@@ -62,6 +62,10 @@ class AttentionMetadata:
     mixed_key_starts: torch.Tensor | None = None
     max_query_len: int = 0
     max_context_len: int = 0
+    # A step that prefills long queries, where the backend reads keys gathered out of the cache
+    # (``StepInputBuilder``'s ``gather_keys_min_query``): every context's slots, context after
+    # context ([key_starts[-1]] int32).
+    key_slots: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -138,7 +142,7 @@ class Attention(nn.Module):
         else:
             o = ops.paged_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, self.scale,
-                meta.key_starts, meta.max_query_len, meta.max_context_len,
+                meta.key_starts, meta.max_query_len, meta.max_context_len, meta.key_slots,
             )
         return project(self.o_proj, o.reshape(-1, self.q_size), ops)
 

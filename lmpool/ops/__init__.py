@@ -58,8 +58,9 @@ def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: 
     """The ops for tensors on ``device``: CUDA kernels on a GPU unless ``use_kernels`` is False,
     or unless the model's ``head_dim`` is one the kernels are not compiled for: such a model
     still runs, on the torch reference, with a warning that says so. ``prefill_attention``
-    "flash" takes the prefill's attention from torch's FlashAttention (``EngineConfig``): a
-    ``ValueError`` says why where this torch cannot read a paged cache with it."""
+    "flash" takes the prefill's attention from torch's FlashAttention (``EngineConfig``): reading
+    the paged cache by its block tables, or, where this torch's cannot (2.11), over the keys and
+    values gathered out of it."""
     if torch.device(device).type != "cuda" or not use_kernels:
         return TORCH_OPS
     if head_dim is not None and head_dim not in KERNEL_HEAD_DIMS:
@@ -73,7 +74,4 @@ def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: 
 
     if prefill_attention != "flash":
         return cuda.CUDA_OPS
-    unavailable = cuda.flash_paged_unavailable()
-    if unavailable:
-        raise ValueError(unavailable)
-    return cuda.FLASH_PREFILL_OPS
+    return cuda.FLASH_GATHER_OPS if cuda.flash_paged_unavailable() else cuda.FLASH_PREFILL_OPS

@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from lmpool.ops import KVOps
+from lmpool.ops import KVOps, reference
 
 _SOURCES = (
     "bindings.cpp",
@@ -202,9 +202,10 @@ def paged_attention(
     key_starts: torch.Tensor | None = None,
     max_query_len: int = 0,
     max_context_len: int = 0,
+    key_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ragged new queries over their sequences' paged KV (the last three
-    arguments are ``flash_paged_attention``'s, unused here)."""
+    """Causal attention of ragged new queries over their sequences' paged KV (the last four
+    arguments are the FlashAttention paths', unused here)."""
     return load_extension().paged_prefill_attention(
         q,
         k_cache,
@@ -222,9 +223,8 @@ def flash_paged_unavailable() -> str | None:
     schema = str(torch.ops.aten._flash_attention_forward.default._schema)
     if "block_table" in schema:
         return None
-    return (f"prefill_attention 'flash' reads the paged KV cache through FlashAttention's block tables, "
-            f"which torch {torch.__version__} lacks (aten._flash_attention_forward has no block_table); "
-            f"use prefill_attention 'lmpool' or a torch that has them")
+    return (f"torch {torch.__version__}'s FlashAttention reads no block tables (aten._flash_attention_forward "
+            f"has no block_table): prefill_attention 'flash' reads the keys gathered out of the paged cache")
 
 
 def flash_paged_attention(
@@ -238,6 +238,7 @@ def flash_paged_attention(
     key_starts: torch.Tensor | None = None,
     max_query_len: int = 0,
     max_context_len: int = 0,
+    key_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` through torch's FlashAttention reading the paged cache by the block
     tables (``aten._flash_attention_forward``, as ``torch.nn.attention.varlen.varlen_attn`` calls
@@ -250,6 +251,37 @@ def flash_paged_attention(
         q, k_cache, v_cache, _int32(query_start_loc), _int32(key_starts), int(max_query_len), int(max_context_len),
         0.0, True, return_debug_mask=False, scale=float(scale), seqused_k=_int32(context_lens),
         block_table=_int32(block_tables),
+    )[0]
+
+
+def flash_gathered_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    key_starts: torch.Tensor | None = None,
+    max_query_len: int = 0,
+    max_context_len: int = 0,
+    key_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` through torch's FlashAttention (varlen) over each context's keys and
+    values gathered out of the paged cache, for a torch whose FlashAttention reads no block tables
+    (2.11). ``key_slots`` lists every context's slots, context after context: a step lists them
+    where its queries are long enough to pay for the copy (``StepInputBuilder``), and where it
+    lists none this is LMPool's kernel (a burst's short questions over a long document, which
+    its split kernel spreads over the GPU). The copy reads and writes each key and value once a
+    layer; the attention then reads them ``ceil(query / 128)`` times, at FlashAttention's rate."""
+    if key_slots is None:
+        return paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    if key_starts is None or max_query_len < 1 or max_context_len < 1:
+        raise ValueError("flash_gathered_attention needs key_starts, max_query_len and max_context_len")
+    k, v = reference.gather_slots(k_cache, key_slots), reference.gather_slots(v_cache, key_slots)
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, _int32(query_start_loc), _int32(key_starts), int(max_query_len), int(max_context_len),
+        0.0, True, return_debug_mask=False, scale=float(scale),
     )[0]
 
 
@@ -372,3 +404,5 @@ CUDA_OPS = KVOps(
 )
 # Prefill attention through torch's FlashAttention (``EngineConfig.prefill_attention``).
 FLASH_PREFILL_OPS = dataclasses.replace(CUDA_OPS, name="cuda+flash", paged_attention=flash_paged_attention)
+# ... where this torch's FlashAttention reads no block tables: over the keys gathered.
+FLASH_GATHER_OPS = dataclasses.replace(CUDA_OPS, name="cuda+flash-gather", paged_attention=flash_gathered_attention)

@@ -52,6 +52,12 @@ def gather_sequence_kv(
     return rows[:length]
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cached rows at ``slots`` (``[K]``, int32 or int64), in their order: ``[K, kv_heads, head_dim]``,
+    contiguous (one context after another, where ``slots`` lists contexts so)."""
+    return cache.flatten(0, 1).index_select(0, slots)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -63,12 +69,15 @@ def paged_attention(
     key_starts: torch.Tensor | None = None,
     max_query_len: int = 0,
     max_context_len: int = 0,
+    key_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged new queries over their sequences' paged KV.
 
     Returns ``[total_q, q_heads, head_dim]`` in ``q``'s dtype; math runs in fp32. ``key_starts``
-    (the contexts' cumulative lengths, ``[B + 1]``) and the longest query and context are for
-    backends that size their launch on the host (``cuda.flash_paged_attention``); unused here.
+    (the contexts' cumulative lengths, ``[B + 1]``), the longest query and context, and
+    ``key_slots`` (every context's slots, context after context, where the step lists them) are
+    for backends that size their launch on the host or read the keys gathered
+    (``cuda.flash_paged_attention``, ``cuda.flash_gathered_attention``); unused here.
     """
     q_heads, kv_heads = q.shape[1], k_cache.shape[2]
     group = q_heads // kv_heads

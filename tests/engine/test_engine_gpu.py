@@ -388,6 +388,14 @@ def test_gpu_bf16_decode_rows_beside_prompt_chunks_run_as_a_cascade(tiny_model, 
     later = [doc + list(range(20 + 7 * q, 27 + 7 * q)) for q in range(3)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     mixed_steps = count_mixed_cascades(monkeypatch)
+    gathered: list[int] = []  # the keys of every step that listed its key slots
+    key_slots = StepInputBuilder._key_slots
+
+    def listed(self, table, ends, key_starts):
+        gathered.append(int(ends.sum()))
+        return key_slots(self, table, ends, key_starts)
+
+    monkeypatch.setattr(StepInputBuilder, "_key_slots", listed)
 
     def run(cascade: int) -> dict[str, list[int]]:
         with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=BLOCK,
@@ -444,14 +452,14 @@ def test_gpu_a_mixed_cascade_attends_as_one_prefill_over_the_whole_batch():
     torch.testing.assert_close(split.float(), whole.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.skipif(cuda.flash_paged_unavailable() is not None, reason=str(cuda.flash_paged_unavailable()))
 @pytest.mark.parametrize("cascade", [0, 1], ids=["plain", "mixed_cascades"])
 def test_gpu_an_engine_prefilling_through_flash_attention_serves_every_request(tiny_model, monkeypatch, cascade):
     """``prefill_attention='flash'`` (blocks of 256 tokens): prompts cold and over a cached prefix,
     chunked past the step's budget and arriving while others decode (with cascades on, those
     mixed steps send their prompt chunks to FlashAttention with the rest's starts), all
     complete, and greedy decoding gives the LMPool kernel's first tokens (the kernels agree to
-    bf16 rounding: ``tests/kernels``)."""
+    bf16 rounding: ``tests/kernels``). On a torch whose FlashAttention reads no block tables
+    (2.11), its long chunks read the keys gathered and its short questions LMPool's kernel."""
     from tests.engine.test_cascade import arrive_while_decoding
 
     doc = prompts(1)[0] * 12
@@ -459,21 +467,27 @@ def test_gpu_an_engine_prefilling_through_flash_attention_serves_every_request(t
     later = [doc + list(range(20 + 7 * q, 27 + 7 * q)) for q in range(3)] + prompts(2)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     mixed_steps = count_mixed_cascades(monkeypatch)
+    gathered: list[int] = []  # the keys of every step that listed its key slots
+    key_slots = StepInputBuilder._key_slots
+
+    def listed(self, table, ends, key_starts):
+        gathered.append(int(ends.sum()))
+        return key_slots(self, table, ends, key_starts)
+
+    monkeypatch.setattr(StepInputBuilder, "_key_slots", listed)
 
     def run(attention: str) -> dict[str, list[int]]:
         with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=256, max_num_batched_tokens=512,
                  prefill_attention=attention, cascade_min_saved_tokens=cascade) as llm:
-            assert llm.engine.runner.ops.name == ("cuda+flash" if attention == "flash" else "cuda")
+            flash = "cuda+flash-gather" if cuda.flash_paged_unavailable() else "cuda+flash"
+            assert llm.engine.runner.ops.name == (flash if attention == "flash" else "cuda")
             llm.generate([doc], params)  # the document, cached
             return arrive_while_decoding(llm.engine, first, later, params)
 
-    lmpool, flash = run("lmpool"), run("flash")
+    lmpool = run("lmpool")
+    assert not gathered
+    flash = run("flash")
+    assert bool(gathered) == bool(cuda.flash_paged_unavailable())  # the document's chunks
     assert bool(mixed_steps) == bool(cascade)
     assert flash.keys() == lmpool.keys() and all(len(t) == 8 for t in flash.values())
     assert sum(flash[r][0] == lmpool[r][0] for r in flash) >= len(flash) - 1
-
-
-@pytest.mark.skipif(cuda.flash_paged_unavailable() is None, reason="this torch's FlashAttention reads paged caches")
-def test_gpu_an_engine_asking_for_flash_prefill_on_a_torch_without_it_is_refused(tiny_model):
-    with pytest.raises(ValueError, match="prefill_attention 'flash'.*lacks"):
-        LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=256, prefill_attention="flash")

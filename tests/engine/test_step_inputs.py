@@ -21,6 +21,7 @@ from lmpool.engine.cuda_graphs import batch_sizes
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.engine.sequence import Sequence
 from lmpool.engine.step_inputs import StepInputBuilder, arena_capacity
+from lmpool.ops import reference
 from lmpool.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=1)
@@ -140,6 +141,14 @@ def check_cascade_and_key_starts(builder: StepInputBuilder, batch: ScheduledBatc
     key_starts = [0] + list(itertools.accumulate(ctx))
     assert meta.key_starts.tolist() == key_starts
     assert (meta.max_query_len, meta.max_context_len) == (max(counts), max(ctx))
+    min_query = builder.gather_keys_min_query
+    gathers = plan is None and min_query and sum(n * c for n, c in zip(counts, ctx)) >= min_query * key_starts[-1]
+    if gathers:
+        event("a prefill step listed its key slots")
+        bs = builder.block_size
+        assert meta.key_slots.tolist() == [t[p // bs] * bs + p % bs for t, c in zip(tables, ctx) for p in range(c)]
+    else:
+        assert meta.key_slots is None
     if plan is None:
         assert meta.cascade is None and meta.mixed_decode_rows == 0 and meta.mixed_query_start_loc is None
         return
@@ -159,9 +168,46 @@ def test_inputs_equal_the_per_token_construction(block_size, data):
     graphs = data.draw(st.sampled_from([None, FakeGraphs(32, 64), FakeGraphs(32, 64, cascades=True)]))
     # A small arena, so that some batches make it grow; cascades planned at any saving, or never.
     builder = StepInputBuilder(torch.device("cpu"), block_size, capacity=data.draw(st.integers(16, 512)),
-                               cascade_min_saved=data.draw(st.sampled_from([0, 1])))
+                               cascade_min_saved=data.draw(st.sampled_from([0, 1])),
+                               gather_keys_min_query=data.draw(st.sampled_from([0, 1, 2])))
     for _ in range(data.draw(st.integers(1, 4))):
         check(builder, data.draw(batches(block_size)), graphs)
+
+
+def test_a_long_prefill_attends_the_keys_its_slots_gather_as_it_would_the_paged_cache():
+    """What ``cuda.flash_gathered_attention`` computes, with a dense causal attention in place of
+    FlashAttention's: each context's keys and values gathered by the step's key slots, queries
+    aligned to its end, equal the paged reference's attention; a step of short queries over long
+    contexts lists no slots (it stays on LMPool's kernel)."""
+    block, heads, kv_heads, dim = 4, 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(40, block, kv_heads, dim, generator=gen) for _ in range(2))
+    seqs, counts = [], []
+    for i, (cached, new) in enumerate([(0, 13), (6, 9), (11, 3)]):  # 25 query tokens over 42 keys
+        seq = Sequence(f"s{i}", list(range(cached + new)), PARAMS, block)
+        seq.num_computed_tokens = cached
+        seq.block_table = [39 - 3 * i - 11 * j for j in range(-(-(cached + new) // block))]
+        seqs.append(seq)
+        counts.append(new)
+    batch = ScheduledBatch(seqs=seqs, num_tokens=counts)
+    # Queries times keys: 13 * 13 + 9 * 15 + 3 * 14 = 346, at least 8 a key (42 keys).
+    meta = StepInputBuilder(torch.device("cpu"), block, 256, gather_keys_min_query=8).build(batch).meta
+    assert meta.key_slots is not None and len(meta.key_slots) == int(meta.key_starts[-1]) == 42
+    q = torch.randn(sum(counts), heads, dim, generator=gen)
+    want = reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                     meta.query_start_loc, 0.3)
+    k, v = (reference.gather_slots(cache, meta.key_slots) for cache in (k_cache, v_cache))
+    qs, ks = meta.query_start_loc.tolist(), meta.key_starts.tolist()
+    for b in range(len(seqs)):
+        rows, keys = slice(qs[b], qs[b + 1]), slice(ks[b], ks[b + 1])
+        n, c = qs[b + 1] - qs[b], ks[b + 1] - ks[b]
+        visible = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]  # causal from the bottom right
+        got = torch.nn.functional.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k[keys].repeat_interleave(2, 1).transpose(0, 1),
+            v[keys].repeat_interleave(2, 1).transpose(0, 1), attn_mask=visible, scale=0.3).transpose(0, 1)
+        torch.testing.assert_close(got, want[rows])
+    batch = ScheduledBatch(seqs=seqs[1:], num_tokens=counts[1:])  # 9 * 15 + 3 * 14 = 177: < 8 a key (29)
+    assert StepInputBuilder(torch.device("cpu"), block, 256, gather_keys_min_query=8).build(batch).meta.key_slots is None
 
 
 def test_a_graph_step_needs_a_table_the_graph_can_hold():

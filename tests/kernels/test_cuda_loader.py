@@ -49,17 +49,19 @@ def test_a_head_dim_the_kernels_lack_falls_back_to_the_torch_ops_saying_so(head_
         assert get_backend("cuda", head_dim=head_dim).name == "torch"
 
 
-def test_flash_prefill_on_a_torch_without_paged_flash_is_refused_saying_why(monkeypatch):
-    """torch 2.11's FlashAttention takes no block tables: asking for it there is a ``ValueError``
-    that names the setting and the torch, decided from the op's schema (no kernel is touched)."""
+def test_flash_prefill_on_a_torch_without_paged_flash_reads_the_keys_gathered(monkeypatch):
+    """torch 2.11's FlashAttention takes no block tables: asking for it there gives the ops that
+    gather the keys out of the paged cache first, decided from the op's schema (no kernel is
+    touched); the reason names the torch."""
     class Op:  # a torch 2.11 schema
         _schema = "aten::_flash_attention_forward(Tensor query, ..., Tensor? seqused_k=None, Tensor? alibi_slopes=None)"
 
     has_tables = "block_table" in str(torch.ops.aten._flash_attention_forward.default._schema)
     assert (cuda.flash_paged_unavailable() is None) == has_tables  # 2.13 has them, 2.11 not
     monkeypatch.setattr(torch.ops.aten._flash_attention_forward, "default", Op)
-    with pytest.raises(ValueError, match=f"prefill_attention 'flash'.*torch {re.escape(torch.__version__)} lacks"):
-        get_backend("cuda", head_dim=128, prefill_attention="flash")
+    assert re.match(f"torch {re.escape(torch.__version__)}'s FlashAttention reads no block tables",
+                    cuda.flash_paged_unavailable())
+    assert get_backend("cuda", head_dim=128, prefill_attention="flash") is cuda.FLASH_GATHER_OPS
     assert get_backend("cpu", prefill_attention="flash").name == "torch"
 
 

@@ -304,6 +304,37 @@ def test_flash_prefill_over_the_paged_cache_matches_reference(group, head_dim, d
         cuda.flash_paged_attention(q, k_cache, v_cache, tables, ctx, starts.to(DEVICE), scale)
 
 
+@pytest.mark.parametrize("group,head_dim,dtype", [(2, 128, torch.bfloat16), (8, 64, torch.float16)])
+def test_flash_prefill_over_keys_gathered_out_of_the_cache_matches_reference(group, head_dim, dtype):
+    """``cuda.flash_gathered_attention`` (``prefill_attention='flash'`` on a torch whose
+    FlashAttention reads no block tables): each context's keys and values gathered by its slots
+    (context after context, as ``StepInputBuilder`` lists them), causal from the bottom right,
+    GQA, the NaN rows past a context's end never gathered; without slots, LMPool's kernel."""
+    gen = torch.Generator().manual_seed(group + head_dim + 1)
+    kv_heads, block = 2, 64
+    kv_lens = [n + p for n, p in SPLIT_SHAPES]
+    k_cache, v_cache, tables = paged_kv(kv_lens, block, kv_heads, head_dim, dtype, gen)
+    new = torch.tensor([n for n, _ in SPLIT_SHAPES])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), new.cumsum(0)]).to(torch.int32)
+    key_starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(kv_lens).cumsum(0)]).to(torch.int32)
+    host_tables = tables.cpu().tolist()
+    slots = torch.tensor([host_tables[b][p // block] * block + p % block for b, n in enumerate(kv_lens)
+                          for p in range(n)], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(int(new.sum()), kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    ctx = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    poison_allocator()
+    args = (q, k_cache, v_cache, tables, ctx, starts.to(DEVICE), scale, key_starts.to(DEVICE), int(new.max()),
+            max(kv_lens))
+    out = cuda.FLASH_GATHER_OPS.paged_attention(*args, slots)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = reference_attention(q, k_cache, v_cache, tables, kv_lens, starts, scale)
+    assert_close(out, ref, dtype)
+    assert_close(cuda.FLASH_GATHER_OPS.paged_attention(*args), ref, dtype)  # no slots: LMPool's kernel
+    with pytest.raises(ValueError, match="needs key_starts"):
+        cuda.flash_gathered_attention(q, k_cache, v_cache, tables, ctx, starts.to(DEVICE), scale, key_slots=slots)
+
+
 # --------------------------------------------------------------------------- write_kv
 
 
