@@ -155,7 +155,8 @@ class ModelRunner:
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
             arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq),
-            self.cascade_min_saved, GATHER_KEYS_MIN_QUERY if self.ops.name == "cuda+flash-gather" else 0,
+            self.cascade_min_saved,
+            (GATHER_KEYS_MIN_QUERY, self._gathered_keys_max()) if self.ops.name == "cuda+flash-gather" else None,
         )
         self.graphs = None
         # The torch reference synchronises with the host, so only the kernels can be captured.
@@ -191,20 +192,31 @@ class ModelRunner:
             return max(1, min(useful, self.config.cpu_kv_cache_bytes // self.block_bytes))
         torch.cuda.synchronize(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        # Headroom for activations of the largest batch: hidden states, the fused
-        # projections and the logits of every sampled row, a few times over.
-        c = self.model_config
-        tokens = self.config.max_num_batched_tokens
-        width = max(c.hidden_size, c.num_attention_heads * c.head_dim) + 2 * c.intermediate_size
-        activations = 4 * tokens * width * 4 + self.config.max_num_seqs * c.vocab_size * 8
         budget = total * self.config.gpu_memory_utilization - torch.cuda.memory_allocated(self.device)
-        blocks = int((budget - activations) // self.block_bytes)
+        blocks = int((budget - self._activation_bytes()) // self.block_bytes)
         if blocks < 1:
             raise ValueError(
                 f"no GPU memory left for the KV cache: {budget / 2**30:.2f} GiB of the "
                 f"gpu_memory_utilization budget remains after the weights"
             )
         return blocks
+
+    def _activation_bytes(self) -> int:
+        """Headroom for activations of the largest batch: hidden states, the fused projections
+        and the logits of every sampled row, a few times over."""
+        c = self.model_config
+        tokens = self.config.max_num_batched_tokens
+        width = max(c.hidden_size, c.num_attention_heads * c.head_dim) + 2 * c.intermediate_size
+        return 4 * tokens * width * 4 + self.config.max_num_seqs * c.vocab_size * 8
+
+    def _gathered_keys_max(self) -> int:
+        """The most keys a prefill step gathers for FlashAttention (``GATHER_KEYS_MIN_QUERY``): their
+        keys and values, one layer's at a time, in a quarter of the activations' headroom. Long
+        queries over many long contexts (16 chunks of 1,024 tokens over 32k each: 2 GiB a layer)
+        stay on LMPool's kernel, which reads the cache in place."""
+        c = self.model_config
+        per_key = 2 * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+        return self._activation_bytes() // 4 // per_key
 
     # ---- one step -------------------------------------------------------------
 

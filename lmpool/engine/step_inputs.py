@@ -33,10 +33,11 @@ are a cascade too, and ``mixed_query_start[M]`` (M = B - K + 1) then gives the q
 the rest, which attend as a prefill. It runs eagerly, as every mixed step. A step that prefills
 carries where each context starts among them all (``key_starts``, the contexts' cumulative
 lengths; ``mixed_key_starts`` the rest's) and, in its metadata, its longest query and context.
-Where the attention reads a prefill's keys gathered out of the cache (``gather_keys_min_query``),
-a prefill step without a mixed cascade whose (query, key) pairs are at least that many times its
-keys lists every context's slots, context after context (``key_slots``, S = the contexts' total):
-there the copy, once a key, is small beside the attention over it. Otherwise S = 0.
+Where the attention reads a prefill's keys gathered out of the cache (``gather_keys``: a least
+queries per key, a most keys), a prefill step without a mixed cascade whose (query, key) pairs
+are at least that many times its keys, and whose keys are not too many, lists every context's
+slots, context after context (``key_slots``, S = the contexts' total): there the copy, once a
+key, is small beside the attention over it. Otherwise S = 0.
 
 Invariants:
 - On CUDA the host arena is pinned and reaches the device with a single
@@ -113,18 +114,18 @@ _Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 class StepInputBuilder:
     def __init__(self, device: torch.device, block_size: int, capacity: int, cascade_min_saved: int = 0,
-                 gather_keys_min_query: int = 0) -> None:
+                 gather_keys: tuple[int, int] | None = None) -> None:
         """``cascade_min_saved``: the key reads a decode step's shared prefixes must save for it to
-        run as a cascade (``EngineConfig.cascade_min_saved_tokens``; 0: never);
-        ``gather_keys_min_query``: the mean queries per key at which a prefill step lists its key
-        slots (module docstring; 0: never)."""
+        run as a cascade (``EngineConfig.cascade_min_saved_tokens``; 0: never); ``gather_keys``:
+        the mean queries per key at which a prefill step lists its key slots, and the most keys
+        it lists (module docstring; None: never)."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.device = device
         self.block_size = block_size
         self.block_shift = block_size.bit_length() - 1
         self.cascade_min_saved = cascade_min_saved
-        self.gather_keys_min_query = gather_keys_min_query
+        self.gather_keys = gather_keys
         self.on_cuda = device.type == "cuda"
         self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self.on_cuda else None
         self._turn = 0  # the host arena of the latest build
@@ -226,9 +227,10 @@ class StepInputBuilder:
         o_mixed_keys = o_keys + (0 if decode else num_seqs + 1)
         o_key_slots = o_mixed_keys + (num_seqs - mixed + 1 if mixed else 0)
         gathered = 0
-        if not decode and not mixed and self.gather_keys_min_query:
+        if not decode and not mixed and self.gather_keys is not None:
+            min_query, max_keys = self.gather_keys
             keys = int(ends.sum())
-            if int(np.dot(count_arr, ends)) >= self.gather_keys_min_query * keys:  # the visible pairs, at most
+            if keys <= max_keys and int(np.dot(count_arr, ends)) >= min_query * keys:  # visible pairs, at most
                 gathered = keys
         end = o_key_slots + gathered
         if end > self.capacity:  # a batch larger than the scheduler's limits (direct callers)

@@ -63,7 +63,7 @@ class AttentionMetadata:
     max_query_len: int = 0
     max_context_len: int = 0
     # A step that prefills long queries, where the backend reads keys gathered out of the cache
-    # (``StepInputBuilder``'s ``gather_keys_min_query``): every context's slots, context after
+    # (``StepInputBuilder``'s ``gather_keys``): every context's slots, context after
     # context ([key_starts[-1]] int32).
     key_slots: torch.Tensor | None = None
 

@@ -141,8 +141,9 @@ def check_cascade_and_key_starts(builder: StepInputBuilder, batch: ScheduledBatc
     key_starts = [0] + list(itertools.accumulate(ctx))
     assert meta.key_starts.tolist() == key_starts
     assert (meta.max_query_len, meta.max_context_len) == (max(counts), max(ctx))
-    min_query = builder.gather_keys_min_query
-    gathers = plan is None and min_query and sum(n * c for n, c in zip(counts, ctx)) >= min_query * key_starts[-1]
+    min_query, max_keys = builder.gather_keys or (0, 0)
+    gathers = (plan is None and min_query and key_starts[-1] <= max_keys
+               and sum(n * c for n, c in zip(counts, ctx)) >= min_query * key_starts[-1])
     if gathers:
         event("a prefill step listed its key slots")
         bs = builder.block_size
@@ -169,7 +170,7 @@ def test_inputs_equal_the_per_token_construction(block_size, data):
     # A small arena, so that some batches make it grow; cascades planned at any saving, or never.
     builder = StepInputBuilder(torch.device("cpu"), block_size, capacity=data.draw(st.integers(16, 512)),
                                cascade_min_saved=data.draw(st.sampled_from([0, 1])),
-                               gather_keys_min_query=data.draw(st.sampled_from([0, 1, 2])))
+                               gather_keys=data.draw(st.sampled_from([None, (1, 10**6), (2, 10**6), (1, 40)])))
     for _ in range(data.draw(st.integers(1, 4))):
         check(builder, data.draw(batches(block_size)), graphs)
 
@@ -177,8 +178,9 @@ def test_inputs_equal_the_per_token_construction(block_size, data):
 def test_a_long_prefill_attends_the_keys_its_slots_gather_as_it_would_the_paged_cache():
     """What ``cuda.flash_gathered_attention`` computes, with a dense causal attention in place of
     FlashAttention's: each context's keys and values gathered by the step's key slots, queries
-    aligned to its end, equal the paged reference's attention; a step of short queries over long
-    contexts lists no slots (it stays on LMPool's kernel)."""
+    aligned to its end, equal the paged reference's attention; a step of more keys than the
+    builder gathers, or of short queries over long contexts, lists no slots (it stays on
+    LMPool's kernel)."""
     block, heads, kv_heads, dim = 4, 4, 2, 8
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = (torch.randn(40, block, kv_heads, dim, generator=gen) for _ in range(2))
@@ -191,7 +193,7 @@ def test_a_long_prefill_attends_the_keys_its_slots_gather_as_it_would_the_paged_
         counts.append(new)
     batch = ScheduledBatch(seqs=seqs, num_tokens=counts)
     # Queries times keys: 13 * 13 + 9 * 15 + 3 * 14 = 346, at least 8 a key (42 keys).
-    meta = StepInputBuilder(torch.device("cpu"), block, 256, gather_keys_min_query=8).build(batch).meta
+    meta = StepInputBuilder(torch.device("cpu"), block, 256, gather_keys=(8, 42)).build(batch).meta
     assert meta.key_slots is not None and len(meta.key_slots) == int(meta.key_starts[-1]) == 42
     q = torch.randn(sum(counts), heads, dim, generator=gen)
     want = reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
@@ -206,8 +208,9 @@ def test_a_long_prefill_attends_the_keys_its_slots_gather_as_it_would_the_paged_
             q[rows].transpose(0, 1), k[keys].repeat_interleave(2, 1).transpose(0, 1),
             v[keys].repeat_interleave(2, 1).transpose(0, 1), attn_mask=visible, scale=0.3).transpose(0, 1)
         torch.testing.assert_close(got, want[rows])
+    assert StepInputBuilder(torch.device("cpu"), block, 256, gather_keys=(8, 41)).build(batch).meta.key_slots is None
     batch = ScheduledBatch(seqs=seqs[1:], num_tokens=counts[1:])  # 9 * 15 + 3 * 14 = 177: < 8 a key (29)
-    assert StepInputBuilder(torch.device("cpu"), block, 256, gather_keys_min_query=8).build(batch).meta.key_slots is None
+    assert StepInputBuilder(torch.device("cpu"), block, 256, gather_keys=(8, 42)).build(batch).meta.key_slots is None
 
 
 def test_a_graph_step_needs_a_table_the_graph_can_hold():
