@@ -318,6 +318,22 @@ def test_a_new_request_waits_for_the_prefill_its_rank_has_launched(running, toke
     assert ttft[1] - ttft[0] == pytest.approx(PAIRED.prefill_token * tokens + PAIRED.attention_pair * pairs)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 64), st.integers(1, 8192), st.integers(0, 10**9), st.integers(0, 20_000))
+def test_a_copy_into_a_rank_waits_behind_the_prefill_it_has_launched(running, tokens, pairs, queued):
+    """The step under way at a rank, which a pull's copy into it runs behind (``next_step_s``),
+    is the launched one with its prefill, not a share of the queue that has not left the host."""
+    base = dict(num_running=running, context_tokens=1000 * running, decode_tokens_left=10 * running,
+                blocks_free=4000, waiting_prefill_tokens=queued)
+    steps = [Pricer(one_rank(LoadReport(**base, **launched)), Topology.virtual(1), engine_model(1, PAIRED),
+                    Limits(16, 256, 8192, True), lambda rank: 0.5).next_step_s(0)
+             for launched in ({}, dict(launched_prefill_tokens=tokens, launched_attention=pairs))]
+    step = PAIRED.base + PAIRED.decode_seq * running + PAIRED.context_token * 1000 * running
+    assert steps[1] == pytest.approx(step + PAIRED.prefill_token * tokens + PAIRED.attention_pair * pairs)
+    chunk = min(queued, 8192 - running)
+    assert steps[0] == pytest.approx((step + PAIRED.prefill_token * chunk) if queued else (step if running else 0.0))
+
+
 def test_a_launched_prefill_is_waited_for_where_no_sequence_runs_any_more():
     """Prompts that generate one token leave ``running`` when their step is launched: the rank
     then runs nothing, but its device still computes their prefill."""

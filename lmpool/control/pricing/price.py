@@ -151,7 +151,8 @@ class RankWork(NamedTuple):
     free: int  # blocks free, less reservations
     available: int
     busy: float  # what a new request waits for: one step when any runs, two when overlapped; a launched prefill
-    next_step: float  # the step a message arriving now waits for: ``step`` and its share of the queued prefill
+    next_step: float  # the step a message arriving now waits for: ``step`` and the prefill launched with it
+    # (or, none launched, its share of the queued prefill)
     holders: int  # sequences holding blocks: running, and routed here (reserved) but not yet admitted
     held: int  # the blocks they hold or have reserved, released as they finish
     drain: float  # seconds until a sequence's mean decode left is done
@@ -222,8 +223,11 @@ class Pricer:
         attention = load.prefill_attention + res.attention
         queue_work = c.prefill_token * queued + c.attention_pair * attention
         queue = queue_work + -(-queued // room) * step
+        launched = c.prefill_token * load.launched_prefill_tokens + c.attention_pair * load.launched_attention
         next_step = step if seqs else 0.0
-        if queued > 0:
+        if launched:  # the step under way is the one launched with that prefill
+            next_step = step + launched
+        elif queued > 0:  # ... else its share of the queued prefill, where any is queued
             chunk = min(queued, room)
             next_step = step + c.prefill_token * chunk + c.attention_pair * attention * chunk / queued
         deferred = res.deferred_tokens
@@ -235,8 +239,7 @@ class Pricer:
         free = load.blocks_free - res.blocks
         busy = 0.0
         if seqs or load.launched_prefill_tokens:  # a one-token request leaves ``running`` at its launch
-            busy = ((2.0 * step if lim.overlapped else step) + c.prefill_token * load.launched_prefill_tokens
-                    + c.attention_pair * load.launched_attention)
+            busy = (2.0 * step if lim.overlapped else step) + launched
         drain = (left / seqs) * step if seqs else 0.0
         return RankWork((load, c, res.version), c, seqs, n, left, step, room, queue, seat, theirs, free,
                         free + load.blocks_reclaimable, busy, next_step, load.num_running + res.count,
