@@ -33,9 +33,9 @@ are a cascade too, and ``mixed_query_start[M]`` (M = B - K + 1) then gives the q
 the rest, which attend as a prefill. It runs eagerly, as every mixed step. A step that prefills
 carries where each context starts among them all (``key_starts``, the contexts' cumulative
 lengths; ``mixed_key_starts`` the rest's) and, in its metadata, its longest query and context.
-Where the attention reads a prefill's keys gathered out of the cache (``gather_keys``: a least
-queries per key, a most keys), a prefill step without a mixed cascade whose (query, key) pairs
-are at least that many times its keys, and whose keys are not too many, lists every context's
+Where the attention reads a prefill's keys gathered out of the cache (``gather_keys``: the fewest
+queries per key and the most keys), a prefill step without a mixed cascade whose (query, key)
+pairs are at least that many times its keys, and whose keys are not too many, lists every context's
 slots, context after context (``key_slots``, S = the contexts' total): there the copy, once a
 key, is small beside the attention over it. Otherwise S = 0.
 
