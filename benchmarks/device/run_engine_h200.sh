@@ -12,8 +12,10 @@
 #   prefill   a 16k document's prefill (cold, and 8k after 8k cached) through LMPool's kernel and
 #             FlashAttention, on the whole GPU and as one MPS client of 4, each with its device
 #             time by kernel; about 4 minutes
+#   route     (first, before the kernel build, while the host is quiet) the route decision's
+#             latency at 8 ranks and 1M entries (issue: p99 <= 100 us); under a minute
 # Usage (from the repository root, with the wheels in .whl/), one device call each:
-#   OUT=results_dir bash benchmarks/device/run_engine_h200.sh check
+#   OUT=results_dir bash benchmarks/device/run_engine_h200.sh route check
 #   OUT=results_dir bash benchmarks/device/run_engine_h200.sh kernels prefill
 #   OUT=results_dir bash benchmarks/device/run_engine_h200.sh decode
 # Every part runs under its own timeout and writes its log (and JSON) under OUT; a part that
@@ -24,7 +26,6 @@ mkdir -p "$OUT"
 . benchmarks/device/setup.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$OUT/gpu.txt"
-build_kernels > "$OUT/build.log" 2>&1 || { echo "kernel build failed: $OUT/build.log" >&2; tail -30 "$OUT/build.log"; exit 1; }
 
 part() {  # part NAME SECONDS COMMAND...: run it under a timeout, log it, say how it ended
   local name=$1 limit=$2 start=$SECONDS
@@ -33,6 +34,14 @@ part() {  # part NAME SECONDS COMMAND...: run it under a timeout, log it, say ho
   local rc=$?
   echo "$name: rc=$rc in $((SECONDS - start)) s; $(tail -1 "$OUT/$name.log")"
 }
+
+if [ "${1:-}" = route ]; then  # first, on a quiet host: before the kernel build loads its CPUs
+  shift
+  LMPOOL_BENCH_JSON=$OUT/routing_h200_host.json part route_bench 150 \
+    python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_routing.py
+  [ $# -gt 0 ] || exit 0
+fi
+build_kernels > "$OUT/build.log" 2>&1 || { echo "kernel build failed: $OUT/build.log" >&2; tail -30 "$OUT/build.log"; exit 1; }
 
 PRESET=(--preset 0.6b --device cuda --dtype bfloat16)
 for step in ${*:-check}; do
@@ -59,6 +68,6 @@ for step in ${*:-check}; do
           --prefill 16384,8192:8192 --prefill-attention lmpool,flash --prefill-kernels --mps "$m" --no-progress \
           --json "$OUT/prefill_mps$m.json"
       done ;;
-    *) echo "unknown step $step (check, kernels, decode, prefill)" >&2; exit 2 ;;
+    *) echo "unknown step $step (route first, then check, kernels, decode, prefill)" >&2; exit 2 ;;
   esac
 done
