@@ -45,7 +45,8 @@ from lmpool.ops import get_backend
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # FlashAttention over keys gathered out of the cache (``ops.cuda.flash_gathered_attention``) takes
-# a prefill step whose (query, key) pairs are at least this many times its keys: the copy moves
+# a prefill step whose queries times contexts (its (query, key) pairs, causal ones counted whole)
+# are at least this many times its keys: the copy moves
 # ~8 KB a key a layer (0.6B heads, bf16) where its attention saves ~25 ps a pair at the rates of
 # ``results/kernels_NOTES.md`` (LMPool's prefill kernel ~220 TFLOP/s, flash ~600), so it pays
 # from ~100 queries a key. A burst's short questions over a long document stay on LMPool's
@@ -152,11 +153,12 @@ class ModelRunner:
         )
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         self.cascade_min_saved = planned_cascades(config, model_config)  # what the pool prices with
+        gather = (GATHER_KEYS_MIN_QUERY, self._gathered_keys_max()) if self.ops.name == "cuda+flash-gather" else None
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
-            arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq),
-            self.cascade_min_saved,
-            (GATHER_KEYS_MIN_QUERY, self._gathered_keys_max()) if self.ops.name == "cuda+flash-gather" else None,
+            arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq)
+            + (gather[1] if gather else 0),  # room for a gathering step's key slots: it never grows while serving
+            self.cascade_min_saved, gather,
         )
         self.graphs = None
         # The torch reference synchronises with the host, so only the kernels can be captured.

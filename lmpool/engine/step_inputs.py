@@ -34,8 +34,9 @@ the rest, which attend as a prefill. It runs eagerly, as every mixed step. A ste
 carries where each context starts among them all (``key_starts``, the contexts' cumulative
 lengths; ``mixed_key_starts`` the rest's) and, in its metadata, its longest query and context.
 Where the attention reads a prefill's keys gathered out of the cache (``gather_keys``: the fewest
-queries per key and the most keys), a prefill step without a mixed cascade whose (query, key)
-pairs are at least that many times its keys, and whose keys are not too many, lists every context's
+queries per key and the most keys), a prefill step without a mixed cascade whose queries times
+contexts (its (query, key) pairs, causal ones counted whole) are at least that many times its
+keys, and whose keys are not too many, lists every context's
 slots, context after context (``key_slots``, S = the contexts' total): there the copy, once a
 key, is small beside the attention over it. Otherwise S = 0.
 

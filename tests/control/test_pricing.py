@@ -139,6 +139,15 @@ def test_a_calibration_moves_the_fit_as_far_from_the_prior_as_its_steps_say(fact
     assert predictions_within(model, calibration_steps(rng, engine), engine) < 0.1
 
 
+def test_steps_far_faster_than_the_prior_still_fit():
+    """A step of a picosecond over 10^12 pairs: the prior's ridge is lost in rounding beside it
+    and the system is singular; the fit still gives finite, non-negative coefficients."""
+    model = StepModel()
+    model.calibrate([StepSample(1e-12, 0, 10**12, 0, 0)])
+    model.observe([StepSample(1e-12, 0, 10**12, 0, 0)] * 3)
+    assert all(math.isfinite(v) and v >= 0 for v in model.coefficients)
+
+
 def test_a_rank_without_steps_of_its_own_is_priced_like_its_twins():
     rng = random.Random(4)
     model = EngineModel(3)
@@ -332,6 +341,25 @@ def test_a_copy_into_a_rank_waits_behind_the_prefill_it_has_launched(running, to
     assert steps[1] == pytest.approx(step + PAIRED.prefill_token * tokens + PAIRED.attention_pair * pairs)
     chunk = min(queued, 8192 - running)
     assert steps[0] == pytest.approx((step + PAIRED.prefill_token * chunk) if queued else (step if running else 0.0))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 64), st.integers(1, 8192), st.integers(0, 10**9), st.booleans())
+def test_a_request_waiting_on_a_copy_counts_the_launched_prefill_once(running, tokens, pairs, overlapped):
+    """A pull's wait already holds the destination's step under way with its launched prefill
+    (``next_step_s``: the copy runs behind it). Once the copy has landed that prefill is done,
+    so the request's price counts it in the wait alone, never again as the step it arrives to."""
+    ttft, waits = [], []
+    for launched, attention in ((0, 0), (tokens, pairs)):
+        gbm = one_rank(LoadReport(num_running=running, context_tokens=1000 * running, decode_tokens_left=10 * running,
+                                  blocks_free=4000, launched_prefill_tokens=launched, launched_attention=attention))
+        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192, overlapped),
+                        lambda rank: 0.5)
+        waits.append(10.0 + pricer.next_step_s(0))  # a copy of 10 s behind the step under way
+        ttft.append(pricer.price(RouteQuery("q", [1, 2], 35, 8), 0, 0, waits[-1], None).ttft_s)
+    launched_s = PAIRED.prefill_token * tokens + PAIRED.attention_pair * pairs
+    assert waits[1] - waits[0] == pytest.approx(launched_s + (0.0 if running else PAIRED.base))
+    assert ttft[1] - ttft[0] == pytest.approx(waits[1] - waits[0])
 
 
 def test_a_launched_prefill_is_waited_for_where_no_sequence_runs_any_more():

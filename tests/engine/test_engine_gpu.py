@@ -388,14 +388,6 @@ def test_gpu_bf16_decode_rows_beside_prompt_chunks_run_as_a_cascade(tiny_model, 
     later = [doc + list(range(20 + 7 * q, 27 + 7 * q)) for q in range(3)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     mixed_steps = count_mixed_cascades(monkeypatch)
-    gathered: list[int] = []  # the keys of every step that listed its key slots
-    key_slots = StepInputBuilder._key_slots
-
-    def listed(self, table, ends, key_starts):
-        gathered.append(int(ends.sum()))
-        return key_slots(self, table, ends, key_starts)
-
-    monkeypatch.setattr(StepInputBuilder, "_key_slots", listed)
 
     def run(cascade: int) -> dict[str, list[int]]:
         with LLM(tiny_model, device="cuda", dtype="bfloat16", block_size=BLOCK,

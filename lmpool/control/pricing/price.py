@@ -25,7 +25,9 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
              is already launched when the request arrives, so its first step is the one after;
              plus the prefill that launched step computes (``L`` tokens, ``Al`` pairs, as the
              worker reports it: ``prefill_token * L + attention_pair * Al``), which has left
-             the rank's queue but not its device: a burst's questions admitted together
+             the rank's queue but not its device: a burst's questions admitted together (not
+             where the request waits on a copy: the copy ran behind that prefill, and its wait
+             counts it, as the step under way there, ``next_step_s``)
     ttft   = max(start, wait + deferred, room_s + ceil(p / room) * step) + own + seat + busy
              # wait: a copy the request waits on (a pull); deferred: that wait, then the reserved
              # work there that waits on pulls too (``D`` of the ``W`` tokens, ``Ad`` of the pairs)
@@ -160,6 +162,7 @@ class RankWork(NamedTuple):
     queue_work: float  # their prefill and attention seconds, without the steps they take
     deferred: int  # D: those of the W whose requests wait on pulls (start once they land)
     deferred_work: float  # their prefill and attention seconds
+    landed_busy: float  # ``busy`` for a request that arrives once a copy has landed: the launched prefill done
 
 
 class Pricer:
@@ -225,7 +228,7 @@ class Pricer:
         queue = queue_work + -(-queued // room) * step
         launched = c.prefill_token * load.launched_prefill_tokens + c.attention_pair * load.launched_attention
         next_step = step if seqs else 0.0
-        if launched:  # the step under way is the one launched with that prefill
+        if load.launched_prefill_tokens:  # the step under way is the one launched with that prefill
             next_step = step + launched
         elif queued > 0:  # ... else its share of the queued prefill, where any is queued
             chunk = min(queued, room)
@@ -237,13 +240,15 @@ class Pricer:
             seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
         theirs = c.decode_seq + reads / n if n else 0.0
         free = load.blocks_free - res.blocks
-        busy = 0.0
-        if seqs or load.launched_prefill_tokens:  # a one-token request leaves ``running`` at its launch
+        landed_busy = (2.0 * step if lim.overlapped else step) if seqs else 0.0
+        busy = landed_busy
+        if load.launched_prefill_tokens:  # a one-token request leaves ``running`` at its launch
             busy = (2.0 * step if lim.overlapped else step) + launched
         drain = (left / seqs) * step if seqs else 0.0
         return RankWork((load, c, res.version), c, seqs, n, left, step, room, queue, seat, theirs, free,
                         free + load.blocks_reclaimable, busy, next_step, load.num_running + res.count,
-                        load.blocks_used + res.blocks, drain, queued, queue_work, deferred, deferred_work)
+                        load.blocks_used + res.blocks, drain, queued, queue_work, deferred, deferred_work,
+                        landed_busy)
 
     def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None,
               arriving: int = 0) -> RankPrice:
@@ -261,7 +266,7 @@ class Pricer:
         """``price_terms`` from ``rank``'s work ``w`` (``work(rank)``, read this route): a caller
         that reads the work for more than the price reads it once."""
         (_, c, seqs, n, left, step, room, _, seat, theirs, free, available, busy, _, _, held, _, queued,
-         queue_work, deferred, deferred_work) = w
+         queue_work, deferred, deferred_work, landed_busy) = w
         base, prefill_token, attention_pair, decode_seq, context_token = c  # one unpack, not a lookup per use
         prompt, out = q.prompt, q.out
         missing = prompt - m * self.limits.block_size
@@ -276,6 +281,7 @@ class Pricer:
             landed = wait_s + (deferred_work + -(-(deferred + missing) // room) * step if deferred else own_steps)
             if landed > start:
                 start = landed
+            busy = landed_busy  # the copy ran behind the launched prefill (its wait counts it): done by then
         if need > available and held:
             room_s = self._room_s(w, need - available) + own_steps
             if room_s > start:

@@ -75,6 +75,15 @@ def _timed(samples: Iterable[StepSample]) -> list[StepSample]:
     return [s for s in samples if s.seconds > 0 and math.isfinite(s.seconds)]
 
 
+def _solve_or_fit(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a x = b``; least squares where ``a`` is singular: rows of wildly unlike scales (a step far
+    faster than the prior) can leave the ridge lost in rounding."""
+    try:
+        return np.linalg.solve(a, b)
+    except np.linalg.LinAlgError:
+        return np.linalg.lstsq(a, b, rcond=None)[0]
+
+
 def _units(rows: np.ndarray, seconds: np.ndarray, fallback: np.ndarray) -> np.ndarray:
     """Each coefficient's unit in timed steps of these ``rows`` (features) and ``seconds``: the
     median, over the steps that have its feature, of their seconds per unit of it (the
@@ -181,7 +190,7 @@ class StepModel:
         free = list(range(len(x)))
         u = np.zeros(len(x))
         while free:
-            sub = np.linalg.solve(a[np.ix_(free, free)], b[free])
+            sub = _solve_or_fit(a[np.ix_(free, free)], b[free])
             if (sub >= 0).all():
                 u[free] = sub
                 break
