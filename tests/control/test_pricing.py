@@ -392,7 +392,7 @@ def test_a_pull_s_floor_is_its_serve_price_less_all_the_pulled_blocks_could_save
     pulled = (prefill_seconds(w.c, serve.missing, query.num_prompt_tokens - serve.missing)
               - prefill_seconds(w.c, query.num_prompt_tokens - cached, cached))
     floor = serve.total_s - (1 + w.n) * pulled - -(-serve.missing // w.room) * w.step
-    assert _least(w, serve, query.num_prompt_tokens, cached, 8, False) == floor
+    assert _least(w, serve, query.num_prompt_tokens, cached, 8, False) == pytest.approx(floor, rel=1e-12, abs=1e-15)
     assert _least(w, None, query.num_prompt_tokens, cached, 8, False) == float("-inf")
 
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import msgspec
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import Pricer, RankPrice, RankWork, prefill_seconds
+from lmpool.control.pricing.price import Pricer, RankPrice, RankWork
 from lmpool.control.routing.route import Route
 from lmpool.control.topology import Topology
 
@@ -128,7 +128,10 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, ou
     if serve is None:
         return float("-inf")
     c, missing, rest = work.c, serve.missing, prompt - cached  # c: what ``Pricer.prefill_s`` would read
-    pulled = prefill_seconds(c, missing, prompt - missing) - prefill_seconds(c, rest, cached)
+    # ``prefill_seconds(c, missing, prompt - missing) - prefill_seconds(c, rest, cached)``, inlined:
+    # every candidate below the pull's depth of every route that may leave its owner runs it.
+    pairs = missing * (prompt - missing) + missing * (missing + 1) // 2 - rest * cached - rest * (rest + 1) // 2
+    pulled = c.prefill_token * (missing - rest) + c.attention_pair * pairs
     floor = serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
     if cascades and missing > rest:
         saved = c.context_token - c.attention_pair  # a read-once key's saving a step (a loss where negative)
