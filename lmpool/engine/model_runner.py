@@ -47,11 +47,12 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # FlashAttention over keys gathered out of the cache (``ops.cuda.flash_gathered_attention``) takes
 # a prefill step whose queries times contexts (its (query, key) pairs, causal ones counted whole)
 # are at least this many times its keys: the copy moves
-# ~8 KB a key a layer (0.6B heads, bf16) where its attention saves ~25 ps a pair at the rates of
-# ``results/kernels_NOTES.md`` (LMPool's prefill kernel ~220 TFLOP/s, flash ~600), so it pays
-# from ~100 queries a key. A burst's short questions over a long document stay on LMPool's
-# kernel, which splits their keys over the GPU.
-GATHER_KEYS_MIN_QUERY = 256
+# ~8 KB a key a layer (0.6B heads, bf16). Measured on an H100 (``results/kernels_NOTES.md``), the
+# gathered FlashAttention was 9 % slower than LMPool's kernel at 256 queries a key (4 x 256 over
+# 2,048), 9 % faster at 512 (8 x 512 cold) and 1.3-1.7x faster from 4,096. A burst's short
+# questions over a long document stay on LMPool's kernel, which splits their keys over the GPU
+# (2-9x faster there).
+GATHER_KEYS_MIN_QUERY = 512
 
 
 def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
