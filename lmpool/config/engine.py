@@ -53,9 +53,9 @@ class EngineConfig:
     cascade_min_saved_tokens: int | None = None
     # Attention of the steps that prefill, on CUDA: "lmpool" (LMPool's tensor-core kernel) or
     # "flash" (torch's FlashAttention reading the paged cache through the block tables; where
-    # this torch's reads none, 2.11, over the keys gathered out of it for long prompts, LMPool's
-    # kernel for short queries; blocks of a multiple of 256 tokens, fp16 or bf16). Decode always
-    # runs LMPool's kernels.
+    # this torch's reads none, 2.11, or the blocks are no multiple of ``FLASH_BLOCK_MULTIPLE``, over
+    # the keys gathered out of it for long prompts, LMPool's kernel for short queries; fp16 or
+    # bf16). Decode always runs LMPool's kernels.
     prefill_attention: str = "lmpool"
 
     def __post_init__(self) -> None:
@@ -77,10 +77,6 @@ class EngineConfig:
         attention = self.prefill_attention
         if attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention must be one of {list(PREFILL_ATTENTION)}, got {attention!r}")
-        if attention == "flash" and self.block_size % FLASH_BLOCK_MULTIPLE:
-            raise ValueError(f"prefill_attention 'flash' reads the paged cache in blocks of a multiple of "
-                             f"{FLASH_BLOCK_MULTIPLE} tokens (FlashAttention's paged KV), got block_size "
-                             f"{self.block_size}")
         for name in ("enable_prefix_caching", "use_kernels", "enforce_eager"):
             strict_bool(getattr(self, name), name)
         utilization = strict_float(self.gpu_memory_utilization, "gpu_memory_utilization")

@@ -116,7 +116,8 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)  # process-wide: see EngineConfig.cpu_threads
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.ops = get_backend(self.device, config.use_kernels, model_config.head_dim, config.prefill_attention)
+        self.ops = get_backend(self.device, config.use_kernels, model_config.head_dim, config.prefill_attention,
+                               config.block_size)
         flash = self.ops.name.startswith("cuda+flash")
         if flash and self.dtype == torch.float32:
             raise ValueError("prefill_attention 'flash' takes float16 or bfloat16; this engine runs float32")

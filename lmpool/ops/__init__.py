@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from lmpool.config.engine import KERNEL_HEAD_DIMS
+from lmpool.config.engine import FLASH_BLOCK_MULTIPLE, KERNEL_HEAD_DIMS
 from lmpool.ops import reference
 
 
@@ -54,13 +54,13 @@ TORCH_OPS = KVOps(
 
 
 def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: int | None = None,
-                prefill_attention: str = "lmpool") -> KVOps:
+                prefill_attention: str = "lmpool", block_size: int = FLASH_BLOCK_MULTIPLE) -> KVOps:
     """The ops for tensors on ``device``: CUDA kernels on a GPU unless ``use_kernels`` is False,
     or unless the model's ``head_dim`` is one the kernels are not compiled for: such a model
     still runs, on the torch reference, with a warning that says so. ``prefill_attention``
     "flash" takes the prefill's attention from torch's FlashAttention (``EngineConfig``): reading
-    the paged cache by its block tables, or, where this torch's cannot (2.11), over the keys and
-    values gathered out of it."""
+    the paged cache by its block tables, or, where this torch's cannot (2.11) or the cache's
+    ``block_size`` is no multiple of its pages', over the keys and values gathered out of it."""
     if torch.device(device).type != "cuda" or not use_kernels:
         return TORCH_OPS
     if head_dim is not None and head_dim not in KERNEL_HEAD_DIMS:
@@ -74,4 +74,6 @@ def get_backend(device: torch.device | str, use_kernels: bool = True, head_dim: 
 
     if prefill_attention != "flash":
         return cuda.CUDA_OPS
-    return cuda.FLASH_GATHER_OPS if cuda.flash_paged_unavailable() else cuda.FLASH_PREFILL_OPS
+    if cuda.flash_paged_unavailable() or block_size % FLASH_BLOCK_MULTIPLE:
+        return cuda.FLASH_GATHER_OPS
+    return cuda.FLASH_PREFILL_OPS

@@ -65,6 +65,18 @@ def test_flash_prefill_on_a_torch_without_paged_flash_reads_the_keys_gathered(mo
     assert get_backend("cpu", prefill_attention="flash").name == "torch"
 
 
+def test_flash_prefill_gathers_the_keys_of_blocks_its_pages_cannot_hold(monkeypatch):
+    """A torch whose FlashAttention reads block tables reads the cache's blocks as its pages only
+    where they are a multiple of its page size; other block sizes gather the keys first."""
+    class Op:  # a torch with paged FlashAttention
+        _schema = "aten::_flash_attention_forward(Tensor query, ..., Tensor? block_table=None)"
+
+    monkeypatch.setattr(torch.ops.aten._flash_attention_forward, "default", Op)
+    assert get_backend("cuda", head_dim=128, prefill_attention="flash", block_size=256) is cuda.FLASH_PREFILL_OPS
+    assert get_backend("cuda", head_dim=128, prefill_attention="flash", block_size=16) is cuda.FLASH_GATHER_OPS
+    assert get_backend("cuda", head_dim=128, block_size=16) is cuda.CUDA_OPS
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_loading_without_cuda_raises_a_clear_error():
     with pytest.raises(RuntimeError, match="CUDA") as info:
