@@ -50,10 +50,11 @@ class FixedFits:
 
 
 def coefficients(fit: dict) -> StepCoefficients:
-    """A rank's ``step_fit`` record as step coefficients (seconds)."""
-    return StepCoefficients(fit["base_ms"] * 1e-3, fit["prefill_us_per_token"] * 1e-6,
-                            fit["attention_ns_per_pair"] * 1e-9, fit["decode_us_per_seq"] * 1e-6,
-                            fit["context_us_per_token"] * 1e-6)
+    """A rank's ``step_fit`` record as step coefficients (seconds); a cascade pair at the attention
+    pair's, which the records' routes priced it at."""
+    attention = fit["attention_ns_per_pair"] * 1e-9
+    return StepCoefficients(fit["base_ms"] * 1e-3, fit["prefill_us_per_token"] * 1e-6, attention,
+                            fit["decode_us_per_seq"] * 1e-6, fit["context_us_per_token"] * 1e-6, attention)
 
 
 def requests(run: dict) -> list[dict]:

@@ -9,8 +9,13 @@ one is its own). Reading a group's prefix once for all of its rows (cascade atte
 ``ops.cascade_decode_attention``) instead of once per row saves ``(rows - 1) * prefix`` key
 reads; a step is planned as a cascade when its groups save at least ``min_saved`` of them.
 A group's prefix pass still attends each of its rows to every prefix key, as a prefill chunk
-attends its queries (a tensor-core tile of rows against key blocks): the step-time model counts
-its ``rows * prefix`` pairs as attention pairs, not as key reads (``StepSample``).
+attends its queries (tensor-core tiles of rows against key blocks): the step-time model counts
+its ``rows * prefix`` pairs, with a coefficient of their own (``StepSample.cascade_pairs``): few
+query rows over many keys, split over the keys to fill the GPU, cost a pair more than a
+prefill's full tiles. Pairs rather than the prefix's keys: a pass reads the prefix once per tile
+(64 query rows: a group's rows times the q heads per kv head), so its cost follows its pairs once
+groups fill tiles; and a request's row adds its prefix's pairs whatever else shares it, a sum
+the pricing can reserve request by request, where a group's keys are not.
 
 Invariants of a plan: its groups are disjoint sets of at least two rows (``rows`` lists the
 grouped rows, group by group, ``starts`` bounding the groups); a row is in a group exactly when

@@ -53,8 +53,8 @@ class ScheduledBatch:
     prefill_attention: int = 0
     decode_seqs: int = 0
     decode_context: int = 0  # keys the decoding rows attend to, in all
-    # Of those, the (row, key) pairs a cascade's prefix passes attend (``CascadePlan.pairs``): set
-    # once the step's inputs are planned.
+    # Of those, the keys a cascade's prefix passes read once for their rows, as (row, key) pairs
+    # (``CascadePlan.pairs``): set once the step's inputs are planned.
     cascade_pairs: int = 0
     # Indices of the sequences computing prompt positions whose logprobs they asked for.
     prompt_logprobs: list[int] = field(default_factory=list)
@@ -78,9 +78,9 @@ class ScheduledBatch:
 
     def sample(self, seconds: float) -> StepSample:
         """This step, taking ``seconds``, as the step-time model reads it: a cascade's prefix
-        passes count as attention pairs, the keys each row reads on its own as its context."""
-        return StepSample(seconds, self.prefill_tokens, self.prefill_attention + self.cascade_pairs,
-                          self.decode_seqs, self.decode_context - self.cascade_pairs)
+        passes as their pairs, the keys each row reads on its own as its context."""
+        return StepSample(seconds, self.prefill_tokens, self.prefill_attention, self.decode_seqs,
+                          self.decode_context - self.cascade_pairs, self.cascade_pairs)
 
     def decode_first(self) -> None:
         """List the single-token rows first, each part in its order (the prompt logprobs' indices

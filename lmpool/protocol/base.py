@@ -39,7 +39,7 @@ class LoadReport(Message):
     admitted: list[str] = []  # request ids that reached the worker since the previous report
     generated_tokens: int = 0  # cumulative tokens this worker has emitted
     # (row, key) pairs a decode step's cascade prefix passes attend over the running sequences
-    # (``StepSample.attention`` counts them so): each shared prefix times the rows sharing it.
+    # (as ``StepSample.cascade_pairs`` counts them): each shared prefix times the rows sharing it.
     cascade_pairs: int = 0
     # The prefill of the launched step whose tokens are not read back yet (a GPU's; a CPU computes
     # a step inside its launch): its prompt tokens and their attention pairs, no longer queued
@@ -55,11 +55,15 @@ class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):
     A sequence computing one token decodes; one computing more prefills a chunk of ``n`` tokens
     after ``c`` computed ones, which attends ``n * c + n * (n + 1) / 2`` (query, key) pairs.
     Decoding rows that a cascade groups under a shared prefix of ``p`` tokens attend it in one
-    prefix pass, a prefill-like kernel of ``rows * p`` pairs (``lmpool.engine.cascade``): those
-    pairs count as attention, and only the keys each row reads alone as its context."""
+    prefix pass of ``rows * p`` pairs (``lmpool.engine.cascade``): those are ``cascade_pairs``,
+    apart from the prefill's ``attention`` (a pass of few query rows over many keys costs a pair
+    more than a prefill chunk's full tiles do), and only the keys each row reads alone are its
+    context. ``cascade_pairs`` comes last, defaulting to 0: a sender from before it still decodes
+    (its cascade pairs are in ``attention``)."""
 
     seconds: float
     prefill_tokens: int = 0
-    attention: int = 0  # (query, key) pairs: the prefill chunks' and the cascade prefix passes'
+    attention: int = 0  # (query, key) pairs of the prefill chunks
     decode_seqs: int = 0
     decode_context: int = 0  # keys the decoding rows read each on its own (not a cascade's prefix)
+    cascade_pairs: int = 0  # (row, key) pairs of the cascade prefix passes

@@ -37,8 +37,10 @@ def cache(gbm: GlobalBlockManager, rank: int, hashes: list[int]) -> None:
 
 
 # Step times for priced routing tests: 1 ms a step, 10 us a prefill token, 100 us a decoding
-# sequence, 1 us a context token (attention pairs free, so prices are easy to work out by hand).
-COEF = StepCoefficients(base=1e-3, prefill_token=1e-5, attention_pair=0.0, decode_seq=1e-4, context_token=1e-6)
+# sequence, 1 us a context token (attention and cascade pairs free, so prices are easy to work out
+# by hand).
+COEF = StepCoefficients(base=1e-3, prefill_token=1e-5, attention_pair=0.0, decode_seq=1e-4, context_token=1e-6,
+                        cascade_pair=0.0)
 
 
 def engine_model(world: int, coefficients: StepCoefficients = COEF) -> EngineModel:

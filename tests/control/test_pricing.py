@@ -9,6 +9,7 @@ import math
 import random
 
 import hypothesis.strategies as st
+import msgspec
 import pytest
 from hypothesis import given, settings
 
@@ -23,25 +24,31 @@ from lmpool.protocol import LoadReport, RouteQuery, StepSample, StepTimings
 from lmpool.protocol.kv_events import KVSnapshot
 from control_testkit import COEF, ManualClock, cache, engine_model
 
-TRUE = StepCoefficients(base=2e-3, prefill_token=30e-6, attention_pair=8e-9, decode_seq=40e-6, context_token=0.12e-6)
-PAIRED = COEF._replace(attention_pair=5e-9)  # COEF charges no attention pairs: a pair term's test needs some
+TRUE = StepCoefficients(base=2e-3, prefill_token=30e-6, attention_pair=8e-9, decode_seq=40e-6, context_token=0.12e-6,
+                        cascade_pair=12e-9)
+# COEF charges no pairs: a pair term's test needs some, a cascade's pair dearer than a prefill's.
+PAIRED = COEF._replace(attention_pair=5e-9, cascade_pair=12e-9)
 
 
 def steps(rng: random.Random, coefficients: StepCoefficients, n: int, noise: float = 0.05) -> list[StepSample]:
     """``n`` steps of mixed shapes (prefill chunks at various depths, decode batches of various
-    contexts, and both together), timed by ``coefficients`` with multiplicative noise."""
+    contexts, some of whose rows share a prefix read in a cascade's prefix pass, and both
+    together), timed by ``coefficients`` with multiplicative noise."""
     out = []
     for _ in range(n):
-        prefill = attention = 0
+        prefill = attention = cascade = 0
         if rng.random() < 0.4:
             prefill, done = rng.randrange(16, 8192), rng.randrange(0, 16_384)
             attention = prefill * done + prefill * (prefill + 1) // 2
-        seqs = rng.randrange(0, 64)
-        context = sum(rng.randrange(64, 8192) for _ in range(seqs))
+        seqs, mean = rng.randrange(0, 64), rng.randrange(16, 8192)  # a batch of long or short contexts
+        context = sum(rng.randrange(1, 2 * mean) for _ in range(seqs))
+        if seqs >= 2 and rng.random() < 0.4:  # questions about one document: a short tail of their own each
+            context = sum(rng.randrange(1, 512) for _ in range(seqs))
+            cascade = seqs * rng.randrange(1024, 32_768)
         if not prefill and not seqs:
             seqs, context = 1, 100
-        seconds = coefficients.step_s(prefill, attention, seqs, context) * rng.uniform(1 - noise, 1 + noise)
-        out.append(StepSample(seconds, prefill, attention, seqs, context))
+        seconds = coefficients.step_s(prefill, attention, seqs, context, cascade) * rng.uniform(1 - noise, 1 + noise)
+        out.append(StepSample(seconds, prefill, attention, seqs, context, cascade))
     return out
 
 
@@ -58,7 +65,7 @@ def predictions_within(model: StepModel, samples: list[StepSample], coefficients
     """The largest relative error of ``model``'s predictions against ``coefficients``' on ``samples``."""
     worst = 0.0
     for s in samples:
-        true = coefficients.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context)
+        true = coefficients.predict(s)
         worst = max(worst, abs(model.predict(s) - true) / true)
     return worst
 
@@ -69,12 +76,9 @@ def test_the_fit_recovers_known_step_times_from_noisy_steps():
     for _ in range(50):
         model.observe(steps(rng, TRUE, 20))
     assert predictions_within(model, steps(rng, TRUE, 500, noise=0.0), TRUE) < 0.05
-    c = model.coefficients
-    assert c.prefill_token == pytest.approx(TRUE.prefill_token, rel=0.1)
-    assert c.attention_pair == pytest.approx(TRUE.attention_pair, rel=0.1)
-    # A decoding sequence and its context are nearly collinear over random batches: their sum is what is known.
-    mean_batch = StepSample(0.0, 0, 0, 32, 32 * 4128)
-    assert model.predict(mean_batch) == pytest.approx(TRUE.step_s(0, 0, 32, 32 * 4128), rel=0.05)
+    # Every coefficient, a cascade's pair apart from a prefill's (1.5 times it here, twice it in the prior).
+    for name, fitted, true in zip(TRUE._fields, model.coefficients, TRUE):
+        assert fitted == pytest.approx(true, rel=0.1), name
     assert model.samples == 1000 and 0 < model.error < 0.1
 
 
@@ -113,17 +117,20 @@ def test_a_calibration_replaces_the_prior_and_the_fit_starts_afresh():
 
 def calibration_steps(rng: random.Random, coefficients: StepCoefficients) -> list[StepSample]:
     """The shapes a worker's calibration times (``lmpool.engine.calibration``), 8-token blocks:
-    one short request decoding alone, 16 prefilled together then decoding, one long prompt."""
+    one short request decoding alone, 16 prefilled together then decoding, one long prompt, then
+    16 short questions about it decoding as a cascade over its 73 whole blocks."""
     out = [StepSample(0.0, 64, 64 * 65 // 2, 0, 0)]
     out += [StepSample(0.0, 0, 0, 1, 65 + i) for i in range(7)]
     out += [StepSample(0.0, 1024, 16 * 64 * 65 // 2, 0, 0)]
     out += [StepSample(0.0, 0, 0, 16, 16 * (65 + i)) for i in range(7)]
     out += [StepSample(0.0, 591, 591 * 592 // 2, 0, 0)] + [StepSample(0.0, 0, 0, 1, 592 + i) for i in range(3)]
-    return [StepSample(coefficients.predict(s) * rng.uniform(0.95, 1.05), s.prefill_tokens, s.attention,
-                       s.decode_seqs, s.decode_context) for s in out]
+    out += [StepSample(0.0, 1024, 16 * (64 * 584 + 64 * 65 // 2), 0, 0)]
+    out += [StepSample(0.0, 0, 0, 16, 16 * (65 + i), 16 * 584) for i in range(7)]
+    return [msgspec.structs.replace(s, seconds=coefficients.predict(s) * rng.uniform(0.95, 1.05)) for s in out]
 
 
-@pytest.mark.parametrize("factors", [(1, 1, 1, 1, 1), (1, 2, 90, 1.5, 15), (0.5, 0.2, 0.05, 0.3, 0.1), (8, 8, 8, 8, 8)])
+@pytest.mark.parametrize("factors", [(1, 1, 1, 1, 1, 1), (1, 2, 90, 1.5, 15, 40), (0.5, 0.2, 0.05, 0.3, 0.1, 0.05),
+                                     (8, 8, 8, 8, 8, 8)])
 def test_a_calibration_moves_the_fit_as_far_from_the_prior_as_its_steps_say(factors):
     """A worker's few calibration steps set its fit wherever they put it: a CPU's attention pair
     costs ~90 times the prior's (an H200 quarter's); a larger model's every coefficient 8 times.
@@ -226,7 +233,7 @@ def test_a_replica_that_runs_slower_is_priced_slower_by_its_speed():
     for rank, c in enumerate((TRUE, slow)):
         model.observe(StepTimings(rank, 1, steps(rng, c, 200, noise=0.02)))
     assert model.describe(1).speed / model.describe(0).speed == pytest.approx(1.6, rel=0.05)
-    batch = (512, 512 * 4096, 16, 16 * 4096)  # a mixed step: every coefficient counts
+    batch = (512, 512 * 4096, 16, 16 * 512, 16 * 4096)  # a mixed step over a cascade: every coefficient counts
     assert model.coefficients(1).step_s(*batch) / model.coefficients(0).step_s(*batch) == pytest.approx(1.6, rel=0.05)
     model.observe(StepTimings(1, 1, [StepSample(float("inf"), 1, 1, 1, 1), StepSample(float("nan"))]))
     assert math.isfinite(model.describe(1).speed)  # untimed steps are not measured
@@ -308,8 +315,22 @@ def test_an_overlapped_rank_makes_a_new_request_wait_one_step_more(running):
                         lambda rank: 0.5)
         ttft[overlapped] = pricer.price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s
     step = (PAIRED.base + PAIRED.decode_seq * running + PAIRED.context_token * 1000 * running
-            + PAIRED.attention_pair * 3000 * running)
+            + PAIRED.cascade_pair * 3000 * running)
     assert ttft[True] - ttft[False] == pytest.approx(step if running else 0.0)
+
+
+def test_the_prefix_pass_of_a_rank_s_sequences_is_priced_at_the_cascade_s_pair():
+    """A rank whose running sequences share a prefix (its load's cascade pairs) spends each step
+    their prefix pass at a cascade's pair, not a prefill's (``PAIRED`` has them differ): every
+    step a request waits for or decodes in there, and what each sequence there adds to it."""
+    pairs = 8 * 16_384  # eight questions about one document
+    load = LoadReport(num_running=8, context_tokens=8 * 100, decode_tokens_left=80, blocks_free=4000,
+                      cascade_pairs=pairs)
+    w = Pricer(one_rank(load), Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192),
+               lambda rank: 0.5).work(0)
+    reads = PAIRED.context_token * 800 + PAIRED.cascade_pair * pairs
+    assert w.step == pytest.approx(PAIRED.base + PAIRED.decode_seq * 8 + reads)
+    assert w.theirs == pytest.approx(PAIRED.decode_seq + reads / 8)
 
 
 @settings(max_examples=100, deadline=None)
@@ -427,19 +448,19 @@ def test_work_deferred_behind_a_pull_delays_only_a_request_that_waits_on_a_copy_
 
 
 @given(st.lists(st.tuples(st.floats(1e-4, 1.0), st.integers(0, 8192), st.integers(0, 10**9), st.integers(0, 256),
-                          st.integers(0, 10**6)), max_size=200))
+                          st.integers(0, 10**6), st.integers(0, 10**7)), max_size=200))
 def test_recent_steps_sum_their_last_window(rows):
     """The running sums are those of the last ``WINDOW`` steps, and the speed their measured over
     predicted seconds."""
     from lmpool.control.pricing.engine_model import WINDOW, RecentSteps
 
     recent = RecentSteps()
-    for seconds, tokens, pairs, seqs, context in rows:
-        recent.add(StepSample(seconds, tokens, pairs, seqs, context))
+    for row in rows:
+        recent.add(StepSample(*row))
     last = [StepSample(*r) for r in rows[-WINDOW:]]
     assert len(recent) == len(last)
     assert recent.seconds == pytest.approx(sum(s.seconds for s in last), rel=1e-9, abs=1e-12)
-    predicted = sum(TRUE.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context) for s in last)
+    predicted = sum(TRUE.predict(s) for s in last)
     assert recent.speed(TRUE) == (pytest.approx(sum(s.seconds for s in last) / predicted, rel=1e-6) if last else 1.0)
     recent.clear()
     assert len(recent) == 0 and recent.speed(TRUE) == 1.0
@@ -481,7 +502,7 @@ def test_where_ranks_decode_shared_prefixes_once_a_shared_cached_prefix_is_not_a
     read_once = min(plain.matched, depth) * 16 if depth * 16 * running >= min_saved else 0
     overlap = min(running * (out - 1), 8 * running)
     assert cascaded.ttft_s == plain.ttft_s
-    fall = (PAIRED.context_token - PAIRED.attention_pair) * read_once * (out - 1 + overlap)
+    fall = (PAIRED.context_token - PAIRED.cascade_pair) * read_once * (out - 1 + overlap)
     assert plain.total_s - cascaded.total_s == pytest.approx(fall)
 
 
@@ -509,7 +530,7 @@ def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_k
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 300), st.integers(0, 200_000), st.integers(0, 50_000), st.integers(1, 60), st.integers(0, 60),
        st.integers(0, 60), st.integers(1, 64), st.booleans(), st.integers(0, 60),
-       st.sampled_from([TRUE, TRUE._replace(attention_pair=1e-6)]))
+       st.sampled_from([TRUE, TRUE._replace(cascade_pair=1e-6)]))
 def test_a_pull_s_floor_is_below_the_price_of_serving_at_its_depth(running, context, queued, blocks, matched, top,
                                                                    out, cascades, shared, coefficients):
     """Whatever the ranks' decode (cascades or not, a shared prefix's pair dearer or cheaper than

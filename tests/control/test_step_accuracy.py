@@ -15,14 +15,33 @@ from lmpool.control.pricing.step_accuracy import KINDS, StepAccuracy, kind_of
 from lmpool.control.pricing.step_model import StepCoefficients
 from lmpool.protocol import StepSample, StepTimings
 
-PRICED = StepCoefficients(base=2e-3, prefill_token=20e-6, attention_pair=5e-9, decode_seq=30e-6, context_token=0.1e-6)
+PRICED = StepCoefficients(base=2e-3, prefill_token=20e-6, attention_pair=5e-9, decode_seq=30e-6, context_token=0.1e-6,
+                          cascade_pair=10e-9)
 
 
 def test_each_step_has_one_kind():
     assert kind_of(StepSample(1.0, 0, 0, 8, 8000)) == "decode"
-    assert kind_of(StepSample(1.0, 0, 2 * 16384, 2, 10)) == "cascade"  # a prefix pass's pairs, no prompt tokens
+    assert kind_of(StepSample(1.0, 0, 0, 2, 10, 2 * 16384)) == "cascade"  # a prefix pass's pairs, no prompt tokens
     assert kind_of(StepSample(1.0, 512, 512 * 513 // 2, 0, 0)) == "prefill"
     assert kind_of(StepSample(1.0, 64, 64 * 16384, 8, 8000)) == "mixed"
+    assert kind_of(StepSample(1.0, 64, 64 * 16384, 8, 8000, 8 * 16384)) == "mixed"  # over a cascade
+
+
+def test_a_sender_from_before_cascade_pairs_still_decodes_and_its_cascades_count_as_such():
+    """``StepSample.cascade_pairs`` came last, defaulting to 0: a worker that counted its prefix
+    passes' pairs as attention still decodes, those steps still count as cascades."""
+
+    class OldSample(msgspec.Struct, array_like=True):  # StepSample as it was
+        seconds: float
+        prefill_tokens: int = 0
+        attention: int = 0
+        decode_seqs: int = 0
+        decode_context: int = 0
+
+    wire = msgspec.msgpack.encode([OldSample(0.01, 0, 0, 8, 8000), OldSample(0.02, 0, 2 * 16384, 2, 10)])
+    decode, cascade = msgspec.msgpack.decode(wire, type=list[StepSample])
+    assert cascade == StepSample(0.02, 0, 2 * 16384, 2, 10, cascade_pairs=0)
+    assert (kind_of(decode), kind_of(cascade)) == ("decode", "cascade")
 
 
 def test_a_rank_s_fit_says_which_kind_of_step_its_price_misses():
@@ -63,7 +82,7 @@ def test_a_rank_s_calibration_starts_its_figures_afresh():
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.floats(1e-6, 10.0), st.integers(0, 8192), st.integers(0, 10**8), st.integers(0, 64),
-                          st.integers(0, 10**6)), max_size=60), st.floats(10.0, 5000.0))
+                          st.integers(0, 10**6), st.integers(0, 10**7)), max_size=60), st.floats(10.0, 5000.0))
 def test_every_kind_shown_has_a_finite_ratio_and_a_share(rows, half_life):
     accuracy = StepAccuracy(half_life)
     samples = [StepSample(*row) for row in rows]

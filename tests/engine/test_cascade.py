@@ -167,13 +167,14 @@ def test_an_engine_reading_shared_prefixes_once_generates_the_same_tokens(tiny_m
     assert run(core, prompts, params) == plain
     assert calls, "no decode step ran as a cascade"
     # The same steps, as the step-time model sees them: a cascade step's prefix pass moves
-    # (row, key) pairs from its context to its attention, and every row still reads its new token.
+    # (row, key) pairs from its context to its cascade pairs, apart from the prefill's attention,
+    # and every row still reads its new token.
     cascaded, steps = list(core.step_samples), list(plain_core.step_samples)
-    assert [(s.prefill_tokens, s.decode_seqs, s.attention + s.decode_context) for s in cascaded] == [
-        (s.prefill_tokens, s.decode_seqs, s.attention + s.decode_context) for s in steps]
-    moved = [c.attention - s.attention for c, s in zip(cascaded, steps)]
+    assert [(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context + s.cascade_pairs) for s in cascaded] == [
+        (s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context) for s in steps]
+    moved = [c.cascade_pairs for c in cascaded]
     assert min(moved) == 0 and max(moved) >= 2 * 10 * BLOCK  # the document's ten blocks, two rows at least
-    assert all(c.decode_context >= c.decode_seqs for c in cascaded)
+    assert all(c.decode_context >= c.decode_seqs for c in cascaded) and not any(s.cascade_pairs for s in steps)
 
 
 def test_a_cascade_step_carries_its_groups_and_replays_no_graph_where_none_was_captured():
@@ -192,9 +193,13 @@ def test_a_cascade_step_carries_its_groups_and_replays_no_graph_where_none_was_c
     builder = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1)
     graphs = FakeGraphs(8, 16)
     rows = [seq("a", [5, 6, 40], 10), seq("b", [9, 41], 6), seq("c", [5, 6, 42, 43], 13)]
-    batch = ScheduledBatch(seqs=rows, num_tokens=[1, 1, 1])
+    batch = ScheduledBatch()
+    for row in rows:
+        batch.add(row, 1)
     inputs = builder.build(batch, graphs)
     assert batch.cascade_pairs == 2 * 8  # the prefix pass: two rows attend the shared two blocks
+    # ... which the step's sample counts apart from any prefill's pairs: no attention, only the rows' own keys.
+    assert batch.sample(1.0) == StepSample(1.0, 0, 0, 3, 10 + 6 + 13 - 16, cascade_pairs=16)
     plan = plan_cascade([r.block_table for r in rows], [10, 6, 13], BLOCK, 1)
     assert inputs.graph_size is None and inputs.meta.cascade is not None
     kv_start, prefix_tables, prefix_lens, prefix_starts, prefix_rows = (t.tolist() for t in inputs.meta.cascade)
@@ -331,8 +336,8 @@ def test_a_mixed_step_lists_its_decode_rows_first_and_gives_the_rest_their_query
     inputs = StepInputBuilder(torch.device("cpu"), BLOCK, 4096, cascade_min_saved=1).build(batch)
     meta = inputs.meta
     assert not meta.is_decode and meta.mixed_decode_rows == 2 and batch.cascade_pairs == 16
-    # The step model's view: the prefix pass's pairs are attention, what the rows read alone context.
-    assert batch.sample(1.0) == StepSample(1.0, 3 + 7, (3 * 8 + 6) + 28 + 16, 2, 10 + 13 - 16)
+    # The step model's view: the prefix pass's pairs apart, what the rows read alone context.
+    assert batch.sample(1.0) == StepSample(1.0, 3 + 7, (3 * 8 + 6) + 28, 2, 10 + 13 - 16, cascade_pairs=16)
     assert meta.mixed_query_start_loc.tolist() == [0, 3, 10]
     assert meta.query_start_loc.tolist() == [0, 1, 2, 5, 12]
     assert meta.key_starts.tolist() == [0, 10, 23, 34, 41]  # contexts 10, 13, 11 and 7

@@ -8,7 +8,7 @@ the pooled fit (the mean of the fits of the ranks that have run ``FITTED`` steps
 of the calibrations before any has) times its own speed. A rank's speed is its recent served
 steps' measured seconds over what the pooled fit predicts for them (its last ``WINDOW``), 1
 until it has run ``FITTED`` steps. One scalar is
-identified by any steps a rank runs, where its own fit's five coefficients are not: a rank
+identified by any steps a rank runs, where its own fit's six coefficients are not: a rank
 that has only read one long document cannot tell its decode cost from its base, and two such
 twins, priced each by its own fit, differed by more than their real difference and split a
 burst unevenly. A few synthetic steps timed while the other workers calibrate too are noisy, and
@@ -31,7 +31,7 @@ import math
 from collections import deque
 
 from lmpool.control.pricing.step_accuracy import StepAccuracy
-from lmpool.control.pricing.step_model import FITTED, StepCoefficients, StepModel
+from lmpool.control.pricing.step_model import FEATURES, FITTED, StepCoefficients, StepModel, step_features
 from lmpool.protocol import StepFit, StepSample, StepTimings
 
 WINDOW = 64  # a rank's recent served steps its speed is measured on
@@ -55,7 +55,7 @@ class RecentSteps:
         self._steps: deque[StepSample] = deque()
         self._added = 0
         self.seconds = 0.0
-        self.features = [0.0] * 5  # steps, prefill tokens, attention pairs, decoding sequences, context
+        self.features = [0.0] * FEATURES  # sums of ``step_features``
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -74,18 +74,15 @@ class RecentSteps:
         self._resum()
 
     def _resum(self) -> None:
-        self.seconds, self.features = 0.0, [0.0] * 5
+        self.seconds, self.features = 0.0, [0.0] * FEATURES
         for s in self._steps:
             self._fold(s, 1.0)
 
     def _fold(self, s: StepSample, sign: float) -> None:
         f = self.features
         self.seconds += sign * s.seconds
-        f[0] += sign
-        f[1] += sign * s.prefill_tokens
-        f[2] += sign * s.attention
-        f[3] += sign * s.decode_seqs
-        f[4] += sign * s.decode_context
+        for j, v in enumerate(step_features(s)):
+            f[j] += sign * v
 
     def speed(self, pooled: StepCoefficients) -> float:
         """Measured over ``pooled``'s predicted seconds of these steps (1 where nothing is predicted)."""

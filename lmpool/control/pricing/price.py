@@ -5,9 +5,9 @@ A rank's in-flight work is its last load report plus its route reservations: ``n
 each on its own) and ``cp`` cascade pairs (the shared prefixes they attend in a cascade's prefix
 passes), ``left`` tokens still to decode, and ``W`` prompt tokens still to prefill (``Aw``
 attention pairs). With the rank's step coefficients (base, per prefill token, per attention
-pair, per decoding sequence, per context token), a step beside the decodes costs
-``step = base + seq * n + tok * ctx + pair * cp``, and takes at most ``room = chunk - n`` prefill
-tokens.
+pair, per decoding sequence ``seq``, per context token ``tok``, per cascade pair ``cpair``), a
+step beside the decodes costs ``step = base + seq * n + tok * ctx + cpair * cp``, and takes at
+most ``room = chunk - n`` prefill tokens.
 (The requests routed there before it arrive there before it too, so its steps count them.)
 For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` to compute
 (``a`` attention pairs) and ``M`` tokens to generate:
@@ -40,11 +40,11 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     total  = ttft + decode + harm + evict
 
 where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step it decodes in
-(``seq + tok * (P - s + M / 2) + pair * s`` when the ranks decode shared prefixes once, ``s`` the
+(``seq + tok * (P - s + M / 2) + cpair * s`` when the ranks decode shared prefixes once, ``s`` the
 tokens it found cached there that other routed prompts share too, the chain's branched depth: a
 burst's document is read once for all of its questions, in a prefix pass that attends each of
-them to it as a prefill chunk would, while a conversation's own history is read by it alone),
-``theirs = seq + (tok * ctx + pair * cp) / n`` what one co-running sequence adds, and ``overlap = min(n *
+them to it, while a conversation's own history is read by it alone),
+``theirs = seq + (tok * ctx + cpair * cp) / n`` what one co-running sequence adds, and ``overlap = min(n *
 (M - 1), left)`` the steps they share. ``total`` is the request's own latency plus the delay it
 causes the sequences already there: what a route minimises. Reclaim is the new blocks it needs
 beyond the free ones (reservations take free blocks first). A rank is feasible when its free and
@@ -219,7 +219,7 @@ class Pricer:
         n = min(seqs, lim.max_num_seqs)
         ctx = load.context_tokens + res.context
         left = load.decode_tokens_left + res.decode
-        reads = c.context_token * ctx + c.attention_pair * (load.cascade_pairs + res.cascade)  # a step's keys
+        reads = c.context_token * ctx + c.cascade_pair * (load.cascade_pairs + res.cascade)  # a step's keys
         step = c.base + c.decode_seq * n + reads
         room = max(1, lim.max_num_batched_tokens - n)
         queued = load.waiting_prefill_tokens + res.tokens
@@ -267,7 +267,8 @@ class Pricer:
         that reads the work for more than the price reads it once."""
         (_, c, seqs, n, left, step, room, _, seat, theirs, free, available, busy, _, _, held, _, queued,
          queue_work, deferred, deferred_work, landed_busy) = w
-        base, prefill_token, attention_pair, decode_seq, context_token = c  # one unpack, not a lookup per use
+        # One unpack, not a lookup per use.
+        base, prefill_token, attention_pair, decode_seq, context_token, cascade_pair = c
         prompt, out = q.prompt, q.out
         missing = prompt - m * self.limits.block_size
         need = q.blocks - m + arriving
@@ -291,7 +292,7 @@ class Pricer:
         shared = q.shared if q.shared * n >= self.limits.cascade_min_saved else 0
         if cached < shared:
             shared = cached
-        mine = decode_seq + context_token * (q.span - shared) + attention_pair * shared
+        mine = decode_seq + context_token * (q.span - shared) + cascade_pair * shared
         overlap = n * (out - 1)
         if overlap > left:
             overlap = left

@@ -32,7 +32,8 @@ WITHIN = 0.25  # the engine model's tolerance (the pool's time-to-first-token go
 def kind_of(s: StepSample) -> str:
     if s.prefill_tokens:
         return "mixed" if s.decode_seqs else "prefill"
-    return "cascade" if s.attention else "decode"
+    # Attention pairs without a prompt token: a prefix pass as a sender from before ``cascade_pairs`` counted it.
+    return "cascade" if s.cascade_pairs or s.attention else "decode"
 
 
 class StepAccuracy:

@@ -2,14 +2,17 @@
 
     seconds = base + prefill_tokens * s_per_prefill_token + attention * s_per_attention_pair
           + decode_seqs * s_per_decode_seq + decode_context * s_per_context_token
+          + cascade_pairs * s_per_cascade_pair
 
-(``lmpool.protocol.StepSample`` says what each count is.) The fit minimises relative error
-(a 2 ms step counts as much as a 200 ms one: timing noise grows with a step's length, and
-routing compares short steps too) by non-negative least squares over exponentially decayed
-sums (a sample's weight halves every ``half_life`` samples, so the fit follows a GPU whose
-neighbours come and go), with a ridge toward a prior: a rough figure until the rank's
-calibration steps arrive, their fit from then on. A feature the recent steps do not vary
-(no prefill for a while) thus falls back to what calibration measured rather than to noise.
+(``lmpool.protocol.StepSample`` says what each count is: a cascade's prefix pass has its own
+coefficient, as its few query rows over many keys cost a pair more than a prefill's full tiles.)
+The fit minimises relative error (a 2 ms step counts as much as a 200 ms one: timing noise
+grows with a step's length, and routing compares short steps too) by non-negative least squares
+over exponentially decayed sums (a sample's weight halves every ``half_life`` samples, so the
+fit follows a GPU whose neighbours come and go), with a ridge toward a prior: a rough figure
+until the rank's calibration steps arrive, their fit from then on. A feature the recent steps
+do not vary (no prefill for a while) thus falls back to what calibration measured rather than
+to noise, or to the prior where calibration had none of it either (an engine without cascades).
 Coefficients are fitted as multiples of the prior's (``_scales``), so the ridge weighs each
 one's relative departure alike; a calibration first finds each coefficient's magnitude, so its
 few steps can move one any distance from a prior made for another machine (``calibrate``).
@@ -50,25 +53,33 @@ class StepCoefficients(NamedTuple):
     attention_pair: float
     decode_seq: float
     context_token: float
+    cascade_pair: float
 
-    def step_s(self, prefill_tokens: float, attention: float, decode_seqs: float, context: float) -> float:
+    def step_s(self, prefill_tokens: float, attention: float, decode_seqs: float, context: float,
+               cascade: float = 0.0) -> float:
         return (self.base + self.prefill_token * prefill_tokens + self.attention_pair * attention
-                + self.decode_seq * decode_seqs + self.context_token * context)
+                + self.decode_seq * decode_seqs + self.context_token * context + self.cascade_pair * cascade)
 
     def predict(self, s: StepSample) -> float:
         """The seconds of a step of ``s``'s shape."""
-        return self.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context)
+        return self.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context, s.cascade_pairs)
 
 
 # A rough prior for a replica before it reports anything (an H200 quarter, 0.6B shape): the
-# calibration samples that follow replace it within a few steps.
+# calibration samples that follow replace it within a few steps. A cascade's pair at twice a
+# prefill's: a prefix pass runs a few tiles of query rows (a group's rows times its q heads per
+# kv head, 64 a tile), split over the keys to fill the GPU and merged; on an H100 quarter, cascade
+# steps priced at the prefill's pair (7 ns) came to 0.6 of their measured time: about 15 ns a
+# pair, for the 32 to 64 rows a rank decoded over a 16k document.
 DEFAULT_PRIOR = StepCoefficients(base=3e-3, prefill_token=25e-6, attention_pair=5e-9, decode_seq=50e-6,
-                                 context_token=0.1e-6)
+                                 context_token=0.1e-6, cascade_pair=10e-9)
 _FLOOR = np.array(DEFAULT_PRIOR) * 1e-3  # a coefficient's scale where its prior is (near) zero
+FEATURES = len(StepCoefficients._fields)  # a step's counts, the base's 1 first (``step_features``)
 
 
-def _row(s: StepSample) -> tuple:
-    return 1.0, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context
+def step_features(s: StepSample) -> tuple:
+    """What each coefficient multiplies in a step of ``s``'s shape, in their order."""
+    return 1.0, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context, s.cascade_pairs
 
 
 def _timed(samples: Iterable[StepSample]) -> list[StepSample]:
@@ -106,8 +117,8 @@ class StepModel:
         self.ridge = ridge
         # Decayed sums of x x' and x over the relative rows: a step's features times the scales, over
         # its seconds (fitting them to 1, in multiples of the scales, minimises relative error).
-        self._xx = np.zeros((5, 5))
-        self._x = np.zeros(5)
+        self._xx = np.zeros((FEATURES, FEATURES))
+        self._x = np.zeros(FEATURES)
         self.samples = 0  # observed since the last calibration
         self.calibrated = False
         self.error = 0.0  # decayed mean |relative error| of the predictions, before each sample
@@ -124,7 +135,7 @@ class StepModel:
         where that is larger: one calibrated near 0 could otherwise never leave it."""
         timed = _timed(samples)
         if timed:
-            rows, seconds = np.array([_row(s) for s in timed]), np.array([s.seconds for s in timed])
+            rows, seconds = np.array([step_features(s) for s in timed]), np.array([s.seconds for s in timed])
             units = _units(rows, seconds, self._scales)
             # Twice: the first fit, ridged in the samples' units, only finds each coefficient's
             # magnitude; the second is ridged in multiples of that magnitude or the prior's,
@@ -161,7 +172,7 @@ class StepModel:
         if not timed:
             return
         y = np.array([s.seconds for s in timed])
-        features = np.array([_row(s) for s in timed])
+        features = np.array([step_features(s) for s in timed])
         predicted = features @ np.array(self.coefficients)
         k = len(timed)
         self.error = self.error * 0.99 ** k + (1 - 0.99 ** k) * float(np.mean(np.abs(y - predicted) / y))
@@ -181,8 +192,8 @@ class StepModel:
                ridge: float | None = None) -> StepCoefficients:
         """argmin over u >= 0 of sum (1 - row u)^2 + ridge |u - prior / scales|^2, from the sums
         of row row' and of row (rows in multiples of ``scales``; the fit's own scales and ridge
-        by default): solve on the free set, pin the most negative multiple at 0, repeat (five
-        times at most); the coefficients are u times the scales."""
+        by default): solve on the free set, pin the most negative multiple at 0, repeat (once per
+        coefficient at most); the coefficients are u times the scales."""
         scales = self._scales if scales is None else scales
         ridge = self.ridge if ridge is None else ridge
         a = xx + ridge * np.eye(len(x))

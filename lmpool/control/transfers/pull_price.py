@@ -134,7 +134,7 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, ou
     pulled = c.prefill_token * (missing - rest) + c.attention_pair * pairs
     floor = serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
     if cascades and missing > rest:
-        saved = c.context_token - c.attention_pair  # a read-once key's saving a step (a loss where negative)
+        saved = c.context_token - c.cascade_pair  # a read-once key's saving a step (a loss where negative)
         if saved > 0:
             floor -= (1 + work.n) * (out - 1) * saved * (missing - rest)
     return floor
