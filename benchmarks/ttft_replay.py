@@ -50,11 +50,12 @@ class FixedFits:
 
 
 def coefficients(fit: dict) -> StepCoefficients:
-    """A rank's ``step_fit`` record as step coefficients (seconds); a cascade pair at the attention
-    pair's, which the records' routes priced it at."""
-    attention = fit["attention_ns_per_pair"] * 1e-9
-    return StepCoefficients(fit["base_ms"] * 1e-3, fit["prefill_us_per_token"] * 1e-6, attention,
-                            fit["decode_us_per_seq"] * 1e-6, fit["context_us_per_token"] * 1e-6, attention)
+    """A rank's ``step_fit`` record as step coefficients (seconds). A record from before cascade
+    pairs had a coefficient of their own has none: its routes priced them at the attention pair's."""
+    attention = fit["attention_ns_per_pair"]
+    return StepCoefficients(fit["base_ms"] * 1e-3, fit["prefill_us_per_token"] * 1e-6, attention * 1e-9,
+                            fit["decode_us_per_seq"] * 1e-6, fit["context_us_per_token"] * 1e-6,
+                            fit.get("cascade_ns_per_pair", attention) * 1e-9)
 
 
 def requests(run: dict) -> list[dict]:

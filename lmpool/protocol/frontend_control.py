@@ -57,7 +57,8 @@ class StepKindFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
 
 class StepFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     """A rank's fitted step time (``lmpool.control.pricing.step_model``): a step's seconds are
-    base + per prefill token + per attention pair + per decoding sequence + per context token."""
+    base + per prefill token + per attention pair + per decoding sequence + per context token
+    + per cascade pair. The cascade pair's came last: a reader from before it still decodes."""
 
     base_ms: float = 0.0
     prefill_us_per_token: float = 0.0
@@ -69,6 +70,7 @@ class StepFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     error: float = 0.0  # recent mean |relative error| of its predictions
     speed: float = 1.0  # its recent steps' measured time over the pooled fit's (the coefficients include it)
     kinds: list[StepKindFit] = []  # its priced predictions by kind of step
+    cascade_ns_per_pair: float = 0.0
 
 
 class RankState(Message, kw_only=True):

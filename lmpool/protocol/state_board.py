@@ -75,7 +75,7 @@ class RankRow(msgspec.Struct, kw_only=True, gc=False):
             generated_tokens=load.generated_tokens, blocks_in_flight=blocks_in_flight,
             step_ms=state.step_fit.base_ms + (state.step_fit.decode_us_per_seq * load.num_running
                                               + state.step_fit.context_us_per_token * load.context_tokens
-                                              + state.step_fit.attention_ns_per_pair * load.cascade_pairs / 1e3) / 1e3,
+                                              + state.step_fit.cascade_ns_per_pair * load.cascade_pairs / 1e3) / 1e3,
         )
         # A dead rank queues, runs and holds nothing: its last report is stale, not shown.
         return row if state.alive else msgspec.structs.replace(row, **dict.fromkeys(LIVE_FIGURES, 0))

@@ -86,3 +86,13 @@ def test_the_table_adds_the_step_fits_accuracy_by_kind_where_the_records_have_it
     main(["--table", str(path)])
     # The two ranks weighted by their steps: ratio exp((30 log 1 + 10 log 0.5) / 40), share 0.7.
     assert capsys.readouterr().out.splitlines()[-1] == "| `eval_y` | w | decode | 40 | 0.84 | 0.70 |"
+
+
+def test_a_fit_record_gives_its_cascade_pair_and_one_from_before_it_had_one_the_attention_pair_s():
+    """A record from before cascade pairs had a coefficient of their own priced them at the
+    attention pair's: replayed so too."""
+    from benchmarks.ttft_replay import coefficients
+
+    old = FIT | {"attention_ns_per_pair": 7.0}
+    assert coefficients(old).cascade_pair == pytest.approx(7e-9)
+    assert coefficients(old | {"cascade_ns_per_pair": 15.0}).cascade_pair == pytest.approx(15e-9)

@@ -107,3 +107,22 @@ def test_stats_gives_a_rank_s_fit_and_its_kinds_as_plain_dicts():
     # Priced at 2.52 ms (before the step moved the fit), measured 10 ms.
     assert fit["kinds"] == [{"kind": "decode", "steps": 1, "predicted_over_measured": pytest.approx(0.252),
                              "within_25pct": 0.0}]
+
+
+def test_stats_and_top_show_the_cascade_pair_apart():
+    """The fit's figures by name (``stats()``), a cascade's pair apart from a prefill's, and
+    ``lmpool top``'s STEP column: a decode step of the rank's running batch, its prefix pass at
+    the cascade's pair."""
+    from lmpool.frontend.client import step_fit_dict
+    from lmpool.protocol import LoadReport, RankState
+    from lmpool.protocol.state_board import RankRow
+
+    fit = engine_model(1, PRICED).describe(0)
+    figures = step_fit_dict(fit)
+    assert figures["attention_ns_per_pair"] == pytest.approx(5.0)
+    assert figures["cascade_ns_per_pair"] == pytest.approx(10.0)
+    load = LoadReport(num_running=4, context_tokens=400, cascade_pairs=4 * 16_384)
+    state = RankState(rank=0, alive=True, epoch=1, snapshot_version=1, heartbeat_age_s=0.0, load=load,
+                      cached_blocks=0, step_fit=fit)
+    row = RankRow.from_state(state, pid=1, blocks_in_flight=0)
+    assert row.step_ms == pytest.approx(PRICED.step_s(0, 0, 4, 400, 4 * 16_384) * 1e3)
