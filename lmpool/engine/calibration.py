@@ -5,28 +5,37 @@ A pool's control plane fits each rank's step time to the shape of its batches
 request there are none, so a worker first runs a few synthetic requests whose steps span
 the shapes the fit tells apart: one short sequence decoding alone; a batch of short prompts
 prefilled together, then decoding together; one long prompt (its attention grows with its
-square), then decoding at a long context. A warm-up round runs first and is not kept (a
-first step pays one-time costs).
+square), then decoding at a long context; and, where the engine decodes shared prefixes once
+(cascades), a batch of short questions about that prompt decoding as a cascade (its prefix
+pass's pairs, which nothing else times). A warm-up round runs first and is not kept (a first
+step pays one-time costs).
 
-Invariants: the prefix cache is off while it runs, so nothing computed is cached or reported,
-and every request is gone, its blocks free, when it returns; a request that could not fit
-is left out rather than failing the worker. It costs a few hundred milliseconds (more on
-a slow CPU, whose long prompt is at least ``LONG_MIN`` short ones).
+Invariants: nothing it computes stays cached: the prefix cache is off while it runs, except,
+for an engine that runs cascades, from the long prompt on, so its questions share its blocks;
+every block cached from then is dropped again (its store and removal events net to nothing,
+and a worker's first report is a snapshot anyway). Every request is gone, its blocks free,
+when it returns; a request that could not fit is left out rather than failing the worker, and
+so are questions that could not run as a cascade. A script holds at most half the cache (the
+questions, besides their prompt). It costs a few hundred milliseconds (more on a slow CPU,
+whose long prompt is at least ``LONG_MIN`` short ones).
 """
 
 from __future__ import annotations
 
 import random
 
+from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.core import EngineCore
-from lmpool.protocol.base import StepSample
+from lmpool.protocol.base import BlockHash, StepSample
 from lmpool.sampling_params import SamplingParams
 
-BATCH = 16  # short requests decoding together
-SHORT = 64  # their prompt tokens
+BATCH = 16  # short requests decoding together (and questions about the long prompt)
+SHORT = 64  # their prompt tokens (a question's own, after the long prompt's whole blocks)
 DECODE = 8  # tokens each short request generates (the long one: half as many)
 LONG_S = 0.05  # the long prompt's length is what its linear part prefills in this long at the batch's pace
 LONG_MIN = 8  # ... and at least this many short prompts' length (its attention per token 8x theirs)
+
+Script = list[tuple[list[int], int]]  # prompts and the tokens each generates
 
 
 def calibrate(core: EngineCore, seed: int = 0) -> list[StepSample]:
@@ -34,17 +43,19 @@ def calibrate(core: EngineCore, seed: int = 0) -> list[StepSample]:
     if core.has_unfinished():
         raise ValueError("calibration needs an idle engine")
     bm, cfg = core.block_manager, core.config
-    rng = random.Random(seed)
+    rng, vocab = random.Random(seed), core.model_config.vocab_size
     room = bm.num_blocks * bm.block_size // 2  # tokens a script may hold at once
     short = max(1, min(SHORT, room // 4))
     batch = max(1, min(BATCH, cfg.max_num_seqs, room // (short + DECODE)))
     longest = max(1, min(cfg.max_num_batched_tokens, core.max_model_len - DECODE, room - DECODE))
     caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False
+    cascades = caching and core.runner.cascade_min_saved > 0
+    cached = set(bm.hash_to_block)
     kept: list[StepSample] = []
     try:
-        for i, script in enumerate([[(short, DECODE)], [(short, DECODE)], [(short, DECODE)] * batch]):
+        for i, lengths in enumerate([[short], [short], [short] * batch]):
             core.take_step_samples()
-            _run(core, rng, script, f"calibration-{i}")
+            _run(core, [(_tokens(rng, vocab, n), DECODE) for n in lengths], f"calibration-{i}")
             if i:  # the first is the warm-up
                 kept += core.take_step_samples()
         # As long a prompt as the batch's measured pace prefills in ``LONG_S`` (attention grows
@@ -53,25 +64,54 @@ def calibrate(core: EngineCore, seed: int = 0) -> list[StepSample]:
         # prompt's attention per token too like the short ones' for the fit to tell them apart.
         pace = max((s.seconds / s.prefill_tokens for s in kept if s.prefill_tokens), default=0.0)
         floor = min(longest, LONG_MIN * short)
-        long = longest if pace <= 0 else max(floor, min(longest, int(LONG_S / pace)))
-        _run(core, rng, [(long, DECODE // 2)], "calibration-long")
+        long = _tokens(rng, vocab, longest if pace <= 0 else max(floor, min(longest, int(LONG_S / pace))))
+        bm.enable_prefix_caching = cascades  # its blocks cached for the questions about it
+        _run(core, [(long, DECODE // 2)], "calibration-long")
         kept += core.take_step_samples()
+        if cascades:
+            _run(core, _questions(core, rng, long, batch, short, room), "calibration-questions")
+            kept += core.take_step_samples()
     finally:
         for request_id in [r for r in core.requests if r.startswith("calibration-")]:
             core.abort_request(request_id)
         while core.has_unfinished():  # an overlapped step may still hold a finished one's token
             core.step()
+        _uncache_since(bm, cached)
         bm.enable_prefix_caching = caching
         core.take_step_samples()
     return kept
 
 
-def _run(core: EngineCore, rng: random.Random, script: list[tuple[int, int]], prefix: str) -> None:
+def _questions(core: EngineCore, rng: random.Random, document: list[int], batch: int, short: int,
+               room: int) -> Script:
+    """Up to ``batch`` short questions about ``document``: its whole blocks, then ``short`` tokens
+    of their own (fewer where the context runs out), as many as ``room`` holds besides it; none
+    where their decode steps would not save the key reads that make them a cascade."""
+    block = core.config.block_size
+    shared = (len(document) - 1) // block * block  # at least a token short of it: room for their own
+    own = min(short, core.max_model_len - DECODE - shared)
+    rows = min(batch, room // (own + DECODE + block))
+    if rows < 2 or (rows - 1) * shared < core.runner.cascade_min_saved:
+        return []
     vocab = core.model_config.vocab_size
+    return [(document[:shared] + _tokens(rng, vocab, own), DECODE) for _ in range(rows)]
+
+
+def _uncache_since(bm: BlockManager, cached: set[BlockHash]) -> None:
+    """Drop every block cached since the cache held ``cached``: in caching order (each after its
+    parent), so backwards each leaf goes before its parent."""
+    bm.drop_unreferenced_suffix([block for h, block in bm.hash_to_block.items() if h not in cached])
+
+
+def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _run(core: EngineCore, script: Script, prefix: str) -> None:
     for j, (prompt, tokens) in enumerate(script):
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         try:
-            core.add_request(f"{prefix}-{j}", [rng.randrange(vocab) for _ in range(prompt)], params)
+            core.add_request(f"{prefix}-{j}", prompt, params)
         except ValueError:
             continue  # this engine cannot take it (a short max_model_len, a small cache)
     while core.has_unfinished():

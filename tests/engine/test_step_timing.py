@@ -10,7 +10,7 @@ import torch
 
 from lmpool.config import EngineConfig
 from lmpool.engine.block_manager import BlockManager
-from lmpool.engine.calibration import calibrate
+from lmpool.engine.calibration import BATCH, DECODE, LONG_MIN, SHORT, calibrate
 from lmpool.engine.core import EngineCore
 from lmpool.engine.scheduler import Scheduler
 from lmpool.engine.sequence import Sequence
@@ -58,11 +58,32 @@ def test_calibration_times_the_shapes_the_fit_tells_apart_and_leaves_nothing_beh
     assert len(prefill) >= 3 and 1 in {s.decode_seqs for s in decode} and max(s.decode_seqs for s in decode) > 1
     assert max(s.attention / s.prefill_tokens for s in prefill) > 4 * min(
         s.attention / s.prefill_tokens for s in prefill), "a long prompt's attention as well as short ones'"
+    assert not any(s.cascade_pairs for s in samples), "an engine without cascades times none"
     bm = core.block_manager
     assert not core.has_unfinished() and bm.num_free == bm.num_blocks and not bm.has_pending_events
     assert bm.enable_prefix_caching and core.take_step_samples() == []
     out = core.add_request("after", list(range(8)), SamplingParams(temperature=0, max_tokens=1))
     assert out.request_id == "after"
+
+
+def test_where_the_engine_decodes_shared_prefixes_once_calibration_times_a_cascade_and_drops_its_cache(tiny_model):
+    """Questions about the long prompt decode as a cascade, so the cascade's pair is measured; the
+    blocks cached for them are dropped again, and what the cache held before stays."""
+    core = EngineCore(EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=1024, max_num_seqs=32,
+                                   cascade_min_saved_tokens=1))
+    core.add_request("before", list(range(4 * BLOCK + 1)), SamplingParams(temperature=0, max_tokens=1))
+    while core.has_unfinished():
+        core.step()
+    bm = core.block_manager
+    held = dict(bm.hash_to_block)
+    samples = calibrate(core)
+    cascades = [s for s in samples if s.cascade_pairs]
+    assert len(cascades) >= DECODE - 2 and all(s.decode_seqs == BATCH and not s.prefill_tokens for s in cascades)
+    prefix = cascades[0].cascade_pairs // BATCH  # the long prompt's whole blocks, each question's own keys apart
+    assert prefix >= LONG_MIN * SHORT - BLOCK and all(s.cascade_pairs == BATCH * prefix for s in cascades)
+    assert all(s.decode_context < BATCH * (SHORT + DECODE) for s in cascades)
+    assert bm.hash_to_block == held and bm.num_free + bm.num_reclaimable == bm.num_blocks
+    assert bm.enable_prefix_caching and not core.has_unfinished() and core.take_step_samples() == []
 
 
 @pytest.mark.gpu
