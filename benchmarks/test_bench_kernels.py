@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmpool.ops import cuda, reference
+from lmpool.ops import cuda, dense_attention, reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -280,6 +280,13 @@ PREFILL_CASES = [  # (sequences, new tokens each, cached prefix each)
 ]
 
 
+def _sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> str:
+    """The backend torch's scaled_dot_product_attention picks for these causal GQA inputs."""
+    choice = torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    names = {int(b): b.name for b in torch.nn.attention.SDPBackend.__members__.values()}
+    return names.get(int(choice), str(choice))
+
+
 @pytest.mark.parametrize("seqs,new,prefix", PREFILL_CASES)
 def test_prefill(ext, report, seqs, new, prefix):
     block_size = 256
@@ -329,6 +336,8 @@ def test_prefill(ext, report, seqs, new, prefix):
     gather_ms = time_ms(lambda: cuda.flash_gathered_attention(q, k_cache, v_cache, tables, lens, starts, scale,
                                                              key_starts, new, ctx, slots))
     row["flash_gather_ms"] = gather_ms
+    if seqs == 1:  # one sequence: the gathered path runs torch's dense attention where usable
+        row["flash_gather_path"] = "dense" if dense_attention.usable(q.device) else "varlen"
     row["flash_gather_TFLOPs"] = flops / (gather_ms * 1e-3) / 1e12
     row["speedup_vs_flash_gather"] = gather_ms / mma_ms
     if NO_FLASH_PAGED:
@@ -346,5 +355,6 @@ def test_prefill(ext, report, seqs, new, prefix):
         q4 = q.view(seqs, new, Q_HEADS, HEAD_DIM).transpose(1, 2)
         sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, is_causal=True, scale=scale, enable_gqa=True))
         row["sdpa_dense_ms"] = sdpa_ms
+        row["sdpa_dense_backend"] = _sdpa_backend(q4, k, v, scale)
         row["speedup_vs_sdpa_dense"] = sdpa_ms / mma_ms
     _record(report, "prefill", row)

@@ -41,7 +41,7 @@ from lmpool.engine.warm_up import warm_up
 from lmpool.model.checkpoint import iter_safetensors
 from lmpool.model.config import ModelConfig
 from lmpool.model.qwen3 import Qwen3ForCausalLM
-from lmpool.ops import get_backend
+from lmpool.ops import dense_attention, get_backend
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # FlashAttention over keys gathered out of the cache (``ops.cuda.flash_gathered_attention``) takes
@@ -155,7 +155,10 @@ class ModelRunner:
         )
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         self.cascade_min_saved = planned_cascades(config, model_config)  # what the pool prices with
-        gather = (GATHER_KEYS_MIN_QUERY, self._gathered_keys_max()) if self.ops.name == "cuda+flash-gather" else None
+        gather = None
+        if self.ops.name == "cuda+flash-gather":
+            gather = (GATHER_KEYS_MIN_QUERY, self._gathered_keys_max())
+            dense_attention.usable(self.device)  # its check syncs: now, not inside the first long prompt's step
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
             arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq)

@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from lmpool.ops import KVOps, reference
+from lmpool.ops import KVOps, dense_attention, reference
 
 _SOURCES = (
     "bindings.cpp",
@@ -273,12 +273,16 @@ def flash_gathered_attention(
     where its queries are long enough to pay for the copy (``StepInputBuilder``), and where it
     lists none this is LMPool's kernel (a burst's short questions over a long document, which
     its split kernel spreads over the GPU). The copy reads and writes each key and value once a
-    layer; the attention then reads them ``ceil(query / 128)`` times, at FlashAttention's rate."""
+    layer; the attention then reads them ``ceil(query / 128)`` times, at FlashAttention's rate.
+    A step of one sequence (a long prompt's chunk) runs torch's dense attention instead where it
+    is usable (``dense_attention``: cuDNN's on Hopper, twice the varlen rate on long prompts)."""
     if key_slots is None:
         return paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
     if key_starts is None or max_query_len < 1 or max_context_len < 1:
         raise ValueError("flash_gathered_attention needs key_starts, max_query_len and max_context_len")
     k, v = reference.gather_slots(k_cache, key_slots), reference.gather_slots(v_cache, key_slots)
+    if query_start_loc.shape[0] == 2 and dense_attention.usable(q.device):  # shapes: read without a sync
+        return dense_attention.one_sequence_attention(q, k, v, scale)
     return torch.ops.aten._flash_attention_forward(
         q, k, v, _int32(query_start_loc), _int32(key_starts), int(max_query_len), int(max_context_len),
         0.0, True, return_debug_mask=False, scale=float(scale),

@@ -79,28 +79,33 @@ def paged_attention(
     for backends that size their launch on the host or read the keys gathered
     (``cuda.flash_paged_attention``, ``cuda.flash_gathered_attention``); unused here.
     """
-    q_heads, kv_heads = q.shape[1], k_cache.shape[2]
-    group = q_heads // kv_heads
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
     for b, ctx in enumerate(lens):
         lo, hi = starts[b], starts[b + 1]
-        n = hi - lo
-        if n == 0:
-            continue
-        keys = gather_sequence_kv(k_cache, block_tables[b], ctx).float()
-        vals = gather_sequence_kv(v_cache, block_tables[b], ctx).float()
-        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
-        vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
-        queries = q[lo:hi].float().transpose(0, 1)  # [Hq, n, D]
-        scores = torch.matmul(queries, keys.transpose(1, 2)) * scale  # [Hq, n, ctx]
-        q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[lo:hi] = torch.matmul(probs, vals).transpose(0, 1).to(q.dtype)
+        if hi > lo:
+            keys = gather_sequence_kv(k_cache, block_tables[b], ctx)
+            vals = gather_sequence_kv(v_cache, block_tables[b], ctx)
+            out[lo:hi] = attention_over(q[lo:hi], keys, vals, scale)
     return out
+
+
+def attention_over(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's ``n`` new queries (``[n, q_heads, D]``, the last ``n``
+    positions of its context) over its context's keys and values (``[ctx, kv_heads, D]``):
+    ``[n, q_heads, D]`` in ``q``'s dtype; math in fp32."""
+    n, ctx = q.shape[0], keys.shape[0]
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+    vals = vals.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    queries = q.float().transpose(0, 1)  # [Hq, n, D]
+    scores = torch.matmul(queries, keys.transpose(1, 2)) * scale  # [Hq, n, ctx]
+    q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)
+    scores.masked_fill_(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vals).transpose(0, 1).to(q.dtype)
 
 
 def paged_decode_attention(

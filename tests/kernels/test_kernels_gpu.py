@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from lmpool.ops import cuda, reference
+from lmpool.ops import cuda, dense_attention, reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -333,6 +333,22 @@ def test_flash_prefill_over_keys_gathered_out_of_the_cache_matches_reference(gro
     assert_close(cuda.FLASH_GATHER_OPS.paged_attention(*args), ref, dtype)  # no slots: LMPool's kernel
     with pytest.raises(ValueError, match="needs key_starts"):
         cuda.flash_gathered_attention(q, k_cache, v_cache, tables, ctx, starts.to(DEVICE), scale, key_slots=slots)
+
+
+@pytest.mark.parametrize("n,prefix", [(1024, 0), (1000, 1000), (512, 3000), (257, 6000)])
+def test_one_sequence_dense_attention_matches_reference(n, prefix):
+    """A long prompt's chunk alone in its step (``dense_attention``, what ``flash_gathered_attention``
+    runs for one sequence): torch's dense attention (cuDNN's on Hopper), the cached prefix and
+    the chunk's own keys merged by log-sum-exp, GQA of 2, bf16, against the reference; and that
+    path is the one a Hopper GPU takes."""
+    gen = torch.Generator().manual_seed(n + prefix)
+    q = torch.randn(n, 16, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    k, v = (torch.randn(n + prefix, 8, 128, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert dense_attention.usable(torch.device(DEVICE, torch.cuda.current_device()))
+    out = dense_attention.one_sequence_attention(q, k, v, 128**-0.5)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert_close(out, reference.attention_over(q, k, v, 128**-0.5), torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- write_kv
