@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # The engine's kernels on one H200, in steps that each fit one device call (at most 10 minutes):
-#   check     build the kernels, then the GPU tests of what no H200 has run yet (the skinny
-#             linear kernel first, then decode splits, cascade decode in decode and mixed steps,
-#             the norm / rotation / gating fusions, FlashAttention prefill, the engine's tests);
-#             about 7 minutes with a cold kernel build
+#   check     build the kernels, then every GPU test (`-m "gpu or nccl"`, the serve tests
+#             apart); about 6 minutes with a cold kernel build (acfc2d5: 49 s, then 281 s)
 #   kernels   the kernel benchmark's linear, decode, split, cascade and prefill cases (LMPool's
 #             kernels beside cuBLAS and torch's FlashAttention on the same inputs); about 3 minutes
 #   decode    profile_decode: a step at 1, 8 and 64 sequences of 2,048 tokens with the fused ops
@@ -47,10 +45,8 @@ PRESET=(--preset 0.6b --device cuda --dtype bfloat16)
 for step in ${*:-check}; do
   case $step in
     check)
-      part linear_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_gpu.py
-      part kernel_tests 170 python3 -m pytest --noconftest -q -p no:cacheprovider tests/kernels/test_kernels_gpu.py \
-        tests/kernels/test_norm_rope_gpu.py -k "decode or split or cascade or norm or silu or qkv or flash"
-      part engine_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py ;;
+      part gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m "gpu or nccl" tests --ignore=tests/serve \
+        -rfE --durations=12 ;;
     kernels)
       LMPOOL_BENCH_JSON=$OUT/kernels.json part kernel_bench 240 python3 -m pytest --noconftest -q -s \
         -p no:cacheprovider benchmarks/test_bench_kernels.py -k "linear or decode or cascade or prefill" ;;
