@@ -33,14 +33,14 @@ import sys
 
 from benchmarks.stats.eval_metrics import paired_change
 from benchmarks.eval_suite import (
-    GATEWAYS, LMPOOL, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE,
+    CANDIDATES, GATEWAYS, LMPOOL, LMPOOL_ROUTING, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE,
     add_arguments, chosen_policies, file_traces, finish_arguments, run_suite, vocab_size,
 )
 from benchmarks.workloads.chat_service import chat_service
 from benchmarks.workloads.sessions import agent_sessions, agent_sessions_scaleout, agent_sessions_zipf, sessions
 from benchmarks.workloads.traces import load_skew, memory_skew
 
-POLICIES = (*PEERS, LMPOOL, LMPOOL_ROUTING, *TRANSFER_MODES, TRANSFERS_IDLE, *PEER_VARIANTS, *GATEWAYS, LMPOOL_OWNER_PULLS)
+POLICIES = (*PEERS, LMPOOL, LMPOOL_ROUTING, *TRANSFER_MODES, TRANSFERS_IDLE, *PEER_VARIANTS, *GATEWAYS, *CANDIDATES)
 MODE_NAMES = {p.name for p in (*TRANSFER_MODES, LMPOOL)}
 QUICK_POLICIES = "round_robin,least_loaded,lmpool,lmpool-routing,lmpool+background,lmpool+foreground"
 WORKLOADS = ("load_skew", "memory_skew")  # the paper's; "sessions" runs when named

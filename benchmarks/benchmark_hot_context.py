@@ -24,12 +24,12 @@ from benchmarks.stats.eval_metrics import paired_change
 from benchmarks.peers.eval_policies import ROUTING_ONLY
 from benchmarks.replay.eval_settings import trace_of
 from benchmarks.eval_suite import (
-    LMPOOL, LMPOOL_OWNER_PULLS, TRANSFER_MODES, add_arguments, chosen_policies, file_traces, finish_arguments, run_suite,
+    CANDIDATES, LMPOOL, TRANSFER_MODES, add_arguments, chosen_policies, file_traces, finish_arguments, run_suite,
     vocab_size,
 )
 from benchmarks.workloads.hot_context import CONTEXT_LENGTHS, HOT_COUNTS, QUESTIONS, hot_context, workload_name
 
-POLICIES = (*ROUTING_ONLY, LMPOOL, *TRANSFER_MODES, LMPOOL_OWNER_PULLS)
+POLICIES = (*ROUTING_ONLY, LMPOOL, *TRANSFER_MODES, *CANDIDATES)
 ROUTING_ONLY_NAMES = {p.name for p in ROUTING_ONLY}
 QUICK_POLICIES = "round_robin,lmpool,lmpool-routing"
 POOL_BLOCKS = 2048  # whole-pool KV budget: 512 blocks per worker at 4 replicas, two 32k contexts fit everywhere

@@ -28,13 +28,13 @@ import sys
 from benchmarks.stats.eval_metrics import paired_change
 from benchmarks.peers.eval_policies import PEER_NAMES
 from benchmarks.eval_suite import (
-    GATEWAYS, LMPOOL, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, add_arguments,
+    CANDIDATES, GATEWAYS, LMPOOL, LMPOOL_ROUTING, LMPOOL_VARIANTS, PEER_VARIANTS, PEERS, add_arguments,
     chosen_policies, file_traces, finish_arguments, run_suite, vocab_size,
 )
 from benchmarks.replay.eval_settings import trace_of
 from benchmarks.workloads.traces import LOCALITY_LEVELS, locality
 
-POLICIES = (LMPOOL, LMPOOL_ROUTING, *PEERS, *PEER_VARIANTS, *LMPOOL_VARIANTS, *GATEWAYS, LMPOOL_OWNER_PULLS)
+POLICIES = (LMPOOL, LMPOOL_ROUTING, *PEERS, *PEER_VARIANTS, *LMPOOL_VARIANTS, *GATEWAYS, *CANDIDATES)
 QUICK_POLICIES = "lmpool,round_robin,least_loaded"
 POOL_BLOCKS = 768  # whole-pool KV budget: 192 blocks per worker at 4 replicas
 COMPARED = ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "e2e_mean_ms", "tpot_mean_ms", "dp_tok_reuse")

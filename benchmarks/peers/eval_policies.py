@@ -130,9 +130,14 @@ LMPOOL_VARIANTS = (
 # (``RoutingConfig.owner_pulls``: a session's history moved to a cheaper rank, not recomputed).
 LMPOOL_OWNER_PULLS = Policy("lmpool-owner-pulls", "lmpool", transfer_mode=None,
                             routing_config=(("owner_pulls", True),))
+# A candidate for the default, run beside it: a request's shared prefix priced as read once only on
+# a rank whose sequences (reported or routed there) share its first block (``RoutingConfig.cascade_groups``:
+# a document's questions gather on the replicas already decoding it).
+LMPOOL_GROUPS = Policy("lmpool-groups", "lmpool", transfer_mode=None, routing_config=(("cascade_groups", True),))
+CANDIDATES = (LMPOOL_OWNER_PULLS, LMPOOL_GROUPS)
 # Policies that run only when named (``--policies all`` leaves them out): the real gateway starts
-# server processes of its own; the candidate default is run beside the default, not in every suite.
-NAMED_ONLY = (*GATEWAYS, LMPOOL_OWNER_PULLS)
+# server processes of its own; the candidate defaults are run beside the default, not in every suite.
+NAMED_ONLY = (*GATEWAYS, *CANDIDATES)
 TRANSFER_MODES = (
     Policy("lmpool+background", "lmpool", "background"),
     Policy("lmpool+foreground", "lmpool", "foreground"),

@@ -21,6 +21,13 @@ class RoutingConfig:
     # recomputing it). Off: the owner keeps it. The "lmpool-owner-pulls" evaluation policy; a CPU
     # red-team found sessions that all opened on one replica kept there (``agent_sessions_scaleout``).
     owner_pulls: bool = False
+    # Where the ranks decode shared prefixes once (cascades), whether a request's shared prefix is
+    # priced as read once only on a rank whose sequences (as last reported, or routed there since)
+    # share its first block: a cascade group there, or one coming. Off: wherever the rank's
+    # sequences in flight, whatever their prefixes, could save a cascade's worth with it, so a
+    # document's questions spread over every replica, each decoding every document. The
+    # "lmpool-groups" evaluation policy.
+    cascade_groups: bool = False
     # Prices within this fraction of the cheapest are equal (the step fits err by a few percent);
     # among them the rank with the most free blocks wins (``lmpool.control.pricing.price.cheapest``).
     price_tie: float = 0.03

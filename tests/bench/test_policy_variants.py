@@ -9,7 +9,8 @@ import pytest
 
 
 from benchmarks import benchmark_kv_routing
-from benchmarks.eval_suite import LMPOOL, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy
+from benchmarks.eval_suite import LMPOOL, LMPOOL_GROUPS, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy
+from lmpool.config.routing import RoutingConfig
 
 
 def test_a_variant_passes_its_routing_config_and_a_plain_policy_passes_none():
@@ -115,17 +116,19 @@ def test_the_default_mode_passes_no_transfer_mode_and_records_which_it_ran():
     assert "rule_fields" not in LMPOOL.record()
 
 
-def test_the_candidate_default_runs_the_default_mode_with_owner_pulls_and_only_when_named():
+@pytest.mark.parametrize("candidate, option", [(LMPOOL_OWNER_PULLS, "owner_pulls"), (LMPOOL_GROUPS, "cascade_groups")])
+def test_a_candidate_default_runs_the_default_mode_with_its_option_and_only_when_named(candidate, option):
     import argparse
 
     from benchmarks import benchmark_e2e, benchmark_hot_context
     from benchmarks.eval_suite import chosen_policies
 
-    kw = LMPOOL_OWNER_PULLS.pool_kwargs()
-    assert kw["routing"] == "lmpool" and kw["routing_config"].owner_pulls and "transfer_mode" not in kw
+    kw = candidate.pool_kwargs()
+    assert kw["routing"] == "lmpool" and getattr(kw["routing_config"], option) and "transfer_mode" not in kw
+    assert not getattr(RoutingConfig(), option), "off by default"
     for runner in (benchmark_e2e, benchmark_hot_context, benchmark_kv_routing):
-        assert LMPOOL_OWNER_PULLS in runner.POLICIES
+        assert candidate in runner.POLICIES
         every = chosen_policies(argparse.Namespace(quick=False, policies="all"), runner.POLICIES, "")
-        assert LMPOOL_OWNER_PULLS not in every and LMPOOL in every
-        named = chosen_policies(argparse.Namespace(quick=False, policies="lmpool,lmpool-owner-pulls"), runner.POLICIES, "")
-        assert named == [LMPOOL, LMPOOL_OWNER_PULLS]
+        assert candidate not in every and LMPOOL in every
+        named = chosen_policies(argparse.Namespace(quick=False, policies=f"lmpool,{candidate.name}"), runner.POLICIES, "")
+        assert named == [LMPOOL, candidate]
