@@ -38,6 +38,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import msgspec
@@ -67,6 +68,7 @@ from lmpool.protocol import (
     WorkerReady,
     WorkerSnapshot,
 )
+from lmpool.protocol.base import PREFIX_HEADS
 from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 from lmpool.protocol.spec import WorkerSpec, read_spec
 from lmpool.worker.loop_stages import LoopStages
@@ -158,7 +160,10 @@ class Worker:
     def load(self) -> LoadReport:
         sched, bm = self.core.scheduler, self.core.block_manager
         prefill = attention = decode_left = context = 0
+        heads: Counter[bytes] = Counter()  # sequences by their first block hash: the cascade groups
         for seq in sched.running:
+            if seq.block_hashes:
+                heads[seq.block_hashes[0]] += 1
             n, c = max(0, len(seq) - 1 - seq.num_computed_tokens), seq.num_computed_tokens
             prefill += n
             attention += n * c + n * (n + 1) // 2
@@ -166,6 +171,8 @@ class Worker:
             context += len(seq)
         new_prefill = prefill
         for seq in sched.waiting:
+            if seq.block_hashes:
+                heads[seq.block_hashes[0]] += 1
             length = len(seq)
             prefill += length - seq.num_computed_tokens
             cached = max(seq.num_computed_tokens, self.cached_on_arrival.get(seq.request_id, 0))
@@ -186,6 +193,7 @@ class Worker:
             if plan is not None:
                 cascade_pairs = plan.pairs
                 context -= plan.pairs
+        groups = heads.most_common(PREFIX_HEADS)
         return LoadReport(
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
@@ -203,6 +211,8 @@ class Worker:
             cascade_pairs=cascade_pairs,
             launched_prefill_tokens=launched.prefill_tokens if launched else 0,
             launched_attention=launched.prefill_attention if launched else 0,
+            prefix_heads=[h for h, _ in groups],
+            prefix_rows=[rows for _, rows in groups],
         )
 
     async def send_steps(self, force: bool = False) -> None:
