@@ -4,6 +4,8 @@ against a plain model; and a mirror of a real worker BlockManager."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
@@ -237,6 +239,26 @@ def test_reservations_released_by_admission_explicitly_and_by_ttl():
         gbm.reserve("e", 0, blocks=-1, tokens=0)
 
 
+def test_reservations_count_their_heads_until_released():
+    """A rank's ``heads``: its reservations of each first block hash, the head gone at 0; a
+    re-routed request's head moves with it; the invariant check catches a count off by one."""
+    gbm = make()
+    gbm.reserve("a", 0, 1, 1, head=b"doc")
+    gbm.reserve("b", 0, 1, 1, head=b"doc", deferred=True)
+    gbm.reserve("c", 0, 1, 1, head=b"other")
+    gbm.reserve("d", 0, 1, 1)  # a prompt shorter than a block heads no group
+    gbm.reserve("e", 1, 1, 1, head=b"doc")
+    assert gbm.ranks[0].reserved.heads == {b"doc": 2, b"other": 1} and gbm.ranks[1].reserved.heads == {b"doc": 1}
+    gbm.admissible("b")  # no longer deferred, still of its head
+    gbm.update_load(0, 1, LoadReport(blocks_free=60, admitted=["a", "c"]))
+    gbm.reserve("e", 0, 1, 1, head=b"doc")  # re-routed: its head leaves rank 1
+    assert gbm.ranks[0].reserved.heads == {b"doc": 2} and gbm.ranks[1].reserved.heads == {}
+    gbm.check_invariants()
+    gbm.ranks[0].reserved.heads[b"doc"] = 3
+    with pytest.raises(AssertionError, match="heads"):
+        gbm.check_invariants()
+
+
 def test_demand_stats_follow_routes_and_vanish_with_the_last_copy():
     clock = ManualClock(100.0)
     gbm = make(clock=clock)
@@ -451,12 +473,13 @@ class PageTableMachine(RuleBasedStateMachine):
         if reserved is not None and not published and m.entries.get(h) == reserved:
             del m.entries[h]
 
-    @rule(rank=st.integers(0, WORLD - 1), blocks=st.integers(0, 4), deferred=st.booleans())
-    def reserve(self, rank: int, blocks: int, deferred: bool) -> None:
+    @rule(rank=st.integers(0, WORLD - 1), blocks=st.integers(0, 4), deferred=st.booleans(),
+          head=st.sampled_from([None, b"doc", b"other"]))
+    def reserve(self, rank: int, blocks: int, deferred: bool, head: bytes | None) -> None:
         if not self.model[rank].alive:
             return
         self.n += 1
-        self.gbm.reserve(f"q{self.n}", rank, blocks, blocks * BLOCK, blocks, deferred=deferred)
+        self.gbm.reserve(f"q{self.n}", rank, blocks, blocks * BLOCK, blocks, deferred=deferred, head=head)
         self.reservations[f"q{self.n}"] = (rank, self.clock.now)
         if deferred:
             self.deferred.add(f"q{self.n}")
@@ -516,6 +539,8 @@ class PageTableMachine(RuleBasedStateMachine):
             mine = [self.gbm.reservations[k] for k in self.deferred if self.gbm.reservations[k].rank == rank]
             assert (totals.deferred_tokens, totals.deferred_attention) == (
                 sum(r.tokens for r in mine), sum(r.attention for r in mine))
+            heads = Counter(r.head for r in self.gbm.reservations.values() if r.rank == rank and r.head is not None)
+            assert totals.heads == heads
 
     @invariant()
     def ready_index_and_rank_totals_agree_with_model(self) -> None:

@@ -4,14 +4,16 @@ the rank goes, or ``ttl_s`` after it was taken (its request never arrived). A re
 what the request will add to the rank's load report once admitted: blocks, prompt tokens to
 compute and their attention pairs, its context (the keys it reads on its own), the shared prefix
 its decode steps attend in a cascade's prefix pass (``cascade``) and the tokens it will decode.
-A reservation is
+It names its request's first block hash (``head``): a rank's totals count the reservations of each
+head (``heads``), the cascade groups routed there and not yet reported, which
+``RoutingConfig.cascade_groups`` prices a request's shared prefix by. A reservation is
 ``deferred`` while its request waits on a pull to its rank: its prefill cannot start before the
 pull lands, and a rank's totals keep that part apart (``deferred_tokens``, ``deferred_attention``)
 until the pull ends (``admissible``).
 
 Invariants: each rank's totals are the sums of its reservations, its deferred totals those of
-its deferred ones; every reservation can still expire (its id and creation time are in the
-expiry queue).
+its deferred ones, its ``heads`` the count of its reservations of each head (none at 0); every
+reservation can still expire (its id and creation time are in the expiry queue).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Reservation(msgspec.Struct, frozen=True, gc=False):
     decode: int = 0
     deferred: bool = False  # its request waits on a pull to this rank
     cascade: int = 0  # shared prefix tokens its decode steps attend in a cascade's prefix pass
+    head: bytes | None = None  # its request's first block hash (None: its prompt fills no block)
 
 
 # The fields a rank's totals sum, in ``Reservation``'s names, and those it sums of deferred ones.
@@ -45,12 +48,13 @@ DEFERRED = ("deferred_tokens", "deferred_attention")
 
 class RankReservations:
     __slots__ = ("blocks", "tokens", "attention", "context", "decode", "cascade", "count", "deferred_tokens",
-                 "deferred_attention", "version")
+                 "deferred_attention", "version", "heads")
 
     def __init__(self) -> None:
         self.blocks = self.tokens = self.attention = self.context = self.decode = self.cascade = self.count = 0
         self.deferred_tokens = self.deferred_attention = 0  # of ``tokens`` and ``attention``: waiting on pulls
         self.version = 0  # every change adds one: what was priced from the totals knows when they moved
+        self.heads: dict[bytes, int] = {}  # first block hash -> reservations of it (a head at 0 leaves)
 
     def add(self, r: Reservation, sign: int) -> None:
         self.version += 1
@@ -64,6 +68,12 @@ class RankReservations:
         if r.deferred:
             self.deferred_tokens += sign * r.tokens
             self.deferred_attention += sign * r.attention
+        if r.head is not None:
+            rows = self.heads.get(r.head, 0) + sign
+            if rows:
+                self.heads[r.head] = rows
+            else:
+                del self.heads[r.head]
 
 
 class Reservations:
@@ -77,13 +87,14 @@ class Reservations:
         self._expiry: deque[tuple[float, str]] = deque()
 
     def reserve(self, request_id: str, rank: int, blocks: int, tokens: int, attention: int = 0, context: int = 0,
-                decode: int = 0, deferred: bool = False, cascade: int = 0) -> None:
+                decode: int = 0, deferred: bool = False, cascade: int = 0, head: bytes | None = None) -> None:
         if min(blocks, tokens, attention, context, decode, cascade) < 0:
             raise ValueError(f"reservation of {blocks} blocks, {tokens} tokens, {attention} pairs, {context} context, "
                              f"{decode} decode tokens, {cascade} cascade pairs: all must be >= 0")
         self.release(request_id)  # a re-routed request holds one reservation, not two
         now = self.clock()
-        reservation = Reservation(request_id, rank, blocks, tokens, now, attention, context, decode, deferred, cascade)
+        reservation = Reservation(request_id, rank, blocks, tokens, now, attention, context, decode, deferred, cascade,
+                                  head)
         self.by_id[request_id] = reservation
         self._expiry.append((now, request_id))
         self.totals[rank].add(reservation, 1)
@@ -136,7 +147,7 @@ class Reservations:
             assert reservation.request_id == request_id
             totals[reservation.rank].add(reservation, 1)
         for rank, (own, summed) in enumerate(zip(self.totals, totals)):
-            for name in (*SUMMED, *DEFERRED, "count"):  # (not the version: a count of changes, not a sum)
+            for name in (*SUMMED, *DEFERRED, "count", "heads"):  # (not the version: a count of changes, not a sum)
                 assert getattr(own, name) == getattr(summed, name), f"rank {rank}: reservation totals ({name})"
         pending = {request_id for _, request_id in self._expiry}
         assert self.by_id.keys() <= pending, "a reservation cannot expire"
