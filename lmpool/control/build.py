@@ -92,7 +92,8 @@ def assemble(spec: ControlSpec, gbm: GlobalBlockManager, send: Callable[[int, ob
     model = EngineModel(pool.world_size)
     evictions = EvictionMemory(pool.world_size)
     gbm.watch_removed(evictions.removed)
-    pricer = Pricer(gbm, links, model, limits(pool.engine, spec.cascade_min_saved), evictions.reuse)
+    pricer = Pricer(gbm, links, model, limits(pool.engine, spec.cascade_min_saved, pool.routing_config.cascade_groups),
+                    evictions.reuse)
     gbm.watch_load(pricer.reported)  # a rank's work is priced as its report lands, not by the next route
     costs = cost_model(spec)
     # A restarted control process must not reuse the plan ids its predecessor's plans hold on
@@ -122,30 +123,38 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
     """The router for policy ``routing`` and its pipeline (``lmpool.control.routing.route``): the
     policy's pending prefixes when it counts them, then lease steering, pulls (both only act on
     a priced route), the reservation, the demand, and placement's routed chains, in that order.
-    Without a ``pricer``, one over the prior step times and the engine's default limits."""
+    Without a ``pricer``, one over the prior step times and the engine's default limits; with
+    one, its limits price cascades as ``config`` does (``cascade_groups``)."""
     if routing not in POLICIES:
         raise ValueError(f"unknown routing policy {routing!r}; choose one of {', '.join(POLICIES)}")
     config = config or RoutingConfig()
     if pricer is None:
-        pricer = Pricer(gbm, links, EngineModel(gbm.world_size), Limits(gbm.block_size, 256, 8192),
+        pricer = Pricer(gbm, links, EngineModel(gbm.world_size),
+                        Limits(gbm.block_size, 256, 8192, cascade_groups=config.cascade_groups),
                         evictions.reuse if evictions is not None else lambda rank: 0.5)
+    elif pricer.limits.cascade_groups != config.cascade_groups:
+        raise ValueError(f"the pricer's cascade_groups ({pricer.limits.cascade_groups}) is not the routing "
+                         f"config's ({config.cascade_groups})")
     policy = POLICIES[routing](gbm, config, pricer)
     stages: list[RouteStage] = [s for s in (steering, pulls) if s is not None]
     if policy.counts_pending and config.pending_ttl_s > 0:
         pending = PendingPrefixes(gbm.world_size, config.pending_ttl_s, gbm.clock)
         gbm.watch_stored(pending.confirm)
         stages.append(CountPending(pending))
-    stages += [Reserve(gbm, pricer.limits.cascade_min_saved), RecordDemand(gbm, evictions)]
+    lim = pricer.limits
+    stages += [Reserve(gbm, lim.cascade_min_saved, pricer.sharing if lim.cascade_groups else None),
+               RecordDemand(gbm, evictions)]
     if chains is not None:
         stages.append(ObserveChains(chains))
     return Router(gbm, links, policy, stages)
 
 
-def limits(engine: EngineConfig, cascade_min_saved: int = 0) -> Limits:
+def limits(engine: EngineConfig, cascade_min_saved: int = 0, cascade_groups: bool = False) -> Limits:
     """What the ranks' schedulers allow; ``cascade_min_saved`` as the engines resolve it
-    (``config.engine.cascade_min_saved``, carried by the ``ControlSpec``)."""
+    (``config.engine.cascade_min_saved``, carried by the ``ControlSpec``); ``cascade_groups`` as
+    the routing config sets it."""
     return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens, engine.async_scheduling,
-                  cascade_min_saved)
+                  cascade_min_saved, cascade_groups)
 
 
 def topology(spec: ControlSpec) -> Topology:

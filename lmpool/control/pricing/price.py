@@ -43,7 +43,10 @@ where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step i
 (``seq + tok * (P - s + M / 2) + cpair * s`` when the ranks decode shared prefixes once, ``s`` the
 tokens it found cached there that other routed prompts share too, the chain's branched depth: a
 burst's document is read once for all of its questions, in a prefix pass that attends each of
-them to it, while a conversation's own history is read by it alone),
+them to it, while a conversation's own history is read by it alone; with
+``Limits.cascade_groups``, only on a rank where a sequence starting with the request's first block,
+in its last load report or routed there since, makes a group for it to join: elsewhere it reads
+its whole context alone, so a document's questions are priced cheaper where it is decoded already),
 ``theirs = seq + (tok * ctx + cpair * cp) / n`` what one co-running sequence adds, and ``overlap = min(n *
 (M - 1), left)`` the steps they share. ``total`` is the request's own latency plus the delay it
 causes the sequences already there: what a route minimises. Reclaim is the new blocks it needs
@@ -113,6 +116,13 @@ class Limits(NamedTuple):
     # (``lmpool.engine.cascade``; ``config.engine.cascade_min_saved``, 0: never): where enough
     # sequences share it, a request's cached shared prefix is not its own reading.
     cascade_min_saved: int = 0
+    # How pricing reads cascades (``RoutingConfig.cascade_groups``): a request's shared prefix is read
+    # once only on a rank whose sequences, reported or reserved, share its first block. Off: on any
+    # rank whose sequences in flight, whatever their prefixes, could save a cascade's worth with it.
+    cascade_groups: bool = False
+
+
+NO_HEADS: dict[bytes, int] = {}  # a rank's groups where pricing does not read them (never written)
 
 
 def read_once(shared: int, sequences: int, cascade_min_saved: int) -> int:
@@ -134,6 +144,7 @@ class QueryTerms(msgspec.Struct, frozen=True, gc=False):
     # With cascades, the leading tokens of its prompt that other routed prompts share (the chain's
     # branched depth): ranks that decode shared prefixes once read those once for it; 0 without.
     shared: int = 0
+    head: bytes | None = None  # its first block hash, where ``Limits.cascade_groups`` reads it; else None
 
 
 class RankWork(NamedTuple):
@@ -163,6 +174,14 @@ class RankWork(NamedTuple):
     deferred: int  # D: those of the W whose requests wait on pulls (start once they land)
     deferred_work: float  # their prefill and attention seconds
     landed_busy: float  # ``busy`` for a request that arrives once a copy has landed: the launched prefill done
+    # With ``Limits.cascade_groups``: sequences by first block hash, in the load report (built once
+    # per report) and routed there since (the reservations' own counts); else empty.
+    heads: dict[bytes, int]
+    reserved_heads: dict[bytes, int]
+
+    def sharing(self, head: bytes | None) -> int:
+        """Sequences there starting with ``head``: the cascade group a request of it joins there."""
+        return self.heads.get(head, 0) + self.reserved_heads.get(head, 0)  # type: ignore[arg-type]
 
 
 class Pricer:
@@ -173,6 +192,7 @@ class Pricer:
         self.model = model
         self.limits = limits
         self._cascades = limits.cascade_min_saved > 0  # read by every route's terms
+        self._groups = self._cascades and limits.cascade_groups
         self.reuse = reuse  # a rank's measured reuse of what it evicts
         self._work: list[RankWork | None] = [None] * table.world_size  # by rank (``work``)
 
@@ -190,8 +210,9 @@ class Pricer:
         prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
         block_size = self.limits.block_size
         shared = self.table.branched_depth(query.block_hashes) * block_size if self._cascades else 0
+        head = query.block_hashes[0] if self._groups and query.block_hashes else None
         return QueryTerms(prompt, out, -(-(prompt + out) // block_size), max(0, (prompt - 1) // block_size),
-                          prompt + out / 2, shared)
+                          prompt + out / 2, shared, head)
 
     def work(self, rank: int) -> RankWork:
         """``rank``'s in-flight work, recomputed only when what it is computed from changed: its
@@ -203,17 +224,24 @@ class Pricer:
             load, c, version = work.key
             if version == info.reserved.version and load is info.load and c is self.model.coefficients(rank):
                 return work
-        work = self._work[rank] = self._compute_work(info.load, info.reserved, self.model.coefficients(rank))
+        heads = work.heads if work is not None and work.key[0] is info.load else None  # the same report's
+        work = self._work[rank] = self._compute_work(info.load, info.reserved, self.model.coefficients(rank), heads)
         return work
+
+    def sharing(self, rank: int, head: bytes | None) -> int:
+        """Sequences on ``rank`` starting with ``head``, reported or reserved (``RankWork.sharing``):
+        with ``Limits.cascade_groups``, whether a request of that head reads its shared prefix once there."""
+        return self.work(rank).sharing(head)
 
     def reported(self, rank: int) -> None:
         """``rank``'s load report landed: its work is priced now, between routes, not by the next
         route (after a batch of reports, that route would price every rank's)."""
         self.work(rank)
 
-    def _compute_work(self, load: LoadReport, res: RankReservations, c: StepCoefficients) -> RankWork:
+    def _compute_work(self, load: LoadReport, res: RankReservations, c: StepCoefficients,
+                      heads: dict[bytes, int] | None = None) -> RankWork:
         """The module docstring's query-free terms of a rank with ``load`` as reported,
-        reservations ``res`` and step fit ``c``."""
+        reservations ``res`` and step fit ``c`` (``heads``: ``load``'s groups, where already built)."""
         lim = self.limits
         seqs = load.num_running + load.num_waiting + res.count
         n = min(seqs, lim.max_num_seqs)
@@ -245,10 +273,15 @@ class Pricer:
         if load.launched_prefill_tokens:  # a one-token request leaves ``running`` at its launch
             busy = (2.0 * step if lim.overlapped else step) + launched
         drain = (left / seqs) * step if seqs else 0.0
+        if not self._groups:
+            heads, reserved_heads = NO_HEADS, NO_HEADS
+        else:
+            heads = dict(zip(load.prefix_heads, load.prefix_rows)) if heads is None else heads
+            reserved_heads = res.heads  # moved with the reservations' version, which keys this work
         return RankWork((load, c, res.version), c, seqs, n, left, step, room, queue, seat, theirs, free,
                         free + load.blocks_reclaimable, busy, next_step, load.num_running + res.count,
                         load.blocks_used + res.blocks, drain, queued, queue_work, deferred, deferred_work,
-                        landed_busy)
+                        landed_busy, heads, reserved_heads)
 
     def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None,
               arriving: int = 0) -> RankPrice:
@@ -266,7 +299,7 @@ class Pricer:
         """``price_terms`` from ``rank``'s work ``w`` (``work(rank)``, read this route): a caller
         that reads the work for more than the price reads it once."""
         (_, c, seqs, n, left, step, room, _, seat, theirs, free, available, busy, _, _, held, _, queued,
-         queue_work, deferred, deferred_work, landed_busy) = w
+         queue_work, deferred, deferred_work, landed_busy, _, _) = w
         # One unpack, not a lookup per use.
         base, prefill_token, attention_pair, decode_seq, context_token, cascade_pair = c
         prompt, out = q.prompt, q.out
@@ -288,8 +321,15 @@ class Pricer:
             if room_s > start:
                 start = room_s
         ttft = start + prefill + seat + busy
-        # ``read_once(q.shared, n, ...)``, inlined as the rest of this function is.
-        shared = q.shared if q.shared * n >= self.limits.cascade_min_saved else 0
+        # ``read_once(q.shared, n, ...)``, or with groups ``w.sharing(q.head)``: inlined as the rest of
+        # this function is (two lookups at most, and only for a prompt sharing a prefix).
+        shared = q.shared
+        if shared:
+            if self._groups:
+                if not (w.heads.get(q.head, 0) or w.reserved_heads.get(q.head, 0)):  # type: ignore[arg-type]
+                    shared = 0  # no group there to join: it reads its whole context alone
+            elif shared * n < self.limits.cascade_min_saved:
+                shared = 0
         if cached < shared:
             shared = cached
         mine = decode_seq + context_token * (q.span - shared) + cascade_pair * shared

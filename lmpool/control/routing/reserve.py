@@ -9,20 +9,30 @@ decode shared prefixes once (cascades), its context is what it reads on its own:
 less the prefix it found cached there that other routed prompts share too, where the sequences
 in flight there could save a cascade's worth with it (``Limits.cascade_min_saved``; the
 pricing's ``QueryTerms.shared``); that prefix it reserves as cascade pairs, which its decode
-steps attend in the prefix pass.
+steps attend in the prefix pass. With ``Limits.cascade_groups`` the rule is the pricing's: the
+prefix is read once only where sequences starting with the request's first block (reported
+there, or reserved) make a group for it to join. Every reservation names that block's hash (its
+``head``), the group it makes or joins.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.pricing.price import attention_pairs, read_once, request_shape
 from lmpool.control.routing.route import Route, RouteStage
+from lmpool.protocol.base import BlockHash
 
 
 class Reserve(RouteStage):
-    def __init__(self, gbm: GlobalBlockManager, cascade_min_saved: int = 0) -> None:
+    def __init__(self, gbm: GlobalBlockManager, cascade_min_saved: int = 0,
+                 sharing: Callable[[int, BlockHash | None], int] | None = None) -> None:
+        """``sharing(rank, head)``: the sequences on ``rank`` starting with ``head`` (the pricer's,
+        ``Pricer.sharing``), where ``Limits.cascade_groups`` prices by them; else None."""
         self.gbm = gbm
         self.cascade_min_saved = cascade_min_saved  # 0: the ranks run no cascades
+        self.sharing = sharing
 
     def record(self, route: Route) -> None:
         query, rank = route.query, route.rank
@@ -30,10 +40,14 @@ class Reserve(RouteStage):
         blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))
         prompt = query.num_prompt_tokens
         # With cascades, the prefix other prompts share is not its own reading: cascade pairs there.
+        head = query.block_hashes[0] if query.block_hashes else None
         shared = 0
         if self.cascade_min_saved:
-            shared = read_once(self.gbm.branched_depth(query.block_hashes) * self.gbm.block_size,
-                               self.gbm.ranks[rank].in_flight_seqs, self.cascade_min_saved)
+            shared = self.gbm.branched_depth(query.block_hashes) * self.gbm.block_size
+            if self.sharing is not None:
+                shared = shared if self.sharing(rank, head) else 0
+            else:
+                shared = read_once(shared, self.gbm.ranks[rank].in_flight_seqs, self.cascade_min_saved)
         cascade = min(prompt - missing, shared)
         self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing),
-                         prompt - cascade, max(1, query.max_tokens), route.waits_on_pull, cascade)
+                         prompt - cascade, max(1, query.max_tokens), route.waits_on_pull, cascade, head)

@@ -81,6 +81,7 @@ class PullPricer:
         bound = route.chosen.total_s if route.chosen is not None else float("inf")
         pricer = self.pricer
         terms, work = pricer.terms(query), pricer.work
+        cascades, groups = pricer.limits.cascade_min_saved > 0, pricer.limits.cascade_groups
         prompt, cached = query.num_prompt_tokens, top * self.gbm.block_size  # for the floors
         src_step = None  # the source's step under way, read once (the first option that needs it)
         serving = {p.rank: p for p in route.prices or ()}  # each candidate's serve price, by rank
@@ -90,7 +91,8 @@ class PullPricer:
             if r not in partners:
                 continue
             w = work(r)  # read once for its floor, its step and its price
-            if _least(w, serving.get(r), prompt, cached, terms.out, pricer.limits.cascade_min_saved > 0) >= bound:
+            reads_once = cascades and (not groups or w.sharing(terms.head) > 0)  # the pricing's rule there
+            if _least(w, serving.get(r), prompt, cached, terms.out, reads_once) >= bound:
                 continue  # no copy, however fast, makes it the cheapest: skip its estimate
             in_flight = infos[r].in_flight
             if in_flight and any(h in in_flight for h in query.block_hashes[start:top]):
@@ -122,7 +124,8 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, ou
     """A floor under any pull's price to a rank of work ``work`` of the prompt's first ``cached``
     tokens: its serve price (``serve``) less everything the pulled blocks could save there, their
     prefill (its own, and that of the steps the sequences there share with it), every step of
-    that prefill and, where the ranks decode shared prefixes once (``cascades``), what they take
+    that prefill and, where the rank decodes shared prefixes once (``cascades``; with
+``Limits.cascade_groups``, where a group there shares the prompt's first block), what they take
     off each of its ``out - 1`` decode steps and of every step it shares (at most n a step): each
     key read alone becomes a pair of the cascade's prefix pass."""
     if serve is None:
