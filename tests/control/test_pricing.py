@@ -13,6 +13,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 
+from lmpool.config import RoutingConfig
 from lmpool.control.pricing.engine_model import MOVE, EngineModel
 from lmpool.control.pricing.eviction import EvictionMemory
 from lmpool.control.pricing.gate import overloaded
@@ -530,23 +531,86 @@ def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_k
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 300), st.integers(0, 200_000), st.integers(0, 50_000), st.integers(1, 60), st.integers(0, 60),
        st.integers(0, 60), st.integers(1, 64), st.booleans(), st.integers(0, 60),
-       st.sampled_from([TRUE, TRUE._replace(cascade_pair=1e-6)]))
+       st.sampled_from([TRUE, TRUE._replace(cascade_pair=1e-6)]), st.sampled_from([None, 0, 1]))
 def test_a_pull_s_floor_is_below_the_price_of_serving_at_its_depth(running, context, queued, blocks, matched, top,
-                                                                   out, cascades, shared, coefficients):
+                                                                   out, cascades, shared, coefficients, groups):
     """Whatever the ranks' decode (cascades or not, a shared prefix's pair dearer or cheaper than
-    its key read alone), no pull to a depth prices below its floor: the floor is at most the
-    price of serving there with those blocks already held, at once."""
+    its key read alone, priced by cascade groups or not), no pull to a depth prices below its floor:
+    the floor is at most the price of serving there with those blocks already held, at once.
+    (``groups``: None, no cascade groups; else that many sequences there share the prompt's head.)"""
     from lmpool.control.transfers.pull_price import _least
 
+    heads = dict(prefix_heads=[0], prefix_rows=[groups]) if groups else {}
     gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
-                              decode_tokens_left=16 * running, blocks_free=100_000))
+                              decode_tokens_left=16 * running, blocks_free=100_000, **heads))
     branched_after(gbm, list(range(blocks)), min(shared, blocks))  # the prefix other prompts share
     pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, coefficients),
-                    Limits(16, 256, 8192, True, 16 * cascades), lambda rank: 0.5)
+                    Limits(16, 256, 8192, True, 16 * cascades, groups is not None), lambda rank: 0.5)
     query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
     usable = pricer.terms(query).usable
     depth = min(top, usable)
     serve = pricer.price(query, 0, min(matched, depth), 0.0, None)  # a pull brings blocks past its match
     held = pricer.price(query, 0, depth, 0.0, None)
-    floor = _least(pricer.work(0), serve, query.num_prompt_tokens, depth * 16, out, cascades)
+    reads_once = cascades and (groups is None or pricer.sharing(0, 0) > 0)  # as ``PullPricer.options`` asks
+    floor = _least(pricer.work(0), serve, query.num_prompt_tokens, depth * 16, out, reads_once)
     assert floor <= held.total_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("via", ["reported", "reserved"])
+@pytest.mark.parametrize("groups", [False, True])
+def test_with_cascade_groups_a_shared_prefix_is_read_once_only_where_a_group_shares_its_first_block(via, groups):
+    """Two ranks of equal load, both holding a document other questions share: one has a sequence
+    of that document (in its load report, or routed there since), the other one of another.
+    With ``Limits.cascade_groups`` a question of the document is priced cheaper where its group
+    is (it reads the document once there, alone elsewhere); without, the two are equal."""
+    doc, other = list(range(8)), list(range(100, 108))
+    gbm = GlobalBlockManager(2, 16, clock=ManualClock())
+    for rank, head in ((0, doc[0]), (1, other[0])):
+        gbm.register_rank(rank, 1, 4096)
+        gbm.apply_snapshot(rank, 1, KVSnapshot(0, []))
+        grouped = dict(prefix_heads=[head], prefix_rows=[1]) if via == "reported" else {}
+        gbm.update_load(rank, 1, LoadReport(num_running=4, context_tokens=4 * 200, decode_tokens_left=4 * 64,
+                                            blocks_free=2000, **grouped))
+        if via == "reserved":
+            gbm.reserve(f"q{rank}", rank, 1, 16, context=16, decode=64, head=head)
+        cache(gbm, rank, doc)
+    for question in (10_000, 10_001):  # the document is shared: questions about it were routed
+        gbm.record_route(doc + [question], 8, 8)
+    pricer = Pricer(gbm, Topology.virtual(2), engine_model(2, DEFAULT_PRIOR),
+                    Limits(16, 256, 8192, True, 256, cascade_groups=groups), lambda rank: 0.5)
+    query = RouteQuery("q", doc + [10_002], 9 * 16 + 3, 64)
+    grouped, alone = (pricer.price(query, rank, 8, 0.0, None) for rank in (0, 1))
+    assert grouped.ttft_s == alone.ttft_s
+    if groups:
+        n = 4 if via == "reported" else 5  # the reserved sequence is in flight too, decoding 64 more
+        saved = (DEFAULT_PRIOR.context_token - DEFAULT_PRIOR.cascade_pair) * 8 * 16 * (63 + min(n * 63, n * 64))
+        assert alone.total_s - grouped.total_s == pytest.approx(saved)
+        assert pricer.sharing(0, doc[0]) == 1 and pricer.sharing(1, doc[0]) == 0
+    else:
+        assert grouped.total_s == alone.total_s
+
+
+@pytest.mark.parametrize("sharing", [0, 1])
+def test_with_cascade_groups_a_reservation_reads_its_shared_prefix_once_only_where_a_group_shares_its_head(sharing):
+    """The reservation follows the pricing's rule: its shared prefix (4 of its 5 blocks) is cascade
+    pairs where ``sharing`` sequences there start with its first block, else its own context; it
+    names that block either way."""
+    from lmpool.control.routing.reserve import Reserve
+    from lmpool.control.routing.route import Route
+
+    gbm = one_rank(LoadReport(num_running=2, blocks_free=100))
+    branched_after(gbm, list(range(5)), 4)
+    route = Route(RouteQuery("q", list(range(5)), 5 * 16 + 3, 8), None, (0,), [4], [4], rank=0)
+    asked = []
+    Reserve(gbm, 128, lambda rank, head: asked.append((rank, head)) or sharing).record(route)
+    assert asked == [(0, 0)] and gbm.ranks[0].reserved.heads == {0: 1}
+    assert gbm.ranks[0].reserved.cascade == (4 * 16 if sharing else 0)
+
+
+def test_a_router_refuses_a_pricer_that_reads_cascades_otherwise_than_its_config():
+    from lmpool.control.build import make_router
+
+    gbm = one_rank(LoadReport(blocks_free=100))
+    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, 128), lambda rank: 0.5)
+    with pytest.raises(ValueError, match="cascade_groups"):
+        make_router(gbm, Topology.virtual(1), "lmpool", RoutingConfig(cascade_groups=True), pricer)

@@ -12,14 +12,17 @@ import msgspec
 import pytest
 
 from lmpool.config import RoutingConfig
+from lmpool.config.engine import CASCADE_MIN_SAVED_TOKENS
 from lmpool.control.build import make_router
 from lmpool.control.page_table.manager import GlobalBlockManager
+from lmpool.control.pricing.price import Limits
+from lmpool.control.pricing.step_model import DEFAULT_PRIOR
 from lmpool.control.routing.registry import POLICIES
 from lmpool.control.routing.router import NoAliveRankError, Router
 from lmpool.control.topology import Topology
 from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.protocol.kv_events import KVSnapshot
-from control_testkit import COEF, ManualClock, cache, pending_of, priced_router
+from control_testkit import COEF, ManualClock, cache, chain_blocks, pending_of, priced_router
 
 BLOCK = 16
 NUM_BLOCKS = 1000
@@ -657,3 +660,34 @@ def test_unknown_peer_rule_names_are_refused():
         RoutingConfig(dynamo_prefill_tokens="some")
     with pytest.raises(ValueError, match="sglang_balance_rule"):
         RoutingConfig(sglang_balance_rule="mean")
+
+
+def burst_over_two_documents(groups: bool, per_document: int = 32) -> dict[int, collections.Counter]:
+    """Questions about two 16k-token documents cached on all 4 ranks, alternating, routed before
+    any load report (step times at the prior's, cascades at the engine's default threshold): the
+    questions of each document on each rank."""
+    docs = [chain(1024, family=100 * (d + 1)) for d in range(2)]
+    gbm = GlobalBlockManager(4, BLOCK, reservation_ttl_s=60.0, clock=ManualClock())
+    for rank in range(4):
+        gbm.register_rank(rank, 1, 8192)
+        gbm.apply_snapshot(rank, 1, KVSnapshot(1, chain_blocks(docs[0]) + chain_blocks(docs[1], first_id=1024)))
+        gbm.update_load(rank, 1, LoadReport(blocks_free=8192 - 2048))
+    router = priced_router(gbm, Topology.virtual(4), "lmpool", RoutingConfig(cascade_groups=groups),
+                           coefficients=DEFAULT_PRIOR,
+                           limits=Limits(BLOCK, 256, 8192, True, CASCADE_MIN_SAVED_TOKENS, cascade_groups=groups))
+    placed: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for i in range(per_document):
+        for d, doc in enumerate(docs):
+            placed[router.route(query(doc + chain(1, family=10_000 + 2 * i + d), max_tokens=256)).rank][d] += 1
+    return placed
+
+
+def test_with_cascade_groups_a_burst_over_two_cached_documents_decodes_one_document_per_rank():
+    """A burst's questions join the rank already decoding their document (its prefix read once for
+    them there) rather than open a second group on a rank decoding the other: with
+    ``RoutingConfig.cascade_groups`` each rank ends with one document's questions, two ranks each;
+    without it, the first questions of both spread over every rank, and every rank reads both."""
+    grouped, spread = burst_over_two_documents(True), burst_over_two_documents(False)
+    assert sorted(sorted(c.items()) for c in grouped.values()) == [[(0, 16)], [(0, 16)], [(1, 16)], [(1, 16)]]
+    mixed = [rank for rank, c in spread.items() if len(c) == 2]
+    assert len(mixed) == 4 and sum(c.total() for c in spread.values()) == 64
