@@ -72,13 +72,15 @@ def calibrate(core: EngineCore, seed: int = 0) -> list[StepSample]:
             _run(core, _questions(core, rng, long, batch, short, room), "calibration-questions")
             kept += core.take_step_samples()
     finally:
-        for request_id in [r for r in core.requests if r.startswith("calibration-")]:
-            core.abort_request(request_id)
-        while core.has_unfinished():  # an overlapped step may still hold a finished one's token
-            core.step()
-        _uncache_since(bm, cached)
-        bm.enable_prefix_caching = caching
-        core.take_step_samples()
+        try:
+            for request_id in [r for r in core.requests if r.startswith("calibration-")]:
+                core.abort_request(request_id)
+            while core.has_unfinished():  # an overlapped step may still hold a finished one's token
+                core.step()
+        finally:  # the cache as it was, even where a step failed
+            _uncache_since(bm, cached)
+            bm.enable_prefix_caching = caching
+            core.take_step_samples()
     return kept
 
 

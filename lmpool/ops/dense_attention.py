@@ -19,8 +19,12 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmpool.ops import reference
+
+_FUSED = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+_ANY = [*_FUSED, SDPBackend.MATH]
 
 
 def one_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -28,8 +32,10 @@ def one_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     over ``k`` and ``v`` (``[ctx, kv_heads, d]``, ``ctx >= n``): ``[n, q_heads, d]`` in ``q``'s dtype."""
     n, ctx = q.shape[0], k.shape[0]
     if ctx == n:
-        out = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), is_causal=True, scale=scale,
-                                             enable_gqa=True)
+        # Fused kernels only on a GPU: the math fallback would hold every score ([heads, n, n]).
+        with sdpa_kernel(_FUSED if q.is_cuda else _ANY):
+            out = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), is_causal=True, scale=scale,
+                                                 enable_gqa=True)
         return out[0].transpose(0, 1)
     group = q.shape[1] // k.shape[1]
     prefix = ctx - n
@@ -82,15 +88,19 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def usable(device: torch.device) -> bool:
-    """Whether ``one_sequence_attention`` runs on ``device`` and matches the reference there
-    (a prefix and a query of 96 tokens each, GQA of 2, bf16 on a GPU); checked once a device."""
+    """Whether ``one_sequence_attention`` runs on ``device`` and matches the reference there, for
+    a cold query and one after a cached prefix (96 tokens each, GQA of 2, bf16 on a GPU); checked
+    once a device."""
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q = torch.randn(96, 4, 64, generator=gen).to(device, dtype)
     k, v = (torch.randn(192, 2, 64, generator=gen).to(device, dtype) for _ in range(2))
-    try:
-        out = one_sequence_attention(q, k, v, 0.125)
-    except (RuntimeError, NotImplementedError):  # no cuDNN attention in this torch or for this GPU
-        return False
-    want = reference.attention_over(q, k, v, 0.125)
-    return bool(torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2))
+    for keys, values in ((k[:96], v[:96]), (k, v)):
+        try:
+            out = one_sequence_attention(q, keys, values, 0.125)
+        except (RuntimeError, NotImplementedError):  # no fused or cuDNN attention for this torch or GPU
+            return False
+        want = reference.attention_over(q, keys, values, 0.125)
+        if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
+            return False
+    return True

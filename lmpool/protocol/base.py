@@ -48,14 +48,14 @@ class LoadReport(Message):
     launched_attention: int = 0
     # The first block hashes of the running and waiting sequences with a full block (the chain hash a
     # ``RouteQuery``'s ``block_hashes[0]`` names for the same tokens), the most shared first, at most
-    # ``PREFIX_HEADS``, and how many of those sequences start with each: the cascade groups a rank
+    # ``GROUP_HEADS``, and how many of those sequences start with each: the cascade groups a rank
     # decodes or will (``RoutingConfig.cascade_groups``). Last, defaulting to empty: a sender from
     # before them still decodes.
-    prefix_heads: list[BlockHash] = []
-    prefix_rows: list[int] = []
+    group_heads: list[BlockHash] = []
+    group_rows: list[int] = []
 
 
-PREFIX_HEADS = 16  # the most heads a load report lists (``LoadReport.prefix_heads``): a report stays small
+GROUP_HEADS = 16  # the most heads a load report lists (``LoadReport.group_heads``): a report stays small
 
 
 class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):

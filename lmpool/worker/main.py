@@ -47,6 +47,7 @@ import uvloop
 from lmpool.engine.calibration import calibrate
 from lmpool.engine.cascade import plan_cascade
 from lmpool.engine.core import EngineCore, StepUnderWay
+from lmpool.engine.sequence import Sequence as EngineSequence
 from lmpool.protocol import (
     AbortRequest,
     AddRequest,
@@ -68,7 +69,7 @@ from lmpool.protocol import (
     WorkerReady,
     WorkerSnapshot,
 )
-from lmpool.protocol.base import PREFIX_HEADS
+from lmpool.protocol.base import GROUP_HEADS
 from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 from lmpool.protocol.spec import WorkerSpec, read_spec
 from lmpool.worker.loop_stages import LoopStages
@@ -80,6 +81,15 @@ from lmpool_ipc import Channel, ChannelClosedError, IpcError, LinkError, Message
 log = logging.getLogger("lmpool.worker")
 
 STEP_REPORT_S = 0.05  # step timings go to the control plane at most this often (and with heartbeats)
+
+
+def _count_head(seq: EngineSequence, block_size: int, heads: Counter[bytes], longest: dict[bytes, int]) -> None:
+    """Count ``seq`` under its first prompt block's hash (``LoadReport.group_heads``), where its
+    prompt fills a block: a block its own generated tokens fill starts no group with anyone."""
+    if seq.num_prompt_tokens >= block_size and seq.block_hashes:
+        head = seq.block_hashes[0]
+        heads[head] += 1
+        longest[head] = max(longest.get(head, 0), seq.num_prompt_tokens)
 
 
 class Worker:
@@ -161,9 +171,9 @@ class Worker:
         sched, bm = self.core.scheduler, self.core.block_manager
         prefill = attention = decode_left = context = 0
         heads: Counter[bytes] = Counter()  # sequences by their first block hash: the cascade groups
+        longest: dict[bytes, int] = {}  # ... and each head's longest prompt
         for seq in sched.running:
-            if seq.block_hashes:
-                heads[seq.block_hashes[0]] += 1
+            _count_head(seq, bm.block_size, heads, longest)
             n, c = max(0, len(seq) - 1 - seq.num_computed_tokens), seq.num_computed_tokens
             prefill += n
             attention += n * c + n * (n + 1) // 2
@@ -171,8 +181,7 @@ class Worker:
             context += len(seq)
         new_prefill = prefill
         for seq in sched.waiting:
-            if seq.block_hashes:
-                heads[seq.block_hashes[0]] += 1
+            _count_head(seq, bm.block_size, heads, longest)
             length = len(seq)
             prefill += length - seq.num_computed_tokens
             cached = max(seq.num_computed_tokens, self.cached_on_arrival.get(seq.request_id, 0))
@@ -193,7 +202,9 @@ class Worker:
             if plan is not None:
                 cascade_pairs = plan.pairs
                 context -= plan.pairs
-        groups = heads.most_common(PREFIX_HEADS)
+        # The most shared first, then the longest prompts (a document's first question, a group of
+        # one, before a chat's short prompts): a group forms from its first row.
+        groups = sorted(heads.items(), key=lambda hr: (-hr[1], -longest[hr[0]]))[:GROUP_HEADS]
         return LoadReport(
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
@@ -211,8 +222,8 @@ class Worker:
             cascade_pairs=cascade_pairs,
             launched_prefill_tokens=launched.prefill_tokens if launched else 0,
             launched_attention=launched.prefill_attention if launched else 0,
-            prefix_heads=[h for h, _ in groups],
-            prefix_rows=[rows for _, rows in groups],
+            group_heads=[h for h, _ in groups],
+            group_rows=[rows for _, rows in groups],
         )
 
     async def send_steps(self, force: bool = False) -> None:

@@ -540,7 +540,7 @@ def test_a_pull_s_floor_is_below_the_price_of_serving_at_its_depth(running, cont
     (``groups``: None, no cascade groups; else that many sequences there share the prompt's head.)"""
     from lmpool.control.transfers.pull_price import _least
 
-    heads = dict(prefix_heads=[0], prefix_rows=[groups]) if groups else {}
+    heads = dict(group_heads=[0], group_rows=[groups]) if groups else {}
     gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
                               decode_tokens_left=16 * running, blocks_free=100_000, **heads))
     branched_after(gbm, list(range(blocks)), min(shared, blocks))  # the prefix other prompts share
@@ -568,7 +568,7 @@ def test_with_cascade_groups_a_shared_prefix_is_read_once_only_where_a_group_sha
     for rank, head in ((0, doc[0]), (1, other[0])):
         gbm.register_rank(rank, 1, 4096)
         gbm.apply_snapshot(rank, 1, KVSnapshot(0, []))
-        grouped = dict(prefix_heads=[head], prefix_rows=[1]) if via == "reported" else {}
+        grouped = dict(group_heads=[head], group_rows=[1]) if via == "reported" else {}
         gbm.update_load(rank, 1, LoadReport(num_running=4, context_tokens=4 * 200, decode_tokens_left=4 * 64,
                                             blocks_free=2000, **grouped))
         if via == "reserved":

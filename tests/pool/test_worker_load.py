@@ -11,6 +11,7 @@ from lmpool.engine.hashing import chain_hashes
 from lmpool.protocol import AddRequest
 from lmpool.protocol.spec import WorkerSpec
 from lmpool.sampling_params import SamplingParams
+from lmpool.worker import main as worker_main
 from lmpool.worker.main import Worker
 
 BLOCK = 8
@@ -103,7 +104,7 @@ def test_a_worker_reports_the_prefill_it_launched_once_its_queue_no_longer_count
 
 
 def test_a_worker_reports_how_many_of_its_sequences_start_with_each_first_block(tiny_model):
-    """``prefix_heads``/``prefix_rows``: the running and waiting sequences with a full block, by
+    """``group_heads``/``group_rows``: the running and waiting sequences with a full block, by
     their first block hash (the one a route query of the same tokens carries), most rows first;
     a prompt shorter than a block starts no group."""
     pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2)
@@ -117,22 +118,37 @@ def test_a_worker_reports_how_many_of_its_sequences_start_with_each_first_block(
     core.step()  # two admitted (running), three waiting
     load = worker.load()
     assert load.num_running == 2 and load.num_waiting == 3
-    assert load.prefix_heads == [chain_hashes(doc, BLOCK)[0], chain_hashes(other, BLOCK)[0]]
-    assert load.prefix_rows == [3, 1]
-    assert worker.load().prefix_heads == load.prefix_heads  # a report is built, not consumed
+    assert load.group_heads == [chain_hashes(doc, BLOCK)[0], chain_hashes(other, BLOCK)[0]]
+    assert load.group_rows == [3, 1]
+    assert worker.load().group_heads == load.group_heads  # a report is built, not consumed
 
 
-def test_a_load_report_from_a_sender_without_prefix_heads_still_decodes():
+def test_among_heads_of_as_many_rows_the_longest_prompt_is_reported_first(tiny_model, monkeypatch):
+    """At the report's limit of heads, a group of one with a long prompt (a document's first
+    question, which the next ones should join) goes before a short prompt's, whatever came first."""
+    monkeypatch.setattr(worker_main, "GROUP_HEADS", 1)
+    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2)
+    spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
+    worker = Worker(spec, EngineCore(pool.engine_of(0)), frontend=None)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    short, doc = list(range(100, 100 + BLOCK)), list(range(1, 3 * BLOCK + 1))
+    for i, tokens in enumerate([short + [8], doc + [7]]):
+        worker.handle(add(f"q{i}", tokens, params))
+    load = worker.load()
+    assert load.group_heads == [chain_hashes(doc, BLOCK)[0]] and load.group_rows == [1]
+
+
+def test_a_load_report_from_a_sender_without_group_heads_still_decodes():
     """The heads come last on the wire (an array): a report of the fields before them decodes, empty."""
     import msgspec
 
     from lmpool.protocol import LoadReport
 
     before = [(f.name, object, msgspec.field(default_factory=f.default_factory) if f.default is msgspec.NODEFAULT
-               else f.default) for f in msgspec.structs.fields(LoadReport) if f.name not in ("prefix_heads", "prefix_rows")]
+               else f.default) for f in msgspec.structs.fields(LoadReport) if f.name not in ("group_heads", "group_rows")]
     OldReport = msgspec.defstruct("OldReport", before, array_like=True)  # every field sent
     report = msgspec.msgpack.decode(msgspec.msgpack.encode(OldReport(num_running=2, launched_attention=9)),
                                     type=LoadReport)
-    assert report.launched_attention == 9 and report.prefix_heads == [] and report.prefix_rows == []
-    with_heads = LoadReport(prefix_heads=[b"h" * 32], prefix_rows=[3])
+    assert report.launched_attention == 9 and report.group_heads == [] and report.group_rows == []
+    with_heads = LoadReport(group_heads=[b"h" * 32], group_rows=[3])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(with_heads), type=LoadReport) == with_heads

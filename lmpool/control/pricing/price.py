@@ -276,7 +276,7 @@ class Pricer:
         if not self._groups:
             heads, reserved_heads = NO_HEADS, NO_HEADS
         else:
-            heads = dict(zip(load.prefix_heads, load.prefix_rows)) if heads is None else heads
+            heads = dict(zip(load.group_heads, load.group_rows)) if heads is None else heads
             reserved_heads = res.heads  # moved with the reservations' version, which keys this work
         return RankWork((load, c, res.version), c, seqs, n, left, step, room, queue, seat, theirs, free,
                         free + load.blocks_reclaimable, busy, next_step, load.num_running + res.count,
