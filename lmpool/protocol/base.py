@@ -49,8 +49,8 @@ class LoadReport(Message):
     # The first block hashes of the running and waiting sequences with a full block (the chain hash a
     # ``RouteQuery``'s ``block_hashes[0]`` names for the same tokens), the most shared first, at most
     # ``GROUP_HEADS``, and how many of those sequences start with each: the cascade groups a rank
-    # decodes or will (``RoutingConfig.cascade_groups``). Last, defaulting to empty: a sender from
-    # before them still decodes.
+    # decodes or will; listed only where the pool prices by them (``RoutingConfig.cascade_groups``).
+    # Last, defaulting to empty: a sender from before them still decodes.
     group_heads: list[BlockHash] = []
     group_rows: list[int] = []
 

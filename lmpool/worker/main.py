@@ -172,8 +172,11 @@ class Worker:
         prefill = attention = decode_left = context = 0
         heads: Counter[bytes] = Counter()  # sequences by their first block hash: the cascade groups
         longest: dict[bytes, int] = {}  # ... and each head's longest prompt
+        # Every step with output builds a report: the heads only where the pool prices by them.
+        count_heads = self.spec.pool.routing_config.cascade_groups
         for seq in sched.running:
-            _count_head(seq, bm.block_size, heads, longest)
+            if count_heads:
+                _count_head(seq, bm.block_size, heads, longest)
             n, c = max(0, len(seq) - 1 - seq.num_computed_tokens), seq.num_computed_tokens
             prefill += n
             attention += n * c + n * (n + 1) // 2
@@ -181,7 +184,8 @@ class Worker:
             context += len(seq)
         new_prefill = prefill
         for seq in sched.waiting:
-            _count_head(seq, bm.block_size, heads, longest)
+            if count_heads:
+                _count_head(seq, bm.block_size, heads, longest)
             length = len(seq)
             prefill += length - seq.num_computed_tokens
             cached = max(seq.num_computed_tokens, self.cached_on_arrival.get(seq.request_id, 0))

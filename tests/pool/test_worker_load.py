@@ -5,7 +5,10 @@ apart (``launched_prefill_tokens``)."""
 
 from __future__ import annotations
 
+import msgspec
+
 from lmpool.config.pool import PoolConfig
+from lmpool.config.routing import RoutingConfig
 from lmpool.engine.core import EngineCore
 from lmpool.engine.hashing import chain_hashes
 from lmpool.protocol import AddRequest
@@ -14,6 +17,7 @@ from lmpool.sampling_params import SamplingParams
 from lmpool.worker import main as worker_main
 from lmpool.worker.main import Worker
 
+GROUPS = RoutingConfig(cascade_groups=True)  # a pool whose workers list their groups
 BLOCK = 8
 
 
@@ -107,7 +111,8 @@ def test_a_worker_reports_how_many_of_its_sequences_start_with_each_first_block(
     """``group_heads``/``group_rows``: the running and waiting sequences with a full block, by
     their first block hash (the one a route query of the same tokens carries), most rows first;
     a prompt shorter than a block starts no group."""
-    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2)
+    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2,
+                                   routing_config=GROUPS)
     spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
     core = EngineCore(pool.engine_of(0))
     worker = Worker(spec, core, frontend=None)
@@ -121,13 +126,17 @@ def test_a_worker_reports_how_many_of_its_sequences_start_with_each_first_block(
     assert load.group_heads == [chain_hashes(doc, BLOCK)[0], chain_hashes(other, BLOCK)[0]]
     assert load.group_rows == [3, 1]
     assert worker.load().group_heads == load.group_heads  # a report is built, not consumed
+    plain = Worker(msgspec.structs.replace(spec, pool=msgspec.structs.replace(pool, routing_config=RoutingConfig())),
+                   core, frontend=None)
+    assert plain.load().group_heads == [] and plain.load().num_running == 2  # a pool that prices no groups
 
 
 def test_among_heads_of_as_many_rows_the_longest_prompt_is_reported_first(tiny_model, monkeypatch):
     """At the report's limit of heads, a group of one with a long prompt (a document's first
     question, which the next ones should join) goes before a short prompt's, whatever came first."""
     monkeypatch.setattr(worker_main, "GROUP_HEADS", 1)
-    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2)
+    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2,
+                                   routing_config=GROUPS)
     spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
     worker = Worker(spec, EngineCore(pool.engine_of(0)), frontend=None)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

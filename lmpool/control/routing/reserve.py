@@ -11,8 +11,8 @@ in flight there could save a cascade's worth with it (``Limits.cascade_min_saved
 pricing's ``QueryTerms.shared``); that prefix it reserves as cascade pairs, which its decode
 steps attend in the prefix pass. With ``Limits.cascade_groups`` the rule is the pricing's: the
 prefix is read once only where sequences starting with the request's first block (reported
-there, or reserved) make a group for it to join. Every reservation names that block's hash (its
-``head``), the group it makes or joins.
+there, or reserved) make a group for it to join, and each reservation names that block's hash
+(its ``head``), the group it makes or joins.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class Reserve(RouteStage):
         blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))
         prompt = query.num_prompt_tokens
         # With cascades, the prefix other prompts share is not its own reading: cascade pairs there.
-        head = query.block_hashes[0] if query.block_hashes else None
+        # Its group, where the pricing reads groups (``sharing``): else the record keeps no head.
+        head = query.block_hashes[0] if self.sharing is not None and query.block_hashes else None
         shared = 0
         if self.cascade_min_saved:
             shared = self.gbm.branched_depth(query.block_hashes) * self.gbm.block_size
