@@ -53,8 +53,8 @@ from benchmarks.stats.policy_order import ORDERS, policy_order, run_order
 from benchmarks.lib.revision import git_record
 from benchmarks.workloads.trace_file import load_trace, trace_name
 from benchmarks.workloads.traces import max_request_tokens
-from lmpool.config.engine import EngineConfig
-from lmpool.engine.model_runner import planned_cascades
+from lmpool.config.engine import EngineConfig, prefill_attention
+from lmpool.engine.model_runner import dtype_name, planned_cascades, resolve_dtype
 from lmpool.model.config import ModelConfig
 from lmpool.worker.loop_stages import LoopStages
 
@@ -101,9 +101,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cascade-min-saved-tokens", type=int, default=None, metavar="N",
                     help="decode steps sharing prefixes read them once when that saves N key reads "
                          "(EngineConfig.cascade_min_saved_tokens; 0: never; default: the engine's)")
-    ap.add_argument("--prefill-attention", choices=["lmpool", "flash"], default="lmpool",
+    ap.add_argument("--prefill-attention", choices=["lmpool", "flash"], default=None,
                     help="attention of the steps that prefill (EngineConfig.prefill_attention): LMPool's "
-                         "kernel or torch's FlashAttention over the paged cache (blocks of a multiple of 256)")
+                         "kernel or torch's FlashAttention over the paged cache (blocks of a multiple of 256); "
+                         "default: the engine's (flash where the CUDA kernels run in half precision)")
     ap.add_argument("--reps", type=int, help="repetitions (default 5; quick 1)")
     ap.add_argument("--first-rep", type=int, default=0,
                     help="number of the first repetition (seed --seed + number), to split a suite")
@@ -342,12 +343,17 @@ class Progress:
 
 # ---- runs ------------------------------------------------------------------------------
 
-def cascade_record(args: argparse.Namespace, model: str) -> int:
-    """The key reads the pools' engines run cascades at (0: none), as the engines resolve
-    ``--cascade-min-saved-tokens`` with their dtype (``config.engine.cascade_min_saved``)."""
+def engine_record(args: argparse.Namespace, model: str) -> dict:
+    """What the pools' engines run, as they resolve their defaults with their dtype: the key
+    reads they run cascades at (0: none; ``config.engine.cascade_min_saved``) and the attention
+    they prefill with."""
     engine = EngineConfig(model, device=args.device, dtype=args.dtype,
-                          cascade_min_saved_tokens=args.cascade_min_saved_tokens)
-    return planned_cascades(engine, ModelConfig.from_pretrained(model))
+                          cascade_min_saved_tokens=args.cascade_min_saved_tokens,
+                          prefill_attention=args.prefill_attention)
+    model_config = ModelConfig.from_pretrained(model)
+    dtype = dtype_name(resolve_dtype(engine, model_config))
+    return {"cascade_min_saved": planned_cascades(engine, model_config),
+            "prefill_attention": prefill_attention(engine, dtype, model_config.head_dim)}
 
 
 def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) -> dict:
@@ -536,7 +542,7 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
         "benchmark": benchmark,
         "metadata": {
             "command": [_portable(a) for a in sys.argv],
-            "config": config | {"max_model_len": max_model_len, "cascade_min_saved": cascade_record(args, model)},
+            "config": config | {"max_model_len": max_model_len} | engine_record(args, model),
             "model": model_record(model, args.preset if args.preset_given or not args.model else None),
             **environment(args.device),
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -101,7 +101,8 @@ def host_args(args, setting, max_model_len: int) -> list[str]:
         out.append("--enforce-eager")
     if args.cascade_min_saved_tokens is not None:
         out += ["--cascade-min-saved-tokens", str(args.cascade_min_saved_tokens)]
-    out += ["--prefill-attention", args.prefill_attention]
+    if args.prefill_attention is not None:
+        out += ["--prefill-attention", args.prefill_attention]
     return out
 
 

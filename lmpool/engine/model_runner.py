@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from lmpool.config.engine import DTYPE_NAMES, EngineConfig, cascade_min_saved
+from lmpool.config.engine import DTYPE_NAMES, EngineConfig, cascade_min_saved, prefill_attention
 from lmpool.engine.cuda_graphs import DecodeGraphs
 from lmpool.engine.logprobs import (
     PromptSlice,
@@ -116,12 +116,12 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)  # process-wide: see EngineConfig.cpu_threads
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.ops = get_backend(self.device, config.use_kernels, model_config.head_dim, config.prefill_attention,
-                               config.block_size)
+        attention = prefill_attention(config, dtype_name(self.dtype), model_config.head_dim)
+        self.ops = get_backend(self.device, config.use_kernels, model_config.head_dim, attention, config.block_size)
         flash = self.ops.name.startswith("cuda+flash")
         if flash and self.dtype == torch.float32:
             raise ValueError("prefill_attention 'flash' takes float16 or bfloat16; this engine runs float32")
-        if config.prefill_attention == "flash" and not flash:
+        if attention == "flash" and not flash:
             warnings.warn(f"prefill_attention 'flash' needs LMPool's CUDA kernels; this engine runs the "
                           f"{self.ops.name} ops, which prefill as they decode", RuntimeWarning, stacklevel=2)
         if self.ops.name.startswith("cuda"):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmpool.config import EngineConfig
-from lmpool.config.engine import CASCADE_MIN_SAVED_TOKENS, cascade_min_saved
+from lmpool.config.engine import CASCADE_MIN_SAVED_TOKENS, cascade_min_saved, prefill_attention
 from lmpool.engine.cascade import GRAPH_GROUPS, plan_cascade
 from lmpool.engine.core import EngineCore
 from lmpool.engine.sequence import Sequence
@@ -87,6 +87,21 @@ def test_no_plan_below_its_threshold_or_when_off():
 ])
 def test_cascades_are_on_by_default_where_the_kernels_run_them_in_half_precision(kw, dtype, head_dim, threshold):
     assert cascade_min_saved(EngineConfig("model", **kw), dtype, head_dim) == threshold
+
+
+@pytest.mark.parametrize("kw, dtype, head_dim, attention", [
+    ({}, "float32", 128, "lmpool"),  # a CPU engine: the torch reference either way
+    ({"device": "cuda"}, "bfloat16", 128, "flash"),
+    ({"device": "cuda:1"}, "float16", 64, "flash"),
+    ({"device": "cuda"}, "float32", 128, "lmpool"),  # FlashAttention takes no fp32
+    ({"device": "cuda", "use_kernels": False}, "bfloat16", 128, "lmpool"),
+    ({"device": "cuda"}, "bfloat16", 96, "lmpool"),  # a head size the kernels lack runs the torch ops
+    ({"device": "cuda", "prefill_attention": "lmpool"}, "bfloat16", 128, "lmpool"),
+    ({"prefill_attention": "flash"}, "float32", 128, "flash"),  # asked for: the runner warns it is ignored
+])
+def test_prefill_runs_flash_attention_by_default_where_the_kernels_run_in_half_precision(kw, dtype, head_dim,
+                                                                                         attention):
+    assert prefill_attention(EngineConfig("model", **kw), dtype, head_dim) == attention
 
 
 @pytest.mark.parametrize("kw", [{}, {"cascade_min_saved_tokens": 16}, {"cascade_min_saved_tokens": 0}])

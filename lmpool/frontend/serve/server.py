@@ -60,8 +60,8 @@ def parser() -> argparse.ArgumentParser:
                    help="decode rows sharing cached prefixes read them once when that saves this many key reads "
                         "(default: 65536 where the CUDA kernels run in half precision, else 0: never)")
     p.add_argument("--prefill-attention", choices=["lmpool", "flash"],
-                   help="attention of the steps that prefill: LMPool's kernel (default) or torch's FlashAttention "
-                        "over the paged cache (blocks of a multiple of 256)")
+                   help="attention of the steps that prefill: LMPool's kernel or torch's FlashAttention over the "
+                        "paged cache (default: flash where the CUDA kernels run in half precision, else lmpool)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help="the share of each GPU the replicas on it fill together (default: 0.9)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
