@@ -246,7 +246,7 @@ def test_pack_unpack(ext, report, copy_gbps, kv_cache, blocks):
 LINEAR_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
 
 
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
 @pytest.mark.parametrize("n,k", LINEAR_SHAPES)
 def test_linear(ext, report, copy_gbps, rows, n, k):
     """A decode step's projections: the skinny kernel (each weight read once) against cuBLAS
