@@ -2,12 +2,15 @@
 (every row of a decode step; a mixed step's single-token rows, which its batch lists first).
 
 Prefix caching hands sequences that start alike the same physical blocks, so rows sharing a
-prefix hold the same block ids at the head of their block tables. A decode step's rows are
-grouped by their first block; a group's prefix is the longest run of leading blocks all its
-rows hold, counting only each row's whole blocks before the one its new token goes to (that
-one is its own). Reading a group's prefix once for all of its rows (cascade attention,
-``ops.cascade_decode_attention``) instead of once per row saves ``(rows - 1) * prefix`` key
-reads; a step is planned as a cascade when its groups save at least ``min_saved`` of them.
+prefix hold the same block ids at the head of their block tables. A group's prefix is the
+longest run of leading blocks all its rows hold, counting only each row's whole blocks before
+the one its new token goes to (that one is its own). Rows are grouped on the tree their tables
+make: rows sharing a first block form one group, unless the rows branching off at its prefix's
+end save more as groups of their own (documents behind one system prompt: each document's rows
+read it once, not each their own copy of it behind a one-block group). Reading a group's prefix
+once for all of its rows (cascade attention, ``ops.cascade_decode_attention``) instead of once
+per row saves ``(rows - 1) * prefix`` key reads; a step is planned as a cascade when its groups
+save at least ``min_saved`` of them.
 A group's prefix pass still attends each of its rows to every prefix key, as a prefill chunk
 attends its queries (tensor-core tiles of rows against key blocks): the step-time model counts
 its ``rows * prefix`` pairs, with a coefficient of their own (``StepSample.cascade_pairs``): few
@@ -62,33 +65,60 @@ def plan_cascade(tables: list[list[int]], context_lens: list[int], block_size: i
     is 0: cascades are off)."""
     if min_saved <= 0 or len(tables) < 2:
         return None
-    by_first: dict[int, list[int]] = {}
-    for row, (table, ctx) in enumerate(zip(tables, context_lens)):
-        if ctx > block_size and table:  # at least one whole block before its new token's
-            by_first.setdefault(table[0], []).append(row)
+    # Each row's whole blocks before its new token's: what it can share.
+    whole = [table[: (ctx - 1) // block_size] for table, ctx in zip(tables, context_lens)]
+    groups = [g for members in _branches(whole, range(len(tables)), 0).values() if len(members) > 1
+              for g in _groups(whole, members)]
     kv_start = [0] * len(tables)
     rows: list[int] = []
     starts = [0]
     lens: list[int] = []
     prefixes: list[list[int]] = []
     saved = pairs = 0
-    for members in by_first.values():
-        if len(members) < 2:
-            continue
-        # The common head of their whole blocks (``commonprefix`` compares lists at C speed).
-        prefix = list(os.path.commonprefix([tables[r][: (context_lens[r] - 1) // block_size] for r in members]))
-        tokens = len(prefix) * block_size
+    for members, depth in groups:
+        tokens = depth * block_size
         for r in members:
             kv_start[r] = tokens
         rows += members
         starts.append(len(rows))
         lens.append(tokens)
-        prefixes.append(prefix)
+        prefixes.append(whole[members[0]][:depth])
         saved += (len(members) - 1) * tokens
         pairs += len(members) * tokens
     if saved < min_saved:
         return None
     return CascadePlan(kv_start, rows, starts, lens, prefixes, saved, pairs)
+
+
+def _branches(whole: list[list[int]], members, depth: int) -> dict[int, list[int]]:
+    """``members`` by their block at ``depth``; those with no whole block there are left out."""
+    out: dict[int, list[int]] = {}
+    for r in members:
+        if len(whole[r]) > depth:
+            out.setdefault(whole[r][depth], []).append(r)
+    return out
+
+
+def _groups(whole: list[list[int]], members: list[int]) -> list[tuple[list[int], int]]:
+    """The groups (rows, prefix blocks) that read the most keys once for ``members``, two or more
+    rows sharing a first block: they share a prefix of ``depth`` blocks; each branch of two or
+    more rows off its end that saves more on its own than its rows would save in the group
+    (``depth`` each) leaves it and groups as its rows do; the rest stay one group of the prefix
+    if two or more remain. Invariant: what it returns saves at least what one group of all of
+    ``members`` would."""
+    # Their common head (``commonprefix`` compares lists at C speed).
+    depth = len(os.path.commonprefix([whole[r] for r in members]))
+    out: list[tuple[list[int], int]] = []
+    stay: list[int] = [r for r in members if len(whole[r]) == depth]
+    for branch in _branches(whole, members, depth).values():
+        split = _groups(whole, branch) if len(branch) > 1 else []
+        if sum((len(rows) - 1) * d for rows, d in split) > len(branch) * depth:
+            out += split
+        else:
+            stay += branch
+    if len(stay) > 1:
+        out.append((sorted(stay), depth))
+    return out
 
 
 def cascade_offsets(rows: int, grouped: int, groups: int, width: int) -> list[int]:
