@@ -23,10 +23,11 @@ class RoutingConfig:
     owner_pulls: bool = False
     # Where the ranks decode shared prefixes once (cascades), whether a request's shared prefix is
     # priced as read once only on a rank whose sequences (as last reported, or routed there since)
-    # share its first block: a cascade group there, or one coming. Off: wherever the rank's
-    # sequences in flight, whatever their prefixes, could save a cascade's worth with it, so a
-    # document's questions spread over every replica, each decoding every document. The
-    # "lmpool-groups" evaluation policy.
+    # are of its group, keyed by that shared prefix's last block (so documents behind one shared
+    # system-prompt block are groups apart, as the engine's cascades group them): a cascade group
+    # there, or one coming. Off: wherever the rank's sequences in flight, whatever their prefixes,
+    # could save a cascade's worth with it, so a document's questions spread over every replica,
+    # each decoding every document. The "lmpool-groups" evaluation policy.
     cascade_groups: bool = False
     # Prices within this fraction of the cheapest are equal (the step fits err by a few percent);
     # among them the rank with the most free blocks wins (``lmpool.control.pricing.price.cheapest``).

@@ -21,6 +21,12 @@ class RouteDecision(Message, tag="decision"):
     matched_blocks: int = 0  # prefix blocks the chosen rank already holds (as the page table saw them)
     reason: str = ""  # which rule chose the rank, for logs and benchmarks
     predicted_ttft_s: float | None = None  # the price's time to first token there, when the policy prices
+    # The request's cascade group, where the pool prices by groups (``RoutingConfig.cascade_groups``):
+    # the last block hash of the prefix it shares with other routed prompts
+    # (``lmpool.control.pricing.price.group_key``), None where it shares none. The frontend passes it
+    # on in the ``AddRequest``; its worker counts the request under it (``LoadReport.group_heads``).
+    # Last, defaulting to None: a sender from before it still decodes.
+    group: BlockHash | None = None
 
 
 class RankDown(Message, tag="rank_down"):

@@ -240,13 +240,13 @@ def test_reservations_released_by_admission_explicitly_and_by_ttl():
 
 
 def test_reservations_count_their_heads_until_released():
-    """A rank's ``heads``: its reservations of each first block hash, the head gone at 0; a
+    """A rank's ``heads``: its reservations of each group key, the head gone at 0; a
     re-routed request's head moves with it; the invariant check catches a count off by one."""
     gbm = make()
     gbm.reserve("a", 0, 1, 1, head=b"doc")
     gbm.reserve("b", 0, 1, 1, head=b"doc", deferred=True)
     gbm.reserve("c", 0, 1, 1, head=b"other")
-    gbm.reserve("d", 0, 1, 1)  # a prompt shorter than a block heads no group
+    gbm.reserve("d", 0, 1, 1)  # a prompt that shares no prefix heads no group
     gbm.reserve("e", 1, 1, 1, head=b"doc")
     assert gbm.ranks[0].reserved.heads == {b"doc": 2, b"other": 1} and gbm.ranks[1].reserved.heads == {b"doc": 1}
     gbm.admissible("b")  # no longer deferred, still of its head

@@ -18,12 +18,12 @@ from lmpool.control.pricing.engine_model import MOVE, EngineModel
 from lmpool.control.pricing.eviction import EvictionMemory
 from lmpool.control.pricing.gate import overloaded
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import Limits, Pricer, RankPrice, cheapest
+from lmpool.control.pricing.price import Limits, Pricer, RankPrice, cheapest, group_key
 from lmpool.control.pricing.step_model import DEFAULT_PRIOR, StepCoefficients, StepModel
 from lmpool.control.topology import Topology
 from lmpool.protocol import LoadReport, RouteQuery, StepSample, StepTimings
-from lmpool.protocol.kv_events import KVSnapshot
-from control_testkit import COEF, ManualClock, cache, engine_model
+from lmpool.protocol.kv_events import BlockStored, KVSnapshot
+from control_testkit import COEF, ManualClock, cache, chain_blocks, engine_model
 
 TRUE = StepCoefficients(base=2e-3, prefill_token=30e-6, attention_pair=8e-9, decode_seq=40e-6, context_token=0.12e-6,
                         cascade_pair=12e-9)
@@ -523,7 +523,10 @@ def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_k
     branched_after(gbm, list(range(5)), depth)
     query = RouteQuery("q", list(range(5)), 5 * 16 + 3, 8)
     route = Route(query, None, (0,), [4], [4], rank=0)
-    Reserve(gbm, min_saved).record(route)
+    reserve = Reserve(gbm, min_saved)
+    reserve.settle(route)  # the router settles a route before it records it
+    reserve.record(route)
+    assert route.group is None  # no groups priced: none named
     assert gbm.ranks[0].reserved.context == context
     assert gbm.ranks[0].reserved.cascade == 5 * 16 + 3 - context
 
@@ -537,10 +540,11 @@ def test_a_pull_s_floor_is_below_the_price_of_serving_at_its_depth(running, cont
     """Whatever the ranks' decode (cascades or not, a shared prefix's pair dearer or cheaper than
     its key read alone, priced by cascade groups or not), no pull to a depth prices below its floor:
     the floor is at most the price of serving there with those blocks already held, at once.
-    (``groups``: None, no cascade groups; else that many sequences there share the prompt's head.)"""
+    (``groups``: None, no cascade groups; else that many sequences there are of the prompt's group.)"""
     from lmpool.control.transfers.pull_price import _least
 
-    heads = dict(group_heads=[0], group_rows=[groups]) if groups else {}
+    key = group_key(list(range(blocks)), min(shared, blocks))  # the prompt's group (None: it shares nothing)
+    heads = dict(group_heads=[key], group_rows=[groups]) if groups and key is not None else {}
     gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
                               decode_tokens_left=16 * running, blocks_free=100_000, **heads))
     branched_after(gbm, list(range(blocks)), min(shared, blocks))  # the prefix other prompts share
@@ -551,21 +555,22 @@ def test_a_pull_s_floor_is_below_the_price_of_serving_at_its_depth(running, cont
     depth = min(top, usable)
     serve = pricer.price(query, 0, min(matched, depth), 0.0, None)  # a pull brings blocks past its match
     held = pricer.price(query, 0, depth, 0.0, None)
-    reads_once = cascades and (groups is None or pricer.sharing(0, 0) > 0)  # as ``PullPricer.options`` asks
+    reads_once = cascades and (groups is None or pricer.sharing(0, pricer.terms(query).head) > 0)  # as the pull's
     floor = _least(pricer.work(0), serve, query.num_prompt_tokens, depth * 16, out, reads_once)
     assert floor <= held.total_s * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("via", ["reported", "reserved"])
 @pytest.mark.parametrize("groups", [False, True])
-def test_with_cascade_groups_a_shared_prefix_is_read_once_only_where_a_group_shares_its_first_block(via, groups):
+def test_with_cascade_groups_a_shared_prefix_is_read_once_only_where_its_group_is(via, groups):
     """Two ranks of equal load, both holding a document other questions share: one has a sequence
     of that document (in its load report, or routed there since), the other one of another.
     With ``Limits.cascade_groups`` a question of the document is priced cheaper where its group
-    is (it reads the document once there, alone elsewhere); without, the two are equal."""
+    is (it reads the document once there, alone elsewhere); without, the two are equal. A group
+    is keyed by the shared prefix's last block (``group_key``)."""
     doc, other = list(range(8)), list(range(100, 108))
     gbm = GlobalBlockManager(2, 16, clock=ManualClock())
-    for rank, head in ((0, doc[0]), (1, other[0])):
+    for rank, head in ((0, doc[-1]), (1, other[-1])):
         gbm.register_rank(rank, 1, 4096)
         gbm.apply_snapshot(rank, 1, KVSnapshot(0, []))
         grouped = dict(group_heads=[head], group_rows=[1]) if via == "reported" else {}
@@ -579,22 +584,69 @@ def test_with_cascade_groups_a_shared_prefix_is_read_once_only_where_a_group_sha
     pricer = Pricer(gbm, Topology.virtual(2), engine_model(2, DEFAULT_PRIOR),
                     Limits(16, 256, 8192, True, 256, cascade_groups=groups), lambda rank: 0.5)
     query = RouteQuery("q", doc + [10_002], 9 * 16 + 3, 64)
+    assert pricer.terms(query).head == (doc[-1] if groups else None)
     grouped, alone = (pricer.price(query, rank, 8, 0.0, None) for rank in (0, 1))
     assert grouped.ttft_s == alone.ttft_s
     if groups:
         n = 4 if via == "reported" else 5  # the reserved sequence is in flight too, decoding 64 more
         saved = (DEFAULT_PRIOR.context_token - DEFAULT_PRIOR.cascade_pair) * 8 * 16 * (63 + min(n * 63, n * 64))
         assert alone.total_s - grouped.total_s == pytest.approx(saved)
-        assert pricer.sharing(0, doc[0]) == 1 and pricer.sharing(1, doc[0]) == 0
+        assert pricer.sharing(0, doc[-1]) == 1 and pricer.sharing(1, doc[-1]) == 0
     else:
         assert grouped.total_s == alone.total_s
 
 
+def test_the_group_key_is_the_shared_prefix_s_last_block():
+    chain = [11, 12, 13, 14]
+    assert [group_key(chain, depth) for depth in range(5)] == [None, 11, 12, 13, 14]
+
+
+@pytest.mark.parametrize("via", ["reported", "reserved"])
+def test_with_cascade_groups_documents_behind_one_system_prompt_block_are_groups_apart(via):
+    """Two documents open with the same system-prompt block, then differ; both are cached on both
+    ranks of equal load, and questions about each were routed (so the system block and each
+    document are shared prefixes). Rank 0 decodes (or was routed) a question of document A, rank 1
+    nothing of either. Another question of A reads its document once on rank 0 and is priced
+    cheaper there; a question of B is not: the group on rank 0 is A's (keyed by A's last block),
+    not the system prompt's, so B's question would read its context alone on either rank (the
+    engine's cascade plans group A's and B's rows apart)."""
+    system = 1
+    doc_a, doc_b = [system] + list(range(10, 17)), [system] + list(range(20, 27))
+    gbm = GlobalBlockManager(2, 16, clock=ManualClock())
+    b_after_system = [BlockStored(h, p, 8 + i, 1) for i, (h, p) in enumerate(zip(doc_b[1:], doc_b[:-1]))]
+    for rank in (0, 1):
+        gbm.register_rank(rank, 1, 4096)
+        gbm.apply_snapshot(rank, 1, KVSnapshot(1, chain_blocks(doc_a) + b_after_system))
+        grouped = dict(group_heads=[doc_a[-1]], group_rows=[1]) if via == "reported" and rank == 0 else {}
+        gbm.update_load(rank, 1, LoadReport(num_running=4, context_tokens=4 * 200, decode_tokens_left=4 * 64,
+                                            blocks_free=2000, **grouped))
+    if via == "reserved":
+        gbm.reserve("a0", 0, 1, 16, context=16, decode=64, head=doc_a[-1])
+        gbm.reserve("x1", 1, 1, 16, context=16, decode=64)  # as much in flight on rank 1, of no group
+    for doc in (doc_a, doc_b):
+        for question in (10_000, 10_001):
+            gbm.record_route(doc + [question + doc[1]], 8, 8)
+    assert gbm.branched_depth(doc_a) == gbm.branched_depth(doc_b) == 8
+    pricer = Pricer(gbm, Topology.virtual(2), engine_model(2, DEFAULT_PRIOR),
+                    Limits(16, 256, 8192, True, 256, cascade_groups=True), lambda rank: 0.5)
+    ask_a = RouteQuery("qa", doc_a + [30_000], 9 * 16 + 3, 64)
+    ask_b = RouteQuery("qb", doc_b + [30_001], 9 * 16 + 3, 64)
+    assert pricer.terms(ask_a).head == doc_a[-1] and pricer.terms(ask_b).head == doc_b[-1]
+    assert pricer.sharing(0, doc_a[-1]) == 1 and pricer.sharing(0, doc_b[-1]) == 0
+    assert pricer.sharing(0, system) == 0  # no group is keyed by the first block
+    a_grouped, a_alone = (pricer.price(ask_a, rank, 8, 0.0, None) for rank in (0, 1))
+    b_there, b_elsewhere = (pricer.price(ask_b, rank, 8, 0.0, None) for rank in (0, 1))
+    n = 4 if via == "reported" else 5
+    saved = (DEFAULT_PRIOR.context_token - DEFAULT_PRIOR.cascade_pair) * 8 * 16 * (63 + min(n * 63, n * 64))
+    assert a_alone.total_s - a_grouped.total_s == pytest.approx(saved)
+    assert b_there.total_s == b_elsewhere.total_s  # A's group is no group of B's
+
+
 @pytest.mark.parametrize("sharing", [0, 1])
-def test_with_cascade_groups_a_reservation_reads_its_shared_prefix_once_only_where_a_group_shares_its_head(sharing):
+def test_with_cascade_groups_a_reservation_reads_its_shared_prefix_once_only_where_its_group_is(sharing):
     """The reservation follows the pricing's rule: its shared prefix (4 of its 5 blocks) is cascade
-    pairs where ``sharing`` sequences there start with its first block, else its own context; it
-    names that block either way."""
+    pairs where ``sharing`` sequences there are of its group (keyed by the prefix's last block,
+    which the route settles), else its own context; it names that group either way."""
     from lmpool.control.routing.reserve import Reserve
     from lmpool.control.routing.route import Route
 
@@ -602,8 +654,11 @@ def test_with_cascade_groups_a_reservation_reads_its_shared_prefix_once_only_whe
     branched_after(gbm, list(range(5)), 4)
     route = Route(RouteQuery("q", list(range(5)), 5 * 16 + 3, 8), None, (0,), [4], [4], rank=0)
     asked = []
-    Reserve(gbm, 128, lambda rank, head: asked.append((rank, head)) or sharing).record(route)
-    assert asked == [(0, 0)] and gbm.ranks[0].reserved.heads == {0: 1}
+    reserve = Reserve(gbm, 128, lambda rank, head: asked.append((rank, head)) or sharing)
+    reserve.settle(route)
+    assert route.depth == 4 and route.group == 3
+    reserve.record(route)
+    assert asked == [(0, 3)] and gbm.ranks[0].reserved.heads == {3: 1}
     assert gbm.ranks[0].reserved.cascade == (4 * 16 if sharing else 0)
 
 

@@ -662,23 +662,35 @@ def test_unknown_peer_rule_names_are_refused():
         RoutingConfig(sglang_balance_rule="mean")
 
 
-def burst_over_two_documents(groups: bool, per_document: int = 32) -> dict[int, collections.Counter]:
+def burst_over_two_documents(groups: bool, per_document: int = 32, system: bool = False,
+                              seen: dict | None = None) -> dict[int, collections.Counter]:
     """Questions about two 16k-token documents cached on all 4 ranks, alternating, routed before
     any load report (step times at the prior's, cascades at the engine's default threshold): the
-    questions of each document on each rank."""
+    questions of each document on each rank. ``system``: both documents open with the same block
+    (a shared system prompt), then differ. ``seen``: filled with each route's document and the
+    group its decision named, in order (``named``), and the page table (``gbm``)."""
     docs = [chain(1024, family=100 * (d + 1)) for d in range(2)]
+    stored = chain_blocks(docs[0]) + chain_blocks(docs[1], first_id=1024)
+    if system:
+        docs = [[7] + doc[1:] for doc in docs]  # block 7 opens both
+        stored = chain_blocks(docs[0]) + chain_blocks(docs[1], first_id=1024)[1:]
     gbm = GlobalBlockManager(4, BLOCK, reservation_ttl_s=60.0, clock=ManualClock())
     for rank in range(4):
         gbm.register_rank(rank, 1, 8192)
-        gbm.apply_snapshot(rank, 1, KVSnapshot(1, chain_blocks(docs[0]) + chain_blocks(docs[1], first_id=1024)))
+        gbm.apply_snapshot(rank, 1, KVSnapshot(1, stored))
         gbm.update_load(rank, 1, LoadReport(blocks_free=8192 - 2048))
     router = priced_router(gbm, Topology.virtual(4), "lmpool", RoutingConfig(cascade_groups=groups),
                            coefficients=DEFAULT_PRIOR,
                            limits=Limits(BLOCK, 256, 8192, True, CASCADE_MIN_SAVED_TOKENS, cascade_groups=groups))
     placed: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    named = []
     for i in range(per_document):
         for d, doc in enumerate(docs):
-            placed[router.route(query(doc + chain(1, family=10_000 + 2 * i + d), max_tokens=256)).rank][d] += 1
+            decision = router.route(query(doc + chain(1, family=10_000 + 2 * i + d), max_tokens=256))
+            placed[decision.rank][d] += 1
+            named.append((d, decision.group))
+    if seen is not None:
+        seen.update(named=named, gbm=gbm)
     return placed
 
 
@@ -691,3 +703,27 @@ def test_with_cascade_groups_a_burst_over_two_cached_documents_decodes_one_docum
     assert sorted(sorted(c.items()) for c in grouped.values()) == [[(0, 16)], [(0, 16)], [(1, 16)], [(1, 16)]]
     mixed = [rank for rank, c in spread.items() if len(c) == 2]
     assert len(mixed) == 4 and sum(c.total() for c in spread.values()) == 64
+
+
+def test_with_cascade_groups_a_decision_names_its_route_s_group_the_shared_prefix_s_last_block():
+    """The burst, both documents opening with one system-prompt block: each decision names its
+    route's group (``RouteDecision.group``, which its worker counts it under), as its reservation
+    does: the last block of the prefix it shares with routed prompts, so the documents are groups
+    apart although their first block is one. That prefix grows as questions are routed: a
+    document's first question shares nothing yet (no group), its second only the system block
+    (the first question of the other document branched there), every later one its document. Each
+    rank still ends with one document's questions, and its reservations count the groups the
+    decisions named (the rank's ``reserved.heads``), as its worker's load reports will. A pool that
+    prices no groups names none."""
+    seen: dict = {}
+    grouped = burst_over_two_documents(True, system=True, seen=seen)
+    assert sorted(sorted(c.items()) for c in grouped.values()) == [[(0, 16)], [(0, 16)], [(1, 16)], [(1, 16)]]
+    named, gbm = seen["named"], seen["gbm"]
+    last = {0: chain(1024, family=100)[-1], 1: chain(1024, family=200)[-1]}
+    assert named[:4] == [(0, None), (1, None), (0, 7), (1, 7)]
+    assert all(group == last[d] for d, group in named[4:])
+    reserved = sum((collections.Counter(gbm.ranks[r].reserved.heads) for r in range(4)), collections.Counter())
+    assert reserved == collections.Counter(group for _, group in named if group is not None)
+    plain: dict = {}
+    burst_over_two_documents(False, per_document=2, system=True, seen=plain)
+    assert [group for _, group in plain["named"]] == [None] * 4

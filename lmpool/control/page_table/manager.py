@@ -279,7 +279,7 @@ class GlobalBlockManager:
         """Hold ``blocks`` of capacity and the request's queue work (``tokens`` to prefill, their
         ``attention`` pairs, its ``context``, ``decode`` tokens and ``cascade`` prefix) on ``rank``
         until it admits it; ``deferred``: the request waits on a pull to ``rank`` (its work starts
-        once that ends); ``head``: its first block hash (the cascade group it joins there)."""
+        once that ends); ``head``: its cascade group's key (``group_key``), the group it joins there."""
         if not self._registry.get(rank).alive:
             raise ValueError(f"cannot reserve on rank {rank}: it is not alive")
         self._reservations.reserve(request_id, rank, blocks, tokens, attention, context, decode, deferred, cascade,

@@ -4,8 +4,9 @@ the rank goes, or ``ttl_s`` after it was taken (its request never arrived). A re
 what the request will add to the rank's load report once admitted: blocks, prompt tokens to
 compute and their attention pairs, its context (the keys it reads on its own), the shared prefix
 its decode steps attend in a cascade's prefix pass (``cascade``) and the tokens it will decode.
-It names its request's first block hash (``head``): a rank's totals count the reservations of each
-head (``heads``), the cascade groups routed there and not yet reported, which
+It names its request's cascade group (``head``: the last block hash of the prefix it shares with
+other routed prompts, ``lmpool.control.pricing.price.group_key``): a rank's totals count the
+reservations of each group (``heads``), the groups routed there and not yet reported, which
 ``RoutingConfig.cascade_groups`` prices a request's shared prefix by. A reservation is
 ``deferred`` while its request waits on a pull to its rank: its prefill cannot start before the
 pull lands, and a rank's totals keep that part apart (``deferred_tokens``, ``deferred_attention``)
@@ -38,7 +39,7 @@ class Reservation(msgspec.Struct, frozen=True, gc=False):
     decode: int = 0
     deferred: bool = False  # its request waits on a pull to this rank
     cascade: int = 0  # shared prefix tokens its decode steps attend in a cascade's prefix pass
-    head: bytes | None = None  # its request's first block hash (None: its prompt fills no block)
+    head: bytes | None = None  # its request's group (``group_key``; None: it shares no prefix, or no groups)
 
 
 # The fields a rank's totals sum, in ``Reservation``'s names, and those it sums of deferred ones.
@@ -54,7 +55,7 @@ class RankReservations:
         self.blocks = self.tokens = self.attention = self.context = self.decode = self.cascade = self.count = 0
         self.deferred_tokens = self.deferred_attention = 0  # of ``tokens`` and ``attention``: waiting on pulls
         self.version = 0  # every change adds one: what was priced from the totals knows when they moved
-        self.heads: dict[bytes, int] = {}  # first block hash -> reservations of it (a head at 0 leaves)
+        self.heads: dict[bytes, int] = {}  # group key -> reservations of it (a group at 0 leaves)
 
     def add(self, r: Reservation, sign: int) -> None:
         self.version += 1

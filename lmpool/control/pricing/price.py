@@ -44,9 +44,12 @@ where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step i
 tokens it found cached there that other routed prompts share too, the chain's branched depth: a
 burst's document is read once for all of its questions, in a prefix pass that attends each of
 them to it, while a conversation's own history is read by it alone; with
-``Limits.cascade_groups``, only on a rank where a sequence starting with the request's first block,
-in its last load report or routed there since, makes a group for it to join: elsewhere it reads
-its whole context alone, so a document's questions are priced cheaper where it is decoded already),
+``Limits.cascade_groups``, only on a rank where a sequence of the request's group, in its last load
+report or routed there since, makes a group for it to join: elsewhere it reads its whole context
+alone, so a document's questions are priced cheaper where it is decoded already. A request's group
+is keyed by the last block of that shared prefix (``group_key``), assigned when it is routed and
+echoed by its worker: documents behind one shared system-prompt block are groups of their own, as
+the engine's cascade plans group them),
 ``theirs = seq + (tok * ctx + cpair * cp) / n`` what one co-running sequence adds, and ``overlap = min(n *
 (M - 1), left)`` the steps they share. ``total`` is the request's own latency plus the delay it
 causes the sequences already there: what a route minimises. Reclaim is the new blocks it needs
@@ -75,6 +78,7 @@ from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.pricing.step_model import StepCoefficients
 from lmpool.control.topology import Topology
 from lmpool.protocol import LoadReport, RouteQuery
+from lmpool.protocol.base import BlockHash
 
 
 class RankPrice(msgspec.Struct, frozen=True, gc=False):
@@ -117,12 +121,21 @@ class Limits(NamedTuple):
     # sequences share it, a request's cached shared prefix is not its own reading.
     cascade_min_saved: int = 0
     # How pricing reads cascades (``RoutingConfig.cascade_groups``): a request's shared prefix is read
-    # once only on a rank whose sequences, reported or reserved, share its first block. Off: on any
-    # rank whose sequences in flight, whatever their prefixes, could save a cascade's worth with it.
+    # once only on a rank whose sequences, reported or reserved, are of its group (``group_key``: its
+    # shared prefix's last block). Off: on any rank whose sequences in flight, whatever their
+    # prefixes, could save a cascade's worth with it.
     cascade_groups: bool = False
 
 
 NO_HEADS: dict[bytes, int] = {}  # a rank's groups where pricing does not read them (never written)
+
+
+def group_key(chain: list[BlockHash], depth: int) -> BlockHash | None:
+    """The cascade group of a request of block hashes ``chain`` whose leading ``depth`` blocks other
+    routed prompts share (``PageTableView.branched_depth``): that shared prefix's last block hash,
+    None where it shares none. Documents behind one system-prompt block key apart, as the engine's
+    cascade plans group their rows (``lmpool.engine.cascade``)."""
+    return chain[depth - 1] if depth else None
 
 
 def read_once(shared: int, sequences: int, cascade_min_saved: int) -> int:
@@ -144,7 +157,7 @@ class QueryTerms(msgspec.Struct, frozen=True, gc=False):
     # With cascades, the leading tokens of its prompt that other routed prompts share (the chain's
     # branched depth): ranks that decode shared prefixes once read those once for it; 0 without.
     shared: int = 0
-    head: bytes | None = None  # its first block hash, where ``Limits.cascade_groups`` reads it; else None
+    head: bytes | None = None  # its group (``group_key``), where ``Limits.cascade_groups`` reads it; else None
 
 
 class RankWork(NamedTuple):
@@ -174,13 +187,13 @@ class RankWork(NamedTuple):
     deferred: int  # D: those of the W whose requests wait on pulls (start once they land)
     deferred_work: float  # their prefill and attention seconds
     landed_busy: float  # ``busy`` for a request that arrives once a copy has landed: the launched prefill done
-    # With ``Limits.cascade_groups``: sequences by first block hash, in the load report (built once
-    # per report) and routed there since (the reservations' own counts); else empty.
+    # With ``Limits.cascade_groups``: sequences by group (``group_key``), in the load report (built
+    # once per report) and routed there since (the reservations' own counts); else empty.
     heads: dict[bytes, int]
     reserved_heads: dict[bytes, int]
 
     def sharing(self, head: bytes | None) -> int:
-        """Sequences there starting with ``head``: the cascade group a request of it joins there."""
+        """Sequences there of group ``head``: the cascade group a request of it joins there."""
         return self.heads.get(head, 0) + self.reserved_heads.get(head, 0)  # type: ignore[arg-type]
 
 
@@ -209,10 +222,10 @@ class Pricer:
         """What every rank's price reads of ``query``."""
         prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
         block_size = self.limits.block_size
-        shared = self.table.branched_depth(query.block_hashes) * block_size if self._cascades else 0
-        head = query.block_hashes[0] if self._groups and query.block_hashes else None
+        depth = self.table.branched_depth(query.block_hashes) if self._cascades else 0
+        head = group_key(query.block_hashes, depth) if self._groups else None
         return QueryTerms(prompt, out, -(-(prompt + out) // block_size), max(0, (prompt - 1) // block_size),
-                          prompt + out / 2, shared, head)
+                          prompt + out / 2, depth * block_size, head)
 
     def work(self, rank: int) -> RankWork:
         """``rank``'s in-flight work, recomputed only when what it is computed from changed: its
@@ -229,8 +242,9 @@ class Pricer:
         return work
 
     def sharing(self, rank: int, head: bytes | None) -> int:
-        """Sequences on ``rank`` starting with ``head``, reported or reserved (``RankWork.sharing``):
-        with ``Limits.cascade_groups``, whether a request of that head reads its shared prefix once there."""
+        """Sequences on ``rank`` of group ``head`` (``group_key``), reported or reserved
+        (``RankWork.sharing``): with ``Limits.cascade_groups``, whether a request of that group
+        reads its shared prefix once there."""
         return self.work(rank).sharing(head)
 
     def reported(self, rank: int) -> None:

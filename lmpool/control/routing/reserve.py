@@ -10,9 +10,11 @@ less the prefix it found cached there that other routed prompts share too, where
 in flight there could save a cascade's worth with it (``Limits.cascade_min_saved``; the
 pricing's ``QueryTerms.shared``); that prefix it reserves as cascade pairs, which its decode
 steps attend in the prefix pass. With ``Limits.cascade_groups`` the rule is the pricing's: the
-prefix is read once only where sequences starting with the request's first block (reported
-there, or reserved) make a group for it to join, and each reservation names that block's hash
-(its ``head``), the group it makes or joins.
+prefix is read once only where sequences of the request's group (reported there, or reserved)
+make a group for it to join. The group is keyed by the shared prefix's last block hash
+(``group_key``): the stage settles it on the route (``Route.group``), which the decision carries
+to the worker, and each reservation names it (its ``head``), the group it makes or joins.
+The chain's branched depth is read once, when the route settles (``Route.depth``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import attention_pairs, read_once, request_shape
+from lmpool.control.pricing.price import attention_pairs, group_key, read_once, request_shape
 from lmpool.control.routing.route import Route, RouteStage
 from lmpool.protocol.base import BlockHash
 
@@ -28,11 +30,21 @@ from lmpool.protocol.base import BlockHash
 class Reserve(RouteStage):
     def __init__(self, gbm: GlobalBlockManager, cascade_min_saved: int = 0,
                  sharing: Callable[[int, BlockHash | None], int] | None = None) -> None:
-        """``sharing(rank, head)``: the sequences on ``rank`` starting with ``head`` (the pricer's,
+        """``sharing(rank, head)``: the sequences on ``rank`` of group ``head`` (the pricer's,
         ``Pricer.sharing``), where ``Limits.cascade_groups`` prices by them; else None."""
         self.gbm = gbm
         self.cascade_min_saved = cascade_min_saved  # 0: the ranks run no cascades
         self.sharing = sharing
+
+    def settle(self, route: Route) -> None:
+        """The chain's branched depth, where the ranks run cascades or the pricing reads groups, and
+        then its group (``group_key``), where the pricing reads groups: before the decision, which
+        carries the group to the worker."""
+        if self.cascade_min_saved or self.sharing is not None:
+            chain = route.query.block_hashes
+            route.depth = self.gbm.branched_depth(chain)
+            if self.sharing is not None:
+                route.group = group_key(chain, route.depth)
 
     def record(self, route: Route) -> None:
         query, rank = route.query, route.rank
@@ -40,11 +52,11 @@ class Reserve(RouteStage):
         blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))
         prompt = query.num_prompt_tokens
         # With cascades, the prefix other prompts share is not its own reading: cascade pairs there.
-        # Its group, where the pricing reads groups (``sharing``): else the record keeps no head.
-        head = query.block_hashes[0] if self.sharing is not None and query.block_hashes else None
+        # Its group, where the pricing reads groups (``sharing``): else the route has none.
+        head = route.group
         shared = 0
         if self.cascade_min_saved:
-            shared = self.gbm.branched_depth(query.block_hashes) * self.gbm.block_size
+            shared = route.depth * self.gbm.block_size
             if self.sharing is not None:
                 shared = shared if self.sharing(rank, head) else 0
             else:

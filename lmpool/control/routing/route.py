@@ -19,6 +19,7 @@ import msgspec
 
 from lmpool.control.pricing.price import RankPrice
 from lmpool.protocol import RouteQuery
+from lmpool.protocol.base import BlockHash
 
 
 class Choice(msgspec.Struct, frozen=True):
@@ -45,6 +46,12 @@ class Route(msgspec.Struct):
     may_leave: bool = False
     chosen: RankPrice | None = None  # the chosen option's price, when the policy prices
     waits_on_pull: bool = False  # it runs on its rank only once a pull there ends (its work is deferred)
+    # Set in ``settle`` by the reservation stage (``Reserve``), where the ranks run cascades or the
+    # pricing reads groups: the leading blocks of its chain other routed prompts share
+    # (``branched_depth``), and, where the pricing reads groups (``Limits.cascade_groups``), its
+    # group (``group_key``), which the decision carries to its worker.
+    depth: int = 0
+    group: BlockHash | None = None
 
     def take(self, choice: Choice) -> None:
         self.rank, self.reason, self.prices, self.may_leave = (choice.rank, choice.reason, choice.prices,

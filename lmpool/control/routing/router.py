@@ -16,7 +16,9 @@ candidate goes there without the policy: its route is priced and settled like an
 reservation, demand and pending prefix count), but it carries no candidates' prices, so no stage
 moves it, and the policy does not learn it as its own choice.
 
-The decision reports only ready blocks: pending ones never count in ``matched_blocks``.
+The decision reports only ready blocks: pending ones never count in ``matched_blocks``. Where
+the pricing reads cascade groups, it names the request's group (``Route.group``, which the
+reservation stage settles), which its worker counts it under in its load reports.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class Router:
             stage.settle(route)
         self._unrecorded = (route, pinned)
         chosen = route.chosen
-        return RouteDecision(route.rank, ready[route.rank], route.reason, None if chosen is None else chosen.ttft_s)
+        return RouteDecision(route.rank, ready[route.rank], route.reason, None if chosen is None else chosen.ttft_s,
+                             route.group)
 
     def record(self) -> None:
         """Record the last decided route, if it is not yet: each stage's bookkeeping, then the

@@ -125,7 +125,7 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, ou
     tokens: its serve price (``serve``) less everything the pulled blocks could save there, their
     prefill (its own, and that of the steps the sequences there share with it), every step of
     that prefill and, where the rank decodes shared prefixes once (``cascades``; with
-    ``Limits.cascade_groups``, where a group there shares the prompt's first block), what they take
+    ``Limits.cascade_groups``, where a group there is the prompt's own, ``group_key``), what they take
     off each of its ``out - 1`` decode steps and of every step it shares (at most n a step): each
     key read alone becomes a pair of the cascade's prefix pass."""
     if serve is None:
