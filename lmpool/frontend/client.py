@@ -388,7 +388,8 @@ class PoolClient:
             self._by_wire.pop(req.wire_id, None)
             req.rank, req.wire_id = rank.rank, wire_id
             self._by_wire[req.wire_id] = req
-            msg = AddRequest(req.wire_id, req.prompt_token_ids, req.params, list(req.output_token_ids), hashes)
+            msg = AddRequest(req.wire_id, req.prompt_token_ids, req.params, list(req.output_token_ids), hashes,
+                             decision.group)
             if await self._send_to_rank(rank, msg):
                 req.dispatched = time.monotonic()
                 return

@@ -46,16 +46,17 @@ class LoadReport(Message):
     # but still ahead of any new request (``EngineCore.launched``).
     launched_prefill_tokens: int = 0
     launched_attention: int = 0
-    # The first block hashes of the running and waiting sequences with a full block (the chain hash a
-    # ``RouteQuery``'s ``block_hashes[0]`` names for the same tokens), the most shared first, at most
-    # ``GROUP_HEADS``, and how many of those sequences start with each: the cascade groups a rank
-    # decodes or will; listed only where the pool prices by them (``RoutingConfig.cascade_groups``).
+    # The cascade groups of the running and waiting sequences, as their routes named them
+    # (``AddRequest.group``: the last block hash of the prefix each shares with other routed
+    # prompts), the most shared first, at most ``GROUP_HEADS``, and how many of those sequences are
+    # of each: the groups a rank decodes or will; listed only where the pool prices by them
+    # (``RoutingConfig.cascade_groups``).
     # Last, defaulting to empty: a sender from before them still decodes.
     group_heads: list[BlockHash] = []
     group_rows: list[int] = []
 
 
-GROUP_HEADS = 16  # the most heads a load report lists (``LoadReport.group_heads``): a report stays small
+GROUP_HEADS = 16  # the most groups a load report lists (``LoadReport.group_heads``): a report stays small
 
 
 class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -16,6 +16,10 @@ class AddRequest(Message, tag="add"):
     params: SamplingParams
     output_token_ids: list[int]  # tokens already generated elsewhere (recompute after a failure)
     block_hashes: list[bytes]  # of prompt + output tokens' complete blocks (``chain_hashes``)
+    # Its cascade group, as its route named it (``RouteDecision.group``): what the worker counts it
+    # under in its load reports (``LoadReport.group_heads``). Last, defaulting to None: a sender from
+    # before it still decodes.
+    group: bytes | None = None
 
 
 class AbortRequest(Message, tag="abort"):

@@ -83,11 +83,12 @@ log = logging.getLogger("lmpool.worker")
 STEP_REPORT_S = 0.05  # step timings go to the control plane at most this often (and with heartbeats)
 
 
-def _count_head(seq: EngineSequence, block_size: int, heads: Counter[bytes], longest: dict[bytes, int]) -> None:
-    """Count ``seq`` under its first prompt block's hash (``LoadReport.group_heads``), where its
-    prompt fills a block: a block its own generated tokens fill starts no group with anyone."""
-    if seq.num_prompt_tokens >= block_size and seq.block_hashes:
-        head = seq.block_hashes[0]
+def _count_head(seq: EngineSequence, named: dict[str, bytes], heads: Counter[bytes], longest: dict[bytes, int]) -> None:
+    """Count ``seq`` under its cascade group (``LoadReport.group_heads``) as its route named it
+    (``AddRequest.group``: its shared prefix's last block hash, in ``named`` by request id); a
+    sequence whose route named none counts under none."""
+    head = named.get(seq.request_id)
+    if head is not None:
         heads[head] += 1
         longest[head] = max(longest.get(head, 0), seq.num_prompt_tokens)
 
@@ -107,6 +108,10 @@ class Worker:
         self.admitted: list[str] = []  # for the control plane's reservations
         # Prompt tokens each queued request found cached when it arrived (Dynamo's prefill term).
         self.cached_on_arrival: dict[str, int] = {}
+        # Each request's cascade group, as its route named it (``AddRequest.group``), where the pool
+        # prices by groups (``RoutingConfig.cascade_groups``): pruned to the running and waiting
+        # sequences as each load report is built.
+        self.groups: dict[str, bytes] = {}
         self.last_load: LoadReport | None = None
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
@@ -170,13 +175,15 @@ class Worker:
     def load(self) -> LoadReport:
         sched, bm = self.core.scheduler, self.core.block_manager
         prefill = attention = decode_left = context = 0
-        heads: Counter[bytes] = Counter()  # sequences by their first block hash: the cascade groups
-        longest: dict[bytes, int] = {}  # ... and each head's longest prompt
-        # Every step with output builds a report: the heads only where the pool prices by them.
-        count_heads = self.spec.pool.routing_config.cascade_groups
+        heads: Counter[bytes] = Counter()  # sequences by the group their routes named: the cascade groups
+        longest: dict[bytes, int] = {}  # ... and each group's longest prompt
+        # Every step with output builds a report: the groups only where the pool prices by them (and
+        # only then are any kept), counted where any sequence has one.
+        named = self.groups
+        count_heads = bool(named)
         for seq in sched.running:
             if count_heads:
-                _count_head(seq, bm.block_size, heads, longest)
+                _count_head(seq, named, heads, longest)
             n, c = max(0, len(seq) - 1 - seq.num_computed_tokens), seq.num_computed_tokens
             prefill += n
             attention += n * c + n * (n + 1) // 2
@@ -185,7 +192,7 @@ class Worker:
         new_prefill = prefill
         for seq in sched.waiting:
             if count_heads:
-                _count_head(seq, bm.block_size, heads, longest)
+                _count_head(seq, named, heads, longest)
             length = len(seq)
             prefill += length - seq.num_computed_tokens
             cached = max(seq.num_computed_tokens, self.cached_on_arrival.get(seq.request_id, 0))
@@ -196,6 +203,9 @@ class Worker:
             context += length
         self.cached_on_arrival = {s.request_id: self.cached_on_arrival[s.request_id]
                                   for s in sched.waiting if s.request_id in self.cached_on_arrival}
+        if count_heads:  # finished and aborted requests leave
+            self.groups = {s.request_id: named[s.request_id] for queue in (sched.running, sched.waiting)
+                           for s in queue if s.request_id in named}
         launched = self.core.launched  # its prefill counted neither above nor in the queue
         # Sequences that decode as a cascade attend their shared prefixes in its prefix passes.
         cascade_pairs = 0
@@ -369,6 +379,8 @@ class Worker:
                 return [RequestRejected(msg.request_id, str(e))]
             self.admitted.append(msg.request_id)
             self.cached_on_arrival[msg.request_id] = self.core.cached_prefix_tokens(msg.request_id)
+            if msg.group is not None and self.spec.pool.routing_config.cascade_groups:
+                self.groups[msg.request_id] = msg.group
         elif isinstance(msg, AbortRequest):
             self.core.abort_request(msg.request_id)
         elif isinstance(msg, AttachControl):

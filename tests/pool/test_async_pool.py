@@ -192,6 +192,38 @@ def test_the_predicted_ttft_counts_the_wait_before_the_route(tiny_model):
     assert predicted >= waited + price
 
 
+def test_a_request_carries_its_route_s_group_to_its_worker(tiny_model):
+    """The frontend passes the group its route named (``RouteDecision.group``) on to the worker in
+    the ``AddRequest``, which counts the request under it (``LoadReport.group_heads``)."""
+    import msgspec
+
+    from lmpool.protocol import AddRequest, RouteQuery
+
+    group = b"g" * 32
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            engine = pool.client
+            real_route, real_send, sent = engine.control_request, engine._send_to_rank, []
+
+            async def grouped(msg):
+                answer = await real_route(msg)
+                return msgspec.structs.replace(answer, group=group) if isinstance(msg, RouteQuery) else answer
+
+            async def send(rank, msg):
+                if isinstance(msg, AddRequest):
+                    sent.append(msg)
+                return await real_send(rank, msg)
+
+            engine.control_request, engine._send_to_rank = grouped, send
+            out = await pool.generate(PROMPT, GREEDY)
+            return out, sent
+
+    out, sent = run(main())
+    assert len(out.token_ids) == 6
+    assert [msg.group for msg in sent] == [group]
+
+
 def test_a_stop_string_ends_a_stream_and_partial_texts_never_show_it(tiny_model):
     """The pool ends a request at its first stop string, as ``LLM`` does: the last output's
     text stops before it, every earlier output's text leads up to that one, and the request

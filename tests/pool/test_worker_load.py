@@ -11,7 +11,7 @@ from lmpool.config.pool import PoolConfig
 from lmpool.config.routing import RoutingConfig
 from lmpool.engine.core import EngineCore
 from lmpool.engine.hashing import chain_hashes
-from lmpool.protocol import AddRequest
+from lmpool.protocol import AbortRequest, AddRequest
 from lmpool.protocol.spec import WorkerSpec
 from lmpool.sampling_params import SamplingParams
 from lmpool.worker import main as worker_main
@@ -21,9 +21,9 @@ GROUPS = RoutingConfig(cascade_groups=True)  # a pool whose workers list their g
 BLOCK = 8
 
 
-def add(request_id: str, tokens: list[int], params: SamplingParams) -> AddRequest:
-    """The request as a pool's frontend sends it: its blocks hashed."""
-    return AddRequest(request_id, tokens, params, [], chain_hashes(tokens, BLOCK))
+def add(request_id: str, tokens: list[int], params: SamplingParams, group: bytes | None = None) -> AddRequest:
+    """The request as a pool's frontend sends it: its blocks hashed, and the group its route named."""
+    return AddRequest(request_id, tokens, params, [], chain_hashes(tokens, BLOCK), group)
 
 
 def test_queued_prompts_count_only_what_their_rank_must_compute(tiny_model):
@@ -107,32 +107,42 @@ def test_a_worker_reports_the_prefill_it_launched_once_its_queue_no_longer_count
         assert reported()[1:] == (0, 0)
 
 
-def test_a_worker_reports_how_many_of_its_sequences_start_with_each_first_block(tiny_model):
-    """``group_heads``/``group_rows``: the running and waiting sequences with a full block, by
-    their first block hash (the one a route query of the same tokens carries), most rows first;
-    a prompt shorter than a block starts no group."""
+def test_a_worker_reports_how_many_of_its_sequences_are_of_each_group_their_routes_named(tiny_model):
+    """``group_heads``/``group_rows``: the running and waiting sequences by the group each one's
+    route named (``AddRequest.group``: its shared prefix's last block hash), most rows first; a
+    sequence whose route named none counts under none. Two documents behind one system-prompt
+    block are two groups, not one: the key is not the first block. Finished and aborted requests
+    leave; a pool that prices no groups keeps none."""
     pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2,
                                    routing_config=GROUPS)
     spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
     core = EngineCore(pool.engine_of(0))
     worker = Worker(spec, core, frontend=None)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    doc, other = list(range(1, 2 * BLOCK + 1)), list(range(100, 100 + BLOCK))
-    for i, tokens in enumerate([doc + [7], other + [8], doc + [9, 10], [3, 4], doc + [11]]):
-        worker.handle(add(f"q{i}", tokens, params))
-    core.step()  # two admitted (running), three waiting
+    system = list(range(1, BLOCK + 1))
+    doc_a, doc_b = system + list(range(20, 20 + BLOCK)), system + list(range(40, 40 + BLOCK))
+    key_a, key_b = chain_hashes(doc_a, BLOCK)[-1], chain_hashes(doc_b, BLOCK)[-1]
+    assert chain_hashes(doc_a, BLOCK)[0] == chain_hashes(doc_b, BLOCK)[0]  # one first block
+    asked = [(doc_a + [7], key_a), (doc_b + [8], key_b), (doc_a + [9, 10], key_a), ([3, 4], None),
+             (doc_a + [11], key_a), (doc_b + [12], None)]  # the last: its route named none
+    for i, (tokens, group) in enumerate(asked):
+        worker.handle(add(f"q{i}", tokens, params, group))
+    core.step()  # two admitted (running), four waiting
     load = worker.load()
-    assert load.num_running == 2 and load.num_waiting == 3
-    assert load.group_heads == [chain_hashes(doc, BLOCK)[0], chain_hashes(other, BLOCK)[0]]
-    assert load.group_rows == [3, 1]
+    assert load.num_running == 2 and load.num_waiting == 4
+    assert load.group_heads == [key_a, key_b] and load.group_rows == [3, 1]
     assert worker.load().group_heads == load.group_heads  # a report is built, not consumed
-    plain = Worker(msgspec.structs.replace(spec, pool=msgspec.structs.replace(pool, routing_config=RoutingConfig())),
-                   core, frontend=None)
-    assert plain.load().group_heads == [] and plain.load().num_running == 2  # a pool that prices no groups
+    worker.handle(AbortRequest("q0"))
+    assert worker.load().group_rows == [2, 1] and "q0" not in worker.groups
+    plain_pool = msgspec.structs.replace(pool, routing_config=RoutingConfig())
+    plain = Worker(msgspec.structs.replace(spec, pool=plain_pool), EngineCore(plain_pool.engine_of(0)), frontend=None)
+    plain.handle(add("p", doc_a + [7], params, key_a))
+    assert plain.groups == {} and plain.load().group_heads == []  # a pool that prices no groups
+    assert plain.load().num_waiting == 1
 
 
 def test_among_heads_of_as_many_rows_the_longest_prompt_is_reported_first(tiny_model, monkeypatch):
-    """At the report's limit of heads, a group of one with a long prompt (a document's first
+    """At the report's limit of groups, a group of one with a long prompt (a document's first
     question, which the next ones should join) goes before a short prompt's, whatever came first."""
     monkeypatch.setattr(worker_main, "GROUP_HEADS", 1)
     pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2,
@@ -142,9 +152,9 @@ def test_among_heads_of_as_many_rows_the_longest_prompt_is_reported_first(tiny_m
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     short, doc = list(range(100, 100 + BLOCK)), list(range(1, 3 * BLOCK + 1))
     for i, tokens in enumerate([short + [8], doc + [7]]):
-        worker.handle(add(f"q{i}", tokens, params))
+        worker.handle(add(f"q{i}", tokens, params, chain_hashes(tokens, BLOCK)[-1]))
     load = worker.load()
-    assert load.group_heads == [chain_hashes(doc, BLOCK)[0]] and load.group_rows == [1]
+    assert load.group_heads == [chain_hashes(doc, BLOCK)[-1]] and load.group_rows == [1]
 
 
 def test_a_load_report_from_a_sender_without_group_heads_still_decodes():
@@ -161,3 +171,21 @@ def test_a_load_report_from_a_sender_without_group_heads_still_decodes():
     assert report.launched_attention == 9 and report.group_heads == [] and report.group_rows == []
     with_heads = LoadReport(group_heads=[b"h" * 32], group_rows=[3])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(with_heads), type=LoadReport) == with_heads
+
+
+def test_a_route_decision_or_request_from_a_sender_without_a_group_still_decodes():
+    """``group`` comes last on the wire (an array), defaulting to None: a message of the fields
+    before it decodes with none; one with a group keeps it."""
+    from lmpool.protocol import RouteDecision
+
+    for message, fields in ((RouteDecision, dict(rank=1, reason="r")),
+                            (AddRequest, dict(request_id="q", prompt_token_ids=[1, 2], params=SamplingParams(),
+                                              output_token_ids=[], block_hashes=[]))):
+        before = [(f.name, object) if f.required else (f.name, object, f.default if f.default is not msgspec.NODEFAULT
+                  else msgspec.field(default_factory=f.default_factory))
+                  for f in msgspec.structs.fields(message) if f.name != "group"]
+        Old = msgspec.defstruct(f"Old{message.__name__}", before, array_like=True, tag=message.__struct_config__.tag)
+        decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(Old(**fields)), type=message)
+        assert decoded.group is None and decoded == message(**fields)
+        grouped = message(**fields, group=b"g" * 32)
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(grouped), type=message) == grouped
