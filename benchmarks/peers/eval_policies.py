@@ -131,8 +131,8 @@ LMPOOL_VARIANTS = (
 LMPOOL_OWNER_PULLS = Policy("lmpool-owner-pulls", "lmpool", transfer_mode=None,
                             routing_config=(("owner_pulls", True),))
 # A candidate for the default, run beside it: a request's shared prefix priced as read once only on
-# a rank whose sequences (reported or routed there) share its first block (``RoutingConfig.cascade_groups``:
-# a document's questions gather on the replicas already decoding it).
+# a rank whose sequences (reported or routed there) are of its group, keyed by that prefix's last block
+# (``RoutingConfig.cascade_groups``: a document's questions gather on the replicas already decoding it).
 LMPOOL_GROUPS = Policy("lmpool-groups", "lmpool", transfer_mode=None, routing_config=(("cascade_groups", True),))
 CANDIDATES = (LMPOOL_OWNER_PULLS, LMPOOL_GROUPS)
 # Policies that run only when named (``--policies all`` leaves them out): the real gateway starts
