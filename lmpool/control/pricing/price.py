@@ -131,11 +131,21 @@ NO_HEADS: dict[bytes, int] = {}  # a rank's groups where pricing does not read t
 
 
 def group_key(chain: list[BlockHash], depth: int) -> BlockHash | None:
-    """The cascade group of a request of block hashes ``chain`` whose leading ``depth`` blocks other
-    routed prompts share (``PageTableView.branched_depth``): that shared prefix's last block hash,
-    None where it shares none. Documents behind one system-prompt block key apart, as the engine's
-    cascade plans group their rows (``lmpool.engine.cascade``)."""
+    """The cascade group of a request of block hashes ``chain`` whose leading ``depth`` blocks make
+    its group's prefix (``group_depth``): that prefix's last block hash, None where it has none.
+    Documents behind one system-prompt block key apart, as the engine's cascade plans group their
+    rows (``lmpool.engine.cascade``)."""
     return chain[depth - 1] if depth else None
+
+
+def group_depth(chain: list[BlockHash], branched: int, held: int) -> int:
+    """Where the cascade group of a request of block hashes ``chain`` ends, in blocks: the deepest
+    of its ``branched`` depth (``PageTableView.branched_depth``) and the ``held`` blocks some
+    candidate holds or will (``Route.expected``). A document's first questions share it before
+    any branches from it (their group is the document's, not a system prompt's above it); a
+    conversation's turn names its own history, a group of one, and shares no prompt's prefix in
+    the price (where the ranks' cascades read its preamble once, the price misses that)."""
+    return max(branched, min(held, len(chain)))
 
 
 def read_once(shared: int, sequences: int, cascade_min_saved: int) -> int:
@@ -213,17 +223,21 @@ class Pricer:
               waits: dict[int, float] | None = None) -> list[RankPrice]:
         """Each rank of ``ranks`` serving ``query`` from the ``matched[r]`` blocks it will hold
         (``waits[r]`` seconds from now, where a pull is bringing some)."""
-        terms = self.terms(query)  # once for every candidate
+        terms = self.terms(query, max(matched))  # once for every candidate
         usable, waits, price, work = terms.usable, waits or {}, self.price_work, self.work
         return [price(terms, work(r), r, usable if matched[r] > usable else matched[r], waits.get(r, 0.0), seed, 0)
                 for r in ranks]
 
-    def terms(self, query: RouteQuery) -> QueryTerms:
-        """What every rank's price reads of ``query``."""
+    def terms(self, query: RouteQuery, held: int = 0) -> QueryTerms:
+        """What every rank's price reads of ``query``; ``held``: the most of its blocks a candidate
+        holds or will (``Route.expected``), which its group reads (``group_depth``)."""
         prompt, out = query.num_prompt_tokens, query.max_tokens if query.max_tokens > 1 else 1
         block_size = self.limits.block_size
-        depth = self.table.branched_depth(query.block_hashes) if self._cascades else 0
-        head = group_key(query.block_hashes, depth) if self._groups else None
+        chain, head = query.block_hashes, None
+        depth = self.table.branched_depth(chain) if self._cascades else 0
+        if self._groups:
+            depth = group_depth(chain, depth, held)
+            head = group_key(chain, depth)
         return QueryTerms(prompt, out, -(-(prompt + out) // block_size), max(0, (prompt - 1) // block_size),
                           prompt + out / 2, depth * block_size, head)
 
@@ -301,7 +315,7 @@ class Pricer:
               arriving: int = 0) -> RankPrice:
         """``query`` on ``rank`` holding ``m`` usable blocks once ``wait_s`` seconds have passed,
         ``arriving`` of them copied there first (they need room there too)."""
-        return self.price_terms(self.terms(query), rank, m, wait_s, seed, arriving)
+        return self.price_terms(self.terms(query, m), rank, m, wait_s, seed, arriving)
 
     def price_terms(self, q: QueryTerms, rank: int, m: int, wait_s: float, seed: int | None,
                     arriving: int) -> RankPrice:

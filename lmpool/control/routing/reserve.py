@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import attention_pairs, group_key, read_once, request_shape
+from lmpool.control.pricing.price import attention_pairs, group_depth, group_key, read_once, request_shape
 from lmpool.control.routing.route import Route, RouteStage
 from lmpool.protocol.base import BlockHash
 
@@ -43,7 +43,8 @@ class Reserve(RouteStage):
         if self.cascade_min_saved or self.sharing is not None:
             chain = route.query.block_hashes
             route.depth = self.gbm.branched_depth(chain)
-            if self.sharing is not None:
+            if self.sharing is not None:  # the pricing's (``Pricer.terms``)
+                route.depth = group_depth(chain, route.depth, max(route.expected))
                 route.group = group_key(chain, route.depth)
 
     def record(self, route: Route) -> None:

@@ -80,7 +80,7 @@ class PullPricer:
         partners = self.topology.partners(src)
         bound = route.chosen.total_s if route.chosen is not None else float("inf")
         pricer = self.pricer
-        terms, work = pricer.terms(query), pricer.work
+        terms, work = pricer.terms(query, max(expected)), pricer.work
         cascades, groups = pricer.limits.cascade_min_saved > 0, pricer.limits.cascade_groups
         prompt, cached = query.num_prompt_tokens, top * self.gbm.block_size  # for the floors
         src_step = None  # the source's step under way, read once (the first option that needs it)
