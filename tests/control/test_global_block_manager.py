@@ -244,7 +244,7 @@ def test_reservations_count_their_heads_until_released():
     re-routed request's head moves with it; the invariant check catches a count off by one."""
     gbm = make()
     gbm.reserve("a", 0, 1, 1, head=b"doc")
-    gbm.reserve("b", 0, 1, 1, head=b"doc", deferred=True)
+    gbm.reserve("b", 0, 1, 1, head=b"doc", deferred=True, cascade=32, converted=32)  # joined "a", alone till then
     gbm.reserve("c", 0, 1, 1, head=b"other")
     gbm.reserve("d", 0, 1, 1)  # a prompt that shares no prefix heads no group
     gbm.reserve("e", 1, 1, 1, head=b"doc")
@@ -253,7 +253,10 @@ def test_reservations_count_their_heads_until_released():
     gbm.update_load(0, 1, LoadReport(blocks_free=60, admitted=["a", "c"]))
     gbm.reserve("e", 0, 1, 1, head=b"doc")  # re-routed: its head leaves rank 1
     assert gbm.ranks[0].reserved.heads == {b"doc": 2} and gbm.ranks[1].reserved.heads == {}
+    assert gbm.ranks[0].reserved.converted == 32  # "b"'s, until it is admitted
     gbm.check_invariants()
+    with pytest.raises(ValueError, match="converted"):
+        gbm.reserve("f", 0, 1, 1, converted=-1)
     gbm.ranks[0].reserved.heads[b"doc"] = 3
     with pytest.raises(AssertionError, match="heads"):
         gbm.check_invariants()

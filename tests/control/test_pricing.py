@@ -589,7 +589,10 @@ def test_with_cascade_groups_a_shared_prefix_is_read_once_only_where_its_group_i
     assert grouped.ttft_s == alone.ttft_s
     if groups:
         n = 4 if via == "reported" else 5  # the reserved sequence is in flight too, decoding 64 more
-        saved = (DEFAULT_PRIOR.context_token - DEFAULT_PRIOR.cascade_pair) * 8 * 16 * (63 + min(n * 63, n * 64))
+        # Its own steps read the document once, the others' steps wait less for them, and the group's
+        # lone member reads it once too from then on: its steps and this one's, 63 together.
+        saved = (DEFAULT_PRIOR.context_token - DEFAULT_PRIOR.cascade_pair) * 8 * 16 * (63 + min(n * 63, n * 64)
+                                                                                      + 2 * 63)
         assert alone.total_s - grouped.total_s == pytest.approx(saved)
         assert pricer.sharing(0, doc[-1]) == 1 and pricer.sharing(1, doc[-1]) == 0
     else:
@@ -636,17 +639,19 @@ def test_with_cascade_groups_documents_behind_one_system_prompt_block_are_groups
     assert pricer.sharing(0, system) == 0  # no group is keyed by the first block
     a_grouped, a_alone = (pricer.price(ask_a, rank, 8, 0.0, None) for rank in (0, 1))
     b_there, b_elsewhere = (pricer.price(ask_b, rank, 8, 0.0, None) for rank in (0, 1))
-    n = 4 if via == "reported" else 5
-    saved = (DEFAULT_PRIOR.context_token - DEFAULT_PRIOR.cascade_pair) * 8 * 16 * (63 + min(n * 63, n * 64))
+    n = 4 if via == "reported" else 5  # as above, the lone member of A's group converted by the join
+    saved = (DEFAULT_PRIOR.context_token - DEFAULT_PRIOR.cascade_pair) * 8 * 16 * (63 + min(n * 63, n * 64) + 2 * 63)
     assert a_alone.total_s - a_grouped.total_s == pytest.approx(saved)
     assert b_there.total_s == b_elsewhere.total_s  # A's group is no group of B's
 
 
-@pytest.mark.parametrize("sharing", [0, 1])
+@pytest.mark.parametrize("sharing", [0, 1, 2])
 def test_with_cascade_groups_a_reservation_reads_its_shared_prefix_once_only_where_its_group_is(sharing):
     """The reservation follows the pricing's rule: its shared prefix (4 of its 5 blocks) is cascade
     pairs where ``sharing`` sequences there are of its group (keyed by the prefix's last block,
-    which the route settles), else its own context; it names that group either way."""
+    which the route settles), else its own context; it names that group either way. Joining a
+    group of one, it converts that lone member (``converted``: its prefix leaves the rank's keys
+    read alone for the cascade's pairs, as the pricing credited), and the rank's work reads so."""
     from lmpool.control.routing.reserve import Reserve
     from lmpool.control.routing.route import Route
 
@@ -660,6 +665,14 @@ def test_with_cascade_groups_a_reservation_reads_its_shared_prefix_once_only_whe
     reserve.record(route)
     assert asked == [(0, 3)] and gbm.ranks[0].reserved.heads == {3: 1}
     assert gbm.ranks[0].reserved.cascade == (4 * 16 if sharing else 0)
+    assert gbm.ranks[0].reserved.converted == (4 * 16 if sharing == 1 else 0)
+    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, DEFAULT_PRIOR),
+                    Limits(16, 256, 8192, True, 128, cascade_groups=True), lambda rank: 0.5)
+    c, converted = DEFAULT_PRIOR, gbm.ranks[0].reserved.converted
+    # (the lone member here is the test's ``sharing``, in no load report: the conversion floors at 0)
+    context = max(0, 5 * 16 + 3 - gbm.ranks[0].reserved.cascade - converted)
+    reads = c.context_token * context + c.cascade_pair * (gbm.ranks[0].reserved.cascade + converted)
+    assert pricer.work(0).step == pytest.approx(c.base + c.decode_seq * 3 + reads)
 
 
 def test_a_router_refuses_a_pricer_that_reads_cascades_otherwise_than_its_config():

@@ -40,19 +40,24 @@ class Reservation(msgspec.Struct, frozen=True, gc=False):
     deferred: bool = False  # its request waits on a pull to this rank
     cascade: int = 0  # shared prefix tokens its decode steps attend in a cascade's prefix pass
     head: bytes | None = None  # its request's group (``group_key``; None: it shares no prefix, or no groups)
+    # The prefix tokens a lone member of its group there read alone and, joined by it, read in the
+    # cascade's prefix pass from then on: the rank's context less these, its cascade pairs more.
+    converted: int = 0
 
 
 # The fields a rank's totals sum, in ``Reservation``'s names, and those it sums of deferred ones.
-SUMMED = ("blocks", "tokens", "attention", "context", "decode", "cascade")
+SUMMED = ("blocks", "tokens", "attention", "context", "decode", "cascade", "converted")
 DEFERRED = ("deferred_tokens", "deferred_attention")
 
 
 class RankReservations:
-    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "cascade", "count", "deferred_tokens",
+    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "cascade", "converted", "count",
+                 "deferred_tokens",
                  "deferred_attention", "version", "heads")
 
     def __init__(self) -> None:
         self.blocks = self.tokens = self.attention = self.context = self.decode = self.cascade = self.count = 0
+        self.converted = 0
         self.deferred_tokens = self.deferred_attention = 0  # of ``tokens`` and ``attention``: waiting on pulls
         self.version = 0  # every change adds one: what was priced from the totals knows when they moved
         self.heads: dict[bytes, int] = {}  # group key -> reservations of it (a group at 0 leaves)
@@ -65,6 +70,7 @@ class RankReservations:
         self.context += sign * r.context
         self.decode += sign * r.decode
         self.cascade += sign * r.cascade
+        self.converted += sign * r.converted
         self.count += sign
         if r.deferred:
             self.deferred_tokens += sign * r.tokens
@@ -88,14 +94,16 @@ class Reservations:
         self._expiry: deque[tuple[float, str]] = deque()
 
     def reserve(self, request_id: str, rank: int, blocks: int, tokens: int, attention: int = 0, context: int = 0,
-                decode: int = 0, deferred: bool = False, cascade: int = 0, head: bytes | None = None) -> None:
-        if min(blocks, tokens, attention, context, decode, cascade) < 0:
+                decode: int = 0, deferred: bool = False, cascade: int = 0, head: bytes | None = None,
+                converted: int = 0) -> None:
+        if min(blocks, tokens, attention, context, decode, cascade, converted) < 0:
             raise ValueError(f"reservation of {blocks} blocks, {tokens} tokens, {attention} pairs, {context} context, "
-                             f"{decode} decode tokens, {cascade} cascade pairs: all must be >= 0")
+                             f"{decode} decode tokens, {cascade} cascade pairs, {converted} converted: "
+                             "all must be >= 0")
         self.release(request_id)  # a re-routed request holds one reservation, not two
         now = self.clock()
         reservation = Reservation(request_id, rank, blocks, tokens, now, attention, context, decode, deferred, cascade,
-                                  head)
+                                  head, converted)
         self.by_id[request_id] = reservation
         self._expiry.append((now, request_id))
         self.totals[rank].add(reservation, 1)

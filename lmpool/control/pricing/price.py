@@ -37,7 +37,11 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     decode = (M - 1) * (base + mine) + overlap * theirs
     harm   = overlap * mine + n * (prefill_token * p + attention_pair * a)
     evict  = reclaim blocks * the recompute of one * the rank's measured reuse (``eviction``)
-    total  = ttft + decode + harm + evict
+    join   = with ``Limits.cascade_groups``, where the request's group there is one sequence, which
+             reads the prefix alone until a second joins it (the engine groups no single row):
+             2 * (tok - cpair) * s * min(M - 1, left / seqs), what that member's steps and the
+             request's own save once both read it in the prefix pass (``Reservation.converted``)
+    total  = max(ttft, ttft + decode + harm + evict - join)
 
 where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step it decodes in
 (``seq + tok * (P - s + M / 2) + cpair * s`` when the ranks decode shared prefixes once, ``s`` the
@@ -273,9 +277,10 @@ class Pricer:
         lim = self.limits
         seqs = load.num_running + load.num_waiting + res.count
         n = min(seqs, lim.max_num_seqs)
-        ctx = load.context_tokens + res.context
+        # A join converts its group's lone member: its prefix leaves the keys read alone for the pass.
+        ctx = max(0, load.context_tokens + res.context - res.converted)
         left = load.decode_tokens_left + res.decode
-        reads = c.context_token * ctx + c.cascade_pair * (load.cascade_pairs + res.cascade)  # a step's keys
+        reads = c.context_token * ctx + c.cascade_pair * (load.cascade_pairs + res.cascade + res.converted)
         step = c.base + c.decode_seq * n + reads
         room = max(1, lim.max_num_batched_tokens - n)
         queued = load.waiting_prefill_tokens + res.tokens
@@ -315,7 +320,7 @@ class Pricer:
               arriving: int = 0) -> RankPrice:
         """``query`` on ``rank`` holding ``m`` usable blocks once ``wait_s`` seconds have passed,
         ``arriving`` of them copied there first (they need room there too)."""
-        return self.price_terms(self.terms(query, m), rank, m, wait_s, seed, arriving)
+        return self.price_terms(self.terms(query), rank, m, wait_s, seed, arriving)
 
     def price_terms(self, q: QueryTerms, rank: int, m: int, wait_s: float, seed: int | None,
                     arriving: int) -> RankPrice:
@@ -352,10 +357,13 @@ class Pricer:
         # ``read_once(q.shared, n, ...)``, or with groups ``w.sharing(q.head)``: inlined as the rest of
         # this function is (two lookups at most, and only for a prompt sharing a prefix).
         shared = q.shared
+        lone = False  # its group there is one sequence, which reads the prefix alone until it joins
         if shared:
             if self._groups:
-                if not (w.heads.get(q.head, 0) or w.reserved_heads.get(q.head, 0)):  # type: ignore[arg-type]
+                members = w.heads.get(q.head, 0) + w.reserved_heads.get(q.head, 0)  # type: ignore[arg-type]
+                if not members:
                     shared = 0  # no group there to join: it reads its whole context alone
+                lone = members == 1
             elif shared * n < self.limits.cascade_min_saved:
                 shared = 0
         if cached < shared:
@@ -365,6 +373,11 @@ class Pricer:
         if overlap > left:
             overlap = left
         total = ttft + (out - 1) * (base + mine) + overlap * (theirs + mine) + n * prefill
+        if lone:  # ``converted``: the member's steps and its own, shared, read that prefix once from then on
+            together = left / seqs if left < seqs * (out - 1) else out - 1
+            total -= 2.0 * (context_token - cascade_pair) * shared * together
+            if total < ttft:
+                total = ttft
         reclaim = need - free if free > 0 else need
         if reclaim > 0:
             total += reclaim * self._block_recompute_s(c, prompt) * self.reuse(rank)

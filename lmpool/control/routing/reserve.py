@@ -55,13 +55,16 @@ class Reserve(RouteStage):
         # With cascades, the prefix other prompts share is not its own reading: cascade pairs there.
         # Its group, where the pricing reads groups (``sharing``): else the route has none.
         head = route.group
-        shared = 0
+        shared = members = 0
         if self.cascade_min_saved:
             shared = route.depth * self.gbm.block_size
             if self.sharing is not None:
-                shared = shared if self.sharing(rank, head) else 0
+                members = self.sharing(rank, head)
+                shared = shared if members else 0
             else:
                 shared = read_once(shared, self.gbm.ranks[rank].in_flight_seqs, self.cascade_min_saved)
         cascade = min(prompt - missing, shared)
+        # Joining a lone member, it converts it (``Reservation.converted``): the pricing's credit.
         self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing),
-                         prompt - cascade, max(1, query.max_tokens), route.waits_on_pull, cascade, head)
+                         prompt - cascade, max(1, query.max_tokens), route.waits_on_pull, cascade, head,
+                         cascade if members == 1 else 0)

@@ -127,7 +127,8 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, ou
     that prefill and, where the rank decodes shared prefixes once (``cascades``; with
     ``Limits.cascade_groups``, where a group there is the prompt's own, ``group_key``), what they take
     off each of its ``out - 1`` decode steps and of every step it shares (at most n a step): each
-    key read alone becomes a pair of the cascade's prefix pass."""
+    key read alone becomes a pair of the cascade's prefix pass (and a lone member's of the group
+    too, its steps and the request's, where it joins one)."""
     if serve is None:
         return float("-inf")
     c, missing, rest = work.c, serve.missing, prompt - cached  # c: what ``Pricer.prefill_s`` would read
@@ -138,8 +139,8 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, ou
     floor = serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
     if cascades and missing > rest:
         saved = c.context_token - c.cascade_pair  # a read-once key's saving a step (a loss where negative)
-        if saved > 0:
-            floor -= (1 + work.n) * (out - 1) * saved * (missing - rest)
+        if saved > 0:  # ... and twice more where it joins a lone member (``Reservation.converted``)
+            floor -= (3 + work.n) * (out - 1) * saved * (missing - rest)
     return floor
 
 
