@@ -697,10 +697,10 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
-// A linear layer without bias: the skinny kernel where it fits (a decode step's few rows), else
-// cuBLAS (at::linear); x [..., k] keeps its leading shape.
+// A linear layer without bias: the skinny kernel where it fits and wins (a decode step of at most
+// kSkinnyLinearRows rows), else cuBLAS (at::linear); x [..., k] keeps its leading shape.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
-  if (skinny_linear_fits(x, w)) return skinny_linear(x, w);
+  if (skinny_linear_fits(x, w) && x.size(0) <= kSkinnyLinearRows) return skinny_linear(x, w);
   return at::linear(x, w);
 }
 

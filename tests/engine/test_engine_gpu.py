@@ -65,7 +65,7 @@ def test_gpu_torch_reference_path_equals_kernels(tiny_model, cpu_tokens):
 
 
 def test_gpu_bf16_kernels_decode_as_the_torch_ops_do(tiny_model):
-    """Each decode step of 8 rows or fewer runs every projection and the output projection
+    """Each decode step of 4 rows or fewer runs every projection and the output projection
     through the skinny linear kernel (the prompt's steps through cuBLAS): a bf16 engine on the
     kernels gives the torch ops' first two tokens, give or take a near tie (a rounding apart)."""
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -75,7 +75,7 @@ def test_gpu_bf16_kernels_decode_as_the_torch_ops_do(tiny_model):
             # Half precision on the kernels prefills through FlashAttention by default, over keys
             # gathered where the blocks (16 tokens) are smaller than its pages.
             assert llm.engine.runner.ops.name == ("cuda+flash-gather" if use_kernels else "torch")
-            firsts.append([o.token_ids for o in llm.generate(prompts(8), params)])
+            firsts.append([o.token_ids for o in llm.generate(prompts(4), params)])
     kernels, torch_ops = firsts
     assert sum(a == b for a, b in zip(kernels, torch_ops)) >= len(kernels) - 1
 

@@ -1,6 +1,6 @@
 """The skinny linear kernel (``kernels/skinny_linear.cu``: a decode step's 1-8 rows times a
 weight, each weight read once) against fp64 sums of the same half inputs, and ``ops.cuda.linear``
-sending every other shape to cuBLAS (needs a GPU).
+sending more than 4 rows (where cuBLAS is faster) and every other shape to cuBLAS (needs a GPU).
 
 The kernel sums in fp32 in its own order and rounds once, so its results are the exact sums
 rounded, give or take a unit; freed allocator memory is NaN before each call, so an output it
@@ -89,7 +89,7 @@ def test_three_dimensional_decode_rows_go_through_the_kernel_and_keep_their_shap
 
 
 def test_skinny_linear_replays_in_a_cuda_graph_on_new_inputs():
-    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(6144, 1024, device="cuda", dtype=torch.bfloat16)
     cuda.linear(x, w)  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -98,6 +98,15 @@ def test_skinny_linear_replays_in_a_cuda_graph_on_new_inputs():
     x.copy_(torch.randn_like(x))
     graph.replay()
     check(out, x, w)
+
+
+@pytest.mark.parametrize("rows", [5, 8])
+def test_linear_sends_more_rows_than_the_kernel_wins_at_to_cublas(rows):
+    """Past 4 rows cuBLAS is the faster (the kernel benchmark's ``linear`` case): ``linear``'s
+    result is ``F.linear``'s, bit for bit, though the kernel would take up to 8."""
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(cuda.linear(x, w), F.linear(x, w))
 
 
 def test_a_row_s_result_does_not_depend_on_the_rows_beside_it():
