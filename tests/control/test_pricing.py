@@ -682,3 +682,38 @@ def test_a_router_refuses_a_pricer_that_reads_cascades_otherwise_than_its_config
     pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, 128), lambda rank: 0.5)
     with pytest.raises(ValueError, match="cascade_groups"):
         make_router(gbm, Topology.virtual(1), "lmpool", RoutingConfig(cascade_groups=True), pricer)
+
+
+def test_with_cascade_groups_a_second_question_joins_its_document_s_lone_question_not_an_idle_rank():
+    """A 16k document cached on two idle ranks; its first question (32 tokens to decode) is routed
+    to rank 0, where it reads the document alone: no cascade groups one row. Its second question
+    prices rank 0 below idle rank 1: joining converts the first (both then read the document once,
+    in the prefix pass), which the price credits (``Reservation.converted``). Without that credit
+    rank 0 looked dearer than the idle rank by the first question's solo reads, and the questions
+    of a burst over two documents ended one or two on a rank of the other's (an H100 oracle run,
+    step fits like these; each such stray row read its 16k alone every step)."""
+    from lmpool.control.routing.reserve import Reserve
+    from lmpool.control.routing.route import Route
+
+    fit = StepCoefficients(base=2.4e-3, prefill_token=1.57e-6, attention_pair=5.4e-9, decode_seq=17.5e-6,
+                           context_token=0.176e-6, cascade_pair=12.8e-9)  # an H100 replica's, under MPS 4
+    doc = list(range(64))  # 64 blocks of 256 tokens
+    gbm = GlobalBlockManager(2, 256, clock=ManualClock())
+    for rank in (0, 1):
+        gbm.register_rank(rank, 1, 4096)
+        gbm.apply_snapshot(rank, 1, KVSnapshot(0, []))
+        gbm.update_load(rank, 1, LoadReport(blocks_free=4000))
+        cache(gbm, rank, doc)
+    pricer = Pricer(gbm, Topology.virtual(2), engine_model(2, fit),
+                    Limits(256, 256, 8192, True, 65536, cascade_groups=True), lambda rank: 0.5)
+    reserve = Reserve(gbm, 65536, pricer.sharing)
+    first, second = (RouteQuery(f"q{i}", doc + [1000 + i], 64 * 256 + 64, 32) for i in range(2))
+    route = Route(first, None, (0, 1), [64, 64], [64, 64], rank=0)
+    reserve.settle(route)
+    reserve.record(route)
+    assert route.group == doc[-1] and gbm.ranks[0].reserved.cascade == 0  # alone: a group of one
+    joined, idle = pricer.serve(second, [0, 1], [64, 64], None)
+    assert joined.total_s < idle.total_s
+    together = 31  # the first question's decode steps this one shares
+    credit = 2 * (fit.context_token - fit.cascade_pair) * 64 * 256 * together
+    assert joined.total_s + credit > idle.total_s  # what the conversion is worth decides it
