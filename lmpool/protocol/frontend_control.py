@@ -59,6 +59,10 @@ class StepKindFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     steps: int = 0  # of this kind, since the rank's first report
     predicted_over_measured: float = 1.0  # recent geometric mean
     within_25pct: float = 0.0  # recent share of steps predicted within 25 %
+    # The last few steps of this kind, each [seconds measured, seconds predicted, then its
+    # ``StepSample`` shape: prefill tokens, attention pairs, decoding sequences, their context,
+    # cascade pairs]: what a badly predicted kind's misses were made of.
+    recent: list[list[float]] = []
 
 
 class StepFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]

@@ -92,6 +92,11 @@ def test_every_kind_shown_has_a_finite_ratio_and_a_share(rows, half_life):
     for k in shown:
         assert k.steps == sum(kind_of(s) == k.kind for s in samples)
         assert 0 < k.predicted_over_measured < math.inf and 0.0 <= k.within_25pct <= 1.0 + 1e-12
+        # The last few of the kind, whole: its time, its prediction, its shape.
+        mine = [s for s in samples if kind_of(s) == k.kind][-len(k.recent):]
+        assert 0 < len(k.recent) <= 4 and [r[:1] + r[2:] for r in k.recent] == [
+            [s.seconds, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context, s.cascade_pairs] for s in mine]
+        assert all(r[1] == PRICED.predict(s) for r, s in zip(k.recent, mine))
 
 
 def test_stats_gives_a_rank_s_fit_and_its_kinds_as_plain_dicts():
@@ -106,7 +111,7 @@ def test_stats_gives_a_rank_s_fit_and_its_kinds_as_plain_dicts():
     assert fit["samples"] == 1 and fit["base_ms"] > 0  # the fit's figures, by name
     # Priced at 2.52 ms (before the step moved the fit), measured 10 ms.
     assert fit["kinds"] == [{"kind": "decode", "steps": 1, "predicted_over_measured": pytest.approx(0.252),
-                             "within_25pct": 0.0}]
+                             "within_25pct": 0.0, "recent": [[0.01, pytest.approx(0.00252), 0, 0, 4, 4000, 0]]}]
 
 
 def test_stats_and_top_show_the_cascade_pair_apart():

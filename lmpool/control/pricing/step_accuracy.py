@@ -10,7 +10,8 @@ the routes of its time used), and counted under its kind:
     prefill  prompt chunks only            mixed    prompt chunks beside decoding rows
 
 Per kind: the steps seen, and over the last ``HALF_LIFE`` or so of them (exponentially
-decayed) the geometric mean of predicted / measured and the share within 25 %.
+decayed) the geometric mean of predicted / measured and the share within 25 %; and the last
+``RECENT`` steps themselves, shape, time and prediction (a diagnosis's evidence).
 
 Invariants: a kind's weights are > 0 once it has a step, its ratio finite and > 0 and its share
 in [0, 1]; a step without a time or a prediction, or whose ratio is not finite, counts nowhere.
@@ -20,6 +21,7 @@ A rank's figures start afresh with its calibration (a restarted worker).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from lmpool.protocol import StepKindFit, StepSample
@@ -27,6 +29,7 @@ from lmpool.protocol import StepKindFit, StepSample
 KINDS = ("decode", "cascade", "prefill", "mixed")
 HALF_LIFE = 500  # steps of one kind
 WITHIN = 0.25  # the engine model's tolerance (the pool's time-to-first-token goal)
+RECENT = 4  # steps of each kind kept whole
 
 
 def kind_of(s: StepSample) -> str:
@@ -43,6 +46,7 @@ class StepAccuracy:
         self._weight = dict.fromkeys(KINDS, 0.0)  # decayed sums: of 1, of log(predicted / measured), of within
         self._log = dict.fromkeys(KINDS, 0.0)
         self._within = dict.fromkeys(KINDS, 0.0)
+        self._recent = {k: deque(maxlen=RECENT) for k in KINDS}  # (sample, predicted), newest last
 
     def observe(self, samples: Iterable[StepSample], predict: Callable[[StepSample], float]) -> None:
         d = self.decay
@@ -56,9 +60,12 @@ class StepAccuracy:
             self._weight[kind] = self._weight[kind] * d + 1.0
             self._log[kind] = self._log[kind] * d + math.log(ratio)
             self._within[kind] = self._within[kind] * d + (1 - WITHIN <= ratio <= 1 + WITHIN)
+            self._recent[kind].append((s, predicted))
 
     def describe(self) -> list[StepKindFit]:
         """Each kind seen so far, in ``KINDS`` order."""
         return [StepKindFit(kind=k, steps=self.steps[k], within_25pct=self._within[k] / self._weight[k],
-                            predicted_over_measured=math.exp(self._log[k] / self._weight[k]))
+                            predicted_over_measured=math.exp(self._log[k] / self._weight[k]),
+                            recent=[[s.seconds, p, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context,
+                                     s.cascade_pairs] for s, p in self._recent[k]])
                 for k in KINDS if self.steps[k]]
