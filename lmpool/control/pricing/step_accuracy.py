@@ -46,7 +46,8 @@ class StepAccuracy:
         self._weight = dict.fromkeys(KINDS, 0.0)  # decayed sums: of 1, of log(predicted / measured), of within
         self._log = dict.fromkeys(KINDS, 0.0)
         self._within = dict.fromkeys(KINDS, 0.0)
-        self._recent = {k: deque(maxlen=RECENT) for k in KINDS}  # (sample, predicted), newest last
+        # (sample, predicted), newest last
+        self._recent: dict[str, deque[tuple[StepSample, float]]] = {k: deque(maxlen=RECENT) for k in KINDS}
 
     def observe(self, samples: Iterable[StepSample], predict: Callable[[StepSample], float]) -> None:
         d = self.decay
