@@ -14,7 +14,9 @@ prefix is read once only where sequences of the request's group (reported there,
 make a group for it to join. The group is keyed by the shared prefix's last block hash
 (``group_key``): the stage settles it on the route (``Route.group``), which the decision carries
 to the worker, and each reservation names it (its ``head``), the group it makes or joins.
-The chain's branched depth is read once, when the route settles (``Route.depth``).
+The chain's branched depth is read once, when the route settles (``Route.depth``; with groups,
+their depth, ``group_depth``). Joining a group of one, a reservation converts that member
+(``Reservation.converted``), as the pricing credits.
 """
 
 from __future__ import annotations
