@@ -142,7 +142,9 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
         gbm.watch_stored(pending.confirm)
         stages.append(CountPending(pending))
     lim = pricer.limits
-    stages += [Reserve(gbm, lim.cascade_min_saved, pricer.sharing if lim.cascade_groups else None),
+    # Groups are named only where the pricing reads them: cascades on, and priced by group.
+    groups = lim.cascade_groups and lim.cascade_min_saved > 0
+    stages += [Reserve(gbm, lim.cascade_min_saved, pricer.sharing if groups else None),
                RecordDemand(gbm, evictions)]
     if chains is not None:
         stages.append(ObserveChains(chains))

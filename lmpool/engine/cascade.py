@@ -99,26 +99,48 @@ def _branches(whole: list[list[int]], members, depth: int) -> dict[int, list[int
     return out
 
 
-def _groups(whole: list[list[int]], members: list[int]) -> list[tuple[list[int], int]]:
-    """The groups (rows, prefix blocks) that read the most keys once for ``members``, two or more
-    rows sharing a first block: they share a prefix of ``depth`` blocks; each branch of two or
-    more rows off its end that saves more on its own than its rows would save in the group
-    (``depth`` each) leaves it and groups as its rows do; the rest stay one group of the prefix
-    if two or more remain. Invariant: what it returns saves at least what one group of all of
-    ``members`` would."""
+# Levels of branches a plan follows below a first block: rows whose tables nest (each one block
+# longer than the last) would otherwise recurse once per row.
+SPLIT_LEVELS = 16
+
+Groups = list[tuple[list[int], int]]  # (rows, prefix blocks) per group
+
+
+def _groups(whole: list[list[int]], members: list[int], levels: int = SPLIT_LEVELS) -> Groups:
+    """Groups (rows, prefix blocks) that read many keys once for ``members``, two or more rows
+    sharing a first block, who share a prefix of ``depth`` blocks: the better of (a) each branch
+    off its end that saves more on its own than its rows would in the group (``depth`` each)
+    leaving to group as its rows do, the rest one group of their own common prefix, and (b)
+    every branch on its own, the rows ending at ``depth`` one group. Not always the best
+    partition, but invariant: it saves at least what one group of all of ``members`` would."""
     # Their common head (``commonprefix`` compares lists at C speed).
     depth = len(os.path.commonprefix([whole[r] for r in members]))
-    out: list[tuple[list[int], int]] = []
-    stay: list[int] = [r for r in members if len(whole[r]) == depth]
-    for branch in _branches(whole, members, depth).values():
-        split = _groups(whole, branch) if len(branch) > 1 else []
-        if sum((len(rows) - 1) * d for rows, d in split) > len(branch) * depth:
+    ends = [r for r in members if len(whole[r]) == depth]
+    branches = list(_branches(whole, members, depth).values())
+    if levels <= 0 or not branches:
+        return [(sorted(members), depth)]
+    planned = [(b, _groups(whole, b, levels - 1) if len(b) > 1 else []) for b in branches]
+    out: Groups = []
+    stay = list(ends)
+    for branch, split in planned:
+        if _saved(split) > len(branch) * depth:
             out += split
         else:
             stay += branch
-    if len(stay) > 1:
-        out.append((sorted(stay), depth))
-    return out
+    alone = [g for _, split in planned for g in split]
+    return max(_with(whole, out, stay), _with(whole, alone, ends), key=_saved)
+
+
+def _with(whole: list[list[int]], groups: Groups, rest: list[int]) -> Groups:
+    """``groups`` and, where two or more, ``rest`` as one group of their common prefix."""
+    if len(rest) < 2:
+        return groups
+    return groups + [(sorted(rest), len(os.path.commonprefix([whole[r] for r in rest])))]
+
+
+def _saved(groups: Groups) -> int:
+    """Blocks a cascade of ``groups`` reads once instead of once a row."""
+    return sum((len(rows) - 1) * depth for rows, depth in groups)
 
 
 def cascade_offsets(rows: int, grouped: int, groups: int, width: int) -> list[int]:

@@ -48,8 +48,18 @@ def decode_rows(draw):
 def test_a_plan_groups_rows_by_the_whole_blocks_they_share(rows, min_saved):
     tables, lens = rows
     plan = plan_cascade(tables, lens, BLOCK, min_saved)
+    # It saves at least what grouping the rows by their first block alone would (and plans
+    # whenever that would).
+    by_first: dict[int, list[int]] = {}
+    for r, (table, ctx) in enumerate(zip(tables, lens)):
+        if ctx > BLOCK:
+            by_first.setdefault(table[0], []).append(r)
+    one_each = BLOCK * sum((len(m) - 1) * len(os.path.commonprefix([tables[r][: (lens[r] - 1) // BLOCK] for r in m]))
+                           for m in by_first.values())
     if plan is None:
+        assert one_each < min_saved
         return
+    assert plan.saved >= one_each
     assert len(set(plan.rows)) == len(plan.rows)  # disjoint groups
     assert plan.starts[0] == 0 and plan.starts[-1] == len(plan.rows) and plan.starts == sorted(plan.starts)
     saved = pairs = 0
@@ -64,14 +74,6 @@ def test_a_plan_groups_rows_by_the_whole_blocks_they_share(rows, min_saved):
     grouped = set(plan.rows)
     assert all(plan.kv_start[r] == 0 for r in range(len(tables)) if r not in grouped)
     assert plan.saved == saved >= min_saved and plan.pairs == pairs
-    # It saves at least what grouping the rows by their first block alone would.
-    by_first: dict[int, list[int]] = {}
-    for r, (table, ctx) in enumerate(zip(tables, lens)):
-        if ctx > BLOCK:
-            by_first.setdefault(table[0], []).append(r)
-    one_each = sum((len(m) - 1) * len(os.path.commonprefix([tables[r][: (lens[r] - 1) // BLOCK] for r in m]))
-                   for m in by_first.values())
-    assert plan.saved >= one_each * BLOCK
 
 
 def test_documents_behind_one_preamble_are_read_once_each():
@@ -88,6 +90,22 @@ def test_documents_behind_one_preamble_are_read_once_each():
     tables = [[7, 1, 20], [7, 1, 21], [7, 5, 30], [7, 6, 31], [7, 8, 32]]
     plan = plan_cascade(tables, [3 * BLOCK] * 5, BLOCK, 1)
     assert plan.rows == [0, 1, 2, 3, 4] and plan.lens == [BLOCK]
+    # Two branches of two rows each: two groups of the deeper prefix, not one of the prompt; and
+    # the rows that stay behind a branch group over all they share.
+    tables = [[7, 1, 20], [7, 1, 21], [7, 5, 30], [7, 5, 31]]
+    plan = plan_cascade(tables, [3 * BLOCK] * 4, BLOCK, 1)
+    assert sorted(plan.lens) == [2 * BLOCK, 2 * BLOCK] and plan.saved == 4 * BLOCK
+    tables = [doc_a + [20], doc_a + [21], [7, 50, 3, 9], [7, 50, 4, 9]]
+    plan = plan_cascade(tables, [len(t) * BLOCK for t in tables], BLOCK, 1)
+    assert sorted(plan.lens) == [2 * BLOCK, 5 * BLOCK]
+
+
+def test_rows_whose_tables_nest_plan_without_recursing_once_a_row():
+    """Each row's table one block longer than the last (a conversation's turns side by side): the
+    plan follows ``SPLIT_LEVELS`` branches at most, then groups the rest at their common prefix."""
+    tables = [[1] + list(range(2, 2 + i)) + [10_000 + i] for i in range(1200)]
+    plan = plan_cascade(tables, [len(t) * BLOCK for t in tables], BLOCK, 1)
+    assert plan is not None and plan.saved >= 1199 * BLOCK  # at least the one group of the first block
 
 
 def test_no_plan_below_its_threshold_or_when_off():

@@ -41,7 +41,7 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
              reads the prefix alone until a second joins it (the engine groups no single row):
              2 * (tok - cpair) * s * min(M - 1, left / seqs), what that member's steps and the
              request's own save once both read it in the prefix pass (``Reservation.converted``)
-    total  = max(ttft, ttft + decode + harm + evict - join)
+    total  = max(ttft, ttft + decode + harm - join) + evict
 
 where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step it decodes in
 (``seq + tok * (P - s + M / 2) + cpair * s`` when the ranks decode shared prefixes once, ``s`` the
