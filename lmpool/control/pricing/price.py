@@ -319,7 +319,9 @@ class Pricer:
     def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None,
               arriving: int = 0) -> RankPrice:
         """``query`` on ``rank`` holding ``m`` usable blocks once ``wait_s`` seconds have passed,
-        ``arriving`` of them copied there first (they need room there too)."""
+        ``arriving`` of them copied there first (they need room there too). Its cascade group, with
+        ``Limits.cascade_groups``, is its branched depth's alone (``terms`` without ``held``): a
+        route's prices read what its candidates hold (``serve``)."""
         return self.price_terms(self.terms(query), rank, m, wait_s, seed, arriving)
 
     def price_terms(self, q: QueryTerms, rank: int, m: int, wait_s: float, seed: int | None,
