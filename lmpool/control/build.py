@@ -141,11 +141,7 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
         pending = PendingPrefixes(gbm.world_size, config.pending_ttl_s, gbm.clock)
         gbm.watch_stored(pending.confirm)
         stages.append(CountPending(pending))
-    lim = pricer.limits
-    # Groups are named only where the pricing reads them: cascades on, and priced by group.
-    groups = lim.cascade_groups and lim.cascade_min_saved > 0
-    stages += [Reserve(gbm, lim.cascade_min_saved, pricer.sharing if groups else None),
-               RecordDemand(gbm, evictions)]
+    stages += [Reserve(gbm, pricer), RecordDemand(gbm, evictions)]
     if chains is not None:
         stages.append(ObserveChains(chains))
     return Router(gbm, links, policy, stages)

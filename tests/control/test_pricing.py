@@ -523,7 +523,8 @@ def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_k
     branched_after(gbm, list(range(5)), depth)
     query = RouteQuery("q", list(range(5)), 5 * 16 + 3, 8)
     route = Route(query, None, (0,), [4], [4], rank=0)
-    reserve = Reserve(gbm, min_saved)
+    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, min_saved), lambda r: 0.5)
+    reserve = Reserve(gbm, pricer)
     reserve.settle(route)  # the router settles a route before it records it
     reserve.record(route)
     assert route.group is None  # no groups priced: none named
@@ -659,15 +660,18 @@ def test_with_cascade_groups_a_reservation_reads_its_shared_prefix_once_only_whe
     branched_after(gbm, list(range(5)), 4)
     route = Route(RouteQuery("q", list(range(5)), 5 * 16 + 3, 8), None, (0,), [4], [4], rank=0)
     asked = []
-    reserve = Reserve(gbm, 128, lambda rank, head: asked.append((rank, head)) or sharing)
+    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, DEFAULT_PRIOR),
+                    Limits(16, 256, 8192, True, 128, cascade_groups=True), lambda rank: 0.5)
+    reserve = Reserve(gbm, pricer)
+    counted = pricer.sharing
+    pricer.sharing = lambda rank, head: asked.append((rank, head)) or sharing  # type: ignore[method-assign]
     reserve.settle(route)
     assert route.depth == 4 and route.group == 3
     reserve.record(route)
     assert asked == [(0, 3)] and gbm.ranks[0].reserved.heads == {3: 1}
     assert gbm.ranks[0].reserved.cascade == (4 * 16 if sharing else 0)
     assert gbm.ranks[0].reserved.converted == (4 * 16 if sharing == 1 else 0)
-    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, DEFAULT_PRIOR),
-                    Limits(16, 256, 8192, True, 128, cascade_groups=True), lambda rank: 0.5)
+    pricer.sharing = counted  # type: ignore[method-assign]
     c, converted = DEFAULT_PRIOR, gbm.ranks[0].reserved.converted
     # (the lone member here is the test's ``sharing``, in no load report: the conversion floors at 0)
     context = max(0, 5 * 16 + 3 - gbm.ranks[0].reserved.cascade - converted)
@@ -706,7 +710,7 @@ def test_with_cascade_groups_a_second_question_joins_its_document_s_lone_questio
         cache(gbm, rank, doc)
     pricer = Pricer(gbm, Topology.virtual(2), engine_model(2, fit),
                     Limits(256, 256, 8192, True, 65536, cascade_groups=True), lambda rank: 0.5)
-    reserve = Reserve(gbm, 65536, pricer.sharing)
+    reserve = Reserve(gbm, pricer)
     first, second = (RouteQuery(f"q{i}", doc + [1000 + i], 64 * 256 + 64, 32) for i in range(2))
     route = Route(first, None, (0, 1), [64, 64], [64, 64], rank=0)
     reserve.settle(route)

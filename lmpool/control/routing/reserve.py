@@ -14,40 +14,34 @@ prefix is read once only where sequences of the request's group (reported there,
 make a group for it to join. The group is keyed by the shared prefix's last block hash
 (``group_key``): the stage settles it on the route (``Route.group``), which the decision carries
 to the worker, and each reservation names it (its ``head``), the group it makes or joins.
-The chain's branched depth is read once, when the route settles (``Route.depth``; with groups,
-their depth, ``group_depth``). Joining a group of one, a reservation converts that member
+The prefix and the group are the pricing's own (``Pricer.terms``), read once, when the route
+settles (``Route.depth``, ``Route.group``). Joining a group of one, a reservation converts that member
 (``Reservation.converted``), as the pricing credits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import attention_pairs, group_depth, group_key, read_once, request_shape
+from lmpool.control.pricing.price import Pricer, attention_pairs, read_once, request_shape
 from lmpool.control.routing.route import Route, RouteStage
-from lmpool.protocol.base import BlockHash
 
 
 class Reserve(RouteStage):
-    def __init__(self, gbm: GlobalBlockManager, cascade_min_saved: int = 0,
-                 sharing: Callable[[int, BlockHash | None], int] | None = None) -> None:
-        """``sharing(rank, head)``: the sequences on ``rank`` of group ``head`` (the pricer's,
-        ``Pricer.sharing``), where ``Limits.cascade_groups`` prices by them; else None."""
+    def __init__(self, gbm: GlobalBlockManager, pricer: Pricer) -> None:
+        """Reservations by ``pricer``'s rules: its limits' cascades and groups, its terms of a
+        request (the prefix it shares, its group) and its count of a group's sequences on a rank."""
         self.gbm = gbm
-        self.cascade_min_saved = cascade_min_saved  # 0: the ranks run no cascades
-        self.sharing = sharing
+        self.pricer = pricer
+        lim = pricer.limits
+        self.cascade_min_saved = lim.cascade_min_saved  # 0: the ranks run no cascades
+        self.groups = lim.cascade_groups and lim.cascade_min_saved > 0  # named only where priced
 
     def settle(self, route: Route) -> None:
-        """The chain's branched depth, where the ranks run cascades or the pricing reads groups, and
-        then its group (``group_key``), where the pricing reads groups: before the decision, which
-        carries the group to the worker."""
-        if self.cascade_min_saved or self.sharing is not None:
-            chain = route.query.block_hashes
-            route.depth = self.gbm.branched_depth(chain)
-            if self.sharing is not None:  # the pricing's (``Pricer.terms``)
-                route.depth = group_depth(chain, route.depth, max(route.expected))
-                route.group = group_key(chain, route.depth)
+        """Where the ranks run cascades, the prefix the request shares and its group, as the pricing
+        reads them (``Pricer.terms``): before the decision, which carries the group to the worker."""
+        if self.cascade_min_saved:
+            terms = self.pricer.terms(route.query, max(route.expected))
+            route.depth, route.group = terms.shared // self.gbm.block_size, terms.head
 
     def record(self, route: Route) -> None:
         query, rank = route.query, route.rank
@@ -55,13 +49,13 @@ class Reserve(RouteStage):
         blocks = min(need, max(0, self.gbm.ranks[rank].blocks_available))
         prompt = query.num_prompt_tokens
         # With cascades, the prefix other prompts share is not its own reading: cascade pairs there.
-        # Its group, where the pricing reads groups (``sharing``): else the route has none.
+        # Its group, where the pricing reads groups: else the route has none.
         head = route.group
         shared = members = 0
         if self.cascade_min_saved:
             shared = route.depth * self.gbm.block_size
-            if self.sharing is not None:
-                members = self.sharing(rank, head)
+            if self.groups:
+                members = self.pricer.sharing(rank, head)
                 shared = shared if members else 0
             else:
                 shared = read_once(shared, self.gbm.ranks[rank].in_flight_seqs, self.cascade_min_saved)
