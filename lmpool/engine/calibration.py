@@ -8,7 +8,8 @@ prefilled together, then decoding together; one long prompt (its attention grows
 square), then decoding at a long context; and, where the engine decodes shared prefixes once
 (cascades), a batch of short questions about that prompt decoding as a cascade (its prefix
 pass's pairs, which nothing else times). A warm-up round runs first and is not kept (a first
-step pays one-time costs).
+step pays one-time costs), and so does a prompt of the long one's length (a first prompt of a
+length pays for the attention kernels built for its shape).
 
 Invariants: nothing it computes stays cached: the prefix cache is off while it runs, except,
 for an engine that runs cascades, from the long prompt on, so its questions share its blocks;
@@ -64,7 +65,13 @@ def calibrate(core: EngineCore, seed: int = 0) -> list[StepSample]:
         # prompt's attention per token too like the short ones' for the fit to tell them apart.
         pace = max((s.seconds / s.prefill_tokens for s in kept if s.prefill_tokens), default=0.0)
         floor = min(longest, LONG_MIN * short)
-        long = _tokens(rng, vocab, longest if pace <= 0 else max(floor, min(longest, int(LONG_S / pace))))
+        n = longest if pace <= 0 else max(floor, min(longest, int(LONG_S / pace)))
+        # Its length warmed first, as the short batch is, and not kept: a first prompt of a
+        # length pays once for what dense attention builds per shape (on an H200, cuDNN took
+        # 43-1,100 ms against the prompt's few), which priced every attention pair ~50x its time.
+        _run(core, [(_tokens(rng, vocab, n), 1)], "calibration-long-warm-up")
+        core.take_step_samples()
+        long = _tokens(rng, vocab, n)
         bm.enable_prefix_caching = cascades  # its blocks cached for the questions about it
         _run(core, [(long, DECODE // 2)], "calibration-long")
         kept += core.take_step_samples()

@@ -59,6 +59,8 @@ def test_calibration_times_the_shapes_the_fit_tells_apart_and_leaves_nothing_beh
     assert max(s.attention / s.prefill_tokens for s in prefill) > 4 * min(
         s.attention / s.prefill_tokens for s in prefill), "a long prompt's attention as well as short ones'"
     assert not any(s.cascade_pairs for s in samples), "an engine without cascades times none"
+    longest = max(s.prefill_tokens for s in prefill)
+    assert [s.prefill_tokens for s in prefill].count(longest) == 1, "the long prompt's warm-up is not kept"
     bm = core.block_manager
     assert not core.has_unfinished() and bm.num_free == bm.num_blocks and not bm.has_pending_events
     assert bm.enable_prefix_caching and core.take_step_samples() == []
