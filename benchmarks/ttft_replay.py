@@ -51,11 +51,12 @@ class FixedFits:
 
 def coefficients(fit: dict) -> StepCoefficients:
     """A rank's ``step_fit`` record as step coefficients (seconds). A record from before cascade
-    pairs had a coefficient of their own has none: its routes priced them at the attention pair's."""
+    pairs had a coefficient of their own has none: its routes priced them at the attention pair's
+    (and one from before prefill keys, none for them)."""
     attention = fit["attention_ns_per_pair"]
     return StepCoefficients(fit["base_ms"] * 1e-3, fit["prefill_us_per_token"] * 1e-6, attention * 1e-9,
                             fit["decode_us_per_seq"] * 1e-6, fit["context_us_per_token"] * 1e-6,
-                            fit.get("cascade_ns_per_pair", attention) * 1e-9)
+                            fit.get("cascade_ns_per_pair", attention) * 1e-9, fit.get("prefill_ns_per_key", 0.0) * 1e-9)
 
 
 def requests(run: dict) -> list[dict]:

@@ -51,6 +51,7 @@ class ScheduledBatch:
     # The batch's shape as the step-time model reads it (``lmpool.protocol.StepSample``).
     prefill_tokens: int = 0
     prefill_attention: int = 0
+    prefill_keys: int = 0
     decode_seqs: int = 0
     decode_context: int = 0  # keys the decoding rows attend to, in all
     # Of those, the keys a cascade's prefix passes read once for their rows, as (row, key) pairs
@@ -75,12 +76,13 @@ class ScheduledBatch:
         else:
             self.prefill_tokens += n
             self.prefill_attention += n * c + n * (n + 1) // 2
+            self.prefill_keys += c + n
 
     def sample(self, seconds: float) -> StepSample:
         """This step, taking ``seconds``, as the step-time model reads it: a cascade's prefix
         passes as their pairs, the keys each row reads on its own as its context."""
         return StepSample(seconds, self.prefill_tokens, self.prefill_attention, self.decode_seqs,
-                          self.decode_context - self.cascade_pairs, self.cascade_pairs)
+                          self.decode_context - self.cascade_pairs, self.cascade_pairs, self.prefill_keys)
 
     def decode_first(self) -> None:
         """List the single-token rows first, each part in its order (the prompt logprobs' indices

@@ -54,6 +54,11 @@ class LoadReport(Message):
     # Last, defaulting to empty: a sender from before them still decodes.
     group_heads: list[BlockHash] = []
     group_rows: list[int] = []
+    # The keys that prefill's chunks read (as ``StepSample.prefill_keys`` counts them: each
+    # prompt's whole context), the queue's and the launched step's; after the groups, defaulting
+    # to 0: a sender from before them still decodes.
+    prefill_keys: int = 0
+    launched_keys: int = 0
 
 
 GROUP_HEADS = 16  # the most groups a load report lists (``LoadReport.group_heads``): a report stays small
@@ -69,8 +74,11 @@ class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):
     prefix pass of ``rows * p`` pairs (``lmpool.engine.cascade``): those are ``cascade_pairs``,
     apart from the prefill's ``attention`` (a pass of few query rows over many keys costs a pair
     more than a prefill chunk's full tiles do), and only the keys each row reads alone are its
-    context. ``cascade_pairs`` comes last, defaulting to 0: a sender from before it still decodes
-    (its cascade pairs are in ``attention``)."""
+    context. A prefill chunk also reads its whole context's keys (``c + n``: ``prefill_keys``), at
+    a cost per key apart from its pairs': short queries over a long context (a burst's questions
+    through LMPool's kernel) cost ~3.5x a long prompt's pair on the H200, and the keys they read
+    tell the two apart. ``cascade_pairs`` and then ``prefill_keys`` come last, defaulting to 0: a
+    sender from before them still decodes (its cascade pairs are in ``attention``)."""
 
     seconds: float
     prefill_tokens: int = 0
@@ -78,3 +86,4 @@ class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):
     decode_seqs: int = 0
     decode_context: int = 0  # keys the decoding rows read each on its own (not a cascade's prefix)
     cascade_pairs: int = 0  # (row, key) pairs of the cascade prefix passes
+    prefill_keys: int = 0  # keys the prefill chunks read: each chunk's context, its own tokens included

@@ -61,14 +61,15 @@ class StepKindFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     within_25pct: float = 0.0  # recent share of steps predicted within 25 %
     # The last few steps of this kind, each [seconds measured, seconds predicted, then its
     # ``StepSample`` shape: prefill tokens, attention pairs, decoding sequences, their context,
-    # cascade pairs]: what a badly predicted kind's misses were made of.
+    # cascade pairs, prefill keys]: what a badly predicted kind's misses were made of.
     recent: list[list[float]] = []
 
 
 class StepFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     """A rank's fitted step time (``lmpool.control.pricing.step_model``): a step's seconds are
     base + per prefill token + per attention pair + per decoding sequence + per context token
-    + per cascade pair. The cascade pair's came last: a reader from before it still decodes."""
+    + per cascade pair + per key a prefill reads. The cascade pair's and the key's came last: a
+    reader from before them still decodes."""
 
     base_ms: float = 0.0
     prefill_us_per_token: float = 0.0
@@ -81,6 +82,7 @@ class StepFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     speed: float = 1.0  # its recent steps' measured time over the pooled fit's (the coefficients include it)
     kinds: list[StepKindFit] = []  # its priced predictions by kind of step
     cascade_ns_per_pair: float = 0.0
+    prefill_ns_per_key: float = 0.0
 
 
 class RankState(Message, kw_only=True):

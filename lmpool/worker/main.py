@@ -174,7 +174,7 @@ class Worker:
 
     def load(self) -> LoadReport:
         sched, bm = self.core.scheduler, self.core.block_manager
-        prefill = attention = decode_left = context = 0
+        prefill = attention = keys = decode_left = context = 0
         heads: Counter[bytes] = Counter()  # sequences by the group their routes named: the cascade groups
         longest: dict[bytes, int] = {}  # ... and each group's longest prompt
         # Every step with output builds a report: the groups only where the pool prices by them (and
@@ -187,6 +187,7 @@ class Worker:
             n, c = max(0, len(seq) - 1 - seq.num_computed_tokens), seq.num_computed_tokens
             prefill += n
             attention += n * c + n * (n + 1) // 2
+            keys += c + n if n else 0
             decode_left += seq.params.max_tokens - seq.num_output_tokens
             context += len(seq)
         new_prefill = prefill
@@ -199,6 +200,7 @@ class Worker:
             n = max(0, length - cached)
             new_prefill += n
             attention += n * cached + n * (n + 1) // 2
+            keys += length if n else 0
             decode_left += seq.params.max_tokens - seq.num_output_tokens
             context += length
         self.cached_on_arrival = {s.request_id: self.cached_on_arrival[s.request_id]
@@ -238,6 +240,8 @@ class Worker:
             launched_attention=launched.prefill_attention if launched else 0,
             group_heads=[h for h, _ in groups],
             group_rows=[rows for _, rows in groups],
+            prefill_keys=keys,
+            launched_keys=launched.prefill_keys if launched else 0,
         )
 
     async def send_steps(self, force: bool = False) -> None:

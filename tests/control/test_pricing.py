@@ -26,21 +26,27 @@ from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 from control_testkit import COEF, ManualClock, cache, chain_blocks, engine_model
 
 TRUE = StepCoefficients(base=2e-3, prefill_token=30e-6, attention_pair=8e-9, decode_seq=40e-6, context_token=0.12e-6,
-                        cascade_pair=12e-9)
-# COEF charges no pairs: a pair term's test needs some, a cascade's pair dearer than a prefill's.
-PAIRED = COEF._replace(attention_pair=5e-9, cascade_pair=12e-9)
+                        cascade_pair=12e-9, prefill_key=110e-9)
+# COEF charges no pairs: a pair term's test needs some, a cascade's pair dearer than a prefill's,
+# and the keys a prefill reads their own.
+PAIRED = COEF._replace(attention_pair=5e-9, cascade_pair=12e-9, prefill_key=100e-9)
 
 
 def steps(rng: random.Random, coefficients: StepCoefficients, n: int, noise: float = 0.05) -> list[StepSample]:
-    """``n`` steps of mixed shapes (prefill chunks at various depths, decode batches of various
-    contexts, some of whose rows share a prefix read in a cascade's prefix pass, and both
-    together), timed by ``coefficients`` with multiplicative noise."""
+    """``n`` steps of mixed shapes (prefill chunks at various depths, or a burst's short questions
+    over one long context, decode batches of various contexts, some of whose rows share a prefix
+    read in a cascade's prefix pass, and both together), timed by ``coefficients`` with
+    multiplicative noise."""
     out = []
     for _ in range(n):
-        prefill = attention = cascade = 0
+        prefill = attention = cascade = keys = 0
         if rng.random() < 0.4:
-            prefill, done = rng.randrange(16, 8192), rng.randrange(0, 16_384)
-            attention = prefill * done + prefill * (prefill + 1) // 2
+            chunks, done = 1, rng.randrange(0, 16_384)
+            prefill = rng.randrange(16, 8192)
+            if rng.random() < 0.5:  # questions: few query rows each, every one reading the whole context
+                chunks, prefill, done = rng.randrange(1, 64), rng.randrange(4, 48), rng.randrange(8192, 32_768)
+            attention = chunks * (prefill * done + prefill * (prefill + 1) // 2)
+            keys, prefill = chunks * (done + prefill), chunks * prefill
         seqs, mean = rng.randrange(0, 64), rng.randrange(16, 8192)  # a batch of long or short contexts
         context = sum(rng.randrange(1, 2 * mean) for _ in range(seqs))
         if seqs >= 2 and rng.random() < 0.4:  # questions about one document: a short tail of their own each
@@ -48,8 +54,8 @@ def steps(rng: random.Random, coefficients: StepCoefficients, n: int, noise: flo
             cascade = seqs * rng.randrange(1024, 32_768)
         if not prefill and not seqs:
             seqs, context = 1, 100
-        seconds = coefficients.step_s(prefill, attention, seqs, context, cascade) * rng.uniform(1 - noise, 1 + noise)
-        out.append(StepSample(seconds, prefill, attention, seqs, context, cascade))
+        seconds = coefficients.step_s(prefill, attention, seqs, context, cascade, keys) * rng.uniform(1 - noise, 1 + noise)
+        out.append(StepSample(seconds, prefill, attention, seqs, context, cascade, keys))
     return out
 
 
@@ -91,7 +97,13 @@ def test_the_fit_follows_a_replica_that_slows_down_and_never_goes_negative():
     slower = StepCoefficients(*(2 * v for v in TRUE))  # a neighbour started on the GPU
     for _ in range(60):
         model.observe(steps(rng, slower, 20))
-    assert predictions_within(model, steps(rng, slower, 200, noise=0.0), slower) < 0.1
+    # A prefill's keys are a large part of few of these steps (a burst's questions), so within a
+    # window of 200 steps their coefficient stays nearer the prior than the others: the worst step
+    # within 15 %, the median within 5 %.
+    probe = steps(rng, slower, 200, noise=0.0)
+    assert predictions_within(model, probe, slower) < 0.15
+    errors = sorted(abs(model.predict(s) - slower.predict(s)) / slower.predict(s) for s in probe)
+    assert errors[len(errors) // 2] < 0.05
     assert all(v >= 0 for v in model.coefficients)
 
 
@@ -120,18 +132,18 @@ def calibration_steps(rng: random.Random, coefficients: StepCoefficients) -> lis
     """The shapes a worker's calibration times (``lmpool.engine.calibration``), 8-token blocks:
     one short request decoding alone, 16 prefilled together then decoding, one long prompt, then
     16 short questions about it decoding as a cascade over its 73 whole blocks."""
-    out = [StepSample(0.0, 64, 64 * 65 // 2, 0, 0)]
+    out = [StepSample(0.0, 64, 64 * 65 // 2, 0, 0, 0, 64)]
     out += [StepSample(0.0, 0, 0, 1, 65 + i) for i in range(7)]
-    out += [StepSample(0.0, 1024, 16 * 64 * 65 // 2, 0, 0)]
+    out += [StepSample(0.0, 1024, 16 * 64 * 65 // 2, 0, 0, 0, 1024)]
     out += [StepSample(0.0, 0, 0, 16, 16 * (65 + i)) for i in range(7)]
-    out += [StepSample(0.0, 591, 591 * 592 // 2, 0, 0)] + [StepSample(0.0, 0, 0, 1, 592 + i) for i in range(3)]
-    out += [StepSample(0.0, 1024, 16 * (64 * 584 + 64 * 65 // 2), 0, 0)]
+    out += [StepSample(0.0, 591, 591 * 592 // 2, 0, 0, 0, 591)] + [StepSample(0.0, 0, 0, 1, 592 + i) for i in range(3)]
+    out += [StepSample(0.0, 1024, 16 * (64 * 584 + 64 * 65 // 2), 0, 0, 0, 16 * 648)]
     out += [StepSample(0.0, 0, 0, 16, 16 * (65 + i), 16 * 584) for i in range(7)]
     return [msgspec.structs.replace(s, seconds=coefficients.predict(s) * rng.uniform(0.95, 1.05)) for s in out]
 
 
-@pytest.mark.parametrize("factors", [(1, 1, 1, 1, 1, 1), (1, 2, 90, 1.5, 15, 40), (0.5, 0.2, 0.05, 0.3, 0.1, 0.05),
-                                     (8, 8, 8, 8, 8, 8)])
+@pytest.mark.parametrize("factors", [(1, 1, 1, 1, 1, 1, 1), (1, 2, 90, 1.5, 15, 40, 20),
+                                     (0.5, 0.2, 0.05, 0.3, 0.1, 0.05, 0.1), (8, 8, 8, 8, 8, 8, 8)])
 def test_a_calibration_moves_the_fit_as_far_from_the_prior_as_its_steps_say(factors):
     """A worker's few calibration steps set its fit wherever they put it: a CPU's attention pair
     costs ~90 times the prior's (an H200 quarter's); a larger model's every coefficient 8 times.
@@ -335,18 +347,40 @@ def test_the_prefix_pass_of_a_rank_s_sequences_is_priced_at_the_cascade_s_pair()
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 64), st.integers(1, 8192), st.integers(0, 10**9), st.booleans())
-def test_a_new_request_waits_for_the_prefill_its_rank_has_launched(running, tokens, pairs, overlapped):
+@given(st.integers(1, 64), st.integers(1, 8192), st.integers(0, 10**9), st.integers(0, 10**6), st.booleans())
+def test_a_new_request_waits_for_the_prefill_its_rank_has_launched(running, tokens, pairs, keys, overlapped):
     """A prefill launched and not yet read back has left the rank's queue, not its device: a
     request arriving now waits for it too (a burst's questions admitted into one step)."""
     ttft = []
-    for launched, attention in ((0, 0), (tokens, pairs)):
+    for launched, attention, read in ((0, 0, 0), (tokens, pairs, keys)):
         gbm = one_rank(LoadReport(num_running=running, context_tokens=1000 * running, decode_tokens_left=10 * running,
-                                  blocks_free=4000, launched_prefill_tokens=launched, launched_attention=attention))
+                                  blocks_free=4000, launched_prefill_tokens=launched, launched_attention=attention,
+                                  launched_keys=read))
         pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192, overlapped),
                         lambda rank: 0.5)
         ttft.append(pricer.price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s)
-    assert ttft[1] - ttft[0] == pytest.approx(PAIRED.prefill_token * tokens + PAIRED.attention_pair * pairs)
+    assert ttft[1] - ttft[0] == pytest.approx(PAIRED.prefill_token * tokens + PAIRED.attention_pair * pairs
+                                              + PAIRED.prefill_key * keys)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 64), st.integers(1, 64), st.integers(1, 32_768), st.integers(1, 200))
+def test_a_prefill_is_priced_at_the_keys_its_chunks_read(running, questions, context, own):
+    """Short questions over a long document cost more than their pairs at a long prompt's rate:
+    each chunk reads its whole context. The queue's reported keys and a request's own prompt
+    (its context, where it computes any) are both priced at the fitted key's seconds."""
+    def ttft(coefficients: StepCoefficients, keys: int) -> float:
+        load = LoadReport(num_running=running, context_tokens=100 * running, decode_tokens_left=10 * running,
+                          blocks_free=4000, num_waiting=questions, waiting_prefill_tokens=questions * own,
+                          prefill_attention=questions * (own * context + own * (own + 1) // 2), prefill_keys=keys)
+        pricer = Pricer(one_rank(load), Topology.virtual(1), engine_model(1, coefficients), Limits(16, 256, 8192),
+                        lambda rank: 0.5)
+        return pricer.price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s
+
+    queue_keys = questions * (context + own)
+    keyless = PAIRED._replace(prefill_key=0.0)
+    assert ttft(PAIRED, queue_keys) - ttft(keyless, queue_keys) == pytest.approx(PAIRED.prefill_key * (queue_keys + 35))
+    assert ttft(PAIRED, queue_keys) - ttft(PAIRED, 0) == pytest.approx(PAIRED.prefill_key * queue_keys)
 
 
 @settings(max_examples=100, deadline=None)

@@ -21,7 +21,7 @@ from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 
 PEERS_DIGEST = "aa52d3175df3fd43521e5fec92dbb5567ca666119688db0a4ed0bcd68482d7f3"
-LMPOOL_DIGEST = "129c5d45680fa5b4b69f2f7065df46e0066acd83dead2208baa15c3a34583684"
+LMPOOL_DIGEST = "6dac6825504c8161bdeb82a792d46f27a53c8891185f68f37c0ef2e1ab8d45df"
 
 
 class Clock:

@@ -82,7 +82,8 @@ def test_a_rank_s_calibration_starts_its_figures_afresh():
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.floats(1e-6, 10.0), st.integers(0, 8192), st.integers(0, 10**8), st.integers(0, 64),
-                          st.integers(0, 10**6), st.integers(0, 10**7)), max_size=60), st.floats(10.0, 5000.0))
+                          st.integers(0, 10**6), st.integers(0, 10**7), st.integers(0, 10**6)), max_size=60),
+       st.floats(10.0, 5000.0))
 def test_every_kind_shown_has_a_finite_ratio_and_a_share(rows, half_life):
     accuracy = StepAccuracy(half_life)
     samples = [StepSample(*row) for row in rows]
@@ -95,7 +96,8 @@ def test_every_kind_shown_has_a_finite_ratio_and_a_share(rows, half_life):
         # The last few of the kind, whole: its time, its prediction, its shape.
         mine = [s for s in samples if kind_of(s) == k.kind][-len(k.recent):]
         assert len(k.recent) == min(4, k.steps) and [r[:1] + r[2:] for r in k.recent] == [
-            [s.seconds, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context, s.cascade_pairs] for s in mine]
+            [s.seconds, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context, s.cascade_pairs,
+             s.prefill_keys] for s in mine]
         assert all(r[1] == PRICED.predict(s) for r, s in zip(k.recent, mine))
 
 
@@ -111,7 +113,7 @@ def test_stats_gives_a_rank_s_fit_and_its_kinds_as_plain_dicts():
     assert fit["samples"] == 1 and fit["base_ms"] > 0  # the fit's figures, by name
     # Priced at 2.52 ms (before the step moved the fit), measured 10 ms.
     assert fit["kinds"] == [{"kind": "decode", "steps": 1, "predicted_over_measured": pytest.approx(0.252),
-                             "within_25pct": 0.0, "recent": [[0.01, pytest.approx(0.00252), 0, 0, 4, 4000, 0]]}]
+                             "within_25pct": 0.0, "recent": [[0.01, pytest.approx(0.00252), 0, 0, 4, 4000, 0, 0]]}]
 
 
 def test_stats_and_top_show_the_cascade_pair_apart():

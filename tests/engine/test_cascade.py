@@ -395,7 +395,8 @@ def test_a_mixed_step_lists_its_decode_rows_first_and_gives_the_rest_their_query
     meta = inputs.meta
     assert not meta.is_decode and meta.mixed_decode_rows == 2 and batch.cascade_pairs == 16
     # The step model's view: the prefix pass's pairs apart, what the rows read alone context.
-    assert batch.sample(1.0) == StepSample(1.0, 3 + 7, (3 * 8 + 6) + 28, 2, 10 + 13 - 16, cascade_pairs=16)
+    assert batch.sample(1.0) == StepSample(1.0, 3 + 7, (3 * 8 + 6) + 28, 2, 10 + 13 - 16, cascade_pairs=16,
+                                           prefill_keys=(8 + 3) + 7)
     assert meta.mixed_query_start_loc.tolist() == [0, 3, 10]
     assert meta.query_start_loc.tolist() == [0, 1, 2, 5, 12]
     assert meta.key_starts.tolist() == [0, 10, 23, 34, 41]  # contexts 10, 13, 11 and 7

@@ -25,11 +25,11 @@ def test_a_batch_knows_its_shape():
     first = Sequence("a", list(range(12)), params, BLOCK)
     sched.add(first)
     batch = sched.schedule()  # 10 of its 12 prompt tokens: a chunk from 0
-    assert (batch.prefill_tokens, batch.prefill_attention, batch.decode_seqs) == (10, 55, 0)
+    assert (batch.prefill_tokens, batch.prefill_attention, batch.decode_seqs, batch.prefill_keys) == (10, 55, 0, 10)
     sched.complete_step(batch)
     sched.add(Sequence("b", list(range(100, 103)), params, BLOCK))
     batch = sched.schedule()  # "a": its last 2 after 10 computed; "b": 3 from 0
-    assert (batch.prefill_tokens, batch.prefill_attention) == (5, 2 * 10 + 3 + 6)
+    assert (batch.prefill_tokens, batch.prefill_attention, batch.prefill_keys) == (5, 2 * 10 + 3 + 6, 12 + 3)
     sched.complete_step(batch)
     first.append_token(7)
     batch = sched.schedule()  # "a" decodes one token at 13 of context

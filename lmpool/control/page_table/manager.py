@@ -276,16 +276,17 @@ class GlobalBlockManager:
 
     def reserve(self, request_id: str, rank: int, blocks: int, tokens: int, attention: int = 0, context: int = 0,
                 decode: int = 0, deferred: bool = False, cascade: int = 0, head: BlockHash | None = None,
-                converted: int = 0) -> None:
+                converted: int = 0, keys: int = 0) -> None:
         """Hold ``blocks`` of capacity and the request's queue work (``tokens`` to prefill, their
-        ``attention`` pairs, its ``context``, ``decode`` tokens and ``cascade`` prefix) on ``rank``
-        until it admits it; ``deferred``: the request waits on a pull to ``rank`` (its work starts
-        once that ends); ``head``: its cascade group's key (``group_key``), the group it joins there;
-        ``converted``: the prefix a lone member of that group reads in the cascade once it joins."""
+        ``attention`` pairs and the ``keys`` they read, its ``context``, ``decode`` tokens and
+        ``cascade`` prefix) on ``rank`` until it admits it; ``deferred``: the request waits on a
+        pull to ``rank`` (its work starts once that ends); ``head``: its cascade group's key
+        (``group_key``), the group it joins there; ``converted``: the prefix a lone member of that
+        group reads in the cascade once it joins."""
         if not self._registry.get(rank).alive:
             raise ValueError(f"cannot reserve on rank {rank}: it is not alive")
         self._reservations.reserve(request_id, rank, blocks, tokens, attention, context, decode, deferred, cascade,
-                                   head, converted)
+                                   head, converted, keys)
 
     def admissible(self, request_id: str) -> None:
         """The pull the request waited on has ended: its reserved work is no longer deferred."""

@@ -2,14 +2,15 @@
 reports show it. One per request; released when the rank reports the request admitted, when
 the rank goes, or ``ttl_s`` after it was taken (its request never arrived). A reservation holds
 what the request will add to the rank's load report once admitted: blocks, prompt tokens to
-compute and their attention pairs, its context (the keys it reads on its own), the shared prefix
+compute, their attention pairs and the keys they read, its context (the keys it reads on its own), the shared prefix
 its decode steps attend in a cascade's prefix pass (``cascade``) and the tokens it will decode.
 It names its request's cascade group (``head``: the last block hash of the prefix it shares with
 other routed prompts, ``lmpool.control.pricing.price.group_key``): a rank's totals count the
 reservations of each group (``heads``), the groups routed there and not yet reported, which
 ``RoutingConfig.cascade_groups`` prices a request's shared prefix by. A reservation is
 ``deferred`` while its request waits on a pull to its rank: its prefill cannot start before the
-pull lands, and a rank's totals keep that part apart (``deferred_tokens``, ``deferred_attention``)
+pull lands, and a rank's totals keep that part apart (``deferred_tokens``, ``deferred_attention``,
+``deferred_keys``)
 until the pull ends (``admissible``).
 
 Invariants: each rank's totals are the sums of its reservations, its deferred totals those of
@@ -43,22 +44,23 @@ class Reservation(msgspec.Struct, frozen=True, gc=False):
     # The prefix tokens a lone member of its group there read alone and, joined by it, read in the
     # cascade's prefix pass from then on: the rank's context less these, its cascade pairs more.
     converted: int = 0
+    keys: int = 0  # the keys its prefill reads (``LoadReport.prefill_keys``): its prompt, where it computes any
 
 
 # The fields a rank's totals sum, in ``Reservation``'s names, and those it sums of deferred ones.
-SUMMED = ("blocks", "tokens", "attention", "context", "decode", "cascade", "converted")
-DEFERRED = ("deferred_tokens", "deferred_attention")
+SUMMED = ("blocks", "tokens", "attention", "context", "decode", "cascade", "converted", "keys")
+DEFERRED = ("deferred_tokens", "deferred_attention", "deferred_keys")
 
 
 class RankReservations:
-    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "cascade", "converted", "count",
-                 "deferred_tokens",
-                 "deferred_attention", "version", "heads")
+    __slots__ = ("blocks", "tokens", "attention", "context", "decode", "cascade", "converted", "keys", "count",
+                 "deferred_tokens", "deferred_attention", "deferred_keys", "version", "heads")
 
     def __init__(self) -> None:
         self.blocks = self.tokens = self.attention = self.context = self.decode = self.cascade = self.count = 0
-        self.converted = 0
-        self.deferred_tokens = self.deferred_attention = 0  # of ``tokens`` and ``attention``: waiting on pulls
+        self.converted = self.keys = 0
+        # Of ``tokens``, ``attention`` and ``keys``: waiting on pulls.
+        self.deferred_tokens = self.deferred_attention = self.deferred_keys = 0
         self.version = 0  # every change adds one: what was priced from the totals knows when they moved
         self.heads: dict[bytes, int] = {}  # group key -> reservations of it (a group at 0 leaves)
 
@@ -71,10 +73,12 @@ class RankReservations:
         self.decode += sign * r.decode
         self.cascade += sign * r.cascade
         self.converted += sign * r.converted
+        self.keys += sign * r.keys
         self.count += sign
         if r.deferred:
             self.deferred_tokens += sign * r.tokens
             self.deferred_attention += sign * r.attention
+            self.deferred_keys += sign * r.keys
         if r.head is not None:
             rows = self.heads.get(r.head, 0) + sign
             if rows:
@@ -95,15 +99,15 @@ class Reservations:
 
     def reserve(self, request_id: str, rank: int, blocks: int, tokens: int, attention: int = 0, context: int = 0,
                 decode: int = 0, deferred: bool = False, cascade: int = 0, head: bytes | None = None,
-                converted: int = 0) -> None:
-        if min(blocks, tokens, attention, context, decode, cascade, converted) < 0:
+                converted: int = 0, keys: int = 0) -> None:
+        if min(blocks, tokens, attention, context, decode, cascade, converted, keys) < 0:
             raise ValueError(f"reservation of {blocks} blocks, {tokens} tokens, {attention} pairs, {context} context, "
-                             f"{decode} decode tokens, {cascade} cascade pairs, {converted} converted: "
+                             f"{decode} decode tokens, {cascade} cascade pairs, {converted} converted, {keys} keys: "
                              "all must be >= 0")
         self.release(request_id)  # a re-routed request holds one reservation, not two
         now = self.clock()
         reservation = Reservation(request_id, rank, blocks, tokens, now, attention, context, decode, deferred, cascade,
-                                  head, converted)
+                                  head, converted, keys)
         self.by_id[request_id] = reservation
         self._expiry.append((now, request_id))
         self.totals[rank].add(reservation, 1)

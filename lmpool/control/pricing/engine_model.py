@@ -150,6 +150,7 @@ class EngineModel:
         return StepFit(base_ms=c.base * 1e3, prefill_us_per_token=c.prefill_token * 1e6,
                        attention_ns_per_pair=c.attention_pair * 1e9, decode_us_per_seq=c.decode_seq * 1e6,
                        context_us_per_token=c.context_token * 1e6, cascade_ns_per_pair=c.cascade_pair * 1e9,
+                       prefill_ns_per_key=c.prefill_key * 1e9,
                        samples=model.samples,
                        calibrated=model.calibrated, error=model.error, speed=self._speeds[rank],
                        kinds=self._accuracy[rank].describe())

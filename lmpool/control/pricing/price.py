@@ -4,19 +4,20 @@ A rank's in-flight work is its last load report plus its route reservations: ``n
 (running, waiting, reserved; at most ``max_num_seqs`` run), their ``ctx`` context tokens (read
 each on its own) and ``cp`` cascade pairs (the shared prefixes they attend in a cascade's prefix
 passes), ``left`` tokens still to decode, and ``W`` prompt tokens still to prefill (``Aw``
-attention pairs). With the rank's step coefficients (base, per prefill token, per attention
-pair, per decoding sequence ``seq``, per context token ``tok``, per cascade pair ``cpair``), a
+attention pairs; ``Kw`` keys their chunks read, each prompt's whole context). With the rank's
+step coefficients (base, per prefill token, per attention pair, per prefill key, per decoding
+sequence ``seq``, per context token ``tok``, per cascade pair ``cpair``), a
 step beside the decodes costs ``step = base + seq * n + tok * ctx + cpair * cp``, and takes at
 most ``room = chunk - n`` prefill tokens.
 (The requests routed there before it arrive there before it too, so its steps count them.)
 For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` to compute
 (``a`` attention pairs) and ``M`` tokens to generate:
 
-    queue  = ceil(W / room) * step + prefill_token * W + attention_pair * Aw     (0 when W = 0)
-    start  = ceil((W + p) / room) * step + prefill_token * W + attention_pair * Aw
+    queue  = ceil(W / room) * step + prefill_token * W + attention_pair * Aw + prefill_key * Kw   (0 when W = 0)
+    start  = ceil((W + p) / room) * step + prefill_token * W + attention_pair * Aw + prefill_key * Kw
              # the queued prefill and the request's own are packed into the same steps: a short
              # prompt behind a short queue shares its step (a burst's questions do)
-    own    = prefill_token * p + attention_pair * a
+    own    = prefill_token * p + attention_pair * a + prefill_key * P     (``prefill_seconds``; 0 when p = 0)
     seat   = the wait for a free sequence slot when n >= max_num_seqs
     room_s = the wait for blocks when the rank lacks them now: until enough of its running
              sequences finish to release the shortfall (each holding its share of the used blocks)
@@ -35,7 +36,7 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
              # prefill_token * D + attention_pair * Ad`` (counted only when the request waits on
              # a copy: such work starts once the copies land)
     decode = (M - 1) * (base + mine) + overlap * theirs
-    harm   = overlap * mine + n * (prefill_token * p + attention_pair * a)
+    harm   = overlap * mine + n * own
     evict  = reclaim blocks * the recompute of one * the rank's measured reuse (``eviction``)
     join   = with ``Limits.cascade_groups``, where the request's group there is one sequence, which
              reads the prefix alone until a second joins it (the engine groups no single row):
@@ -285,17 +286,21 @@ class Pricer:
         room = max(1, lim.max_num_batched_tokens - n)
         queued = load.waiting_prefill_tokens + res.tokens
         attention = load.prefill_attention + res.attention
-        queue_work = c.prefill_token * queued + c.attention_pair * attention
+        keys = load.prefill_keys + res.keys
+        queue_work = c.prefill_token * queued + c.attention_pair * attention + c.prefill_key * keys
         queue = queue_work + -(-queued // room) * step
-        launched = c.prefill_token * load.launched_prefill_tokens + c.attention_pair * load.launched_attention
+        launched = (c.prefill_token * load.launched_prefill_tokens + c.attention_pair * load.launched_attention
+                    + c.prefill_key * load.launched_keys)
         next_step = step if seqs else 0.0
         if load.launched_prefill_tokens:  # the step under way is the one launched with that prefill
             next_step = step + launched
         elif queued > 0:  # ... else its share of the queued prefill, where any is queued
             chunk = min(queued, room)
-            next_step = step + c.prefill_token * chunk + c.attention_pair * attention * chunk / queued
+            share = chunk / queued
+            next_step = step + c.prefill_token * chunk + (c.attention_pair * attention + c.prefill_key * keys) * share
         deferred = res.deferred_tokens
-        deferred_work = c.prefill_token * deferred + c.attention_pair * res.deferred_attention
+        deferred_work = (c.prefill_token * deferred + c.attention_pair * res.deferred_attention
+                         + c.prefill_key * res.deferred_keys)
         seat = 0.0
         if seqs >= lim.max_num_seqs:  # k of n finish first after about 2 k / n of their mean left
             seat = min(1.0, 2.0 * (seqs - lim.max_num_seqs + 1) / seqs) * (left / seqs) * step
@@ -336,7 +341,7 @@ class Pricer:
         (_, c, seqs, n, left, step, room, _, seat, theirs, free, available, busy, _, _, held, _, queued,
          queue_work, deferred, deferred_work, landed_busy, _, _) = w
         # One unpack, not a lookup per use.
-        base, prefill_token, attention_pair, decode_seq, context_token, cascade_pair = c
+        base, prefill_token, attention_pair, decode_seq, context_token, cascade_pair, prefill_key = c
         prompt, out = q.prompt, q.out
         missing = prompt - m * self.limits.block_size
         need = q.blocks - m + arriving
@@ -344,6 +349,8 @@ class Pricer:
         # candidate of every route runs it, and two calls cost more than the sums.
         cached = prompt - missing
         prefill = prefill_token * missing + attention_pair * (missing * cached + missing * (missing + 1) // 2)
+        if missing > 0:
+            prefill += prefill_key * prompt
         own_steps = -(-missing // room) * step
         start = queue_work + -(-(queued + missing) // room) * step  # its prefill packed behind the queue's
         if wait_s:  # a copy first, then the others waiting on pulls, packed with its own
@@ -396,7 +403,8 @@ class Pricer:
         return min(1.0, 2.0 * k / w.holders) * w.drain
 
     def _block_recompute_s(self, c: StepCoefficients, context: int) -> float:
-        """One block's prefill at a context like the request's: what a regretted eviction costs."""
+        """One block's prefill at a context like the request's: what a regretted eviction costs
+        (no keys: a chunk reads its context once for all of its blocks)."""
         b = self.limits.block_size
         return c.prefill_token * b + c.attention_pair * b * (context / 2 + b / 2)
 
@@ -460,12 +468,21 @@ def request_shape(query: RouteQuery, matched: int, block_size: int) -> tuple[int
 def prefill_seconds(c: StepCoefficients, tokens: int, context: int) -> float:
     """Seconds a rank of step coefficients ``c`` computes ``tokens`` prompt tokens in, after
     ``context`` cached ones."""
-    return c.prefill_token * tokens + c.attention_pair * attention_pairs(tokens, context)
+    return (c.prefill_token * tokens + c.attention_pair * attention_pairs(tokens, context)
+            + c.prefill_key * prefill_keys(tokens, context))
 
 
 def attention_pairs(tokens: int, context: int) -> int:
     """(query, key) pairs of ``tokens`` prompt tokens computed after ``context`` cached ones."""
     return tokens * context + tokens * (tokens + 1) // 2
+
+
+def prefill_keys(tokens: int, context: int) -> int:
+    """The keys the prefill of ``tokens`` prompt tokens after ``context`` cached ones reads, as one
+    chunk (``StepSample.prefill_keys``): its whole context, none where it computes nothing. A
+    prompt longer than a step's chunk reads its earlier chunks' keys again; where it is, its
+    pairs outweigh its keys by thousands to one."""
+    return context + tokens if tokens > 0 else 0
 
 
 def describe(rule: str, p: RankPrice) -> str:

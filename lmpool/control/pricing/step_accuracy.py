@@ -68,5 +68,5 @@ class StepAccuracy:
         return [StepKindFit(kind=k, steps=self.steps[k], within_25pct=self._within[k] / self._weight[k],
                             predicted_over_measured=math.exp(self._log[k] / self._weight[k]),
                             recent=[[s.seconds, p, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context,
-                                     s.cascade_pairs] for s, p in self._recent[k]])
+                                     s.cascade_pairs, s.prefill_keys] for s, p in self._recent[k]])
                 for k in KINDS if self.steps[k]]

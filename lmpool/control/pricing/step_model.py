@@ -2,10 +2,12 @@
 
     seconds = base + prefill_tokens * s_per_prefill_token + attention * s_per_attention_pair
           + decode_seqs * s_per_decode_seq + decode_context * s_per_context_token
-          + cascade_pairs * s_per_cascade_pair
+          + cascade_pairs * s_per_cascade_pair + prefill_keys * s_per_prefill_key
 
 (``lmpool.protocol.StepSample`` says what each count is: a cascade's prefix pass has its own
-coefficient, as its few query rows over many keys cost a pair more than a prefill's full tiles.)
+coefficient, as its few query rows over many keys cost a pair more than a prefill's full tiles;
+and the keys a prefill chunk reads have theirs, which is what sets short questions over a long
+document apart from a long prompt of as many pairs.)
 The fit minimises relative error (a 2 ms step counts as much as a 200 ms one: timing noise
 grows with a step's length, and routing compares short steps too) by non-negative least squares
 over exponentially decayed sums (a sample's weight halves every ``half_life`` samples, so the
@@ -54,15 +56,18 @@ class StepCoefficients(NamedTuple):
     decode_seq: float
     context_token: float
     cascade_pair: float
+    prefill_key: float = 0.0
 
     def step_s(self, prefill_tokens: float, attention: float, decode_seqs: float, context: float,
-               cascade: float = 0.0) -> float:
+               cascade: float = 0.0, keys: float = 0.0) -> float:
         return (self.base + self.prefill_token * prefill_tokens + self.attention_pair * attention
-                + self.decode_seq * decode_seqs + self.context_token * context + self.cascade_pair * cascade)
+                + self.decode_seq * decode_seqs + self.context_token * context + self.cascade_pair * cascade
+                + self.prefill_key * keys)
 
     def predict(self, s: StepSample) -> float:
         """The seconds of a step of ``s``'s shape."""
-        return self.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context, s.cascade_pairs)
+        return self.step_s(s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context, s.cascade_pairs,
+                           s.prefill_keys)
 
 
 # A rough prior for a replica before it reports anything (an H200 quarter, 0.6B shape): the
@@ -70,16 +75,18 @@ class StepCoefficients(NamedTuple):
 # prefill's: a prefix pass runs a few tiles of query rows (a group's rows times its q heads per
 # kv head, 64 a tile), split over the keys to fill the GPU and merged; on an H100 quarter, cascade
 # steps priced at the prefill's pair (7 ns) came to 0.6 of their measured time: about 15 ns a
-# pair, for the 32 to 64 rows a rank decoded over a 16k document.
+# pair, for the 32 to 64 rows a rank decoded over a 16k document. A prefill's key at about 100 ns:
+# on an H200 quarter at 26eac10, the steps of a 16k document's questions and chunks fitted 13.5 us
+# a token, 1.9 ns a pair and 109 ns a key (92 % of them within 25 %; without keys, 63 %).
 DEFAULT_PRIOR = StepCoefficients(base=3e-3, prefill_token=25e-6, attention_pair=5e-9, decode_seq=50e-6,
-                                 context_token=0.1e-6, cascade_pair=10e-9)
+                                 context_token=0.1e-6, cascade_pair=10e-9, prefill_key=100e-9)
 _FLOOR = np.array(DEFAULT_PRIOR) * 1e-3  # a coefficient's scale where its prior is (near) zero
 FEATURES = len(StepCoefficients._fields)  # a step's counts, the base's 1 first (``step_features``)
 
 
 def step_features(s: StepSample) -> tuple:
     """What each coefficient multiplies in a step of ``s``'s shape, in their order."""
-    return 1.0, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context, s.cascade_pairs
+    return 1.0, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context, s.cascade_pairs, s.prefill_keys
 
 
 def _timed(samples: Iterable[StepSample]) -> list[StepSample]:

@@ -22,7 +22,7 @@ settles (``Route.depth``, ``Route.group``). Joining a group of one, a reservatio
 from __future__ import annotations
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import Pricer, attention_pairs, read_once, request_shape
+from lmpool.control.pricing.price import Pricer, attention_pairs, prefill_keys, read_once, request_shape
 from lmpool.control.routing.route import Route, RouteStage
 
 
@@ -63,4 +63,4 @@ class Reserve(RouteStage):
         # Joining a lone member, it converts it (``Reservation.converted``): the pricing's credit.
         self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing),
                          prompt - cascade, max(1, query.max_tokens), route.waits_on_pull, cascade, head,
-                         cascade if members == 1 else 0)
+                         cascade if members == 1 else 0, prefill_keys(missing, prompt - missing))

@@ -133,7 +133,8 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, ou
         return float("-inf")
     c, missing, rest = work.c, serve.missing, prompt - cached  # c: what ``Pricer.prefill_s`` would read
     # ``prefill_seconds(c, missing, prompt - missing) - prefill_seconds(c, rest, cached)``, inlined:
-    # every candidate below the pull's depth of every route that may leave its owner runs it.
+    # every candidate below the pull's depth of every route that may leave its owner runs it (both
+    # read the prompt's keys: those cancel).
     pairs = missing * (prompt - missing) + missing * (missing + 1) // 2 - rest * cached - rest * (rest + 1) // 2
     pulled = c.prefill_token * (missing - rest) + c.attention_pair * pairs
     floor = serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
