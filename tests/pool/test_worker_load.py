@@ -43,6 +43,7 @@ def test_queued_prompts_count_only_what_their_rank_must_compute(tiny_model):
     assert load.num_waiting == 2
     assert load.waiting_prefill_tokens == (4 * BLOCK + 3) + 2 * BLOCK
     assert load.new_prefill_tokens == 3 + 2 * BLOCK
+    assert load.prefill_keys == (4 * BLOCK + 3) + 2 * BLOCK, "each prompt's chunk reads its whole context"
 
 
 def test_running_sequences_that_decode_as_a_cascade_report_its_prefix_pass_apart(tiny_model):
@@ -92,19 +93,20 @@ def test_a_worker_reports_the_prefill_it_launched_once_its_queue_no_longer_count
         worker = Worker(spec, core, frontend=None)
         worker.handle(add("a", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
 
-        def reported() -> tuple[int, int, int]:
+        def reported() -> tuple[int, int, int, int]:
             load = worker.load()
-            return load.waiting_prefill_tokens, load.launched_prefill_tokens, load.launched_attention
+            return (load.waiting_prefill_tokens, load.launched_prefill_tokens, load.launched_attention,
+                    load.launched_keys)
 
-        launched = (n, pairs) if on_device else (0, 0)
-        assert reported() == (n, 0, 0)
+        launched = (n, pairs, n) if on_device else (0, 0, 0)
+        assert reported() == (n, 0, 0, 0)
         step = core.begin_step()  # the prefill launched (a heartbeat may report while it runs)
-        assert reported() == ((n, 0, 0) if overlapped else (0, *launched))
+        assert reported() == ((n, 0, 0, 0) if overlapped else (0, *launched))
         read_back = core.end_step(step)
         assert len(read_back) == (0 if overlapped else 1)  # overlapped: its token comes one call later
-        assert reported() == ((0, *launched) if overlapped else (0, 0, 0))
+        assert reported() == ((0, *launched) if overlapped else (0, 0, 0, 0))
         core.step()  # the prefill read back, a decode step launched
-        assert reported()[1:] == (0, 0)
+        assert reported()[1:] == (0, 0, 0)
 
 
 def test_a_worker_reports_how_many_of_its_sequences_are_of_each_group_their_routes_named(tiny_model):
@@ -158,17 +160,21 @@ def test_among_heads_of_as_many_rows_the_longest_prompt_is_reported_first(tiny_m
 
 
 def test_a_load_report_from_a_sender_without_group_heads_still_decodes():
-    """The heads come last on the wire (an array): a report of the fields before them decodes, empty."""
+    """The heads come last on the wire (an array), then the prefill keys: a report of the fields
+    before them decodes, the heads empty and the keys 0."""
     import msgspec
 
     from lmpool.protocol import LoadReport
 
+    fields = msgspec.structs.fields(LoadReport)
+    cut = [f.name for f in fields].index("group_heads")
     before = [(f.name, object, msgspec.field(default_factory=f.default_factory) if f.default is msgspec.NODEFAULT
-               else f.default) for f in msgspec.structs.fields(LoadReport) if f.name not in ("group_heads", "group_rows")]
+               else f.default) for f in fields[:cut]]
     OldReport = msgspec.defstruct("OldReport", before, array_like=True)  # every field sent
     report = msgspec.msgpack.decode(msgspec.msgpack.encode(OldReport(num_running=2, launched_attention=9)),
                                     type=LoadReport)
     assert report.launched_attention == 9 and report.group_heads == [] and report.group_rows == []
+    assert report.prefill_keys == report.launched_keys == 0
     with_heads = LoadReport(group_heads=[b"h" * 32], group_rows=[3])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(with_heads), type=LoadReport) == with_heads
 
