@@ -130,11 +130,11 @@ LMPOOL_VARIANTS = (
 # (``RoutingConfig.owner_pulls``: a session's history moved to a cheaper rank, not recomputed).
 LMPOOL_OWNER_PULLS = Policy("lmpool-owner-pulls", "lmpool", transfer_mode=None,
                             routing_config=(("owner_pulls", True),))
-# A candidate for the default, run beside it: a request's shared prefix priced as read once only on
-# a rank whose sequences (reported or routed there) are of its group, keyed by that prefix's last block
-# (``RoutingConfig.cascade_groups``: a document's questions gather on the replicas already decoding it).
-LMPOOL_GROUPS = Policy("lmpool-groups", "lmpool", transfer_mode=None, routing_config=(("cascade_groups", True),))
-CANDIDATES = (LMPOOL_OWNER_PULLS, LMPOOL_GROUPS)
+# The default before cascade groups, run beside it: a request's shared prefix priced as read once
+# wherever the sequences in flight could save a cascade's worth with it, whatever their prefixes
+# (``RoutingConfig.cascade_groups`` off: a document's questions spread over every replica).
+LMPOOL_UNGROUPED = Policy("lmpool-ungrouped", "lmpool", transfer_mode=None, routing_config=(("cascade_groups", False),))
+CANDIDATES = (LMPOOL_OWNER_PULLS, LMPOOL_UNGROUPED)
 # Policies that run only when named (``--policies all`` leaves them out): the real gateway starts
 # server processes of its own; the candidate defaults are run beside the default, not in every suite.
 NAMED_ONLY = (*GATEWAYS, *CANDIDATES)

@@ -9,7 +9,7 @@ import pytest
 
 
 from benchmarks import benchmark_kv_routing
-from benchmarks.eval_suite import LMPOOL, LMPOOL_GROUPS, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy
+from benchmarks.eval_suite import LMPOOL, LMPOOL_UNGROUPED, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy
 from lmpool.config.routing import RoutingConfig
 
 
@@ -116,16 +116,18 @@ def test_the_default_mode_passes_no_transfer_mode_and_records_which_it_ran():
     assert "rule_fields" not in LMPOOL.record()
 
 
-@pytest.mark.parametrize("candidate, option", [(LMPOOL_OWNER_PULLS, "owner_pulls"), (LMPOOL_GROUPS, "cascade_groups")])
+@pytest.mark.parametrize("candidate, option", [(LMPOOL_OWNER_PULLS, "owner_pulls"), (LMPOOL_UNGROUPED, "cascade_groups")])
 def test_a_candidate_default_runs_the_default_mode_with_its_option_and_only_when_named(candidate, option):
+    """A candidate turns one option of the default the other way (owner pulls on; cascade groups, the
+    default since 1dc4676, off) and runs only when named."""
     import argparse
 
     from benchmarks import benchmark_e2e, benchmark_hot_context
     from benchmarks.eval_suite import chosen_policies
 
     kw = candidate.pool_kwargs()
-    assert kw["routing"] == "lmpool" and getattr(kw["routing_config"], option) and "transfer_mode" not in kw
-    assert not getattr(RoutingConfig(), option), "off by default"
+    assert kw["routing"] == "lmpool" and "transfer_mode" not in kw
+    assert getattr(kw["routing_config"], option) != getattr(RoutingConfig(), option), "the default's the other way"
     for runner in (benchmark_e2e, benchmark_hot_context, benchmark_kv_routing):
         assert candidate in runner.POLICIES
         every = chosen_policies(argparse.Namespace(quick=False, policies="all"), runner.POLICIES, "")

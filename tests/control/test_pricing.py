@@ -521,7 +521,8 @@ def test_where_ranks_decode_shared_prefixes_once_a_shared_cached_prefix_is_not_a
     the sequences sharing it: its price falls by the difference over every step it decodes in and
     shares, and its time to first token is the same. A
     cached prefix no other prompt shares (a conversation's own history) it reads alone: no fall;
-    nor where the sequences there could not save a cascade's worth of key reads with it."""
+    nor where the sequences there could not save a cascade's worth of key reads with it. (Without
+    cascade groups, the default's rule before 1dc4676: the group tests below price by groups.)"""
     prices = {}
     chain = list(range(blocks))
     depth = min(shared, blocks)
@@ -529,8 +530,8 @@ def test_where_ranks_decode_shared_prefixes_once_a_shared_cached_prefix_is_not_a
         gbm = one_rank(LoadReport(num_running=running, context_tokens=context, decode_tokens_left=8 * running,
                                   blocks_free=2000))
         branched_after(gbm, chain, depth)
-        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192, True, threshold),
-                        lambda rank: 0.5)
+        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED),
+                        Limits(16, 256, 8192, True, threshold, cascade_groups=False), lambda rank: 0.5)
         query = RouteQuery("q", chain, blocks * 16 + 3, out)
         prices[threshold] = pricer.price(query, 0, min(matched, blocks), 0.0, None)
     plain, cascaded = prices[0], prices[min_saved]
@@ -549,7 +550,7 @@ def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_k
     """Its context is its prompt less the cached prefix other prompts share (4 of its 5 blocks
     cached), where the 2 sequences running there could save a cascade's worth with it (its
     shared keys each: 128 key reads at a depth of 4 blocks, 64 at 2); that prefix it holds as
-    cascade pairs."""
+    cascade pairs. (Without cascade groups: the group tests below reserve by groups.)"""
     from lmpool.control.routing.reserve import Reserve
     from lmpool.control.routing.route import Route
 
@@ -557,7 +558,8 @@ def test_a_reservation_on_ranks_that_decode_shared_prefixes_once_holds_its_own_k
     branched_after(gbm, list(range(5)), depth)
     query = RouteQuery("q", list(range(5)), 5 * 16 + 3, 8)
     route = Route(query, None, (0,), [4], [4], rank=0)
-    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, min_saved), lambda r: 0.5)
+    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, min_saved, False),
+                    lambda r: 0.5)
     reserve = Reserve(gbm, pricer)
     reserve.settle(route)  # the router settles a route before it records it
     reserve.record(route)
@@ -717,9 +719,11 @@ def test_a_router_refuses_a_pricer_that_reads_cascades_otherwise_than_its_config
     from lmpool.control.build import make_router
 
     gbm = one_rank(LoadReport(blocks_free=100))
-    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, 128), lambda rank: 0.5)
-    with pytest.raises(ValueError, match="cascade_groups"):
-        make_router(gbm, Topology.virtual(1), "lmpool", RoutingConfig(cascade_groups=True), pricer)
+    for groups in (False, True):
+        pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192, True, 128, groups),
+                        lambda rank: 0.5)
+        with pytest.raises(ValueError, match="cascade_groups"):
+            make_router(gbm, Topology.virtual(1), "lmpool", RoutingConfig(cascade_groups=not groups), pricer)
 
 
 def test_with_cascade_groups_a_second_question_joins_its_document_s_lone_question_not_an_idle_rank():

@@ -128,8 +128,8 @@ class Limits(NamedTuple):
     # How pricing reads cascades (``RoutingConfig.cascade_groups``): a request's shared prefix is read
     # once only on a rank whose sequences, reported or reserved, are of its group (``group_key``: its
     # shared prefix's last block). Off: on any rank whose sequences in flight, whatever their
-    # prefixes, could save a cascade's worth with it.
-    cascade_groups: bool = False
+    # prefixes, could save a cascade's worth with it. On, as the routing config's default.
+    cascade_groups: bool = True
 
 
 NO_HEADS: dict[bytes, int] = {}  # a rank's groups where pricing does not read them (never written)
