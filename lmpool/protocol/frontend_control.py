@@ -83,6 +83,9 @@ class StepFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     kinds: list[StepKindFit] = []  # its priced predictions by kind of step
     cascade_ns_per_pair: float = 0.0
     prefill_ns_per_key: float = 0.0
+    # Its worker's last calibration steps, each as ``StepKindFit.recent`` lists a step, predicted
+    # by that calibration's own fit: what the prior a rank started from was made of.
+    calibration: list[list[float]] = []
 
 
 class RankState(Message, kw_only=True):

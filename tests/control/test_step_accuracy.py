@@ -116,6 +116,32 @@ def test_stats_gives_a_rank_s_fit_and_its_kinds_as_plain_dicts():
                              "within_25pct": 0.0, "recent": [[0.01, pytest.approx(0.00252), 0, 0, 4, 4000, 0, 0]]}]
 
 
+def test_stats_lists_a_rank_s_last_calibration_steps_beside_its_fit_s_predictions():
+    """What a rank's prior was made of: its worker's calibration steps, each as a recent step is
+    listed, predicted by the calibration's own fit; a restarted worker's replace them."""
+    import json
+
+    from lmpool.frontend.client import step_fit_dict
+
+    model = engine_model(2, PRICED)
+    first = [StepSample(0.004, 64, 64 * 65 // 2, 0, 0, 0, 64), StepSample(0.003, 0, 0, 1, 65),
+             StepSample(0.09, 5000, 5000 * 5001 // 2, 0, 0, 0, 5000)]
+    model.observe(StepTimings(0, 1, first, calibration=True))
+    fit = json.loads(json.dumps(step_fit_dict(model.describe(0))))
+    calibrated = model.ranks[0].coefficients  # the calibration's fit, before any served step
+    assert [row[0] for row in fit["calibration"]] == [s.seconds for s in first]
+    assert [row[2:] for row in fit["calibration"]] == [[s.prefill_tokens, s.attention, s.decode_seqs,
+                                                        s.decode_context, s.cascade_pairs, s.prefill_keys]
+                                                       for s in first]
+    assert [row[1] for row in fit["calibration"]] == pytest.approx([calibrated.predict(s) for s in first])
+    model.observe(StepTimings(0, 1, [StepSample(0.01, 0, 0, 4, 4000)]))  # served steps leave it as it was
+    assert step_fit_dict(model.describe(0))["calibration"] == fit["calibration"]
+    assert model.describe(1).calibration == [], "a rank whose worker has not calibrated lists none"
+    again = [StepSample(0.005, 0, 0, 2, 130)]
+    model.observe(StepTimings(0, 2, again, calibration=True))  # its worker restarted
+    assert [row[0] for row in model.describe(0).calibration] == [0.005]
+
+
 def test_stats_and_top_show_the_cascade_pair_apart():
     """The fit's figures by name (``stats()``), a cascade's pair apart from a prefill's, and
     ``lmpool top``'s STEP column: a decode step of the rank's running batch, its prefix pass at

@@ -17,7 +17,8 @@ either alone would make an idle replica look dearer or cheaper than its twin for
 The speed moves a rank's price where it really differs (a replica on a busier GPU). A rank that
 restarts is a new engine state: its calibration resets its fit and its speed. ``describe`` is
 what ``stats()`` and ``lmpool top`` show of a rank's fit; ``stats()`` also says how well its priced
-coefficients predicted each kind of its steps (``step_accuracy``), since the rank's last calibration.
+coefficients predicted each kind of its steps (``step_accuracy``), since the rank's last calibration,
+and that calibration's steps beside what its fit predicts for them.
 
 Invariants: every rank has priced coefficients at all times (the prior until some worker has
 reported); they change only when a report is observed, and then only by ``MOVE`` or more (a
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from lmpool.control.pricing.step_accuracy import StepAccuracy
+from lmpool.control.pricing.step_accuracy import StepAccuracy, step_row
 from lmpool.control.pricing.step_model import FEATURES, FITTED, StepCoefficients, StepModel, step_features
 from lmpool.protocol import StepFit, StepSample, StepTimings
 
@@ -99,11 +100,14 @@ class EngineModel:
         self._speeds = [1.0] * world_size
         self._priced: list[StepCoefficients] = []  # by rank, once there is a pooled fit
         self._accuracy = [StepAccuracy() for _ in range(world_size)]  # of the priced coefficients, by kind of step
+        # Each rank's last calibration steps, as ``StepFit.calibration`` lists them.
+        self._calibration_steps: list[list[StepSample]] = [[] for _ in range(world_size)]
 
     def observe(self, timings: StepTimings) -> None:
         rank, model = timings.rank, self.ranks[timings.rank]
         if timings.calibration:
             self._calibrations[rank] = model.calibrate(timings.samples)
+            self._calibration_steps[rank] = list(timings.samples)
             self._recent[rank].clear()
             self._accuracy[rank] = StepAccuracy()  # a restarted worker is a new engine state
         else:
@@ -153,4 +157,6 @@ class EngineModel:
                        prefill_ns_per_key=c.prefill_key * 1e9,
                        samples=model.samples,
                        calibrated=model.calibrated, error=model.error, speed=self._speeds[rank],
-                       kinds=self._accuracy[rank].describe())
+                       kinds=self._accuracy[rank].describe(),
+                       calibration=[step_row(s, self._calibrations[rank].predict(s))
+                                    for s in self._calibration_steps[rank]])

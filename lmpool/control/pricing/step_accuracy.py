@@ -67,6 +67,11 @@ class StepAccuracy:
         """Each kind seen so far, in ``KINDS`` order."""
         return [StepKindFit(kind=k, steps=self.steps[k], within_25pct=self._within[k] / self._weight[k],
                             predicted_over_measured=math.exp(self._log[k] / self._weight[k]),
-                            recent=[[s.seconds, p, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context,
-                                     s.cascade_pairs, s.prefill_keys] for s, p in self._recent[k]])
+                            recent=[step_row(s, p) for s, p in self._recent[k]])
                 for k in KINDS if self.steps[k]]
+
+
+def step_row(s: StepSample, predicted: float) -> list[float]:
+    """A step as ``StepKindFit.recent`` lists it: its seconds measured and predicted, then its shape."""
+    return [s.seconds, predicted, s.prefill_tokens, s.attention, s.decode_seqs, s.decode_context, s.cascade_pairs,
+            s.prefill_keys]
