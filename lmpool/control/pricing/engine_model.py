@@ -8,7 +8,7 @@ the pooled fit (the mean of the fits of the ranks that have run ``FITTED`` steps
 of the calibrations before any has) times its own speed. A rank's speed is its recent served
 steps' measured seconds over what the pooled fit predicts for them (its last ``WINDOW``), 1
 until it has run ``FITTED`` steps. One scalar is
-identified by any steps a rank runs, where its own fit's six coefficients are not: a rank
+identified by any steps a rank runs, where its own fit's seven coefficients are not: a rank
 that has only read one long document cannot tell its decode cost from its base, and two such
 twins, priced each by its own fit, differed by more than their real difference and split a
 burst unevenly. A few synthetic steps timed while the other workers calibrate too are noisy, and
