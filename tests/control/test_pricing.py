@@ -201,6 +201,21 @@ def single_sequence_steps(rng: random.Random, c: StepCoefficients, n: int, noise
     return out
 
 
+def test_one_rank_s_calibration_far_from_its_twins_does_not_set_their_price():
+    """Four twins calibrate; one paid a one-time cost in its steps (every one 10 times as long).
+    Every rank is priced at the calibrations' median: the three alike, not a mean the outlier
+    pulls (3.25 times theirs)."""
+    rng = random.Random(6)
+    model = EngineModel(4)
+    for rank in range(3):
+        model.observe(StepTimings(rank, 1, steps(rng, TRUE, 30, noise=0.0), calibration=True))
+    model.observe(StepTimings(3, 1, steps(rng, StepCoefficients(*(10 * v for v in TRUE)), 30, noise=0.0),
+                              calibration=True))
+    for rank in range(4):  # a calibration of 30 steps is within 15 % of the truth; the mean, 3.25 times it
+        priced = model.coefficients(rank)
+        assert all(p == pytest.approx(t, rel=0.15) for p, t in zip(priced, TRUE)), rank
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000))
 def test_twins_that_ran_alike_are_priced_with_one_shape(seed):

@@ -4,10 +4,11 @@ the coefficients each rank is priced by.
 A rank's fit starts from the prior, takes its worker's calibration steps when they arrive
 (before the rank serves), then every step it reports. Replicas of one pool run one model
 with one engine configuration, so they share one shape of step time: every rank is priced by
-the pooled fit (the mean of the fits of the ranks that have run ``FITTED`` steps of their own;
-of the calibrations before any has) times its own speed. A rank's speed is its recent served
-steps' measured seconds over what the pooled fit predicts for them (its last ``WINDOW``), 1
-until it has run ``FITTED`` steps. One scalar is
+the pooled fit (each coefficient the median of the fits of the ranks that have run ``FITTED``
+steps of their own; of the calibrations before any has: one rank's few noisy steps, a
+calibration that paid a one-time cost, must not set every rank's price) times its own speed.
+A rank's speed is its recent served steps' measured seconds over what the pooled fit predicts
+for them (its last ``WINDOW``), 1 until it has run ``FITTED`` steps. One scalar is
 identified by any steps a rank runs, where its own fit's seven coefficients are not: a rank
 that has only read one long document cannot tell its decode cost from its base, and two such
 twins, priced each by its own fit, differed by more than their real difference and split a
@@ -29,6 +30,7 @@ it has run ``FITTED`` steps.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 from lmpool.control.pricing.step_accuracy import StepAccuracy, step_row
@@ -44,8 +46,9 @@ def _moved(old: StepCoefficients, new: StepCoefficients) -> bool:
     return any(abs(b - a) >= MOVE * max(abs(a), abs(b)) for a, b in zip(old, new) if a != b)
 
 
-def _mean(fits: list[StepCoefficients]) -> StepCoefficients:
-    return StepCoefficients(*(sum(column) / len(fits) for column in zip(*fits)))
+def _median(fits: list[StepCoefficients]) -> StepCoefficients:
+    """Each coefficient's median over ``fits`` (of two, their mean)."""
+    return StepCoefficients(*(statistics.median(column) for column in zip(*fits)))
 
 
 class RecentSteps:
@@ -120,9 +123,9 @@ class EngineModel:
                     recent.add(s)
         fitted = [m.coefficients for m in self.ranks if m.samples >= FITTED]
         if fitted:
-            self._pooled = _mean(fitted)
+            self._pooled = _median(fitted)
         elif self._calibrations:
-            self._pooled = _mean(list(self._calibrations.values()))
+            self._pooled = _median(list(self._calibrations.values()))
         self._reprice()
 
     def _reprice(self) -> None:
