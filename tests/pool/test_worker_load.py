@@ -136,7 +136,7 @@ def test_a_worker_reports_how_many_of_its_sequences_are_of_each_group_their_rout
     assert worker.load().group_heads == load.group_heads  # a report is built, not consumed
     worker.handle(AbortRequest("q0"))
     assert worker.load().group_rows == [2, 1] and "q0" not in worker.groups
-    plain_pool = msgspec.structs.replace(pool, routing_config=RoutingConfig())
+    plain_pool = msgspec.structs.replace(pool, routing_config=RoutingConfig(cascade_groups=False))
     plain = Worker(msgspec.structs.replace(spec, pool=plain_pool), EngineCore(plain_pool.engine_of(0)), frontend=None)
     plain.handle(add("p", doc_a + [7], params, key_a))
     assert plain.groups == {} and plain.load().group_heads == []  # a pool that prices no groups
