@@ -22,8 +22,8 @@ import torch
 
 from benchmarks.lib.kernel_table import device_kernels, top
 from lmpool import LLM, SamplingParams
-from lmpool.control.pricing.price import attention_pairs
 from lmpool.model.config import ModelConfig
+from lmpool.protocol.base import attention_pairs
 
 # Dense bf16/fp16 tensor-core peak FLOP/s and SM count, by device name (the vendor's figures).
 SPEC_PEAK = {"NVIDIA H200": (989.4e12, 132), "NVIDIA H100 80GB HBM3": (989.4e12, 132)}

@@ -30,10 +30,11 @@ import statistics
 from collections.abc import Iterable
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import Limits, Pricer, attention_pairs, request_shape
+from lmpool.control.pricing.price import Limits, Pricer, request_shape
 from lmpool.control.pricing.step_model import StepCoefficients
 from lmpool.control.topology import Topology
 from lmpool.protocol import LoadReport, RouteQuery
+from lmpool.protocol.base import attention_pairs, prefill_keys
 from lmpool.protocol.kv_events import KVSnapshot
 
 BLOCKS = 1 << 20  # every rank's capacity in the replay: room is not what it prices
@@ -106,7 +107,7 @@ def price_at(earlier: Iterable[dict], r: dict, fits: dict[int, StepCoefficients]
     for k, e in enumerate(reserved):
         missing = e["prompt_len"] - e["num_cached_tokens"]
         gbm.reserve(f"r{k}", 0, 0, missing, attention_pairs(missing, e["num_cached_tokens"]), e["prompt_len"],
-                    max(1, e["max_tokens"]))
+                    max(1, e["max_tokens"]), keys=prefill_keys(missing, e["num_cached_tokens"]))
     pricer = Pricer(gbm, Topology.virtual(1), FixedFits({0: fits[rank]}), limits, lambda _: 0.0)
     query = RouteQuery("q", [], r["prompt_len"], r["max_tokens"])
     m, _, _ = request_shape(query, r["num_cached_tokens"] // block, block)

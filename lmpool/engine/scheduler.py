@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.sequence import Sequence, SequenceStatus
-from lmpool.protocol.base import BlockHash, StepSample
+from lmpool.protocol.base import BlockHash, StepSample, attention_pairs, prefill_keys
 
 
 @dataclass
@@ -75,8 +75,8 @@ class ScheduledBatch:
             self.decode_context += c + 1
         else:
             self.prefill_tokens += n
-            self.prefill_attention += n * c + n * (n + 1) // 2
-            self.prefill_keys += c + n
+            self.prefill_attention += attention_pairs(n, c)
+            self.prefill_keys += prefill_keys(n, c)
 
     def sample(self, seconds: float) -> StepSample:
         """This step, taking ``seconds``, as the step-time model reads it: a cascade's prefix

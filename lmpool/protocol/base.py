@@ -87,3 +87,16 @@ class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):
     decode_context: int = 0  # keys the decoding rows read each on its own (not a cascade's prefix)
     cascade_pairs: int = 0  # (row, key) pairs of the cascade prefix passes
     prefill_keys: int = 0  # keys the prefill chunks read: each chunk's context, its own tokens included
+
+
+def attention_pairs(tokens: int, context: int) -> int:
+    """(query, key) pairs of a prefill chunk of ``tokens`` after ``context`` computed ones, as
+    ``StepSample.attention`` counts them."""
+    return tokens * context + tokens * (tokens + 1) // 2
+
+
+def prefill_keys(tokens: int, context: int) -> int:
+    """The keys that chunk reads, as ``StepSample.prefill_keys`` counts them: its whole context,
+    none where it computes nothing. (A prompt longer than a step's chunk reads its earlier chunks'
+    keys again; where it is, its pairs outweigh its keys by thousands to one.)"""
+    return context + tokens if tokens > 0 else 0

@@ -69,7 +69,7 @@ from lmpool.protocol import (
     WorkerReady,
     WorkerSnapshot,
 )
-from lmpool.protocol.base import GROUP_HEADS
+from lmpool.protocol.base import GROUP_HEADS, attention_pairs, prefill_keys
 from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 from lmpool.protocol.spec import WorkerSpec, read_spec
 from lmpool.worker.loop_stages import LoopStages
@@ -186,8 +186,8 @@ class Worker:
                 _count_head(seq, named, heads, longest)
             n, c = max(0, len(seq) - 1 - seq.num_computed_tokens), seq.num_computed_tokens
             prefill += n
-            attention += n * c + n * (n + 1) // 2
-            keys += c + n if n else 0
+            attention += attention_pairs(n, c)
+            keys += prefill_keys(n, c)
             decode_left += seq.params.max_tokens - seq.num_output_tokens
             context += len(seq)
         new_prefill = prefill
@@ -199,8 +199,8 @@ class Worker:
             cached = max(seq.num_computed_tokens, self.cached_on_arrival.get(seq.request_id, 0))
             n = max(0, length - cached)
             new_prefill += n
-            attention += n * cached + n * (n + 1) // 2
-            keys += length if n else 0
+            attention += attention_pairs(n, cached)
+            keys += prefill_keys(n, cached)
             decode_left += seq.params.max_tokens - seq.num_output_tokens
             context += length
         self.cached_on_arrival = {s.request_id: self.cached_on_arrival[s.request_id]

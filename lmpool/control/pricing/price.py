@@ -83,7 +83,7 @@ from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.pricing.step_model import StepCoefficients
 from lmpool.control.topology import Topology
 from lmpool.protocol import LoadReport, RouteQuery
-from lmpool.protocol.base import BlockHash
+from lmpool.protocol.base import BlockHash, attention_pairs, prefill_keys
 
 
 class RankPrice(msgspec.Struct, frozen=True, gc=False):
@@ -470,19 +470,6 @@ def prefill_seconds(c: StepCoefficients, tokens: int, context: int) -> float:
     ``context`` cached ones."""
     return (c.prefill_token * tokens + c.attention_pair * attention_pairs(tokens, context)
             + c.prefill_key * prefill_keys(tokens, context))
-
-
-def attention_pairs(tokens: int, context: int) -> int:
-    """(query, key) pairs of ``tokens`` prompt tokens computed after ``context`` cached ones."""
-    return tokens * context + tokens * (tokens + 1) // 2
-
-
-def prefill_keys(tokens: int, context: int) -> int:
-    """The keys the prefill of ``tokens`` prompt tokens after ``context`` cached ones reads, as one
-    chunk (``StepSample.prefill_keys``): its whole context, none where it computes nothing. A
-    prompt longer than a step's chunk reads its earlier chunks' keys again; where it is, its
-    pairs outweigh its keys by thousands to one."""
-    return context + tokens if tokens > 0 else 0
 
 
 def describe(rule: str, p: RankPrice) -> str:

@@ -22,8 +22,9 @@ settles (``Route.depth``, ``Route.group``). Joining a group of one, a reservatio
 from __future__ import annotations
 
 from lmpool.control.page_table.manager import GlobalBlockManager
-from lmpool.control.pricing.price import Pricer, attention_pairs, prefill_keys, read_once, request_shape
+from lmpool.control.pricing.price import Pricer, read_once, request_shape
 from lmpool.control.routing.route import Route, RouteStage
+from lmpool.protocol.base import attention_pairs, prefill_keys
 
 
 class Reserve(RouteStage):
