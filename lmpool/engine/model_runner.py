@@ -158,7 +158,9 @@ class ModelRunner:
         gather = None
         if self.ops.name == "cuda+flash-gather":
             gather = (GATHER_KEYS_MIN_QUERY, self._gathered_keys_max())
-            dense_attention.usable(self.device)  # its check syncs: now, not inside the first long prompt's step
+            # Its check and cuDNN's plans for each length bucket: now, not inside a prompt's step.
+            dense_attention.warm(self.device, self.dtype, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                 GATHER_KEYS_MIN_QUERY, config.max_num_batched_tokens, min(max_model_len, gather[1]))
         self.inputs = StepInputBuilder(
             self.device, self.block_size,
             arena_capacity(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq)

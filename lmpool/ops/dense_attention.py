@@ -7,15 +7,23 @@ context. A context longer than its query therefore splits in two: the queries ov
 prefix (every key visible; the query heads sharing a key head folded into one run of rows) and
 over their own keys (causal), merged by each row's log-sum-exp of scores.
 
+cuDNN builds a plan for each shape it sees, and a build cost 43-90 ms on an H200 (more than a
+4k prompt's attention): every prompt of a new length paid it. Operands laid out as ``[S, H, d]``
+(torch's BSHD) under ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``, which this module sets unless the
+process already has, let torch key its plans by each length rounded up to a power of two
+(the lengths themselves go to cuDNN as ragged offsets), so a process builds a few dozen plans,
+and ``warm`` builds them before the engine serves.
+
 Invariants: the result equals ``reference.paged_attention`` on the same keys up to rounding
 (``usable`` checks that on a small case before a device's first use, and answers False where
 the kernels are missing or disagree, so the caller keeps its own path); no host sync outside
-that check.
+that check and ``warm``.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +31,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmpool.ops import reference
 
+# Read once by torch, at its first cuDNN attention: before any, as this module is imported first.
+os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 _FUSED = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 _ANY = [*_FUSED, SDPBackend.MATH]
 
@@ -34,28 +44,29 @@ def one_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     if ctx == n:
         # Fused kernels only on a GPU: the math fallback would hold every score ([heads, n, n]).
         with sdpa_kernel(_FUSED if q.is_cuda else _ANY):
-            out = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), is_causal=True, scale=scale,
+            out = F.scaled_dot_product_attention(_bshd(q), _bshd(k), _bshd(v), is_causal=True, scale=scale,
                                                  enable_gqa=True)
         return out[0].transpose(0, 1)
     group = q.shape[1] // k.shape[1]
     prefix = ctx - n
     over_prefix, prefix_lse = _folded_attention(q, k[:prefix], v[:prefix], group, scale)
     own_k, own_v = (x[prefix:].repeat_interleave(group, dim=1) for x in (k, v))
-    own, own_lse = attend_with_lse(_bhsd(q), _bhsd(own_k), _bhsd(own_v), True, scale)
+    own, own_lse = attend_with_lse(_bshd(q), _bshd(own_k), _bshd(own_v), True, scale)
     return merge(over_prefix, prefix_lse, own[0].transpose(0, 1), own_lse[0].transpose(0, 1)).to(q.dtype)
 
 
 def _folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention of ``q`` over ``k``, ``v`` with the ``group`` query heads of each key
-    head as one run of ``group * n`` rows (no key copied per query head): ``[n, q_heads, d]`` and
-    the rows' log-sum-exps ``[n, q_heads]``."""
+    head as one run of ``n * group`` rows (no key copied per query head; row ``i * group + g`` is
+    query ``i``'s head ``g`` of that key head): ``[n, q_heads, d]`` and the rows' log-sum-exps
+    ``[n, q_heads]``."""
     n, q_heads, d = q.shape
     kv_heads = k.shape[1]
-    rows = q.view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, d)
-    out, lse = attend_with_lse(rows, _bhsd(k), _bhsd(v), False, scale)
-    out = out.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, q_heads, d)
-    return out, lse.reshape(kv_heads, group, n).permute(2, 0, 1).reshape(n, q_heads)
+    rows = q.reshape(n, kv_heads, group, d).transpose(1, 2).reshape(n * group, kv_heads, d)
+    out, lse = attend_with_lse(_bshd(rows), _bshd(k), _bshd(v), False, scale)
+    out = out[0].transpose(0, 1).reshape(n, group, kv_heads, d).transpose(1, 2).reshape(n, q_heads, d)
+    return out, lse[0].reshape(kv_heads, n, group).transpose(0, 1).reshape(n, q_heads)
 
 
 def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -81,9 +92,43 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
     return o2.float() + (o1.float() - o2.float()) * w1
 
 
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
-    """``[S, H, d]`` as dense attention's ``[1, H, S, d]``, contiguous."""
-    return x.transpose(0, 1).unsqueeze(0).contiguous()
+def _bshd(x: torch.Tensor) -> torch.Tensor:
+    """``[S, H, d]`` as dense attention's ``[1, H, S, d]``, laid out as ``[S, H, d]`` (BSHD: what
+    torch's plans keyed by rounded lengths take)."""
+    return x.contiguous().unsqueeze(0).transpose(1, 2)
+
+
+def warm(device: torch.device, dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int,
+         min_query: int, max_query: int, max_context: int) -> int:
+    """Build the plans of every length bucket a step of one sequence may take on ``device``: its
+    query of ``min_query`` to ``max_query`` tokens alone, and after a cached prefix of up to
+    ``max_context`` less its query (from a 256-token bucket: a shorter one pays its build once);
+    the calls made: none off a GPU (no plans to build) or where dense attention is not ``usable``.
+    Each call's lengths are the smallest of their buckets, which costs the least."""
+    if device.type != "cuda" or not usable(device):
+        return 0
+    scale, calls = head_dim**-0.5, 0
+    longest = max(1, max_context - min_query)
+    for n in _bucket_starts(min_query, max_query):
+        q = torch.zeros(n, q_heads, head_dim, dtype=dtype, device=device)
+        for prefix in [0, *_bucket_starts(256, longest)]:
+            k = torch.zeros(prefix + n, kv_heads, head_dim, dtype=dtype, device=device)
+            one_sequence_attention(q, k, k, scale)
+            calls += 1
+    torch.cuda.synchronize(device)
+    return calls
+
+
+def _bucket_starts(lo: int, hi: int) -> list[int]:
+    """The smallest length of each power-of-two bucket (``(2^(j-1), 2^j]``) that lengths from
+    ``lo`` to ``hi`` fall in."""
+    top = max(lo, hi)
+    starts, bound = [], 1 << max(0, lo - 1).bit_length()  # the bucket ``lo`` is in
+    while True:
+        starts.append(max(lo, bound // 2 + 1))
+        if bound >= top:
+            return starts
+        bound *= 2
 
 
 @functools.cache

@@ -35,3 +35,15 @@ def test_the_merge_of_two_key_sets_is_softmax_over_their_union():
 
 def test_usable_checks_the_path_on_the_device():
     assert dense_attention.usable(torch.device("cpu"))
+
+
+def test_bucket_starts_cover_each_power_of_two_bucket_once_at_its_smallest_length():
+    starts = dense_attention._bucket_starts(512, 8192)
+    assert starts == [512, 513, 1025, 2049, 4097]
+    buckets = {1 << (n - 1).bit_length() for n in range(512, 8193)}  # torch rounds each length up
+    assert {1 << (s - 1).bit_length() for s in starts} == buckets
+    assert dense_attention._bucket_starts(3, 5) == [3, 5] and dense_attention._bucket_starts(7, 7) == [7]
+
+
+def test_warm_builds_nothing_off_a_gpu():
+    assert dense_attention.warm(torch.device("cpu"), torch.float32, 4, 2, 16, 512, 8192, 40960) == 0

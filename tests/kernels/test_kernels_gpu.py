@@ -335,12 +335,13 @@ def test_flash_prefill_over_keys_gathered_out_of_the_cache_matches_reference(gro
         cuda.flash_gathered_attention(q, k_cache, v_cache, tables, ctx, starts.to(DEVICE), scale, key_slots=slots)
 
 
-@pytest.mark.parametrize("n,prefix", [(1024, 0), (1000, 1000), (512, 3000), (257, 6000)])
+@pytest.mark.parametrize("n,prefix", [(1024, 0), (1000, 0), (1000, 1000), (900, 1000), (512, 3000), (257, 6000)])
 def test_one_sequence_dense_attention_matches_reference(n, prefix):
     """A long prompt's chunk alone in its step (``dense_attention``, what ``flash_gathered_attention``
     runs for one sequence): torch's dense attention (cuDNN's on Hopper), the cached prefix and
     the chunk's own keys merged by log-sum-exp, GQA of 2, bf16, against the reference; and that
-    path is the one a Hopper GPU takes."""
+    path is the one a Hopper GPU takes. Lengths that share a power-of-two bucket (1000 and 1024,
+    900 and 1000 over 1000) share cuDNN's plan, their own lengths given as ragged offsets."""
     gen = torch.Generator().manual_seed(n + prefix)
     q = torch.randn(n, 16, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
     k, v = (torch.randn(n + prefix, 8, 128, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(2))
