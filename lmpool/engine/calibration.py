@@ -33,7 +33,7 @@ from lmpool.sampling_params import SamplingParams
 BATCH = 16  # short requests decoding together (and questions about the long prompt)
 SHORT = 64  # their prompt tokens (a question's own, after the long prompt's whole blocks)
 DECODE = 8  # tokens each short request generates (the long one: half as many)
-LONG_S = 0.05  # the long prompt's length is what its linear part prefills in this long at the batch's pace
+LONG_S = 0.1  # the long prompt's length is what its linear part prefills in this long at the batch's pace
 LONG_MIN = 8  # ... and at least this many short prompts' length (its attention per token 8x theirs)
 
 Script = list[tuple[list[int], int]]  # prompts and the tokens each generates
@@ -59,13 +59,7 @@ def calibrate(core: EngineCore, seed: int = 0) -> list[StepSample]:
             _run(core, [(_tokens(rng, vocab, n), DECODE) for n in lengths], f"calibration-{i}")
             if i:  # the first is the warm-up
                 kept += core.take_step_samples()
-        # As long a prompt as the batch's measured pace prefills in ``LONG_S`` (attention grows
-        # faster than that on a CPU), in one chunk at most; and never under ``LONG_MIN`` short
-        # ones where it fits: on a slow or loaded machine the pace alone would leave the long
-        # prompt's attention per token too like the short ones' for the fit to tell them apart.
-        pace = max((s.seconds / s.prefill_tokens for s in kept if s.prefill_tokens), default=0.0)
-        floor = min(longest, LONG_MIN * short)
-        n = longest if pace <= 0 else max(floor, min(longest, int(LONG_S / pace)))
+        n = long_prompt_length(kept, longest, min(longest, LONG_MIN * short))
         # Its length warmed first, as the short batch is, and not kept: a first prompt of a
         # length pays once for what dense attention builds per shape (on an H200, cuDNN took
         # 43-1,100 ms against the prompt's few), which priced every attention pair ~50x its time.
@@ -89,6 +83,22 @@ def calibrate(core: EngineCore, seed: int = 0) -> list[StepSample]:
             bm.enable_prefix_caching = caching
             core.take_step_samples()
     return kept
+
+
+def long_prompt_length(kept: list[StepSample], longest: int, floor: int) -> int:
+    """As long a prompt as the short batch's measured pace prefills in ``LONG_S`` (attention grows
+    faster than that on a CPU), ``longest`` (one chunk) at most; and never under ``floor`` tokens:
+    on a slow or loaded machine the pace alone would leave the long prompt's attention per token
+    too like the short ones' for the fit to tell them apart. The pace is the step that prefilled
+    the most tokens, the batch's, not a lone short prompt's: that step's fixed cost spread over
+    its 64 tokens made the pace ~5x too slow, and the prompt so short (about 1,000 tokens on an
+    H100 quarter) that its attention was a tenth of its step, which then priced a pair 7-20x
+    what a 16k document's chunks took."""
+    batch = max((s for s in kept if s.prefill_tokens > 0 and s.seconds > 0), key=lambda s: s.prefill_tokens,
+                default=None)
+    if batch is None:
+        return longest
+    return max(floor, min(longest, int(LONG_S * batch.prefill_tokens / batch.seconds)))
 
 
 def _questions(core: EngineCore, rng: random.Random, document: list[int], batch: int, short: int,

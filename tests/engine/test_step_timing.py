@@ -5,15 +5,17 @@ it serves, which leaves the engine as it found it."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
 from lmpool.config import EngineConfig
 from lmpool.engine.block_manager import BlockManager
-from lmpool.engine.calibration import BATCH, DECODE, LONG_MIN, SHORT, calibrate
+from lmpool.engine.calibration import BATCH, DECODE, LONG_MIN, LONG_S, SHORT, calibrate, long_prompt_length
 from lmpool.engine.core import EngineCore
 from lmpool.engine.scheduler import Scheduler
 from lmpool.engine.sequence import Sequence
+from lmpool.protocol import StepSample
 from lmpool.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -135,3 +137,15 @@ def test_on_a_gpu_every_chunk_of_a_long_prompt_is_awaited(tiny_model):
     assert len(chunks) >= 3
     # timed on the device (None would mean no event): every chunk, sampling or not
     assert all(seconds is not None and seconds > 0 for _, seconds in chunks)
+
+
+def test_the_long_prompt_is_as_long_as_the_batch_prefills_in_its_time():
+    """Its pace is the batch's step (the most prefill tokens), not a lone short prompt's, whose
+    fixed cost spread over few tokens would make the long prompt too short to time its attention."""
+    lone = StepSample(seconds=0.004, prefill_tokens=64, attention=2080, decode_seqs=0, decode_context=0)
+    batch = StepSample(seconds=0.010, prefill_tokens=1024, attention=16 * 2080, decode_seqs=0, decode_context=0)
+    decode = StepSample(seconds=0.003, prefill_tokens=0, attention=0, decode_seqs=16, decode_context=1100)
+    assert long_prompt_length([lone, decode, batch], 1 << 20, 512) == int(LONG_S * 1024 / 0.010)
+    assert long_prompt_length([lone, batch], 8192, 512) == 8192  # one chunk at most
+    assert long_prompt_length([lone, msgspec.structs.replace(batch, seconds=10.0)], 8192, 512) == 512  # the floor
+    assert long_prompt_length([decode], 8192, 512) == 8192  # nothing timed: the longest
