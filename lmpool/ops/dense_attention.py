@@ -103,9 +103,10 @@ def warm(device: torch.device, dtype: torch.dtype, q_heads: int, kv_heads: int, 
     """Build the plans of every length bucket a step of one sequence may take on ``device``: its
     query of ``min_query`` to ``max_query`` tokens alone, and after a cached prefix of up to
     ``max_context`` less its query (from a 256-token bucket: a shorter one pays its build once);
-    the calls made: none off a GPU (no plans to build) or where dense attention is not ``usable``.
+    the calls made: none off a GPU (no plans to build), where no step's query can be that long, or
+    where dense attention is not ``usable``.
     Each call's lengths are the smallest of their buckets, which costs the least."""
-    if device.type != "cuda" or not usable(device):
+    if device.type != "cuda" or max_query < min_query or not usable(device):
         return 0
     scale, calls = head_dim**-0.5, 0
     longest = max(1, max_context - min_query)

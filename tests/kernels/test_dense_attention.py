@@ -47,3 +47,4 @@ def test_bucket_starts_cover_each_power_of_two_bucket_once_at_its_smallest_lengt
 
 def test_warm_builds_nothing_off_a_gpu():
     assert dense_attention.warm(torch.device("cpu"), torch.float32, 4, 2, 16, 512, 8192, 40960) == 0
+    assert dense_attention.warm(torch.device("cuda"), torch.float32, 4, 2, 16, 512, 256, 40960) == 0  # no such query
