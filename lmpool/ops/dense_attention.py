@@ -135,18 +135,20 @@ def _bucket_starts(lo: int, hi: int) -> list[int]:
 @functools.cache
 def usable(device: torch.device) -> bool:
     """Whether ``one_sequence_attention`` runs on ``device`` and matches the reference there, for
-    a cold query and one after a cached prefix (96 tokens each, GQA of 2, bf16 on a GPU); checked
-    once a device."""
+    cold queries and ones after a cached prefix, GQA of 2, bf16 on a GPU: 96 queries over 0 and 96
+    cached keys, then 80 over 0 and 100, whose lengths share those buckets, so their plans are
+    the first ones run again at lengths they were not built at; checked once a device."""
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q = torch.randn(96, 4, 64, generator=gen).to(device, dtype)
-    k, v = (torch.randn(192, 2, 64, generator=gen).to(device, dtype) for _ in range(2))
-    for keys, values in ((k[:96], v[:96]), (k, v)):
+    k, v = (torch.randn(196, 2, 64, generator=gen).to(device, dtype) for _ in range(2))
+    for n, prefix in ((96, 0), (96, 96), (80, 0), (80, 100)):
+        keys, values = k[:prefix + n], v[:prefix + n]
         try:
-            out = one_sequence_attention(q, keys, values, 0.125)
+            out = one_sequence_attention(q[:n], keys, values, 0.125)
         except (RuntimeError, NotImplementedError):  # no fused or cuDNN attention for this torch or GPU
             return False
-        want = reference.attention_over(q, keys, values, 0.125)
+        want = reference.attention_over(q[:n], keys, values, 0.125)
         if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
             return False
     return True

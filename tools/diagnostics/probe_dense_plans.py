@@ -1,0 +1,96 @@
+"""What dense attention's plans cost (``lmpool.ops.dense_attention``): the first call at each new
+length against the calls after it, with cuDNN's plans keyed by every length
+(``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0``) and by power-of-two buckets (``=1``, the engine's
+default), each in a process of its own (torch reads the variable once); every result against
+the reference where it fits; and ``warm``'s calls and seconds for the 0.6B shape (16 query heads
+over 8 key heads of 128, queries of 512 to 8,192 tokens over up to 40,960 keys).
+
+    python -m tools.diagnostics.probe_dense_plans --json dense_plans.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from benchmarks.lib.revision import git_record
+
+# (query, cached prefix): lengths new to a process, then ones sharing their buckets.
+SHAPES = [(4096, 0), (5003, 0), (4097, 0), (6000, 0), (777, 0), (2000, 8192), (2001, 8192), (3000, 9000),
+          (600, 1200), (513, 300), (8192, 0), (8192, 8192), (8000, 8300), (1500, 20000), (5003, 0)]
+AFTER_WARM = [(4500, 0), (1111, 7777), (3333, 12345), (700, 25000), (8100, 8100)]
+CHECKED = 3000 * 9000  # query x context at most, for the reference (its fp32 scores)
+
+
+def timed_call(n: int, prefix: int, seed: int) -> dict:
+    from lmpool.ops import dense_attention, reference
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(rows, heads, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for rows, heads in ((n, 16), (n + prefix, 8), (n + prefix, 8)))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = dense_attention.one_sequence_attention(q, k, v, 128**-0.5)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(3):
+        dense_attention.one_sequence_attention(q, k, v, 128**-0.5)
+    torch.cuda.synchronize()
+    again = (time.perf_counter() - start) / 3
+    err = None
+    if n * (n + prefix) <= CHECKED:
+        want = reference.attention_over(q.float(), k.float(), v.float(), 128**-0.5)
+        err = float((out.float() - want).abs().max())
+    return {"n": n, "prefix": prefix, "first_ms": first * 1e3, "again_ms": again * 1e3, "max_abs_err": err}
+
+
+def one_setting(flag: str) -> dict:
+    """This process's measurements with the variable at ``flag`` (set before torch's first use)."""
+    os.environ["TORCH_CUDNN_SDPA_AVOID_RECOMPILE"] = flag
+    from lmpool.ops import dense_attention
+    device = torch.device("cuda", 0)
+    start = time.perf_counter()
+    result: dict = {"avoid_recompile": flag, "usable": dense_attention.usable(device),
+                    "usable_s": time.perf_counter() - start}
+    result["shapes"] = [timed_call(n, p, i) for i, (n, p) in enumerate(SHAPES)]
+    start = time.perf_counter()
+    result["warm_calls"] = dense_attention.warm(device, torch.bfloat16, 16, 8, 128, 512, 8192, 40960)
+    result["warm_s"] = time.perf_counter() - start
+    result["after_warm"] = [timed_call(n, p, 100 + i) for i, (n, p) in enumerate(AFTER_WARM)]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--setting", default=None, help=argparse.SUPPRESS)  # the child's flag
+    args = parser.parse_args()
+    if args.setting is not None:
+        print(json.dumps(one_setting(args.setting)))
+        return
+    runs = []
+    for flag in ("1", "0"):
+        child = subprocess.run([sys.executable, "-m", "tools.diagnostics.probe_dense_plans", "--setting", flag],
+                               capture_output=True, text=True, timeout=300)
+        lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+        runs.append(json.loads(lines[-1]) if lines else {"avoid_recompile": flag, "error": child.stderr[-3000:]})
+    for run in runs:
+        print(f"avoid_recompile={run['avoid_recompile']} usable={run.get('usable')} "
+              f"warm: {run.get('warm_calls')} calls in {run.get('warm_s', float('nan')):.2f} s {run.get('error', '')}")
+        for s in run.get("shapes", []) + run.get("after_warm", []):
+            print(f"  {s['n']:>5} over {s['prefix']:>5}: first {s['first_ms']:8.1f} ms, then {s['again_ms']:7.2f} ms,"
+                  f" max |err| {s['max_abs_err']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            record = {"benchmark": "dense_plans", "git": git_record(), "torch": torch.__version__, "runs": runs}
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
