@@ -697,10 +697,17 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
-// A linear layer without bias: the skinny kernel where it fits and wins (a decode step of at most
-// kSkinnyLinearRows rows), else cuBLAS (at::linear); x [..., k] keeps its leading shape.
+// Whether the skinny kernel beats cuBLAS at this many rows and outputs (launchers.h): 1 or 2 rows
+// always, up to kSkinnyLinearRows where the outputs are few. A CUDA graph pads 3 rows to 4, and
+// both take the same path, so a row's bits do not change with the padding.
+bool skinny_linear_wins(int64_t rows, int64_t n) {
+  return rows <= 2 || (rows <= kSkinnyLinearRows && n <= kSkinnyLinearWideMaxN);
+}
+
+// A linear layer without bias: the skinny kernel where it fits and wins, else cuBLAS
+// (at::linear); x [..., k] keeps its leading shape.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
-  if (skinny_linear_fits(x, w) && x.size(0) <= kSkinnyLinearRows) return skinny_linear(x, w);
+  if (skinny_linear_fits(x, w) && skinny_linear_wins(x.size(0), w.size(0))) return skinny_linear(x, w);
   return at::linear(x, w);
 }
 

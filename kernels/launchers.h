@@ -277,6 +277,10 @@ constexpr int kSkinnyMaxRows = 8;
 // 0.043 ms), and lost at 8 in all but one (0.053 against 0.043 ms a layer, 0.22 against 0.12 ms
 // for the output projection).
 constexpr int kSkinnyLinearRows = 4;
+// ... of which more than 2 only over at most this many outputs: on an H200 at 4 rows it beat
+// cuBLAS over 1,024 to 4,096 outputs (1.02-1.63x) and lost over 6,144 (gate and up, 0.93x) and
+// the 151,936 of the LM head (0.68x, 0.130 against 0.089 ms), where cuBLAS's tiles fill the GPU.
+constexpr int64_t kSkinnyLinearWideMaxN = 4096;
 struct SkinnyLinearArgs {
   const void* x;  // [rows, k], last dimension contiguous
   int64_t x_stride;

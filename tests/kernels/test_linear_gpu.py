@@ -109,6 +109,17 @@ def test_linear_sends_more_rows_than_the_kernel_wins_at_to_cublas(rows):
     assert torch.equal(cuda.linear(x, w), F.linear(x, w))
 
 
+@pytest.mark.parametrize("rows,n,kernel", [(2, 151936, True), (3, 4096, True), (4, 4096, True), (3, 6144, False),
+                                           (4, 151936, False)])
+def test_three_or_four_rows_go_through_the_kernel_only_over_few_outputs(rows, n, kernel):
+    """Over more than 4,096 outputs (gate and up, the LM head) cuBLAS beat the kernel at 4 rows
+    on an H200; at 1 and 2 rows the kernel won everywhere."""
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16)
+    want = cuda.load_extension().skinny_linear(x, w) if kernel else F.linear(x, w)
+    assert torch.equal(cuda.linear(x, w), want)
+
+
 def test_a_row_s_result_does_not_depend_on_the_rows_beside_it():
     """A decode row gives the same bits in a step of 3 rows (eager) and one padded to 4 or 8
     (a CUDA graph's size): greedy tokens must not change with the batch's padding."""
