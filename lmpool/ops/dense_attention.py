@@ -113,6 +113,8 @@ def warm(device: torch.device, dtype: torch.dtype, q_heads: int, kv_heads: int, 
     for n in _bucket_starts(min_query, max_query):
         q = torch.zeros(n, q_heads, head_dim, dtype=dtype, device=device)
         for prefix in [0, *_bucket_starts(256, longest)]:
+            if prefix + n > max_context:  # no step reaches this bucket
+                break
             k = torch.zeros(prefix + n, kv_heads, head_dim, dtype=dtype, device=device)
             one_sequence_attention(q, k, k, scale)
             calls += 1
