@@ -33,7 +33,7 @@ from lmpool.sampling_params import SamplingParams
 BATCH = 16  # short requests decoding together (and questions about the long prompt)
 SHORT = 64  # their prompt tokens (a question's own, after the long prompt's whole blocks)
 DECODE = 8  # tokens each short request generates (the long one: half as many)
-LONG_S = 0.1  # the long prompt's length is what its linear part prefills in this long at the batch's pace
+LONG_S = 0.05  # the long prompt's length is what its linear part prefills in this long at the batch's pace
 LONG_MIN = 8  # ... and at least this many short prompts' length (its attention per token 8x theirs)
 
 Script = list[tuple[list[int], int]]  # prompts and the tokens each generates
