@@ -146,6 +146,6 @@ def test_the_long_prompt_is_as_long_as_the_batch_prefills_in_its_time():
     batch = StepSample(seconds=0.010, prefill_tokens=1024, attention=16 * 2080, decode_seqs=0, decode_context=0)
     decode = StepSample(seconds=0.003, prefill_tokens=0, attention=0, decode_seqs=16, decode_context=1100)
     assert long_prompt_length([lone, decode, batch], 1 << 20, 512) == int(LONG_S * 1024 / 0.010)
-    assert long_prompt_length([lone, batch], 8192, 512) == 8192  # one chunk at most
+    assert long_prompt_length([lone, batch], 4096, 512) == 4096  # one chunk at most
     assert long_prompt_length([lone, msgspec.structs.replace(batch, seconds=10.0)], 8192, 512) == 512  # the floor
     assert long_prompt_length([decode], 8192, 512) == 8192  # nothing timed: the longest
