@@ -698,8 +698,8 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // Whether the skinny kernel beats cuBLAS at this many rows and outputs (launchers.h): 1 or 2 rows
-// always, up to kSkinnyLinearRows where the outputs are few. A CUDA graph pads 3 rows to 4, and
-// both take the same path, so a row's bits do not change with the padding.
+// always, up to kSkinnyLinearRows over fewer outputs than a vocabulary's (the LM head's go to
+// cuBLAS at 3-4 rows).
 bool skinny_linear_wins(int64_t rows, int64_t n) {
   return rows <= 2 || (rows <= kSkinnyLinearRows && n <= kSkinnyLinearWideMaxN);
 }

@@ -277,10 +277,13 @@ constexpr int kSkinnyMaxRows = 8;
 // 0.043 ms), and lost at 8 in all but one (0.053 against 0.043 ms a layer, 0.22 against 0.12 ms
 // for the output projection).
 constexpr int kSkinnyLinearRows = 4;
-// ... of which more than 2 only over at most this many outputs: on an H200 at 4 rows it beat
-// cuBLAS over 1,024 to 4,096 outputs (1.02-1.63x) and lost over 6,144 (gate and up, 0.93x) and
-// the 151,936 of the LM head (0.68x, 0.130 against 0.089 ms), where cuBLAS's tiles fill the GPU.
-constexpr int64_t kSkinnyLinearWideMaxN = 4096;
+// ... of which more than 2 only over at most this many outputs, fewer than a vocabulary's: on an
+// H200 at 4 rows the LM head's 151,936 ran at 0.68x cuBLAS (0.130 against 0.089 ms, once a step,
+// eager on the sampled rows). A layer's projections stay on the kernel at 3-4 rows, inside CUDA
+// graphs too: it beat cuBLAS over 1,024 to 4,096 outputs (1.02-1.63x) and lost only a little
+// over gate and up's 6,144 (0.93x), and a graph pads 3 rows to 4, which the kernel's fixed sums
+// give the same bits (cuBLAS at 3 and 4 rows need not).
+constexpr int64_t kSkinnyLinearWideMaxN = 65536;
 struct SkinnyLinearArgs {
   const void* x;  // [rows, k], last dimension contiguous
   int64_t x_stride;

@@ -61,8 +61,10 @@ def calibrate(core: EngineCore, seed: int = 0) -> list[StepSample]:
                 kept += core.take_step_samples()
         n = long_prompt_length(kept, longest, min(longest, LONG_MIN * short))
         # Its length warmed first, as the short batch is, and not kept: a first prompt of a
-        # length pays once for what dense attention builds per shape (on an H200, cuDNN took
+        # length paid once for what dense attention built per shape (on an H200, cuDNN took
         # 43-1,100 ms against the prompt's few), which priced every attention pair ~50x its time.
+        # The engine now builds those plans at start (``dense_attention.warm``); this still takes
+        # whatever else a first step of this size pays once.
         _run(core, [(_tokens(rng, vocab, n), 1)], "calibration-long-warm-up")
         core.take_step_samples()
         long = _tokens(rng, vocab, n)
@@ -98,7 +100,7 @@ def long_prompt_length(kept: list[StepSample], longest: int, floor: int) -> int:
                 default=None)
     if batch is None:
         return longest
-    return max(floor, min(longest, int(LONG_S * batch.prefill_tokens / batch.seconds)))
+    return min(longest, max(floor, int(LONG_S * batch.prefill_tokens / batch.seconds)))
 
 
 def _questions(core: EngineCore, rng: random.Random, document: list[int], batch: int, short: int,

@@ -364,8 +364,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``reference.linear``; a decode step's few rows (fp16 or bf16: 1 or 2, or up to 4 over at most
-    4,096 outputs, ``skinny_linear_wins``) read each weight once in one kernel
+    """``reference.linear``; a decode step's few rows (fp16 or bf16: 1 or 2, or up to 4 over fewer
+    outputs than a vocabulary's, ``skinny_linear_wins``) read each weight once in one kernel
     (``kernels/skinny_linear.cu``), where cuBLAS's tiles read them at a fraction of the bandwidth;
     other shapes go to cuBLAS (at 8 rows it is faster)."""
     if x.dim() == 2:

@@ -9,10 +9,13 @@ over their own keys (causal), merged by each row's log-sum-exp of scores.
 
 cuDNN builds a plan for each shape it sees, and a build cost 43-90 ms on an H200 (more than a
 4k prompt's attention): every prompt of a new length paid it. Operands laid out as ``[S, H, d]``
-(torch's BSHD) under ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``, which this module sets unless the
-process already has, let torch key its plans by each length rounded up to a power of two
-(the lengths themselves go to cuDNN as ragged offsets), so a process builds a few dozen plans,
-and ``warm`` builds them before the engine serves.
+(torch's BSHD) under ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` let torch (2.9 on) key its plans by
+each length rounded up to a power of two (the lengths themselves go to cuDNN as ragged offsets),
+so a process builds a few dozen plans, and ``warm`` builds them before the engine serves.
+Torch reads the variable once, at the process's first cuDNN attention: ``usable`` and ``warm``,
+this path's first calls, set it where the process has not (a process that ran cuDNN attention
+before keeps a plan per length; one that set it off keeps it off, and ``warm`` then builds
+nothing). Torch's plans are per thread: ``warm`` serves the thread that steps.
 
 Invariants: the result equals ``reference.paged_attention`` on the same keys up to rounding
 (``usable`` checks that on a small case before a device's first use, and answers False where
@@ -31,8 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmpool.ops import reference
 
-# Read once by torch, at its first cuDNN attention: before any, as this module is imported first.
-os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
+BUCKETED_PLANS = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
 _FUSED = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 _ANY = [*_FUSED, SDPBackend.MATH]
 
@@ -98,21 +100,27 @@ def _bshd(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().unsqueeze(0).transpose(1, 2)
 
 
+def bucketed_plans() -> bool:
+    """Whether torch keys this path's cuDNN plans by length bucket: the variable set on, here
+    where the process has not set it (torch reads it at its first cuDNN attention)."""
+    return os.environ.setdefault(BUCKETED_PLANS, "1").strip().upper() in ("1", "ON", "YES", "TRUE", "Y")
+
+
 def warm(device: torch.device, dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int,
          min_query: int, max_query: int, max_context: int) -> int:
     """Build the plans of every length bucket a step of one sequence may take on ``device``: its
     query of ``min_query`` to ``max_query`` tokens alone, and after a cached prefix of up to
-    ``max_context`` less its query (from a 256-token bucket: a shorter one pays its build once);
-    the calls made: none off a GPU (no plans to build), where no step's query can be that long, or
-    where dense attention is not ``usable``.
-    Each call's lengths are the smallest of their buckets, which costs the least."""
-    if device.type != "cuda" or max_query < min_query or not usable(device):
+    ``max_context`` less its query (from the 256-key bucket: a shorter one pays its build once);
+    the calls made: none off a GPU, without bucketed plans (a plan per length is never warm), where
+    no step's query can be that long, or where dense attention is not ``usable``. The queries are
+    the smallest of their buckets and of their folded rows' (``query * group``, in buckets of
+    their own where the group is no power of two), which costs the least."""
+    if device.type != "cuda" or max_query < min_query or not bucketed_plans() or not usable(device):
         return 0
     scale, calls = head_dim**-0.5, 0
-    longest = max(1, max_context - min_query)
-    for n in _bucket_starts(min_query, max_query):
+    for n in _warm_queries(min_query, max_query, q_heads // kv_heads):
         q = torch.zeros(n, q_heads, head_dim, dtype=dtype, device=device)
-        for prefix in [0, *_bucket_starts(256, longest)]:
+        for prefix in [0, *_bucket_starts(256, max(1, max_context - min_query))]:
             if prefix + n > max_context:  # no step reaches this bucket
                 break
             k = torch.zeros(prefix + n, kv_heads, head_dim, dtype=dtype, device=device)
@@ -120,6 +128,14 @@ def warm(device: torch.device, dtype: torch.dtype, q_heads: int, kv_heads: int, 
             calls += 1
     torch.cuda.synchronize(device)
     return calls
+
+
+def _warm_queries(min_query: int, max_query: int, group: int) -> list[int]:
+    """Query lengths from ``min_query`` to ``max_query`` that reach every bucket a query of that
+    range takes, and every bucket its folded rows (``query * group``) take."""
+    folded = {min(max_query, max(min_query, -(-rows // group)))
+              for rows in _bucket_starts(min_query * group, max_query * group)}
+    return sorted(set(_bucket_starts(min_query, max_query)) | folded)
 
 
 def _bucket_starts(lo: int, hi: int) -> list[int]:
@@ -140,10 +156,12 @@ def usable(device: torch.device) -> bool:
     cold queries and ones after a cached prefix, GQA of 2, bf16 on a GPU: 96 queries over 0 and 96
     cached keys, then 80 over 0 and 100, whose lengths share those buckets, so their plans are
     the first ones run again at lengths they were not built at; checked once a device."""
+    if device.type == "cuda":
+        bucketed_plans()
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q = torch.randn(96, 4, 64, generator=gen).to(device, dtype)
-    k, v = (torch.randn(196, 2, 64, generator=gen).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(192, 2, 64, generator=gen).to(device, dtype) for _ in range(2))
     for n, prefix in ((96, 0), (96, 96), (80, 0), (80, 100)):
         keys, values = k[:prefix + n], v[:prefix + n]
         try:

@@ -149,3 +149,4 @@ def test_the_long_prompt_is_as_long_as_the_batch_prefills_in_its_time():
     assert long_prompt_length([lone, batch], 4096, 512) == 4096  # one chunk at most
     assert long_prompt_length([lone, msgspec.structs.replace(batch, seconds=10.0)], 8192, 512) == 512  # the floor
     assert long_prompt_length([decode], 8192, 512) == 8192  # nothing timed: the longest
+    assert long_prompt_length([lone, msgspec.structs.replace(batch, seconds=10.0)], 256, 512) == 256  # never past it

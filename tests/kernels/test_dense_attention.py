@@ -5,6 +5,8 @@ merge itself is softmax over the union of two key sets."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -48,3 +50,22 @@ def test_bucket_starts_cover_each_power_of_two_bucket_once_at_its_smallest_lengt
 def test_warm_builds_nothing_off_a_gpu():
     assert dense_attention.warm(torch.device("cpu"), torch.float32, 4, 2, 16, 512, 8192, 40960) == 0
     assert dense_attention.warm(torch.device("cuda"), torch.float32, 4, 2, 16, 512, 256, 40960) == 0  # no such query
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 6, 8])
+def test_warm_queries_reach_every_bucket_of_a_query_and_of_its_folded_rows(group):
+    def bucket(n):
+        return 1 << (n - 1).bit_length()
+    queries = dense_attention._warm_queries(512, 8192, group)
+    assert all(512 <= n <= 8192 for n in queries)
+    assert {bucket(n) for n in range(512, 8193)} <= {bucket(n) for n in queries}
+    assert {bucket(n * group) for n in range(512, 8193)} <= {bucket(n * group) for n in queries}
+
+
+def test_bucketed_plans_are_set_on_where_the_process_has_not_chosen(monkeypatch):
+    monkeypatch.delenv(dense_attention.BUCKETED_PLANS, raising=False)
+    assert dense_attention.bucketed_plans() and os.environ[dense_attention.BUCKETED_PLANS] == "1"
+    monkeypatch.setenv(dense_attention.BUCKETED_PLANS, "0")
+    assert not dense_attention.bucketed_plans() and os.environ[dense_attention.BUCKETED_PLANS] == "0"
+    monkeypatch.setenv(dense_attention.BUCKETED_PLANS, "on")
+    assert dense_attention.bucketed_plans()

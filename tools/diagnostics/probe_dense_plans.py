@@ -3,7 +3,9 @@ length against the calls after it, with cuDNN's plans keyed by every length
 (``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0``) and by power-of-two buckets (``=1``, the engine's
 default), each in a process of its own (torch reads the variable once); every result against
 the reference where it fits; and ``warm``'s calls and seconds for the 0.6B shape (16 query heads
-over 8 key heads of 128, queries of 512 to 8,192 tokens over up to 40,960 keys).
+over 8 key heads of 128, queries of 512 to 8,192 tokens over up to 40,960 keys). A first call
+that took more than ``BUILT_MS`` longer than the next ones built a plan: with bucketed plans,
+lengths sharing a bucket with an earlier one should build none, and nothing should after warm.
 
     python -m tools.diagnostics.probe_dense_plans --json dense_plans.json
 """
@@ -26,6 +28,8 @@ SHAPES = [(4096, 0), (5003, 0), (4097, 0), (6000, 0), (777, 0), (2000, 8192), (2
           (600, 1200), (513, 300), (8192, 0), (8192, 8192), (8000, 8300), (1500, 20000), (5003, 0)]
 AFTER_WARM = [(4500, 0), (1111, 7777), (3333, 12345), (700, 25000), (8100, 8100)]
 CHECKED = 3000 * 9000  # query x context at most, for the reference (its fp32 scores)
+CHILD_S = 150  # a setting's process at most
+BUILT_MS = 10.0  # a first call this much slower than the next ones built a plan (a build: 43-90 ms)
 
 
 def timed_call(n: int, prefix: int, seed: int) -> dict:
@@ -74,22 +78,37 @@ def main() -> None:
     if args.setting is not None:
         print(json.dumps(one_setting(args.setting)))
         return
-    runs = []
-    for flag in ("1", "0"):
-        child = subprocess.run([sys.executable, "-m", "tools.diagnostics.probe_dense_plans", "--setting", flag],
-                               capture_output=True, text=True, timeout=300)
-        lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
-        runs.append(json.loads(lines[-1]) if lines else {"avoid_recompile": flag, "error": child.stderr[-3000:]})
-    for run in runs:
-        print(f"avoid_recompile={run['avoid_recompile']} usable={run.get('usable')} "
-              f"warm: {run.get('warm_calls')} calls in {run.get('warm_s', float('nan')):.2f} s {run.get('error', '')}")
-        for s in run.get("shapes", []) + run.get("after_warm", []):
-            print(f"  {s['n']:>5} over {s['prefix']:>5}: first {s['first_ms']:8.1f} ms, then {s['again_ms']:7.2f} ms,"
-                  f" max |err| {s['max_abs_err']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            record = {"benchmark": "dense_plans", "git": git_record(), "torch": torch.__version__, "runs": runs}
-            json.dump(record, f, indent=1)
+    runs: list[dict] = []
+    for flag in ("1", "0"):  # each written as it ends: a later one's timeout keeps the earlier
+        runs.append(child_run(flag))
+        report(runs[-1])
+        if args.json:
+            with open(args.json, "w") as f:
+                record = {"benchmark": "dense_plans", "git": git_record(), "torch": torch.__version__, "runs": runs}
+                json.dump(record, f, indent=1)
+
+
+def child_run(flag: str) -> dict:
+    command = [sys.executable, "-m", "tools.diagnostics.probe_dense_plans", "--setting", flag]
+    try:
+        child = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_S)
+    except subprocess.TimeoutExpired:
+        return {"avoid_recompile": flag, "error": f"timed out after {CHILD_S} s"}
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+    run = json.loads(lines[-1]) if lines else {"avoid_recompile": flag, "error": child.stderr[-3000:]}
+    for s in run.get("shapes", []) + run.get("after_warm", []):
+        s["built"] = s["first_ms"] - s["again_ms"] > BUILT_MS
+    return run
+
+
+def report(run: dict) -> None:
+    shapes = run.get("shapes", []) + run.get("after_warm", [])
+    print(f"avoid_recompile={run['avoid_recompile']} usable={run.get('usable')} "
+          f"warm: {run.get('warm_calls')} calls in {run.get('warm_s', float('nan')):.2f} s; "
+          f"{sum(s['built'] for s in shapes)} of {len(shapes)} calls built a plan {run.get('error', '')}")
+    for s in shapes:
+        print(f"  {s['n']:>5} over {s['prefix']:>5}: first {s['first_ms']:8.1f} ms, then {s['again_ms']:7.2f} ms,"
+              f" max |err| {s['max_abs_err']}{'  (built)' if s['built'] else ''}")
 
 
 if __name__ == "__main__":
