@@ -1,5 +1,7 @@
 """Shared fixtures: random-weight Qwen3 checkpoints generated offline, once per session, and
-the leak check of the tests that start pools."""
+the leak check of the tests that start pools. The test process keys cuDNN's attention plans by
+length bucket, as an engine does (``lmpool.ops.dense_attention.bucketed_plans``): torch reads
+that once, at the process's first cuDNN attention, which a test of another path may make."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import pytest
 from leak_check import child_pids, describe, lmpool_shm
 
 from lmpool.model.make_model import make_model
+from lmpool.ops.dense_attention import bucketed_plans
+
+bucketed_plans()
 
 
 @pytest.fixture(scope="session")
