@@ -307,7 +307,7 @@ class LMPool:
 
         def validate(ids: list[int], p: SamplingParams) -> None:
             check_usable(p, pool.tokenizer)
-            pool.client.validate("", ids, p)
+            pool.client.check_request("", ids, p)
 
         token_lists, params = prepare_batch(prompts, sampling_params, pool.encode, validate)
 

@@ -174,7 +174,7 @@ class PoolClient:
         """A pool is bound to the loop it started on: from any other, every wait would hang."""
         try:
             running = asyncio.get_running_loop()
-        except RuntimeError:  # a synchronous check (``LMPool`` validates before it hands over)
+        except RuntimeError:  # called outside any loop: nothing to compare
             return
         if self._loop is not None and running is not self._loop:
             raise PoolError("this pool was started on another event loop and can only be used from that one")
@@ -300,11 +300,18 @@ class PoolClient:
     # ---- requests ---------------------------------------------------------------
 
     def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> array:
-        """Reject at ingress what no rank could serve, naming the problem; the prompt's ids as an
-        int64 array (``check_prompt``'s), for its block hashes."""
+        """Reject at ingress, on the pool's loop, what no rank could serve, naming the problem;
+        the prompt's ids as an int64 array (``check_prompt``'s), for its block hashes."""
+        if not self._closed:
+            self._check_loop()
+        return self.check_request(request_id, prompt_token_ids, params)
+
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> array:
+        """``validate``'s checks from any thread: the synchronous ``LMPool`` checks a batch on
+        its caller's before it hands the batch to the pool's own loop (the caller may run a loop
+        of its own: an ``async def``, a notebook's cell)."""
         if self._closed:
             raise PoolError("the pool is shut down")
-        self._check_loop()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.ranks and not any(r.alive for r in self.ranks):

@@ -280,6 +280,21 @@ def test_chat_in_a_pool_gives_what_one_engine_gives(tiny_model):
     assert [o.token_ids for o in both] == [expected.token_ids] * 2
 
 
+def test_the_synchronous_pool_serves_code_that_runs_inside_an_event_loop(tiny_model):
+    """An ``async def`` (or a notebook's cell, which runs on its kernel's loop) may use the
+    synchronous ``LMPool``: its checks run on the caller's thread, whose loop is not the pool's."""
+    from lmpool.frontend.api import LMPool
+
+    with LLM(tiny_model, block_size=BLOCK) as llm:
+        expected = llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+
+    async def cell():
+        with LMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            return pool.generate([[1, 2, 3]], GREEDY)[0].token_ids
+
+    assert run(cell()) == expected
+
+
 def test_a_pool_not_started_has_no_id_yet(tiny_model):
     from lmpool.frontend.client import PoolError
 
