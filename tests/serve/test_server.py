@@ -117,6 +117,7 @@ def test_cache_salt_is_a_string(server, client):
 
 @pytest.mark.parametrize("body, words", [
     ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [7] * 4096, "max_tokens": 0, "echo": True}, "leaves no room in max_model_len 4096 for the one token"),
     ({"prompt": PROMPT, "temperature": -1}, "temperature"),
     ({"prompt": PROMPT, "top_p": 2}, "top_p"),
     ({"prompt": [5000000]}, "vocabulary"),

@@ -107,6 +107,8 @@ def _routes(app: FastAPI, settings: ServeSettings) -> None:
         prompt = cast(str | list[int] | PromptList, parsed.prompt)
         prompts: list[str | list[int]] = list(prompt) if isinstance(prompt, PromptList) else [prompt]
         ids = [await off_loop(request, pool.encode, prompt) for prompt in prompts]
+        if body.prompt_only:
+            _room_to_score(ids, _max_model_len(pool))
         echoes = [await _prompt_text(request, pool, p, i) for p, i in zip(prompts, ids)] if body.echo else None
         params = body.sampling_params(DEFAULT_COMPLETION_TOKENS)
         runs = plan(ids, params, body.num_choices, echoes, body.prompt_only)
@@ -160,6 +162,17 @@ def _pool(request: Request, model: str | None) -> AsyncLMPool:
 async def _prompt_text(request: Request, pool: AsyncLMPool, prompt: str | list[int], ids: list[int]) -> str:
     """An echoed prompt's text: as sent, or its token ids decoded."""
     return prompt if isinstance(prompt, str) else (await off_loop(request, pool.output_processor.decode, ids) or "")
+
+
+def _room_to_score(prompts: list[list[int]], max_model_len: int) -> None:
+    """``max_tokens`` 0 (a prompt's logprobs alone): the pool computes one token to get them, so
+    each prompt must leave room for it; a ``ValueError`` (a 400) naming the prompt where not."""
+    for i, ids in enumerate(prompts):
+        if len(ids) >= max_model_len:
+            which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+            raise ValueError(f"{which} ({len(ids)} tokens) leaves no room in max_model_len {max_model_len} for the "
+                             f"one token the pool computes to score it (max_tokens 0): at most "
+                             f"{max_model_len - 1} tokens")
 
 
 def _max_model_len(pool: AsyncLMPool) -> int:
