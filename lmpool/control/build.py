@@ -147,7 +147,7 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
     return Router(gbm, links, policy, stages)
 
 
-def limits(engine: EngineConfig, cascade_min_saved: int = 0, cascade_groups: bool = True) -> Limits:
+def limits(engine: EngineConfig, cascade_min_saved: int, cascade_groups: bool) -> Limits:
     """What the ranks' schedulers allow; ``cascade_min_saved`` as the engines resolve it
     (``config.engine.cascade_min_saved``, carried by the ``ControlSpec``); ``cascade_groups`` as
     the routing config sets it."""
