@@ -495,11 +495,11 @@ def test_prefill_routed_to_a_rank_lately_is_expected_to_join_a_request_s_step(ru
     copying = pricer.price(query, 0, 0, 0.5, None).ttft_s
     for tokens in routed:
         pricer.routed(0, tokens, tokens * 300, tokens + 1000)
-    tokens, pairs, keys = pricer.arrivals.rates(0, clock.now)
-    assert tokens == pytest.approx(sum(routed) / ARRIVAL_TAU_S)
+    rate = sum(PAIRED.prefill_token * t + PAIRED.attention_pair * t * 300 + PAIRED.prefill_key * (t + 1000)
+               for t in routed) / ARRIVAL_TAU_S
+    assert pricer.arrivals.rate(0, clock.now) == pytest.approx(rate)
     clock.now += wait * pricer.work(0).step
     left = max(0.0, pricer.work(0).step * (1 - wait))
-    rate = PAIRED.prefill_token * tokens + PAIRED.attention_pair * pairs + PAIRED.prefill_key * keys
     fade = math.exp(-(clock.now - 5.0) / ARRIVAL_TAU_S)
     after = pricer.price(query, 0, 0, 0.0, None).ttft_s
     elapsed = pricer.work(0).step - left
@@ -511,22 +511,20 @@ def test_prefill_routed_to_a_rank_lately_is_expected_to_join_a_request_s_step(ru
     assert pricer.price(query, 0, 0, 0.0, None).ttft_s == pytest.approx(before, rel=1e-6)
 
 
-@given(st.lists(st.tuples(st.floats(0.0, 0.2), st.integers(0, 10_000), st.integers(0, 10**8), st.integers(0, 10**5)),
-                max_size=50), st.floats(0.0, 1.0))
-def test_arrival_rates_are_decayed_sums_of_what_was_routed(routes, later):
-    """``Arrivals``: each rank's rates are its routes' prefill, each weighted by how long ago it
+@given(st.lists(st.tuples(st.floats(0.0, 0.2), st.floats(0.0, 10.0)), max_size=50), st.floats(0.0, 1.0))
+def test_an_arrival_rate_is_a_decayed_sum_of_what_was_routed(routes, later):
+    """``Arrivals``: a rank's rate is its routes' prefill seconds, each weighted by how long ago it
     came (``exp(-age / tau)``), over ``tau``; never negative, and only falling between routes."""
     arrivals, now, sums = Arrivals(2), 0.0, []
-    for gap, tokens, pairs, keys in routes:
+    for gap, seconds in routes:
         now += gap
-        arrivals.add(1, tokens, pairs, keys, now)
-        sums.append((now, tokens, pairs, keys))
+        arrivals.add(1, seconds, now)
+        sums.append((now, seconds))
     end = now + later
-    expected = [sum(x[i] * math.exp(-(end - x[0]) / ARRIVAL_TAU_S) for x in sums) / ARRIVAL_TAU_S for i in (1, 2, 3)]
-    got = arrivals.rates(1, end)
-    assert got == pytest.approx(tuple(expected), rel=1e-9, abs=1e-6)
-    assert all(r >= 0 for r in got) and arrivals.rates(0, end) == (0.0, 0.0, 0.0)
-    assert all(a <= b + 1e-9 for a, b in zip(arrivals.rates(1, end + 0.01), got))
+    expected = sum(s * math.exp(-(end - t) / ARRIVAL_TAU_S) for t, s in sums) / ARRIVAL_TAU_S
+    assert arrivals.rate(1, end) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert arrivals.rate(1, end) >= 0 and arrivals.rate(0, end) == 0.0
+    assert arrivals.rate(1, end + 0.01) <= arrivals.rate(1, end)
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,13 +1,13 @@
 """The prefill each rank has lately been routed, as a rate: what a price expects to join a
 request's step before that step is scheduled (``Pricer``'s joiners).
 
-A route that does not wait on a pull adds the prompt tokens its request computes there, their
-attention pairs and the keys they read to its rank's sums, which decay exponentially with time
-constant ``tau_s``: a sum over ``tau_s`` is the rate (per second) that a steady stream of such
-routes would show, and it falls back to 0 once routes stop.
+A route that does not wait on a pull adds its request's prefill there, in the rank's predicted
+seconds as the route priced it, to the rank's sum, which decays exponentially with time constant
+``tau_s``: the sum over ``tau_s`` is the rate (prefill seconds per second) that a steady stream
+of such routes would show, and it falls back to 0 once routes stop.
 
-Invariants: every sum is >= 0, and between two routes to a rank its sums only decay; a rank
-never routed to has rates 0.
+Invariants: every sum is >= 0, and between two routes to a rank its sum only decays; a rank
+never routed to has rate 0.
 """
 
 from __future__ import annotations
@@ -20,31 +20,28 @@ ARRIVAL_TAU_S = 0.05
 
 
 class Arrivals:
+    __slots__ = ("tau_s", "at", "sums")
+
     def __init__(self, world_size: int, tau_s: float = ARRIVAL_TAU_S) -> None:
         if tau_s <= 0:
             raise ValueError(f"need tau_s > 0, got {tau_s}")
         self.tau_s = tau_s
-        self._at = [0.0] * world_size  # when each rank's sums were last decayed
-        self._sums = [(0.0, 0.0, 0.0)] * world_size  # (tokens, attention pairs, keys)
+        # Read-only outside: a price reads them inlined (``Pricer.price_work``).
+        self.at = [0.0] * world_size  # when each rank's sum was last decayed
+        self.sums = [0.0] * world_size  # decayed prefill seconds, as of ``at``
 
-    def add(self, rank: int, tokens: int, attention: int, keys: int, now: float) -> None:
-        """A route sent ``rank`` this prefill at ``now``."""
-        t, a, k = self._decayed(rank, now)
-        self._sums[rank] = (t + tokens, a + attention, k + keys)
-        self._at[rank] = now
+    def add(self, rank: int, seconds: float, now: float) -> None:
+        """A route sent ``rank`` ``seconds`` of prefill at ``now``."""
+        if seconds < 0:
+            raise ValueError(f"need seconds >= 0, got {seconds}")
+        self.sums[rank] = self._decayed(rank, now) + seconds
+        self.at[rank] = now
 
-    def rates(self, rank: int, now: float) -> tuple[float, float, float]:
-        """Tokens, attention pairs and keys per second routed to ``rank`` lately, as of ``now``."""
-        t, a, k = self._decayed(rank, now)
-        tau = self.tau_s
-        return t / tau, a / tau, k / tau
+    def rate(self, rank: int, now: float) -> float:
+        """Prefill seconds per second routed to ``rank`` lately, as of ``now``."""
+        return self._decayed(rank, now) / self.tau_s if self.sums[rank] else 0.0
 
-    def _decayed(self, rank: int, now: float) -> tuple[float, float, float]:
-        t, a, k = self._sums[rank]
-        if not (t or a or k):
-            return 0.0, 0.0, 0.0
-        elapsed = now - self._at[rank]
-        if elapsed <= 0:
-            return t, a, k
-        f = math.exp(-elapsed / self.tau_s)
-        return t * f, a * f, k * f
+    def _decayed(self, rank: int, now: float) -> float:
+        s = self.sums[rank]
+        elapsed = now - self.at[rank]
+        return s * math.exp(-elapsed / self.tau_s) if s and elapsed > 0 else s

@@ -79,6 +79,7 @@ step's base, the total at least the time to first token.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from math import exp
 from typing import NamedTuple
 
 import msgspec
@@ -251,7 +252,9 @@ class Pricer:
     def routed(self, rank: int, tokens: int, attention: int, keys: int) -> None:
         """A route sent ``rank`` a request that computes ``tokens`` prompt tokens there now (not
         after a pull), with ``attention`` pairs and ``keys`` read: the joiners of later prices."""
-        self.arrivals.add(rank, tokens, attention, keys, self.clock())
+        c = self.model.coefficients(rank)
+        seconds = c.prefill_token * tokens + c.attention_pair * attention + c.prefill_key * keys
+        self.arrivals.add(rank, seconds, self.clock())
 
     def terms(self, query: RouteQuery, held: int = 0) -> QueryTerms:
         """What every rank's price reads of ``query``; ``held``: the most of its blocks a candidate
@@ -385,9 +388,15 @@ class Pricer:
             busy = landed_busy  # the copy ran behind the launched prefill (its wait counts it): done by then
         elif under_way:
             left_s = under_way if reported is None else under_way - (now - reported)
-            if left_s > 0:
-                tokens, pairs, keys = self.arrivals.rates(rank, now)
-                busy += left_s * (1.0 + prefill_token * tokens + attention_pair * pairs + prefill_key * keys)
+            if left_s > 0:  # ``arrivals.rate(rank, now)``, inlined
+                arrivals = self.arrivals
+                routed = arrivals.sums[rank]
+                if routed:
+                    since = now - arrivals.at[rank]
+                    if since > 0:
+                        routed *= exp(-since / arrivals.tau_s)
+                    left_s *= 1.0 + routed / arrivals.tau_s
+                busy += left_s
         if need > available and held:
             room_s = self._room_s(w, need - available) + own_steps
             if room_s > start:
