@@ -482,7 +482,8 @@ def test_the_step_under_way_is_priced_from_the_report_its_worker_sent_as_it_star
 def test_prefill_routed_to_a_rank_lately_is_expected_to_join_a_request_s_step(running, routed, wait):
     """Routes keep coming in a burst: the prefill routed to a rank lately, as a rate, is expected to
     join a request's step until that step is scheduled, when what is left of the step under way
-    ends; a request waiting on a copy counts none; the rate fades once routes stop."""
+    ends, or, for a request waiting on a copy, when the copy lands; the rate fades once routes
+    stop."""
     clock = ManualClock(5.0)
     gbm = GlobalBlockManager(1, 16, clock=clock)
     gbm.register_rank(0, 1, 4096)
@@ -504,7 +505,7 @@ def test_prefill_routed_to_a_rank_lately_is_expected_to_join_a_request_s_step(ru
     after = pricer.price(query, 0, 0, 0.0, None).ttft_s
     elapsed = pricer.work(0).step - left
     assert after - (before - elapsed) == pytest.approx(left * rate * fade, rel=1e-6, abs=1e-12)
-    assert pricer.price(query, 0, 0, 0.5, None).ttft_s == pytest.approx(copying)
+    assert pricer.price(query, 0, 0, 0.5, None).ttft_s - copying == pytest.approx(0.5 * rate * fade, rel=1e-6)
     clock.now += 100 * ARRIVAL_TAU_S
     gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=1000 * running,
                                      decode_tokens_left=10 * running - 1, blocks_free=4000))

@@ -1,10 +1,11 @@
 """The prefill each rank has lately been routed, as a rate: what a price expects to join a
 request's step before that step is scheduled (``Pricer``'s joiners).
 
-A route that does not wait on a pull adds its request's prefill there, in the rank's predicted
-seconds as the route priced it, to the rank's sum, which decays exponentially with time constant
-``tau_s``: the sum over ``tau_s`` is the rate (prefill seconds per second) that a steady stream
-of such routes would show, and it falls back to 0 once routes stop.
+Each route adds its request's prefill there, in the rank's predicted seconds when it was routed,
+to the rank's sum (a request waiting on a pull too: those start together once it lands), which
+decays exponentially with time constant ``tau_s``: the sum over ``tau_s`` is the rate (prefill
+seconds per second) that a steady stream of such routes would show, and it falls back to 0 once
+routes stop.
 
 Invariants: every sum is >= 0, and between two routes to a rank its sum only decays; a rank
 never routed to has rate 0.

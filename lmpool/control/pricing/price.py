@@ -32,9 +32,10 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
              way starts, so a request arriving meanwhile waits for that one too; plus the joiners:
              the prefill routed there after it and before its step is scheduled, which that step
              holds too, at the rate routes have lately brought the rank prefill (``Arrivals``):
-             ``rate * left_s``. A request that waits on a copy counts whole steps instead, and
-             neither the launched prefill nor joiners: the copy ran behind the step under way, and
-             its wait counts that step (``next_step_s``)
+             ``rate * left_s``. A request that waits on a copy counts whole steps instead, without
+             the launched prefill: the copy ran behind the step under way, and its wait counts
+             that step (``next_step_s``); its joiners are those routed there until the copy lands
+             (``rate * wait``), whose requests start with it
     ttft   = max(start, wait + deferred, room_s + ceil(p / room) * step) + own + seat + busy
              # wait: a copy the request waits on (a pull); deferred: that wait, then the reserved
              # work there that waits on pulls too (``D`` of the ``W`` tokens, ``Ad`` of the pairs)
@@ -250,8 +251,8 @@ class Pricer:
                       now) for r in ranks]
 
     def routed(self, rank: int, tokens: int, attention: int, keys: int) -> None:
-        """A route sent ``rank`` a request that computes ``tokens`` prompt tokens there now (not
-        after a pull), with ``attention`` pairs and ``keys`` read: the joiners of later prices."""
+        """A route sent ``rank`` a request that computes ``tokens`` prompt tokens there, with
+        ``attention`` pairs and ``keys`` read: the joiners of later prices."""
         c = self.model.coefficients(rank)
         seconds = c.prefill_token * tokens + c.attention_pair * attention + c.prefill_key * keys
         self.arrivals.add(rank, seconds, self.clock())
@@ -380,23 +381,26 @@ class Pricer:
             prefill += prefill_key * prompt
         own_steps = -(-missing // room) * step
         start = queue_work + -(-(queued + missing) // room) * step  # its prefill packed behind the queue's
-        busy = then
+        busy, window = then, 0.0  # window: until its step is scheduled, what is routed there joins it
         if wait_s:  # a copy first, then the others waiting on pulls, packed with its own
             landed = wait_s + (deferred_work + -(-(deferred + missing) // room) * step if deferred else own_steps)
             if landed > start:
                 start = landed
             busy = landed_busy  # the copy ran behind the launched prefill (its wait counts it): done by then
+            window = wait_s
         elif under_way:
             left_s = under_way if reported is None else under_way - (now - reported)
-            if left_s > 0:  # ``arrivals.rate(rank, now)``, inlined
-                arrivals = self.arrivals
-                routed = arrivals.sums[rank]
-                if routed:
-                    since = now - arrivals.at[rank]
-                    if since > 0:
-                        routed *= exp(-since / arrivals.tau_s)
-                    left_s *= 1.0 + routed / arrivals.tau_s
+            if left_s > 0:
                 busy += left_s
+                window = left_s
+        if window:  # the joiners: ``window * arrivals.rate(rank, now)``, inlined
+            arrivals = self.arrivals
+            routed = arrivals.sums[rank]
+            if routed:
+                since = now - arrivals.at[rank]
+                if since > 0:
+                    routed *= exp(-since / arrivals.tau_s)
+                busy += window * routed / arrivals.tau_s
         if need > available and held:
             room_s = self._room_s(w, need - available) + own_steps
             if room_s > start:
