@@ -27,15 +27,15 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
              from the rank's last load report, which its worker sends as that step starts
              (``left_s = max(0, step + launched - elapsed)``; where that report showed the rank
              idle, the step of the requests routed there since, whole: they start as they
-             arrive); plus one step when the rank steps
-             overlapped (``async_scheduling``): the worker schedules its next step as the step under
-             way starts, so a request arriving meanwhile waits for that one too; plus the joiners:
-             the prefill routed there after it and before its step is scheduled, which that step
-             holds too, at the rate routes have lately brought the rank prefill (``Arrivals``):
-             ``rate * left_s``. A request that waits on a copy counts whole steps instead, without
-             the launched prefill: the copy ran behind the step under way, and its wait counts
-             that step (``next_step_s``); its joiners are those routed there until the copy lands
-             (``rate * wait``), whose requests start with it
+             arrive); plus one step when the rank steps overlapped (``async_scheduling``): the
+             worker schedules its next step as the step under way starts, so a request arriving
+             meanwhile waits for that one too; plus the joiners: the prefill routed there after it
+             and before its step is scheduled, which that step holds too, at the rate routes have
+             lately brought the rank prefill (``Arrivals``): ``rate * left_s``. A request that
+             waits on a copy counts whole steps instead, without the launched prefill: the copy
+             ran behind the step under way, and its wait counts that step (``next_step_s``); its
+             joiners are those routed there until the copy lands (``rate * wait``), whose
+             requests start with it
     ttft   = max(start, wait + deferred, room_s + ceil(p / room) * step) + own + seat + busy
              # wait: a copy the request waits on (a pull); deferred: that wait, then the reserved
              # work there that waits on pulls too (``D`` of the ``W`` tokens, ``Ad`` of the pairs)
