@@ -311,9 +311,11 @@ def test_evictions_are_regretted_when_a_later_prompt_wants_what_was_evicted():
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 300), st.integers(0, 300), st.integers(0, 200_000), st.integers(0, 100_000),
        st.integers(0, 50_000), st.integers(-20, 2000), st.integers(0, 2000), st.integers(0, 40), st.integers(1, 60),
-       st.integers(1, 512), st.floats(0, 1), st.floats(0, 0.05))
+       st.integers(1, 512), st.floats(0, 1), st.floats(0, 0.05), st.lists(st.integers(0, 8192), max_size=5),
+       st.floats(0, 0.2))
 def test_every_price_is_finite_non_negative_and_at_least_its_time_to_first_token(
-        running, waiting, context, left, queued, free, reclaimable, matched, blocks, out, reuse, wait):
+        running, waiting, context, left, queued, free, reclaimable, matched, blocks, out, reuse, wait, routed, later):
+    """Whatever the load, the prefill routed there lately and the time since its report."""
     clock = ManualClock()
     gbm = GlobalBlockManager(2, 16, clock=clock)
     for rank in range(2):
@@ -323,6 +325,9 @@ def test_every_price_is_finite_non_negative_and_at_least_its_time_to_first_token
                                      decode_tokens_left=left, waiting_prefill_tokens=queued,
                                      prefill_attention=queued * 1000, blocks_free=free, blocks_reclaimable=reclaimable))
     pricer = Pricer(gbm, Topology.virtual(2), engine_model(2), Limits(16, 256, 8192), lambda rank: reuse)
+    for tokens in routed:
+        pricer.routed(0, tokens, tokens * 1000, tokens * 2)
+    clock.now += later
     query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
     p = pricer.price(query, 0, min(matched, blocks), wait, None)
     values = (p.ttft_s, p.total_s)
