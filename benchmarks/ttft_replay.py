@@ -13,10 +13,8 @@ wait and it is measured from then, against a replayed price without the wait. Pr
 run: the share of requests whose priced time is within 25 % of the measured time from the route
 to the first token, and the median priced / measured, for the recorded prices and the replay.
 The replay models neither cascade decode (every running request reads its whole context) nor a
-launched prefill (it counts every routed request without a first token as queued), nor what is
-left of a rank's step under way or the joiners of a request's step (the records hold no load
-report's time, and it replays no route's arrival: each step under way is priced whole, with no
-joiners): on a run with cascades, only the recorded prices hold.
+launched prefill (it counts every routed request without a first token as queued): on a run
+with cascades, only the recorded prices hold.
 
     python -m benchmarks.ttft_replay benchmarks/results/eval_h200_0.6b_hot_context_16k.json [--phase burst]
     python -m benchmarks.ttft_replay --table benchmarks/results/eval_h200_*.json   # the distribution per workload

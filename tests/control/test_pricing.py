@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 
 from lmpool.config import RoutingConfig
-from lmpool.control.pricing.arrivals import ARRIVAL_TAU_S, Arrivals
 from lmpool.control.pricing.engine_model import MOVE, EngineModel
 from lmpool.control.pricing.eviction import EvictionMemory
 from lmpool.control.pricing.gate import overloaded
@@ -311,11 +310,9 @@ def test_evictions_are_regretted_when_a_later_prompt_wants_what_was_evicted():
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 300), st.integers(0, 300), st.integers(0, 200_000), st.integers(0, 100_000),
        st.integers(0, 50_000), st.integers(-20, 2000), st.integers(0, 2000), st.integers(0, 40), st.integers(1, 60),
-       st.integers(1, 512), st.floats(0, 1), st.floats(0, 0.05), st.lists(st.integers(0, 8192), max_size=5),
-       st.floats(0, 0.2))
+       st.integers(1, 512), st.floats(0, 1), st.floats(0, 0.05))
 def test_every_price_is_finite_non_negative_and_at_least_its_time_to_first_token(
-        running, waiting, context, left, queued, free, reclaimable, matched, blocks, out, reuse, wait, routed, later):
-    """Whatever the load, the prefill routed there lately and the time since its report."""
+        running, waiting, context, left, queued, free, reclaimable, matched, blocks, out, reuse, wait):
     clock = ManualClock()
     gbm = GlobalBlockManager(2, 16, clock=clock)
     for rank in range(2):
@@ -325,9 +322,6 @@ def test_every_price_is_finite_non_negative_and_at_least_its_time_to_first_token
                                      decode_tokens_left=left, waiting_prefill_tokens=queued,
                                      prefill_attention=queued * 1000, blocks_free=free, blocks_reclaimable=reclaimable))
     pricer = Pricer(gbm, Topology.virtual(2), engine_model(2), Limits(16, 256, 8192), lambda rank: reuse)
-    for tokens in routed:
-        pricer.routed(0, tokens, tokens * 1000, tokens * 2)
-    clock.now += later
     query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
     p = pricer.price(query, 0, min(matched, blocks), wait, None)
     values = (p.ttft_s, p.total_s)
@@ -441,96 +435,13 @@ def test_a_request_waiting_on_a_copy_counts_the_launched_prefill_once(running, t
 
 def test_a_launched_prefill_is_waited_for_where_no_sequence_runs_any_more():
     """Prompts that generate one token leave ``running`` when their step is launched: the rank
-    then runs nothing, but its device still computes their prefill. Nothing runs after it, so
-    the worker schedules no step behind it: a request arriving now starts once it ends."""
+    then runs nothing, but its device still computes their prefill."""
     idle = one_rank(LoadReport(blocks_free=4000))
     busy = one_rank(LoadReport(blocks_free=4000, launched_prefill_tokens=500, launched_attention=125_250))
     ttft = [Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192, True), lambda rank: 0.5)
             .price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s for gbm in (idle, busy)]
-    assert ttft[1] - ttft[0] == pytest.approx(PAIRED.base + PAIRED.prefill_token * 500
+    assert ttft[1] - ttft[0] == pytest.approx(2 * PAIRED.base + PAIRED.prefill_token * 500
                                               + PAIRED.attention_pair * 125_250)
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.integers(1, 64), st.integers(0, 8192), st.floats(0.0, 2.0), st.booleans())
-def test_the_step_under_way_is_priced_from_the_report_its_worker_sent_as_it_started(running, launched, share,
-                                                                                  overlapped):
-    """A worker reports its load as a step starts: a request routed ``share`` of that step's time
-    after the report waits only for what is left of it (nothing once it is over), then for the
-    step already scheduled behind it when the rank steps overlapped."""
-    clock = ManualClock(10.0)
-    gbm = GlobalBlockManager(1, 16, clock=clock)
-    gbm.register_rank(0, 1, 4096)
-    gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
-    gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=1000 * running,
-                                     decode_tokens_left=10 * running, blocks_free=4000,
-                                     launched_prefill_tokens=launched, launched_attention=launched * 100))
-    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192, overlapped),
-                    lambda rank: 0.5)
-    query = RouteQuery("q", [1, 2], 35, 8)
-    w = pricer.work(0)
-    under_way = w.step + PAIRED.prefill_token * launched + PAIRED.attention_pair * launched * 100
-    at_report = pricer.price(query, 0, 0, 0.0, None).ttft_s
-    clock.now += share * under_way
-    later = pricer.price(query, 0, 0, 0.0, None).ttft_s
-    assert at_report - later == pytest.approx(min(share, 1.0) * under_way, rel=1e-9, abs=1e-15)
-    clock.now += 10.0  # long after: the steps before its own are the one scheduled behind (overlapped)
-    busy = pricer.price(query, 0, 0, 0.0, None).ttft_s
-    idle = Pricer(one_rank(LoadReport(blocks_free=4000)), Topology.virtual(1), engine_model(1, PAIRED),
-                  Limits(16, 256, 8192, overlapped), lambda rank: 0.5).price(query, 0, 0, 0.0, None).ttft_s
-    own_step_reads = w.step - PAIRED.base  # its own step decodes beside the rank's sequences
-    assert busy - idle == pytest.approx((w.step if overlapped else 0.0) + own_step_reads, rel=1e-9, abs=1e-15)
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.integers(1, 64), st.lists(st.integers(1, 4096), min_size=1, max_size=20), st.floats(0.0, 1.0))
-def test_prefill_routed_to_a_rank_lately_is_expected_to_join_a_request_s_step(running, routed, wait):
-    """Routes keep coming in a burst: the prefill routed to a rank lately, as a rate, is expected to
-    join a request's step until that step is scheduled, when what is left of the step under way
-    ends, or, for a request waiting on a copy, when the copy lands; the rate fades once routes
-    stop."""
-    clock = ManualClock(5.0)
-    gbm = GlobalBlockManager(1, 16, clock=clock)
-    gbm.register_rank(0, 1, 4096)
-    gbm.apply_snapshot(0, 1, KVSnapshot(0, []))
-    gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=1000 * running,
-                                     decode_tokens_left=10 * running, blocks_free=4000))
-    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED), Limits(16, 256, 8192), lambda rank: 0.5)
-    query = RouteQuery("q", [1, 2], 35, 8)
-    before = pricer.price(query, 0, 0, 0.0, None).ttft_s
-    copying = pricer.price(query, 0, 0, 0.5, None).ttft_s
-    for tokens in routed:
-        pricer.routed(0, tokens, tokens * 300, tokens + 1000)
-    rate = sum(PAIRED.prefill_token * t + PAIRED.attention_pair * t * 300 + PAIRED.prefill_key * (t + 1000)
-               for t in routed) / ARRIVAL_TAU_S
-    assert pricer.arrivals.rate(0, clock.now) == pytest.approx(rate)
-    clock.now += wait * pricer.work(0).step
-    left = max(0.0, pricer.work(0).step * (1 - wait))
-    fade = math.exp(-(clock.now - 5.0) / ARRIVAL_TAU_S)
-    after = pricer.price(query, 0, 0, 0.0, None).ttft_s
-    elapsed = pricer.work(0).step - left
-    assert after - (before - elapsed) == pytest.approx(left * rate * fade, rel=1e-6, abs=1e-12)
-    assert pricer.price(query, 0, 0, 0.5, None).ttft_s - copying == pytest.approx(0.5 * rate * fade, rel=1e-6)
-    clock.now += 100 * ARRIVAL_TAU_S
-    gbm.update_load(0, 1, LoadReport(num_running=running, context_tokens=1000 * running,
-                                     decode_tokens_left=10 * running - 1, blocks_free=4000))
-    assert pricer.price(query, 0, 0, 0.0, None).ttft_s == pytest.approx(before, rel=1e-6)
-
-
-@given(st.lists(st.tuples(st.floats(0.0, 0.2), st.floats(0.0, 10.0)), max_size=50), st.floats(0.0, 1.0))
-def test_an_arrival_rate_is_a_decayed_sum_of_what_was_routed(routes, later):
-    """``Arrivals``: a rank's rate is its routes' prefill seconds, each weighted by how long ago it
-    came (``exp(-age / tau)``), over ``tau``; never negative, and only falling between routes."""
-    arrivals, now, sums = Arrivals(2), 0.0, []
-    for gap, seconds in routes:
-        now += gap
-        arrivals.add(1, seconds, now)
-        sums.append((now, seconds))
-    end = now + later
-    expected = sum(s * math.exp(-(end - t) / ARRIVAL_TAU_S) for t, s in sums) / ARRIVAL_TAU_S
-    assert arrivals.rate(1, end) == pytest.approx(expected, rel=1e-9, abs=1e-9)
-    assert arrivals.rate(1, end) >= 0 and arrivals.rate(0, end) == 0.0
-    assert arrivals.rate(1, end + 0.01) <= arrivals.rate(1, end)
 
 
 @settings(max_examples=200, deadline=None)

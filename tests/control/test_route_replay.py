@@ -21,7 +21,7 @@ from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 
 PEERS_DIGEST = "aa52d3175df3fd43521e5fec92dbb5567ca666119688db0a4ed0bcd68482d7f3"
-LMPOOL_DIGEST = "bde9a43f7e2db87046f518a9b7835d6375cd0bb8449f5f02aff1509731e4a91c"
+LMPOOL_DIGEST = "6dac6825504c8161bdeb82a792d46f27a53c8891185f68f37c0ef2e1ab8d45df"
 
 
 class Clock:

@@ -190,7 +190,7 @@ class GlobalBlockManager:
     def update_load(self, rank: int, epoch: int, load: LoadReport) -> None:
         """Record the rank's queue and capacity; requests it admitted no longer need their reservations."""
         info = self._accept(rank, epoch)
-        info.load, info.load_at = load, self.clock()
+        info.load = load
         self._reservations.release_admitted(rank, load.admitted)
         self._reservations.expire()
         if self._on_load is not None:

@@ -27,7 +27,7 @@ class RankInfo:
     """One rank as routing and transfers read it: the registry's fields, and read-only
     access to the rank's entries, reservations and in-flight markers (owned elsewhere)."""
 
-    __slots__ = ("rank", "registered", "alive", "epoch", "last_heartbeat", "num_blocks", "load", "load_at",
+    __slots__ = ("rank", "registered", "alive", "epoch", "last_heartbeat", "num_blocks", "load",
                  "entries", "reserved", "in_flight")
 
     def __init__(self, rank: int, entries: RankEntries, reserved: RankReservations,
@@ -39,7 +39,6 @@ class RankInfo:
         self.last_heartbeat = 0.0
         self.num_blocks = 0
         self.load = LoadReport()
-        self.load_at = 0.0  # when ``load`` landed (the registry's clock)
         self.entries = entries
         self.reserved = reserved
         self.in_flight = in_flight  # hash -> the block a transfer reserved for it (packed), not yet published

@@ -4,7 +4,7 @@ alive ranks and the prefix match. Policies get only this view; the router alone 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from lmpool.control.page_table.reservations import RankReservations
@@ -15,9 +15,6 @@ from lmpool.protocol.base import BlockHash
 class RankView(Protocol):
     @property
     def load(self) -> LoadReport: ...
-
-    @property
-    def load_at(self) -> float: ...  # when ``load`` landed, on the table's ``clock``
 
     @property
     def num_ready(self) -> int: ...
@@ -47,9 +44,6 @@ class RankView(Protocol):
 class PageTableView(Protocol):
     @property
     def world_size(self) -> int: ...
-
-    @property
-    def clock(self) -> Callable[[], float]: ...  # the time reports and reservations are stamped with
 
     @property
     def block_size(self) -> int: ...

@@ -21,21 +21,14 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     seat   = the wait for a free sequence slot when n >= max_num_seqs
     room_s = the wait for blocks when the rank lacks them now: until enough of its running
              sequences finish to release the shortfall (each holding its share of the used blocks)
-    busy   = when anything runs there: what is left of the step under way (the step and the
-             prefill launched with it, ``L`` tokens, ``Al`` pairs: ``prefill_token * L +
-             attention_pair * Al``, which has left the rank's queue but not its device), counted
-             from the rank's last load report, which its worker sends as that step starts
-             (``left_s = max(0, step + launched - elapsed)``; where that report showed the rank
-             idle, the step of the requests routed there since, whole: they start as they
-             arrive); plus one step when the rank steps overlapped (``async_scheduling``): the
-             worker schedules its next step as the step under way starts, so a request arriving
-             meanwhile waits for that one too; plus the joiners: the prefill routed there after it
-             and before its step is scheduled, which that step holds too, at the rate routes have
-             lately brought the rank prefill (``Arrivals``): ``rate * left_s``. A request that
-             waits on a copy counts whole steps instead, without the launched prefill: the copy
-             ran behind the step under way, and its wait counts that step (``next_step_s``); its
-             joiners are those routed there until the copy lands (``rate * wait``), whose
-             requests start with it
+    busy   = step when anything runs there: the step under way, which a new request waits for;
+             two steps when the rank steps overlapped (``async_scheduling``): the step after it
+             is already launched when the request arrives, so its first step is the one after;
+             plus the prefill that launched step computes (``L`` tokens, ``Al`` pairs, as the
+             worker reports it: ``prefill_token * L + attention_pair * Al``), which has left
+             the rank's queue but not its device: a burst's questions admitted together (not
+             where the request waits on a copy: the copy ran behind that prefill, and its wait
+             counts it, as the step under way there, ``next_step_s``)
     ttft   = max(start, wait + deferred, room_s + ceil(p / room) * step) + own + seat + busy
              # wait: a copy the request waits on (a pull); deferred: that wait, then the reserved
              # work there that waits on pulls too (``D`` of the ``W`` tokens, ``Ad`` of the pairs)
@@ -80,14 +73,12 @@ step's base, the total at least the time to first token.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from math import exp
 from typing import NamedTuple
 
 import msgspec
 
 from lmpool.control.page_table.reservations import RankReservations
 from lmpool.control.page_table.view import PageTableView
-from lmpool.control.pricing.arrivals import Arrivals
 from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.pricing.step_model import StepCoefficients
 from lmpool.control.topology import Topology
@@ -200,12 +191,7 @@ class RankWork(NamedTuple):
     theirs: float
     free: int  # blocks free, less reservations
     available: int
-    under_way: float  # the step under way at the load report, with its launched prefill (0 when none runs)
-    then: float  # the step after it, already scheduled when a request arrives (overlapped; 0 when none runs)
-    # When the load report landed (the table's clock): the step under way started about then. None
-    # where the report showed the rank idle: the requests routed there since start as they arrive,
-    # so their step is priced whole.
-    reported: float | None
+    busy: float  # what a new request waits for: one step when any runs, two when overlapped; a launched prefill
     next_step: float  # the step a message arriving now waits for: ``step`` and the prefill launched with it
     # (or, none launched, its share of the queued prefill)
     holders: int  # sequences holding blocks: running, and routed here (reserved) but not yet admitted
@@ -215,7 +201,7 @@ class RankWork(NamedTuple):
     queue_work: float  # their prefill and attention seconds, without the steps they take
     deferred: int  # D: those of the W whose requests wait on pulls (start once they land)
     deferred_work: float  # their prefill and attention seconds
-    landed_busy: float  # what a request arriving once a copy landed waits for: whole steps, the launched prefill done
+    landed_busy: float  # ``busy`` for a request that arrives once a copy has landed: the launched prefill done
     # With ``Limits.cascade_groups``: sequences by group (``group_key``), in the load report (built
     # once per report) and routed there since (the reservations' own counts); else empty.
     heads: dict[bytes, int]
@@ -229,9 +215,7 @@ class RankWork(NamedTuple):
 class Pricer:
     def __init__(self, table: PageTableView, topology: Topology, model: EngineModel, limits: Limits,
                  reuse: Callable[[int], float]) -> None:
-        """Prices over ``table``'s loads and reservations, on its clock (when each load report landed)."""
         self.table = table
-        self.clock = table.clock
         self.topology = topology
         self.model = model
         self.limits = limits
@@ -239,23 +223,15 @@ class Pricer:
         self._groups = self._cascades and limits.cascade_groups
         self.reuse = reuse  # a rank's measured reuse of what it evicts
         self._work: list[RankWork | None] = [None] * table.world_size  # by rank (``work``)
-        self.arrivals = Arrivals(table.world_size)  # the prefill routed to each rank lately: its joiners
 
     def serve(self, query: RouteQuery, ranks: Sequence[int], matched: list[int], seed: int | None,
               waits: dict[int, float] | None = None) -> list[RankPrice]:
         """Each rank of ``ranks`` serving ``query`` from the ``matched[r]`` blocks it will hold
         (``waits[r]`` seconds from now, where a pull is bringing some)."""
         terms = self.terms(query, max(matched))  # once for every candidate
-        usable, waits, price, work, now = terms.usable, waits or {}, self.price_work, self.work, self.clock()
-        return [price(terms, work(r), r, usable if matched[r] > usable else matched[r], waits.get(r, 0.0), seed, 0,
-                      now) for r in ranks]
-
-    def routed(self, rank: int, tokens: int, attention: int, keys: int) -> None:
-        """A route sent ``rank`` a request that computes ``tokens`` prompt tokens there, with
-        ``attention`` pairs and ``keys`` read: the joiners of later prices."""
-        c = self.model.coefficients(rank)
-        seconds = c.prefill_token * tokens + c.attention_pair * attention + c.prefill_key * keys
-        self.arrivals.add(rank, seconds, self.clock())
+        usable, waits, price, work = terms.usable, waits or {}, self.price_work, self.work
+        return [price(terms, work(r), r, usable if matched[r] > usable else matched[r], waits.get(r, 0.0), seed, 0)
+                for r in ranks]
 
     def terms(self, query: RouteQuery, held: int = 0) -> QueryTerms:
         """What every rank's price reads of ``query``; ``held``: the most of its blocks a candidate
@@ -281,8 +257,7 @@ class Pricer:
             if version == info.reserved.version and load is info.load and c is self.model.coefficients(rank):
                 return work
         heads = work.heads if work is not None and work.key[0] is info.load else None  # the same report's
-        work = self._work[rank] = self._compute_work(info.load, info.reserved, self.model.coefficients(rank),
-                                                     info.load_at, heads)
+        work = self._work[rank] = self._compute_work(info.load, info.reserved, self.model.coefficients(rank), heads)
         return work
 
     def sharing(self, rank: int, head: bytes | None) -> int:
@@ -296,11 +271,10 @@ class Pricer:
         route (after a batch of reports, that route would price every rank's)."""
         self.work(rank)
 
-    def _compute_work(self, load: LoadReport, res: RankReservations, c: StepCoefficients, reported: float | None,
+    def _compute_work(self, load: LoadReport, res: RankReservations, c: StepCoefficients,
                       heads: dict[bytes, int] | None = None) -> RankWork:
-        """The module docstring's query-free terms of a rank with ``load`` as reported at
-        ``reported``, reservations ``res`` and step fit ``c`` (``heads``: ``load``'s groups, where
-        already built)."""
+        """The module docstring's query-free terms of a rank with ``load`` as reported,
+        reservations ``res`` and step fit ``c`` (``heads``: ``load``'s groups, where already built)."""
         lim = self.limits
         seqs = load.num_running + load.num_waiting + res.count
         n = min(seqs, lim.max_num_seqs)
@@ -333,11 +307,9 @@ class Pricer:
         theirs = c.decode_seq + reads / n if n else 0.0
         free = load.blocks_free - res.blocks
         landed_busy = (2.0 * step if lim.overlapped else step) if seqs else 0.0
-        # A one-token request leaves ``running`` at its launch: its prefill is still under way then.
-        under_way = step + launched if seqs or load.launched_prefill_tokens else 0.0
-        then = step if lim.overlapped and seqs else 0.0
-        if not (load.num_running or load.launched_prefill_tokens):
-            reported = None
+        busy = landed_busy
+        if load.launched_prefill_tokens:  # a one-token request leaves ``running`` at its launch
+            busy = (2.0 * step if lim.overlapped else step) + launched
         drain = (left / seqs) * step if seqs else 0.0
         if not self._groups:
             heads, reserved_heads = NO_HEADS, NO_HEADS
@@ -345,9 +317,9 @@ class Pricer:
             heads = dict(zip(load.group_heads, load.group_rows)) if heads is None else heads
             reserved_heads = res.heads  # moved with the reservations' version, which keys this work
         return RankWork((load, c, res.version), c, seqs, n, left, step, room, queue, seat, theirs, free,
-                        free + load.blocks_reclaimable, under_way, then, reported, next_step,
-                        load.num_running + res.count, load.blocks_used + res.blocks, drain, queued, queue_work,
-                        deferred, deferred_work, landed_busy, heads, reserved_heads)
+                        free + load.blocks_reclaimable, busy, next_step, load.num_running + res.count,
+                        load.blocks_used + res.blocks, drain, queued, queue_work, deferred, deferred_work,
+                        landed_busy, heads, reserved_heads)
 
     def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None,
               arriving: int = 0) -> RankPrice:
@@ -360,14 +332,14 @@ class Pricer:
     def price_terms(self, q: QueryTerms, rank: int, m: int, wait_s: float, seed: int | None,
                     arriving: int) -> RankPrice:
         """``price``, from the request's terms (``terms``): what a route prices every candidate with."""
-        return self.price_work(q, self.work(rank), rank, m, wait_s, seed, arriving, self.clock())
+        return self.price_work(q, self.work(rank), rank, m, wait_s, seed, arriving)
 
     def price_work(self, q: QueryTerms, w: RankWork, rank: int, m: int, wait_s: float, seed: int | None,
-                   arriving: int, now: float) -> RankPrice:
-        """``price_terms`` from ``rank``'s work ``w`` (``work(rank)``, read this route) at ``now``
-        (the table's clock): a caller that reads the work for more than the price reads it once."""
-        (_, c, seqs, n, left, step, room, _, seat, theirs, free, available, under_way, then, reported, _, _, held, _,
-         queued, queue_work, deferred, deferred_work, landed_busy, _, _) = w
+                   arriving: int) -> RankPrice:
+        """``price_terms`` from ``rank``'s work ``w`` (``work(rank)``, read this route): a caller
+        that reads the work for more than the price reads it once."""
+        (_, c, seqs, n, left, step, room, _, seat, theirs, free, available, busy, _, _, held, _, queued,
+         queue_work, deferred, deferred_work, landed_busy, _, _) = w
         # One unpack, not a lookup per use.
         base, prefill_token, attention_pair, decode_seq, context_token, cascade_pair, prefill_key = c
         prompt, out = q.prompt, q.out
@@ -381,26 +353,11 @@ class Pricer:
             prefill += prefill_key * prompt
         own_steps = -(-missing // room) * step
         start = queue_work + -(-(queued + missing) // room) * step  # its prefill packed behind the queue's
-        busy, window = then, 0.0  # window: until its step is scheduled, what is routed there joins it
         if wait_s:  # a copy first, then the others waiting on pulls, packed with its own
             landed = wait_s + (deferred_work + -(-(deferred + missing) // room) * step if deferred else own_steps)
             if landed > start:
                 start = landed
             busy = landed_busy  # the copy ran behind the launched prefill (its wait counts it): done by then
-            window = wait_s
-        elif under_way:
-            left_s = under_way if reported is None else under_way - (now - reported)
-            if left_s > 0:
-                busy += left_s
-                window = left_s
-        if window:  # the joiners: ``window * arrivals.rate(rank, now)``, inlined
-            arrivals = self.arrivals
-            routed = arrivals.sums[rank]
-            if routed:
-                since = now - arrivals.at[rank]
-                if since > 0:
-                    routed *= exp(-since / arrivals.tau_s)
-                busy += window * routed / arrivals.tau_s
         if need > available and held:
             room_s = self._room_s(w, need - available) + own_steps
             if room_s > start:

@@ -61,9 +61,7 @@ class Reserve(RouteStage):
             else:
                 shared = read_once(shared, self.gbm.ranks[rank].in_flight_seqs, self.cascade_min_saved)
         cascade = min(prompt - missing, shared)
-        attention, keys = attention_pairs(missing, prompt - missing), prefill_keys(missing, prompt - missing)
-        self.pricer.routed(rank, missing, attention, keys)  # later requests' joiners
         # Joining a lone member, it converts it (``Reservation.converted``): the pricing's credit.
-        self.gbm.reserve(query.request_id, rank, blocks, missing, attention, prompt - cascade,
-                         max(1, query.max_tokens), route.waits_on_pull, cascade, head, cascade if members == 1 else 0,
-                         keys)
+        self.gbm.reserve(query.request_id, rank, blocks, missing, attention_pairs(missing, prompt - missing),
+                         prompt - cascade, max(1, query.max_tokens), route.waits_on_pull, cascade, head,
+                         cascade if members == 1 else 0, prefill_keys(missing, prompt - missing))

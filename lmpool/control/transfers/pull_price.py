@@ -80,7 +80,7 @@ class PullPricer:
         partners = self.topology.partners(src)
         bound = route.chosen.total_s if route.chosen is not None else float("inf")
         pricer = self.pricer
-        terms, work, now = pricer.terms(query, max(expected)), pricer.work, pricer.clock()
+        terms, work = pricer.terms(query, max(expected)), pricer.work
         cascades, groups = pricer.limits.cascade_min_saved > 0, pricer.limits.cascade_groups
         prompt, cached = query.num_prompt_tokens, top * self.gbm.block_size  # for the floors
         src_step = None  # the source's step under way, read once (the first option that needs it)
@@ -103,7 +103,7 @@ class PullPricer:
             dst_held = dst_step if self.dest_held else 0.0
             steps = max(src_step, dst_held) + dst_step + dst_held  # prepare (both), execute, publish
             seconds = self.estimate_s(src, r, top - start) + steps
-            price = pricer.price_work(terms, w, r, top, seconds, route.seed, top - start, now)
+            price = pricer.price_work(terms, w, r, top, seconds, route.seed, top - start)
             if self.room(r) >= price.need:
                 out.append(PullOption(price, src, start, top - start, seconds, steps))
         return out
