@@ -38,11 +38,16 @@ CHILD_S = 150  # a setting's process at most
 BUILT_MS = 10.0  # a first call this much slower than the next ones built a plan (a build: 43-90 ms)
 
 
+def operands(n: int, prefix: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random queries of ``n`` tokens (16 heads of 128) over keys and values of ``prefix + n`` (8 heads)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(rows, heads, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                 for rows, heads in ((n, 16), (n + prefix, 8), (n + prefix, 8)))
+
+
 def timed_call(n: int, prefix: int, seed: int) -> dict:
     from lmpool.ops import dense_attention, reference
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(rows, heads, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-               for rows, heads in ((n, 16), (n + prefix, 8), (n + prefix, 8)))
+    q, k, v = operands(n, prefix, seed)
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = dense_attention.one_sequence_attention(q, k, v, 128**-0.5)
@@ -63,9 +68,7 @@ def timed_call(n: int, prefix: int, seed: int) -> dict:
 def steady_call(n: int, prefix: int, seed: int) -> dict:
     """The median of ``STEADY_CALLS`` calls at one length, after three untimed ones."""
     from lmpool.ops import dense_attention
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(rows, heads, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-               for rows, heads in ((n, 16), (n + prefix, 8), (n + prefix, 8)))
+    q, k, v = operands(n, prefix, seed)
     for _ in range(3):
         dense_attention.one_sequence_attention(q, k, v, 128**-0.5)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -108,8 +111,9 @@ def main() -> None:
     runs: list[dict] = []
     for round_ in range(args.rounds):
         for flag in ("1", "0") if round_ % 2 == 0 else ("0", "1"):
-            runs.append(child_run(flag) | {"round": round_})  # each written as it ends: a later
-            report(runs[-1])  # one's timeout keeps the earlier
+            # Each written as it ends: a later one's timeout keeps the earlier.
+            runs.append(child_run(flag) | {"round": round_})
+            report(runs[-1])
             if args.json:
                 with open(args.json, "w") as f:
                     record = {"benchmark": "dense_plans", "git": git_record(), "torch": torch.__version__,
