@@ -150,8 +150,10 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
 def limits(engine: EngineConfig, cascade_min_saved: int, cascade_groups: bool) -> Limits:
     """What the ranks' schedulers allow; ``cascade_min_saved`` as the engines resolve it
     (``config.engine.cascade_min_saved``, carried by the ``ControlSpec``); ``cascade_groups`` as
-    the routing config sets it."""
-    return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens, engine.async_scheduling,
+    the routing config sets it. A CPU rank steps overlapped in name only: its launch is the step,
+    and its worker reads each step back before the next launch (``EngineCore.read_finished``)."""
+    overlapped = engine.async_scheduling and engine.device.startswith("cuda")
+    return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens, overlapped,
                   cascade_min_saved, cascade_groups)
 
 

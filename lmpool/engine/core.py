@@ -18,6 +18,10 @@ Two ways to step, chosen by ``EngineConfig.async_scheduling``:
 
 ``step()`` is ``begin_step()`` then ``end_step()``; between them the caller may do work that
 leaves the requests alone (a pool worker serves transfer orders while the device computes).
+Before ``begin_step``, ``read_finished()`` reads back the launched step if the device has
+finished it already (overlapped only): the step after it is then scheduled with its tokens
+known, as a serial step would be, and its launch delays none of them. A pool worker does so
+every step; ``step()`` does not, so that it keeps the overlapped path's order on a CPU too.
 
 Exactness of the overlapped path:
 - A sequence whose step-N token finishes it by length (max_tokens, max_model_len)
@@ -285,19 +289,35 @@ class EngineCore:
             self.in_flight = InFlightStep(batch, pending, started)
         return StepUnderWay(batch, previous)
 
+    def read_finished(self) -> list[StepOutput]:
+        """Overlapped stepping: the tokens of the launched step, read back now if the device has
+        finished it, so that they need not wait for the next step's launch (``end_step`` then
+        has nothing to await); [] while it still runs, or when serial. Where the host launches a
+        step more slowly than the device ran the one before (a prefill's launch is one kernel at
+        a time; on a CPU the launch is the step), the finished step's first tokens would
+        otherwise come a whole launch late. The device is idle meanwhile either way."""
+        finished = self.in_flight
+        if finished is None or not finished.pending.ready():
+            return []
+        self.in_flight = self.launched = None
+        self.last_read_back = finished.batch
+        return self._finish(finished)
+
+    def _finish(self, step: InFlightStep) -> list[StepOutput]:
+        """Read back a launched step of the overlapped path (waiting for the device if need be)."""
+        tokens = step.pending.result()
+        if not self._synchronous:
+            self._timed(step.batch, step.launched, step.pending)
+        # Its KV is complete now, so its blocks can be cached; then its tokens are appended
+        # (after the commit: ``commit`` reads only tokens known before that step).
+        self.scheduler.commit(step.batch)
+        return self._read_back(step.pending, tokens)
+
     def _end_overlapped(self, step: StepUnderWay) -> list[StepOutput]:
         previous, batch = step.awaited, step.batch
-        outputs = []
         self.last_read_back = ScheduledBatch() if previous is None else previous.batch
-        if previous is not None:
-            # The step's one wait, for the previous step: the device has this one queued behind it.
-            tokens = previous.pending.result()
-            if not self._synchronous:
-                self._timed(previous.batch, previous.launched, previous.pending)
-            # Its KV is complete now, so its blocks can be cached; then its tokens are appended
-            # (after the commit: ``commit`` reads only tokens known before the previous step).
-            self.scheduler.commit(previous.batch)
-            outputs = self._read_back(previous.pending, tokens)
+        # The step's one wait, for the previous step: the device has this one queued behind it.
+        outputs = [] if previous is None else self._finish(previous)
         self.launched = None
         if batch.seqs:
             # After the previous step's commit, which must not count this step's tokens.

@@ -9,7 +9,10 @@ into an inbox, and the loop yields to them between steps (``asyncio.sleep(0)``),
 so a request or an abort is taken at the next step boundary while the model
 runs. While a launched step runs on the device the loop keeps yielding (``while_stepping``):
 requests are read (their senders never wait on a full ring for the step) and transfer orders
-answered without waiting for the step's end. With nothing to do the loop sleeps on an event,
+answered without waiting for the step's end. Under overlapped stepping a step's tokens are
+read back after the next step's launch, unless the device has finished it before that launch
+begins (``EngineCore.read_finished``): then they go out first, and a slow launch (a prefill's)
+delays no token the device has already made. With nothing to do the loop sleeps on an event,
 burning no CPU.
 
 With foreground release on, admission that would evict cached blocks first asks
@@ -46,7 +49,7 @@ import uvloop
 
 from lmpool.engine.calibration import calibrate
 from lmpool.engine.cascade import plan_cascade
-from lmpool.engine.core import EngineCore, StepUnderWay
+from lmpool.engine.core import EngineCore, StepOutput, StepUnderWay
 from lmpool.engine.sequence import Sequence as EngineSequence
 from lmpool.protocol import (
     AbortRequest,
@@ -393,6 +396,34 @@ class Worker:
             self.stopping = True
         return []
 
+    async def deliver(self, outputs: list[StepOutput]) -> LoadReport | None:
+        """Send a step's tokens to the user process, and its failures; the load report built
+        before the sends where a token went (what ``publish`` reports is the step's load)."""
+        deltas, failed = [], []
+        for out in outputs:
+            seq = out.seq
+            if out.error is not None:  # that request's failure: the rank serves on
+                failed.append(RequestRejected(out.request_id, out.error))
+                continue
+            queued = first_step = None
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+                self.prompt_tokens += seq.num_prompt_tokens
+                self.prefix_hit_tokens += seq.num_cached_tokens
+                queued, first_step = first_token_times(seq)
+            deltas.append(
+                TokenDelta(out.request_id, out.new_token_id, out.finished, out.finish_reason,
+                           seq.num_cached_tokens, out.logprobs, out.prompt_logprobs, queued, first_step)
+            )
+        load = None
+        if deltas:
+            self.generated_tokens += len(deltas)  # one delta per new token
+            load = self.load()
+            await self.send_outputs(deltas)
+        for reply in failed:
+            await self.frontend.send(reply)
+        return load
+
     async def idle(self) -> None:
         """The step ran nothing: wait for what can change that instead of spinning."""
         if self.transfers is not None and self.transfers.in_flight:
@@ -448,9 +479,12 @@ class Worker:
                 await self.frontend.send(reply)
             if self.stopping:
                 break
-            deltas, failed = [], []
-            ran = False
+            ran, load = False, None
             if self.core.has_unfinished():
+                with self.loop_stages.timed("read_back"):
+                    finished = self.core.read_finished()
+                if finished:  # the device is done with it: its tokens go out before the next launch
+                    await self.deliver(finished)
                 with self.loop_stages.timed("launch"):
                     step = self.core.begin_step()
                 await self.while_stepping(step)
@@ -458,28 +492,7 @@ class Worker:
                     outputs = self.core.end_step(step)
                 batch = self.core.scheduler.last_batch
                 ran = bool(batch.seqs or batch.num_preempted)
-                for out in outputs:
-                    seq = out.seq
-                    if out.error is not None:  # that request's failure: the rank serves on
-                        failed.append(RequestRejected(out.request_id, out.error))
-                        continue
-                    queued = first_step = None
-                    if seq.first_token_time is None:
-                        seq.first_token_time = time.monotonic()
-                        self.prompt_tokens += seq.num_prompt_tokens
-                        self.prefix_hit_tokens += seq.num_cached_tokens
-                        queued, first_step = first_token_times(seq)
-                    deltas.append(
-                        TokenDelta(out.request_id, out.new_token_id, out.finished, out.finish_reason,
-                                   seq.num_cached_tokens, out.logprobs, out.prompt_logprobs, queued, first_step)
-                    )
-            load = None
-            if deltas:
-                self.generated_tokens += len(deltas)  # one delta per new token
-                load = self.load()  # before the sends: what ``publish`` reports is the step's load
-                await self.send_outputs(deltas)
-            for reply in failed:
-                await self.frontend.send(reply)
+                load = await self.deliver(outputs)
             await self.publish(load)
             await self.send_steps()
             if self.release is not None and self.release.outbox:

@@ -6,6 +6,8 @@ output per token, ``finished`` only on the last, nothing after a request finishe
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -27,11 +29,14 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 def run_engine(model: str, requests, async_scheduling: bool, abort_after: dict[str, int] | None = None,
-               eos: frozenset[int] | None = None, **engine_args) -> tuple[dict, dict, int]:
+               eos: frozenset[int] | None = None, read_early: random.Random | None = None,
+               **engine_args) -> tuple[dict, dict, int]:
     """Drive ``EngineCore.step`` directly: the tokens and finish reason of each request, as its
     step outputs announced them. ``abort_after[rid] = j`` aborts ``rid`` once it has emitted j
-    tokens; ``eos`` replaces the model's EOS tokens. Checks each request's stream of outputs
-    and that every block is released."""
+    tokens; ``eos`` replaces the model's EOS tokens; with ``read_early``, before a random half of
+    the steps the launched step is read back first (``read_finished``, as a pool worker does
+    where the device has finished it; on a CPU it always has). Checks each request's stream of
+    outputs and that every block is released."""
     abort_after = dict(abort_after or {})
     with LLM(model, block_size=BLOCK, async_scheduling=async_scheduling, **engine_args) as llm:
         engine = llm.engine
@@ -47,7 +52,11 @@ def run_engine(model: str, requests, async_scheduling: bool, abort_after: dict[s
                     assert engine.abort_request(rid)
                     reasons[rid] = "abort"
                     del abort_after[rid]
-            for out in engine.step():
+            outputs = []
+            if read_early is not None and read_early.random() < 0.5:
+                outputs = engine.read_finished()
+                assert engine.in_flight is None or not async_scheduling
+            for out in outputs + engine.step():
                 assert out.request_id not in reasons, f"{out.request_id} emitted after it finished"
                 tokens[out.request_id].append(out.new_token_id)
                 assert out.seq.output_token_ids == tokens[out.request_id]
@@ -87,6 +96,47 @@ def test_greedy_tokens_equal_the_serial_path(tiny_model, engine_args):
     tokens, reasons = assert_paths_agree(tiny_model, as_requests(prompts(), params), **engine_args)
     assert all(len(tokens[f"r{i}"]) == p.max_tokens for i, p in enumerate(params))
     assert set(reasons.values()) == {"length"}
+
+
+@pytest.mark.parametrize("engine_args", [
+    {}, {"max_num_batched_tokens": 7, "max_num_seqs": 3}, {"num_kv_blocks": 12, "max_num_batched_tokens": 24},
+], ids=["roomy", "chunked", "preempting-chunked"])
+@pytest.mark.parametrize("seed", range(3))
+def test_reading_a_finished_step_before_the_next_launch_changes_no_token(tiny_model, engine_args, seed):
+    """Overlapped steps read back before the next launch at random (``read_finished``) and one step
+    late otherwise: greedy tokens, stops and lengths are the serial path's, as are the streams."""
+    ps = prompts(seed=seed)
+    free = run_engine(tiny_model, as_requests(ps, greedy(20)), False, **engine_args)[0]
+    params = [greedy(20, stop_token_ids=(free[f"r{i}"][2 + i],)) if i % 2 else greedy(1 + 3 * i)
+              for i in range(len(ps))]
+    requests = as_requests(ps, params)
+    serial = run_engine(tiny_model, requests, False, **engine_args)
+    mixed = run_engine(tiny_model, requests, True, read_early=random.Random(seed), **engine_args)
+    assert mixed[:2] == serial[:2]
+
+
+def test_read_finished_returns_nothing_while_the_step_runs_or_when_serial(tiny_model, monkeypatch):
+    """A launched step the device has not finished stays in flight, and its tokens come from
+    ``end_step`` as before; a serial engine never has one to read."""
+    with LLM(tiny_model, block_size=BLOCK, async_scheduling=True) as llm:
+        engine = llm.engine
+        engine.add_request("a", prompts(1)[0], greedy(4))
+        assert engine.read_finished() == []  # nothing launched
+        assert engine.step() == []  # overlapped: its first step's token is read one step late
+        launched = engine.in_flight
+        assert launched is not None
+        monkeypatch.setattr(type(launched.pending), "ready", lambda self: False)
+        assert engine.read_finished() == [] and engine.in_flight is launched
+        monkeypatch.undo()
+        first = engine.read_finished()
+        assert [(o.request_id, o.finished) for o in first] == [("a", False)]
+        assert engine.in_flight is None and engine.launched is None and engine.last_read_back is launched.batch
+        while engine.has_unfinished():
+            first += engine.read_finished() + engine.step()
+        assert [o.finished for o in first] == [False, False, False, True]
+    with LLM(tiny_model, block_size=BLOCK, async_scheduling=False) as llm:
+        llm.engine.add_request("a", prompts(1)[0], greedy(2))
+        assert llm.engine.step() and llm.engine.read_finished() == []
 
 
 def test_preemption_happens_in_both_paths(tiny_model):

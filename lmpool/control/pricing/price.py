@@ -120,7 +120,9 @@ class Limits(NamedTuple):
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    overlapped: bool = True  # ``EngineConfig.async_scheduling``: a step is launched before the last is read
+    # ``EngineConfig.async_scheduling`` on a GPU: a step is launched before the last is read (a CPU
+    # rank's worker reads each step before the next launch: ``EngineCore.read_finished``)
+    overlapped: bool = True
     # The key reads a decode step's shared prefixes must save for the ranks to read them once
     # (``lmpool.engine.cascade``; ``config.engine.cascade_min_saved``, 0: never): where enough
     # sequences share it, a request's cached shared prefix is not its own reading.
