@@ -17,8 +17,14 @@ torch's profiler, whose CUDA runtime calls are summed by name (count, total and 
 milliseconds, ``runtime_calls``): a launch queue that is full shows as long kernel launches, the
 allocator growing or returning memory as long mallocs or frees.
 
+With ``--orders``, passes take the given read-back orders in turn: "late" reads a step's tokens
+after the next step's launch, "early" first where the device has finished it, as a pool worker
+does (``EngineCore.read_finished``); each step lists the first tokens it read back and their
+milliseconds since their requests were added, and ``first_token_ms`` sums them per order.
+
     python -m tools.diagnostics.profile_launch --preset 0.6b --device cuda --dtype bfloat16 \\
         --context 16384 --waves 4 --questions 16 --mps 4
+    python -m tools.diagnostics.profile_launch ... --questions 1 --passes 4 --orders late,early,early,late
 """
 
 from __future__ import annotations
@@ -105,18 +111,21 @@ def runtime_calls(prof) -> dict[str, dict]:
 
 
 def run_steps(core: EngineCore, rng: random.Random, doc: list[int], args, vocab: int,
-              sampler: StackSampler, questions: int) -> list[dict]:
-    """The waves' steps, then the steps until every request is done; one row per step."""
-    rows, waves, n = [], 0, 0
+              sampler: StackSampler, questions: int, early: bool = False, tag: str = "") -> list[dict]:
+    """The waves' steps, then the steps until every request is done; one row per step, with the
+    first tokens it read back and their mean milliseconds since their requests were added."""
+    rows, waves, n, added = [], 0, 0, {}
     while waves < args.waves or core.has_unfinished():
         if waves < args.waves:
             for _ in range(questions):
                 question = [rng.randrange(vocab) for _ in range(args.question_tokens)]
                 params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-                core.add_request(f"q{questions}-{n}", doc + question, params)
+                rid = f"q{tag}{questions}-{n}"
+                core.add_request(rid, doc + question, params)
+                added[rid] = time.perf_counter()
                 n += 1
             waves += 1
-        rows.append(timed_step(core, sampler))
+        rows.append(timed_step(core, sampler, early, added))
     return rows
 
 
@@ -131,8 +140,14 @@ def read_document(core: EngineCore, doc: list[int], sampler: StackSampler) -> li
     return rows
 
 
-def timed_step(core: EngineCore, sampler: StackSampler) -> dict:
-    """One step, its launch sampled: its shape and the host milliseconds of its three parts."""
+def timed_step(core: EngineCore, sampler: StackSampler, early: bool = False, added: dict | None = None) -> dict:
+    """One step, its launch sampled: its shape and the host milliseconds of its three parts.
+    ``early``: first read back the launched step if the device has finished it, as a pool
+    worker does (``EngineCore.read_finished``). ``added``: when each request was added, for its
+    first token's milliseconds (the mean over the step's first tokens)."""
+    firsts = []
+    if early:
+        firsts += first_tokens(core.read_finished(), added)
     t0 = time.perf_counter()
     with sampler.sampling():
         step = core.begin_step()
@@ -140,11 +155,19 @@ def timed_step(core: EngineCore, sampler: StackSampler) -> dict:
     while not step.ready():
         time.sleep(0)
     t2 = time.perf_counter()
-    core.end_step(step)
+    firsts += first_tokens(core.end_step(step), added)
     t3 = time.perf_counter()
     batch = step.batch
     return {"prefill_tokens": batch.prefill_tokens, "decode_seqs": batch.decode_seqs,
-            "launch_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3, "read_back_ms": (t3 - t2) * 1e3}
+            "launch_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3, "read_back_ms": (t3 - t2) * 1e3,
+            "first_tokens": len(firsts), "first_token_ms": statistics.fmean(firsts) if firsts else None}
+
+
+def first_tokens(outputs, added: dict | None) -> list[float]:
+    """Milliseconds from each of ``outputs``' requests' adding to its first token, read back now."""
+    now = time.perf_counter()
+    return [(now - added[o.request_id]) * 1e3 for o in outputs
+            if added and o.request_id in added and len(o.seq.output_token_ids) == 1]
 
 
 def allocator_counts(on_cuda: bool) -> dict[str, int]:
@@ -181,15 +204,35 @@ def profile(model: str, args) -> dict:
     trace = profiler(on_cuda) if args.trace else nullcontext()
     with sync_warnings(on_cuda) as syncs, StackSampler(threading.get_ident()) as sampler, trace as prof:
         rows = [dict(row, passed="read") for row in read_document(core, doc, sampler)]
-        rows += [dict(row, passed=p) for p in range(args.passes)
-                 for row in run_steps(core, rng, doc, args, vocab, sampler, max(1, args.questions - p))]
+        for p in range(args.passes):
+            order = args.orders[p % len(args.orders)]
+            rows += [dict(row, passed=p, order=order)
+                     for row in run_steps(core, rng, doc, args, vocab, sampler, max(1, args.questions - p),
+                                          order == "early", f"{p}-")]
     allocated_after = allocator_counts(on_cuda)
     prefills = [r for r in rows if r["prefill_tokens"] and r["passed"] != "read"]
     return {"engine_start_s": start_s, "steps": rows, "syncs": syncs, "launch_stacks": sampler.top(),
+            "first_token_ms": first_token_summary(rows),
             "runtime_calls": runtime_calls(prof) if prof is not None else {},
             "allocator": {k: allocated_after[k] - allocated_before[k] for k in allocated_after},
             "prefill_launch_ms": {"mean": statistics.fmean(r["launch_ms"] for r in prefills),
                                   "max": max(r["launch_ms"] for r in prefills)} if prefills else {}}
+
+
+def first_token_summary(rows: list[dict]) -> dict[str, dict]:
+    """Per read-back order, the mean milliseconds from a request's adding to its first token, over
+    all its passes' questions and over the first wave's alone (the wave that found the rank idle)."""
+    out: dict[str, dict] = {}
+    for order in sorted({r["order"] for r in rows if "order" in r}):
+        ms, first = [], []
+        for p in sorted({r["passed"] for r in rows if r.get("order") == order}):
+            timed = [r for r in rows if r.get("passed") == p and r["first_tokens"]]
+            ms += [r["first_token_ms"] for r in timed for _ in range(r["first_tokens"])]
+            if timed:
+                first.append(timed[0]["first_token_ms"])
+        out[order] = {"mean": statistics.fmean(ms) if ms else None,
+                      "first_wave": statistics.fmean(first) if first else None, "questions": len(ms)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--passes", type=int, default=1,
                     help="run the waves this many times over, each pass with one question fewer a wave, so its "
                          "shapes are new (a stall only the first pass shows comes with a first use, not a shape)")
+    ap.add_argument("--orders", type=lambda v: v.split(","), default=["late"],
+                    help="read-back orders the passes take in turn: 'late' (a step's tokens after the next "
+                         "launch) and 'early' (first, where the device has finished it, as a pool worker does)")
     ap.add_argument("--trace", action="store_true",
                     help="run the steps under torch's profiler and sum its runtime calls")
     ap.add_argument("--seed", type=int, default=0)
@@ -223,14 +269,19 @@ def main(argv: list[str] | None = None) -> None:
             result = profile(model, args)
     result |= {"args": {k: v for k, v in vars(args).items() if k != "json"}, "git": git_record()}
     for r in result["steps"]:
-        print(f"pass {r['passed']:>4}  prefill {r['prefill_tokens']:6d}  decode {r['decode_seqs']:4d}  "
-              f"launch {r['launch_ms']:8.2f} ms  wait {r['wait_ms']:8.2f} ms  read back {r['read_back_ms']:7.2f} ms")
+        first = r.get("first_tokens") and f"  first tokens {r['first_tokens']:3d} at {r['first_token_ms']:8.2f} ms"
+        print(f"pass {r['passed']:>4} {r.get('order', ''):>5}  prefill {r['prefill_tokens']:6d}  "
+              f"decode {r['decode_seqs']:4d}  launch {r['launch_ms']:8.2f} ms  wait {r['wait_ms']:8.2f} ms  "
+              f"read back {r['read_back_ms']:7.2f} ms{first or ''}")
     print("syncs:", *result["syncs"] or ["none"], sep="\n  ")
     print("where the launches were:", *(f"{n:6d}  {w}" for w, n in result["launch_stacks"]), sep="\n  ")
     print("runtime calls (count, total ms, longest ms):",
           *(f"{name}: {c['count']}  {c['total_ms']:.1f}  {c['max_ms']:.2f}"
             for name, c in list(result["runtime_calls"].items())[:10]), sep="\n  ")
     print("allocator:", result["allocator"], " engine start:", f"{result['engine_start_s']:.2f} s")
+    print("first token ms (mean, first wave, questions):",
+          *(f"{o}: {f['mean']:.2f}  {f['first_wave']:.2f}  {f['questions']}"
+            for o, f in result["first_token_ms"].items() if f["mean"] is not None), sep="\n  ")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 
