@@ -1,6 +1,7 @@
 """A worker serves its links while a launched step runs (``Worker.while_stepping``): an order
 arriving mid-step is answered before the step's tokens are read back, not after, and a request
-arriving mid-step is read into the inbox then, with or without transfers."""
+arriving mid-step is read into the inbox then, with or without transfers. A step the device has
+finished is read back before the next launch, its tokens sent first."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 
 from lmpool.config.pool import PoolConfig
 from lmpool.engine.core import EngineCore
+from lmpool.protocol import AddRequest, StepOutputs
 from lmpool.protocol.spec import WorkerSpec
+from lmpool.sampling_params import SamplingParams
 from lmpool.worker.main import Worker
 
 POLLS = 10_000  # a bound on the fake step's polls, so a worker that never answers fails, not hangs
@@ -95,3 +98,40 @@ async def test_a_request_arriving_during_a_step_is_read_before_the_step_ends(wor
     assert worker.inbox == ["a request"]  # read while the step ran: it returns only once the step is done
     assert 0 < step.polls < POLLS  # the step ended because the request was read, not at the bound
     await delivery
+
+
+async def test_a_step_the_device_has_finished_sends_its_tokens_before_the_next_launch(worker, monkeypatch):
+    """The step loop of an overlapped engine whose steps finish within their launch (a CPU's): every
+    launch finds the step before it read back, and each token reaches the user process before the
+    launch of the step after the one that made it (``EngineCore.read_finished``)."""
+    events: list = []
+
+    class Frontend:
+        async def send(self, msg) -> None:
+            assert isinstance(msg, StepOutputs)
+            events.extend(("token", d.finished) for d in msg.outputs)
+            worker.stopping = any(d.finished for d in msg.outputs)
+
+    async def quiet() -> None:  # the links' readers and the heartbeat: nothing arrives
+        await asyncio.Event().wait()
+
+    core = worker.core
+    begin = core.begin_step
+
+    def launch():
+        read = core.in_flight is None
+        step = begin()
+        if step.batch.seqs:  # (the step after the last token's launches nothing)
+            events.append(("launch", read))
+        return step
+
+    worker.frontend = Frontend()
+    monkeypatch.setattr(worker, "read_frontend", quiet)
+    monkeypatch.setattr(worker, "heartbeat", quiet)
+    monkeypatch.setattr(worker, "attach_control", lambda end: None)
+    monkeypatch.setattr(core, "begin_step", launch)
+    assert core.config.async_scheduling
+    worker.inbox.append(AddRequest("a", list(range(1, 20)), SamplingParams(temperature=0, max_tokens=3), [], []))
+    await worker.run()
+    assert events == [("launch", True), ("token", False), ("launch", True), ("token", False),
+                      ("launch", True), ("token", True)]
