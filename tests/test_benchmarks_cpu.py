@@ -113,8 +113,30 @@ def test_the_launch_profile_times_each_wave_s_prefill_over_the_cached_document(t
     assert all(s[k] >= 0 for s in steps for k in ("launch_ms", "wait_ms", "read_back_ms"))
     assert data["syncs"] == [] and data["prefill_launch_ms"]["max"] >= data["prefill_launch_ms"]["mean"] > 0
     assert {s["passed"] for s in steps} == {0} and data["runtime_calls"] == {} and data["allocator"] == {}
-    # the sampler saw the launches: each row is a "file:line function" and a positive count
-    assert data["launch_stacks"] and all(count > 0 and ":" in where for where, count in data["launch_stacks"])
+    # the sampler saw the launches, per kind of step: each row is a "file:line function" and a positive count
+    stacks = data["launch_stacks"]
+    assert stacks and set(stacks) <= {"read", "prefill", "decode"}
+    assert all(count > 0 and ":" in where for rows in stacks.values() for where, count in rows)
+    # one read-back order by default: each question's first token counted once
+    assert set(data["first_token_ms"]) == {"late"} and data["first_token_ms"]["late"]["questions"] == 3 * 2
+
+
+def test_profile_launch_times_first_tokens_in_both_read_back_orders(tiny_model, tmp_path):
+    """Passes take the orders in turn, and each order counts each of its questions' first tokens
+    once: in the step call after the question's launch, before that call's launch (early) or
+    after it (late)."""
+    out = tmp_path / "launch.json"
+    profile_launch.main(["--model", tiny_model, "--context", "256", "--block-size", "16", "--waves", "2",
+                         "--questions", "1", "--question-tokens", "8", "--max-tokens", "3", "--passes", "2",
+                         "--orders", "late,early", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert [s["order"] for s in data["steps"] if s["passed"] != "read"][0] == "late"
+    assert {s["order"] for s in data["steps"] if s["passed"] == 1} == {"early"}
+    firsts = data["first_token_ms"]
+    assert set(firsts) == {"late", "early"} and all(f["questions"] == 2 and f["mean"] > 0 for f in firsts.values())
+    late = [s for s in data["steps"] if s["passed"] == 0]
+    early = [s for s in data["steps"] if s["passed"] == 1]
+    assert not late[0]["first_tokens"] and early[1]["first_tokens"] == 1 and late[1]["first_tokens"] == 1
 
 
 def test_profile_launch_passes_vary_their_shapes(tiny_model, tmp_path):

@@ -12,7 +12,7 @@ A launch that takes about as long as the step before it ran waited for the devic
 steps run under ``torch.cuda.set_sync_debug_mode("warn")``: every call that synchronises
 with the device is listed by file and line. Where the launches wait is shown
 two ways: a thread samples the host's stack every half millisecond while ``begin_step`` runs
-(the lines where most samples fall, ``launch_stacks``), and with ``--trace`` the steps run under
+(the lines where most samples fall, ``launch_stacks``, per kind of step), and with ``--trace`` the steps run under
 torch's profiler, whose CUDA runtime calls are summed by name (count, total and longest
 milliseconds, ``runtime_calls``): a launch queue that is full shows as long kernel launches, the
 allocator growing or returning memory as long mallocs or frees.
@@ -52,11 +52,14 @@ from tools.diagnostics.profile_decode import sync_warnings
 
 class StackSampler:
     """Samples one thread's innermost frames while ``sampling`` is on: each sample counts the line
-    of the innermost frame of this repository's code and the innermost frame of all."""
+    of the innermost frame of this repository's code and the innermost frame of all, under the
+    kind of step the samples were taken in (``file``: the document's read, a step that prefills
+    questions, a decode step), so that one kind's long launches do not hide another's."""
 
     def __init__(self, thread_id: int, interval_s: float = 0.0005) -> None:
         self.thread_id, self.interval_s = thread_id, interval_s
-        self.counts: Counter[str] = Counter()
+        self.counts: dict[str, Counter[str]] = {}
+        self._current: Counter[str] = Counter()  # the samples of the launch under way
         self._on = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -77,6 +80,11 @@ class StackSampler:
         finally:
             self._on.clear()
 
+    def file(self, kind: str) -> None:
+        """Count the samples since the last ``file`` under ``kind``."""
+        current, self._current = self._current, Counter()
+        self.counts.setdefault(kind, Counter()).update(current)
+
     def _run(self) -> None:
         root = str(Path(__file__).resolve().parents[2])
         while not self._stop.wait(self.interval_s):
@@ -90,10 +98,11 @@ class StackSampler:
                 frame = frame.f_back
             for f in (innermost, ours):
                 if f is not None:
-                    self.counts[f"{Path(f.f_code.co_filename).name}:{f.f_lineno} {f.f_code.co_name}"] += 1
+                    self._current[f"{Path(f.f_code.co_filename).name}:{f.f_lineno} {f.f_code.co_name}"] += 1
 
-    def top(self, n: int = 8) -> list[list]:
-        return [[where, count] for where, count in self.counts.most_common(n)]
+    def top(self, n: int = 8) -> dict[str, list[list]]:
+        return {kind: [[where, count] for where, count in counts.most_common(n)]
+                for kind, counts in self.counts.items()}
 
 
 def runtime_calls(prof) -> dict[str, dict]:
@@ -135,16 +144,18 @@ def read_document(core: EngineCore, doc: list[int], sampler: StackSampler) -> li
     core.add_request("read", doc + [1], SamplingParams(temperature=0, max_tokens=1))
     rows = []
     while core.has_unfinished():
-        rows.append(timed_step(core, sampler))
-    rows.append(timed_step(core, sampler))  # an overlapped engine reads its last step back one call later
+        rows.append(timed_step(core, sampler, kind="read"))
+    rows.append(timed_step(core, sampler, kind="read"))  # an overlapped engine reads its last step back one call later
     return rows
 
 
-def timed_step(core: EngineCore, sampler: StackSampler, early: bool = False, added: dict | None = None) -> dict:
+def timed_step(core: EngineCore, sampler: StackSampler, early: bool = False, added: dict | None = None,
+               kind: str | None = None) -> dict:
     """One step, its launch sampled: its shape and the host milliseconds of its three parts.
     ``early``: first read back the launched step if the device has finished it, as a pool
     worker does (``EngineCore.read_finished``). ``added``: when each request was added, for its
-    first token's milliseconds (the mean over the step's first tokens)."""
+    first token's milliseconds (the mean over the step's first tokens). Its launch's samples
+    count under ``kind``, else "prefill" or "decode" by its batch."""
     firsts = []
     if early:
         firsts += first_tokens(core.read_finished(), added)
@@ -158,6 +169,7 @@ def timed_step(core: EngineCore, sampler: StackSampler, early: bool = False, add
     firsts += first_tokens(core.end_step(step), added)
     t3 = time.perf_counter()
     batch = step.batch
+    sampler.file(kind or ("prefill" if batch.prefill_tokens else "decode"))
     return {"prefill_tokens": batch.prefill_tokens, "decode_seqs": batch.decode_seqs,
             "launch_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3, "read_back_ms": (t3 - t2) * 1e3,
             "first_tokens": len(firsts), "first_token_ms": statistics.fmean(firsts) if firsts else None}
@@ -274,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
               f"decode {r['decode_seqs']:4d}  launch {r['launch_ms']:8.2f} ms  wait {r['wait_ms']:8.2f} ms  "
               f"read back {r['read_back_ms']:7.2f} ms{first or ''}")
     print("syncs:", *result["syncs"] or ["none"], sep="\n  ")
-    print("where the launches were:", *(f"{n:6d}  {w}" for w, n in result["launch_stacks"]), sep="\n  ")
+    for kind, stacks in result["launch_stacks"].items():
+        print(f"where the {kind} launches were:", *(f"{n:6d}  {w}" for w, n in stacks), sep="\n  ")
     print("runtime calls (count, total ms, longest ms):",
           *(f"{name}: {c['count']}  {c['total_ms']:.1f}  {c['max_ms']:.2f}"
             for name, c in list(result["runtime_calls"].items())[:10]), sep="\n  ")
