@@ -12,8 +12,8 @@ A launch that takes about as long as the step before it ran waited for the devic
 steps run under ``torch.cuda.set_sync_debug_mode("warn")``: every call that synchronises
 with the device is listed by file and line. Where the launches wait is shown
 two ways: a thread samples the host's stack every half millisecond while ``begin_step`` runs
-(the lines where most samples fall, ``launch_stacks``, per kind of step), and with ``--trace`` the steps run under
-torch's profiler, whose CUDA runtime calls are summed by name (count, total and longest
+(the lines where most samples fall, per kind of step: ``launch_stacks``), and with ``--trace``
+the steps run under torch's profiler, whose CUDA runtime calls are summed by name (count, total and longest
 milliseconds, ``runtime_calls``): a launch queue that is full shows as long kernel launches, the
 allocator growing or returning memory as long mallocs or frees.
 
@@ -247,6 +247,14 @@ def first_token_summary(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def read_back_orders(value: str) -> list[str]:
+    """``--orders``: comma-separated "late" and "early"."""
+    orders = value.split(",")
+    if not orders or any(o not in ("late", "early") for o in orders):
+        raise argparse.ArgumentTypeError(f"orders are 'late' and 'early', comma-separated; got {value!r}")
+    return orders
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -264,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--passes", type=int, default=1,
                     help="run the waves this many times over, each pass with one question fewer a wave, so its "
                          "shapes are new (a stall only the first pass shows comes with a first use, not a shape)")
-    ap.add_argument("--orders", type=lambda v: v.split(","), default=["late"],
+    ap.add_argument("--orders", type=read_back_orders, default=["late"],
                     help="read-back orders the passes take in turn: 'late' (a step's tokens after the next "
                          "launch) and 'early' (first, where the device has finished it, as a pool worker does)")
     ap.add_argument("--trace", action="store_true",
