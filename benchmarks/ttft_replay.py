@@ -181,7 +181,9 @@ def step_table(paths: list[str], policy: str) -> list[str]:
 def limits_of(data: dict) -> Limits:
     """The scheduler limits a result file's pool ran with."""
     config = data["metadata"]["config"]
-    return Limits(config["block_size"], config["max_num_seqs"], config["max_num_batched_tokens"])
+    # Overlapped on a GPU only, as the live pricer prices today's workers (``control.build.limits``).
+    return Limits(config["block_size"], config["max_num_seqs"], config["max_num_batched_tokens"],
+                  str(config.get("device", "cuda")).startswith("cuda"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -132,9 +132,11 @@ class EngineCore:
         # ``end_step`` advanced; a step ``begin_step`` launched is still counted as queued until then.
         # None on a CPU, whose launch returns once the step is computed.
         self.launched: ScheduledBatch | None = None
-        # The batch whose tokens the latest ``step`` read back: the one it ran when serial, the
-        # one before when overlapped (what a step's wall time measures once the device is busy).
+        # The batch whose tokens were read back last: by the latest ``step``, the one it ran when
+        # serial, the one before when overlapped (what a step's wall time measures once the device
+        # is busy); or by ``read_finished``. Empty until a step has been read back.
         self.last_read_back = ScheduledBatch()
+        self._between = False  # between ``begin_step`` and ``end_step``
         # Every read-back step's time and shape, newest last, for a pool's step-time model.
         self.step_samples: deque[StepSample] = deque(maxlen=STEP_SAMPLES)
         self._last_done = 0.0  # perf_counter when the latest timed step ended
@@ -225,12 +227,14 @@ class EngineCore:
         whether the device is done with what ``end_step`` waits for, and the caller may do
         other work: it must not add, abort or schedule requests meanwhile."""
         started = time.perf_counter()
+        self._between = True
         if self.config.async_scheduling:
             return self._begin_overlapped(started)
         return self._begin_serial(started)
 
     def end_step(self, step: StepUnderWay) -> list[StepOutput]:
         """Wait for the device if need be, then read back (see the module docstring)."""
+        self._between = False
         if self.config.async_scheduling:
             return self._end_overlapped(step)
         return self._end_serial(step)
@@ -296,6 +300,8 @@ class EngineCore:
         step more slowly than the device ran the one before (a prefill's launch is one kernel at
         a time; on a CPU the launch is the step), the finished step's first tokens would
         otherwise come a whole launch late. The device is idle meanwhile either way."""
+        if self._between:  # the step launched last is then not the one to read: the one before it is
+            raise RuntimeError("read_finished between begin_step and end_step")
         finished = self.in_flight
         if finished is None or not finished.pending.ready():
             return []
@@ -315,7 +321,8 @@ class EngineCore:
 
     def _end_overlapped(self, step: StepUnderWay) -> list[StepOutput]:
         previous, batch = step.awaited, step.batch
-        self.last_read_back = ScheduledBatch() if previous is None else previous.batch
+        if previous is not None:
+            self.last_read_back = previous.batch
         # The step's one wait, for the previous step: the device has this one queued behind it.
         outputs = [] if previous is None else self._finish(previous)
         self.launched = None

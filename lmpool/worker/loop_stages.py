@@ -3,11 +3,11 @@ readers wait: a request from the frontend (whose send waits once the link's ring
 transfer order from the control plane (a pull's first phase) are read only when it yields.
 
 The stages are the loop's synchronous stretches: ``admit`` (the requests that arrived),
-``launch`` (scheduling and launching a step) and ``read_back`` (reading back the awaited step's
-tokens), and, wherever they fall, the garbage collector's passes (``collect``, once
-``watch_collections`` is on: a full pass over a heap holding torch takes a tenth of a second,
-which is why a worker freezes its start-up heap). Per stage, since the worker started: how many,
-their total and the longest, in milliseconds.
+``launch`` (scheduling and launching a step) and ``read_back`` (reading back a step's tokens: the
+awaited one, or one the device finished before the next launch), and, wherever they fall, the
+garbage collector's passes (``collect``, once ``watch_collections`` is on: a full pass over a
+heap holding torch takes a tenth of a second, which is why a worker freezes its start-up heap).
+Per stage, since the worker started: how many, their total and the longest, in milliseconds.
 
 Invariants: every timed stretch counts once, under one stage; a stage's longest is at most its
 total, and its total is zero when its count is.

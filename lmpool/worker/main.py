@@ -396,9 +396,10 @@ class Worker:
             self.stopping = True
         return []
 
-    async def deliver(self, outputs: list[StepOutput]) -> LoadReport | None:
-        """Send a step's tokens to the user process, and its failures; the load report built
-        before the sends where a token went (what ``publish`` reports is the step's load)."""
+    async def deliver(self, outputs: list[StepOutput], report: bool = True) -> LoadReport | None:
+        """Send a step's tokens to the user process, and its failures. With ``report``, the load
+        report built before the sends where a token went (what ``publish`` reports is the step's
+        load); without, None (tokens read back before a launch: the report follows the launch)."""
         deltas, failed = [], []
         for out in outputs:
             seq = out.seq
@@ -418,7 +419,7 @@ class Worker:
         load = None
         if deltas:
             self.generated_tokens += len(deltas)  # one delta per new token
-            load = self.load()
+            load = self.load() if report else None
             await self.send_outputs(deltas)
         for reply in failed:
             await self.frontend.send(reply)
@@ -481,10 +482,11 @@ class Worker:
                 break
             ran, load = False, None
             if self.core.has_unfinished():
-                with self.loop_stages.timed("read_back"):
-                    finished = self.core.read_finished()
+                started = time.perf_counter()
+                finished = self.core.read_finished()
                 if finished:  # the device is done with it: its tokens go out before the next launch
-                    await self.deliver(finished)
+                    self.loop_stages.add("read_back", time.perf_counter() - started)
+                    await self.deliver(finished, report=False)
                 with self.loop_stages.timed("launch"):
                     step = self.core.begin_step()
                 await self.while_stepping(step)

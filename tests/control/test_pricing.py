@@ -347,6 +347,19 @@ def test_an_overlapped_rank_makes_a_new_request_wait_one_step_more(running):
     assert ttft[True] - ttft[False] == pytest.approx(step if running else 0.0)
 
 
+@pytest.mark.parametrize("device, async_scheduling, overlapped", [
+    ("cuda", True, True), ("cuda:1", True, True), ("cuda", False, False), ("cpu", True, False), ("cpu", False, False),
+])
+def test_only_a_gpu_rank_stepping_overlapped_is_priced_overlapped(device, async_scheduling, overlapped):
+    """A CPU's launch computes its step and its worker reads each step back before the next launch
+    (``EngineCore.read_finished``): whatever ``async_scheduling`` says, it waits like a serial one."""
+    from lmpool.config.engine import EngineConfig
+    from lmpool.control.build import limits
+
+    engine = EngineConfig(model="unused", device=device, async_scheduling=async_scheduling)
+    assert limits(engine, 0, True).overlapped is overlapped
+
+
 def test_the_prefix_pass_of_a_rank_s_sequences_is_priced_at_the_cascade_s_pair():
     """A rank whose running sequences share a prefix (its load's cascade pairs) spends each step
     their prefix pass at a cascade's pair, not a prefill's (``PAIRED`` has them differ): every

@@ -188,6 +188,35 @@ def test_gpu_overlapped_step_waits_at_most_once(tiny_model, monkeypatch):
             assert len(blocking) - before <= 1
 
 
+def test_gpu_early_read_back_equals_the_cpu_and_waits_at_most_once(tiny_model, cpu_tokens, monkeypatch):
+    """Driven as a pool worker drives it (``read_finished`` before each launch: a step the device
+    has finished is read back first, one still running one step late), greedy tokens are the
+    CPU's, each request's exactly once, and a step with its early read blocks on at most one event."""
+    blocking = []
+    synchronize = torch.cuda.Event.synchronize
+
+    def counted(event):
+        if not event.query():
+            blocking.append(event)
+        synchronize(event)
+
+    with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK) as llm:
+        llm.generate(prompts(), GREEDY)  # warm-up
+        core = llm.engine
+        tokens: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts()):
+            core.add_request(f"e{i}", p, GREEDY)
+            tokens[f"e{i}"] = []
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
+        while core.has_unfinished():
+            before = len(blocking)
+            for out in core.read_finished() + core.step():
+                tokens[out.request_id].append(out.new_token_id)
+            assert len(blocking) - before <= 1
+        core.block_manager.check_invariants([])
+    assert [tokens[f"e{i}"] for i in range(len(cpu_tokens))] == cpu_tokens
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
 @pytest.mark.parametrize("engine_args", [{}, {"num_kv_blocks": 8}, {"max_num_batched_tokens": 24}],
                          ids=["roomy", "preempting", "chunked"])

@@ -56,6 +56,8 @@ def run_engine(model: str, requests, async_scheduling: bool, abort_after: dict[s
             if read_early is not None and read_early.random() < 0.5:
                 outputs = engine.read_finished()
                 assert engine.in_flight is None or not async_scheduling
+                for seq in engine.scheduler.running:  # the step read back has its blocks committed
+                    assert seq.num_ready_blocks == min(seq.num_computed_tokens // BLOCK, len(seq.block_hashes))
             for out in outputs + engine.step():
                 assert out.request_id not in reasons, f"{out.request_id} emitted after it finished"
                 tokens[out.request_id].append(out.new_token_id)
@@ -110,8 +112,9 @@ def test_reading_a_finished_step_before_the_next_launch_changes_no_token(tiny_mo
     params = [greedy(20, stop_token_ids=(free[f"r{i}"][2 + i],)) if i % 2 else greedy(1 + 3 * i)
               for i in range(len(ps))]
     requests = as_requests(ps, params)
-    serial = run_engine(tiny_model, requests, False, **engine_args)
-    mixed = run_engine(tiny_model, requests, True, read_early=random.Random(seed), **engine_args)
+    aborts = {"r1": 2, "r4": 3}  # aborted mid-run, read back early or late
+    serial = run_engine(tiny_model, requests, False, aborts, **engine_args)
+    mixed = run_engine(tiny_model, requests, True, aborts, read_early=random.Random(seed), **engine_args)
     assert mixed[:2] == serial[:2]
 
 
@@ -137,6 +140,20 @@ def test_read_finished_returns_nothing_while_the_step_runs_or_when_serial(tiny_m
     with LLM(tiny_model, block_size=BLOCK, async_scheduling=False) as llm:
         llm.engine.add_request("a", prompts(1)[0], greedy(2))
         assert llm.engine.step() and llm.engine.read_finished() == []
+
+
+def test_read_finished_refuses_to_run_between_a_launch_and_its_read_back(tiny_model):
+    """Between ``begin_step`` and ``end_step`` the step in flight is the one just launched, not the
+    one ``end_step`` reads: reading it first would put its tokens before the step before it."""
+    with LLM(tiny_model, block_size=BLOCK, async_scheduling=True) as llm:
+        engine = llm.engine
+        engine.add_request("a", prompts(1)[0], greedy(4))
+        engine.step()
+        step = engine.begin_step()
+        with pytest.raises(RuntimeError, match="between begin_step and end_step"):
+            engine.read_finished()
+        assert [o.request_id for o in engine.end_step(step)] == ["a"]
+        assert [o.request_id for o in engine.read_finished()] == ["a"]
 
 
 def test_preemption_happens_in_both_paths(tiny_model):

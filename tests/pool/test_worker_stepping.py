@@ -132,6 +132,6 @@ async def test_a_step_the_device_has_finished_sends_its_tokens_before_the_next_l
     monkeypatch.setattr(core, "begin_step", launch)
     assert core.config.async_scheduling
     worker.inbox.append(AddRequest("a", list(range(1, 20)), SamplingParams(temperature=0, max_tokens=3), [], []))
-    await worker.run()
+    await asyncio.wait_for(worker.run(), 60)  # a loop that lost the last token would wait for it forever
     assert events == [("launch", True), ("token", False), ("launch", True), ("token", False),
                       ("launch", True), ("token", True)]

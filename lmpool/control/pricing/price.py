@@ -22,7 +22,7 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     room_s = the wait for blocks when the rank lacks them now: until enough of its running
              sequences finish to release the shortfall (each holding its share of the used blocks)
     busy   = step when anything runs there: the step under way, which a new request waits for;
-             two steps when the rank steps overlapped (``async_scheduling``): the step after it
+             two steps when the rank steps overlapped (``async_scheduling`` on a GPU): the step after it
              is already launched when the request arrives, so its first step is the one after;
              plus the prefill that launched step computes (``L`` tokens, ``Al`` pairs, as the
              worker reports it: ``prefill_token * L + attention_pair * Al``), which has left
