@@ -227,10 +227,9 @@ class EngineCore:
         whether the device is done with what ``end_step`` waits for, and the caller may do
         other work: it must not add, abort or schedule requests meanwhile."""
         started = time.perf_counter()
+        step = self._begin_overlapped(started) if self.config.async_scheduling else self._begin_serial(started)
         self._between = True
-        if self.config.async_scheduling:
-            return self._begin_overlapped(started)
-        return self._begin_serial(started)
+        return step
 
     def end_step(self, step: StepUnderWay) -> list[StepOutput]:
         """Wait for the device if need be, then read back (see the module docstring)."""
