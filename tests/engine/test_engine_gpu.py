@@ -163,10 +163,8 @@ def test_gpu_launch_never_waits_for_the_device(tiny_model, cpu_tokens, async_sch
         ]
 
 
-def test_gpu_overlapped_step_waits_at_most_once(tiny_model, monkeypatch):
-    """Each overlapped ``step`` blocks on at most one event (the previous step's read-back): the
-    step-input arena's wait always finds its copy done. (That nothing else in a step synchronises
-    is ``test_gpu_launch_never_waits_for_the_device``.)"""
+def count_blocking_waits(monkeypatch) -> list:
+    """From now on, each CUDA event synchronisation that had to wait is appended to the list returned."""
     blocking = []
     synchronize = torch.cuda.Event.synchronize
 
@@ -175,12 +173,20 @@ def test_gpu_overlapped_step_waits_at_most_once(tiny_model, monkeypatch):
             blocking.append(event)
         synchronize(event)
 
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
+    return blocking
+
+
+def test_gpu_overlapped_step_waits_at_most_once(tiny_model, monkeypatch):
+    """Each overlapped ``step`` blocks on at most one event (the previous step's read-back): the
+    step-input arena's wait always finds its copy done. (That nothing else in a step synchronises
+    is ``test_gpu_launch_never_waits_for_the_device``.)"""
     with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK) as llm:
         llm.generate(prompts(), GREEDY)  # warm-up
         core = llm.engine
         for i, p in enumerate(prompts()):
             core.add_request(f"w{i}", p, GREEDY)
-        monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
+        blocking = count_blocking_waits(monkeypatch)
         step = core.step
         while core.has_unfinished():
             before = len(blocking)
@@ -192,14 +198,6 @@ def test_gpu_early_read_back_equals_the_cpu_and_waits_at_most_once(tiny_model, c
     """Driven as a pool worker drives it (``read_finished`` before each launch: a step the device
     has finished is read back first, one still running one step late), greedy tokens are the
     CPU's, each request's exactly once, and a step with its early read blocks on at most one event."""
-    blocking = []
-    synchronize = torch.cuda.Event.synchronize
-
-    def counted(event):
-        if not event.query():
-            blocking.append(event)
-        synchronize(event)
-
     with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK) as llm:
         llm.generate(prompts(), GREEDY)  # warm-up
         core = llm.engine
@@ -207,7 +205,7 @@ def test_gpu_early_read_back_equals_the_cpu_and_waits_at_most_once(tiny_model, c
         for i, p in enumerate(prompts()):
             core.add_request(f"e{i}", p, GREEDY)
             tokens[f"e{i}"] = []
-        monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
+        blocking = count_blocking_waits(monkeypatch)
         while core.has_unfinished():
             before = len(blocking)
             for out in core.read_finished() + core.step():
