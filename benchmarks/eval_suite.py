@@ -98,6 +98,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per worker")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster pool start)")
+    ap.add_argument("--piecewise-graph-max-tokens", type=int, default=None, metavar="N",
+                    help="steps that prefill, of at most N tokens, replay graphs around their attention "
+                         "(EngineConfig.piecewise_graph_max_tokens; 0: never; default: the engine's)")
     ap.add_argument("--cascade-min-saved-tokens", type=int, default=None, metavar="N",
                     help="decode steps sharing prefixes read them once when that saves N key reads "
                          "(EngineConfig.cascade_min_saved_tokens; 0: never; default: the engine's)")
@@ -346,21 +349,28 @@ class Progress:
 def engine_record(args: argparse.Namespace, model: str) -> dict:
     """What the pools' engines run, as they resolve their defaults with their dtype: the key
     reads they run cascades at (0: none; ``config.engine.cascade_min_saved``) and the attention
-    they prefill with."""
+    they prefill with, and the most tokens of a step that prefills through piecewise graphs."""
     engine = EngineConfig(model, device=args.device, dtype=args.dtype,
                           cascade_min_saved_tokens=args.cascade_min_saved_tokens,
-                          prefill_attention=args.prefill_attention)
+                          prefill_attention=args.prefill_attention, **piecewise_arg(args))
     model_config = ModelConfig.from_pretrained(model)
     dtype = dtype_name(resolve_dtype(engine, model_config))
     return {"cascade_min_saved": planned_cascades(engine, model_config),
-            "prefill_attention": prefill_attention(engine, dtype, model_config.head_dim)}
+            "prefill_attention": prefill_attention(engine, dtype, model_config.head_dim),
+            "piecewise_graph_max_tokens": 0 if args.enforce_eager else engine.piecewise_graph_max_tokens}
+
+
+def piecewise_arg(args: argparse.Namespace) -> dict:
+    """``--piecewise-graph-max-tokens`` as an engine argument, where it was given."""
+    n = args.piecewise_graph_max_tokens
+    return {} if n is None else {"piecewise_graph_max_tokens": n}
 
 
 def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) -> dict:
     kw = {"block_size": args.block_size, "num_kv_blocks": setting.kv_blocks, "max_num_seqs": args.max_num_seqs,
           "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": max_model_len,
           "enforce_eager": args.enforce_eager, "cascade_min_saved_tokens": args.cascade_min_saved_tokens,
-          "prefill_attention": args.prefill_attention}
+          "prefill_attention": args.prefill_attention, **piecewise_arg(args)}
     if args.dtype:
         kw["dtype"] = args.dtype
     return kw

@@ -111,7 +111,9 @@ def test_the_launch_profile_times_each_wave_s_prefill_over_the_cached_document(t
     assert [s["prefill_tokens"] for s in steps[:3]] == [16] * 3 and not any(s["prefill_tokens"] for s in steps[3:])
     assert steps[-1]["decode_seqs"] == 0 and sum(s["decode_seqs"] for s in steps) == 6 * 2  # 2 tokens decoded each
     assert all(s[k] >= 0 for s in steps for k in ("launch_ms", "wait_ms", "read_back_ms"))
-    assert data["syncs"] == [] and data["prefill_launch_ms"]["max"] >= data["prefill_launch_ms"]["mean"] > 0
+    launches = data["prefill_launch_ms"]
+    assert data["syncs"] == [] and set(launches) == {"late"} and launches["late"]["steps"] == 3
+    assert launches["late"]["max"] >= launches["late"]["mean"] > 0
     assert {s["passed"] for s in steps} == {0} and data["runtime_calls"] == {} and data["allocator"] == {}
     # the sampler saw the launches, per kind of step: each row is a "file:line function" and a positive count
     stacks = data["launch_stacks"]
@@ -137,6 +139,20 @@ def test_profile_launch_times_first_tokens_in_both_read_back_orders(tiny_model, 
     late = [s for s in data["steps"] if s["passed"] == 0]
     early = [s for s in data["steps"] if s["passed"] == 1]
     assert not late[0]["first_tokens"] and early[1]["first_tokens"] == 1 and late[1]["first_tokens"] == 1
+
+
+def test_profile_launch_pieces_are_labelled_only_where_the_engine_captured_them(tiny_model, tmp_path):
+    """A CPU engine captures no piecewise graphs: passes asked to run them run as the others do,
+    under their order's plain label; an unknown setting is refused."""
+    out = tmp_path / "launch.json"
+    profile_launch.main(["--model", tiny_model, "--context", "256", "--block-size", "16", "--waves", "1",
+                         "--questions", "2", "--question-tokens", "8", "--max-tokens", "2", "--passes", "2",
+                         "--orders", "early", "--pieces", "on,off", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert {s["order"] for s in data["steps"] if s["passed"] != "read"} == {"early"}
+    assert set(data["prefill_launch_ms"]) == {"early"} and data["prefill_launch_ms"]["early"]["steps"] == 2
+    with pytest.raises(SystemExit):
+        profile_launch.main(["--pieces", "on,maybe"])
 
 
 def test_profile_launch_passes_vary_their_shapes(tiny_model, tmp_path):

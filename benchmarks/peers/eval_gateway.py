@@ -103,6 +103,8 @@ def host_args(args, setting, max_model_len: int) -> list[str]:
         out += ["--cascade-min-saved-tokens", str(args.cascade_min_saved_tokens)]
     if args.prefill_attention is not None:
         out += ["--prefill-attention", args.prefill_attention]
+    if args.piecewise_graph_max_tokens is not None:
+        out += ["--piecewise-graph-max-tokens", str(args.piecewise_graph_max_tokens)]
     return out
 
 

@@ -33,6 +33,7 @@ from lmpool.engine.logprobs import (
     staged,
 )
 from lmpool.engine.penalties import apply_penalties
+from lmpool.engine.piecewise_graphs import PiecewiseGraphs
 from lmpool.engine.sampler import Sampler
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.engine.sequence import Sequence
@@ -168,9 +169,13 @@ class ModelRunner:
             self.cascade_min_saved, gather,
         )
         self.graphs = None
+        self.pieces = None
         # The torch reference synchronises with the host, so only the kernels can be captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.ops.name.startswith("cuda"):
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs, 512), self.cascade_min_saved > 0)
+            piece_rows = min(config.piecewise_graph_max_tokens, config.max_num_batched_tokens)
+            if piece_rows:
+                self.pieces = PiecewiseGraphs(self, piece_rows)
         if self.device.type == "cuda":
             warm_up(self.model, self.device, self.dtype, config.max_num_seqs, config.max_num_batched_tokens)
 
@@ -181,6 +186,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing in flight may still use them
         self.graphs = None
+        self.pieces = None
         # Dropped for good (the docstring says why); a closed runner is never used again.
         self.model = None  # type: ignore[assignment]
         self.kv_cache = None  # type: ignore[assignment]
@@ -231,13 +237,15 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The step's device inputs (ids, positions, metadata), valid until the next ``prepare``."""
-        return self.inputs.build(batch, self.graphs)
+        return self.inputs.build(batch, self.graphs, self.pieces)
 
     @torch.inference_mode()
     def forward_hidden(self, inputs: StepInputs) -> torch.Tensor:
-        """Final hidden states of every token row; a decode step ``prepare`` padded for a graph replays it."""
+        """Final hidden states of every token row; a step ``prepare`` padded for graphs replays them."""
         if inputs.graph_size is not None and self.graphs is not None:
             return self.graphs.replay(inputs)
+        if inputs.piece_size is not None and self.pieces is not None:
+            return self.pieces.run(inputs)
         return self.model(inputs.ids, inputs.positions, inputs.meta, self.kv_cache, self.ops)
 
     @torch.inference_mode()

@@ -9,11 +9,14 @@ Every index the model needs is int32 and lives in one flat arena, laid out as
 
 for B sequences and T token rows, W the longest block table of the batch, and R
 the sampled rows (R = 0 when the sampled rows are exactly every row: a decode
-step where every sequence samples). Without a decode graph P = T and C = B. A
+step where every sequence samples). Without a graph P = T and C = B. A
 decode step that replays a CUDA graph of batch G >= B is padded on the host to
 P = C = G, so that ids .. context lengths form one ``[4, G]`` block the graph
 copies in one go; padding rows have token 0, position 0, slot -1 (nothing
 written) and context length 1 (one valid slot read), and are never sampled.
+Another step of at most the piecewise graphs' rows (``lmpool.engine.piecewise_graphs``)
+is padded to P = their size for it, C = B: ids .. slots form one ``[3, P]`` block,
+its padding rows as a decode graph's.
 Table rows shorter than W are padded with block 0 (never read). Slots are int32:
 the runner refuses a cache of 2**31 slots or more.
 
@@ -81,6 +84,12 @@ class GraphSizes(Protocol):
     def padded_size(self, num_seqs: int) -> int | None: ...
 
 
+class PieceSizes(Protocol):
+    """What the builder needs to know of the piecewise graphs (``PiecewiseGraphs``)."""
+
+    def padded_size(self, num_rows: int) -> int | None: ...
+
+
 @dataclass
 class StepInputs:
     ids: torch.Tensor  # [T] int32 token ids
@@ -93,6 +102,8 @@ class StepInputs:
     graph_header: torch.Tensor | None = None  # [4, G]: ids, positions, slots, context lengths
     fill: torch.Tensor | None = None  # [2, F]: token rows to fill, rows of the previous step's tokens
     graph_cascade: torch.Tensor | None = None  # a cascade graph step's span, laid out for its padded batch
+    piece_size: int | None = None  # padded rows P when piecewise graphs run this step
+    piece_header: torch.Tensor | None = None  # [3, P]: ids, positions, slots
 
 
 def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
@@ -105,12 +116,12 @@ def arena_capacity(max_tokens: int, max_seqs: int, max_width: int) -> int:
 
 # A step's views into the device arena: ids, positions, slots, block tables, context lengths, query
 # starts, sampled rows, graph header, pending-token fill, cascade, a cascade graph's span, a mixed
-# cascade's query starts of the rest, the key starts, the rest's and the key slots (the last nine
-# where the step has them).
+# cascade's query starts of the rest, the key starts, the rest's, the key slots and the piecewise
+# graphs' header (the last ten where the step has them).
 _Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, CascadeInputs | None,
                torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
-               torch.Tensor | None]
+               torch.Tensor | None, torch.Tensor | None]
 
 
 class StepInputBuilder:
@@ -167,7 +178,8 @@ class StepInputBuilder:
         blocks = table[owner, positions >> self.block_shift].astype(np.int64)
         return (blocks << self.block_shift) | (positions & (self.block_size - 1))
 
-    def build(self, batch: ScheduledBatch, graphs: GraphSizes | None = None) -> StepInputs:
+    def build(self, batch: ScheduledBatch, graphs: GraphSizes | None = None,
+              pieces: PieceSizes | None = None) -> StepInputs:
         seqs, counts = batch.seqs, batch.num_tokens
         num_seqs = len(seqs)
         if num_seqs == 0:
@@ -209,7 +221,10 @@ class StepInputBuilder:
         graphed = plan is None or (graphs is not None and graphs.cascades and len(plan.lens) <= GRAPH_GROUPS)
         if decode and graphs is not None and width <= graphs.max_width and graphed:
             graph_size = graphs.padded_size(num_seqs)
-        padded = graph_size or num_rows
+        piece_size = None
+        if graph_size is None and pieces is not None:
+            piece_size = pieces.padded_size(num_rows)
+        padded = graph_size or piece_size or num_rows
         ctx_rows = graph_size or num_seqs
         o_pos, o_slot, o_ctx = padded, 2 * padded, 3 * padded
         o_qsl = o_ctx + ctx_rows
@@ -271,10 +286,11 @@ class StepInputBuilder:
         blocks = table[owner, positions >> self.block_shift].astype(np.int64)
         a[o_slot : o_slot + num_rows] = (blocks << self.block_shift) | (positions & (self.block_size - 1))
         a[o_ctx : o_ctx + num_seqs] = ends
+        if padded > num_rows:
+            a[num_rows:padded] = 0
+            a[o_pos + num_rows : o_slot] = 0
+            a[o_slot + num_rows : o_ctx] = -1
         if graph_size is not None and graph_size > num_seqs:
-            a[num_seqs:padded] = 0
-            a[o_pos + num_seqs : o_slot] = 0
-            a[o_slot + num_seqs : o_ctx] = -1
             a[o_ctx + num_seqs : o_qsl] = 1
         a[o_qsl:o_rows] = query_start
         if rows_needed:
@@ -302,7 +318,7 @@ class StepInputBuilder:
             assert self._copied is not None  # made on CUDA
             self._copied[self._turn].record(torch.cuda.current_stream(self.device))  # the copy's stream
         key = (padded, ctx_rows, num_seqs, num_rows, rows_needed, num_rows_sampled, width, graph_size or 0,
-               num_fill, *layout, mixed, gathered)
+               num_fill, *layout, mixed, gathered, piece_size or 0)
         views = self._views.get(key)
         if views is None:
             if len(self._views) > 256:
@@ -324,9 +340,10 @@ class StepInputBuilder:
                 None if decode else dev[o_keys:o_mixed_keys],
                 dev[o_mixed_keys:o_key_slots] if mixed else None,
                 dev[o_key_slots:end] if gathered else None,
+                dev[: 3 * piece_size].view(3, piece_size) if piece_size else None,
             )
         (ids_v, pos_v, slots_v, tables_v, ctx_v, qsl_v, rows_v, header_v, fill_v, cascade_v, span_v, mixed_v, keys_v,
-         mixed_keys_v, key_slots_v) = views
+         mixed_keys_v, key_slots_v, pieces_v) = views
         longest = (0, 0) if decode else (max(counts), int(ends.max()))
         return StepInputs(
             ids=ids_v,
@@ -340,6 +357,8 @@ class StepInputBuilder:
             graph_header=header_v,
             fill=fill_v,
             graph_cascade=span_v,
+            piece_size=piece_size,
+            piece_header=pieces_v,
         )
 
 

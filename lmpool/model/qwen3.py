@@ -115,20 +115,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        meta: AttentionMetadata,
-        kv_cache: torch.Tensor,
-        ops: KVOps,
-    ) -> torch.Tensor:
+    def queries(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, slot_mapping: torch.Tensor,
+                kv_cache: torch.Tensor, ops: KVOps) -> torch.Tensor:
+        """q ``[T, heads, head_dim]``, normed per head and rotated; this step's keys and values
+        (normed and rotated, as stored) written at their slots (-1: nowhere)."""
+        return ops.qkv_norm_rope_store(project(self.qkv_proj, x, ops), self.q_norm.weight, self.k_norm.weight,
+                                       self.q_norm.eps, rotary.cos, rotary.sin, positions, kv_cache[0], kv_cache[1],
+                                       slot_mapping, self.num_heads)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor, ops: KVOps) -> torch.Tensor:
+        """The attention of ``q`` over the cache as ``meta`` lays it out, ``[T, heads * head_dim]``."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        # q and k normed per head and rotated; this step's keys and values stored at their slots.
-        q = ops.qkv_norm_rope_store(project(self.qkv_proj, x, ops), self.q_norm.weight, self.k_norm.weight,
-                                    self.q_norm.eps, rotary.cos, rotary.sin, positions, k_cache, v_cache,
-                                    meta.slot_mapping, self.num_heads)
         if meta.mixed_decode_rows:
             o = self._mixed_cascade(q, k_cache, v_cache, meta, ops)
         elif meta.is_decode and meta.cascade is not None:
@@ -144,7 +141,10 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, self.scale,
                 meta.key_starts, meta.max_query_len, meta.max_context_len, meta.key_slots,
             )
-        return project(self.o_proj, o.reshape(-1, self.q_size), ops)
+        return o.reshape(-1, self.q_size)
+
+    def output(self, o: torch.Tensor, ops: KVOps) -> torch.Tensor:
+        return project(self.o_proj, o, ops)
 
     def _mixed_cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                        ops: KVOps) -> torch.Tensor:
@@ -199,19 +199,53 @@ class Qwen3ForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
         ops: KVOps,
     ) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]``; ``kv_cache`` is ``[layers, 2, blocks, ...]``."""
-        # The residual stream: each sublayer's output is added to it by the norm that reads the
-        # sum (one kernel on CUDA), with the roundings of ``h = h + sublayer(norm(h))``.
-        residual, out = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
-            if out is None:
-                x = layer.input_layernorm(residual, ops)
-            else:
-                x, residual = layer.input_layernorm.after_add(out, residual, ops)
-            out = layer.self_attn(x, positions, self.rotary, meta, kv_cache[i], ops)
-            x, residual = layer.post_attention_layernorm.after_add(out, residual, ops)
-            out = layer.mlp(x, ops)
-        return self.norm(residual, ops) if out is None else self.norm.after_add(out, residual, ops)[0]
+        """Final hidden states ``[T, hidden]``; ``kv_cache`` is ``[layers, 2, blocks, ...]``.
+
+        The residual stream: each sublayer's output is added to it by the norm that reads the
+        sum (one kernel on CUDA), with the roundings of ``h = h + sublayer(norm(h))``. The
+        pieces between two attentions (``first_queries``, ``after_attention``,
+        ``next_queries``, ``final_norm``) are what ``lmpool.engine.piecewise_graphs`` captures.
+        """
+        q, residual = self.first_queries(input_ids, positions, meta.slot_mapping, kv_cache, ops)
+        for i in range(len(self.layers)):
+            out, residual = self.after_attention(i, self.attend(i, q, meta, kv_cache, ops), residual, ops)
+            if i + 1 < len(self.layers):
+                q, residual = self.next_queries(i + 1, out, residual, positions, meta.slot_mapping, kv_cache, ops)
+        return self.final_norm(out, residual, ops)
+
+    def layer(self, i: int) -> DecoderLayer:
+        return cast(DecoderLayer, self.layers[i])
+
+    def first_queries(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_cache: torch.Tensor, ops: KVOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first layer up to its attention: (its queries, the residual stream)."""
+        residual = self.embed_tokens(input_ids)
+        layer = self.layer(0)
+        x = layer.input_layernorm(residual, ops)
+        return layer.self_attn.queries(x, positions, self.rotary, slot_mapping, kv_cache[0], ops), residual
+
+    def attend(self, i: int, q: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+               ops: KVOps) -> torch.Tensor:
+        """Layer ``i``'s attention (the only part of a layer that reads other tokens' keys)."""
+        return self.layer(i).self_attn.attend(q, meta, kv_cache[i], ops)
+
+    def after_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor,
+                        ops: KVOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i`` after its attention: (its MLP's output, the residual stream before it)."""
+        layer = self.layer(i)
+        x, residual = layer.post_attention_layernorm.after_add(layer.self_attn.output(o, ops), residual, ops)
+        return layer.mlp(x, ops), residual
+
+    def next_queries(self, i: int, out: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                     slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
+                     ops: KVOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i`` up to its attention, given the layer before's output: (queries, residual)."""
+        layer = self.layer(i)
+        x, residual = layer.input_layernorm.after_add(out, residual, ops)
+        return layer.self_attn.queries(x, positions, self.rotary, slot_mapping, kv_cache[i], ops), residual
+
+    def final_norm(self, out: torch.Tensor, residual: torch.Tensor, ops: KVOps) -> torch.Tensor:
+        return self.norm.after_add(out, residual, ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True, ops: KVOps = TORCH_OPS) -> torch.Tensor:
         """Logits of ``hidden[R, hidden]``, cast to fp32 unless ``fp32`` is False.

@@ -1,7 +1,8 @@
 """The engine on CUDA: same greedy tokens as the CPU path (fp32), CUDA graphs equal eager; step
 inputs through the pinned arena equal the CPU builder's; a step's launch never synchronises;
 overlapped stepping equals the serial path and waits at most once per step; a model whose
-head_dim the kernels lack runs on the torch ops; logprobs and penalties equal the CPU path's."""
+head_dim the kernels lack runs on the torch ops; logprobs and penalties equal the CPU path's;
+steps that prefill replay piecewise graphs, equal to the eager forward."""
 
 from __future__ import annotations
 
@@ -43,6 +44,56 @@ def test_gpu_fp32_greedy_equals_cpu(tiny_model, cpu_tokens, enforce_eager):
     assert [o.token_ids for o in outs] == cpu_tokens
     assert [o.token_ids for o in again] == cpu_tokens
     assert any(o.num_cached_tokens > 0 for o in again)
+
+
+def count_piecewise_steps(llm: LLM) -> list[int]:
+    """From now on, the padded size of each step the engine's piecewise graphs run."""
+    pieces = llm.engine.runner.pieces
+    sizes: list[int] = []
+    run = pieces.run
+
+    def counted(inputs):
+        sizes.append(inputs.piece_size)
+        return run(inputs)
+
+    pieces.run = counted
+    return sizes
+
+
+@pytest.mark.parametrize("most", [512, 32], ids=["every-step", "small-steps"])
+def test_gpu_steps_that_prefill_replay_piecewise_graphs_and_equal_cpu(tiny_model, cpu_tokens, most):
+    """Prompts (and, with 32, only the steps of at most 32 tokens) run through the captured pieces
+    with their attention between them; greedy tokens are the CPU's, a second time from the cache."""
+    with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, piecewise_graph_max_tokens=most) as llm:
+        sizes = count_piecewise_steps(llm)
+        outs = llm.generate(prompts(), GREEDY)
+        again = llm.generate(prompts(), GREEDY)
+    assert sizes and all(size <= most for size in sizes)
+    assert [o.token_ids for o in outs] == cpu_tokens
+    assert [o.token_ids for o in again] == cpu_tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_a_piecewise_step_equals_the_eager_forward(tiny_model, dtype):
+    """One mixed step (decode rows beside a prefix-cache hit and a cold prompt) through the captured
+    pieces gives the eager forward's hidden states and stores the same keys and values, padding
+    rows none."""
+    from tests.engine.test_piecewise_graphs import _batch
+
+    with LLM(tiny_model, device="cuda", dtype=dtype, block_size=BLOCK, num_kv_blocks=64) as llm:
+        runner = llm.engine.runner
+        assert runner.pieces is not None
+        specs = [(21, 20, 1), (35, 34, 1), (40, 32, 8), (50, 16, 34)]
+        batch = _batch(specs, [[4 * i + j for j in range(-(-n // BLOCK))] for i, (n, _, _) in enumerate(specs)])
+        runner.kv_cache.normal_()
+        inputs = runner.prepare(batch)
+        assert inputs.piece_size == 48
+        got = runner.forward_hidden(inputs).clone()
+        cache = runner.kv_cache.clone()
+        eager = runner.model(inputs.ids, inputs.positions, inputs.meta, runner.kv_cache, runner.ops)
+        tolerance = 1e-3 if dtype == "float32" else 5e-2  # cuBLAS's tiles differ by row count
+        torch.testing.assert_close(got, eager, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(runner.kv_cache, cache, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

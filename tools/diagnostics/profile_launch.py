@@ -21,10 +21,14 @@ With ``--orders``, passes take the given read-back orders in turn: "late" reads 
 after the next step's launch, "early" first where the device has finished it, as a pool worker
 does (``EngineCore.read_finished``); each step lists the first tokens it read back and their
 milliseconds since their requests were added, and ``first_token_ms`` sums them per order.
+With ``--pieces``, passes take the given settings in turn: "on" runs the steps that prefill
+through the piecewise graphs (``lmpool.engine.piecewise_graphs``), "off" launches them op by op;
+the summaries are then per order and setting (``late+pieces``, ``early``, ...).
 
     python -m tools.diagnostics.profile_launch --preset 0.6b --device cuda --dtype bfloat16 \\
         --context 16384 --waves 4 --questions 16 --mps 4
     python -m tools.diagnostics.profile_launch ... --questions 1 --passes 4 --orders late,early,early,late
+    python -m tools.diagnostics.profile_launch ... --questions 1 --passes 4 --orders early --pieces on,off,off,on
 """
 
 from __future__ import annotations
@@ -216,19 +220,33 @@ def profile(model: str, args) -> dict:
     trace = profiler(on_cuda) if args.trace else nullcontext()
     with sync_warnings(on_cuda) as syncs, StackSampler(threading.get_ident()) as sampler, trace as prof:
         rows = [dict(row, passed="read") for row in read_document(core, doc, sampler)]
+        captured = core.runner.pieces
         for p in range(args.passes):
             order = args.orders[p % len(args.orders)]
-            rows += [dict(row, passed=p, order=order)
+            pieces = args.pieces[p % len(args.pieces)] == "on" and captured is not None
+            core.runner.pieces = captured if pieces else None
+            label = order + ("+pieces" if pieces else "")
+            rows += [dict(row, passed=p, order=label)
                      for row in run_steps(core, rng, doc, args, vocab, sampler, max(1, args.questions - p),
                                           order == "early", f"{p}-")]
+        core.runner.pieces = captured
     allocated_after = allocator_counts(on_cuda)
-    prefills = [r for r in rows if r["prefill_tokens"] and r["passed"] != "read"]
     return {"engine_start_s": start_s, "steps": rows, "syncs": syncs, "launch_stacks": sampler.top(),
             "first_token_ms": first_token_summary(rows),
             "runtime_calls": runtime_calls(prof) if prof is not None else {},
             "allocator": {k: allocated_after[k] - allocated_before[k] for k in allocated_after},
-            "prefill_launch_ms": {"mean": statistics.fmean(r["launch_ms"] for r in prefills),
-                                  "max": max(r["launch_ms"] for r in prefills)} if prefills else {}}
+            "prefill_launch_ms": prefill_launch_summary(rows)}
+
+
+def prefill_launch_summary(rows: list[dict]) -> dict[str, dict]:
+    """Per order (and piecewise setting), the host milliseconds of the launches of the questions'
+    steps that prefill: mean and longest."""
+    out = {}
+    for order in sorted({r["order"] for r in rows if "order" in r}):
+        ms = [r["launch_ms"] for r in rows if r.get("order") == order and r["prefill_tokens"]]
+        if ms:
+            out[order] = {"mean": statistics.fmean(ms), "max": max(ms), "steps": len(ms)}
+    return out
 
 
 def first_token_summary(rows: list[dict]) -> dict[str, dict]:
@@ -249,10 +267,20 @@ def first_token_summary(rows: list[dict]) -> dict[str, dict]:
 
 def read_back_orders(value: str) -> list[str]:
     """``--orders``: comma-separated "late" and "early"."""
-    orders = value.split(",")
-    if not orders or any(o not in ("late", "early") for o in orders):
-        raise argparse.ArgumentTypeError(f"orders are 'late' and 'early', comma-separated; got {value!r}")
-    return orders
+    return choices(value, ("late", "early"), "orders")
+
+
+def piece_settings(value: str) -> list[str]:
+    """``--pieces``: comma-separated "on" and "off"."""
+    return choices(value, ("on", "off"), "piecewise settings")
+
+
+def choices(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = value.split(",")
+    if any(item not in allowed for item in items):
+        raise argparse.ArgumentTypeError(f"{what} are {' and '.join(map(repr, allowed))}, comma-separated; "
+                                         f"got {value!r}")
+    return items
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -275,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--orders", type=read_back_orders, default=["late"],
                     help="read-back orders the passes take in turn: 'late' (a step's tokens after the next "
                          "launch) and 'early' (first, where the device has finished it, as a pool worker does)")
+    ap.add_argument("--pieces", type=piece_settings, default=["on"],
+                    help="piecewise graphs for the steps that prefill, passes taking them in turn: 'on' (where "
+                         "the engine captured them) or 'off' (launched op by op)")
     ap.add_argument("--trace", action="store_true",
                     help="run the steps under torch's profiler and sum its runtime calls")
     ap.add_argument("--seed", type=int, default=0)

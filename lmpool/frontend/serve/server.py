@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens one engine step schedules per replica")
     p.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    p.add_argument("--piecewise-graph-max-tokens", type=int,
+                   help="steps that prefill, of at most this many tokens, replay CUDA graphs of every layer's work "
+                        "but its attention (default: 512; 0: never)")
     p.add_argument("--cascade-min-saved-tokens", type=int,
                    help="decode rows sharing cached prefixes read them once when that saves this many key reads "
                         "(default: 65536 where the CUDA kernels run in half precision, else 0: never)")
@@ -170,7 +173,7 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
     pool_args: dict = {"world_size": args.world_size, "device": args.device, "routing": args.routing}
     for name in ("dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "enforce_eager", "gpu_memory_utilization", "enable_prefix_caching", "seed", "cascade_min_saved_tokens",
-                 "prefill_attention"):
+                 "prefill_attention", "piecewise_graph_max_tokens"):
         if getattr(args, name) is not None:
             pool_args[name] = getattr(args, name)
     if importlib.util.find_spec("prometheus_client") is not None:
