@@ -61,7 +61,8 @@ def dynamo_runs() -> None:
 
 def suite_args(**kw) -> argparse.Namespace:
     base = {"world_size": 2, "device": "cpu", "block_size": BLOCK, "max_num_seqs": 8, "max_num_batched_tokens": 512,
-            "dtype": None, "enforce_eager": False, "cascade_min_saved_tokens": None, "prefill_attention": None, "run_timeout": 300.0, "transfer_profile": None, "order": "fixed"}
+            "dtype": None, "enforce_eager": False, "cascade_min_saved_tokens": None, "prefill_attention": None,
+            "piecewise_graph_max_tokens": None, "run_timeout": 300.0, "transfer_profile": None, "order": "fixed"}
     return argparse.Namespace(**(base | kw))
 
 

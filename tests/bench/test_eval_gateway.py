@@ -54,7 +54,8 @@ def tiny_trace(vocab: int) -> Trace:
 
 def suite_args(**kw) -> argparse.Namespace:
     base = {"world_size": 2, "device": "cpu", "block_size": BLOCK, "max_num_seqs": 8, "max_num_batched_tokens": 512,
-            "dtype": None, "enforce_eager": False, "cascade_min_saved_tokens": None, "prefill_attention": None, "run_timeout": 300.0}
+            "dtype": None, "enforce_eager": False, "cascade_min_saved_tokens": None, "prefill_attention": None,
+            "piecewise_graph_max_tokens": None, "run_timeout": 300.0}
     return argparse.Namespace(**(base | kw))
 
 

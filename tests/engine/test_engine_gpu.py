@@ -60,11 +60,13 @@ def count_piecewise_steps(llm: LLM) -> list[int]:
     return sizes
 
 
-@pytest.mark.parametrize("most", [512, 32], ids=["every-step", "small-steps"])
-def test_gpu_steps_that_prefill_replay_piecewise_graphs_and_equal_cpu(tiny_model, cpu_tokens, most):
-    """Prompts (and, with 32, only the steps of at most 32 tokens) run through the captured pieces
-    with their attention between them; greedy tokens are the CPU's, a second time from the cache."""
-    with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, piecewise_graph_max_tokens=most) as llm:
+@pytest.mark.parametrize(("most", "batched"), [(512, 8192), (32, 48)], ids=["every-step", "small-steps"])
+def test_gpu_steps_that_prefill_replay_piecewise_graphs_and_equal_cpu(tiny_model, cpu_tokens, most, batched):
+    """Steps that prefill run through the captured pieces with their attention between them (with
+    32, only those of at most 32 tokens: chunks of 48 run eagerly beside them); greedy tokens are
+    the CPU's, a second time from the cache."""
+    with LLM(tiny_model, device="cuda", dtype="float32", block_size=BLOCK, piecewise_graph_max_tokens=most,
+             max_num_batched_tokens=batched) as llm:
         sizes = count_piecewise_steps(llm)
         outs = llm.generate(prompts(), GREEDY)
         again = llm.generate(prompts(), GREEDY)
