@@ -81,6 +81,12 @@ MAX_MESSAGE_BYTES = max_payload(DEFAULT_CAPACITY)  # the most one message betwee
 # 256 tokens (two 32-byte hashes and the block's token ids): some 14k blocks per message; a larger
 # one goes in parts (``lmpool.worker.report_parts``). Ring pages are touched only as they are used.
 CONTROL_LINK_CAPACITY = 16 << 20
+# A request's hand-over to its rank carries its prompt's ids, about 70 kB for 16k tokens; the
+# worker reads its link only between its steps. At 1 MiB a burst's 32 questions over one 16k
+# document filled a rank's ring after 14, and each later send waited for that rank's next turn:
+# 88-250 ms of hand-over per request in the hot-context bursts, under every routing policy
+# (``benchmarks/results/eval_NOTES.md``). 8 MiB holds about 110 such requests.
+WORKER_LINK_CAPACITY = 8 << 20
 
 
 def step_fit_dict(fit: StepFit) -> dict:
@@ -203,7 +209,7 @@ class PoolClient:
         self.board = self.ipc.create_board(BOARD_LABEL, board_capacity(cfg.world_size))
         control_links = []
         for r in range(cfg.world_size):
-            link = self.ipc.create_link()
+            link = self.ipc.create_link(WORKER_LINK_CAPACITY)
             control_links.append(self.ipc.create_link(CONTROL_LINK_CAPACITY))
             spec = WorkerSpec(
                 rank=r, epoch=1, frontend_end=link.b, control_end=control_links[r].b, pool=cfg,

@@ -16,9 +16,9 @@ from lmpool.engine.hashing import ROOT_HASH, block_hash
 from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 from lmpool.model.make_model import make_model
 from lmpool.frontend.api import AsyncLMPool
-from lmpool.frontend.client import CONTROL_LINK_CAPACITY
+from lmpool.frontend.client import CONTROL_LINK_CAPACITY, WORKER_LINK_CAPACITY
 from lmpool.protocol import AddRequest, LoadReport, WorkerSnapshot
-from lmpool_ipc.frames import max_payload
+from lmpool_ipc.frames import frame_size, max_payload
 
 BLOCK = 16
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -94,3 +94,16 @@ def test_a_snapshot_of_a_large_cache_fits_the_control_link():
     snapshot = KVSnapshot(1, [BlockStored(h, h, 2**20, 2**20)] * 100_000)
     report = WorkerSnapshot(0, 1, 2**20, snapshot, LoadReport())
     assert len(msgspec.msgpack.encode(report)) <= max_payload(CONTROL_LINK_CAPACITY)
+
+
+def test_a_burst_of_long_prompts_fits_a_rank_s_link_unread():
+    """A worker reads its link only between steps: a hot-context burst's share of one rank (32
+    questions over a 16k-token document, ids drawn from a 151k vocabulary) is handed over
+    without waiting for it, with room for as many again."""
+    rng = random.Random(0)
+    doc = [rng.randrange(151_936) for _ in range(16_384)]
+    hashes = [block_hash(ROOT_HASH, [i]) for i in range(64)]
+    frames = [frame_size(len(msgspec.msgpack.encode(AddRequest(
+        str(q), doc + [rng.randrange(151_936) for _ in range(64)], PARAMS, [], hashes, hashes[-1]))))
+        for q in range(32)]
+    assert 2 * sum(frames) <= WORKER_LINK_CAPACITY
