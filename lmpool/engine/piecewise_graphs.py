@@ -2,21 +2,23 @@
 padded token count, with the attention launched eagerly between them.
 
 A step that prefills launches hundreds of kernels from Python, a few tens of microseconds of
-host each: 9-13 ms for one question over a cached 16k document (on an H100), against 1.5 ms on
-the device. Its attention depends on how the step's tokens split into sequences and where their
-contexts lie, which a graph would fix at capture; everything else works row by row. So a step of
+host each: 17 ms for one question over a cached 16k document on an H200 host (10 ms on an H100's),
+against about 1.5 ms on the device; 5 ms through these pieces. Its attention depends on how the
+step's tokens split into sequences and where their contexts lie, which a graph would fix at
+capture; everything else works row by row. So a step of
 at most ``max_tokens`` token rows that no decode graph takes (``StepInputs.piece_size``) runs as
 ``L + 1`` graph replays and ``L`` eager attentions: the first piece embeds the tokens and computes
 layer 0's queries (storing its keys and values), piece ``i`` runs layer ``i - 1`` after its
 attention and layer ``i`` up to it, and the last one ends the stream with the final norm.
 
 Pieces read and write static buffers: the step's ids, positions and slots (``[3, P]``, copied in
-one go from the step's padded inputs), each layer's queries, the attention's output, the
-residual stream and the final hidden states. Rows past the step's real ones are padding, made
+one go from the step's padded inputs), the queries of the layer about to attend, its attention's
+output, the residual stream and the final hidden states. Rows past the step's real ones are padding, made
 on the host as the decode graphs' are (token 0, position 0, slot -1: nothing is written); the
 attention reads only the real rows' queries and writes only their outputs, and every other op
-is row-wise, so padding never reaches a real row. Pieces of one size run in the order they were
-captured, one step at a time, so they share one memory pool.
+is row-wise, so padding never reaches a real row. Every piece shares one memory pool: a step
+replays its size's pieces in the order they were captured, and steps run one after another on
+one stream.
 
 Sizes: 16, 24, 32, 48, 64, 96, ... (a power of two and one and a half times it) up to
 ``max_tokens``, so a step pads at most half its rows again. Without ``capture`` (a CPU, tests)
