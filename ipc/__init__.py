@@ -41,6 +41,7 @@ from .errors import (
     PeerDeadError,
     RemoteError,
     RingCorruptError,
+    SharedMemoryTooSmallError,
 )
 from .lifecycle import boards, pid_alive, remove_pool, sweep_dead_pools
 from .pool import DEFAULT_CAPACITY, IpcPool, Link, close_on_sigterm
@@ -66,6 +67,7 @@ __all__ = [
     "Requester",
     "Responder",
     "RingCorruptError",
+    "SharedMemoryTooSmallError",
     "boards",
     "close_on_sigterm",
     "pid_alive",

@@ -46,5 +46,10 @@ class ChannelClosedError(LinkError):
     """This end, or the peer's end, of a channel was closed."""
 
 
+class SharedMemoryTooSmallError(IpcError):
+    """The pool's rings would not fit the shared-memory filesystem whole. Its pages are taken as
+    a ring first writes them, so such a pool would start, then die of SIGBUS once full."""
+
+
 class RemoteError(IpcError):
     """A request handler on the other end raised; the message carries its description."""

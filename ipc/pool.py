@@ -4,6 +4,8 @@ The process that starts a pool owns it. ``IpcPool.start`` first sweeps the lefto
 dead pools, then names a fresh pool; ``create_link`` creates the two rings and two
 semaphores of one link (mode 0600, exclusive create); ``create_board`` creates a board
 (see ``board``); ``close`` unlinks every object of the pool, whichever process created it.
+A link whose rings, with the pool's others, would exceed the whole shared-memory filesystem
+(a container's 64 MB default) is refused, naming the sizes: it would fail later, with SIGBUS.
 Links are opened by end name with ``Channel``, boards by name with ``BoardWriter`` and
 ``BoardReader``.
 
@@ -24,10 +26,12 @@ from dataclasses import dataclass
 import posix_ipc
 
 from .board import MAX_CAPACITY, board_bytes, format_board
-from .lifecycle import PoolObject, remove_pool, sweep_dead_pools, unlink_object
+from .errors import SharedMemoryTooSmallError
+from .lifecycle import PoolObject, pool_objects, remove_pool, sweep_dead_pools, unlink_object
 from .names import (
     BELL_ROLES,
     RING_ROLES,
+    SHM_DIR,
     board_name,
     end_name,
     new_link_prefix,
@@ -69,6 +73,7 @@ class IpcPool:
 
     def create_link(self, capacity: int = DEFAULT_CAPACITY) -> Link:
         """Create a link whose two rings each hold ``capacity`` bytes of frames."""
+        self._check_room(len(RING_ROLES) * ring_bytes(capacity))
         prefix = new_link_prefix(self.pool_id, self.owner_pid)
         with ExitStack() as undo:
             for role in RING_ROLES:
@@ -81,6 +86,22 @@ class IpcPool:
                 undo.callback(_unlink, "sem", name)
             undo.pop_all()
         return Link(end_name(prefix, "a"), end_name(prefix, "b"))
+
+    def _check_room(self, more: int) -> None:
+        """Refuse ``more`` bytes of segments that, with this pool's own, exceed the size of the
+        whole shared-memory filesystem. What other processes hold of it is not counted: it
+        comes and goes."""
+        try:
+            fs = os.statvfs(SHM_DIR)
+        except OSError:  # no such filesystem to look at: posix_ipc's own errors will say
+            return
+        size = fs.f_blocks * fs.f_frsize
+        mine = sum(_size(o) for o in pool_objects() if o.parsed.pool_id == self.pool_id and o.kind == "shm")
+        if mine + more > size:
+            raise SharedMemoryTooSmallError(
+                f"{SHM_DIR} holds {size / 2**20:.0f} MiB in all, and this pool's shared-memory rings would "
+                f"take {(mine + more) / 2**20:.0f} MiB; give it more (a container: docker run --shm-size=1g, "
+                f"or a Kubernetes emptyDir of medium Memory at {SHM_DIR}), or run fewer replicas")
 
     def create_board(self, label: str, capacity: int) -> str:
         """Create board ``label`` of this pool, holding values of up to ``capacity`` bytes;
@@ -157,6 +178,14 @@ def _create_ring(name: str, capacity: int, owner_pid: int) -> None:
         raise
     finally:
         shm.close_fd()
+
+
+def _size(obj: PoolObject) -> int:
+    """The bytes of a segment (0 if it is gone meanwhile)."""
+    try:
+        return os.stat(os.path.join(SHM_DIR, obj.name.lstrip("/"))).st_size
+    except OSError:
+        return 0
 
 
 def _unlink(kind: str, name: str) -> None:

@@ -188,3 +188,29 @@ def test_a_link_that_cannot_be_created_leaves_nothing(pool):
     with pytest.raises(ValueError, match="multiple of 8"):
         pool.create_link(capacity=1001)
     assert leftovers(pool.pool_id) == []
+
+
+def test_a_link_past_the_whole_shared_memory_filesystem_is_refused_and_leaves_nothing(pool, monkeypatch):
+    """A ring's pages are taken as it first writes them: rings that, with the pool's others,
+    exceed the filesystem's size would fail later with SIGBUS, so the link is refused at once,
+    with the sizes, and nothing of it is created; other processes' use is not counted."""
+    import lmpool_ipc.pool as ipc_pool
+    from lmpool_ipc import SharedMemoryTooSmallError
+    from lmpool_ipc.ring import ring_bytes
+
+    real = os.statvfs(ipc_pool.SHM_DIR)
+    limit = 10 << 20
+
+    class Small:
+        f_frsize = 4096
+        f_blocks = limit // 4096
+        f_bavail = real.f_bavail  # free space is not what counts
+
+    monkeypatch.setattr(ipc_pool.os, "statvfs", lambda path: Small())
+    pool.create_link(4 << 20)  # two rings of 4 MiB: 8 of the 10
+    before = leftovers(pool.pool_id)
+    with pytest.raises(SharedMemoryTooSmallError, match=r"holds 10 MiB in all.* would take 16 MiB"):
+        pool.create_link(4 << 20)
+    assert leftovers(pool.pool_id) == before
+    assert 2 * ring_bytes(1 << 19) + 2 * ring_bytes(4 << 20) <= limit
+    pool.create_link(1 << 19)  # what still fits
