@@ -357,7 +357,15 @@ def engine_record(args: argparse.Namespace, model: str) -> dict:
     dtype = dtype_name(resolve_dtype(engine, model_config))
     return {"cascade_min_saved": planned_cascades(engine, model_config),
             "prefill_attention": prefill_attention(engine, dtype, model_config.head_dim),
-            "piecewise_graph_max_tokens": 0 if args.enforce_eager else engine.piecewise_graph_max_tokens}
+            "piecewise_graph_max_tokens": piecewise_rows(engine, args)}
+
+
+def piecewise_rows(engine: EngineConfig, args: argparse.Namespace) -> int:
+    """The most token rows the engines' piecewise graphs take (``ModelRunner``: CUDA graphs on
+    LMPool's kernels only, at most a step's tokens); 0 where they build none."""
+    if args.enforce_eager or engine.device == "cpu" or not engine.use_kernels:
+        return 0
+    return min(engine.piecewise_graph_max_tokens, args.max_num_batched_tokens)
 
 
 def piecewise_arg(args: argparse.Namespace) -> dict:

@@ -7,6 +7,8 @@ step inputs' ``[3, P]`` header are checked here; the GPU tests replay them captu
 - An engine whose runner runs them generates the eager engine's greedy tokens, token for token,
   under overlapped and serial stepping, steps too large for them running eagerly.
 - Padding rows write no KV slot.
+- Cascade decode steps and mixed steps (decode rows as a cascade beside prompt chunks) through
+  them generate what the eager engine does.
 """
 
 from __future__ import annotations
@@ -140,3 +142,41 @@ def test_an_engine_running_the_pieces_generates_the_eager_tokens(tiny_model, asy
     # 24: most steps are larger (eager), some smaller (pieces); 64: every step through them.
     for most in (24, 64):
         assert _generate(tiny_model, prompts, most, async_scheduling=async_scheduling) == eager
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])
+def test_cascade_and_mixed_cascade_steps_through_the_pieces_equal_eager(tiny_model, monkeypatch, overlapped):
+    """Questions over a cached document decode as a cascade while later ones are prefilled in the
+    same steps: the pieces run those mixed steps (their attention eager, as laid out) and the
+    cascade decode steps (no decode graph on a CPU), with the eager engine's tokens."""
+    from lmpool.config.engine import EngineConfig
+    from lmpool.engine.core import EngineCore
+    from tests.engine.test_cascade import arrive_while_decoding
+
+    doc = [(7 * i + 3) % 900 for i in range(10 * BLOCK + 1)]
+    first = [doc + [50 + q, 60 + q, 70 + q] for q in range(4)]
+    later = [doc + list(range(100 + 9 * q, 109 + 9 * q)) for q in range(3)] + [list(range(300, 313))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def staggered(pieces: bool) -> dict[str, list[int]]:
+        core = EngineCore(EngineConfig(tiny_model, block_size=BLOCK, num_kv_blocks=128, async_scheduling=overlapped,
+                                       cascade_min_saved_tokens=1))
+        if pieces:
+            core.runner.pieces = PiecewiseGraphs(core.runner, 64, capture=False)
+        core.add_request("doc", doc, params)
+        while core.has_unfinished():
+            core.step()
+        return arrive_while_decoding(core, first, later, params)
+
+    eager = staggered(False)
+    kinds: list[tuple[bool, int]] = []  # (decode step, its mixed decode rows) of each step the pieces ran
+    run = PiecewiseGraphs.run
+
+    def counted(self, inputs):
+        kinds.append((inputs.meta.is_decode and inputs.meta.cascade is not None, inputs.meta.mixed_decode_rows))
+        return run(self, inputs)
+
+    monkeypatch.setattr(PiecewiseGraphs, "run", counted)
+    assert staggered(True) == eager
+    assert any(rows >= 2 for _, rows in kinds), "no mixed cascade step ran through the pieces"
+    assert any(cascade for cascade, _ in kinds), "no cascade decode step ran through the pieces"
