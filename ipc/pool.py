@@ -101,7 +101,7 @@ class IpcPool:
             raise SharedMemoryTooSmallError(
                 f"{SHM_DIR} holds {size / 2**20:.0f} MiB in all, and this pool's shared-memory rings would "
                 f"take {(mine + more) / 2**20:.0f} MiB; give it more (a container: docker run --shm-size=1g, "
-                f"or a Kubernetes emptyDir of medium Memory at {SHM_DIR}), or run fewer replicas")
+                f"or a Kubernetes emptyDir of medium Memory at {SHM_DIR}), or create fewer links")
 
     def create_board(self, label: str, capacity: int) -> str:
         """Create board ``label`` of this pool, holding values of up to ``capacity`` bytes;

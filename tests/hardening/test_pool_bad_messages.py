@@ -97,7 +97,7 @@ def test_a_snapshot_of_a_large_cache_fits_the_control_link():
 
 
 def test_a_burst_of_long_prompts_fits_a_rank_s_link_unread():
-    """A worker reads its link only between steps: a hot-context burst's share of one rank (32
+    """A worker reads its link only when its loop yields: a hot-context burst's share of one rank (32
     questions over a 16k-token document, ids drawn from a 151k vocabulary) is handed over
     without waiting for it, with room for as many again."""
     rng = random.Random(0)
