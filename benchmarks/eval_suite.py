@@ -53,7 +53,7 @@ from benchmarks.stats.policy_order import ORDERS, policy_order, run_order
 from benchmarks.lib.revision import git_record
 from benchmarks.workloads.trace_file import load_trace, trace_name
 from benchmarks.workloads.traces import max_request_tokens
-from lmpool.config.engine import EngineConfig, prefill_attention
+from lmpool.config.engine import EngineConfig, piecewise_rows, prefill_attention
 from lmpool.engine.model_runner import dtype_name, planned_cascades, resolve_dtype
 from lmpool.model.config import ModelConfig
 from lmpool.worker.loop_stages import LoopStages
@@ -350,22 +350,15 @@ def engine_record(args: argparse.Namespace, model: str) -> dict:
     """What the pools' engines run, as they resolve their defaults with their dtype: the key
     reads they run cascades at (0: none; ``config.engine.cascade_min_saved``) and the attention
     they prefill with, and the most tokens of a step that prefills through piecewise graphs."""
-    engine = EngineConfig(model, device=args.device, dtype=args.dtype,
+    engine = EngineConfig(model, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
                           cascade_min_saved_tokens=args.cascade_min_saved_tokens,
                           prefill_attention=args.prefill_attention, **piecewise_arg(args))
     model_config = ModelConfig.from_pretrained(model)
     dtype = dtype_name(resolve_dtype(engine, model_config))
     return {"cascade_min_saved": planned_cascades(engine, model_config),
             "prefill_attention": prefill_attention(engine, dtype, model_config.head_dim),
-            "piecewise_graph_max_tokens": piecewise_rows(engine, args)}
-
-
-def piecewise_rows(engine: EngineConfig, args: argparse.Namespace) -> int:
-    """The most token rows the engines' piecewise graphs take (``ModelRunner``: CUDA graphs on
-    LMPool's kernels only, at most a step's tokens); 0 where they build none."""
-    if args.enforce_eager or engine.device == "cpu" or not engine.use_kernels:
-        return 0
-    return min(engine.piecewise_graph_max_tokens, args.max_num_batched_tokens)
+            "piecewise_graph_max_tokens": piecewise_rows(engine)}
 
 
 def piecewise_arg(args: argparse.Namespace) -> dict:

@@ -149,6 +149,15 @@ def check_port(value, what: str) -> int | None:
     return port
 
 
+def piecewise_rows(engine: EngineConfig) -> int:
+    """The most token rows of a step the engine's piecewise graphs take: at most a step's tokens,
+    on CUDA with LMPool's kernels and CUDA graphs (not ``enforce_eager``); 0 where it captures
+    none. (A model whose head size the kernels lack runs the torch ops, without graphs, too.)"""
+    if engine.enforce_eager or not engine.use_kernels or engine.device.split(":")[0] != "cuda":
+        return 0
+    return min(engine.piecewise_graph_max_tokens, engine.max_num_batched_tokens)
+
+
 def cascade_min_saved(engine: EngineConfig, dtype: str, head_dim: int) -> int:
     """The key reads a decode step's shared prefixes must save for the engine to run it as a
     cascade (0: it never does), given the engine's resolved ``dtype`` name and the model's

@@ -42,6 +42,13 @@ if TYPE_CHECKING:
     from lmpool.engine.step_inputs import StepInputs
 
 
+def smallest_holding(sizes: list[int], n: int) -> int | None:
+    """The smallest of the captured ``sizes`` (ascending) that holds ``n`` rows, or None if none does."""
+    if n > sizes[-1]:
+        return None
+    return sizes[bisect.bisect_left(sizes, n)]
+
+
 def batch_sizes(max_batch: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
     sizes += list(range(16, max_batch + 1, 8))
@@ -108,9 +115,7 @@ class DecodeGraphs:
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured batch a decode step of ``num_seqs`` sequences replays, or None if none fits."""
-        if num_seqs > self.max_batch:
-            return None
-        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+        return smallest_holding(self.sizes, num_seqs)
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the ``inputs.num_seqs`` real rows; valid until the next replay."""

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from lmpool.config.engine import DTYPE_NAMES, EngineConfig, cascade_min_saved, prefill_attention
+from lmpool.config.engine import DTYPE_NAMES, EngineConfig, cascade_min_saved, piecewise_rows, prefill_attention
 from lmpool.engine.cuda_graphs import DecodeGraphs
 from lmpool.engine.logprobs import (
     PromptSlice,
@@ -173,7 +173,7 @@ class ModelRunner:
         # The torch reference synchronises with the host, so only the kernels can be captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.ops.name.startswith("cuda"):
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs, 512), self.cascade_min_saved > 0)
-            piece_rows = min(config.piecewise_graph_max_tokens, config.max_num_batched_tokens)
+            piece_rows = piecewise_rows(config)
             if piece_rows:
                 self.pieces = PiecewiseGraphs(self, piece_rows)
         if self.device.type == "cuda":

@@ -28,11 +28,12 @@ anywhere.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from lmpool.engine.cuda_graphs import smallest_holding
 
 if TYPE_CHECKING:
     from lmpool.engine.model_runner import ModelRunner
@@ -58,7 +59,6 @@ class PiecewiseGraphs:
             raise ValueError(f"piecewise graphs need at least one token row, got {max_tokens}")
         self.runner = runner
         self.sizes = piece_sizes(max_tokens)
-        self.max_tokens = max_tokens
         model, dev, dtype = runner.model, runner.device, runner.dtype
         c = model.config
         self.num_layers = c.num_hidden_layers
@@ -80,9 +80,7 @@ class PiecewiseGraphs:
 
     def padded_size(self, num_rows: int) -> int | None:
         """The captured token count a step of ``num_rows`` rows pads to, or None if none holds it."""
-        if num_rows > self.max_tokens:
-            return None
-        return self.sizes[bisect.bisect_left(self.sizes, num_rows)]
+        return smallest_holding(self.sizes, num_rows)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of the step's real rows; valid until the next step that runs here."""

@@ -39,7 +39,7 @@ def test_padded_size_is_the_smallest_that_holds_the_rows():
         padded_size = PiecewiseGraphs.padded_size
 
         def __init__(self, max_tokens):
-            self.sizes, self.max_tokens = piece_sizes(max_tokens), max_tokens
+            self.sizes = piece_sizes(max_tokens)
 
     sizes = Sizes(100)
     for rows in range(1, 101):
@@ -180,3 +180,15 @@ def test_cascade_and_mixed_cascade_steps_through_the_pieces_equal_eager(tiny_mod
     assert staggered(True) == eager
     assert any(rows >= 2 for _, rows in kinds), "no mixed cascade step ran through the pieces"
     assert any(cascade for cascade, _ in kinds), "no cascade decode step ran through the pieces"
+
+
+def test_the_rows_the_pieces_take_follow_the_engine_s_graphs():
+    """One rule for the engine and the evaluation's record: CUDA graphs on LMPool's kernels
+    only, at most a step's tokens."""
+    from lmpool.config.engine import EngineConfig, piecewise_rows
+
+    assert piecewise_rows(EngineConfig("m", device="cuda")) == 512
+    assert piecewise_rows(EngineConfig("m", device="cuda:1", max_num_batched_tokens=100)) == 100
+    assert piecewise_rows(EngineConfig("m", device="cuda", piecewise_graph_max_tokens=0)) == 0
+    for off in ({"device": "cpu"}, {"device": "cuda", "enforce_eager": True}, {"device": "cuda", "use_kernels": False}):
+        assert piecewise_rows(EngineConfig("m", **off)) == 0
