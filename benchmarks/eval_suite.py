@@ -97,9 +97,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: checkpoint's on CUDA")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per worker")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--max-num-batched-keys", type=int, default=None, metavar="N",
-                    help="keys a step's prefill chunks read in all (EngineConfig.max_num_batched_keys; 0: no bound; "
-                         "default: the engine's)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster pool start)")
     ap.add_argument("--piecewise-graph-max-tokens", type=int, default=None, metavar="N",
                     help="steps that prefill, of at most N tokens, replay graphs around their attention "
@@ -352,8 +349,7 @@ class Progress:
 def engine_record(args: argparse.Namespace, model: str) -> dict:
     """What the pools' engines run, as they resolve their defaults with their dtype: the key
     reads they run cascades at (0: none; ``config.engine.cascade_min_saved``) and the attention
-    they prefill with, the most tokens of a step that prefills through piecewise graphs, and the keys
-    a step's prefill chunks read at most (0: no bound; a policy may set its own, ``Policy.engine``)."""
+    they prefill with, and the most tokens of a step that prefills through piecewise graphs."""
     engine = EngineConfig(model, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           cascade_min_saved_tokens=args.cascade_min_saved_tokens,
@@ -362,13 +358,13 @@ def engine_record(args: argparse.Namespace, model: str) -> dict:
     dtype = dtype_name(resolve_dtype(engine, model_config))
     return {"cascade_min_saved": planned_cascades(engine, model_config),
             "prefill_attention": prefill_attention(engine, dtype, model_config.head_dim),
-            "piecewise_graph_max_tokens": piecewise_rows(engine), "max_num_batched_keys": engine.max_num_batched_keys}
+            "piecewise_graph_max_tokens": piecewise_rows(engine)}
 
 
 def piecewise_arg(args: argparse.Namespace) -> dict:
-    """``--piecewise-graph-max-tokens`` and ``--max-num-batched-keys`` as engine arguments, where given."""
-    n, keys = args.piecewise_graph_max_tokens, args.max_num_batched_keys
-    return ({} if n is None else {"piecewise_graph_max_tokens": n}) | ({} if keys is None else {"max_num_batched_keys": keys})
+    """``--piecewise-graph-max-tokens`` as an engine argument, where it was given."""
+    n = args.piecewise_graph_max_tokens
+    return {} if n is None else {"piecewise_graph_max_tokens": n}
 
 
 def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) -> dict:
@@ -395,8 +391,7 @@ def new_pool(model: str, args: argparse.Namespace, policy: Policy, setting: Sett
         # A start that hangs is bounded too (the pool's own default waits 300 s).
         return AsyncLMPool(model, world_size=args.world_size, device=args.device,
                            ready_timeout=min(300.0, max(60.0, args.run_timeout)),
-                           **policy.pool_kwargs(), **extra,
-                           **(engine_args(args, setting, max_model_len) | dict(policy.engine)))
+                           **policy.pool_kwargs(), **extra, **engine_args(args, setting, max_model_len))
     except (TypeError, ValueError) as e:
         raise PolicyUnavailable(f"{type(e).__name__}: {e}") from e
 

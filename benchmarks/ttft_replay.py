@@ -183,7 +183,7 @@ def limits_of(data: dict) -> Limits:
     config = data["metadata"]["config"]
     # Overlapped on a GPU only, as the live pricer prices today's workers (``control.build.limits``).
     return Limits(config["block_size"], config["max_num_seqs"], config["max_num_batched_tokens"],
-                  str(config.get("device", "cuda")).startswith("cuda"), keys=config.get("max_num_batched_keys", 0))
+                  str(config.get("device", "cuda")).startswith("cuda"))
 
 
 def main(argv: list[str] | None = None) -> None:

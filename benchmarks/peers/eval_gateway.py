@@ -105,8 +105,6 @@ def host_args(args, setting, max_model_len: int) -> list[str]:
         out += ["--prefill-attention", args.prefill_attention]
     if args.piecewise_graph_max_tokens is not None:
         out += ["--piecewise-graph-max-tokens", str(args.piecewise_graph_max_tokens)]
-    if args.max_num_batched_keys is not None:
-        out += ["--max-num-batched-keys", str(args.max_num_batched_keys)]
     return out
 
 

@@ -30,7 +30,6 @@ class Policy:
     routing_config: tuple[tuple[str, object], ...] = ()  # RoutingConfig fields that differ from the defaults
     enable_transfers: bool = False  # transfers set up without a mode that plans any (a control)
     runner: str | None = None  # an external router that runs instead of LMPool's ("smg", "dynamo")
-    engine: tuple[tuple[str, object], ...] = ()  # EngineConfig fields this policy's pools set over the suite's
 
     def pool_kwargs(self) -> dict:
         kw: dict = {"routing": self.routing}
@@ -67,8 +66,6 @@ class Policy:
         out: dict = {"routing": self.routing, "transfer_mode": mode}
         if self.routing_config:
             out["routing_config"] = dict(self.routing_config)
-        if self.engine:
-            out["engine"] = dict(self.engine)
         fields = rule_fields(self.routing, dict(self.routing_config))
         if fields:
             out["rule_fields"] = fields
@@ -137,10 +134,7 @@ LMPOOL_OWNER_PULLS = Policy("lmpool-owner-pulls", "lmpool", transfer_mode=None,
 # wherever the sequences in flight could save a cascade's worth with it, whatever their prefixes
 # (``RoutingConfig.cascade_groups`` off: a document's questions spread over every replica).
 LMPOOL_UNGROUPED = Policy("lmpool-ungrouped", "lmpool", transfer_mode=None, routing_config=(("cascade_groups", False),))
-# The default before a step's prefill chunks were bounded by the keys they read, run beside it: the
-# same rule on engines that pack a step's prefill by tokens alone (``EngineConfig.max_num_batched_keys``).
-LMPOOL_UNBOUNDED_KEYS = Policy("lmpool-unbounded-keys", "lmpool", transfer_mode=None, engine=(("max_num_batched_keys", 0),))
-CANDIDATES = (LMPOOL_OWNER_PULLS, LMPOOL_UNGROUPED, LMPOOL_UNBOUNDED_KEYS)
+CANDIDATES = (LMPOOL_OWNER_PULLS, LMPOOL_UNGROUPED)
 # Policies that run only when named (``--policies all`` leaves them out): the real gateway starts
 # server processes of its own; the candidate defaults are run beside the default, not in every suite.
 NAMED_ONLY = (*GATEWAYS, *CANDIDATES)

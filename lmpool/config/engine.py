@@ -17,8 +17,6 @@ FLASH_BLOCK_MULTIPLE = 256  # FlashAttention 2's paged KV cache takes pages of a
 # The key reads a decode step's shared prefixes must save for it to run as a cascade, by default
 # where the kernels run: on the H200, 32-48 rows over one shared 16k document decode 8x faster so.
 CASCADE_MIN_SAVED_TOKENS = 65536
-# ``EngineConfig.max_num_batched_keys``' default: four questions over a 16k-token document a step.
-MAX_NUM_BATCHED_KEYS = 65536
 # The head sizes LMPool's CUDA attention kernels are compiled for: Qwen3's 128, and 64.
 KERNEL_HEAD_DIMS = (64, 128)
 
@@ -32,13 +30,6 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from memory
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    # The keys a step's prefill chunks may read in all, each chunk its whole context (the step's
-    # first chunk runs whatever it reads; 0: no bound). Its tokens alone do not bound a step: a
-    # question of 24 tokens over a 16k-token cached document reads all 16k keys of every layer,
-    # about 8 ms on a quarter of an H100, so a step packing a burst's 12 questions took 104 ms and
-    # each question waited for all of them. At this bound (four such questions) a step's
-    # questions get their first token while later ones prefill.
-    max_num_batched_keys: int = MAX_NUM_BATCHED_KEYS
     max_model_len: int | None = None  # None: the model's context (``ModelConfig.max_context``)
     enable_prefix_caching: bool = True
     use_kernels: bool = True  # CUDA kernels on GPU; False forces the torch reference
@@ -103,8 +94,7 @@ class EngineConfig:
         """Every integer setting is an int (not a bool, nor a string of digits) at least its minimum."""
         minimum = {"block_size": 1, "num_kv_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1,
                    "max_model_len": 1, "cpu_kv_cache_bytes": 1, "cpu_threads": 1, "seed": None,
-                   "cascade_min_saved_tokens": 0, "piecewise_graph_max_tokens": 0,
-                   "max_num_batched_keys": 0}
+                   "cascade_min_saved_tokens": 0, "piecewise_graph_max_tokens": 0}
         for name, low in minimum.items():
             value = getattr(self, name)
             if value is None and name in ("num_kv_blocks", "max_model_len", "cascade_min_saved_tokens"):

@@ -154,7 +154,7 @@ def limits(engine: EngineConfig, cascade_min_saved: int, cascade_groups: bool) -
     and its worker reads each step back before the next launch (``EngineCore.read_finished``)."""
     overlapped = engine.async_scheduling and engine.device.startswith("cuda")
     return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens, overlapped,
-                  cascade_min_saved, cascade_groups, engine.max_num_batched_keys)
+                  cascade_min_saved, cascade_groups)
 
 
 def topology(spec: ControlSpec) -> Topology:

@@ -121,8 +121,7 @@ class EngineCore:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         on_shortage = shortage_hook(self.block_manager) if shortage_hook is not None else None
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, on_shortage,
-                                   config.max_num_batched_keys)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, on_shortage)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.awaiting_prompt_logprobs: set[str] = set()  # requests whose prompt logprobs are not sent yet

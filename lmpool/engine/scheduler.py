@@ -1,10 +1,6 @@
 """Continuous batching for one replica: which sequences run this step, and how many tokens each.
 
-Each step spends at most ``max_num_batched_tokens`` tokens and, where ``max_num_batched_keys`` is
-set, its prefill chunks read at most that many keys (``prefill_keys``: each chunk's whole context;
-the step's first chunk always runs). A question over a long cached document is a few tokens but
-reads every key of it: a step packing a burst's questions by tokens alone takes as long as all of
-them, and each of them waits for the last. Running sequences go
+Each step spends at most ``max_num_batched_tokens`` tokens. Running sequences go
 first, in admission order: a decoding sequence takes one token, a sequence still
 prefilling takes the next chunk of its prompt. Waiting sequences are then
 admitted first-come-first-served while the budget, ``max_num_seqs`` and the KV
@@ -112,44 +108,14 @@ def prefix_hit(bm: BlockManager, seq: Sequence) -> list[int]:
     return [] if seq.params.prompt_logprobs is not None else bm.match_prefix(seq)
 
 
-class KeyBudget:
-    """The keys a step's prefill chunks may still read (``Scheduler.max_num_batched_keys``; 0:
-    unbounded). A single-token row reads its context through the decode path, where cascades read
-    shared prefixes once: it spends none. The step's first chunk is taken whatever it reads; once
-    a chunk is refused, the budget is ``spent``: no later one is taken (first come, first served)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.spent = False
-
-    def fits(self, tokens: int, context: int) -> bool:
-        """Whether a chunk of ``tokens`` after ``context`` computed ones may join the step."""
-        if tokens <= 1 or not self.limit:
-            return True
-        if self.spent:
-            return False
-        return not self.used or self.used + prefill_keys(tokens, context) <= self.limit
-
-    def take(self, tokens: int, context: int) -> bool:
-        """Count that chunk if it ``fits``; else spend the budget. Whether it was counted."""
-        if not self.fits(tokens, context):
-            self.spent = True
-            return False
-        if tokens > 1:
-            self.used += prefill_keys(tokens, context)
-        return True
-
-
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 on_shortage: Callable[[list[int], int], bool] | None = None, max_num_batched_keys: int = 0) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_num_batched_keys < 0:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_num_batched_keys >= 0")
+                 on_shortage: Callable[[list[int], int], bool] | None = None) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_batched_keys = max_num_batched_keys  # 0: unbounded
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -188,15 +154,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         block_size = bm.block_size
-        keys = KeyBudget(self.max_num_batched_keys)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             target = seq.num_computed_tokens + n
-            if not keys.take(n, seq.num_computed_tokens):
-                i += 1  # a prompt's next chunk waits for a step with keys to spare; decodes go on
-                continue
             # Most decode steps need no new block: the block manager (whose checks cost most of
             # a step's scheduling) is asked only when the table does not cover the target.
             if target > len(seq.block_table) * block_size and not self._grow_or_preempt(seq, target, batch):
@@ -210,7 +172,7 @@ class Scheduler:
         # Without a prefix cache nothing computed now could be reused later: no one is passed over.
         computing = self._blocks_in_progress() if bm.enable_prefix_caching and self.waiting else None
         passed: list[Sequence] = []  # waiting sequences whose prefix another one is computing
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not keys.spent:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # A preempted sequence's last token may still be on the device; it is read back in
             # the step that preempted it, and no step that preempts admits anything.
@@ -223,13 +185,12 @@ class Scheduler:
                 continue
             n = min(len(seq) - len(hit) * bm.block_size, budget)
             fresh = bm.blocks_needed(len(hit) * bm.block_size + n) - len(hit)
-            if not bm.can_admit(hit, fresh) or not keys.fits(n, len(hit) * bm.block_size):
+            if not bm.can_admit(hit, fresh):
                 break
             evict = fresh - bm.num_free
             if evict > 0 and self.on_shortage is not None and self.on_shortage(hit, evict):
                 break  # cold cached blocks are being moved out instead of evicted: wait for them
             self.waiting.popleft()
-            keys.take(n, len(hit) * bm.block_size)
             bm.admit(seq, hit)
             bm.grow(seq, seq.num_computed_tokens + n)
             if not seq.admitted:

@@ -412,27 +412,6 @@ def test_a_prefill_is_priced_at_the_keys_its_chunks_read(running, questions, con
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(0, 32), st.integers(1, 48), st.integers(1_000, 32_768), st.integers(1, 64), st.integers(1, 8))
-def test_queued_questions_take_a_step_per_key_budget(running, questions, context, own, per_step):
-    """Where the engines bound a step's prefill keys (``Limits.keys``), a question queued behind
-    others over a long context waits one step per budget's worth of their keys and its own, not
-    one step for all of them: the prefill work is the same, the steps are more."""
-    def ttft(keys: int) -> float:
-        load = LoadReport(num_running=running, context_tokens=100 * running, decode_tokens_left=10 * running,
-                          blocks_free=4000, num_waiting=questions, waiting_prefill_tokens=questions * own,
-                          prefill_keys=questions * (context + own))
-        pricer = Pricer(one_rank(load), Topology.virtual(1), engine_model(1, PAIRED),
-                        Limits(16, 256, 8192, keys=keys), lambda rank: 0.5)
-        return pricer.price(RouteQuery("q", [1, 2], 35, 8), 0, 0, 0.0, None).ttft_s
-
-    budget = per_step * (context + own)
-    queued_keys = questions * (context + own) + 35
-    step = PAIRED.base + PAIRED.decode_seq * min(running + questions, 256) + PAIRED.context_token * 100 * running
-    steps = max(1, -(-queued_keys // budget))
-    assert ttft(budget) - ttft(0) == pytest.approx((steps - 1) * step)
-
-
-@settings(max_examples=100, deadline=None)
 @given(st.integers(0, 64), st.integers(1, 8192), st.integers(0, 10**9), st.integers(0, 20_000))
 def test_a_copy_into_a_rank_waits_behind_the_prefill_it_has_launched(running, tokens, pairs, queued):
     """The step under way at a rank, which a pull's copy into it runs behind (``next_step_s``),

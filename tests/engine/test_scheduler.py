@@ -1,7 +1,6 @@
 """Scheduler admission: a waiting sequence whose prefix another sequence is computing right now is
 passed over until that prefix is cached, never computed twice in one step, and never starved;
-a step's prefill chunks read at most ``max_num_batched_keys`` keys (its first chunk whatever it
-reads); checked step by step on random traces of shared prefixes (no model: the steps are simulated)."""
+checked step by step on random traces of shared prefixes (no model: the steps are simulated)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from hypothesis import event, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmpool.engine.block_manager import BlockManager
-from lmpool.engine.scheduler import KeyBudget, ScheduledBatch, Scheduler
+from lmpool.engine.scheduler import ScheduledBatch, Scheduler
 from lmpool.engine.sequence import Sequence, SequenceStatus
 from lmpool.sampling_params import SamplingParams
 
@@ -60,54 +59,6 @@ def test_without_a_prefix_cache_no_one_is_passed_over():
     sched.add(a)
     sched.add(b)
     assert step(sched).seqs == [a, b]
-
-
-def chunk_keys(batch: ScheduledBatch) -> list[int]:
-    """The keys each prefill chunk of ``batch`` reads (its whole context; single-token rows read
-    theirs through the decode path)."""
-    return [seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens) if n > 1]
-
-
-def test_a_burst_of_questions_over_a_cached_document_takes_a_few_a_step_by_the_keys_they_read():
-    bm = BlockManager(256, BLOCK)
-    sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=512, max_num_batched_keys=3 * (8 * BLOCK + 2))
-    document = Sequence("doc", prompt(1, 8, 0), PARAMS, BLOCK)
-    sched.add(document)
-    while sched.has_unfinished():
-        step(sched)
-    questions = [Sequence(f"q{i}", prompt(1, 8, i + 1), PARAMS, BLOCK) for i in range(7)]
-    for q in questions:
-        sched.add(q)
-    batches = [step(sched) for _ in range(3)]
-    assert [len(b.seqs) for b in batches] == [3, 3, 1], "three questions' keys a step, in their order"
-    assert [s for b in batches for s in b.seqs] == questions
-    assert all(q.num_cached_tokens == 8 * BLOCK for q in questions), "each read the cached document"
-
-
-def test_the_first_chunk_runs_whatever_it_reads_and_decodes_spend_no_keys():
-    bm = BlockManager(256, BLOCK)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_num_batched_keys=5)
-    decoding = Sequence("d", [1, 2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), BLOCK)
-    sched.add(decoding)
-    sched.complete_step(sched.schedule())
-    decoding.append_token(3)  # its prompt computed, it decodes
-    long, short = Sequence("long", prompt(2, 3, 0), PARAMS, BLOCK), Sequence("short", [5, 6, 7], PARAMS, BLOCK)
-    sched.add(long)
-    sched.add(short)
-    batch = sched.schedule()
-    assert batch.seqs == [decoding, long], "the decode row and the first chunk, far past the bound"
-    assert list(sched.waiting) == [short], "the next chunk waits for a step of its own"
-    sched.complete_step(batch)
-    decoding.append_token(4)
-    long.append_token(5)
-    assert sched.schedule().seqs == [decoding, long, short], "then it runs beside the decodes"
-
-
-def test_a_key_budget_counts_chunks_only_and_is_spent_by_the_first_refusal():
-    keys = KeyBudget(10)
-    assert keys.take(8, 0) and not keys.take(4, 0) and keys.spent
-    assert keys.fits(1, 10**6) and not keys.fits(2, 0), "a single-token row spends none; a spent budget takes no chunk"
-    assert KeyBudget(0).take(5000, 10**6), "0: no bound"
 
 
 @settings(max_examples=80, deadline=None)
@@ -172,7 +123,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(40, BLOCK)
-        self.sched = Scheduler(self.bm, max_num_seqs=5, max_num_batched_tokens=12, max_num_batched_keys=24)
+        self.sched = Scheduler(self.bm, max_num_seqs=5, max_num_batched_tokens=12)
         self.n = 0
         self.live: list[Sequence] = []
 
@@ -208,8 +159,6 @@ class SchedulerMachine(RuleBasedStateMachine):
     def check(self, batch: ScheduledBatch) -> None:
         counts = batch.num_tokens
         assert sum(counts) <= self.sched.max_num_batched_tokens and len(batch.seqs) <= self.sched.max_num_seqs
-        keys = chunk_keys(batch)  # counted before ``complete_step``: each chunk's context end
-        assert len(keys) <= 1 or sum(keys) <= self.sched.max_num_batched_keys, "only a lone chunk exceeds the keys"
         assert all(n >= 1 for n in counts)
         singles = sum(n == 1 for n in counts)
         if 0 < singles < len(counts):

@@ -8,15 +8,13 @@ attention pairs; ``Kw`` keys their chunks read, each prompt's whole context). Wi
 step coefficients (base, per prefill token, per attention pair, per prefill key, per decoding
 sequence ``seq``, per context token ``tok``, per cascade pair ``cpair``), a
 step beside the decodes costs ``step = base + seq * n + tok * ctx + cpair * cp``, and takes at
-most ``room = chunk - n`` prefill tokens and, where the engines bound them (``Limits.keys``), prefill
-chunks reading at most ``keys`` keys: ``steps(T, K)``, the steps T prefill tokens reading K keys
-take, is ``max(ceil(T / room), ceil(K / keys))`` (the first alone where keys are unbounded).
+most ``room = chunk - n`` prefill tokens.
 (The requests routed there before it arrive there before it too, so its steps count them.)
 For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` to compute
 (``a`` attention pairs) and ``M`` tokens to generate:
 
-    queue  = steps(W, Kw) * step + prefill_token * W + attention_pair * Aw + prefill_key * Kw   (0 when W = 0)
-    start  = steps(W + p, Kw + P) * step + prefill_token * W + attention_pair * Aw + prefill_key * Kw
+    queue  = ceil(W / room) * step + prefill_token * W + attention_pair * Aw + prefill_key * Kw   (0 when W = 0)
+    start  = ceil((W + p) / room) * step + prefill_token * W + attention_pair * Aw + prefill_key * Kw
              # the queued prefill and the request's own are packed into the same steps: a short
              # prompt behind a short queue shares its step (a burst's questions do)
     own    = prefill_token * p + attention_pair * a + prefill_key * P     (``prefill_seconds``; 0 when p = 0)
@@ -31,10 +29,10 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
              the rank's queue but not its device: a burst's questions admitted together (not
              where the request waits on a copy: the copy ran behind that prefill, and its wait
              counts it, as the step under way there, ``next_step_s``)
-    ttft   = max(start, wait + deferred, room_s + steps(p, P) * step) + own + seat + busy
+    ttft   = max(start, wait + deferred, room_s + ceil(p / room) * step) + own + seat + busy
              # wait: a copy the request waits on (a pull); deferred: that wait, then the reserved
              # work there that waits on pulls too (``D`` of the ``W`` tokens, ``Ad`` of the pairs)
-             # packed with the request's own, as in ``start``: ``steps(D + p, Kd + P) * step +
+             # packed with the request's own, as in ``start``: ``ceil((D + p) / room) * step +
              # prefill_token * D + attention_pair * Ad`` (counted only when the request waits on
              # a copy: such work starts once the copies land)
     decode = (M - 1) * (base + mine) + overlap * theirs
@@ -134,9 +132,6 @@ class Limits(NamedTuple):
     # shared prefix's last block). Off: on any rank whose sequences in flight, whatever their
     # prefixes, could save a cascade's worth with it. On, as the routing config's default.
     cascade_groups: bool = True
-    # ``EngineConfig.max_num_batched_keys``: the keys a step's prefill chunks read at most, each its
-    # whole context (0: no bound): a burst's questions over a long document take one step per few.
-    keys: int = 0
 
 
 NO_HEADS: dict[bytes, int] = {}  # a rank's groups where pricing does not read them (never written)
@@ -205,11 +200,9 @@ class RankWork(NamedTuple):
     held: int  # the blocks they hold or have reserved, released as they finish
     drain: float  # seconds until a sequence's mean decode left is done
     queued: int  # W: prompt tokens queued to prefill
-    queued_keys: int  # Kw: the keys their chunks read
     queue_work: float  # their prefill and attention seconds, without the steps they take
     deferred: int  # D: those of the W whose requests wait on pulls (start once they land)
     deferred_work: float  # their prefill and attention seconds
-    deferred_keys: int  # Kd: the keys their chunks read
     landed_busy: float  # ``busy`` for a request that arrives once a copy has landed: the launched prefill done
     # With ``Limits.cascade_groups``: sequences by group (``group_key``), in the load report (built
     # once per report) and routed there since (the reservations' own counts); else empty.
@@ -297,15 +290,16 @@ class Pricer:
         attention = load.prefill_attention + res.attention
         keys = load.prefill_keys + res.keys
         queue_work = c.prefill_token * queued + c.attention_pair * attention + c.prefill_key * keys
-        queue = queue_work + steps(queued, keys, room, lim.keys) * step
+        queue = queue_work + -(-queued // room) * step
         launched = (c.prefill_token * load.launched_prefill_tokens + c.attention_pair * load.launched_attention
                     + c.prefill_key * load.launched_keys)
         next_step = step if seqs else 0.0
         if load.launched_prefill_tokens:  # the step under way is the one launched with that prefill
             next_step = step + launched
         elif queued > 0:  # ... else its share of the queued prefill, where any is queued
-            share = min(1.0, room / queued, lim.keys / keys if lim.keys and keys else 1.0)  # the first step's
-            next_step = step + (c.prefill_token * queued + c.attention_pair * attention + c.prefill_key * keys) * share
+            chunk = min(queued, room)
+            share = chunk / queued
+            next_step = step + c.prefill_token * chunk + (c.attention_pair * attention + c.prefill_key * keys) * share
         deferred = res.deferred_tokens
         deferred_work = (c.prefill_token * deferred + c.attention_pair * res.deferred_attention
                          + c.prefill_key * res.deferred_keys)
@@ -326,8 +320,8 @@ class Pricer:
             reserved_heads = res.heads  # moved with the reservations' version, which keys this work
         return RankWork((load, c, res.version), c, seqs, n, left, step, room, queue, seat, theirs, free,
                         free + load.blocks_reclaimable, busy, next_step, load.num_running + res.count,
-                        load.blocks_used + res.blocks, drain, queued, keys, queue_work, deferred, deferred_work,
-                        res.deferred_keys, landed_busy, heads, reserved_heads)
+                        load.blocks_used + res.blocks, drain, queued, queue_work, deferred, deferred_work,
+                        landed_busy, heads, reserved_heads)
 
     def price(self, query: RouteQuery, rank: int, m: int, wait_s: float, seed: int | None,
               arriving: int = 0) -> RankPrice:
@@ -346,9 +340,8 @@ class Pricer:
                    arriving: int) -> RankPrice:
         """``price_terms`` from ``rank``'s work ``w`` (``work(rank)``, read this route): a caller
         that reads the work for more than the price reads it once."""
-        (_, c, seqs, n, left, step, room, _, seat, theirs, free, available, busy, _, _, held, _, queued, queued_keys,
-         queue_work, deferred, deferred_work, deferred_keys, landed_busy, _, _) = w
-        key_room = self.limits.keys
+        (_, c, seqs, n, left, step, room, _, seat, theirs, free, available, busy, _, _, held, _, queued,
+         queue_work, deferred, deferred_work, landed_busy, _, _) = w
         # One unpack, not a lookup per use.
         base, prefill_token, attention_pair, decode_seq, context_token, cascade_pair, prefill_key = c
         prompt, out = q.prompt, q.out
@@ -358,17 +351,12 @@ class Pricer:
         # candidate of every route runs it, and two calls cost more than the sums.
         cached = prompt - missing
         prefill = prefill_token * missing + attention_pair * (missing * cached + missing * (missing + 1) // 2)
-        own_keys = prompt if missing > 0 else 0
-        if own_keys:
+        if missing > 0:
             prefill += prefill_key * prompt
-        own_steps = steps(missing, own_keys, room, key_room) * step
-        # its prefill packed behind the queue's
-        start = queue_work + steps(queued + missing, queued_keys + own_keys, room, key_room) * step
+        own_steps = -(-missing // room) * step
+        start = queue_work + -(-(queued + missing) // room) * step  # its prefill packed behind the queue's
         if wait_s:  # a copy first, then the others waiting on pulls, packed with its own
-            landed = wait_s + own_steps
-            if deferred:
-                packed = steps(deferred + missing, deferred_keys + own_keys, room, key_room)
-                landed = wait_s + deferred_work + packed * step
+            landed = wait_s + (deferred_work + -(-(deferred + missing) // room) * step if deferred else own_steps)
             if landed > start:
                 start = landed
             busy = landed_busy  # the copy ran behind the launched prefill (its wait counts it): done by then
@@ -465,17 +453,6 @@ def cheapest(prices: Iterable[RankPrice], tie: float) -> RankPrice:
                 best, best_key = p, key
     assert best is not None  # the cheapest price is within its own bound
     return best
-
-
-def steps(tokens: int, keys: int, room: int, key_room: int) -> int:
-    """The steps ``tokens`` prefill tokens whose chunks read ``keys`` keys take, at most ``room``
-    tokens and ``key_room`` keys a step (0: keys unbounded)."""
-    n = -(-tokens // room)
-    if key_room and keys > key_room:
-        by_keys = -(-keys // key_room)
-        if by_keys > n:
-            return by_keys
-    return n
 
 
 def request_shape(query: RouteQuery, matched: int, block_size: int) -> tuple[int, int, int]:

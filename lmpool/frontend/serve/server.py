@@ -54,9 +54,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks per replica (default: sized from memory)")
     p.add_argument("--max-num-seqs", type=int, help="running requests per replica")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens one engine step schedules per replica")
-    p.add_argument("--max-num-batched-keys", type=int,
-                   help="keys one engine step's prefill chunks read in all, each its whole context (default: 65536; "
-                        "0: no bound)")
     p.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     p.add_argument("--piecewise-graph-max-tokens", type=int,
@@ -175,8 +172,8 @@ def limits_from(args: argparse.Namespace) -> HttpLimits:
 def settings_from(args: argparse.Namespace) -> ServeSettings:
     pool_args: dict = {"world_size": args.world_size, "device": args.device, "routing": args.routing}
     for name in ("dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "max_num_batched_keys", "enforce_eager", "gpu_memory_utilization", "enable_prefix_caching", "seed",
-                 "cascade_min_saved_tokens", "prefill_attention", "piecewise_graph_max_tokens"):
+                 "enforce_eager", "gpu_memory_utilization", "enable_prefix_caching", "seed", "cascade_min_saved_tokens",
+                 "prefill_attention", "piecewise_graph_max_tokens"):
         if getattr(args, name) is not None:
             pool_args[name] = getattr(args, name)
     if importlib.util.find_spec("prometheus_client") is not None:
