@@ -83,9 +83,9 @@ MAX_MESSAGE_BYTES = max_payload(DEFAULT_CAPACITY)  # the most one message betwee
 CONTROL_LINK_CAPACITY = 16 << 20
 # A request's hand-over to its rank carries its prompt's ids, about 70 kB for 16k tokens; the
 # worker reads its link only when its loop yields. At 1 MiB a burst's 32 questions over one 16k
-# document filled a rank's ring after 14, and each later send waited for that rank's next turn:
-# 88-250 ms of hand-over per request in the hot-context bursts, under every routing policy
-# (``benchmarks/results/eval_NOTES.md``). 8 MiB holds about 110 such requests.
+# document filled a rank's ring after 14, and each later send would wait for that rank's next
+# turn; 8 MiB holds about 110 such requests. (A burst's hand-over, 130 ms median over 16k
+# questions, is its submissions' CPU work in series, not these sends: ``eval_NOTES.md``.)
 WORKER_LINK_CAPACITY = 8 << 20
 
 
