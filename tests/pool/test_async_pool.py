@@ -192,6 +192,27 @@ def test_the_predicted_ttft_counts_the_wait_before_the_route(tiny_model):
     assert predicted >= waited + price
 
 
+def test_a_request_s_prompt_in_flight_is_nothing_the_collector_walks(tiny_model):
+    """The pool holds a request's prompt as a tuple of ints, which the collector stops tracking at
+    its first look (a list of a long prompt is walked, element by element, at every collection of
+    its generation while the request lives); the caller still gets its ids as a list."""
+    import gc
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK) as pool:
+            req = pool.client.prepare("held", PROMPT, GREEDY)
+            gc.collect()
+            tracked = gc.is_tracked(req.prompt_token_ids)
+            await pool.client.launch(req)
+            while await req.queue.get() is not None:
+                pass
+            return tracked, await pool.generate(PROMPT, GREEDY)
+
+    tracked, out = run(main())
+    assert not tracked
+    assert out.prompt_token_ids == PROMPT and isinstance(out.prompt_token_ids, list)
+
+
 def test_a_request_carries_its_route_s_group_to_its_worker(tiny_model):
     """The frontend passes the group its route named (``RouteDecision.group``) on to the worker in
     the ``AddRequest``, which counts the request under it (``LoadReport.group_heads``)."""
