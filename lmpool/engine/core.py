@@ -52,6 +52,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
+import numpy as np
+
 from lmpool.config.engine import EngineConfig
 from lmpool.engine.block_manager import BlockManager
 from lmpool.engine.model_runner import NON_FINITE, ModelRunner, PendingTokens
@@ -174,19 +176,19 @@ class EngineCore:
         )
         return self._queue(seq)
 
-    def add_checked_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_checked_request(self, request_id: str, prompt: np.ndarray, params: SamplingParams,
                             output_token_ids: list[int], block_hashes: list[bytes]) -> Sequence:
-        """``add_request`` for a request a pool's frontend validated and hashed: only what could
-        harm this engine is checked again (``check_admissible``), and nothing is hashed again."""
+        """``add_request`` for a request a pool's frontend validated and hashed, its prompt's ids
+        as its message packs them (``protocol.unpack_ids``): only what could harm this engine is
+        checked again (``check_admissible``), and nothing is hashed again."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        tokens = prompt_token_ids + output_token_ids
-        check_admissible(tokens, len(prompt_token_ids), params, block_hashes, vocab_size=self.model_config.vocab_size,
+        check_admissible(prompt, output_token_ids, params, block_hashes, vocab_size=self.model_config.vocab_size,
                          max_model_len=self.max_model_len, block_size=self.config.block_size,
                          max_blocks=self.block_manager.num_blocks)
-        return self._queue(Sequence(request_id, prompt_token_ids, params, self.config.block_size, output_token_ids,
+        return self._queue(Sequence(request_id, prompt.tolist(), params, self.config.block_size, output_token_ids,
                                     block_hashes))
 
     def _queue(self, seq: Sequence) -> Sequence:

@@ -56,8 +56,8 @@ def validate_request(
 
 
 def check_admissible(
-    token_ids: list[int],
-    num_prompt_tokens: int,
+    prompt: np.ndarray,
+    output_token_ids: list[int],
     params: SamplingParams,
     block_hashes: list[bytes],
     *,
@@ -67,27 +67,25 @@ def check_admissible(
     max_blocks: int,
 ) -> None:
     """Raise ``ValueError`` unless a request the frontend validated (``validate_request``) and
-    hashed, decoded from its typed message (so its token ids are ints), can be run here without
-    harm: its sizes, its token ids' range (an id past the vocabulary would fault the embedding)
-    and its hashes' count. A few C-speed passes, where ``validate_request`` scans every item.
-    ``token_ids`` are its prompt's then the outputs it resumes with (``num_prompt_tokens`` the former)."""
-    if len(block_hashes) != len(token_ids) // block_size:
-        raise ValueError(f"{len(block_hashes)} block hashes for {len(token_ids)} tokens of {block_size}-token blocks")
+    hashed, decoded from its typed message, can be run here without harm: its sizes, its token
+    ids' range (an id past the vocabulary would fault the embedding) and its hashes' count. Its
+    ``prompt`` comes as the int32 array its message packs (``protocol.unpack_ids``), checked at C
+    speed; the ``output_token_ids`` it resumes with (after a failure elsewhere) as ints."""
+    num_prompt_tokens = len(prompt)
+    tokens = num_prompt_tokens + len(output_token_ids)
+    if len(block_hashes) != tokens // block_size:
+        raise ValueError(f"{len(block_hashes)} block hashes for {tokens} tokens of {block_size}-token blocks")
     total = num_prompt_tokens + params.max_tokens
     if total > max_model_len:
         raise ValueError(f"{num_prompt_tokens} prompt tokens + max_tokens {params.max_tokens} exceeds max_model_len "
                          f"{max_model_len}")
     if -(-total // block_size) > max_blocks:
         raise ValueError(f"the request needs {-(-total // block_size)} KV blocks; this rank holds {max_blocks}")
-    if not num_prompt_tokens or len(token_ids) < num_prompt_tokens:
+    if not num_prompt_tokens:
         raise ValueError("prompt is empty")
-    outside = ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
-    try:
-        ids = np.frombuffer(_packed(token_ids), dtype=np.int64)
-    except struct.error:
-        raise outside from None
-    if ids.min() < 0 or ids.max() >= vocab_size or any(t >= vocab_size for t in params.stop_token_ids):
-        raise outside
+    if (prompt.min() < 0 or prompt.max() >= vocab_size or any(not 0 <= t < vocab_size for t in output_token_ids)
+            or any(t >= vocab_size for t in params.stop_token_ids)):
+        raise ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
 
 
 def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> array:

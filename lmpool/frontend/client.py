@@ -66,6 +66,7 @@ from lmpool.protocol import (
     WorkerReady,
     WorkerToFrontend,
 )
+from lmpool.protocol.frontend_worker import pack_ids
 from lmpool.protocol.spec import ControlSpec, WorkerSpec
 from lmpool.protocol.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
@@ -135,6 +136,7 @@ class TrackedRequest:
     last_token_at: float = 0.0  # time.monotonic() of the latest token, for inter-token latency
     dispatched: float = 0.0  # time.monotonic() of the latest hand-over to a rank (0 before the first)
     block_hashes: list = field(default_factory=list)  # the prompt's complete blocks' (``chain_hashes``)
+    prompt_ids: bytes = b""  # its prompt's ids as its ``AddRequest`` carries them (``pack_ids``)
     # TokenDelta for every new token, then None at the end (or an exception).
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -357,6 +359,7 @@ class PoolClient:
         if arrival is not None:
             req.arrival = arrival
         req.block_hashes = chain_hashes(ids, self.block_size, salt=params.cache_salt)
+        req.prompt_ids = pack_ids(ids)
         self.requests[request_id] = req
         return req
 
@@ -405,7 +408,7 @@ class PoolClient:
             self._by_wire.pop(req.wire_id, None)
             req.rank, req.wire_id = rank.rank, wire_id
             self._by_wire[req.wire_id] = req
-            msg = AddRequest(req.wire_id, list(req.prompt_token_ids), req.params, list(req.output_token_ids), hashes,
+            msg = AddRequest(req.wire_id, req.prompt_ids, req.params, list(req.output_token_ids), hashes,
                              decision.group)
             if await self._send_to_rank(rank, msg):
                 req.dispatched = time.monotonic()

@@ -1,6 +1,15 @@
-"""The link between the user process (frontend) and one worker: requests down, tokens up."""
+"""The link between the user process (frontend) and one worker: requests down, tokens up.
+
+A request's prompt travels as its token ids' native int32 bytes (``pack_ids``): packed from the
+frontend's int64 check and read by the worker at C speed, 4 bytes a token. As a msgpack array of
+ints, a 16k-token prompt cost the frontend 0.2 ms to encode and its worker 0.3-0.5 ms to decode,
+each request of a burst in turn. Invariant: every packed id is in [0, 2**31)."""
 
 from __future__ import annotations
+
+from array import array
+
+import numpy as np
 
 from lmpool.protocol.base import Message
 from lmpool.sampling_params import SamplingParams
@@ -12,7 +21,7 @@ class AddRequest(Message, tag="add"):
     alive (``EngineCore.add_checked_request``), and hashes nothing again."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_ids: bytes  # its prompt's token ids (``pack_ids``; ``unpack_ids`` reads them)
     params: SamplingParams
     output_token_ids: list[int]  # tokens already generated elsewhere (recompute after a failure)
     block_hashes: list[bytes]  # of prompt + output tokens' complete blocks (``chain_hashes``)
@@ -20,6 +29,23 @@ class AddRequest(Message, tag="add"):
     # under in its load reports (``LoadReport.group_heads``). Last, defaulting to None: a sender from
     # before it still decodes.
     group: bytes | None = None
+
+
+def pack_ids(ids: array) -> bytes:
+    """Token ids given as an int64 array (``validation.check_prompt``'s) as native int32 bytes;
+    ``ValueError`` for an id outside [0, 2**31), which no vocabulary reaches."""
+    wide = np.frombuffer(ids, dtype=np.int64)
+    if len(wide) and (wide.min() < 0 or wide.max() >= 2**31):
+        raise ValueError("a token id is outside [0, 2**31): it has no int32 form")
+    return wide.astype(np.int32).tobytes()
+
+
+def unpack_ids(data: bytes) -> np.ndarray:
+    """``pack_ids``' ids as an int32 array (a view of ``data``); ``ValueError`` when ``data`` is
+    not whole int32s."""
+    if len(data) % 4:
+        raise ValueError(f"a prompt of {len(data)} bytes is not whole int32 token ids")
+    return np.frombuffer(data, dtype=np.int32)
 
 
 class AbortRequest(Message, tag="abort"):

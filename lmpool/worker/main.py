@@ -73,6 +73,7 @@ from lmpool.protocol import (
     WorkerSnapshot,
 )
 from lmpool.protocol.base import GROUP_HEADS, attention_pairs, prefill_keys
+from lmpool.protocol.frontend_worker import unpack_ids
 from lmpool.protocol.kv_events import KVDelta, KVSnapshot
 from lmpool.protocol.spec import WorkerSpec, read_spec
 from lmpool.worker.loop_stages import LoopStages
@@ -380,8 +381,8 @@ class Worker:
         """Apply one frontend message; return messages to send back."""
         if isinstance(msg, AddRequest):
             try:
-                self.core.add_checked_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
-                                              msg.block_hashes)
+                self.core.add_checked_request(msg.request_id, unpack_ids(msg.prompt_ids), msg.params,
+                                              msg.output_token_ids, msg.block_hashes)
             except ValueError as e:
                 return [RequestRejected(msg.request_id, str(e))]
             self.admitted.append(msg.request_id)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from lmpool.engine.hashing import ROOT_HASH, block_hash, chain_hashes
 from lmpool.engine.validation import check_admissible, check_prompt
+from lmpool.protocol.frontend_worker import pack_ids, unpack_ids
 from lmpool.sampling_params import SamplingParams
 from lmpool.tokenizer import encode_prompt
 
@@ -102,28 +103,48 @@ def test_a_prompt_past_the_context_is_refused_for_its_length_before_its_items_ar
 PARAMS = SamplingParams(max_tokens=4)
 
 
-@given(st.lists(st.integers(-(2**64) + 1, 2**64 - 1) | st.integers(0, VOCAB - 1), min_size=1, max_size=40),
-       st.integers(0, 4))
-def test_a_worker_s_admission_refuses_what_the_frontend_would_and_hashes_nothing(ids, outputs):
+def int32s(ids: list[int]) -> np.ndarray:
+    """``ids`` as a worker reads a prompt off its message (``unpack_ids``)."""
+    return unpack_ids(np.array(ids, dtype=np.int32).tobytes())
+
+
+@given(st.lists(st.integers(-(2**31), 2**31 - 1) | st.integers(0, VOCAB - 1), min_size=1, max_size=40),
+       st.integers(0, 4), st.integers(-(2**64) + 1, 2**64 - 1) | st.integers(0, VOCAB - 1))
+def test_a_worker_s_admission_refuses_what_the_frontend_would_and_hashes_nothing(ids, outputs, output):
     """``check_admissible`` (a worker's, for a typed message the frontend checked) refuses every
-    id the frontend's rules refuse, accepts every request they accept, and counts the hashes."""
-    prompt = ids[: max(1, len(ids) - outputs)]
-    hashes = [bytes(32)] * (len(ids) // 4)
+    id the frontend's rules refuse, in its packed prompt or in the outputs it resumes with, accepts
+    every request they accept, and counts the hashes."""
+    cut = max(1, len(ids) - outputs)
+    prompt, resumed = int32s(ids[:cut]), ids[cut:] + [output]
+    hashes = [bytes(32)] * ((len(ids) + 1) // 4)
     kw = {"vocab_size": VOCAB, "max_model_len": 1000, "block_size": 4, "max_blocks": 1000}
-    if element_by_element(ids) is None:
-        check_admissible(ids, len(prompt), PARAMS, hashes, **kw)
+    if element_by_element(ids + [output]) is None:
+        check_admissible(prompt, resumed, PARAMS, hashes, **kw)
         with pytest.raises(ValueError, match="block hashes for"):
-            check_admissible(ids, len(prompt), PARAMS, hashes + [bytes(32)], **kw)
+            check_admissible(prompt, resumed, PARAMS, hashes + [bytes(32)], **kw)
     else:
         with pytest.raises(ValueError, match="outside the vocabulary"):
-            check_admissible(ids, len(prompt), PARAMS, hashes, **kw)
+            check_admissible(prompt, resumed, PARAMS, hashes, **kw)
+
+
+@given(st.lists(st.integers(0, 2**63 - 1) | st.integers(0, VOCAB - 1), min_size=0, max_size=40))
+def test_a_prompt_travels_as_int32s_and_nothing_else_passes(ids):
+    """``pack_ids`` gives the worker back every id of [0, 2**31) unchanged and refuses any other;
+    ``unpack_ids`` refuses bytes that are not whole int32s."""
+    if all(t < 2**31 for t in ids):
+        assert unpack_ids(pack_ids(array("q", ids))).tolist() == ids
+    else:
+        with pytest.raises(ValueError, match="no int32 form"):
+            pack_ids(array("q", ids))
+    with pytest.raises(ValueError, match="not whole int32"):
+        unpack_ids(bytes(4 * len(ids) + 3))
 
 
 def test_a_resumed_request_counts_its_prompt_and_max_tokens_against_the_context_not_its_outputs_twice():
     """A request moved after a failure carries its outputs; ``max_tokens`` already covers them."""
     kw = {"vocab_size": VOCAB, "max_model_len": 12, "block_size": 4, "max_blocks": 1000}
-    check_admissible([1] * 8 + [2] * 3, 8, PARAMS, [bytes(32)] * 2, **kw)  # 8 + 4 <= 12
+    check_admissible(int32s([1] * 8), [2] * 3, PARAMS, [bytes(32)] * 2, **kw)  # 8 + 4 <= 12
     with pytest.raises(ValueError, match="exceeds max_model_len 12"):
-        check_admissible([1] * 9, 9, PARAMS, [bytes(32)] * 2, **kw)
+        check_admissible(int32s([1] * 9), [], PARAMS, [bytes(32)] * 2, **kw)
     with pytest.raises(ValueError, match="needs 3 KV blocks; this rank holds 2"):
-        check_admissible([1] * 8, 8, PARAMS, [bytes(32)] * 2, **kw | {"max_blocks": 2})
+        check_admissible(int32s([1] * 8), [], PARAMS, [bytes(32)] * 2, **kw | {"max_blocks": 2})

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import random
+from array import array
 
 import msgspec
+import numpy as np
 import pytest
 
 from lmpool import LLM, SamplingParams
 from lmpool.engine.hashing import ROOT_HASH, block_hash
-from lmpool.protocol.kv_events import BlockStored, KVSnapshot
-from lmpool.model.make_model import make_model
 from lmpool.frontend.api import AsyncLMPool
 from lmpool.frontend.client import CONTROL_LINK_CAPACITY, WORKER_LINK_CAPACITY
+from lmpool.model.make_model import make_model
 from lmpool.protocol import AddRequest, LoadReport, WorkerSnapshot
+from lmpool.protocol.frontend_worker import pack_ids
+from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 from lmpool_ipc.frames import frame_size, max_payload
 
 BLOCK = 16
@@ -30,18 +33,30 @@ def no_leaks(no_leaks):
     yield
 
 
+def ids(tokens: list[int]) -> bytes:
+    """A prompt's ids as a frontend packs them."""
+    return pack_ids(array("q", tokens))
+
+
+def raw(tokens: list[int]) -> bytes:
+    """Ids packed as int32s without the frontend's checks."""
+    return np.array(tokens, dtype=np.int32).tobytes()
+
+
 def bad_frames(seed: int) -> list[bytes]:
     """Random bytes, every cut of a valid request, and well-formed requests of the wrong types."""
     rng = random.Random(seed)
     frames = [rng.randbytes(rng.randrange(0, 300)) for _ in range(150)]
-    valid = msgspec.msgpack.encode(AddRequest("never-sent", [1, 2, 3], PARAMS, [], []))
+    valid = msgspec.msgpack.encode(AddRequest("never-sent", ids([1, 2, 3]), PARAMS, [], []))
     frames += [valid[:cut] for cut in range(len(valid))]
-    # Well-typed, but what a frontend never sends: token ids past the vocabulary (or past int64),
-    # a hash count that does not match the tokens. A worker trusts the frontend's checks, but
-    # not so far as to fault its embedding or its cache on such a message.
-    frames += [msgspec.msgpack.encode(AddRequest(f"malformed-{i}", tokens, PARAMS, [], hashes))
-               for i, (tokens, hashes) in enumerate([([1, 10**6, 3], []), ([1, 2**64 - 1], []), ([-1], []),
-                                                     ([1] * BLOCK, []), ([1, 2], [bytes(32)])])]
+    # Well-typed, but what a frontend never sends: token ids past the vocabulary or negative, bytes
+    # that are not whole int32 ids, outputs past int64, a hash count that does not match the
+    # tokens. A worker trusts the frontend's checks, but not so far as to fault its embedding or
+    # its cache on such a message.
+    frames += [msgspec.msgpack.encode(AddRequest(f"malformed-{i}", prompt, PARAMS, outputs, hashes))
+               for i, (prompt, outputs, hashes) in enumerate([
+                   (raw([1, 10**6, 3]), [], []), (raw([-1]), [], []), (b"\x01\x02\x03", [], []),
+                   (ids([1]), [2**64 - 1], []), (ids([1] * BLOCK), [], []), (ids([1, 2]), [], [bytes(32)])])]
     for params in ({"ignore_eos": 1}, {"ignore_eos": "yes"}, {"temperature": None}, {"max_tokens": True}):
         frames.append(msgspec.msgpack.encode(["add", "ill-typed", [1, 2, 3], params]))
     frames.append(msgspec.msgpack.encode(["add", "bad-prompt", "text, not ids", {}]))
@@ -104,6 +119,6 @@ def test_a_burst_of_long_prompts_fits_a_rank_s_link_unread():
     doc = [rng.randrange(151_936) for _ in range(16_384)]
     hashes = [block_hash(ROOT_HASH, [i]) for i in range(64)]
     frames = [frame_size(len(msgspec.msgpack.encode(AddRequest(
-        str(q), doc + [rng.randrange(151_936) for _ in range(64)], PARAMS, [], hashes, hashes[-1]))))
+        str(q), ids(doc + [rng.randrange(151_936) for _ in range(64)]), PARAMS, [], hashes, hashes[-1]))))
         for q in range(32)]
     assert 2 * sum(frames) <= WORKER_LINK_CAPACITY

@@ -6,6 +6,7 @@ decode used to kill the rank)."""
 from __future__ import annotations
 
 import math
+from array import array
 
 import msgspec
 import numpy as np
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from lmpool.errors import ArgumentTypeError
 from lmpool.protocol import AddRequest, FrontendToWorker
+from lmpool.protocol.frontend_worker import pack_ids
 from lmpool.sampling_params import SamplingParams
 
 
@@ -104,5 +106,5 @@ def test_whatever_is_accepted_decodes_unchanged_on_a_worker(kwargs):
         params = SamplingParams(**kwargs)
     except (TypeError, ValueError):
         return
-    msg = AddRequest("r", [1, 2, 3], params, [], [])
+    msg = AddRequest("r", pack_ids(array("q", [1, 2, 3])), params, [], [])
     assert _wire.decode(_encode(msg)) == msg

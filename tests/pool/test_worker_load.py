@@ -5,6 +5,8 @@ apart (``launched_prefill_tokens``)."""
 
 from __future__ import annotations
 
+from array import array
+
 import msgspec
 
 from lmpool.config.pool import PoolConfig
@@ -12,6 +14,7 @@ from lmpool.config.routing import RoutingConfig
 from lmpool.engine.core import EngineCore
 from lmpool.engine.hashing import chain_hashes
 from lmpool.protocol import AbortRequest, AddRequest
+from lmpool.protocol.frontend_worker import pack_ids
 from lmpool.protocol.spec import WorkerSpec
 from lmpool.sampling_params import SamplingParams
 from lmpool.worker import main as worker_main
@@ -23,7 +26,7 @@ BLOCK = 8
 
 def add(request_id: str, tokens: list[int], params: SamplingParams, group: bytes | None = None) -> AddRequest:
     """The request as a pool's frontend sends it: its blocks hashed, and the group its route named."""
-    return AddRequest(request_id, tokens, params, [], chain_hashes(tokens, BLOCK), group)
+    return AddRequest(request_id, pack_ids(array("q", tokens)), params, [], chain_hashes(tokens, BLOCK), group)
 
 
 def test_queued_prompts_count_only_what_their_rank_must_compute(tiny_model):
@@ -185,7 +188,7 @@ def test_a_route_decision_or_request_from_a_sender_without_a_group_still_decodes
     from lmpool.protocol import RouteDecision
 
     for message, fields in ((RouteDecision, dict(rank=1, reason="r")),
-                            (AddRequest, dict(request_id="q", prompt_token_ids=[1, 2], params=SamplingParams(),
+                            (AddRequest, dict(request_id="q", prompt_ids=pack_ids(array("q", [1, 2])), params=SamplingParams(),
                                               output_token_ids=[], block_hashes=[]))):
         before = [(f.name, object) if f.required else (f.name, object, f.default if f.default is not msgspec.NODEFAULT
                   else msgspec.field(default_factory=f.default_factory))

@@ -6,12 +6,14 @@ finished is read back before the next launch, its tokens sent first."""
 from __future__ import annotations
 
 import asyncio
+from array import array
 
 import pytest
 
 from lmpool.config.pool import PoolConfig
 from lmpool.engine.core import EngineCore
 from lmpool.protocol import AddRequest, StepOutputs
+from lmpool.protocol.frontend_worker import pack_ids
 from lmpool.protocol.spec import WorkerSpec
 from lmpool.sampling_params import SamplingParams
 from lmpool.worker.main import Worker
@@ -131,7 +133,8 @@ async def test_a_step_the_device_has_finished_sends_its_tokens_before_the_next_l
     monkeypatch.setattr(worker, "attach_control", lambda end: None)
     monkeypatch.setattr(core, "begin_step", launch)
     assert core.config.async_scheduling
-    worker.inbox.append(AddRequest("a", list(range(1, 20)), SamplingParams(temperature=0, max_tokens=3), [], []))
+    worker.inbox.append(AddRequest("a", pack_ids(array("q", range(1, 20))), SamplingParams(temperature=0, max_tokens=3),
+                                   [], []))
     await asyncio.wait_for(worker.run(), 60)  # a loop that lost the last token would wait for it forever
     assert events == [("launch", True), ("token", False), ("launch", True), ("token", False),
                       ("launch", True), ("token", True)]
