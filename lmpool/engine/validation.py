@@ -13,7 +13,9 @@ import numpy as np
 from lmpool.engine.hashing import HASH_WIRE_BYTES
 from lmpool.sampling_params import SamplingParams
 
-TOKEN_WIRE_BYTES = 5  # a token id below 2**32, as msgpack writes it
+# A token id on the wire, at most: a resumed request's outputs as msgpack writes ids below 2**32
+# (a prompt's ids take 4 bytes, ``protocol.pack_ids``).
+TOKEN_WIRE_BYTES = 5
 # One token's ``TokenLogprobs`` on the wire: array headers, its id and a float64, and per
 # alternative an id and a float64.
 LOGPROB_WIRE_BYTES, ALTERNATIVE_WIRE_BYTES = 24, 14

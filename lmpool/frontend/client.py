@@ -83,10 +83,10 @@ MAX_MESSAGE_BYTES = max_payload(DEFAULT_CAPACITY)  # the most one message betwee
 # 256 tokens (two 32-byte hashes and the block's token ids): some 14k blocks per message; a larger
 # one goes in parts (``lmpool.worker.report_parts``). Ring pages are touched only as they are used.
 CONTROL_LINK_CAPACITY = 16 << 20
-# A request's hand-over to its rank carries its prompt's ids, about 70 kB for 16k tokens; the
+# A request's hand-over to its rank carries its prompt's ids, about 68 kB for 16k tokens; the
 # worker reads its link only when its loop yields. At 1 MiB a burst's 32 questions over one 16k
 # document filled a rank's ring after 14, and each later send would wait for that rank's next
-# turn; 8 MiB holds about 110 such requests. (A burst's hand-over, 130 ms median over 16k
+# turn; 8 MiB holds about 120 such requests. (A burst's hand-over, 130 ms median over 16k
 # questions, is its submissions' CPU work in series, not these sends: ``eval_NOTES.md``.)
 WORKER_LINK_CAPACITY = 8 << 20
 
@@ -337,7 +337,7 @@ class PoolClient:
         )
 
     async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, rank: int | None = None
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, rank: int | None = None
     ) -> TrackedRequest:
         """Validate, route (or send to ``rank``, bypassing routing) and start one request."""
         return await self.launch(self.prepare(request_id, prompt_token_ids, params, rank), rank)

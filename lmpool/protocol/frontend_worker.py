@@ -2,8 +2,9 @@
 
 A request's prompt travels as its token ids' native int32 bytes (``pack_ids``): packed from the
 frontend's int64 check and read by the worker at C speed, 4 bytes a token. As a msgpack array of
-ints, a 16k-token prompt cost the frontend 0.2 ms to encode and its worker 0.3-0.5 ms to decode,
-each request of a burst in turn. Invariant: every packed id is in [0, 2**31)."""
+ints, a 16k-token prompt cost the frontend 0.19 ms to encode and its worker 0.82 ms to decode,
+check and queue (0.02 and 0.35 ms so), each request of a burst in turn. Invariant: every packed id
+is in [0, 2**31)."""
 
 from __future__ import annotations
 

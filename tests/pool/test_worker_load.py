@@ -188,7 +188,8 @@ def test_a_route_decision_or_request_from_a_sender_without_a_group_still_decodes
     from lmpool.protocol import RouteDecision
 
     for message, fields in ((RouteDecision, dict(rank=1, reason="r")),
-                            (AddRequest, dict(request_id="q", prompt_ids=pack_ids(array("q", [1, 2])), params=SamplingParams(),
+                            (AddRequest, dict(request_id="q", prompt_ids=pack_ids(array("q", [1, 2])),
+                                              params=SamplingParams(),
                                               output_token_ids=[], block_hashes=[]))):
         before = [(f.name, object) if f.required else (f.name, object, f.default if f.default is not msgspec.NODEFAULT
                   else msgspec.field(default_factory=f.default_factory))
