@@ -358,3 +358,45 @@ def test_prefill(ext, report, seqs, new, prefix):
         row["sdpa_dense_backend"] = _sdpa_backend(q4, k, v, scale)
         row["speedup_vs_sdpa_dense"] = sdpa_ms / mma_ms
     _record(report, "prefill", row)
+
+
+SHARED_PREFIX_CASES = [  # (questions, new tokens each, the document they share)
+    (12, 64, 16384),
+    (32, 64, 16384),
+    (8, 64, 32768),
+    (4, 512, 8192),
+]
+
+
+@pytest.mark.parametrize("seqs,new,prefix", SHARED_PREFIX_CASES)
+def test_prefill_shared_prefix(ext, report, seqs, new, prefix):
+    """A burst's questions over one cached document in one step: LMPool's prefill kernel, each
+    question's tiles reading the whole document, against the document read once for all of them
+    (``benchmarks.lib.shared_prefix``: FlashAttention over the gathered document, each question's own keys
+    causal, merged by log-sum-exp), the gathers timed."""
+    from benchmarks.lib.shared_prefix import plan_shared_prefix, shared_prefix_attention
+
+    block_size = 256
+    doc, own = prefix // block_size, -(-new // block_size)
+    gen = torch.Generator(device="cuda").manual_seed(prefix + seqs)
+    shape = (doc + seqs * own, block_size, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    tables = [list(range(doc)) + [doc + s * own + i for i in range(own)] for s in range(seqs)]
+    lens = [prefix + new] * seqs
+    plan = plan_shared_prefix(tables, lens, [new] * seqs, [(list(range(seqs)), doc)], block_size, "cuda")
+    t = torch.tensor(tables, dtype=torch.int32, device="cuda")
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    starts = torch.arange(0, seqs * new + 1, new, dtype=torch.int32, device="cuda")
+    q = torch.randn(seqs * new, Q_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+    scale = HEAD_DIM**-0.5
+    mine = ext.paged_prefill_attention(q, k_cache, v_cache, t, ctx, starts, scale, True)
+    shared = shared_prefix_attention(q, k_cache, v_cache, starts, plan, scale)
+    torch.testing.assert_close(shared.float(), mine.float(), atol=2e-2, rtol=2e-2)
+    mma_ms = time_ms(lambda: ext.paged_prefill_attention(q, k_cache, v_cache, t, ctx, starts, scale, True))
+    shared_ms = time_ms(lambda: shared_prefix_attention(q, k_cache, v_cache, starts, plan, scale))
+    flops = 4 * seqs * (new * prefix + new * (new + 1) // 2) * Q_HEADS * HEAD_DIM
+    _record(report, "prefill_shared_prefix", {
+        "seqs": seqs, "new": new, "prefix": prefix,
+        "lmpool_ms": mma_ms, "lmpool_TFLOPs": flops / (mma_ms * 1e-3) / 1e12, "shared_ms": shared_ms, "shared_TFLOPs": flops / (shared_ms * 1e-3) / 1e12, "speedup": mma_ms / shared_ms,
+    })
