@@ -24,9 +24,11 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     # validation, block hashes and route, and the caller's event loop between them).
     dispatch_s: float | None = None
     # In a pool: its rank's share of the time to its first token: seconds from its arrival there
-    # to the launch of its first step, and from that launch to its first token.
+    # to the launch of its first step, and from that launch to its first token; and before them
+    # the seconds from its hand-over to that arrival (the link, and the worker's loop busy).
     queued_s: float | None = None
     first_step_s: float | None = None
+    intake_s: float | None = None
     # Where the request asked (``SamplingParams.logprobs``): one per token of ``token_ids``.
     logprobs: list[TokenLogprobs] | None = None
     # Where it asked (``SamplingParams.prompt_logprobs``): one per prompt token, None for the first.

@@ -31,7 +31,8 @@ RECORD_FIELDS = (
     "num_cached_tokens", "output_len", "arrival_s", "first_token_s", "completion_s",
 )
 # Recorded since a later revision; older results lack them, and no metric needs them.
-OPTIONAL_FIELDS = ("route", "route_reason", "predicted_ttft_s", "dispatch_s", "queued_s", "first_step_s")
+OPTIONAL_FIELDS = ("route", "route_reason", "predicted_ttft_s", "dispatch_s", "intake_s", "queued_s",
+                   "first_step_s")
 TRANSFER_COUNTERS = (
     "plans_started", "plans_committed", "plans_aborted", "blocks_copied", "blocks_moved", "lease_routed",
 )

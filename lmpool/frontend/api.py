@@ -198,7 +198,7 @@ class AsyncLMPool:
         state.num_cached_tokens, state.rank, state.route = req.num_cached_tokens, req.rank, req.route or None
         state.predicted_ttft_s = req.predicted_ttft_s
         state.dispatch_s = req.dispatched - req.arrival if req.dispatched else None
-        state.queued_s, state.first_step_s = req.queued_s, req.first_step_s
+        state.queued_s, state.first_step_s, state.intake_s = req.queued_s, req.first_step_s, req.intake_s
         if item is None:
             return state.abort() if req.finish_reason == "abort" else None
         logprobs = () if item.logprobs is None else (item.logprobs,)

@@ -127,9 +127,11 @@ class TrackedRequest:
     wire_id: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
-    # Its rank's share of the time to its first token (``TokenDelta.queued_s``, ``first_step_s``).
+    # Its rank's share of the time to its first token (``TokenDelta.queued_s``, ``first_step_s``),
+    # and before it the seconds from its hand-over to its arrival at that rank's engine.
     queued_s: float | None = None
     first_step_s: float | None = None
+    intake_s: float | None = None
     finish_reason: str | None = None
     reroutes: int = 0
     arrival: float = field(default_factory=time.monotonic)  # its submission (``AsyncLMPool.submit``'s call)
@@ -491,6 +493,7 @@ class PoolClient:
         else:
             self.metrics.first_token(now - req.arrival)
             req.queued_s, req.first_step_s = delta.queued_s, delta.first_step_s
+            req.intake_s = intake_seconds(req.dispatched, delta.arrived_at)
             if not req.reroutes:
                 req.num_cached_tokens = min(delta.num_cached_tokens, len(req.prompt_token_ids))
         req.last_token_at = now
@@ -591,3 +594,12 @@ class PoolClient:
 
     def pids(self) -> list[int]:
         return [r.proc.pid for r in self.ranks] + ([self.control_proc.pid] if self.control_proc else [])
+
+
+def intake_seconds(dispatched: float, arrived_at: float | None) -> float | None:
+    """Seconds from a request's hand-over (``TrackedRequest.dispatched``) to its arrival at its
+    rank's engine (``TokenDelta.arrived_at``), or None where either is unknown. At least 0: the
+    worker may take the message before the front end has stamped its send."""
+    if arrived_at is None or not dispatched:
+        return None
+    return max(0.0, arrived_at - dispatched)

@@ -47,8 +47,8 @@ class OutputProcessor:
 
 class RequestState:
     """One request's output, grown from its token ids. The caller keeps ``num_cached_tokens``,
-    ``rank``, ``route``, ``predicted_ttft_s``, ``dispatch_s``, ``queued_s`` and ``first_step_s``
-    current (a pool may move a request to another rank)."""
+    ``rank``, ``route``, ``predicted_ttft_s``, ``dispatch_s``, ``intake_s``, ``queued_s`` and
+    ``first_step_s`` current (a pool may move a request to another rank)."""
 
     def __init__(
         self, processor: OutputProcessor, request_id: str, prompt_token_ids: Sequence[int],
@@ -65,6 +65,7 @@ class RequestState:
         self.dispatch_s: float | None = None
         self.queued_s: float | None = None
         self.first_step_s: float | None = None
+        self.intake_s: float | None = None
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self._processor = processor
@@ -131,6 +132,7 @@ class RequestState:
             dispatch_s=self.dispatch_s,
             queued_s=self.queued_s,
             first_step_s=self.first_step_s,
+            intake_s=self.intake_s,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=self.prompt_logprobs,
         )

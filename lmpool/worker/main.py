@@ -407,15 +407,16 @@ class Worker:
             if out.error is not None:  # that request's failure: the rank serves on
                 failed.append(RequestRejected(out.request_id, out.error))
                 continue
-            queued = first_step = None
+            queued = first_step = arrived = None
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
                 self.prompt_tokens += seq.num_prompt_tokens
                 self.prefix_hit_tokens += seq.num_cached_tokens
                 queued, first_step = first_token_times(seq)
+                arrived = seq.arrival_time
             deltas.append(
                 TokenDelta(out.request_id, out.new_token_id, out.finished, out.finish_reason,
-                           seq.num_cached_tokens, out.logprobs, out.prompt_logprobs, queued, first_step)
+                           seq.num_cached_tokens, out.logprobs, out.prompt_logprobs, queued, first_step, arrived)
             )
         load = None
         if deltas:

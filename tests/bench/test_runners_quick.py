@@ -226,6 +226,7 @@ def test_agent_sessions_and_chat_run_and_lmpool_s_routes_predict_their_ttft(tiny
     check_common(data, {"agent_sessions", "chat"}, {"lmpool", "sglang_cache_aware"})
     for r in data["runs"]:
         predicted = [p for p in r["requests"]["predicted_ttft_s"] if p is not None]
+        assert all(x is not None and x >= 0 for x in r["requests"]["intake_s"])  # every hand-over's intake
         m = r["metrics"]
         if r["policy"] == "lmpool":  # every request priced, its prediction recorded and scored
             assert len(predicted) == m["requests"] == m["ttft_predicted_requests"] and all(p > 0 for p in predicted)

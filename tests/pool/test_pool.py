@@ -73,8 +73,8 @@ def test_stats_fields(tiny_model):
         wall = time.monotonic() - started
         stats = pool.stats()
     for o in outs:  # each request's time to first token, in parts that lie within the call
-        assert o.queued_s >= 0 and o.first_step_s > 0
-        assert o.dispatch_s + o.queued_s + o.first_step_s <= wall
+        assert o.intake_s >= 0 and o.queued_s >= 0 and o.first_step_s > 0
+        assert o.dispatch_s + o.intake_s + o.queued_s + o.first_step_s <= wall
     assert stats["control_pid"] > 0
     for i, row in enumerate(stats["ranks"]):
         assert row["rank"] == i and row["pid"] > 0 and row["alive"]
