@@ -19,6 +19,8 @@ with cascades, only the recorded prices hold.
     python -m benchmarks.ttft_replay benchmarks/results/eval_h200_0.6b_hot_context_16k.json [--phase burst]
     python -m benchmarks.ttft_replay --table benchmarks/results/eval_h200_*.json   # the distribution per workload
                                                      # (and the step fits' accuracy by kind of step, where recorded)
+    python -m benchmarks.ttft_replay --places FILE --phase burst   # priced against measured by a request's
+                                                     # place on its rank, with the measured time's parts
 """
 
 from __future__ import annotations
@@ -178,6 +180,47 @@ def step_table(paths: list[str], policy: str) -> list[str]:
     return rows
 
 
+PARTS = ("dispatch_s", "intake_s", "queued_s", "first_step_s")  # a first token's measured parts, in order
+PLACES = 4  # requests a row of the places table holds, in order of hand-over on their rank
+
+
+def place_table(path: str, policy: str, phase: str | None, rows: int = 6) -> list[str]:
+    """One markdown row per workload and place on a rank: a rank's requests in order of hand-over
+    (arrival plus ``dispatch_s``), ``PLACES`` a row, the last row all the rest; repetitions and
+    ranks pooled. Each row: the recorded price and the measured time to first token (mean ms), the
+    share within 25 %, and the measured time's parts (``PARTS``, where recorded; ``rest``: what
+    they leave, the token's way back to the caller)."""
+    data = json.load(open(path))
+    pooled: dict[tuple[str, int], list[dict]] = {}
+    for run in data["runs"]:
+        if run["policy"] != policy or run.get("status", "ok") != "ok":
+            continue
+        by_rank: dict[int, list[dict]] = {}
+        for r in requests(run):
+            if (phase is None or r.get("phase") == phase) and r.get("predicted_ttft_s") is not None:
+                by_rank.setdefault(r["rank"], []).append(r)
+        for ranked in by_rank.values():
+            ranked.sort(key=lambda r: r["arrival_s"] + (r.get("dispatch_s") or 0.0))
+            for k, r in enumerate(ranked):
+                pooled.setdefault((run["workload"], min(k // PLACES, rows - 1)), []).append(r)
+    parts = [p for p in PARTS if any(r.get(p) is not None for group in pooled.values() for r in group)]
+    out = ["| workload | place | requests | priced ms | measured ms | within 25 % | "
+           + " | ".join(p.removesuffix("_s") for p in parts) + " | rest |",
+           "| --- | --- | ---: | ---: | ---: | ---: |" + " ---: |" * (len(parts) + 1)]
+    for (workload, row), group in sorted(pooled.items()):
+        measured = [r["first_token_s"] - r["arrival_s"] for r in group]
+        ratios = [r["predicted_ttft_s"] / m for r, m in zip(group, measured) if m > 0]
+        means = [statistics.fmean(r.get(p) or 0.0 for r in group) for p in parts]
+        lo = row * PLACES
+        place = f"{lo}-{lo + PLACES - 1}" if row < rows - 1 else f"{lo}+"
+        mean_measured = statistics.fmean(measured)
+        cells = [f"{1e3 * m:.0f}" for m in (*means, mean_measured - sum(means))]
+        out.append(f"| {workload} | {place} | {len(group)} | "
+                   f"{1e3 * statistics.fmean(r['predicted_ttft_s'] for r in group):.0f} | {1e3 * mean_measured:.0f} | "
+                   f"{within(ratios) if ratios else 0.0:.2f} | " + " | ".join(cells) + " |")
+    return out
+
+
 def limits_of(data: dict) -> Limits:
     """The scheduler limits a result file's pool ran with."""
     config = data["metadata"]["config"]
@@ -193,7 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--phase", default=None, help="only requests of this phase (say, burst)")
     ap.add_argument("--table", action="store_true",
                     help="one markdown row per file and workload, repetitions pooled, with the distribution")
+    ap.add_argument("--places", action="store_true",
+                    help="priced against measured by a request's place on its rank, with the measured parts")
     args = ap.parse_args(argv)
+    if args.places:
+        for path in args.files:
+            print("\n".join(place_table(path, args.policy, args.phase)))
+        return
     if args.table:
         print("\n".join(table(args.files, args.policy, args.phase)))
         steps = step_table(args.files, args.policy)

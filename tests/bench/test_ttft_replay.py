@@ -96,3 +96,30 @@ def test_a_fit_record_gives_its_cascade_pair_and_one_from_before_it_had_one_the_
     old = FIT | {"attention_ns_per_pair": 7.0}
     assert coefficients(old).cascade_pair == pytest.approx(7e-9)
     assert coefficients(old | {"cascade_ns_per_pair": 15.0}).cascade_pair == pytest.approx(15e-9)
+
+
+def test_the_places_table_orders_each_rank_s_requests_by_hand_over_and_splits_the_measured_time(tmp_path, capsys):
+    """Five requests on rank 0 and one on rank 1: rank 0's first four in order of arrival plus
+    hand-over (not of arrival) make the first row with rank 1's, its fifth the next; each row gives
+    the parts' means and what they leave."""
+    import json
+
+    def timed(arrival, dispatch, first, rank=0, predicted=0.1):
+        return record(arrival, first, first + 0.1, 64, 0, predicted=predicted) | {
+            "rank": rank, "dispatch_s": dispatch, "intake_s": 0.002, "queued_s": 0.003, "first_step_s": 0.01}
+    rows = [timed(0.0, 0.05, 0.1, predicted=0.1), timed(0.001, 0.001, 0.1), timed(0.002, 0.002, 0.1),
+            timed(0.003, 0.003, 0.1), timed(0.004, 0.004, 0.1), timed(0.0, 0.001, 0.1, rank=1)]
+    data = {"metadata": {"config": {"block_size": BLOCK, "max_num_seqs": 64, "max_num_batched_tokens": 8192}},
+            "runs": [run_of(rows) | {"status": "ok"}]}
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(data))
+    main(["--places", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| dispatch | intake | queued | first_step | rest |")
+    first, second = lines[2].split(" | "), lines[3].split(" | ")
+    # Rank 0's four handed over first and rank 1's one; rank 0's first arrival, handed over at 0.05 s, is 5th.
+    assert first[1:6] == ["0-3", "5", "100", "98", "1.00"]  # priced, measured, within 25 %
+    assert second[1:5] == ["4-7", "1", "100", "100"]
+    # Measured 96-100 ms from arrival, of which 2 + 3 + 10 ms after the hand-over: the rest is what is left.
+    parts = [float(x) for x in first[6:10]] + [float(first[10].rstrip(" |"))]
+    assert parts[1:4] == [2, 3, 10] and sum(parts) == pytest.approx(98, abs=1.5)
