@@ -214,13 +214,13 @@ class Worker:
                            for s in queue if s.request_id in named}
         launched = self.core.launched  # its prefill counted neither above nor in the queue
         # Sequences that decode as a cascade attend their shared prefixes in its prefix passes.
-        cascade_pairs = 0
+        cascade_pairs = cascade_reads = 0
         if self.core.runner.cascade_min_saved:
             decoding = [s for s in sched.running if s.num_computed_tokens >= len(s) - 1]
             plan = plan_cascade([s.block_table for s in decoding], [len(s) for s in decoding], bm.block_size,
                                 self.core.runner.cascade_min_saved)
             if plan is not None:
-                cascade_pairs = plan.pairs
+                cascade_pairs, cascade_reads = plan.pairs, sum(plan.lens)
                 context -= plan.pairs
         # The most shared first, then the longest prompts (a document's first question, a group of
         # one, before a chat's short prompts): a group forms from its first row.
@@ -246,6 +246,7 @@ class Worker:
             group_rows=[rows for _, rows in groups],
             prefill_keys=keys,
             launched_keys=launched.prefill_keys if launched else 0,
+            cascade_reads=cascade_reads,
         )
 
     async def send_steps(self, force: bool = False) -> None:
