@@ -188,8 +188,9 @@ def place_table(path: str, policy: str, phase: str | None, rows: int = 6) -> lis
     """One markdown row per workload and place on a rank: a rank's requests in order of hand-over
     (arrival plus ``dispatch_s``), ``PLACES`` a row, the last row all the rest; repetitions and
     ranks pooled. Each row: the recorded price and the measured time to first token (mean ms), the
-    share within 25 %, and the measured time's parts (``PARTS``, where recorded; ``rest``: what
-    they leave, the token's way back to the caller)."""
+    share within 25 %, and the measured time's parts (``PARTS``, where recorded; a record without
+    one counts 0 for it, its time left in ``rest``: what the parts leave, the token's way back to
+    the caller)."""
     data = json.load(open(path))
     pooled: dict[tuple[str, int], list[dict]] = {}
     for run in data["runs"]:

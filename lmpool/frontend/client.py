@@ -137,6 +137,7 @@ class TrackedRequest:
     arrival: float = field(default_factory=time.monotonic)  # its submission (``AsyncLMPool.submit``'s call)
     last_token_at: float = 0.0  # time.monotonic() of the latest token, for inter-token latency
     dispatched: float = 0.0  # time.monotonic() of the latest hand-over to a rank (0 before the first)
+    sent: float = 0.0  # ... and of the start of its send (``intake_s`` runs from it)
     block_hashes: list = field(default_factory=list)  # the prompt's complete blocks' (``chain_hashes``)
     prompt_ids: bytes = b""  # its prompt's ids as its ``AddRequest`` carries them (``pack_ids``)
     # TokenDelta for every new token, then None at the end (or an exception).
@@ -412,6 +413,7 @@ class PoolClient:
             self._by_wire[req.wire_id] = req
             msg = AddRequest(req.wire_id, req.prompt_ids, req.params, list(req.output_token_ids), hashes,
                              decision.group)
+            req.sent = time.monotonic()  # before the send's await: its first token may come during it
             if await self._send_to_rank(rank, msg):
                 req.dispatched = time.monotonic()
                 return
@@ -493,7 +495,7 @@ class PoolClient:
         else:
             self.metrics.first_token(now - req.arrival)
             req.queued_s, req.first_step_s = delta.queued_s, delta.first_step_s
-            req.intake_s = intake_seconds(req.dispatched, delta.arrived_at)
+            req.intake_s = intake_seconds(req.sent, delta.arrived_at)
             if not req.reroutes:
                 req.num_cached_tokens = min(delta.num_cached_tokens, len(req.prompt_token_ids))
         req.last_token_at = now
@@ -596,10 +598,10 @@ class PoolClient:
         return [r.proc.pid for r in self.ranks] + ([self.control_proc.pid] if self.control_proc else [])
 
 
-def intake_seconds(dispatched: float, arrived_at: float | None) -> float | None:
-    """Seconds from a request's hand-over (``TrackedRequest.dispatched``) to its arrival at its
-    rank's engine (``TokenDelta.arrived_at``), or None where either is unknown. At least 0: the
-    worker may take the message before the front end has stamped its send."""
-    if arrived_at is None or not dispatched:
+def intake_seconds(sent: float, arrived_at: float | None) -> float | None:
+    """Seconds from the start of a request's send to its rank (``TrackedRequest.sent``) to its
+    arrival at that rank's engine (``TokenDelta.arrived_at``: the pool's processes share one host's
+    monotonic clock), or None where either is unknown."""
+    if arrived_at is None or not sent:
         return None
-    return max(0.0, arrived_at - dispatched)
+    return max(0.0, arrived_at - sent)  # 0 at least: a clock read a little apart on two processes

@@ -290,7 +290,7 @@ class Pricer:
         # A join converts its group's lone member: its prefix leaves the keys read alone for the pass,
         # unless a group's pass reads its prefix once a step (``cascade_group_reads``): the member's
         # read becomes the group's, and the groups the rank decodes read theirs.
-        if lim.cascade_group_reads:
+        if lim.cascade_group_reads and lim.cascade_groups:
             ctx = load.context_tokens + res.context + load.cascade_reads
         else:
             ctx = max(0, load.context_tokens + res.context - res.converted)
