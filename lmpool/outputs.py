@@ -25,7 +25,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     dispatch_s: float | None = None
     # In a pool: its rank's share of the time to its first token: seconds from its arrival there
     # to the launch of its first step, and from that launch to its first token; and before them
-    # the seconds from its hand-over to that arrival (the link, and the worker's loop busy).
+    # the seconds from the start of its send to that rank to that arrival (the link, and the
+    # worker's loop busy).
     queued_s: float | None = None
     first_step_s: float | None = None
     intake_s: float | None = None

@@ -76,7 +76,7 @@ async def replay(pool, trace, arrival: Arrival, on_done: Callable[[], None] = la
                 "predicted_ttft_s": _rounded(getattr(last, "predicted_ttft_s", None)),
                 # Submission to hand-over to the rank: the pool's own front end, before any engine.
                 "dispatch_s": _rounded(getattr(last, "dispatch_s", None)),
-                # Hand-over to its arrival at the rank's engine: the link and the worker's loop.
+                # Its send's start to its arrival at the rank's engine: the link and the worker's loop.
                 "intake_s": _rounded(getattr(last, "intake_s", None)),
                 # Its rank's share of its TTFT: arrival there to its first step's launch, then to its token.
                 "queued_s": _rounded(getattr(last, "queued_s", None)),

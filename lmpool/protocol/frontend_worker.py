@@ -98,7 +98,7 @@ class TokenDelta(Message):
     # With the first token only: seconds from the request's arrival at the worker to the launch
     # of its first step, and from that launch to this token (the replica's share of its TTFT);
     # and the ``time.monotonic()`` instant of that arrival (a pool's processes share one host's
-    # clock: the front end takes its hand-over's instant from it, ``RequestOutput.intake_s``).
+    # clock: the front end takes the instant its send began from it, ``RequestOutput.intake_s``).
     queued_s: float | None = None
     first_step_s: float | None = None
     arrived_at: float | None = None
