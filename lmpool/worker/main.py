@@ -43,6 +43,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 import uvloop
@@ -87,14 +88,32 @@ log = logging.getLogger("lmpool.worker")
 STEP_REPORT_S = 0.05  # step timings go to the control plane at most this often (and with heartbeats)
 
 
-def _count_head(seq: EngineSequence, named: dict[str, bytes], heads: Counter[bytes], longest: dict[bytes, int]) -> None:
+class NamedGroup(NamedTuple):
+    """A request's cascade group as its route named it (``AddRequest.group``), and how many of its
+    prompt's tokens that group's prefix covers (0 where its prompt holds no block of that hash)."""
+    head: bytes
+    tokens: int
+
+
+def named_group(seq: EngineSequence, head: bytes) -> NamedGroup:
+    """``seq``'s group ``head``: its prefix ends at the block of that hash in ``seq``'s prompt."""
+    try:
+        depth = seq.block_hashes.index(head) + 1
+    except ValueError:
+        depth = 0
+    return NamedGroup(head, depth * seq.block_size)
+
+
+def _count_head(seq: EngineSequence, named: dict[str, NamedGroup], heads: Counter[bytes],
+                longest: dict[bytes, int]) -> NamedGroup | None:
     """Count ``seq`` under its cascade group (``LoadReport.group_heads``) as its route named it
-    (``AddRequest.group``: its shared prefix's last block hash, in ``named`` by request id); a
-    sequence whose route named none counts under none."""
-    head = named.get(seq.request_id)
-    if head is not None:
-        heads[head] += 1
-        longest[head] = max(longest.get(head, 0), seq.num_prompt_tokens)
+    (``AddRequest.group``, in ``named`` by request id) and return that group; a sequence whose
+    route named none counts under none."""
+    group = named.get(seq.request_id)
+    if group is not None:
+        heads[group.head] += 1
+        longest[group.head] = max(longest.get(group.head, 0), seq.num_prompt_tokens)
+    return group
 
 
 class Worker:
@@ -115,7 +134,7 @@ class Worker:
         # Each request's cascade group, as its route named it (``AddRequest.group``), where the pool
         # prices by groups (``RoutingConfig.cascade_groups``): pruned to the running and waiting
         # sequences as each load report is built.
-        self.groups: dict[str, bytes] = {}
+        self.groups: dict[str, NamedGroup] = {}
         self.last_load: LoadReport | None = None
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
@@ -185,10 +204,12 @@ class Worker:
         # only then are any kept), counted where any sequence has one.
         named = self.groups
         count_heads = bool(named)
+        joining: list[tuple[NamedGroup, int]] = []  # named sequences not decoding yet, with their lengths
         for seq in sched.running:
-            if count_heads:
-                _count_head(seq, named, heads, longest)
             n, c = max(0, len(seq) - 1 - seq.num_computed_tokens), seq.num_computed_tokens
+            group = _count_head(seq, named, heads, longest) if count_heads else None
+            if group is not None and n:
+                joining.append((group, len(seq)))
             prefill += n
             attention += attention_pairs(n, c)
             keys += prefill_keys(n, c)
@@ -196,9 +217,10 @@ class Worker:
             context += len(seq)
         new_prefill = prefill
         for seq in sched.waiting:
-            if count_heads:
-                _count_head(seq, named, heads, longest)
             length = len(seq)
+            group = _count_head(seq, named, heads, longest) if count_heads else None
+            if group is not None:
+                joining.append((group, length))
             prefill += length - seq.num_computed_tokens
             cached = max(seq.num_computed_tokens, self.cached_on_arrival.get(seq.request_id, 0))
             n = max(0, length - cached)
@@ -222,6 +244,14 @@ class Worker:
             if plan is not None:
                 cascade_pairs, cascade_reads = plan.pairs, sum(plan.lens)
                 context -= plan.pairs
+            # Those not decoding yet whose group here has another member will read its prefix in the
+            # prefix pass too, as their reservations counted them: a burst's queued questions are not
+            # each priced as reading their document alone once the report lands.
+            for group, length in joining:
+                if heads[group.head] > 1:
+                    shared = min(group.tokens, length - 1)
+                    context -= shared
+                    cascade_pairs += shared
         # The most shared first, then the longest prompts (a document's first question, a group of
         # one, before a chat's short prompts): a group forms from its first row.
         groups = sorted(heads.items(), key=lambda hr: (-hr[1], -longest[hr[0]]))[:GROUP_HEADS]
@@ -382,14 +412,14 @@ class Worker:
         """Apply one frontend message; return messages to send back."""
         if isinstance(msg, AddRequest):
             try:
-                self.core.add_checked_request(msg.request_id, unpack_ids(msg.prompt_ids), msg.params,
+                seq = self.core.add_checked_request(msg.request_id, unpack_ids(msg.prompt_ids), msg.params,
                                               msg.output_token_ids, msg.block_hashes)
             except ValueError as e:
                 return [RequestRejected(msg.request_id, str(e))]
             self.admitted.append(msg.request_id)
             self.cached_on_arrival[msg.request_id] = self.core.cached_prefix_tokens(msg.request_id)
             if msg.group is not None and self.spec.pool.routing_config.cascade_groups:
-                self.groups[msg.request_id] = msg.group
+                self.groups[msg.request_id] = named_group(seq, msg.group)
         elif isinstance(msg, AbortRequest):
             self.core.abort_request(msg.request_id)
         elif isinstance(msg, AttachControl):

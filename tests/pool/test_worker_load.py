@@ -148,6 +148,37 @@ def test_a_worker_reports_how_many_of_its_sequences_are_of_each_group_their_rout
     assert plain.load().num_waiting == 1
 
 
+def test_queued_members_of_a_group_report_its_prefix_as_the_pairs_they_will_attend(tiny_model):
+    """A burst's questions queued behind one document, their routes naming its group, will attend
+    it in their group's prefix pass once they decode, as their reservations counted them: the
+    report counts that prefix as ``cascade_pairs``, not as context each reads alone (else a
+    report landing mid-burst prices the rank as if every queued question read its document on
+    its own). A group of one reads it alone, and so does a request whose route named no group;
+    a member decoding alone reads it alone until another joins it in a step."""
+    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=1,
+                                   cascade_min_saved_tokens=1, routing_config=GROUPS)
+    spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
+    core = EngineCore(pool.engine_of(0))
+    worker = Worker(spec, core, frontend=None)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    doc, other = list(range(1, 4 * BLOCK + 1)), list(range(200, 200 + 2 * BLOCK))
+    key, other_key = chain_hashes(doc, BLOCK)[-1], chain_hashes(other, BLOCK)[-1]
+    asked = [("a", doc + [5], key), ("b", doc + [6, 7], key), ("lone", other + [8], other_key),
+             ("unnamed", doc + [9], None)]
+    for request_id, tokens, group in asked:
+        worker.handle(add(request_id, tokens, params, group))
+    held = sum(len(tokens) for _, tokens, _ in asked)
+    load = worker.load()
+    assert load.num_waiting == 4
+    assert (load.cascade_pairs, load.context_tokens) == (2 * 4 * BLOCK, held - 2 * 4 * BLOCK)
+    while not (core.scheduler.running and core.scheduler.running[0].num_computed_tokens >= len(doc) + 1):
+        core.step()  # "a" prefilled, decoding alone (one sequence a step); the rest queued
+    load = worker.load()
+    assert (load.num_running, load.num_waiting) == (1, 3)
+    running, queued = len(core.scheduler.running[0]), held - (len(doc) + 1)  # "a" grew by its tokens
+    assert (load.cascade_pairs, load.context_tokens) == (4 * BLOCK, running + queued - 4 * BLOCK)
+
+
 def test_among_heads_of_as_many_rows_the_longest_prompt_is_reported_first(tiny_model, monkeypatch):
     """At the report's limit of groups, a group of one with a long prompt (a document's first
     question, which the next ones should join) goes before a short prompt's, whatever came first."""
