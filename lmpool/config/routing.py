@@ -40,7 +40,8 @@ class RoutingConfig:
     # rank, priced as one, where SGLang's copy kept one a rank and won (``results/eval_NOTES.md``).
     cascade_group_reads: bool = False
     # Prices within this fraction of the cheapest are equal (the step fits err by a few percent);
-    # among them the rank with the most free blocks wins (``lmpool.control.pricing.price.cheapest``).
+    # among them ``lmpool.control.pricing.price.cheapest``'s order decides (the seed's affinity, the
+    # match, the request's cascade group, the count in flight, free blocks).
     price_tie: float = 0.03
     # A route reservation counts until its rank reports the request admitted, or this long
     # (a request that never reached its rank).

@@ -310,8 +310,8 @@ def test_the_bounded_load_gate_is_smg_s():
 
 
 def test_prices_within_the_tie_are_equal_and_the_emptier_rank_wins():
-    def p(rank, total_s, free, matched=0, affinity=0, seqs=0):
-        return RankPrice(rank, matched, 0, 1, 100, free, seqs, total_s / 2, total_s, affinity)
+    def p(rank, total_s, free, matched=0, affinity=0, seqs=0, joins=False):
+        return RankPrice(rank, matched, 0, 1, 100, free, seqs, total_s / 2, total_s, affinity, joins=joins)
 
     assert cheapest([p(0, 1.0, 10), p(1, 1.02, 90)], 0.03).rank == 1  # within 3 %: more free blocks
     assert cheapest([p(0, 1.0, 10), p(1, 1.05, 90)], 0.03).rank == 0  # beyond it: the price
@@ -321,6 +321,11 @@ def test_prices_within_the_tie_are_equal_and_the_emptier_rank_wins():
     assert cheapest([p(0, 1.0, 90, seqs=33), p(1, 1.02, 10, seqs=32)], 0.03).rank == 1  # fewer in flight first
     assert cheapest([p(0, 1.0, 90, seqs=33), p(1, 1.05, 10, seqs=32)], 0.03).rank == 0  # ... within the tie only
     assert cheapest([p(0, 1.0, 10, matched=3, seqs=9), p(1, 1.0, 90, seqs=1)], 0.03).rank == 0  # the match first
+    # Its cascade group's rank before a busier count's: not a second document on a rank reading one already.
+    assert cheapest([p(0, 1.0, 90, seqs=13, joins=True), p(1, 1.02, 90, seqs=3)], 0.03).rank == 0
+    assert cheapest([p(0, 1.0, 90, seqs=13, joins=True), p(1, 1.05, 90, seqs=3)], 0.03).rank == 0
+    assert cheapest([p(0, 1.05, 90, seqs=13, joins=True), p(1, 1.0, 90, seqs=3)], 0.03).rank == 1  # the tie only
+    assert cheapest([p(0, 1.0, 90, matched=3), p(1, 1.0, 90, matched=2, joins=True)], 0.03).rank == 0  # after the match
 
 
 def test_evictions_are_regretted_when_a_later_prompt_wants_what_was_evicted():

@@ -105,6 +105,7 @@ class RankPrice(msgspec.Struct, frozen=True, gc=False):
     total_s: float
     affinity: int  # to the seed rank
     held: int = 0  # blocks its sequences hold or have reserved: room once they finish
+    joins: bool = False  # with ``Limits.cascade_groups``: a sequence of its group is there to read its prefix with
 
     @property
     def feasible(self) -> bool:
@@ -380,13 +381,14 @@ class Pricer:
         # ``read_once(q.shared, n, ...)``, or with groups ``w.sharing(q.head)``: inlined as the rest of
         # this function is (two lookups at most, and only for a prompt sharing a prefix).
         shared = q.shared
-        lone = False  # its group there is one sequence, which reads the prefix alone until it joins
+        lone = joins = False  # its group there is one sequence, which reads the prefix alone until it joins
         if shared:
             if self._groups:
                 members = w.heads.get(q.head, 0) + w.reserved_heads.get(q.head, 0)  # type: ignore[arg-type]
                 if not members:
                     shared = 0  # no group there to join: it reads its whole context alone
                 lone = members == 1
+                joins = members > 0
             elif shared * n < self.limits.cascade_min_saved:
                 shared = 0
         if cached < shared:
@@ -408,7 +410,8 @@ class Pricer:
         if reclaim > 0:
             total += reclaim * self._block_recompute_s(c, prompt) * self.reuse(rank)
         near = 0 if seed is None else self.topology.affinity(seed, rank)
-        return RankPrice(rank, m, missing, need if need > 0 else 0, available, free, seqs, ttft, total, near, held)
+        return RankPrice(rank, m, missing, need if need > 0 else 0, available, free, seqs, ttft, total, near, held,
+                         joins)
 
     @staticmethod
     def _room_s(w: RankWork, short: int) -> float:
@@ -449,21 +452,28 @@ class Pricer:
 
 def cheapest(prices: Iterable[RankPrice], tie: float) -> RankPrice:
     """The cheapest of ``prices``, counting those within ``tie`` of its price as equal: among
-    them, higher topology affinity to the seed, a longer match, fewer sequences in flight
-    (running, waiting and reserved), more free blocks, then the lower price and rank. Prices
-    this close are ones the model cannot tell apart, so a burst over twin ranks splits by count,
-    not by whichever twin's estimate happens to be lower (a replica given one decoding sequence
-    more than its twin ends the burst last). Free blocks decide between ranks with as many
+    them, higher topology affinity to the seed, a longer match, joining the request's cascade
+    group (``RankPrice.joins``), fewer sequences in flight (running, waiting and reserved), more
+    free blocks, then the lower price and rank. Prices this close are ones the model cannot tell
+    apart, so a burst over twin ranks splits by count, not by whichever twin's estimate happens
+    to be lower (a replica given one decoding sequence more than its twin ends the burst last).
+    A group comes before the count: a document's question opened on a rank decoding another
+    document's makes that rank read both documents every step, for every question of its
+    document that joins it there later, which no one request's price sees (on the 32k oracle,
+    one such tie-break left three questions of one document on the other's rank, whose burst
+    ended 25 % later); and its group's rank before an idle one keeps a document's questions
+    together until prices part them, so each rank of a burst over two documents decodes one.
+    Free blocks decide between ranks with as many
     (idle ones, say): an emptier cache evicts less, and a cache holding content nothing has
     asked for yet is likely to be asked for it (a document read there, whose questions are
     coming)."""
     prices = list(prices)
     bound = min([p.total_s for p in prices]) * (1.0 + tie)
     best: RankPrice | None = None
-    best_key: tuple[int, int, int, int, float, int] | None = None
+    best_key: tuple[int, int, bool, int, int, float, int] | None = None
     for p in prices:  # ``min`` by that key, without a key function call per price
         if p.total_s <= bound:
-            key = (-p.affinity, -p.matched, p.seqs, -p.free, p.total_s, p.rank)
+            key = (-p.affinity, -p.matched, not p.joins, p.seqs, -p.free, p.total_s, p.rank)
             if best_key is None or key < best_key:
                 best, best_key = p, key
     assert best is not None  # the cheapest price is within its own bound
