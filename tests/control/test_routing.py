@@ -16,7 +16,7 @@ from lmpool.config.engine import CASCADE_MIN_SAVED_TOKENS
 from lmpool.control.build import make_router
 from lmpool.control.page_table.manager import GlobalBlockManager
 from lmpool.control.pricing.price import Limits
-from lmpool.control.pricing.step_model import DEFAULT_PRIOR
+from lmpool.control.pricing.step_model import DEFAULT_PRIOR, StepCoefficients
 from lmpool.control.routing.registry import POLICIES
 from lmpool.control.routing.router import NoAliveRankError, Router
 from lmpool.control.topology import Topology
@@ -703,6 +703,60 @@ def test_with_cascade_groups_a_burst_over_two_cached_documents_decodes_one_docum
     assert sorted(sorted(c.items()) for c in grouped.values()) == [[(0, 16)], [(0, 16)], [(1, 16)], [(1, 16)]]
     mixed = [rank for rank, c in spread.items() if len(c) == 2]
     assert len(mixed) == 4 and sum(c.total() for c in spread.values()) == 64
+
+
+def queued_report(questions: list[tuple[str, bytes | None, int]], admitted: list[str], document: int,
+                  free: int) -> LoadReport:
+    """What a worker reports of ``questions`` (id, group, prompt tokens) queued behind a cached
+    ``document`` of that many tokens, 64 new tokens and 32 to decode each (``Worker.load``): a
+    question whose group has another member there counts the document as the cascade pairs it
+    will attend, not as context it reads alone."""
+    heads = collections.Counter(group for _, group, _ in questions)
+    pairs = sum(document for _, group, _ in questions if heads[group] > 1)
+    held = sum(prompt for _, _, prompt in questions)
+    return LoadReport(num_waiting=len(questions), waiting_prefill_tokens=64 * len(questions),
+                      new_prefill_tokens=64 * len(questions),
+                      prefill_attention=sum(64 * (prompt - 64) + 64 * 65 // 2 for _, _, prompt in questions),
+                      decode_tokens_left=32 * len(questions), context_tokens=held - pairs, blocks_free=free,
+                      admitted=admitted, cascade_pairs=pairs, group_heads=list(heads), group_rows=list(heads.values()),
+                      prefill_keys=held)
+
+
+def test_with_cascade_groups_a_burst_stays_even_as_its_ranks_report_their_queued_questions():
+    """128 questions over two 32k documents cached on all 4 ranks, in the order an H100 oracle run
+    asked them, at that run's step fit, every rank reporting its queued questions every 16 routes
+    (``queued_report``): each rank ends with 32 questions of one document. When the workers
+    reported those questions' documents as context each read alone, a rank's report made it look
+    several times dearer than its reservations had (on the GPU the two owners of the real trace
+    froze at 26 and 25 questions; here one document split 30/34 over its two ranks)."""
+    fit = StepCoefficients(base=3.33e-3, prefill_token=8.08e-6, attention_pair=2.37e-9, decode_seq=13.4e-6,
+                           context_token=0.124e-6, cascade_pair=6.37e-9, prefill_key=184e-9)
+    order = ("11100110010000101110000110000110010000010001001110000101000111010000001111111110001011110111111101"
+             "011010001011110110100100111001")
+    n = 2048  # blocks: 32k tokens
+    docs = [chain(n, family=100 * (d + 1)) for d in range(2)]
+    stored = chain_blocks(docs[0]) + chain_blocks(docs[1], first_id=n)
+    gbm = GlobalBlockManager(4, BLOCK, reservation_ttl_s=60.0, clock=ManualClock())
+    for rank in range(4):
+        gbm.register_rank(rank, 1, 16384)
+        gbm.apply_snapshot(rank, 1, KVSnapshot(1, stored))
+        gbm.update_load(rank, 1, LoadReport(blocks_free=16384 - 2 * n))
+    router = priced_router(gbm, Topology.virtual(4), "lmpool", RoutingConfig(cascade_groups=True), coefficients=fit,
+                           limits=Limits(BLOCK, 256, 8192, True, CASCADE_MIN_SAVED_TOKENS, cascade_groups=True))
+    queued: dict[int, list] = collections.defaultdict(list)
+    admitted: dict[int, list] = collections.defaultdict(list)
+    placed: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for i, d in enumerate(order):
+        q = query(docs[int(d)] + chain(4, family=10_000 + i), extra_tokens=0, max_tokens=32)
+        decision = router.route(q)
+        placed[decision.rank][d] += 1
+        queued[decision.rank].append((q.request_id, decision.group, q.num_prompt_tokens))
+        admitted[decision.rank].append(q.request_id)
+        if (i + 1) % 16 == 0:
+            for rank in range(4):
+                gbm.update_load(rank, 1, queued_report(queued[rank], admitted.pop(rank, []), n * BLOCK,
+                                                       16384 - 2 * n - 3 * len(queued[rank])))
+    assert sorted(sorted(c.items()) for c in placed.values()) == [[("0", 32)], [("0", 32)], [("1", 32)], [("1", 32)]]
 
 
 def test_with_cascade_groups_a_decision_names_its_route_s_group_the_shared_prefix_s_last_block():
