@@ -222,7 +222,8 @@ class PolicyRun:
         for rank in range(WORLD):
             load = LoadReport(
                 num_waiting=rng.randrange(8), num_running=rng.randrange(64),
-                waiting_prefill_tokens=rng.randrange(20_000), decode_tokens_left=rng.randrange(50_000),
+                waiting_prefill_tokens=(queued := rng.randrange(20_000)), new_prefill_tokens=queued // 2,
+                decode_tokens_left=rng.randrange(50_000),
                 context_tokens=rng.randrange(500_000),
                 blocks_free=rng.randrange(50_000), blocks_reclaimable=rng.randrange(100_000),
                 blocks_used=rng.randrange(50_000), admitted=[q.request_id for q in pending[rank]],

@@ -23,7 +23,9 @@ class LoadReport(Message):
     num_waiting: int = 0
     num_running: int = 0
     waiting_prefill_tokens: int = 0  # prompt tokens not yet computed, over waiting and running
-    new_prefill_tokens: int = 0  # the same, less each queued prompt's cached prefix as it stood on arrival
+    # The same, less each queued prompt's cached prefix as it stood on arrival: what the ranks will
+    # compute, which LMPool's price queues (Dynamo's prefill term too).
+    new_prefill_tokens: int = 0
     # Causal attention pairs of that prefill still to compute (as ``StepSample.attention`` counts them).
     prefill_attention: int = 0
     decode_tokens_left: int = 0  # tokens still to generate by running and waiting sequences (max_tokens bound)

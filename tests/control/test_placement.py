@@ -66,7 +66,7 @@ class World:
 
     def load(self, rank: int, waiting_prefill_tokens: int = 0, blocks_free: int = NUM_BLOCKS) -> None:
         self.gbm.update_load(rank, 1, LoadReport(waiting_prefill_tokens=waiting_prefill_tokens,
-                                                 blocks_free=blocks_free))
+                                                 new_prefill_tokens=waiting_prefill_tokens, blocks_free=blocks_free))
 
     def route(self, chain: list[int], times: int = 1, rank: int = 0) -> None:
         """Routes of ``chain`` to ``rank``, as the pipeline records them (demand, placement's chains)."""

@@ -355,7 +355,7 @@ def test_every_price_is_finite_non_negative_and_at_least_its_time_to_first_token
         gbm.register_rank(rank, 1, 4096)
         gbm.apply_snapshot(rank, 1, KVSnapshot(0, []))
     gbm.update_load(0, 1, LoadReport(num_running=running, num_waiting=waiting, context_tokens=context,
-                                     decode_tokens_left=left, waiting_prefill_tokens=queued,
+                                     decode_tokens_left=left, waiting_prefill_tokens=queued, new_prefill_tokens=queued,
                                      prefill_attention=queued * 1000, blocks_free=free, blocks_reclaimable=reclaimable))
     pricer = Pricer(gbm, Topology.virtual(2), engine_model(2), Limits(16, 256, 8192), lambda rank: reuse)
     query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, out)
@@ -436,6 +436,7 @@ def test_a_prefill_is_priced_at_the_keys_its_chunks_read(running, questions, con
     def ttft(coefficients: StepCoefficients, keys: int) -> float:
         load = LoadReport(num_running=running, context_tokens=100 * running, decode_tokens_left=10 * running,
                           blocks_free=4000, num_waiting=questions, waiting_prefill_tokens=questions * own,
+                          new_prefill_tokens=questions * own,
                           prefill_attention=questions * (own * context + own * (own + 1) // 2), prefill_keys=keys)
         pricer = Pricer(one_rank(load), Topology.virtual(1), engine_model(1, coefficients), Limits(16, 256, 8192),
                         lambda rank: 0.5)
@@ -453,7 +454,7 @@ def test_a_copy_into_a_rank_waits_behind_the_prefill_it_has_launched(running, to
     """The step under way at a rank, which a pull's copy into it runs behind (``next_step_s``),
     is the launched one with its prefill, not a share of the queue that has not left the host."""
     base = dict(num_running=running, context_tokens=1000 * running, decode_tokens_left=10 * running,
-                blocks_free=4000, waiting_prefill_tokens=queued)
+                blocks_free=4000, waiting_prefill_tokens=queued, new_prefill_tokens=queued)
     steps = [Pricer(one_rank(LoadReport(**base, **launched)), Topology.virtual(1), engine_model(1, PAIRED),
                     Limits(16, 256, 8192, True), lambda rank: 0.5).next_step_s(0)
              for launched in ({}, dict(launched_prefill_tokens=tokens, launched_attention=pairs))]
@@ -503,7 +504,7 @@ def test_a_pull_s_floor_is_its_serve_price_less_all_the_pulled_blocks_could_save
     from lmpool.control.pricing.price import prefill_seconds
     from lmpool.control.transfers.pull_price import _least
 
-    gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
+    gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued, new_prefill_tokens=queued,
                               blocks_free=1000))
     pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, TRUE), Limits(16, 256, 8192), lambda rank: 0.5)
     query = RouteQuery("q", list(range(blocks)), blocks * 16 + 3, 8)
@@ -525,7 +526,7 @@ def test_work_deferred_behind_a_pull_delays_only_a_request_that_waits_on_a_copy_
     priced = {}
     for deferred in (False, True):
         gbm = one_rank(LoadReport(num_running=running, context_tokens=1000 * running,
-                                  decode_tokens_left=10 * running, waiting_prefill_tokens=queued,
+                                  decode_tokens_left=10 * running, waiting_prefill_tokens=queued, new_prefill_tokens=queued,
                                   blocks_free=4000))
         gbm.reserve("waiter", 0, 4, tokens, tokens * 500, tokens, 8, deferred=deferred)
         pricer = Pricer(gbm, Topology.virtual(1), engine_model(1), Limits(16, 256, 8192), lambda rank: 0.5)
@@ -646,7 +647,7 @@ def test_a_pull_s_floor_is_below_the_price_of_serving_at_its_depth(running, cont
 
     key = group_key(list(range(blocks)), min(shared, blocks))  # the prompt's group (None: it shares nothing)
     heads = dict(group_heads=[key], group_rows=[groups]) if groups and key is not None else {}
-    gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued,
+    gbm = one_rank(LoadReport(num_running=running, context_tokens=context, waiting_prefill_tokens=queued, new_prefill_tokens=queued,
                               decode_tokens_left=16 * running, blocks_free=100_000, **heads))
     branched_after(gbm, list(range(blocks)), min(shared, blocks))  # the prefix other prompts share
     pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, coefficients),

@@ -253,7 +253,7 @@ def test_a_long_prefill_queue_on_an_overloaded_owner_makes_the_copy_beat_recompu
     rig = PullRig(coefficients=COEF._replace(attention_pair=1e-4))
     rig.cache(0, DOC)
     rig.gbm.update_load(0, 1, rig.gbm.ranks[0].load.__class__(num_waiting=12, waiting_prefill_tokens=50_000,
-                                                               blocks_free=900))
+                                                               new_prefill_tokens=50_000, blocks_free=900))
     rig.load(1, 0)
     _, decision = rig.route(DOC)
     assert decision.rank == 1 and decision.reason.startswith("pull r1<-r0")

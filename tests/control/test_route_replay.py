@@ -111,7 +111,10 @@ def replay(side: str) -> list[str]:
                     load = LoadReport(
                         num_waiting=rng.randrange(40),
                         num_running=rng.randrange(60),
-                        waiting_prefill_tokens=rng.randrange(4000),
+                        waiting_prefill_tokens=(queued := rng.randrange(4000)),
+                        # LMPool queues the new tokens; the peers' digest was recorded from reports
+                        # without them (Dynamo's rule reads them: its routes would move).
+                        new_prefill_tokens=queued if policy == "lmpool" else 0,
                         decode_tokens_left=rng.randrange(5000),
                         blocks_free=rng.randrange(0, 200),
                         blocks_reclaimable=rng.randrange(0, 100),

@@ -43,6 +43,9 @@ def chain(n: int, family: int = 1) -> list[int]:
 
 def load(gbm: GlobalBlockManager, rank: int, **fields) -> None:
     fields.setdefault("blocks_free", NUM_BLOCKS)
+    # Queued prompts found nothing cached unless a test says otherwise: all of it is new (what
+    # LMPool's price queues).
+    fields.setdefault("new_prefill_tokens", fields.get("waiting_prefill_tokens", 0))
     gbm.update_load(rank, 1, LoadReport(**fields))
 
 

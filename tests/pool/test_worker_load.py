@@ -8,6 +8,7 @@ from __future__ import annotations
 from array import array
 
 import msgspec
+import pytest
 
 from lmpool.config.pool import PoolConfig
 from lmpool.config.routing import RoutingConfig
@@ -232,3 +233,60 @@ def test_a_route_decision_or_request_from_a_sender_without_a_group_still_decodes
         assert decoded.group is None and decoded == message(**fields)
         grouped = message(**fields, group=b"g" * 32)
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(grouped), type=message) == grouped
+
+
+def test_a_report_of_the_requests_a_rank_reserved_prices_it_as_their_reservations_did(tiny_model):
+    """The control plane prices a rank by its last load report plus the reservations of the
+    requests routed there since; a report that admits those requests hands their work from the
+    one to the other, and the rank's price must not jump there: its queued prefill, its step
+    and the decode left are the same before and after. Questions over a document the rank has
+    cached, their routes naming its group: each computes its own tokens only (``new_prefill_tokens``,
+    not the whole prompt it waits with) and reads the document in its group's prefix pass."""
+    from lmpool.control.page_table.manager import GlobalBlockManager
+    from lmpool.control.pricing.engine_model import EngineModel
+    from lmpool.control.pricing.price import Limits, Pricer
+    from lmpool.control.pricing.step_model import StepCoefficients
+    from lmpool.control.routing.reserve import Reserve
+    from lmpool.control.routing.route import Route
+    from lmpool.control.topology import Topology
+    from lmpool.protocol import RouteQuery
+    from lmpool.protocol.kv_events import BlockStored, KVSnapshot
+
+    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=1,
+                                   cascade_min_saved_tokens=1, routing_config=GROUPS)
+    spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
+    core = EngineCore(pool.engine_of(0))
+    worker = Worker(spec, core, frontend=None)
+    doc = list(range(1, 4 * BLOCK + 1))
+    worker.handle(add("first", doc + [99], SamplingParams(temperature=0, max_tokens=1)))
+    while core.has_unfinished():  # the document's four blocks, cached
+        core.step()
+    core.step()
+    hashes = chain_hashes(doc, BLOCK)
+    gbm = GlobalBlockManager(1, BLOCK)
+    gbm.register_rank(0, 1, 64)
+    gbm.apply_snapshot(0, 1, KVSnapshot(1, [BlockStored(h, p, i, 1) for i, (h, p) in
+                                            enumerate(zip(hashes, [b""] + hashes[:-1]))]))
+    gbm.update_load(0, 1, worker.load())
+    model = EngineModel(1)
+    model.ranks[0].reseed(StepCoefficients(base=1e-3, prefill_token=1e-5, attention_pair=1e-9, decode_seq=1e-4,
+                                           context_token=1e-6, cascade_pair=1e-8, prefill_key=1e-7))
+    pricer = Pricer(gbm, Topology.virtual(1), model, Limits(BLOCK, 1, 64, False, 1, cascade_groups=True),
+                    lambda rank: 0.5)
+    reserve = Reserve(gbm, pricer)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = []
+    for i in range(4):
+        tokens = doc + [100 + i, 200 + i, 300 + i]
+        query = RouteQuery(f"q{i}", chain_hashes(tokens, BLOCK), len(tokens), params.max_tokens)
+        route = Route(query, None, (0,), [4], [4], rank=0)
+        reserve.settle(route)
+        reserve.record(route)
+        worker.handle(add(query.request_id, tokens, params, route.group))
+        ids.append(query.request_id)
+    before = pricer.work(0)
+    gbm.update_load(0, 1, msgspec.structs.replace(worker.load(), admitted=ids))
+    after = pricer.work(0)
+    assert gbm.ranks[0].reserved.count == 0 and after.seqs == before.seqs == 4
+    assert after.queued == before.queued == 4 * 3, "each question computes its own three tokens"
+    assert (after.queue, after.step, after.left) == pytest.approx((before.queue, before.step, before.left))

@@ -3,8 +3,9 @@
 A rank's in-flight work is its last load report plus its route reservations: ``n`` sequences
 (running, waiting, reserved; at most ``max_num_seqs`` run), their ``ctx`` context tokens (read
 each on its own) and ``cp`` cascade pairs (the shared prefixes they attend in a cascade's prefix
-passes), ``left`` tokens still to decode, and ``W`` prompt tokens still to prefill (``Aw``
-attention pairs; ``Kw`` keys their chunks read, each prompt's whole context). With the rank's
+passes), ``left`` tokens still to decode, and ``W`` prompt tokens still to prefill (each queued
+prompt less the prefix cached on its arrival, ``LoadReport.new_prefill_tokens``; ``Aw`` attention
+pairs; ``Kw`` keys their chunks read, each prompt's whole context). With the rank's
 step coefficients (base, per prefill token, per attention pair, per prefill key, per decoding
 sequence ``seq``, per context token ``tok``, per cascade pair ``cpair``), a
 step beside the decodes costs ``step = base + seq * n + tok * ctx + cpair * cp``, and takes at
@@ -299,7 +300,10 @@ class Pricer:
         reads = c.context_token * ctx + c.cascade_pair * (load.cascade_pairs + res.cascade + res.converted)
         step = c.base + c.decode_seq * n + reads
         room = max(1, lim.max_num_batched_tokens - n)
-        queued = load.waiting_prefill_tokens + res.tokens
+        # What the queued prompts will compute: each less the prefix cached on its arrival, as its
+        # reservation counted it (every uncomputed token, ``waiting_prefill_tokens``, counts a
+        # burst's waiting questions' whole document as prefill once their report lands).
+        queued = load.new_prefill_tokens + res.tokens
         attention = load.prefill_attention + res.attention
         keys = load.prefill_keys + res.keys
         queue_work = c.prefill_token * queued + c.attention_pair * attention + c.prefill_key * keys
