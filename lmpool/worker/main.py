@@ -204,12 +204,12 @@ class Worker:
         # only then are any kept), counted where any sequence has one.
         named = self.groups
         count_heads = bool(named)
-        joining: list[tuple[NamedGroup, int]] = []  # named sequences not decoding yet, with their lengths
+        members: list[tuple[EngineSequence, NamedGroup]] = []  # the sequences of named groups
         for seq in sched.running:
             n, c = max(0, len(seq) - 1 - seq.num_computed_tokens), seq.num_computed_tokens
             group = _count_head(seq, named, heads, longest) if count_heads else None
-            if group is not None and n:
-                joining.append((group, len(seq)))
+            if group is not None:
+                members.append((seq, group))
             prefill += n
             attention += attention_pairs(n, c)
             keys += prefill_keys(n, c)
@@ -220,7 +220,7 @@ class Worker:
             length = len(seq)
             group = _count_head(seq, named, heads, longest) if count_heads else None
             if group is not None:
-                joining.append((group, length))
+                members.append((seq, group))
             prefill += length - seq.num_computed_tokens
             cached = max(seq.num_computed_tokens, self.cached_on_arrival.get(seq.request_id, 0))
             n = max(0, length - cached)
@@ -241,15 +241,18 @@ class Worker:
             decoding = [s for s in sched.running if s.num_computed_tokens >= len(s) - 1]
             plan = plan_cascade([s.block_table for s in decoding], [len(s) for s in decoding], bm.block_size,
                                 self.core.runner.cascade_min_saved)
+            grouped: set[str] = set()
             if plan is not None:
                 cascade_pairs, cascade_reads = plan.pairs, sum(plan.lens)
                 context -= plan.pairs
-            # Those not decoding yet whose group here has another member will read its prefix in the
-            # prefix pass too, as their reservations counted them: a burst's queued questions are not
-            # each priced as reading their document alone once the report lands.
-            for group, length in joining:
-                if heads[group.head] > 1:
-                    shared = min(group.tokens, length - 1)
+                grouped = {decoding[row].request_id for row in plan.rows}
+            # A member of a named group with another member here that no cascade groups yet (queued,
+            # prefilling, or decoding alone until another joins it) will read its prefix in the group's
+            # prefix pass, as the reservations counted it (a join converts a lone member): a burst's
+            # queued questions are not each priced as reading their document alone once reported.
+            for seq, group in members:
+                if heads[group.head] > 1 and seq.request_id not in grouped:
+                    shared = min(group.tokens, len(seq) - 1)
                     context -= shared
                     cascade_pairs += shared
         # The most shared first, then the longest prompts (a document's first question, a group of

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from array import array
 
+import hypothesis.strategies as st
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from lmpool.config.pool import PoolConfig
 from lmpool.config.routing import RoutingConfig
@@ -154,8 +156,10 @@ def test_queued_members_of_a_group_report_its_prefix_as_the_pairs_they_will_atte
     it in their group's prefix pass once they decode, as their reservations counted them: the
     report counts that prefix as ``cascade_pairs``, not as context each reads alone (else a
     report landing mid-burst prices the rank as if every queued question read its document on
-    its own). A group of one reads it alone, and so does a request whose route named no group;
-    a member decoding alone reads it alone until another joins it in a step."""
+    its own). A group of one reads it alone, and so does a request whose route named no group.
+    A member decoding alone while another of its group waits is counted with its group too: the
+    two share the prefix pass from the step the other joins it (as the join's reservation
+    converted it)."""
     pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=1,
                                    cascade_min_saved_tokens=1, routing_config=GROUPS)
     spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
@@ -177,7 +181,7 @@ def test_queued_members_of_a_group_report_its_prefix_as_the_pairs_they_will_atte
     load = worker.load()
     assert (load.num_running, load.num_waiting) == (1, 3)
     running, queued = len(core.scheduler.running[0]), held - (len(doc) + 1)  # "a" grew by its tokens
-    assert (load.cascade_pairs, load.context_tokens) == (4 * BLOCK, running + queued - 4 * BLOCK)
+    assert (load.cascade_pairs, load.context_tokens) == (2 * 4 * BLOCK, running + queued - 2 * 4 * BLOCK)
 
 
 def test_among_heads_of_as_many_rows_the_longest_prompt_is_reported_first(tiny_model, monkeypatch):
@@ -235,13 +239,16 @@ def test_a_route_decision_or_request_from_a_sender_without_a_group_still_decodes
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(grouped), type=message) == grouped
 
 
-def test_a_report_of_the_requests_a_rank_reserved_prices_it_as_their_reservations_did(tiny_model):
-    """The control plane prices a rank by its last load report plus the reservations of the
-    requests routed there since; a report that admits those requests hands their work from the
-    one to the other, and the rank's price must not jump there: its queued prefill, its step
-    and the decode left are the same before and after. Questions over a document the rank has
-    cached, their routes naming its group: each computes its own tokens only (``new_prefill_tokens``,
-    not the whole prompt it waits with) and reads the document in its group's prefix pass."""
+DOCS = (list(range(1, 4 * BLOCK + 1)), list(range(500, 500 + 2 * BLOCK)))  # cached: four blocks, two
+
+
+def handed_over(tiny_model, asked: list[tuple[int | None, int]], groups: bool = True, cascades: bool = True,
+                max_num_seqs: int = 1, decoding: list[tuple[int | None, int]] = ()) -> tuple:
+    """A rank that cached ``DOCS``, and requests routed to it through the route's reservation stage
+    (``Reserve``) and added to its worker: each a document of ``DOCS`` (None: a cold prompt) and
+    its own tokens after it. The ``decoding`` ones first, stepped until they decode (reported);
+    then ``asked``. The rank's priced work (``Pricer.work``) while those are reserved, and once
+    the worker's report admits them."""
     from lmpool.control.page_table.manager import GlobalBlockManager
     from lmpool.control.pricing.engine_model import EngineModel
     from lmpool.control.pricing.price import Limits, Pricer
@@ -252,41 +259,82 @@ def test_a_report_of_the_requests_a_rank_reserved_prices_it_as_their_reservation
     from lmpool.protocol import RouteQuery
     from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 
-    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64, max_num_seqs=1,
-                                   cascade_min_saved_tokens=1, routing_config=GROUPS)
+    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64,
+                                   max_num_seqs=max_num_seqs, cascade_min_saved_tokens=1 if cascades else 0,
+                                   routing_config=RoutingConfig(cascade_groups=groups))
     spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
     core = EngineCore(pool.engine_of(0))
     worker = Worker(spec, core, frontend=None)
-    doc = list(range(1, 4 * BLOCK + 1))
-    worker.handle(add("first", doc + [99], SamplingParams(temperature=0, max_tokens=1)))
-    while core.has_unfinished():  # the document's four blocks, cached
+    stored = []
+    for d, doc in enumerate(DOCS):
+        worker.handle(add(f"read{d}", doc + [99], SamplingParams(temperature=0, max_tokens=1)))
+        hashes = chain_hashes(doc, BLOCK)
+        stored += [BlockStored(h, p, len(stored) + i, 1) for i, (h, p) in enumerate(zip(hashes, [b""] + hashes[:-1]))]
+    while core.has_unfinished():  # the documents' blocks, cached
         core.step()
     core.step()
-    hashes = chain_hashes(doc, BLOCK)
     gbm = GlobalBlockManager(1, BLOCK)
     gbm.register_rank(0, 1, 64)
-    gbm.apply_snapshot(0, 1, KVSnapshot(1, [BlockStored(h, p, i, 1) for i, (h, p) in
-                                            enumerate(zip(hashes, [b""] + hashes[:-1]))]))
+    gbm.apply_snapshot(0, 1, KVSnapshot(1, stored))
     gbm.update_load(0, 1, worker.load())
     model = EngineModel(1)
     model.ranks[0].reseed(StepCoefficients(base=1e-3, prefill_token=1e-5, attention_pair=1e-9, decode_seq=1e-4,
                                            context_token=1e-6, cascade_pair=1e-8, prefill_key=1e-7))
-    pricer = Pricer(gbm, Topology.virtual(1), model, Limits(BLOCK, 1, 64, False, 1, cascade_groups=True),
-                    lambda rank: 0.5)
+    limits = Limits(BLOCK, max_num_seqs, 64, False, 1 if cascades else 0, cascade_groups=groups)
+    pricer = Pricer(gbm, Topology.virtual(1), model, limits, lambda rank: 0.5)
     reserve = Reserve(gbm, pricer)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    ids = []
-    for i in range(4):
-        tokens = doc + [100 + i, 200 + i, 300 + i]
-        query = RouteQuery(f"q{i}", chain_hashes(tokens, BLOCK), len(tokens), params.max_tokens)
-        route = Route(query, None, (0,), [4], [4], rank=0)
-        reserve.settle(route)
-        reserve.record(route)
-        worker.handle(add(query.request_id, tokens, params, route.group))
-        ids.append(query.request_id)
+
+    def route(requests, first: int) -> list[str]:
+        ids = []
+        for i, (d, own) in enumerate(requests, first):
+            tokens = (DOCS[d] if d is not None else []) + [600 + 40 * i + t for t in range(own)]  # in the vocabulary
+            held = len(DOCS[d]) // BLOCK if d is not None else 0
+            matched = min(held, (len(tokens) - 1) // BLOCK)
+            query = RouteQuery(f"q{i}", chain_hashes(tokens, BLOCK), len(tokens), params.max_tokens)
+            chosen = Route(query, None, (0,), [matched], [matched], rank=0)
+            reserve.settle(chosen)
+            reserve.record(chosen)
+            assert worker.handle(add(query.request_id, tokens, params, chosen.group)) == []  # admitted
+            ids.append(query.request_id)
+        return ids
+
+    gbm.update_load(0, 1, msgspec.structs.replace(worker.load(), admitted=route(decoding, len(asked))))
+    while any(s.num_computed_tokens < len(s) - 1 for s in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    gbm.update_load(0, 1, worker.load())
+    ids = route(asked, 0)
     before = pricer.work(0)
     gbm.update_load(0, 1, msgspec.structs.replace(worker.load(), admitted=ids))
-    after = pricer.work(0)
-    assert gbm.ranks[0].reserved.count == 0 and after.seqs == before.seqs == 4
+    assert gbm.ranks[0].reserved.count == 0
+    return before, pricer.work(0)
+
+
+def test_a_report_of_the_requests_a_rank_reserved_prices_it_as_their_reservations_did(tiny_model):
+    """The control plane prices a rank by its last load report plus the reservations of the
+    requests routed there since; a report that admits those requests hands their work from the
+    one to the other, and the rank's price must not jump there: its queued prefill, its step
+    and the decode left are the same before and after. Questions over a document the rank has
+    cached, their routes naming its group: each computes its own tokens only (``new_prefill_tokens``,
+    not the whole prompt it waits with) and reads the document in its group's prefix pass."""
+    before, after = handed_over(tiny_model, [(0, 3)] * 4)
+    assert after.seqs == before.seqs == 4
     assert after.queued == before.queued == 4 * 3, "each question computes its own three tokens"
+    assert (after.queue, after.step, after.left) == pytest.approx((before.queue, before.step, before.left))
+
+
+ASKED = st.tuples(st.sampled_from([0, 1, None]), st.integers(1, 2 * BLOCK + 3))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(ASKED, min_size=1, max_size=6), st.booleans(), st.integers(1, 4), st.lists(ASKED, max_size=3))
+def test_any_requests_a_rank_reserved_are_priced_alike_once_reported(tiny_model, asked, cascades, max_num_seqs,
+                                                                      decoding):
+    """``handed_over`` for any mix of questions over either cached document and cold prompts, beside
+    any decoding there already, with cascades priced by groups (the default) or no cascades: the
+    rank's queued prefill, its step, its queue's seconds and its decode left are the same while
+    reserved and once reported."""
+    before, after = handed_over(tiny_model, asked, cascades=cascades, max_num_seqs=max(max_num_seqs, len(decoding)),
+                                decoding=decoding)
+    assert (after.seqs, after.queued) == (before.seqs, before.queued)
     assert (after.queue, after.step, after.left) == pytest.approx((before.queue, before.step, before.left))
