@@ -31,8 +31,8 @@ class LoadReport(Message):
     decode_tokens_left: int = 0  # tokens still to generate by running and waiting sequences (max_tokens bound)
     # Tokens held by running and waiting sequences: the keys their decode steps read each on
     # its own (without the shared prefixes that running sequences decode as a cascade, nor those
-    # of the sequences not decoding yet whose named group there has another member: those are
-    # ``cascade_pairs``).
+    # of the sequences no cascade groups yet whose named group there has another member: those
+    # are ``cascade_pairs``).
     context_tokens: int = 0
     blocks_free: int = 0
     blocks_reclaimable: int = 0
@@ -43,8 +43,9 @@ class LoadReport(Message):
     generated_tokens: int = 0  # cumulative tokens this worker has emitted
     # (row, key) pairs a decode step's cascade prefix passes attend over the running sequences
     # (as ``StepSample.cascade_pairs`` counts them): each shared prefix times the rows sharing it;
-    # and those the sequences not decoding yet will attend in their named groups' passes (a
-    # group's prefix in each member's prompt, where the group has two members or more there).
+    # and those that the sequences no cascade groups yet (queued, prefilling, or decoding alone)
+    # will attend in their named groups' passes (the group's prefix in each member's prompt, where
+    # the group has two members or more there), as their reservations counted them.
     cascade_pairs: int = 0
     # The prefill of the launched step whose tokens are not read back yet (a GPU's; a CPU computes
     # a step inside its launch): its prompt tokens and their attention pairs, no longer queued

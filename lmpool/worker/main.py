@@ -416,7 +416,7 @@ class Worker:
         if isinstance(msg, AddRequest):
             try:
                 seq = self.core.add_checked_request(msg.request_id, unpack_ids(msg.prompt_ids), msg.params,
-                                              msg.output_token_ids, msg.block_hashes)
+                                                    msg.output_token_ids, msg.block_hashes)
             except ValueError as e:
                 return [RequestRejected(msg.request_id, str(e))]
             self.admitted.append(msg.request_id)
