@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 from collections.abc import Iterable
 
@@ -182,6 +183,16 @@ def step_table(paths: list[str], policy: str) -> list[str]:
 
 PARTS = ("dispatch_s", "intake_s", "queued_s", "first_step_s")  # a first token's measured parts, in order
 PLACES = 4  # requests a row of the places table holds, in order of hand-over on their rank
+# Two parts of a route's priced time to first token, in its reason (``price.describe``): the wait for
+# the step under way and its own prefill.
+PRICED_PARTS = re.compile(r"busy=([0-9.]+)ms own=([0-9.]+)ms")
+
+
+def priced_parts(route: str | None) -> tuple[float, float] | None:
+    """(busy, own) seconds of the chosen rank's price in a request's route record, or None where
+    the record has none (files from before they were recorded)."""
+    found = PRICED_PARTS.search(route or "")
+    return None if found is None else (float(found[1]) / 1e3, float(found[2]) / 1e3)
 
 
 def place_table(path: str, policy: str, phase: str | None, rows: int = 6) -> list[str]:
@@ -190,7 +201,9 @@ def place_table(path: str, policy: str, phase: str | None, rows: int = 6) -> lis
     ranks pooled. Each row: the recorded price and the measured time to first token (mean ms), the
     share within 25 %, and the measured time's parts (``PARTS``, where recorded; a record without
     one counts 0 for it, its time left in ``rest``: what the parts leave, the token's way back to
-    the caller)."""
+    the caller). Where the routes recorded them, the price's own parts follow: the wait for the
+    step under way (``busy``) and the request's own prefill (``own``), against the measured intake
+    and first step."""
     data = json.load(open(path))
     pooled: dict[tuple[str, int], list[dict]] = {}
     for run in data["runs"]:
@@ -205,9 +218,10 @@ def place_table(path: str, policy: str, phase: str | None, rows: int = 6) -> lis
             for k, r in enumerate(ranked):
                 pooled.setdefault((run["workload"], min(k // PLACES, rows - 1)), []).append(r)
     parts = [p for p in PARTS if any(r.get(p) is not None for group in pooled.values() for r in group)]
+    priced = any(priced_parts(r.get("route")) for group in pooled.values() for r in group)
     out = ["| workload | place | requests | priced ms | measured ms | within 25 % | "
-           + " | ".join(p.removesuffix("_s") for p in parts) + " | rest |",
-           "| --- | --- | ---: | ---: | ---: | ---: |" + " ---: |" * (len(parts) + 1)]
+           + " | ".join(p.removesuffix("_s") for p in parts) + " | rest |" + (" priced busy | priced own |" if priced else ""),
+           "| --- | --- | ---: | ---: | ---: | ---: |" + " ---: |" * (len(parts) + 1 + 2 * priced)]
     for (workload, row), group in sorted(pooled.items()):
         measured = [r["first_token_s"] - r["arrival_s"] for r in group]
         ratios = [r["predicted_ttft_s"] / m for r, m in zip(group, measured) if m > 0]
@@ -216,6 +230,9 @@ def place_table(path: str, policy: str, phase: str | None, rows: int = 6) -> lis
         place = f"{lo}-{lo + PLACES - 1}" if row < rows - 1 else f"{lo}+"
         mean_measured = statistics.fmean(measured)
         cells = [f"{1e3 * m:.0f}" for m in (*means, mean_measured - sum(means))]
+        if priced:
+            found = [p for p in (priced_parts(r.get("route")) for r in group) if p is not None]
+            cells += [f"{1e3 * statistics.fmean(p[i] for p in found):.0f}" if found else "" for i in (0, 1)]
         out.append(f"| {workload} | {place} | {len(group)} | "
                    f"{1e3 * statistics.fmean(r['predicted_ttft_s'] for r in group):.0f} | {1e3 * mean_measured:.0f} | "
                    f"{within(ratios) if ratios else 0.0:.2f} | " + " | ".join(cells) + " |")

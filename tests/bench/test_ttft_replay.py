@@ -123,3 +123,29 @@ def test_the_places_table_orders_each_rank_s_requests_by_hand_over_and_splits_th
     # Measured 96-100 ms from arrival, of which 2 + 3 + 10 ms after the hand-over: the rest is what is left.
     parts = [float(x) for x in first[6:10]] + [float(first[10].rstrip(" |"))]
     assert parts[1:4] == [2, 3, 10] and sum(parts) == pytest.approx(98, abs=1.5)
+
+
+def test_the_places_table_adds_the_price_s_busy_and_own_parts_where_the_routes_recorded_them(tmp_path, capsys):
+    """A route's reason names two parts of its priced time (``price.describe``: the wait for the step
+    under way and the request's own prefill); the places table gives their means beside the measured
+    parts, and leaves them out for records from before they were recorded."""
+    import json
+
+    from lmpool.control.pricing.price import RankPrice, describe
+
+    def timed(busy_ms, own_ms, arrival):
+        price = RankPrice(0, 2, 16, 1, 10, 10, 1, 0.05, 0.2, 0, busy_s=busy_ms / 1e3, own_s=own_ms / 1e3)
+        return record(arrival, arrival + 0.1, arrival + 0.2, 64, 32, route=describe("owner", price) + "; serve r0=200") | {
+            "intake_s": 0.002, "queued_s": 0.003, "first_step_s": 0.01}
+    data = {"metadata": {"config": {"block_size": BLOCK, "max_num_seqs": 64, "max_num_batched_tokens": 8192}},
+            "runs": [run_of([timed(10, 4, 0.0), timed(20, 6, 0.001)]) | {"status": "ok"}]}
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(data))
+    main(["--places", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| rest | priced busy | priced own |")
+    assert lines[2].split(" | ")[-2:] == ["15", "5 |"]
+    data["runs"][0]["requests"]["route"] = ["owner", "owner"]  # from before
+    path.write_text(json.dumps(data))
+    main(["--places", str(path)])
+    assert capsys.readouterr().out.splitlines()[0].endswith("| rest |")

@@ -21,7 +21,7 @@ from lmpool.protocol import LoadReport, RouteQuery
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVSnapshot
 
 PEERS_DIGEST = "aa52d3175df3fd43521e5fec92dbb5567ca666119688db0a4ed0bcd68482d7f3"
-LMPOOL_DIGEST = "6dac6825504c8161bdeb82a792d46f27a53c8891185f68f37c0ef2e1ab8d45df"
+LMPOOL_DIGEST = "db07881cd35146c36254c76d073c849214074283f5d2c96fa1aa01ce2ef0cb11"
 
 
 class Clock:

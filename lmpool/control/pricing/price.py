@@ -107,6 +107,10 @@ class RankPrice(msgspec.Struct, frozen=True, gc=False):
     affinity: int  # to the seed rank
     held: int = 0  # blocks its sequences hold or have reserved: room once they finish
     joins: bool = False  # with ``Limits.cascade_groups``: a sequence of its group is there to read its prefix with
+    # Two parts of ``ttft_s``: the wait for the step under way (``busy``) and its own prefill's compute
+    # (``own``); the rest is its queue's. Only the route records read them.
+    busy_s: float = 0.0
+    own_s: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -415,7 +419,7 @@ class Pricer:
             total += reclaim * self._block_recompute_s(c, prompt) * self.reuse(rank)
         near = 0 if seed is None else self.topology.affinity(seed, rank)
         return RankPrice(rank, m, missing, need if need > 0 else 0, available, free, seqs, ttft, total, near, held,
-                         joins)
+                         joins, busy, prefill)
 
     @staticmethod
     def _room_s(w: RankWork, short: int) -> float:
@@ -505,5 +509,7 @@ def prefill_seconds(c: StepCoefficients, tokens: int, context: int) -> float:
 
 def describe(rule: str, p: RankPrice) -> str:
     """A decision's reason: the rule that decided, the rank, its matched blocks, its predicted
-    time to first token and its price (milliseconds)."""
-    return f"{rule} r{p.rank} m{p.matched} ttft={p.ttft_s * 1e3:.1f}ms price={p.total_s * 1e3:.1f}ms"
+    time to first token and its price, then two of that time's parts, the wait for the step under
+    way and its own prefill (milliseconds)."""
+    return (f"{rule} r{p.rank} m{p.matched} ttft={p.ttft_s * 1e3:.1f}ms price={p.total_s * 1e3:.1f}ms "
+            f"busy={p.busy_s * 1e3:.1f}ms own={p.own_s * 1e3:.1f}ms")
