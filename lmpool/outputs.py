@@ -24,9 +24,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     # validation, block hashes and route, and the caller's event loop between them).
     dispatch_s: float | None = None
     # In a pool: its rank's share of the time to its first token: seconds from its arrival there
-    # to the launch of its first step, and from that launch to its first token; and before them
-    # the seconds from the start of its send to that rank to that arrival (the link, and the
-    # worker's loop busy).
+    # (read off the link) to the launch of its first step (the step under way and the queue ahead
+    # of it), and from that launch to its first token; and before them the seconds from the start
+    # of its send to that rank to that arrival (the link, and the worker's readers).
     queued_s: float | None = None
     first_step_s: float | None = None
     intake_s: float | None = None

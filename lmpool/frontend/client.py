@@ -600,8 +600,8 @@ class PoolClient:
 
 def intake_seconds(sent: float, arrived_at: float | None) -> float | None:
     """Seconds from the start of a request's send to its rank (``TrackedRequest.sent``) to its
-    arrival at that rank's engine (``TokenDelta.arrived_at``: the pool's processes share one host's
-    monotonic clock), or None where either is unknown."""
+    arrival at that rank's worker, read off the link (``TokenDelta.arrived_at``: the pool's
+    processes share one host's monotonic clock), or None where either is unknown."""
     if arrived_at is None or not sent:
         return None
     return max(0.0, arrived_at - sent)  # 0 at least: a clock read a little apart on two processes

@@ -95,10 +95,11 @@ class TokenDelta(Message):
     # first token the prompt's (``lmpool.token_logprobs``).
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # With the first token only: seconds from the request's arrival at the worker to the launch
-    # of its first step, and from that launch to this token (the replica's share of its TTFT);
-    # and the ``time.monotonic()`` instant of that arrival (a pool's processes share one host's
-    # clock: the front end takes the instant its send began from it, ``RequestOutput.intake_s``).
+    # With the first token only: seconds from the request's arrival at the worker (read off its
+    # link) to the launch of its first step, and from that launch to this token (the replica's
+    # share of its TTFT); and the ``time.monotonic()`` instant of that arrival (a pool's processes
+    # share one host's clock: the front end takes the instant its send began from it,
+    # ``RequestOutput.intake_s``).
     queued_s: float | None = None
     first_step_s: float | None = None
     arrived_at: float | None = None

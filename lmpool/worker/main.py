@@ -129,6 +129,10 @@ class Worker:
         self.wakeup = asyncio.Event()
         self.need_snapshot = True
         self.admitted: list[str] = []  # for the control plane's reservations
+        # When each request not yet taken by the engine was read off the link: its arrival
+        # (``Sequence.arrival_time``), so a request read while a step runs waits for that step in its
+        # ``queued_s``, not in the link's ``intake_s``.
+        self.read_at: dict[str, float] = {}
         # Prompt tokens each queued request found cached when it arrived (Dynamo's prefill term).
         self.cached_on_arrival: dict[str, int] = {}
         # Each request's cascade group, as its route named it (``AddRequest.group``), where the pool
@@ -155,6 +159,8 @@ class Worker:
     async def read_frontend(self) -> None:
         try:
             async for msg in self.frontend.messages():
+                if isinstance(msg, AddRequest):
+                    self.read_at[msg.request_id] = time.monotonic()
                 # ``self.inbox`` read after each message, not bound once: the step loop swaps
                 # in a new list meanwhile.
                 self.inbox.append(msg)
@@ -414,11 +420,14 @@ class Worker:
     def handle(self, msg) -> list:
         """Apply one frontend message; return messages to send back."""
         if isinstance(msg, AddRequest):
+            read_at = self.read_at.pop(msg.request_id, None)
             try:
                 seq = self.core.add_checked_request(msg.request_id, unpack_ids(msg.prompt_ids), msg.params,
                                                     msg.output_token_ids, msg.block_hashes)
             except ValueError as e:
                 return [RequestRejected(msg.request_id, str(e))]
+            if read_at is not None:
+                seq.arrival_time = read_at
             self.admitted.append(msg.request_id)
             self.cached_on_arrival[msg.request_id] = self.core.cached_prefix_tokens(msg.request_id)
             if msg.group is not None and self.spec.pool.routing_config.cascade_groups:

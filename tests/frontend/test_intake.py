@@ -1,5 +1,5 @@
 """A request's intake (``client.intake_seconds``): from the start of its send to its rank to its
-arrival at that rank's engine, on the host's one monotonic clock."""
+arrival at that rank's worker (read off the link), on the host's one monotonic clock."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from lmpool.frontend.client import intake_seconds
 
 
-def test_intake_runs_from_the_send_to_the_engine_s_arrival():
+def test_intake_runs_from_the_send_to_the_worker_s_arrival():
     assert intake_seconds(100.0, 100.25) == pytest.approx(0.25)
 
 

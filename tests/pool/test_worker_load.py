@@ -338,3 +338,26 @@ def test_any_requests_a_rank_reserved_are_priced_alike_once_reported(tiny_model,
                                 decoding=decoding)
     assert (after.seqs, after.queued) == (before.seqs, before.queued)
     assert (after.queue, after.step, after.left) == pytest.approx((before.queue, before.step, before.left))
+
+
+async def test_a_request_arrives_when_its_worker_reads_it_not_when_its_engine_takes_it(tiny_model):
+    """A request read off the link while a step runs waits for that step in the worker: its arrival
+    (``Sequence.arrival_time``, the first token's ``arrived_at``) is the read, so that wait counts in
+    its ``queued_s``, and the link's share (``intake_s``) is the link's alone."""
+    import time
+
+    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64)
+    spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
+    core = EngineCore(pool.engine_of(0))
+
+    class Link:
+        async def messages(self):
+            yield add("q", list(range(1, 20)), SamplingParams(temperature=0, max_tokens=2))
+
+    worker = Worker(spec, core, frontend=Link())
+    before = time.monotonic()
+    await worker.read_frontend()
+    read = time.monotonic()
+    (msg,) = worker.inbox
+    assert worker.handle(msg) == [] and worker.read_at == {}
+    assert before <= core.requests["q"].arrival_time <= read  # not the later take
