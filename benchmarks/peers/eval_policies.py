@@ -134,12 +134,7 @@ LMPOOL_OWNER_PULLS = Policy("lmpool-owner-pulls", "lmpool", transfer_mode=None,
 # wherever the sequences in flight could save a cascade's worth with it, whatever their prefixes
 # (``RoutingConfig.cascade_groups`` off: a document's questions spread over every replica).
 LMPOOL_UNGROUPED = Policy("lmpool-ungrouped", "lmpool", transfer_mode=None, routing_config=(("cascade_groups", False),))
-# A candidate for the default, run beside it: a cascade group's prefix pass priced as one read of
-# its prefix a step beside its pairs (``RoutingConfig.cascade_group_reads``), so a second document's
-# group on a rank costs its reads, and joining a lone member gains no read.
-LMPOOL_GROUP_READS = Policy("lmpool-group-reads", "lmpool", transfer_mode=None,
-                            routing_config=(("cascade_group_reads", True),))
-CANDIDATES = (LMPOOL_OWNER_PULLS, LMPOOL_UNGROUPED, LMPOOL_GROUP_READS)
+CANDIDATES = (LMPOOL_OWNER_PULLS, LMPOOL_UNGROUPED)
 # Policies that run only when named (``--policies all`` leaves them out): the real gateway starts
 # server processes of its own; the candidate defaults are run beside the default, not in every suite.
 NAMED_ONLY = (*GATEWAYS, *CANDIDATES)

@@ -31,14 +31,6 @@ class RoutingConfig:
     # hot-context pair on an H100 (1dc4676): it captured 80 % of the oracle's gain where off took 66 %,
     # and was level with SGLang's router on the oracle where off was behind.
     cascade_groups: bool = True
-    # With cascade groups, whether a group's prefix pass is priced as one read of its prefix a step
-    # beside its rows' pairs: the step fit counts each group's prefix tokens as context keys read
-    # (``StepSample.cascade_reads``), a rank's work its groups' reads, and a request that joins a
-    # group of one forms a group that reads its prefix from then on, where the member read it alone
-    # (``Pricer``'s join). Off: a prefix pass costs its pairs alone. The "lmpool-group-reads"
-    # evaluation policy, a candidate: on the 16k oracle the default put two documents' groups on one
-    # rank, priced as one, where SGLang's copy kept one a rank and won (``results/eval_NOTES.md``).
-    cascade_group_reads: bool = False
     # Prices within this fraction of the cheapest are equal (the step fits err by a few percent);
     # among them ``lmpool.control.pricing.price.cheapest``'s order decides (the seed's affinity, the
     # match, the request's cascade group, the count in flight, free blocks).

@@ -89,12 +89,11 @@ def assemble(spec: ControlSpec, gbm: GlobalBlockManager, send: Callable[[int, ob
     pool = spec.pool
     transfer, cfg = pool.transfer, pool.transfer.transfer_policy
     links = topology(spec)
-    reads = pool.routing_config.cascade_groups and pool.routing_config.cascade_group_reads
-    model = EngineModel(pool.world_size, group_reads=reads)
+    model = EngineModel(pool.world_size)
     evictions = EvictionMemory(pool.world_size)
     gbm.watch_removed(evictions.removed)
-    pricer = Pricer(gbm, links, model, limits(pool.engine, spec.cascade_min_saved, pool.routing_config.cascade_groups,
-                                              reads), evictions.reuse)
+    pricer = Pricer(gbm, links, model, limits(pool.engine, spec.cascade_min_saved, pool.routing_config.cascade_groups),
+                    evictions.reuse)
     gbm.watch_load(pricer.reported)  # a rank's work is priced as its report lands, not by the next route
     costs = cost_model(spec)
     # A restarted control process must not reuse the plan ids its predecessor's plans hold on
@@ -125,22 +124,17 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
     policy's pending prefixes when it counts them, then lease steering, pulls (both only act on
     a priced route), the reservation, the demand, and placement's routed chains, in that order.
     Without a ``pricer``, one over the prior step times and the engine's default limits; with
-    one, its limits price cascades as ``config`` does (``cascade_groups``, ``cascade_group_reads``)."""
+    one, its limits price cascades as ``config`` does (``cascade_groups``)."""
     if routing not in POLICIES:
         raise ValueError(f"unknown routing policy {routing!r}; choose one of {', '.join(POLICIES)}")
     config = config or RoutingConfig()
     if pricer is None:
-        reads = config.cascade_groups and config.cascade_group_reads
-        pricer = Pricer(gbm, links, EngineModel(gbm.world_size, group_reads=reads),
-                        Limits(gbm.block_size, 256, 8192, cascade_groups=config.cascade_groups,
-                               cascade_group_reads=reads),
+        pricer = Pricer(gbm, links, EngineModel(gbm.world_size),
+                        Limits(gbm.block_size, 256, 8192, cascade_groups=config.cascade_groups),
                         evictions.reuse if evictions is not None else lambda rank: 0.5)
     elif pricer.limits.cascade_groups != config.cascade_groups:
         raise ValueError(f"the pricer's cascade_groups ({pricer.limits.cascade_groups}) is not the routing "
                          f"config's ({config.cascade_groups})")
-    elif pricer.limits.cascade_group_reads != (config.cascade_groups and config.cascade_group_reads):
-        raise ValueError(f"the pricer's cascade_group_reads ({pricer.limits.cascade_group_reads}) is not the "
-                         f"routing config's ({config.cascade_group_reads}, with groups {config.cascade_groups})")
     policy = POLICIES[routing](gbm, config, pricer)
     stages: list[RouteStage] = [s for s in (steering, pulls) if s is not None]
     if policy.counts_pending and config.pending_ttl_s > 0:
@@ -153,14 +147,14 @@ def make_router(gbm: GlobalBlockManager, links: Topology, routing: str = "lmpool
     return Router(gbm, links, policy, stages)
 
 
-def limits(engine: EngineConfig, cascade_min_saved: int, cascade_groups: bool, group_reads: bool = False) -> Limits:
+def limits(engine: EngineConfig, cascade_min_saved: int, cascade_groups: bool) -> Limits:
     """What the ranks' schedulers allow; ``cascade_min_saved`` as the engines resolve it
-    (``config.engine.cascade_min_saved``, carried by the ``ControlSpec``); ``cascade_groups`` and
-    ``group_reads`` as the routing config sets them. A CPU rank steps overlapped in name only: its launch is the step,
+    (``config.engine.cascade_min_saved``, carried by the ``ControlSpec``); ``cascade_groups`` as
+    the routing config sets it. A CPU rank steps overlapped in name only: its launch is the step,
     and its worker reads each step back before the next launch (``EngineCore.read_finished``)."""
     overlapped = engine.async_scheduling and engine.device.startswith("cuda")
     return Limits(engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens, overlapped,
-                  cascade_min_saved, cascade_groups, cascade_groups and group_reads)
+                  cascade_min_saved, cascade_groups)
 
 
 def topology(spec: ControlSpec) -> Topology:

@@ -57,7 +57,6 @@ class ScheduledBatch:
     # Of those, the keys a cascade's prefix passes read once for their rows, as (row, key) pairs
     # (``CascadePlan.pairs``): set once the step's inputs are planned.
     cascade_pairs: int = 0
-    cascade_reads: int = 0  # ... and the prefix tokens its groups read, each group's once (``CascadePlan.lens``)
     # Indices of the sequences computing prompt positions whose logprobs they asked for.
     prompt_logprobs: list[int] = field(default_factory=list)
 
@@ -83,8 +82,7 @@ class ScheduledBatch:
         """This step, taking ``seconds``, as the step-time model reads it: a cascade's prefix
         passes as their pairs, the keys each row reads on its own as its context."""
         return StepSample(seconds, self.prefill_tokens, self.prefill_attention, self.decode_seqs,
-                          self.decode_context - self.cascade_pairs, self.cascade_pairs, self.prefill_keys,
-                          self.cascade_reads)
+                          self.decode_context - self.cascade_pairs, self.cascade_pairs, self.prefill_keys)
 
     def decode_first(self) -> None:
         """List the single-token rows first, each part in its order (the prompt logprobs' indices

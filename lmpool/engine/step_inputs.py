@@ -312,7 +312,6 @@ class StepInputBuilder:
                 a[o_key_slots:end] = self._key_slots(table, ends, key_starts)
         # The step-time model counts a cascade's prefix passes apart from the keys rows read alone.
         batch.cascade_pairs = plan.pairs if plan else 0
-        batch.cascade_reads = sum(plan.lens) if plan else 0
 
         if self.on_cuda:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)

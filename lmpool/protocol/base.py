@@ -65,9 +65,6 @@ class LoadReport(Message):
     # to 0: a sender from before them still decodes.
     prefill_keys: int = 0
     launched_keys: int = 0
-    # The prefix tokens a decode step's cascade groups read, each group's once (as
-    # ``StepSample.cascade_reads`` counts them); last, defaulting to 0.
-    cascade_reads: int = 0
 
 
 GROUP_HEADS = 16  # the most groups a load report lists (``LoadReport.group_heads``): a report stays small
@@ -96,10 +93,6 @@ class StepSample(msgspec.Struct, array_like=True, gc=False, frozen=True):
     decode_context: int = 0  # keys the decoding rows read each on its own (not a cascade's prefix)
     cascade_pairs: int = 0  # (row, key) pairs of the cascade prefix passes
     prefill_keys: int = 0  # keys the prefill chunks read: each chunk's context, its own tokens included
-    # The prefix tokens the cascade's groups read, each group's once (``sum(CascadePlan.lens)``): the
-    # keys its prefix passes load beside the pairs they attend. Read only where the routing config
-    # prices them (``RoutingConfig.cascade_group_reads``); last, defaulting to 0.
-    cascade_reads: int = 0
 
 
 def attention_pairs(tokens: int, context: int) -> int:

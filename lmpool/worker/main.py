@@ -242,14 +242,14 @@ class Worker:
                            for s in queue if s.request_id in named}
         launched = self.core.launched  # its prefill counted neither above nor in the queue
         # Sequences that decode as a cascade attend their shared prefixes in its prefix passes.
-        cascade_pairs = cascade_reads = 0
+        cascade_pairs = 0
         if self.core.runner.cascade_min_saved:
             decoding = [s for s in sched.running if s.num_computed_tokens >= len(s) - 1]
             plan = plan_cascade([s.block_table for s in decoding], [len(s) for s in decoding], bm.block_size,
                                 self.core.runner.cascade_min_saved)
             grouped: set[str] = set()
             if plan is not None:
-                cascade_pairs, cascade_reads = plan.pairs, sum(plan.lens)
+                cascade_pairs = plan.pairs
                 context -= plan.pairs
                 grouped = {decoding[row].request_id for row in plan.rows}
             # A member of a named group with another member here that no cascade groups yet (queued,
@@ -285,7 +285,6 @@ class Worker:
             group_rows=[rows for _, rows in groups],
             prefill_keys=keys,
             launched_keys=launched.prefill_keys if launched else 0,
-            cascade_reads=cascade_reads,
         )
 
     async def send_steps(self, force: bool = False) -> None:

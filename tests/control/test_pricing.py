@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 
 from lmpool.config import RoutingConfig
-from lmpool.control.pricing.engine_model import MOVE, EngineModel, with_group_reads
+from lmpool.control.pricing.engine_model import MOVE, EngineModel
 from lmpool.control.pricing.eviction import EvictionMemory
 from lmpool.control.pricing.gate import overloaded
 from lmpool.control.page_table.manager import GlobalBlockManager
@@ -116,37 +116,6 @@ def test_a_stall_counts_as_a_bounded_miss():
     decode = StepSample(0.0, 0, 0, 8, 8000)
     model.observe([StepSample(5.0, 0, 0, 8, 8000)])  # a collection, a page fault: seconds, once
     assert model.predict(decode) < 2 * before.step_s(0, 0, 8, 8000)
-
-
-def with_reads(rng: random.Random, samples: list[StepSample], coefficients: StepCoefficients) -> list[StepSample]:
-    """``samples`` whose cascades are one group each (their pairs over their rows: the group's
-    prefix), timed as if the pass also read that prefix once, at a context key's cost."""
-    out = []
-    for s in samples:
-        reads = s.cascade_pairs // s.decode_seqs if s.cascade_pairs else 0
-        seconds = coefficients.predict(msgspec.structs.replace(s, decode_context=s.decode_context + reads))
-        out.append(msgspec.structs.replace(s, seconds=seconds * rng.uniform(0.97, 1.03), cascade_reads=reads))
-    return out
-
-
-@pytest.mark.parametrize("group_reads", [False, True])
-def test_an_engine_model_pricing_group_reads_fits_them_as_context_keys_read(group_reads):
-    """Steps whose cascade groups read their prefixes once beside their pairs: a model that prices
-    group reads (``RoutingConfig.cascade_group_reads``) counts them as context keys read and
-    recovers the step times; one that does not (the default) leaves them out of every fit."""
-    rng = random.Random(5)
-    model = EngineModel(1, group_reads=group_reads)
-    model.observe(StepTimings(0, 1, with_reads(rng, steps(rng, TRUE, 40), TRUE), calibration=True))
-    for _ in range(10):
-        model.observe(StepTimings(0, 1, with_reads(rng, steps(rng, TRUE, 40), TRUE)))
-    held_out = [s for s in with_reads(rng, steps(rng, TRUE, 200, noise=0.0), TRUE) if s.cascade_reads]
-    c = model.coefficients(0)
-    if group_reads:  # the pair's cost recovered, and the steps with it
-        errors = sorted(abs(c.predict(with_group_reads([s])[0]) - s.seconds) / s.seconds for s in held_out)
-        assert c.cascade_pair == pytest.approx(TRUE.cascade_pair, rel=0.1) and errors[int(0.9 * len(errors))] < 0.05
-    else:  # the pairs carry the reads: a pair looks dearer than it is
-        assert c.cascade_pair > 1.2 * TRUE.cascade_pair
-    assert with_group_reads([StepSample(1.0, 0, 0, 2, 10, 80, 0, 40)])[0].decode_context == 50
 
 
 def test_a_calibration_replaces_the_prior_and_the_fit_starts_afresh():
@@ -663,15 +632,13 @@ def test_a_pull_s_floor_is_below_the_price_of_serving_at_its_depth(running, cont
 
 
 @pytest.mark.parametrize("via", ["reported", "reserved"])
-@pytest.mark.parametrize("groups,reads", [(False, False), (True, False), (True, True)])
-def test_with_cascade_groups_a_shared_prefix_is_read_once_only_where_its_group_is(via, groups, reads):
+@pytest.mark.parametrize("groups", [False, True])
+def test_with_cascade_groups_a_shared_prefix_is_read_once_only_where_its_group_is(via, groups):
     """Two ranks of equal load, both holding a document other questions share: one has a sequence
     of that document (in its load report, or routed there since), the other one of another.
     With ``Limits.cascade_groups`` a question of the document is priced cheaper where its group
     is (it reads the document once there, alone elsewhere); without, the two are equal. A group
-    is keyed by the shared prefix's last block (``group_key``). With ``cascade_group_reads`` the
-    lone member's read of the document becomes the group's: joining it saves the request's own
-    reads and its neighbours' wait, and costs the member's pairs in each shared step."""
+    is keyed by the shared prefix's last block (``group_key``)."""
     doc, other = list(range(8)), list(range(100, 108))
     gbm = GlobalBlockManager(2, 16, clock=ManualClock())
     for rank, head in ((0, doc[-1]), (1, other[-1])):
@@ -686,38 +653,21 @@ def test_with_cascade_groups_a_shared_prefix_is_read_once_only_where_its_group_i
     for question in (10_000, 10_001):  # the document is shared: questions about it were routed
         gbm.record_route(doc + [question], 8, 8)
     pricer = Pricer(gbm, Topology.virtual(2), engine_model(2, DEFAULT_PRIOR),
-                    Limits(16, 256, 8192, True, 256, cascade_groups=groups, cascade_group_reads=reads),
-                    lambda rank: 0.5)
+                    Limits(16, 256, 8192, True, 256, cascade_groups=groups), lambda rank: 0.5)
     query = RouteQuery("q", doc + [10_002], 9 * 16 + 3, 64)
     assert pricer.terms(query).head == (doc[-1] if groups else None)
     grouped, alone = (pricer.price(query, rank, 8, 0.0, None) for rank in (0, 1))
     assert grouped.ttft_s == alone.ttft_s
     if groups:
         n = 4 if via == "reported" else 5  # the reserved sequence is in flight too, decoding 64 more
-        tok, cpair, s = DEFAULT_PRIOR.context_token, DEFAULT_PRIOR.cascade_pair, 8 * 16
         # Its own steps read the document once, the others' steps wait less for them, and the group's
-        # lone member reads it once too from then on: its steps and this one's, 63 together. Where a
-        # group's pass reads its prefix, the member's read becomes the group's: only its pairs are new.
-        joined = -2 * cpair * s * 63 if reads else 2 * (tok - cpair) * s * 63
-        saved = (tok - cpair) * s * (63 + min(n * 63, n * 64)) + joined
+        # lone member reads it once too from then on: its steps and this one's, 63 together.
+        saved = (DEFAULT_PRIOR.context_token - DEFAULT_PRIOR.cascade_pair) * 8 * 16 * (63 + min(n * 63, n * 64)
+                                                                                      + 2 * 63)
         assert alone.total_s - grouped.total_s == pytest.approx(saved)
         assert pricer.sharing(0, doc[-1]) == 1 and pricer.sharing(1, doc[-1]) == 0
     else:
         assert grouped.total_s == alone.total_s
-
-
-@pytest.mark.parametrize("reads", [False, True])
-def test_a_rank_s_cascade_groups_read_their_prefixes_once_a_step_only_where_priced_so(reads):
-    """A rank decoding three rows, two of them a cascade group over a 2,000-token prefix (its
-    report's ``cascade_reads``): with ``cascade_group_reads`` its step reads those keys once beside
-    the group's pairs; without, the pairs alone stand for the pass."""
-    gbm = one_rank(LoadReport(num_running=3, context_tokens=900, decode_tokens_left=30, blocks_free=4000,
-                              cascade_pairs=4000, cascade_reads=2000))
-    pricer = Pricer(gbm, Topology.virtual(1), engine_model(1, PAIRED),
-                    Limits(16, 256, 8192, True, 256, cascade_groups=True, cascade_group_reads=reads), lambda rank: 0.5)
-    context = 900 + (2000 if reads else 0)
-    want = PAIRED.base + PAIRED.decode_seq * 3 + PAIRED.context_token * context + PAIRED.cascade_pair * 4000
-    assert pricer.work(0).step == pytest.approx(want)
 
 
 def test_the_group_key_is_the_shared_prefix_s_last_block():

@@ -256,9 +256,8 @@ def test_a_cascade_step_carries_its_groups_and_replays_no_graph_where_none_was_c
         batch.add(row, 1)
     inputs = builder.build(batch, graphs)
     assert batch.cascade_pairs == 2 * 8  # the prefix pass: two rows attend the shared two blocks
-    assert batch.cascade_reads == 8  # ... which its one group reads once
     # ... which the step's sample counts apart from any prefill's pairs: no attention, only the rows' own keys.
-    assert batch.sample(1.0) == StepSample(1.0, 0, 0, 3, 10 + 6 + 13 - 16, cascade_pairs=16, cascade_reads=8)
+    assert batch.sample(1.0) == StepSample(1.0, 0, 0, 3, 10 + 6 + 13 - 16, cascade_pairs=16)
     plan = plan_cascade([r.block_table for r in rows], [10, 6, 13], BLOCK, 1)
     assert inputs.graph_size is None and inputs.meta.cascade is not None
     kv_start, prefix_tables, prefix_lens, prefix_starts, prefix_rows = (t.tolist() for t in inputs.meta.cascade)
@@ -269,7 +268,7 @@ def test_a_cascade_step_carries_its_groups_and_replays_no_graph_where_none_was_c
                           graphs)
     assert alone.meta.cascade is None and alone.graph_size == 2
     builder.build(batch, graphs)
-    assert batch.cascade_pairs == 16 and batch.cascade_reads == 8  # built again, counted once
+    assert batch.cascade_pairs == 16  # built again, counted once
 
 
 @settings(max_examples=200, deadline=None)
@@ -397,7 +396,7 @@ def test_a_mixed_step_lists_its_decode_rows_first_and_gives_the_rest_their_query
     assert not meta.is_decode and meta.mixed_decode_rows == 2 and batch.cascade_pairs == 16
     # The step model's view: the prefix pass's pairs apart, what the rows read alone context.
     assert batch.sample(1.0) == StepSample(1.0, 3 + 7, (3 * 8 + 6) + 28, 2, 10 + 13 - 16, cascade_pairs=16,
-                                           prefill_keys=(8 + 3) + 7, cascade_reads=8)
+                                           prefill_keys=(8 + 3) + 7)
     assert meta.mixed_query_start_loc.tolist() == [0, 3, 10]
     assert meta.query_start_loc.tolist() == [0, 1, 2, 5, 12]
     assert meta.key_starts.tolist() == [0, 10, 23, 34, 41]  # contexts 10, 13, 11 and 7

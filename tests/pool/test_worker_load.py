@@ -55,8 +55,7 @@ def test_queued_prompts_count_only_what_their_rank_must_compute(tiny_model):
 def test_running_sequences_that_decode_as_a_cascade_report_its_prefix_pass_apart(tiny_model):
     """``context_tokens`` is what the running sequences' decode steps read each on its own: with
     cascades on, two sequences sharing four cached blocks attend them in the cascade's prefix
-    pass instead, reported as its 2 x 4 blocks of ``cascade_pairs``, and the one group's 4 blocks
-    as ``cascade_reads``."""
+    pass instead, reported as its 2 x 4 blocks of ``cascade_pairs``."""
     contexts = {}
     for cascade in (0, 1):
         pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64,
@@ -76,11 +75,10 @@ def test_running_sequences_that_decode_as_a_cascade_report_its_prefix_pass_apart
         core.step()  # both prefilled (their own tokens), now decoding
         load = worker.load()
         assert load.num_running == 2
-        contexts[cascade] = (load.context_tokens, load.cascade_pairs, sum(len(s) for s in core.scheduler.running),
-                             load.cascade_reads)
-    (plain, none, held, no_reads), (cascaded, pairs, held_again, reads) = contexts[0], contexts[1]
-    assert plain == held and none == 0 == no_reads
-    assert pairs == 2 * 4 * BLOCK and cascaded == held_again - pairs and reads == 4 * BLOCK
+        contexts[cascade] = (load.context_tokens, load.cascade_pairs, sum(len(s) for s in core.scheduler.running))
+    (plain, none, held), (cascaded, pairs, held_again) = contexts[0], contexts[1]
+    assert plain == held and none == 0
+    assert pairs == 2 * 4 * BLOCK and cascaded == held_again - pairs
 
 
 def test_a_worker_reports_the_prefill_it_launched_once_its_queue_no_longer_counts_it(tiny_model):

@@ -19,9 +19,7 @@ The speed moves a rank's price where it really differs (a replica on a busier GP
 restarts is a new engine state: its calibration resets its fit and its speed. ``describe`` is
 what ``stats()`` and ``lmpool top`` show of a rank's fit; ``stats()`` also says how well its priced
 coefficients predicted each kind of its steps (``step_accuracy``), since the rank's last calibration,
-and that calibration's steps beside what its fit predicts for them. With ``group_reads``
-(``RoutingConfig.cascade_group_reads``) a step's cascade groups' prefix reads count as context
-keys read (``with_group_reads``), in every fit and prediction the model makes.
+and that calibration's steps beside what its fit predicts for them.
 
 Invariants: every rank has priced coefficients at all times (the prior until some worker has
 reported); they change only when a report is observed, and then only by ``MOVE`` or more (a
@@ -34,9 +32,6 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable
-
-import msgspec
 
 from lmpool.control.pricing.step_accuracy import StepAccuracy, step_row
 from lmpool.control.pricing.step_model import FEATURES, FITTED, StepCoefficients, StepModel, step_features
@@ -99,17 +94,8 @@ class RecentSteps:
         return self.seconds / predicted if predicted > 0 else 1.0
 
 
-def with_group_reads(samples: Iterable[StepSample]) -> list[StepSample]:
-    """``samples`` with each step's cascade groups' prefix reads (``StepSample.cascade_reads``)
-    counted as context keys its rows read: a group's prefix pass loads its prefix once a step,
-    beside the pairs it attends."""
-    return [msgspec.structs.replace(s, decode_context=s.decode_context + s.cascade_reads) if s.cascade_reads else s
-            for s in samples]
-
-
 class EngineModel:
-    def __init__(self, world_size: int, group_reads: bool = False) -> None:
-        self.group_reads = group_reads
+    def __init__(self, world_size: int) -> None:
         self.ranks = [StepModel() for _ in range(world_size)]
         self._calibrations: dict[int, StepCoefficients] = {}  # rank -> its calibration's fit
         self._pooled: StepCoefficients | None = None  # the shape every rank is priced by
@@ -122,7 +108,7 @@ class EngineModel:
 
     def observe(self, timings: StepTimings) -> None:
         rank, model = timings.rank, self.ranks[timings.rank]
-        samples = with_group_reads(timings.samples) if self.group_reads else timings.samples
+        samples = timings.samples
         if timings.calibration:
             self._calibrations[rank] = model.calibrate(samples)
             self._calibration_steps[rank] = list(samples)

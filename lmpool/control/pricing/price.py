@@ -42,10 +42,7 @@ For a request of ``P`` prompt tokens, ``m`` of them cached there, ``p = P - m`` 
     join   = with ``Limits.cascade_groups``, where the request's group there is one sequence, which
              reads the prefix alone until a second joins it (the engine groups no single row):
              2 * (tok - cpair) * s * min(M - 1, left / seqs), what that member's steps and the
-             request's own save once both read it in the prefix pass (``Reservation.converted``);
-             with ``Limits.cascade_group_reads`` a group's pass reads its prefix once a step (the
-             rank's ``ctx`` counts its groups' reads, ``LoadReport.cascade_reads``), the member's
-             read alone becomes the group's, and the join is -2 * cpair * s * min(...): a cost
+             request's own save once both read it in the prefix pass (``Reservation.converted``)
     total  = max(ttft, ttft + decode + harm - join) + evict
 
 where ``mine = seq + tok * (P + M / 2)`` is what the request adds to each step it decodes in
@@ -141,10 +138,6 @@ class Limits(NamedTuple):
     # shared prefix's last block). Off: on any rank whose sequences in flight, whatever their
     # prefixes, could save a cascade's worth with it. On, as the routing config's default.
     cascade_groups: bool = True
-    # With groups, whether each group's prefix pass reads its prefix once a step beside its pairs
-    # (``RoutingConfig.cascade_group_reads``): a rank's steps read ``LoadReport.cascade_reads`` more
-    # context keys, and a join that converts a lone member forms such a group (module docstring).
-    cascade_group_reads: bool = False
 
 
 NO_HEADS: dict[bytes, int] = {}  # a rank's groups where pricing does not read them (never written)
@@ -293,13 +286,8 @@ class Pricer:
         lim = self.limits
         seqs = load.num_running + load.num_waiting + res.count
         n = min(seqs, lim.max_num_seqs)
-        # A join converts its group's lone member: its prefix leaves the keys read alone for the pass,
-        # unless a group's pass reads its prefix once a step (``cascade_group_reads``): the member's
-        # read becomes the group's, and the groups the rank decodes read theirs.
-        if lim.cascade_group_reads and lim.cascade_groups:
-            ctx = load.context_tokens + res.context + load.cascade_reads
-        else:
-            ctx = max(0, load.context_tokens + res.context - res.converted)
+        # A join converts its group's lone member: its prefix leaves the keys read alone for the pass.
+        ctx = max(0, load.context_tokens + res.context - res.converted)
         left = load.decode_tokens_left + res.decode
         reads = c.context_token * ctx + c.cascade_pair * (load.cascade_pairs + res.cascade + res.converted)
         step = c.base + c.decode_seq * n + reads
@@ -408,10 +396,7 @@ class Pricer:
         total = ttft + (out - 1) * (base + mine) + overlap * (theirs + mine) + n * prefill
         if lone:  # ``converted``: the member's steps and its own, shared, read that prefix once from then on
             together = left / seqs if left < seqs * (out - 1) else out - 1
-            # Where a group's pass reads its prefix once (``cascade_group_reads``), the member's read
-            # alone becomes the group's: the steps only gain the member's pairs.
-            alone = 0.0 if self.limits.cascade_group_reads else context_token
-            total -= 2.0 * (alone - cascade_pair) * shared * together
+            total -= 2.0 * (context_token - cascade_pair) * shared * together
             if total < ttft:
                 total = ttft
         reclaim = need - free if free > 0 else need

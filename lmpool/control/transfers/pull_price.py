@@ -140,9 +140,7 @@ def _least(work: RankWork, serve: RankPrice | None, prompt: int, cached: int, ou
     floor = serve.total_s - (1 + work.n) * pulled - -(-missing // work.room) * work.step
     if cascades and missing > rest:
         saved = c.context_token - c.cascade_pair  # a read-once key's saving a step (a loss where negative)
-        # ... and twice more where it joins a lone member (``Reservation.converted``): a credit the
-        # price gives only without ``Limits.cascade_group_reads`` (with it, a cost), so a floor either way.
-        if saved > 0:
+        if saved > 0:  # ... and twice more where it joins a lone member (``Reservation.converted``)
             floor -= (3 + work.n) * (out - 1) * saved * (missing - rest)
     return floor
 
