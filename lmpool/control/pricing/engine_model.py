@@ -108,18 +108,17 @@ class EngineModel:
 
     def observe(self, timings: StepTimings) -> None:
         rank, model = timings.rank, self.ranks[timings.rank]
-        samples = timings.samples
         if timings.calibration:
-            self._calibrations[rank] = model.calibrate(samples)
-            self._calibration_steps[rank] = list(samples)
+            self._calibrations[rank] = model.calibrate(timings.samples)
+            self._calibration_steps[rank] = list(timings.samples)
             self._recent[rank].clear()
             self._accuracy[rank] = StepAccuracy()  # a restarted worker is a new engine state
         else:
             # Against what the routes priced this rank's steps with, before these steps move it.
-            self._accuracy[rank].observe(samples, self.coefficients(rank).predict)
-            model.observe(samples)
+            self._accuracy[rank].observe(timings.samples, self.coefficients(rank).predict)
+            model.observe(timings.samples)
             recent = self._recent[rank]
-            for s in samples:
+            for s in timings.samples:
                 if 0 < s.seconds < math.inf:  # timed, as the fit takes them
                     recent.add(s)
         fitted = [m.coefficients for m in self.ranks if m.samples >= FITTED]
