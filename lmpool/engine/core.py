@@ -177,10 +177,12 @@ class EngineCore:
         return self._queue(seq)
 
     def add_checked_request(self, request_id: str, prompt: np.ndarray, params: SamplingParams,
-                            output_token_ids: list[int], block_hashes: list[bytes]) -> Sequence:
+                            output_token_ids: list[int], block_hashes: list[bytes],
+                            arrival: float | None = None) -> Sequence:
         """``add_request`` for a request a pool's frontend validated and hashed, its prompt's ids
         as its message packs them (``protocol.unpack_ids``): only what could harm this engine is
-        checked again (``check_admissible``), and nothing is hashed again."""
+        checked again (``check_admissible``), and nothing is hashed again. ``arrival``: when its
+        worker read it (``time.monotonic()``; None: now)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -189,14 +191,14 @@ class EngineCore:
                          max_model_len=self.max_model_len, block_size=self.config.block_size,
                          max_blocks=self.block_manager.num_blocks)
         return self._queue(Sequence(request_id, prompt.tolist(), params, self.config.block_size, output_token_ids,
-                                    block_hashes))
+                                    block_hashes), arrival)
 
-    def _queue(self, seq: Sequence) -> Sequence:
+    def _queue(self, seq: Sequence, arrival: float | None = None) -> Sequence:
         request_id, params = seq.request_id, seq.params
         self.requests[request_id] = seq
         if params.prompt_logprobs is not None:
             self.awaiting_prompt_logprobs.add(request_id)
-        seq.arrival_time = time.monotonic()
+        seq.arrival_time = time.monotonic() if arrival is None else arrival
         self.scheduler.add(seq)
         return seq
 

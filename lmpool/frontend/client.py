@@ -128,7 +128,7 @@ class TrackedRequest:
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     # Its rank's share of the time to its first token (``TokenDelta.queued_s``, ``first_step_s``),
-    # and before it the seconds from the start of its send there to its arrival at that rank's engine.
+    # and before it the seconds from the start of its send there to its arrival at that rank's worker.
     queued_s: float | None = None
     first_step_s: float | None = None
     intake_s: float | None = None

@@ -419,14 +419,12 @@ class Worker:
     def handle(self, msg) -> list:
         """Apply one frontend message; return messages to send back."""
         if isinstance(msg, AddRequest):
-            read_at = self.read_at.pop(msg.request_id, None)
             try:
                 seq = self.core.add_checked_request(msg.request_id, unpack_ids(msg.prompt_ids), msg.params,
-                                                    msg.output_token_ids, msg.block_hashes)
+                                                    msg.output_token_ids, msg.block_hashes,
+                                                    self.read_at.pop(msg.request_id, None))
             except ValueError as e:
                 return [RequestRejected(msg.request_id, str(e))]
-            if read_at is not None:
-                seq.arrival_time = read_at
             self.admitted.append(msg.request_id)
             self.cached_on_arrival[msg.request_id] = self.core.cached_prefix_tokens(msg.request_id)
             if msg.group is not None and self.spec.pool.routing_config.cascade_groups:

@@ -450,16 +450,11 @@ def cheapest(prices: Iterable[RankPrice], tie: float) -> RankPrice:
     free blocks, then the lower price and rank. Prices this close are ones the model cannot tell
     apart, so a burst over twin ranks splits by count, not by whichever twin's estimate happens
     to be lower (a replica given one decoding sequence more than its twin ends the burst last).
-    A group comes before the count: a document's question opened on a rank decoding another
-    document's makes that rank read both documents every step, for every question of its
-    document that joins it there later, which no one request's price sees (on the 32k oracle,
-    one such tie-break left three questions of one document on the other's rank, whose burst
-    ended 25 % later); and its group's rank before an idle one keeps a document's questions
-    together until prices part them, so each rank of a burst over two documents decodes one.
-    Free blocks decide between ranks with as many
-    (idle ones, say): an emptier cache evicts less, and a cache holding content nothing has
-    asked for yet is likely to be asked for it (a document read there, whose questions are
-    coming)."""
+    The group comes before the count: a second group opened on a rank costs every later step
+    there a prefix pass, for every request that joins it, which no one price sees
+    (``docs/ARCHITECTURE.md``). Free blocks decide between ranks with as many (idle ones, say):
+    an emptier cache evicts less, and a cache holding content nothing has asked for yet is
+    likely to be asked for it (a document read there, whose questions are coming)."""
     prices = list(prices)
     bound = min([p.total_s for p in prices]) * (1.0 + tie)
     best: RankPrice | None = None
