@@ -60,7 +60,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.first_token_time: float | None = None
-        # ``time.monotonic()`` instants: its arrival at the engine, and the launch of the first
+        # ``time.monotonic()`` instants: its arrival (in a pool, its worker's read of it off the link;
+        # else its addition to the engine), and the launch of the first
         # step that computed part of it (a replica's own share of its time to first token).
         self.arrival_time: float | None = None
         self.first_scheduled_time: float | None = None

@@ -419,10 +419,10 @@ class Worker:
     def handle(self, msg) -> list:
         """Apply one frontend message; return messages to send back."""
         if isinstance(msg, AddRequest):
+            arrival = self.read_at.pop(msg.request_id, None)  # taken first: a rejected prompt leaves none behind
             try:
                 seq = self.core.add_checked_request(msg.request_id, unpack_ids(msg.prompt_ids), msg.params,
-                                                    msg.output_token_ids, msg.block_hashes,
-                                                    self.read_at.pop(msg.request_id, None))
+                                                    msg.output_token_ids, msg.block_hashes, arrival)
             except ValueError as e:
                 return [RequestRejected(msg.request_id, str(e))]
             self.admitted.append(msg.request_id)

@@ -149,3 +149,14 @@ def test_the_places_table_adds_the_price_s_busy_and_own_parts_where_the_routes_r
     path.write_text(json.dumps(data))
     main(["--places", str(path)])
     assert capsys.readouterr().out.splitlines()[0].endswith("| rest |")
+
+
+def test_a_pull_s_priced_parts_are_its_own_not_the_owner_s_it_overrode():
+    """A pull's route record names its own price's parts before the owner's (after "over"); a
+    record from before pulls named theirs has only the owner's, which are no parts of the pull."""
+    from benchmarks.ttft_replay import priced_parts
+
+    owner = "owner r0 m8 ttft=30.0ms price=90.0ms busy=12.0ms own=5.0ms"
+    assert priced_parts(f"pull r1<-r0:8b=100 copy=3.0ms busy=1.0ms own=2.0ms over {owner}") == (0.001, 0.002)
+    assert priced_parts(f"pull r1<-r0:8b=100 copy=3.0ms over {owner}") is None
+    assert priced_parts(owner) == (0.012, 0.005)

@@ -292,7 +292,7 @@ def test_prices_within_the_tie_are_equal_and_the_emptier_rank_wins():
     assert cheapest([p(0, 1.0, 10, matched=3, seqs=9), p(1, 1.0, 90, seqs=1)], 0.03).rank == 0  # the match first
     # Its cascade group's rank before a busier count's: not a second document on a rank reading one already.
     assert cheapest([p(0, 1.0, 90, seqs=13, joins=True), p(1, 1.02, 90, seqs=3)], 0.03).rank == 0
-    assert cheapest([p(0, 1.0, 90, seqs=13, joins=True), p(1, 1.05, 90, seqs=3)], 0.03).rank == 0
+    assert cheapest([p(0, 1.02, 90, seqs=13, joins=True), p(1, 1.0, 90, seqs=3)], 0.03).rank == 0  # if dearer
     assert cheapest([p(0, 1.05, 90, seqs=13, joins=True), p(1, 1.0, 90, seqs=3)], 0.03).rank == 1  # the tie only
     assert cheapest([p(0, 1.0, 90, matched=3), p(1, 1.0, 90, matched=2, joins=True)], 0.03).rank == 0  # after the match
 

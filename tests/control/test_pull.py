@@ -31,6 +31,9 @@ def test_a_busy_owner_sends_the_request_to_a_partner_that_pulls_the_prefix_first
     assert decision.rank == 1 and decision.matched_blocks == 0
     assert decision.reason.startswith("pull r1<-r0:32b=")
     assert "serve r0=" in decision.reason and "; pull r1<-r0:32b=" in decision.reason
+    # Its own price's parts come before the owner's it overrode (a record's reader takes the first).
+    own_parts, owners = decision.reason.split(" over ", 1)
+    assert "busy=" in own_parts and " own=" in own_parts and "busy=" in owners
     # Its first token once the copy has landed (after one of the source's steps, its prepare: the
     # destination reads the blocks, the idle destination's execute and publish wait for none) and
     # its last block's tail is computed.

@@ -240,7 +240,7 @@ def test_a_route_decision_or_request_from_a_sender_without_a_group_still_decodes
 DOCS = (list(range(1, 4 * BLOCK + 1)), list(range(500, 500 + 2 * BLOCK)))  # cached: four blocks, two
 
 
-def handed_over(tiny_model, asked: list[tuple[int | None, int]], groups: bool = True, cascades: bool = True,
+def handed_over(tiny_model, asked: list[tuple[int | None, int]], groups: bool = True, min_saved: int = 1,
                 max_num_seqs: int = 1, decoding: list[tuple[int | None, int]] = ()) -> tuple:
     """A rank that cached ``DOCS``, and requests routed to it through the route's reservation stage
     (``Reserve``) and added to its worker: each a document of ``DOCS`` (None: a cold prompt) and
@@ -258,7 +258,7 @@ def handed_over(tiny_model, asked: list[tuple[int | None, int]], groups: bool = 
     from lmpool.protocol.kv_events import BlockStored, KVSnapshot
 
     pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64,
-                                   max_num_seqs=max_num_seqs, cascade_min_saved_tokens=1 if cascades else 0,
+                                   max_num_seqs=max_num_seqs, cascade_min_saved_tokens=min_saved,
                                    routing_config=RoutingConfig(cascade_groups=groups))
     spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
     core = EngineCore(pool.engine_of(0))
@@ -278,7 +278,7 @@ def handed_over(tiny_model, asked: list[tuple[int | None, int]], groups: bool = 
     model = EngineModel(1)
     model.ranks[0].reseed(StepCoefficients(base=1e-3, prefill_token=1e-5, attention_pair=1e-9, decode_seq=1e-4,
                                            context_token=1e-6, cascade_pair=1e-8, prefill_key=1e-7))
-    limits = Limits(BLOCK, max_num_seqs, 64, False, 1 if cascades else 0, cascade_groups=groups)
+    limits = Limits(BLOCK, max_num_seqs, 64, False, min_saved, cascade_groups=groups)
     pricer = Pricer(gbm, Topology.virtual(1), model, limits, lambda rank: 0.5)
     reserve = Reserve(gbm, pricer)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -324,15 +324,22 @@ def test_a_report_of_the_requests_a_rank_reserved_prices_it_as_their_reservation
 ASKED = st.tuples(st.sampled_from([0, 1, None]), st.integers(1, 2 * BLOCK + 3))
 
 
+# The cascade threshold (key reads a plan must save): none (cascades off), one pair, and more than a
+# group of two saves (the engine plans no cascade for two decoding members of either document, but
+# does for both documents' pairs together), where named groups are priced and reported from their
+# second member all the same.
+MIN_SAVED = st.sampled_from([0, 1, 5 * BLOCK])
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(ASKED, min_size=1, max_size=6), st.booleans(), st.integers(1, 4), st.lists(ASKED, max_size=3))
-def test_any_requests_a_rank_reserved_are_priced_alike_once_reported(tiny_model, asked, cascades, max_num_seqs,
+@given(st.lists(ASKED, min_size=1, max_size=6), MIN_SAVED, st.integers(1, 4), st.lists(ASKED, max_size=3))
+def test_any_requests_a_rank_reserved_are_priced_alike_once_reported(tiny_model, asked, min_saved, max_num_seqs,
                                                                       decoding):
     """``handed_over`` for any mix of questions over either cached document and cold prompts, beside
-    any decoding there already, with cascades priced by groups (the default) or no cascades: the
-    rank's queued prefill, its step, its queue's seconds and its decode left are the same while
-    reserved and once reported."""
-    before, after = handed_over(tiny_model, asked, cascades=cascades, max_num_seqs=max(max_num_seqs, len(decoding)),
+    any decoding there already, with cascades priced by groups (the default) at any threshold, or
+    no cascades: the rank's queued prefill, its step, its queue's seconds and its decode left are
+    the same while reserved and once reported."""
+    before, after = handed_over(tiny_model, asked, min_saved=min_saved, max_num_seqs=max(max_num_seqs, len(decoding)),
                                 decoding=decoding)
     assert (after.seqs, after.queued) == (before.seqs, before.queued)
     assert (after.queue, after.step, after.left) == pytest.approx((before.queue, before.step, before.left))
@@ -359,3 +366,17 @@ async def test_a_request_arrives_when_its_worker_reads_it_not_when_its_engine_ta
     (msg,) = worker.inbox
     assert worker.handle(msg) == [] and worker.read_at == {}
     assert before <= core.requests["q"].arrival_time <= read  # not the later take
+
+
+def test_a_rejected_request_leaves_no_read_stamp_for_a_later_one_of_its_id(tiny_model):
+    """A request whose prompt the worker rejects (its ids not whole int32s) takes its read stamp
+    with it: a later request of the same id arrives when that one is read, not at the first's read."""
+    from lmpool.protocol import RequestRejected
+
+    pool = PoolConfig.from_options(tiny_model, world_size=1, block_size=BLOCK, num_kv_blocks=64)
+    spec = WorkerSpec(rank=0, epoch=1, frontend_end="unused", control_end="unused", pool=pool)
+    worker = Worker(spec, EngineCore(pool.engine_of(0)), frontend=None)
+    worker.read_at["q"] = 1.0
+    bad = AddRequest("q", b"\x01\x02\x03", SamplingParams(), [], [])
+    (rejected,) = worker.handle(bad)
+    assert isinstance(rejected, RequestRejected) and worker.read_at == {}

@@ -105,7 +105,8 @@ class RankPrice(msgspec.Struct, frozen=True, gc=False):
     held: int = 0  # blocks its sequences hold or have reserved: room once they finish
     joins: bool = False  # with ``Limits.cascade_groups``: a sequence of its group is there to read its prefix with
     # Two parts of ``ttft_s``: the wait for the step under way (``busy``) and its own prefill's compute
-    # (``own``); the rest is its queue's. Only the route records read them.
+    # (``own``); the rest is its wait for the queue ahead, a copy, blocks or a seat, and its own prefill's
+    # steps. Only the route records read them.
     busy_s: float = 0.0
     own_s: float = 0.0
 

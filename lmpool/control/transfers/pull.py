@@ -124,7 +124,9 @@ class RoutePulls(RouteStage):
             return False
         self._opening = (route, best)
         route.waits_on_pull = True
-        route.reason = f"pull {described[at]} copy={best.copy_s * 1e3:.1f}ms over {route.reason}{alternatives}"
+        # Its own price's parts first: the record's reader takes the first (the owner's follow "over").
+        route.reason = (f"pull {described[at]} copy={best.copy_s * 1e3:.1f}ms busy={best.price.busy_s * 1e3:.1f}ms "
+                        f"own={best.price.own_s * 1e3:.1f}ms over {route.reason}{alternatives}")
         route.rank, route.chosen = best.price.rank, best.price
         route.expected[route.rank] = best.start + best.blocks
         self.counters.routed += 1
