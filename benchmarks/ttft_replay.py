@@ -221,7 +221,7 @@ def place_table(path: str, policy: str, phase: str | None, rows: int = 6) -> lis
             for k, r in enumerate(ranked):
                 pooled.setdefault((run["workload"], min(k // PLACES, rows - 1)), []).append(r)
     parts = [p for p in PARTS if any(r.get(p) is not None for group in pooled.values() for r in group)]
-    priced = any(priced_parts(r.get("route")) for group in pooled.values() for r in group)
+    priced = any(priced_parts(r.get("route_reason")) for group in pooled.values() for r in group)
     out = ["| workload | place | requests | priced ms | measured ms | within 25 % | "
            + " | ".join(p.removesuffix("_s") for p in parts) + " | rest |" + (" priced busy | priced own |" if priced else ""),
            "| --- | --- | ---: | ---: | ---: | ---: |" + " ---: |" * (len(parts) + 1 + 2 * priced)]
@@ -234,7 +234,7 @@ def place_table(path: str, policy: str, phase: str | None, rows: int = 6) -> lis
         mean_measured = statistics.fmean(measured)
         cells = [f"{1e3 * m:.0f}" for m in (*means, mean_measured - sum(means))]
         if priced:
-            found = [p for p in (priced_parts(r.get("route")) for r in group) if p is not None]
+            found = [p for p in (priced_parts(r.get("route_reason")) for r in group) if p is not None]
             cells += [f"{1e3 * statistics.fmean(p[i] for p in found):.0f}" if found else "" for i in (0, 1)]
         out.append(f"| {workload} | {place} | {len(group)} | "
                    f"{1e3 * statistics.fmean(r['predicted_ttft_s'] for r in group):.0f} | {1e3 * mean_measured:.0f} | "

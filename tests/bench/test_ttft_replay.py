@@ -135,7 +135,8 @@ def test_the_places_table_adds_the_price_s_busy_and_own_parts_where_the_routes_r
 
     def timed(busy_ms, own_ms, arrival):
         price = RankPrice(0, 2, 16, 1, 10, 10, 1, 0.05, 0.2, 0, busy_s=busy_ms / 1e3, own_s=own_ms / 1e3)
-        return record(arrival, arrival + 0.1, arrival + 0.2, 64, 32, route=describe("owner", price) + "; serve r0=200") | {
+        return record(arrival, arrival + 0.1, arrival + 0.2, 64, 32) | {
+            "route_reason": describe("owner", price) + "; serve r0=200",  # as the evaluation's driver records it
             "intake_s": 0.002, "queued_s": 0.003, "first_step_s": 0.01}
     data = {"metadata": {"config": {"block_size": BLOCK, "max_num_seqs": 64, "max_num_batched_tokens": 8192}},
             "runs": [run_of([timed(10, 4, 0.0), timed(20, 6, 0.001)]) | {"status": "ok"}]}
@@ -145,7 +146,7 @@ def test_the_places_table_adds_the_price_s_busy_and_own_parts_where_the_routes_r
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("| rest | priced busy | priced own |")
     assert lines[2].split(" | ")[-2:] == ["15", "5 |"]
-    data["runs"][0]["requests"]["route"] = ["owner", "owner"]  # from before
+    data["runs"][0]["requests"]["route_reason"] = ["owner r0", "owner r0"]  # from before
     path.write_text(json.dumps(data))
     main(["--places", str(path)])
     assert capsys.readouterr().out.splitlines()[0].endswith("| rest |")
