@@ -190,11 +190,10 @@ PRICED_PARTS = re.compile(r"busy=([0-9.]+)ms own=([0-9.]+)ms")
 
 def priced_parts(route: str | None) -> tuple[float, float] | None:
     """(busy, own) seconds of the chosen rank's price in a request's route record, or None where
-    the record has none (files from before they were recorded, and a pull's before its own were:
-    its first parts are then the overridden owner's)."""
-    if route and route.startswith("pull ") and " own=" not in route.split(" over ", 1)[0]:
-        return None
-    found = PRICED_PARTS.search(route or "")
+    the record has none (files from before they were recorded). A route that overrode another
+    (a pull, a lease: "... over <the overridden route>") names its own before "over"; what
+    follows is the overridden rank's (a pull's record from before it named its own has none)."""
+    found = PRICED_PARTS.search((route or "").split(" over ", 1)[0])
     return None if found is None else (float(found[1]) / 1e3, float(found[2]) / 1e3)
 
 
