@@ -183,6 +183,7 @@ class PoolClient:
         self._wire_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self._teardown: asyncio.Task | None = None  # ``shutdown``'s work, once begun
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _check_loop(self) -> None:
@@ -563,11 +564,16 @@ class PoolClient:
     # ---- shutdown -------------------------------------------------------------------
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop every process and remove every shared-memory object. Idempotent."""
-        if self._closed:
-            return
-        self._check_loop()
-        self._closed = True
+        """Stop every process and remove every shared-memory object. Idempotent. The work runs as
+        a task of its own: a caller cancelled meanwhile (an outer timeout, a second Ctrl-C) leaves
+        it running, and every later call waits for that same teardown to end."""
+        if self._teardown is None:
+            self._check_loop()
+            self._closed = True
+            self._teardown = asyncio.get_running_loop().create_task(self._tear_down(timeout))
+        await asyncio.shield(self._teardown)
+
+    async def _tear_down(self, timeout: float) -> None:
         for req in self.requests.values():
             req.queue.put_nowait(PoolError("the pool is shut down"))
         self.requests.clear()

@@ -174,6 +174,32 @@ def test_an_interrupted_generate_aborts_its_requests(tiny_model, sigint_raises):
         assert len(pool.generate([[4, 5, 6]], GREEDY)[0].token_ids) == 8  # and it still serves
 
 
+def test_a_shutdown_cancelled_part_way_is_finished_by_the_next(tiny_model):
+    """An outer timeout or a second Ctrl-C that cancels ``shutdown`` mid-way must not leave the
+    pool half shut: its teardown goes on, and the next ``shutdown`` waits for it to end. The
+    no_leaks fixture checks, while the program still runs, that no process or shared-memory
+    object is left (the interpreter's exit would remove them, too late for a long-lived service)."""
+    import asyncio
+
+    import uvloop
+
+    from lmpool.frontend.api import AsyncLMPool
+
+    async def main():
+        pool = AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK)
+        await pool.start()
+        first = asyncio.ensure_future(pool.shutdown())
+        await asyncio.sleep(0)  # one loop round: the first shutdown has begun and waits on its teardown
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await pool.shutdown()
+        with pytest.raises(PoolError, match="shut down"):
+            await pool.generate([1, 2, 3], GREEDY)
+
+    uvloop.run(main())
+
+
 def test_a_pool_shut_down_refuses_calls_and_a_restart(tiny_model):
     import uvloop
 
