@@ -34,11 +34,11 @@ from lmpool.control.pricing.engine_model import EngineModel
 from lmpool.control.route_latency import RouteLatency
 from lmpool.control.routing.router import Router
 from lmpool.control.transfers.coordinator import Plan, TransferCoordinator
+from lmpool.control.transfers.data_paths import DataPaths
 from lmpool.control.transfers.policies import TransferPolicies
 from lmpool.engine.hashing import ROOT_HASH, short
 from lmpool.protocol import (
     BlockDigests,
-    Connect,
     ControlStats,
     CudaIpcExport,
     DigestAnswer,
@@ -46,6 +46,7 @@ from lmpool.protocol import (
     DigestsReply,
     FrontendToControl,
     Heartbeat,
+    PhaseFailed,
     PlanAnswer,
     PlanState,
     QueryAnswer,
@@ -107,6 +108,8 @@ class ControlPlane:
         self.policies = policies
         self.outbox = outbox
         self.workers: dict[int, Channel] = {}
+        # A rank with a queue here is a live worker (its queue goes when it dies).
+        self.paths = DataPaths(outbox.send, coordinator.busy, lambda rank: rank in outbox and gbm.ranks[rank].alive)
         self.resync_pending: set[int] = set()
         # Set once a rank's first snapshot is applied, or once it is known dead.
         self.known = [asyncio.Event() for _ in range(spec.pool.world_size)]
@@ -240,7 +243,12 @@ class ControlPlane:
             waiter.set_result(answer)
 
     def on_plan_answer(self, ack: PlanAnswer) -> None:
+        if isinstance(ack, PhaseFailed) and ack.data_path:
+            plan = self.coordinator.plans.get(ack.plan_id)
+            if plan is not None:
+                self.paths.mark_broken(plan.src, plan.dst)
         self.coordinator.on_ack(ack)
+        self.paths.settle()
         if self.check:
             self.verify(self.gbm.check_invariants)
             if self.policies.pulls is not None:
@@ -259,6 +267,7 @@ class ControlPlane:
     def plan_ended(self, plan: Plan) -> None:
         """The coordinator ended a plan: tell the policies and whoever asked for it."""
         self.policies.plan_ended(plan)
+        self.paths.settle()  # a broken pair waits for its last plan to end
         waiter = self.plan_waiters.pop(plan.plan_id, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(TransferResult(plan.plan_id, plan.state.value, plan.abort_reason,
@@ -374,14 +383,6 @@ class ControlPlane:
         if not over:
             self._slicing = asyncio.get_running_loop().call_soon(self._place_slice)
 
-    def connect_pairs(self) -> None:
-        """Open the data path of every pair of live workers under fresh sessions."""
-        ranks = sorted(self.workers)
-        for i, a in enumerate(ranks):
-            for b in ranks[i + 1 :]:
-                session = random.getrandbits(62)
-                self.outbox[a].put_nowait(Connect(b, session))
-                self.outbox[b].put_nowait(Connect(a, session))
 
     async def heartbeat(self) -> None:
         while True:
@@ -518,7 +519,7 @@ class ControlPlane:
             tasks.append(asyncio.create_task(self.read_worker(rank, channel)))
             tasks.append(asyncio.create_task(self.send_orders(rank, channel)))
         if self.spec.transfers:
-            self.connect_pairs()
+            self.paths.connect_all(self.workers)
             tasks.append(asyncio.create_task(self.watchdog()))
             if self.policies.background:
                 tasks.append(asyncio.create_task(self.place()))

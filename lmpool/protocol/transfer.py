@@ -175,6 +175,10 @@ class PhaseFailed(PhaseAnswer, tag="phase_failed"):
 
     phase_name: str
     error: str
+    # The error was the pair's data path (``TransportError``): it stays broken until both ends
+    # connect again (``lmpool.control.transfers.data_paths``). Last, defaulting to False: a sender
+    # from before it still decodes.
+    data_path: bool = False
 
     @property
     def phase(self) -> PlanState:

@@ -182,7 +182,8 @@ class TransferExecutor:
         return SUCCESS[order.phase](order.plan_id, self.rank)
 
     def _failed(self, order: PlanOrder, error: BaseException) -> PhaseFailed:
-        return PhaseFailed(order.plan_id, self.rank, order.phase.value, f"{type(error).__name__}: {error}")
+        return PhaseFailed(order.plan_id, self.rank, order.phase.value, f"{type(error).__name__}: {error}",
+                           data_path=isinstance(error, TransportError))
 
     # ---- orders -----------------------------------------------------------------------
 

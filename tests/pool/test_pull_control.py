@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from lmpool.config.pool import PoolConfig
 from lmpool.control.build import build_control_plane
 from lmpool.control.plane import ControlPlane
 from lmpool.engine.hashing import ROOT_HASH
 from lmpool.protocol import (
+    Connect,
     DestPrepared,
     Executed,
     LoadReport,
+    PhaseFailed,
     PlanState,
     Published,
     RouteQuery,
@@ -82,6 +86,51 @@ def test_a_pulled_route_is_answered_once_its_blocks_landed():
     decision, plane = asyncio.run(main())
     assert decision.rank == 1 and decision.reason.startswith("pull r1<-r0") and decision.reason.endswith("pull landed")
     assert not plane.pull_waiters and not plane.policies.pulls.waiting
+
+
+def connects(plane: ControlPlane) -> dict[int, list[Connect]]:
+    """The ``Connect`` orders queued for each rank, taken off its queue (other orders dropped)."""
+    out = {}
+    for rank, queue in plane.outbox.items():
+        orders = [queue.get_nowait() for _ in range(queue.qsize())]
+        out[rank] = [o for o in orders if isinstance(o, Connect)]
+    return out
+
+
+@pytest.mark.parametrize("data_path", [True, False])
+def test_a_pull_that_fails_on_its_data_path_has_its_pair_connected_again(data_path):
+    """A pair whose data path broke (a gloo wait past its timeout) stays broken on its workers:
+    without a new connection every later pull between them would abort. A plan failing on its
+    data path makes the plane connect the pair again, under one fresh session for both ends,
+    once the plan has ended; a failure of another kind leaves the connection alone."""
+    async def main():
+        plane = control("pull")
+        for rank in (0, 1):
+            plane.outbox[rank] = asyncio.Queue()  # live workers' order queues
+        task = asyncio.create_task(plane.route(query(0)))
+        plan = await opened(plane, task)
+        n = len(plan.hashes)
+        plane.on_plan_answer(SourcePrepared(plan.plan_id, 0, list(range(n)), [[0] * BLOCK] * n))
+        plane.on_plan_answer(DestPrepared(plan.plan_id, 1, list(range(50, 50 + n)), [1] * n))
+        assert connects(plane) == {0: [], 1: []}
+        plane.on_plan_answer(PhaseFailed(plan.plan_id, 1, "executing", error_of(data_path), data_path=data_path))
+        decision = await task
+        return decision, plane, connects(plane)
+
+    decision, plane, sent = asyncio.run(main())
+    assert decision.rank == 1
+    assert decision.reason.endswith(f"pull aborted: rank 1 failed executing: {error_of(data_path)}")
+    assert not plane.coordinator.plans and not plane.paths.broken
+    if data_path:
+        (to_0,), (to_1,) = sent[0], sent[1]
+        assert (to_0.peer, to_1.peer) == (1, 0) and to_0.session == to_1.session
+        assert plane.paths.reconnects == 1
+    else:
+        assert sent == {0: [], 1: []} and plane.paths.reconnects == 0
+
+
+def error_of(data_path: bool) -> str:
+    return "TransportError: the connection of rank 1 to rank 0 is broken" if data_path else "StaleBlockError: gone"
 
 
 def test_a_route_whose_destination_dies_mid_pull_is_routed_again():
