@@ -52,6 +52,7 @@ from lmpool.protocol import (
     QueryAnswer,
     RankDown,
     RankUp,
+    ReleaseRoute,
     ResyncRequest,
     RouteDecision,
     RouteQuery,
@@ -409,6 +410,10 @@ class ControlPlane:
     async def handle(self, request: FrontendToControl):
         if isinstance(request, RouteQuery):
             return await self.route(request)
+        if isinstance(request, ReleaseRoute):
+            self.router.record()  # the last decided route, if it is this one, is reserved first
+            self.gbm.release(request.request_id)
+            return None
         if isinstance(request, RankDown):
             self.router.rank_down(request.rank)
             self.known[request.rank].set()

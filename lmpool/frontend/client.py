@@ -51,6 +51,7 @@ from lmpool.protocol import (
     ControlStats,
     DigestsReply,
     RankDown,
+    ReleaseRoute,
     RequestRejected,
     RouteDecision,
     RouteQuery,
@@ -184,6 +185,7 @@ class PoolClient:
         self._tasks: list[asyncio.Task] = []
         self._closed = False
         self._teardown: asyncio.Task | None = None  # ``shutdown``'s work, once begun
+        self._releases: set[asyncio.Task] = set()  # ``ReleaseRoute`` messages on their way
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _check_loop(self) -> None:
@@ -398,11 +400,15 @@ class PoolClient:
                 decision = await self.control_request(query)
             except PoolError as e:  # the control plane's words name no caller's id
                 raise PoolError(f"request {req.request_id!r} could not be routed: {e}") from None
+            except asyncio.CancelledError:  # its caller gave up while the route waited (on a pull)
+                self._release_route(wire_id)
+                raise
             rank = self.ranks[decision.rank]
             req.route, priced = decision.reason, decision.predicted_ttft_s
             # The price runs from the route; the wait before it (the turns, the checks) is known.
             req.predicted_ttft_s = None if priced is None else asked - req.arrival + priced
             if self.requests.get(req.request_id) is not req:
+                self._release_route(wire_id)
                 return  # aborted while its route waited (on a route-time pull): never start it
             if not rank.alive:
                 continue  # the control plane had not yet heard of its death
@@ -463,6 +469,22 @@ class PoolClient:
         rank = self.ranks[req.rank]
         if rank.alive:
             await self._send_to_rank(rank, AbortRequest(req.wire_id))
+
+    def _release_route(self, wire_id: str) -> None:
+        """Tell the control plane that the route ``wire_id`` will never reach its rank, so that
+        its reservation there ends now, not at its expiry (``ReleaseRoute``); sent on its own
+        task, as the caller may be unwinding a cancellation."""
+        if self._closed or self.control is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._send_release(wire_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _send_release(self, wire_id: str) -> None:
+        try:
+            await self.control_request(ReleaseRoute(wire_id))
+        except PoolError:  # the pool is shutting down, or the control plane restarting: the reservation expires
+            pass
 
     def _forget(self, req: TrackedRequest) -> None:
         self.requests.pop(req.request_id, None)
@@ -578,7 +600,7 @@ class PoolClient:
             req.queue.put_nowait(PoolError("the pool is shut down"))
         self.requests.clear()
         self._by_wire.clear()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._releases]:
             task.cancel()
         for rank in self.ranks:
             if rank.alive:

@@ -29,6 +29,14 @@ class RouteDecision(Message, tag="decision"):
     group: BlockHash | None = None
 
 
+class ReleaseRoute(Message, tag="release_route"):
+    """The request routed as ``request_id`` (the route's id) will never reach its rank: its caller
+    gave up while the route waited (on a route-time pull), or aborted it. Release its reservation
+    there now rather than at its expiry. Answered with None."""
+
+    request_id: str
+
+
 class RankDown(Message, tag="rank_down"):
     """The engine saw rank ``rank`` die: forget its blocks and stop routing to it."""
 
@@ -174,4 +182,5 @@ class DigestsReply(Message, tag="digests"):
     digests: list[str]  # "" for a block the rank does not cache
 
 
-FrontendToControl = RouteQuery | RankDown | RankUp | WaitRanks | StatsQuery | TransferChain | BlockDigests
+FrontendToControl = (RouteQuery | ReleaseRoute | RankDown | RankUp | WaitRanks | StatsQuery | TransferChain
+                     | BlockDigests)

@@ -128,3 +128,40 @@ def test_a_source_killed_mid_pull_loses_no_request(tiny_model, expected, monkeyp
     assert out.token_ids == expected[0]
     assert [r["alive"] for r in stats["ranks"]] == [False, True]
     assert stats["transfers"]["pulls_aborted"] == 1
+
+
+def test_a_request_cancelled_while_its_pull_runs_releases_its_reservation_at_once(tiny_model, monkeypatch):
+    """A caller that gives up while its request waits on a route-time pull (a client that
+    disconnected) ends the route's reservation on the pull's destination at once: left to
+    expire, it priced that rank busier than it was for seconds. Reservations here last ten
+    minutes, so only the release can end this one; the pull stays open meanwhile (the
+    destination's prepare answer is dropped, so the plan waits for the watchdog)."""
+    from lmpool.config import RoutingConfig
+
+    monkeypatch.setenv("LMPOOL_CHECK_INVARIANTS", "1")
+    monkeypatch.setenv(ENV, encode([Fault(rank=1, order="prepare_dest", point="after", action="drop")]))
+
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK,
+                               routing_config=RoutingConfig(reservation_ttl_s=600.0)) as pool:
+            await pool.generate(DOC + tokens(3, 9), READ, rank=0)
+            await pool_waits.settled(pool, lambda s: s["ranks"][0]["cached_blocks"] >= DOC_BLOCKS,
+                                     "the document cached", limit=DEADLINE_S)
+            busy = [asyncio.create_task(pool.generate(tokens(20, 99 + i), BUSY, rank=0)) for i in range(BUSY_REQUESTS)]
+            await pool_waits.settled(pool, lambda s: s["ranks"][0]["num_running"] >= BUSY_REQUESTS
+                                     and s["transfers"]["reservations"] == 0, "rank 0 decoding", limit=DEADLINE_S)
+            ask = asyncio.create_task(pool.generate(ASKS[0], GREEDY))
+            opened = await pool_waits.settled(pool, lambda s: s["transfers"]["pulls_open"] == 1,
+                                              "the pull opened", limit=DEADLINE_S)
+            assert opened["transfers"]["reservations"] == 1, "the pulled request's route is reserved"
+            ask.cancel()
+            await asyncio.gather(ask, return_exceptions=True)
+            await pool_waits.settled(pool, lambda s: s["transfers"]["reservations"] == 0,
+                                     "the cancelled route's reservation released", limit=DEADLINE_S)
+            for task in busy:
+                task.cancel()
+            await asyncio.gather(*busy, return_exceptions=True)
+            return await pool_waits.settled(pool, leak_free, "nothing held", limit=DEADLINE_S)
+
+    stats = uvloop.run(main())
+    assert stats["transfers"]["pulls_started"] == 1
