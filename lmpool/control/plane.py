@@ -384,7 +384,6 @@ class ControlPlane:
         if not over:
             self._slicing = asyncio.get_running_loop().call_soon(self._place_slice)
 
-
     async def heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.spec.pool.heartbeat_interval)
