@@ -475,7 +475,7 @@ class ControlPlane:
             route_p99_us=float(np.percentile(samples, 99)) if n else 0.0,
             resyncs=self.resyncs,
             stale_rejected=self.stale_rejected,
-            transfers=self.policies.stats(),
+            transfers=msgspec.structs.replace(self.policies.stats(), reconnects=self.paths.reconnects),
         )
 
     def pool_state(self) -> PoolState:

@@ -138,6 +138,7 @@ class TransferStats(Message, kw_only=True):
     pulls_aborted: int = 0  # pulls that aborted first (their requests recompute)
     pulls_routed: int = 0  # requests sent elsewhere than the routing policy chose
     pulls_open: int = 0
+    reconnects: int = 0  # worker pairs connected again after their data path broke (``data_paths``)
     # kind -> phase -> [median ms, max ms, plans] from its start to each phase's end (and to each
     # side's prepare answer), over the last completed plans (``control.transfers.phase_times``).
     plan_phases_ms: dict[str, dict[str, list[float]]] = {}
