@@ -248,8 +248,7 @@ class ControlPlane:
             plan = self.coordinator.plans.get(ack.plan_id)
             if plan is not None:
                 self.paths.mark_broken(plan.src, plan.dst)
-        self.coordinator.on_ack(ack)
-        self.paths.settle()
+        self.coordinator.on_ack(ack)  # a failure ends the plan: ``plan_ended`` settles its pair
         if self.check:
             self.verify(self.gbm.check_invariants)
             if self.policies.pulls is not None:
