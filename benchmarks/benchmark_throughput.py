@@ -67,7 +67,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-PATHS = {"serial": False, "overlapped": True}  # path name -> EngineConfig.async_scheduling
+# Path name -> the engine settings it runs: ``early`` is ``overlapped`` with the decode kernels
+# started before the kernel ahead of them ends (EngineConfig.dependent_launch).
+PATHS = {"serial": {"async_scheduling": False}, "overlapped": {"async_scheduling": True},
+         "early": {"async_scheduling": True, "dependent_launch": True}}
 
 
 def run_prefill(model: str, args) -> list[dict]:
@@ -99,7 +102,7 @@ def run_lmpool(model: str, prompts, outputs, args, path: str = "overlapped") -> 
     llm = LLM(
         model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops, async_scheduling=PATHS[path],
+        enforce_eager=args.enforce_eager, use_kernels=not args.torch_ops, **PATHS[path],
     )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     # Warm-up (kernels, allocators) on prompts of its own: the workload's prompts would
@@ -331,17 +334,17 @@ def report(lm: dict) -> None:
               f"(copy bandwidth {roof['copy_bandwidth_GBps']:.0f} GB/s)")
 
 
-def compare(overlapped: dict, serial: dict) -> dict:
-    """Overlapped over serial: throughput and mean step time ratios, roofline fractions of both."""
+def compare(run: dict, base: dict, names: tuple[str, str] = ("overlapped", "serial")) -> dict:
+    """``run`` over ``base`` (named ``names``): throughput and mean step time ratios, whether their
+    greedy tokens matched, and the roofline fractions of both."""
     ratios = {
-        "output_tok_s": overlapped["output_tok_s"] / serial["output_tok_s"],
-        "mean_step_ms": overlapped["mean_step_ms"] / serial["mean_step_ms"],
-        "same_tokens": overlapped["tokens_sha256"] == serial["tokens_sha256"],
+        "output_tok_s": run["output_tok_s"] / base["output_tok_s"],
+        "mean_step_ms": run["mean_step_ms"] / base["mean_step_ms"],
+        "same_tokens": run["tokens_sha256"] == base["tokens_sha256"],
     }
-    if overlapped["decode_roofline"] and serial["decode_roofline"]:
+    if run["decode_roofline"] and base["decode_roofline"]:
         ratios["fraction_of_roofline"] = {
-            path: run["decode_roofline"]["fraction_of_roofline"] for path, run in
-            (("serial", serial), ("overlapped", overlapped))}
+            name: r["decode_roofline"]["fraction_of_roofline"] for name, r in ((names[1], base), (names[0], run))}
     return ratios
 
 
@@ -366,8 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--paths", default="serial,overlapped",
-                    help="comma-separated engine runs: serial (async_scheduling off) and/or overlapped (on); "
-                         "none: only --prefill")
+                    help="comma-separated engine runs: serial (async_scheduling off), overlapped (on) and/or "
+                         "early (overlapped, the decode kernels started early: dependent_launch); none: only --prefill")
     ap.add_argument("--prefill", default="", metavar="NEW[:CACHED],...",
                     help="also time the prefill of NEW tokens after CACHED cached ones (prefill_rate)")
     ap.add_argument("--prefill-reps", type=int, default=3)
@@ -383,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     paths = [] if args.paths == "none" else args.paths.split(",")
     if not set(paths) <= set(PATHS) or not (paths or args.prefill):
-        ap.error(f"--paths takes serial and/or overlapped (or none, with --prefill), got {args.paths!r}")
+        ap.error(f"--paths takes serial, overlapped and/or early (or none, with --prefill), got {args.paths!r}")
     if args.prefill:
         try:
             prefill_rate.parse_cases(args.prefill)
@@ -410,7 +413,13 @@ def main(argv: list[str] | None = None) -> dict:
             result["prefill"] = run_prefill(model, args)
         if "serial" in runs:
             result["lmpool_serial"] = runs["serial"]
-        if len(runs) == 2:
+        if "early" in runs:
+            result["lmpool_early"] = runs["early"]
+        if "early" in runs and "overlapped" in runs:
+            result["early_vs_overlapped"] = compare(runs["early"], runs["overlapped"], ("early", "overlapped"))
+            ratio = result["early_vs_overlapped"]
+            print(f"early / overlapped: {ratio['output_tok_s']:.2f}x output tok/s; same tokens: {ratio['same_tokens']}")
+        if "serial" in runs and "overlapped" in runs:
             result["overlapped_vs_serial"] = compare(runs["overlapped"], runs["serial"])
             ratio = result["overlapped_vs_serial"]
             print(f"overlapped / serial: {ratio['output_tok_s']:.2f}x output tok/s; "

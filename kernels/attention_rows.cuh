@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(kRowsThreads)
   using C = RowsConfig<T, D, GT>;
   constexpr int kVec = C::kVec, kLanes = C::kLanes, kGroups = C::kGroups;
   constexpr int kUnroll = C::kUnroll, kTile = C::kTile;
+  dependent_wait();  // the query, the key and value just stored and the step's tables
 
   const int row = blockIdx.x;
   const int split = blockIdx.z;
@@ -274,8 +275,7 @@ template <typename T, int D, int GT>
 cudaError_t launch_rows(const AttentionRowsArgs& a, cudaStream_t stream) {
   const int group = a.q_heads / a.kv_heads;
   const dim3 grid(a.num_rows, a.kv_heads * ceil_div(group, GT), a.num_splits);
-  attention_rows_kernel<T, D, GT><<<grid, kRowsThreads, 0, stream>>>(a);
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err = launch(attention_rows_kernel<T, D, GT>, grid, kRowsThreads, 0, stream, a);
   if (err != cudaSuccess || a.split_stride <= 1) return err;
   return launch_combine_splits<T, D>(a.partial_out, a.partial_lse, a.out, a.num_rows, a.q_heads,
                                      a.split_stride, stream);

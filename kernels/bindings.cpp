@@ -843,6 +843,14 @@ int64_t prefill_splits(int64_t total_q, int64_t num_seqs, int64_t q_heads, int64
                                num_sms(static_cast<int>(device_index)));
 }
 
+// Programmatic dependent launch of the decode path's kernels, for this process (launchers.h):
+// on only where the current device has compute capability 9.0 or more. Returns whether it is on.
+bool set_dependent_launch(bool on) {
+  const int device = c10::cuda::current_device();
+  dependent_launch_on() = on && device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9;
+  return dependent_launch_on();
+}
+
 }  // namespace
 }  // namespace lmpool
 
@@ -900,6 +908,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_slots", &lmpool::decode_slots, py::arg("q_heads"), py::arg("kv_heads"),
         py::arg("device_index"), py::arg("head_dim") = 128, py::arg("dtype") = at::kBFloat16,
         "CTAs of the decode kernel the device's SMs (this process's share) hold at once.");
+  m.def("set_dependent_launch", &lmpool::set_dependent_launch, py::arg("on"),
+        "Let the decode path's kernels start before the kernel ahead of them ends (compute capability 9.0+); "
+        "returns whether that is now on. One setting a process.");
   m.def("prefill_splits", &lmpool::prefill_splits, py::arg("total_q"), py::arg("num_seqs"),
         py::arg("q_heads"), py::arg("kv_heads"), py::arg("max_tokens"), py::arg("device_index"),
         "The key split paged_prefill_attention's tensor-core path picks for these shapes.");

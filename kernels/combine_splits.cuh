@@ -19,6 +19,7 @@ __global__ void __launch_bounds__(D)
     combine_splits_kernel(const float* __restrict__ partial_out,
                           const float* __restrict__ partial_lse, T* __restrict__ out,
                           int num_splits) {
+  dependent_wait();
   const int64_t rh = (int64_t)blockIdx.x * gridDim.y + blockIdx.y;
   const int d = threadIdx.x;
   const float* lse = partial_lse + rh * num_splits;
@@ -42,9 +43,8 @@ __global__ void __launch_bounds__(D)
 template <typename T, int D>
 cudaError_t launch_combine_splits(const float* partial_out, const float* partial_lse, void* out,
                                   int rows, int q_heads, int num_splits, cudaStream_t stream) {
-  combine_splits_kernel<T, D><<<dim3(rows, q_heads), D, 0, stream>>>(
-      partial_out, partial_lse, static_cast<T*>(out), num_splits);
-  return cudaGetLastError();
+  return launch(combine_splits_kernel<T, D>, dim3(rows, q_heads), D, 0, stream, partial_out, partial_lse,
+                static_cast<T*>(out), num_splits);
 }
 
 }  // namespace lmpool

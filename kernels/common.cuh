@@ -6,11 +6,46 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "launchers.h"
+
 namespace lmpool {
+
+// Programmatic dependent launch (compute capability 9.0 and later): a kernel started by ``launch``
+// below while ``dependent_launch_on()`` may begin while the kernel before it in its stream still
+// runs. Every CTA of such a kernel calls ``dependent_wait()`` before it reads anything an earlier
+// kernel wrote, before it writes anything, and before it returns: a CTA that returned first could
+// let its grid end before the grid it depends on, and the kernel after it would then not wait for
+// that one. Before the wait a kernel reads only what no kernel writes (weights). After it, the
+// next kernel may start (at most one kernel waits ahead of the one running).
+__device__ __forceinline__ void dependent_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ``kernel<<<grid, block, smem, stream>>>(args...)``, started early as above when
+// ``dependent_launch_on()``; else a plain launch. Returns the launch's status.
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute early[1];
+  early[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = early;
+  config.numAttrs = dependent_launch_on() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 template <typename T>
 struct Vec16 {

@@ -21,6 +21,16 @@ enum class DType { kF32, kF16, kBF16 };
 
 inline int dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
 
+// Whether the decode path's kernels (norms, rotary and KV store, attention and its split merge,
+// SiLU x up, the skinny linear) start before the kernel ahead of them in the stream ends
+// (programmatic dependent launch, common.cuh): their launch and the weights they read overlap that
+// kernel's tail. One flag a process, off until bindings.cpp's set_dependent_launch turns it on
+// (only where the device has compute capability 9.0 or more).
+inline bool& dependent_launch_on() {
+  static bool on = false;
+  return on;
+}
+
 // ---------------------------------------------------------------------------
 // Paged attention, one CTA per (query row, kv head [, q-head chunk], split).
 // Used for decode (row == sequence) and as the general prefill path.

@@ -55,6 +55,7 @@ __device__ __forceinline__ float row_value(const T* x, const T* residual, int i)
 
 template <typename T, bool kAdd>
 __global__ void rms_norm_kernel(RmsNormArgs a) {
+  dependent_wait();
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + threadIdx.x / 32;
   if (row >= a.rows) return;  // warp-uniform: the whole warp leaves together
@@ -91,6 +92,7 @@ __device__ __forceinline__ void row_vector(const T* x, const T* residual, int v,
 template <typename T, bool kAdd>
 __global__ void rms_norm_vec_kernel(RmsNormArgs a) {
   constexpr int N = Vec16<T>::kElems;
+  dependent_wait();
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + threadIdx.x / 32;
   if (row >= a.rows) return;  // warp-uniform
@@ -159,6 +161,7 @@ __device__ __forceinline__ void norm_rope_row(const T* x, const T* weight, int d
 template <typename T, typename Pos>
 __global__ void qk_norm_rope_kernel(QkNormRopeArgs a) {
   __shared__ float rows[kNormWarps][kMaxRopeHeadDim];
+  dependent_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + warp;
   if (row >= static_cast<int64_t>(a.tokens) * a.heads) return;  // warp-uniform
@@ -176,6 +179,7 @@ __global__ void qk_norm_rope_kernel(QkNormRopeArgs a) {
 template <typename T, typename Pos, typename Slot>
 __global__ void qkv_norm_rope_store_kernel(QkvNormRopeStoreArgs a) {
   __shared__ float rows[kNormWarps][kMaxRopeHeadDim];
+  dependent_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int all = a.heads + 2 * a.kv_heads;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + warp;
@@ -208,9 +212,9 @@ template <typename T>
 cudaError_t launch_qk_for(const QkNormRopeArgs& a, cudaStream_t stream) {
   const int blocks = norm_blocks(static_cast<int64_t>(a.tokens) * a.heads);
   if (a.positions_int64) {
-    qk_norm_rope_kernel<T, int64_t><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+    launch(qk_norm_rope_kernel<T, int64_t>, blocks, kNormWarps * 32, 0, stream, a);
   } else {
-    qk_norm_rope_kernel<T, int><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+    launch(qk_norm_rope_kernel<T, int>, blocks, kNormWarps * 32, 0, stream, a);
   }
   return cudaGetLastError();
 }
@@ -219,9 +223,9 @@ template <typename T, typename Pos>
 void launch_qkv_for(const QkvNormRopeStoreArgs& a, cudaStream_t stream) {
   const int blocks = norm_blocks(static_cast<int64_t>(a.tokens) * (a.heads + 2 * a.kv_heads));
   if (a.slots_int64) {
-    qkv_norm_rope_store_kernel<T, Pos, int64_t><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+    launch(qkv_norm_rope_store_kernel<T, Pos, int64_t>, blocks, kNormWarps * 32, 0, stream, a);
   } else {
-    qkv_norm_rope_store_kernel<T, Pos, int><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+    launch(qkv_norm_rope_store_kernel<T, Pos, int>, blocks, kNormWarps * 32, 0, stream, a);
   }
 }
 
@@ -262,9 +266,9 @@ template <typename T, bool kAdd>
 void launch_norm_for(const RmsNormArgs& a, cudaStream_t stream) {
   const int blocks = norm_blocks(a.rows);
   if (vector_rows<T>(a)) {
-    rms_norm_vec_kernel<T, kAdd><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+    launch(rms_norm_vec_kernel<T, kAdd>, blocks, kNormWarps * 32, 0, stream, a);
   } else {
-    rms_norm_kernel<T, kAdd><<<blocks, kNormWarps * 32, 0, stream>>>(a);
+    launch(rms_norm_kernel<T, kAdd>, blocks, kNormWarps * 32, 0, stream, a);
   }
 }
 

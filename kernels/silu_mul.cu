@@ -26,6 +26,7 @@ __device__ __forceinline__ float gated(float gate, float up) {
 // Element (row, i) of the output per thread, i over dim.
 template <typename T>
 __global__ void silu_mul_kernel(SiluMulArgs a) {
+  dependent_wait();
   const int64_t total = a.rows * a.dim;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -40,6 +41,7 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
 template <typename T>
 __global__ void silu_mul_vec_kernel(SiluMulArgs a) {
   constexpr int N = Vec16<T>::kElems;
+  dependent_wait();
   const int vectors = a.dim / N;
   const int64_t total = a.rows * vectors;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
@@ -64,9 +66,9 @@ void launch_for(const SiluMulArgs& a, cudaStream_t stream) {
   // Enough blocks to fill any GPU several times over; the grid-stride loops take the rest.
   const int blocks = static_cast<int>(work / kThreads + 1 < 65536 ? work / kThreads + 1 : 65536);
   if (vectors) {
-    silu_mul_vec_kernel<T><<<blocks, kThreads, 0, stream>>>(a);
+    launch(silu_mul_vec_kernel<T>, blocks, kThreads, 0, stream, a);
   } else {
-    silu_mul_kernel<T><<<blocks, kThreads, 0, stream>>>(a);
+    launch(silu_mul_kernel<T>, blocks, kThreads, 0, stream, a);
   }
 }
 

@@ -4,10 +4,12 @@
 // kSkinnyLinearRows (4): at 8 rows cuBLAS was faster on an H100.
 //
 // Layout: a block of kThreads threads computes kRows consecutive outputs n for every row m.
-// Its threads stride over k in 16-byte vectors: each loads the kRows weight vectors at its k
-// first (kRows loads in flight a thread), then the rows' x vectors there (few, L1-resident:
+// Its threads stride over k in 16-byte vectors: each holds the kRows weight vectors at its k
+// (the next k's in flight while it sums these; the first loaded before the kernel waits for the
+// one ahead of it, ``dependent_wait``), then reads the rows' x vectors there (few, L1-resident:
 // x is read kRows times less than the weights), and keeps fp32 sums; a warp's sums are
-// reduced by shuffles, the warps' through shared memory. One rounding to the dtype at the end.
+// reduced by shuffles (``reduce_lanes``), the warps' through shared memory. One rounding to the
+// dtype at the end.
 //
 // Numerics: fp32 products and sums of the dtype's values; the order of the sums differs from
 // cuBLAS's, so results agree to the dtype's rounding, not bit for bit.
@@ -23,6 +25,47 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = 4;  // outputs a block computes
 
+// The kRows weight vectors at vector v of the block's outputs.
+template <typename T>
+__device__ __forceinline__ void load_weights(const T* w, const int64_t (&offset)[kRows], int v, uint4 (&wv)[kRows]) {
+  constexpr int N = Vec16<T>::kElems;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) wv[r] = load16(w + offset[r] + v * N);
+}
+
+// The values a reduction below holds: V rounded up to a power of two (at most 32).
+__host__ __device__ constexpr int levels_for(int v) { return v <= 1 ? 0 : v <= 2 ? 1 : v <= 4 ? 2 : v <= 8 ? 3 : v <= 16 ? 4 : 5; }
+
+// The sums over the warp's 32 lanes of each of the P values in ``t`` (P a power of two <= 32;
+// ``t`` is consumed): afterwards lane l holds value (l >> (5 - log2 P))'s total, in the lanes
+// where l % (32 / P) == 0. Each value's sum is the same tree over the lanes, in the same order,
+// as the plain xor reduction of that value alone (a + b and b + a are the same bits), so a row's
+// result does not depend on how many values share the reduction; but each level sends half of
+// the values it holds: 31 shuffles for 32 values, where reducing each alone takes 160.
+template <int Half, int P>
+__device__ __forceinline__ void fold_level(float (&t)[P], int lane) {
+  if constexpr (Half >= 1) {
+    constexpr int kLevel = 16 * 2 * Half / P;  // lanes this far apart hold the same values
+    const bool upper = lane & kLevel;          // keeps the upper half of the values, sends the lower
+#pragma unroll
+    for (int i = 0; i < Half; ++i) {
+      const float lo = t[i], hi = t[i + Half];
+      t[i] = (upper ? hi : lo) + __shfl_xor_sync(0xffffffffu, upper ? lo : hi, kLevel);
+    }
+    fold_level<Half / 2>(t, lane);
+  }
+}
+
+template <int P>
+__device__ __forceinline__ float reduce_lanes(float (&t)[P], int lane) {
+  constexpr int kLevels = levels_for(P);
+  static_assert(P == 1 << kLevels, "a power of two, at most 32 values");
+  fold_level<P / 2>(t, lane);
+#pragma unroll
+  for (int level = 16 >> kLevels; level > 0; level /= 2) t[0] += __shfl_xor_sync(0xffffffffu, t[0], level);
+  return t[0];
+}
+
 template <typename T, int M>
 __global__ void __launch_bounds__(kThreads) skinny_linear_kernel(SkinnyLinearArgs a) {
   constexpr int N = Vec16<T>::kElems;
@@ -35,21 +78,24 @@ __global__ void __launch_bounds__(kThreads) skinny_linear_kernel(SkinnyLinearArg
 #pragma unroll
   for (int r = 0; r < kRows; ++r) offset[r] = (first + r < a.n ? r : a.n - 1 - first) * a.w_stride;
 
-  float sum[kRows][M];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int m = 0; m < M; ++m) sum[r][m] = 0.0f;
+  // No kernel writes the weights: their first vectors load while the kernel ahead still runs.
+  uint4 wv[kRows];
+  int v = threadIdx.x;
+  if (v < vectors) load_weights(w, offset, v, wv);
+  dependent_wait();  // x is the kernel ahead's output
 
-  for (int v = threadIdx.x; v < vectors; v += kThreads) {
-    uint4 wv[kRows];
+  constexpr int kLevels = levels_for(kRows * M);
+  float sum[1 << kLevels];  // [r * M + m], padded with zeros to a power of two
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) wv[r] = load16(w + offset[r] + v * N);
+  for (int i = 0; i < (1 << kLevels); ++i) sum[i] = 0.0f;
+
+  for (; v < vectors; v += kThreads) {
     // Each weight converted once, each x vector once: at 8 rows the step is near the SM's issue
     // rate, so no conversion repeats in the inner loop.
     float wf[kRows][N];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) vec_to_float<T>(wv[r], wf[r]);
+    if (v + kThreads < vectors) load_weights(w, offset, v + kThreads, wv);  // in flight during the sums
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       float xf[N];
@@ -57,21 +103,16 @@ __global__ void __launch_bounds__(kThreads) skinny_linear_kernel(SkinnyLinearArg
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
-        for (int i = 0; i < N; ++i) sum[r][m] = fmaf(xf[i], wf[r][i], sum[r][m]);
+        for (int i = 0; i < N; ++i) sum[r * M + m] = fmaf(xf[i], wf[r][i], sum[r * M + m]);
     }
   }
 
   __shared__ float partial[kWarps][kRows * M];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float s = sum[r][m];
-#pragma unroll
-      for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
-      if (lane == 0) partial[warp][r * M + m] = s;
-    }
+  const int shift = 5 - kLevels;
+  const float total = reduce_lanes(sum, lane);
+  const int value = lane >> shift;
+  if ((lane & ((1 << shift) - 1)) == 0 && value < kRows * M) partial[warp][value] = total;
   __syncthreads();
   for (int i = threadIdx.x; i < kRows * M; i += kThreads) {
     const int r = i / M, m = i % M;
@@ -86,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) skinny_linear_kernel(SkinnyLinearArg
 template <typename T, int M>
 void launch_rows(const SkinnyLinearArgs& a, cudaStream_t stream) {
   const int64_t blocks = (a.n + kRows - 1) / kRows;
-  skinny_linear_kernel<T, M><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  launch(skinny_linear_kernel<T, M>, static_cast<unsigned>(blocks), kThreads, 0, stream, a);
 }
 
 template <typename T>

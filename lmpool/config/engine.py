@@ -64,6 +64,11 @@ class EngineConfig:
     # precision (on the H200 it prefills a 16k prompt in 0.56x the time), else "lmpool"; what an
     # engine runs is ``prefill_attention``'s.
     prefill_attention: str | None = None
+    # LMPool's decode-path kernels start before the kernel ahead of them in the stream ends
+    # (programmatic dependent launch, GPUs of compute capability 9.0 or more; elsewhere ignored):
+    # each waits for that kernel's results on the device, and a linear layer's weights load
+    # meanwhile. One setting a process: the last engine built in a process sets it for all.
+    dependent_launch: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -84,7 +89,7 @@ class EngineConfig:
         attention = self.prefill_attention
         if attention is not None and attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention must be one of {list(PREFILL_ATTENTION)}, got {attention!r}")
-        for name in ("enable_prefix_caching", "use_kernels", "enforce_eager"):
+        for name in ("enable_prefix_caching", "use_kernels", "enforce_eager", "dependent_launch"):
             strict_bool(getattr(self, name), name)
         utilization = strict_float(self.gpu_memory_utilization, "gpu_memory_utilization")
         if not 0 < utilization <= 1:

@@ -130,7 +130,7 @@ class ModelRunner:
             # watched for hangs from the moment it is ready, and a cold build takes minutes.
             from lmpool.ops.cuda import load_extension
 
-            load_extension()
+            load_extension().set_dependent_launch(config.dependent_launch)
         with torch.device(self.device):
             self.model = Qwen3ForCausalLM(model_config, max_model_len)
         for p in self.model.parameters():  # rotary tables stay fp32

@@ -58,6 +58,7 @@ def test_llm_generate_after_shutdown_says_so(tiny_model):
     ({"enable_prefix_caching": 1}, "enable_prefix_caching must be True or False"),
     ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number"),
     ({"seed": 1.5}, "seed must be an integer"),
+    ({"dependent_launch": "on"}, "dependent_launch must be True or False"),
     ({"prefill_attention": "sdpa"}, r"prefill_attention must be one of \['lmpool', 'flash'\], got 'sdpa'"),
 ])
 def test_engine_settings_are_checked_by_type_and_value(tiny_model, kwargs, match):

@@ -35,6 +35,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import random
 import statistics
@@ -246,7 +247,7 @@ def torch_norms(active: bool):
         cuda.CUDA_OPS = fused
 
 
-def profile_row(llm: LLM, norms: str, path: str, batch: int, args) -> dict:
+def profile_row(llm: LLM, norms: str, path: str, batch: int, args, early: bool = False) -> dict:
     """One batch size on one engine: wall and device time per decode step, the top kernels."""
     run = decode_steps(llm, batch, args.context, args.steps, batch, args.max_tokens, args.sync_debug,
                        args.shared_prefix)
@@ -258,7 +259,8 @@ def profile_row(llm: LLM, norms: str, path: str, batch: int, args) -> dict:
     device_ms = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]
     over = f"{wall_ms / device_ms:5.2f}" if device_ms else "  n/a"
-    print(f"{norms:>5} {path:>10} B={batch:4d} context {args.context}: wall {wall_ms:7.3f} ms/step, "
+    print(f"{norms:>5} {path:>10} {'early' if early else 'plain'} B={batch:4d} context {args.context}: "
+          f"wall {wall_ms:7.3f} ms/step, "
           f"device busy {device_ms:7.3f} ms/step, wall / device {over}, host {host_ms:7.3f} ms/step")
     print(f"      {batch_line(batch, run['batches'], run['profiled_batches'])}")
     splits = attention_splits(llm, batch)
@@ -274,7 +276,7 @@ def profile_row(llm: LLM, norms: str, path: str, batch: int, args) -> dict:
             print(f"        {count:4d} x {where[:160]}")
     for name, ms in top:
         print(f"      {ms:7.3f} ms  {name[:110]}")
-    return {"norms": norms, "path": path, "batch": batch, "wall_ms_per_step": wall_ms, "host_ms_per_step": host_ms,
+    return {"norms": norms, "path": path, "dependent_launch": early, "batch": batch, "wall_ms_per_step": wall_ms, "host_ms_per_step": host_ms,
             "wall_ms_median": statistics.median(walls) * 1e3, "device_ms_per_step": device_ms,
             "wall_over_device": wall_ms / device_ms if device_ms else None, **timeline,
             "batch_sizes_timed": run["batches"], "batch_sizes_profiled": run["profiled_batches"],
@@ -310,13 +312,13 @@ def batch_line(batch: int, timed: list[int], profiled: list[int]) -> str:
 
 
 def path_ratios(rows: list[dict]) -> list[dict]:
-    """Overlapped over serial wall time per step, for each (norms, batch) both paths ran."""
-    by_key = {(r["norms"], r["batch"], r["path"]): r for r in rows}
+    """Overlapped over serial wall time per step, for each (norms, launch, batch) both paths ran."""
+    by_key = {(r["norms"], r["dependent_launch"], r["batch"], r["path"]): r for r in rows}
     out = []
-    for (norms, batch, path), r in by_key.items():
-        serial = by_key.get((norms, batch, "serial"))
+    for (norms, early, batch, path), r in by_key.items():
+        serial = by_key.get((norms, early, batch, "serial"))
         if path == "overlapped" and serial is not None:
-            out.append({"norms": norms, "batch": batch,
+            out.append({"norms": norms, "dependent_launch": early, "batch": batch,
                         "wall_ratio": r["wall_ms_per_step"] / serial["wall_ms_per_step"]})
     return out
 
@@ -347,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cascade-min-saved-tokens", type=int, default=None, metavar="N",
                     help="decode steps sharing prefixes read them once when that saves N key reads "
                          "(EngineConfig.cascade_min_saved_tokens; 0: never; default: the engine's)")
+    ap.add_argument("--dependent-launch", default="off", metavar="off,on,on,off",
+                    help="comma-separated, each an engine of its own in this order: the decode kernels launched "
+                         "plainly (off) or started early (on; EngineConfig.dependent_launch)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if not set(args.paths.split(",")) <= set(PATHS):
@@ -357,19 +362,22 @@ def main(argv: list[str] | None = None) -> int:
     args.sync_debug = args.sync_debug and args.device.startswith("cuda")
     if not set(args.norms.split(",")) <= {"fused", "torch"}:
         ap.error(f"--norms takes 'fused' and/or 'torch', got {args.norms!r}")
+    launches = args.dependent_launch.split(",")
+    if not set(launches) <= {"off", "on"}:
+        ap.error(f"--dependent-launch takes 'off' and/or 'on', got {args.dependent_launch!r}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp, mps_share(args.mps) as mps:
         model = args.model or str(make_model(Path(tmp) / "model", preset=args.preset, seed=0))
-        for norms in args.norms.split(","):
-            for path in args.paths.split(","):
-                with torch_norms(norms == "torch"), LLM(
-                        model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                        max_model_len=context + args.max_tokens + 16, max_num_seqs=max(batches),
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        enforce_eager=args.enforce_eager, async_scheduling=PATHS[path],
-                        cascade_min_saved_tokens=args.cascade_min_saved_tokens) as llm:
-                    for batch in batches:
-                        rows.append(profile_row(llm, norms, path, batch, args))
+        for norms, launch, path in itertools.product(args.norms.split(","), launches, args.paths.split(",")):
+            with torch_norms(norms == "torch"), LLM(
+                    model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                    max_model_len=context + args.max_tokens + 16, max_num_seqs=max(batches),
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    enforce_eager=args.enforce_eager, async_scheduling=PATHS[path],
+                    cascade_min_saved_tokens=args.cascade_min_saved_tokens,
+                    dependent_launch=launch == "on") as llm:
+                for batch in batches:
+                    rows.append(profile_row(llm, norms, path, batch, args, early=launch == "on"))
     ratios = path_ratios(rows)
     for r in ratios:
         print(f"{r['norms']:>5} B={r['batch']:4d}: overlapped / serial wall per step {r['wall_ratio']:.2f}")
