@@ -249,18 +249,21 @@ LINEAR_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
 @pytest.mark.parametrize("n,k", LINEAR_SHAPES)
 def test_linear(ext, report, copy_gbps, rows, n, k):
-    """A decode step's projections: the skinny kernel (each weight read once) against cuBLAS
-    (``F.linear``), in weight bytes a second and as a share of the copy bandwidth."""
+    """A decode step's projections: the skinny kernel (each weight read once) and its tensor-core
+    candidate against cuBLAS (``F.linear``), in weight bytes a second and as a share of the copy
+    bandwidth."""
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     x = torch.randn(rows, k, generator=gen, device="cuda", dtype=DTYPE)
     w = torch.randn(n, k, generator=gen, device="cuda", dtype=DTYPE)
     ms = time_ms(lambda: ext.skinny_linear(x, w))
+    mma_ms = time_ms(lambda: ext.skinny_linear_mma(x, w))
     cublas_ms = time_ms(lambda: F.linear(x, w))
     weight_gb = n * k * 2 / GB
     _record(report, "linear", {
         "rows": rows, "n": n, "k": k, "ms": ms, "GBps": weight_gb / (ms * 1e-3),
         "frac_copy": weight_gb / (ms * 1e-3) / copy_gbps, "cublas_ms": cublas_ms,
         "cublas_GBps": weight_gb / (cublas_ms * 1e-3), "speedup_vs_cublas": cublas_ms / ms,
+        "mma_ms": mma_ms, "mma_speedup_vs_cublas": cublas_ms / mma_ms,
     })
 
 

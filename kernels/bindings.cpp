@@ -676,8 +676,10 @@ bool skinny_linear_fits(const at::Tensor& x, const at::Tensor& w) {
          is_aligned16(x) && is_aligned16(w) && x.device() == w.device();
 }
 
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(skinny_linear_fits(x, w), "skinny_linear takes x [1..", num(kSkinnyMaxRows), ", k] and w [n, k] of ",
+// x @ w^T through ``launch`` (the skinny kernel, or its tensor-core candidate) into a new tensor.
+at::Tensor run_skinny(const at::Tensor& x, const at::Tensor& w, const char* what,
+                      cudaError_t (*launch)(DType, const SkinnyLinearArgs&, cudaStream_t)) {
+  TORCH_CHECK(skinny_linear_fits(x, w), what, " takes x [1..", num(kSkinnyMaxRows), ", k] and w [n, k] of ",
               "one half dtype on one CUDA device, k a multiple of 8, rows contiguous and 16-byte aligned; got x ",
               shape(x.sizes()), " ", dtype_name(x), " strides ", shape(x.strides()), ", w ", shape(w.sizes()), " ",
               dtype_name(w), " strides ", shape(w.strides()));
@@ -693,8 +695,16 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   a.rows = static_cast<int>(x.size(0));
   a.k = static_cast<int>(x.size(1));
   a.n = w.size(0);
-  check_launch(launch_skinny_linear(dtype_of(x, "x"), a, current_stream()), "skinny_linear");
+  check_launch(launch(dtype_of(x, "x"), a, current_stream()), what);
   return out;
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
+  return run_skinny(x, w, "skinny_linear", launch_skinny_linear);
+}
+
+at::Tensor skinny_linear_mma(const at::Tensor& x, const at::Tensor& w) {
+  return run_skinny(x, w, "skinny_linear_mma", launch_skinny_linear_mma);
 }
 
 // Whether the skinny kernel beats cuBLAS at this many rows and outputs (launchers.h): 1 or 2 rows
@@ -889,6 +899,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"), "(RMSNorm of x + residual, x + residual), the sum rounded to the dtype as torch adds.");
   m.def("skinny_linear", &lmpool::skinny_linear, py::arg("x"), py::arg("w"),
         "x [1..8, k] @ w [n, k]^T in fp16 or bf16 with fp32 sums, each weight read once.");
+  m.def("skinny_linear_mma", &lmpool::skinny_linear_mma, py::arg("x"), py::arg("w"),
+        "skinny_linear on the tensor cores (m16n8k16): a candidate the kernel benchmark times; linear never uses it.");
   m.def("linear", &lmpool::linear, py::arg("x"), py::arg("w"),
         "x @ w^T: skinny_linear where it fits (a few contiguous half rows), else at::linear.");
   m.def("silu_mul", &lmpool::silu_mul, py::arg("gate_up"),

@@ -305,5 +305,8 @@ struct SkinnyLinearArgs {
   int64_t n;
 };
 cudaError_t launch_skinny_linear(DType dtype, const SkinnyLinearArgs& args, cudaStream_t stream);
+// The same product on the tensor cores (m16n8k16, 16 outputs a block): a candidate timed beside
+// the kernel above and cuBLAS (the kernel benchmark's ``linear`` case); ``linear`` does not use it.
+cudaError_t launch_skinny_linear_mma(DType dtype, const SkinnyLinearArgs& args, cudaStream_t stream);
 
 }  // namespace lmpool

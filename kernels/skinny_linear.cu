@@ -144,6 +144,95 @@ void launch_for(const SkinnyLinearArgs& a, cudaStream_t stream) {
   }
 }
 
+// ---- The same product on the tensor cores (``launch_skinny_linear_mma``) -------------------------
+// A block of kMmaWarps warps computes a tile of 16 outputs for every row (the mma's 8 columns are
+// the rows; those past ``a.rows`` are zeros). Its warps take the k axis in chunks of 32 elements,
+// warp w the chunks w, w + kMmaWarps, ...: in a chunk, lane (g, quarter) loads 16 bytes of the
+// tile's weight rows g and g + 8 and of x's row g at its quarter, and feeds them to two m16n8k16
+// mmas as if the chunk's k were permuted so that a lane's 8 consecutive elements fill its fragment
+// slots. The weights and x take the same permutation, so each output is still the sum of the same
+// products. A column of an mma depends on its own row of x only, so a row's bits do not depend on
+// the rows beside it. The warps' tiles are added in warp order through shared memory and rounded
+// once. The weights of a lane's first chunks load before ``dependent_wait``, as above.
+constexpr int kMmaWarps = 8;
+constexpr int kMmaUnroll = 4;  // chunks a lane has in flight
+constexpr int kMmaChunk = 32;  // k elements a warp's two mmas take
+
+// The 16-byte vectors of weight rows lo and hi at lane quarter ``quarter`` of the chunks c0,
+// c0 + kMmaWarps, ...; zeros past k.
+template <typename T>
+__device__ __forceinline__ void load_tile_weights(const T* lo, const T* hi, int k, int c0, int quarter,
+                                                  uint4 (&wl)[kMmaUnroll], uint4 (&wh)[kMmaUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kMmaUnroll; ++u) {
+    const int e = (c0 + u * kMmaWarps) * kMmaChunk + quarter * Vec16<T>::kElems;
+    const bool in = e < k;
+    wl[u] = in ? load16(lo + e) : make_uint4(0, 0, 0, 0);
+    wh[u] = in ? load16(hi + e) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMmaWarps * 32) skinny_linear_mma_kernel(SkinnyLinearArgs a) {
+  constexpr int N = Vec16<T>::kElems;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, quarter = lane & 3;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 16;
+  // Rows past the end read the last row (in bounds) and are never written.
+  const T* w_lo = static_cast<const T*>(a.w) + min(n0 + g, a.n - 1) * a.w_stride;
+  const T* w_hi = static_cast<const T*>(a.w) + min(n0 + g + 8, a.n - 1) * a.w_stride;
+  const bool has_row = g < a.rows;
+  const T* x = static_cast<const T*>(a.x) + (has_row ? g : 0) * a.x_stride;
+  const int chunks = (a.k + kMmaChunk - 1) / kMmaChunk;
+  constexpr int kStride = kMmaWarps * kMmaUnroll;
+
+  uint4 wl[kMmaUnroll], wh[kMmaUnroll];
+  load_tile_weights(w_lo, w_hi, a.k, warp, quarter, wl, wh);
+  dependent_wait();  // x is the kernel ahead's output
+
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int c0 = warp; c0 < chunks; c0 += kStride) {
+    uint4 xv[kMmaUnroll], cl[kMmaUnroll], ch[kMmaUnroll];
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int e = (c0 + u * kMmaWarps) * kMmaChunk + quarter * N;
+      xv[u] = has_row && e < a.k ? load16(x + e) : make_uint4(0, 0, 0, 0);
+      cl[u] = wl[u];
+      ch[u] = wh[u];
+    }
+    if (c0 + kStride < chunks) load_tile_weights(w_lo, w_hi, a.k, c0 + kStride, quarter, wl, wh);
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const uint32_t first[4] = {cl[u].x, ch[u].x, cl[u].y, ch[u].y};
+      mma_16816<T>(d, first, xv[u].x, xv[u].y);
+      const uint32_t second[4] = {cl[u].z, ch[u].z, cl[u].w, ch[u].w};
+      mma_16816<T>(d, second, xv[u].z, xv[u].w);
+    }
+  }
+
+  __shared__ float tiles[kMmaWarps][16][8];  // [warp][output][row]
+  tiles[warp][g][quarter * 2] = d[0];
+  tiles[warp][g][quarter * 2 + 1] = d[1];
+  tiles[warp][g + 8][quarter * 2] = d[2];
+  tiles[warp][g + 8][quarter * 2 + 1] = d[3];
+  __syncthreads();
+  if (threadIdx.x < 16 * 8) {
+    const int r = threadIdx.x / 8, m = threadIdx.x % 8;
+    if (m < a.rows && n0 + r < a.n) {
+      float s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kMmaWarps; ++j) s += tiles[j][r][m];
+      static_cast<T*>(a.out)[m * a.n + n0 + r] = float_to<T>(s);
+    }
+  }
+}
+
+template <typename T>
+void launch_mma_for(const SkinnyLinearArgs& a, cudaStream_t stream) {
+  const int64_t blocks = (a.n + 15) / 16;
+  launch(skinny_linear_mma_kernel<T>, static_cast<unsigned>(blocks), kMmaWarps * 32, 0, stream, a);
+}
+
 }  // namespace
 
 cudaError_t launch_skinny_linear(DType dtype, const SkinnyLinearArgs& a, cudaStream_t stream) {
@@ -151,6 +240,15 @@ cudaError_t launch_skinny_linear(DType dtype, const SkinnyLinearArgs& a, cudaStr
     case DType::kF16: launch_for<__half>(a, stream); break;
     case DType::kBF16: launch_for<__nv_bfloat16>(a, stream); break;
     default: return cudaErrorInvalidValue;  // fp32 runs cuBLAS (``ops.cuda.linear``)
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_skinny_linear_mma(DType dtype, const SkinnyLinearArgs& a, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF16: launch_mma_for<__half>(a, stream); break;
+    case DType::kBF16: launch_mma_for<__nv_bfloat16>(a, stream); break;
+    default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }

@@ -1,6 +1,7 @@
 """The skinny linear kernel (``kernels/skinny_linear.cu``: a decode step's 1-8 rows times a
 weight, each weight read once) against fp64 sums of the same half inputs, and ``ops.cuda.linear``
-sending more than 4 rows (where cuBLAS is faster) and every other shape to cuBLAS (needs a GPU).
+sending more than 4 rows (where cuBLAS is faster) and every other shape to cuBLAS, and its
+tensor-core candidate ``skinny_linear_mma`` (needs a GPU).
 
 The kernel sums in fp32 in its own order and rounds once, so its results are the exact sums
 rounded, give or take a unit; freed allocator memory is NaN before each call, so an output it
@@ -130,4 +131,27 @@ def test_a_row_s_result_does_not_depend_on_the_rows_beside_it():
     alone = [ext.skinny_linear(x[i:i + 1], w) for i in range(8)]
     for rows in range(2, 9):
         together = ext.skinny_linear(x[:rows], w)
+        assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows)), f"{rows} rows"
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (1001, 8), (7, 1000), (1000, 1064)])
+def test_the_tensor_core_candidate_is_the_exact_sum_rounded(dtype, rows, n, k):
+    """``skinny_linear_mma``: tiles of 16 outputs (1001 and 7 are no multiple), chunks of 32 of k
+    (8, 1000 and 1064 are none), from a strided x."""
+    gen = torch.Generator(device="cuda").manual_seed(rows * 11 + k)
+    x = torch.randn(rows, k + 64, generator=gen, device="cuda").to(dtype)[:, 64:]
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).to(dtype)
+    poisoned()
+    check(cuda.load_extension().skinny_linear_mma(x, w), x, w)
+
+
+def test_the_tensor_core_candidate_gives_a_row_the_same_bits_whatever_rows_are_beside_it():
+    w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    ext = cuda.load_extension()
+    alone = [ext.skinny_linear_mma(x[i:i + 1], w) for i in range(8)]
+    for rows in range(2, 9):
+        together = ext.skinny_linear_mma(x[:rows], w)
         assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows)), f"{rows} rows"
