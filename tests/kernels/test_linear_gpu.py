@@ -113,22 +113,23 @@ def test_linear_runs_the_skinny_kernel_at_one_or_two_rows_and_the_tensor_core_on
     assert torch.equal(cuda.linear(x, w), getattr(cuda.load_extension(), kernel)(x, w))
 
 
-def test_a_row_s_result_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("kernel", ["skinny_linear", "skinny_linear_mma"])
+def test_a_row_s_result_does_not_depend_on_the_rows_beside_it(kernel):
     """A decode row gives the same bits in a step of 3 rows (eager) and one padded to 4 or 8
     (a CUDA graph's size): greedy tokens must not change with the batch's padding."""
     w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
-    ext = cuda.load_extension()
-    alone = [ext.skinny_linear(x[i:i + 1], w) for i in range(8)]
+    run = getattr(cuda.load_extension(), kernel)
+    alone = [run(x[i:i + 1], w) for i in range(8)]
     for rows in range(2, 9):
-        together = ext.skinny_linear(x[:rows], w)
+        together = run(x[:rows], w)
         assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows)), f"{rows} rows"
 
 
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (1001, 8), (7, 1000), (1000, 1064)])
-def test_the_tensor_core_candidate_is_the_exact_sum_rounded(dtype, rows, n, k):
+def test_the_tensor_core_kernel_is_the_exact_sum_rounded(dtype, rows, n, k):
     """``skinny_linear_mma``: tiles of 16 outputs (1001 and 7 are no multiple), chunks of 32 of k
     (8, 1000 and 1064 are none), from a strided x."""
     gen = torch.Generator(device="cuda").manual_seed(rows * 11 + k)
@@ -137,12 +138,3 @@ def test_the_tensor_core_candidate_is_the_exact_sum_rounded(dtype, rows, n, k):
     poisoned()
     check(cuda.load_extension().skinny_linear_mma(x, w), x, w)
 
-
-def test_the_tensor_core_candidate_gives_a_row_the_same_bits_whatever_rows_are_beside_it():
-    w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
-    ext = cuda.load_extension()
-    alone = [ext.skinny_linear_mma(x[i:i + 1], w) for i in range(8)]
-    for rows in range(2, 9):
-        together = ext.skinny_linear_mma(x[:rows], w)
-        assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows)), f"{rows} rows"
