@@ -10,6 +10,9 @@
 #   prefill   a 16k document's prefill (cold, and 8k after 8k cached) through LMPool's kernel and
 #             FlashAttention, on the whole GPU and as one MPS client of 4, each with its device
 #             time by kernel; about 4 minutes
+#   early     the decode kernels started early (EngineConfig.dependent_launch) against plain
+#             launches: as one MPS client of 4 at 1 and 8 sequences, on the whole GPU at 1-64 in
+#             the order off, on, on, off, and 256 sequences' throughput; about 2 minutes
 #   route     (first, before the kernel build, while the host is quiet) the route decision's
 #             latency at 8 ranks and 1M entries (issue: p99 <= 100 us); under a minute
 # Usage (from the repository root, with the wheels in .whl/), one device call each:
@@ -64,6 +67,18 @@ for step in ${*:-check}; do
           --prefill 16384,8192:8192 --prefill-attention lmpool,flash --prefill-kernels --mps "$m" --no-progress \
           --json "$OUT/prefill_mps$m.json"
       done ;;
-    *) echo "unknown step $step (route first, then check, kernels, decode, prefill)" >&2; exit 2 ;;
+    early)
+      part early_mps4 90 python3 -m tools.diagnostics.profile_decode "${PRESET[@]}" --batches 1,8 --context 2048 \
+        --paths overlapped --dependent-launch off,on --no-sync-debug --mps 4 --json "$OUT/early_mps4.json"
+      part early_decode 150 python3 -m tools.diagnostics.profile_decode "${PRESET[@]}" --batches 1,4,8,64 \
+        --context 2048 --paths overlapped --dependent-launch off,on,on,off --no-sync-debug --json "$OUT/early_decode.json"
+      # The throughput paths with the decode kernels launched plainly and started early, by this
+      # revision's names (``overlapped`` is the engine's default).
+      paths=$(python3 -c "from benchmarks.benchmark_throughput import PATHS
+print(','.join(p for p in ('plain', 'overlapped', 'early') if p in PATHS))")
+      part early_throughput 150 python3 -m benchmarks.benchmark_throughput "${PRESET[@]}" --num-seqs 256 \
+        --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 --paths "$paths" --no-progress \
+        --json "$OUT/early_throughput.json" ;;
+    *) echo "unknown step $step (route first, then check, kernels, decode, prefill, early)" >&2; exit 2 ;;
   esac
 done
