@@ -27,14 +27,18 @@ constexpr int kRows = 4;  // outputs a block computes
 
 // The kRows weight vectors at vector v of the block's outputs.
 template <typename T>
-__device__ __forceinline__ void load_weights(const T* w, const int64_t (&offset)[kRows], int v, uint4 (&wv)[kRows]) {
+__device__ __forceinline__ void load_weights(const T* w, const int64_t (&offset)[kRows], int v,
+                                             uint4 (&wv)[kRows]) {
   constexpr int N = Vec16<T>::kElems;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) wv[r] = load16(w + offset[r] + v * N);
 }
 
-// The values a reduction below holds: V rounded up to a power of two (at most 32).
-__host__ __device__ constexpr int levels_for(int v) { return v <= 1 ? 0 : v <= 2 ? 1 : v <= 4 ? 2 : v <= 8 ? 3 : v <= 16 ? 4 : 5; }
+// log2 of the values a warp reduction below holds for v sums: v rounded up to a power of two,
+// at most 32.
+__host__ __device__ constexpr int levels_for(int v) {
+  return v <= 1 ? 0 : v <= 2 ? 1 : v <= 4 ? 2 : v <= 8 ? 3 : v <= 16 ? 4 : 5;
+}
 
 // The sums over the warp's 32 lanes of each of the P values in ``t`` (P a power of two <= 32;
 // ``t`` is consumed): afterwards lane l holds value (l >> (5 - log2 P))'s total, in the lanes
