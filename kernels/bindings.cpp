@@ -676,9 +676,9 @@ bool skinny_linear_fits(const at::Tensor& x, const at::Tensor& w) {
          is_aligned16(x) && is_aligned16(w) && x.device() == w.device();
 }
 
-// x @ w^T through ``launch`` (the skinny kernel, or its tensor-core candidate) into a new tensor.
+// x @ w^T through ``launcher`` (the skinny kernel, or its tensor-core candidate) into a new tensor.
 at::Tensor run_skinny(const at::Tensor& x, const at::Tensor& w, const char* what,
-                      cudaError_t (*launch)(DType, const SkinnyLinearArgs&, cudaStream_t)) {
+                      cudaError_t (*launcher)(DType, const SkinnyLinearArgs&, cudaStream_t)) {
   TORCH_CHECK(skinny_linear_fits(x, w), what, " takes x [1..", num(kSkinnyMaxRows), ", k] and w [n, k] of ",
               "one half dtype on one CUDA device, k a multiple of 8, rows contiguous and 16-byte aligned; got x ",
               shape(x.sizes()), " ", dtype_name(x), " strides ", shape(x.strides()), ", w ", shape(w.sizes()), " ",
@@ -695,7 +695,7 @@ at::Tensor run_skinny(const at::Tensor& x, const at::Tensor& w, const char* what
   a.rows = static_cast<int>(x.size(0));
   a.k = static_cast<int>(x.size(1));
   a.n = w.size(0);
-  check_launch(launch(dtype_of(x, "x"), a, current_stream()), what);
+  check_launch(launcher(dtype_of(x, "x"), a, current_stream()), what);
   return out;
 }
 
