@@ -19,8 +19,16 @@ What a CPU run cannot show: with a GPU, the serial path adds this host time to
 every step's device time, while the overlapped path spends it while the device
 runs the step before (see ``profile_decode.py`` for wall against device time).
 
+``--bursts Q:D,...`` times a hot-context burst's host work on the overlapped engine: Q questions
+(D cached document tokens and 64 of their own each) admitted as a pool worker admits them
+(``add_checked_request`` with the int32 ids and the block hashes its frontend sent, then the
+prefix it finds cached, ``cached_prefix_tokens``), then the launch of the step that takes them
+(``begin_step``: scheduling, each prefix hit verified along its chain, the step's inputs). On a
+GPU the device waits for both when the step before has ended (medians over the repeats, ms).
+
     python -m benchmarks.benchmark_host_overhead --json host_overhead.json
     python -m benchmarks.benchmark_host_overhead --batches 256 --steps 20 --repeats 3
+    python -m benchmarks.benchmark_host_overhead --batches "" --bursts 13:16384,32:32768
 """
 
 from __future__ import annotations
@@ -36,13 +44,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from benchmarks.lib.revision import git_revision
 from lmpool.config.engine import EngineConfig
 from lmpool.engine.core import EngineCore
+from lmpool.engine.hashing import chain_hashes
 from lmpool.model.make_model import make_model
 from lmpool.sampling_params import SamplingParams
-from benchmarks.lib.revision import git_revision
 
 PHASES = ("schedule", "prepare", "forward", "sample", "complete_step", "outputs")
 PATHS = {"serial": False, "overlapped": True}  # path name -> EngineConfig.async_scheduling
@@ -170,6 +180,49 @@ def run_batch(model_dir: str, args, batch: int) -> dict:
     return result
 
 
+QUESTION_TOKENS = 64  # a burst question's own tokens after the document
+
+
+def run_burst(model_dir: str, args, questions: int, document: int) -> dict:
+    """Admission and launch of ``questions`` questions over a cached ``document``-token prefix
+    (the module docstring's ``--bursts``), ``args.repeats`` times on fresh engines."""
+    bs = args.block_size
+    admit, launch = [], []
+    for rep in range(args.repeats):
+        config = EngineConfig(
+            model=model_dir, device="cpu", block_size=bs, max_num_seqs=max(questions, 1),
+            num_kv_blocks=-(-document // bs) + questions * (-(-QUESTION_TOKENS // bs) + 2), max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=document + 2 * QUESTION_TOKENS, enable_prefix_caching=True, async_scheduling=True,
+        )
+        core = EngineCore(config)
+        core.runner.model = StubModel(core.model_config.hidden_size, args.stub_vocab, args.seed)
+        rng = random.Random(args.seed + rep)
+        vocab = core.model_config.vocab_size
+        doc = [rng.randrange(vocab) for _ in range(document)]
+        core.add_request("document", doc, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        while core.has_unfinished():
+            core.step()  # the document's prefill, cached once it ends: not timed
+        wire = []
+        for q in range(questions):
+            ids = doc + [rng.randrange(vocab) for _ in range(QUESTION_TOKENS)]
+            wire.append((f"q{q}", np.asarray(ids, dtype=np.int32), chain_hashes(ids, bs)))
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        gc.collect()
+        t0 = time.perf_counter_ns()
+        for request_id, ids, hashes in wire:
+            core.add_checked_request(request_id, ids, params, [], hashes)
+            core.cached_prefix_tokens(request_id)
+        t1 = time.perf_counter_ns()
+        step = core.begin_step()
+        t2 = time.perf_counter_ns()
+        core.end_step(step)
+        assert len(step.batch.seqs) == questions, "every question must join the first step"
+        admit.append((t1 - t0) / 1e6)
+        launch.append((t2 - t1) / 1e6)
+    return {"questions": questions, "document": document, "admit_ms": statistics.median(admit),
+            "launch_ms": statistics.median(launch), "repeats_admit_ms": admit, "repeats_launch_ms": launch}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="256,64,16,1", help="comma-separated numbers of decoding sequences")
@@ -181,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--stub-vocab", type=int, default=8, help="logit columns (kept small: argmax is device work)")
+    ap.add_argument("--bursts", default="", help="comma-separated QUESTIONS:DOCUMENT_TOKENS bursts to time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -192,13 +246,25 @@ def main(argv: list[str] | None = None) -> dict:
             "git_revision": git_revision(),
         },
         "results": [],
+        "bursts": [],
     }
+    bursts = [tuple(map(int, b.split(":"))) for b in args.bursts.split(",") if b]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_model(Path(tmp) / "model", preset="tiny", seed=args.seed))
-        header = f"{'batch':>5} {'path':>10} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'total':>9}"
-        print("host microseconds per decode step")
-        print(header)
-        for batch in (int(b) for b in args.batches.split(",")):
+        if bursts:  # a model whose positions reach the longest document
+            positions = {"max_position_embeddings": max(d for _, d in bursts) + 2 * QUESTION_TOKENS}
+            burst_dir = str(make_model(Path(tmp) / "burst", preset="tiny", seed=args.seed, overrides=positions))
+            print("a burst's host ms: its questions' admission, then the launch of their step")
+            for questions, document in bursts:
+                b = run_burst(burst_dir, args, questions, document)
+                result["bursts"].append(b)
+                print(f"{questions:>4} questions over {document:>6} tokens: admit {b['admit_ms']:8.2f}"
+                      f"  launch {b['launch_ms']:8.2f}")
+        batches = [int(b) for b in args.batches.split(",") if b]
+        if batches:
+            print("host microseconds per decode step")
+            print(f"{'batch':>5} {'path':>10} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'total':>9}")
+        for batch in batches:
             r = run_batch(model_dir, args, batch)
             result["results"].append(r)
             for name in PATHS:

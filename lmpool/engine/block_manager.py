@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from lmpool.engine.hashing import ROOT_HASH, BlockHash, short
-from lmpool.engine.sequence import Sequence
+from lmpool.engine.sequence import Sequence, token_array
 from lmpool.protocol.kv_events import BlockRemoved, BlockStored, KVDelta, KVEvent, KVSnapshot
 
 
@@ -46,7 +46,7 @@ class BlockState(enum.Enum):
 class Block:
     __slots__ = (
         "block_id", "state", "ref_count", "generation", "block_hash", "parent_id",
-        "token_ids", "num_cached_children", "hits", "last_access",
+        "token_ids", "token_bytes", "num_cached_children", "hits", "last_access",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -57,6 +57,7 @@ class Block:
         self.block_hash: BlockHash | None = None  # set while the block is cached
         self.parent_id: int | None = None  # the cached parent block, while cached
         self.token_ids: tuple[int, ...] = ()
+        self.token_bytes = b""  # the same ids as int32 bytes (``Sequence.block_bytes``): what a hit compares
         self.num_cached_children = 0
         self.hits = 0
         self.last_access = 0
@@ -112,16 +113,17 @@ class BlockManager:
         hit: list[int] = []
         for i, h in enumerate(seq.block_hashes[:max_blocks]):
             block_id = self.hash_to_block.get(h)
-            if block_id is None or not self._continues(self.blocks[block_id], hit, seq.block_tokens(i)):
+            if block_id is None or not self._continues(self.blocks[block_id], hit, seq.block_bytes(i)):
                 break
             hit.append(block_id)
         return hit
 
     @staticmethod
-    def _continues(block: Block, hit: list[int], tokens: list[int]) -> bool:
-        """True if ``block`` holds ``tokens`` and hangs off the last block of ``hit`` (off
-        nothing, for the first): a hit is checked along its whole chain, not block by block."""
-        return block.parent_id == (hit[-1] if hit else None) and block.token_ids == tuple(tokens)
+    def _continues(block: Block, hit: list[int], token_bytes: bytes) -> bool:
+        """True if ``block`` holds the tokens of ``token_bytes`` (int32 ids) and hangs off the last
+        block of ``hit`` (off nothing, for the first): a hit is checked along its whole chain, not
+        block by block. Bytes, not tuples: a 16k prompt's 64 blocks compare in microseconds."""
+        return block.parent_id == (hit[-1] if hit else None) and block.token_bytes == token_bytes
 
     def can_admit(self, hit: list[int], num_fresh: int) -> bool:
         # Reviving a reclaimable hit takes it out of the reclaimable pool.
@@ -218,7 +220,8 @@ class BlockManager:
             self.blocks[parent_id].num_cached_children += 1
         block.block_hash = block_hash
         block.parent_id = parent_id
-        block.token_ids = tuple(seq.block_tokens(index))
+        tokens = seq.block_tokens(index)
+        block.token_ids, block.token_bytes = tuple(tokens), tokens.tobytes()
         self.hash_to_block[block_hash] = block.block_id
         self._emit(BlockStored(block_hash, parent_hash, block.block_id, block.generation, block.token_ids))
 
@@ -277,6 +280,7 @@ class BlockManager:
             if parent_id is not None:
                 self.blocks[parent_id].num_cached_children += 1
             block.block_hash, block.parent_id, block.token_ids = h, parent_id, tuple(tokens)
+            block.token_bytes = token_array(tokens).tobytes()
             self.hash_to_block[h] = block_id
             self._emit(BlockStored(h, parent, block_id, block.generation, block.token_ids))
         for block_id in block_ids:
@@ -356,7 +360,7 @@ class BlockManager:
             self._push_if_leaf(parent)
         block.block_hash = None
         block.parent_id = None
-        block.token_ids = ()
+        block.token_ids, block.token_bytes = (), b""
         block.state = BlockState.FREE
         self.num_reclaimable -= 1
         self.free_ids.append(block.block_id)

@@ -171,9 +171,7 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
-        seq = Sequence(
-            request_id, list(prompt_token_ids), params, self.config.block_size, list(output_token_ids)
-        )
+        seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, output_token_ids)
         return self._queue(seq)
 
     def add_checked_request(self, request_id: str, prompt: np.ndarray, params: SamplingParams,
@@ -190,7 +188,7 @@ class EngineCore:
         check_admissible(prompt, output_token_ids, params, block_hashes, vocab_size=self.model_config.vocab_size,
                          max_model_len=self.max_model_len, block_size=self.config.block_size,
                          max_blocks=self.block_manager.num_blocks)
-        return self._queue(Sequence(request_id, prompt.tolist(), params, self.config.block_size, output_token_ids,
+        return self._queue(Sequence(request_id, prompt, params, self.config.block_size, output_token_ids,
                                     block_hashes), arrival)
 
     def _queue(self, seq: Sequence, arrival: float | None = None) -> Sequence:

@@ -111,7 +111,7 @@ def prompt_logprobs(project, hidden: torch.Tensor, seq: Sequence, row: int, star
     The targets are prompt tokens, which the host always knows."""
     k = seq.params.prompt_logprobs
     assert k is not None  # asked only for a request with prompt logprobs
-    targets = to_device(seq.token_ids[start + 1 : start + count + 1], torch.int64, hidden.device)
+    targets = to_device(seq.token_ids[start + 1 : start + count + 1].tolist(), torch.int64, hidden.device)
     parts = []
     for at in range(0, count, PROMPT_ROWS_PER_SLICE):
         n = min(PROMPT_ROWS_PER_SLICE, count - at)

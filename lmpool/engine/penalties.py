@@ -44,7 +44,12 @@ def _occurrences(seqs: list[Sequence], previous: torch.Tensor | None, vocab: int
     each occurs in its output (float ``[R, vocab]``), the pending token included."""
     seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
     counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=device)
-    prompt_rows, prompt_ids, out_rows, out_ids, pending_rows, pending_sources = [], [], [], [], [], []
+    prompt_rows: list[int] = []
+    prompt_ids: list[int] = []
+    out_rows: list[int] = []
+    out_ids: list[int] = []
+    pending_rows: list[int] = []
+    pending_sources: list[int] = []
     for r, seq in enumerate(seqs):
         prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.token_ids[seq.num_prompt_tokens :]
         prompt_rows += [r] * len(prompt)

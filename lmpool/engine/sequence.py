@@ -2,7 +2,9 @@
 
 A sequence's length counts its ``num_pending`` tokens: sampled on the device by a
 launched step but not yet read back by the host (overlapped stepping). They are
-always its last tokens; ``token_ids`` holds only the tokens the host knows.
+always its last tokens; ``token_ids`` holds only the tokens the host knows, as an int32
+``array`` (a prompt read off the wire as int32 bytes becomes one with a copy, not 16k Python
+ints, and a block's tokens compare as bytes: ``block_bytes``).
 
 Invariants: ``num_computed_tokens <= len(seq)``; ``block_hashes[i]`` is the
 chained hash of complete block ``i`` of ``token_ids`` and is extended as tokens
@@ -15,10 +17,28 @@ token (so that step's one row for it reads the pending token from the device).
 from __future__ import annotations
 
 import enum
+from array import array
+from collections.abc import Iterable
+
+import numpy as np
 
 from lmpool.engine.hashing import chain_hashes
 from lmpool.sampling_params import SamplingParams
 from lmpool.token_logprobs import TokenLogprobs
+
+
+TOKEN_TYPECODE = "i"  # token ids as int32: every id is below a vocabulary's size, validated on admission
+assert array(TOKEN_TYPECODE).itemsize == 4, "the token array must hold int32s"
+
+
+def token_array(ids: Iterable[int] | np.ndarray) -> array:
+    """``ids`` as an int32 token array: an int32 numpy array (a prompt off the wire) by one copy of
+    its bytes, anything else id by id."""
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1:
+        out = array(TOKEN_TYPECODE)
+        out.frombytes(np.ascontiguousarray(ids).tobytes())
+        return out
+    return array(TOKEN_TYPECODE, ids)
 
 
 class SequenceStatus(enum.Enum):
@@ -31,10 +51,10 @@ class Sequence:
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Iterable[int] | np.ndarray,
         params: SamplingParams,
         block_size: int,
-        output_token_ids: list[int] | None = None,
+        output_token_ids: Iterable[int] | None = None,
         block_hashes: list[bytes] | None = None,
     ) -> None:
         self.request_id = request_id
@@ -43,10 +63,11 @@ class Sequence:
         # step to take the model-dtype argmax path (``ModelRunner.sample_checked``).
         self.plain_greedy = params.greedy and params.logprobs is None and not params.penalized
         self.block_size = block_size
-        self.num_prompt_tokens = len(prompt_token_ids)
         # Outputs already produced elsewhere (a request recomputed on another
         # replica) are replayed as part of the prefill.
-        self.token_ids = list(prompt_token_ids) + list(output_token_ids or [])
+        self.token_ids = token_array(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.token_ids.extend(output_token_ids or ())
         # Given when the pool's frontend hashed them already (``AddRequest``).
         self.block_hashes = (chain_hashes(self.token_ids, block_size, salt=params.cache_salt)
                              if block_hashes is None else block_hashes)
@@ -74,7 +95,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens :].tolist()
 
     @property
     def num_output_tokens(self) -> int:
@@ -84,8 +105,12 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
-    def block_tokens(self, index: int) -> list[int]:
+    def block_tokens(self, index: int) -> array:
         return self.token_ids[index * self.block_size : (index + 1) * self.block_size]
+
+    def block_bytes(self, index: int) -> bytes:
+        """Block ``index``'s token ids as int32 bytes: what a cached block's are compared with."""
+        return self.token_ids[index * self.block_size : (index + 1) * self.block_size].tobytes()
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

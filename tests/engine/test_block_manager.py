@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -160,6 +161,31 @@ def test_hash_collision_is_not_a_hit():
     c = Sequence("c", [1, 2, 3, 4, 7], PARAMS, BLOCK)
     assert bm.match_prefix(c) == a.block_table[:1]
 
+
+
+def test_a_prompt_off_the_wire_hits_what_a_list_prompt_cached_and_its_tokens_stay_ints():
+    """A pool worker's prompt arrives as an int32 array (``unpack_ids``) and becomes the sequence's
+    token array by one copy; its blocks compare as bytes with those a list prompt cached, and a
+    block received by a transfer is verified the same way."""
+    bm = BlockManager(8, BLOCK)
+    a = Sequence("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], PARAMS, BLOCK)
+    bm.admit(a, bm.match_prefix(a))
+    bm.grow(a, 9)
+    a.num_computed_tokens = 9
+    bm.commit(a)
+    wire = np.array([1, 2, 3, 4, 5, 6, 7, 8, 7], dtype=np.int32)
+    b = Sequence("b", wire, PARAMS, BLOCK, [11, 12])
+    assert list(b.token_ids) == [1, 2, 3, 4, 5, 6, 7, 8, 7, 11, 12] and b.num_prompt_tokens == 9
+    assert b.output_token_ids == [11, 12] and type(b.output_token_ids) is list
+    assert b.block_hashes == chain_hashes(wire.tolist() + [11, 12], BLOCK)
+    assert bm.match_prefix(b) == a.block_table[:2]
+    c = Sequence("c", np.array([1, 2, 3, 4, 5, 6, 7, 9, 7], dtype=np.int32), PARAMS, BLOCK)
+    assert bm.match_prefix(c) == a.block_table[:1]  # its second block differs in one id
+    # A block received by transfer: its tokens arrive as a list, and verify as bytes too.
+    other = BlockManager(8, BLOCK)
+    landed = other.allocate_blocks(1)
+    other.publish_received(landed, a.block_hashes[:1], [ROOT_HASH], [[1, 2, 3, 4]])
+    assert other.match_prefix(Sequence("d", wire, PARAMS, BLOCK)) == landed
 
 def test_reclaims_least_frequently_then_least_recently_used_leaf():
     bm = BlockManager(6, BLOCK)
