@@ -109,6 +109,12 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        # The cache changes only with an event (``version``), and a sequence's match only as it
+        # grows: a question matched when its worker reports its cached prefix and again when it is
+        # scheduled, with nothing cached or reclaimed between, is matched once.
+        memo = seq.prefix_match
+        if memo is not None and memo[0] is self and memo[1] == self.version and memo[2] == len(seq):
+            return list(memo[3])
         max_blocks = (len(seq) - 1) // self.block_size
         hit: list[int] = []
         for i, h in enumerate(seq.block_hashes[:max_blocks]):
@@ -116,6 +122,7 @@ class BlockManager:
             if block_id is None or not self._continues(self.blocks[block_id], hit, seq.block_bytes(i)):
                 break
             hit.append(block_id)
+        seq.prefix_match = (self, self.version, len(seq), tuple(hit))
         return hit
 
     @staticmethod

@@ -84,6 +84,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.seqs.remove(seq)
         self.bm.free(seq)
 
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def rematch(self, data) -> None:
+        """A sequence's match, remembered since the cache last changed, is what a fresh one finds."""
+        seq = data.draw(st.sampled_from(self.seqs))
+        assert self.bm.match_prefix(seq) == self.bm.match_prefix(Sequence("probe", list(seq.token_ids), PARAMS, BLOCK))
+
     @precondition(lambda self: self.bm is not None)
     @rule(k=st.integers(1, 6))
     def take_raw(self, k: int) -> None:
@@ -186,6 +193,23 @@ def test_a_prompt_off_the_wire_hits_what_a_list_prompt_cached_and_its_tokens_sta
     landed = other.allocate_blocks(1)
     other.publish_received(landed, a.block_hashes[:1], [ROOT_HASH], [[1, 2, 3, 4]])
     assert other.match_prefix(Sequence("d", wire, PARAMS, BLOCK)) == landed
+
+def test_a_remembered_match_is_another_managers_or_an_older_caches_never():
+    a = Sequence("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], PARAMS, BLOCK)
+    bm = BlockManager(8, BLOCK)
+    bm.admit(a, bm.match_prefix(a))
+    bm.grow(a, 9)
+    a.num_computed_tokens = 9
+    bm.commit(a)
+    q = Sequence("q", [1, 2, 3, 4, 5, 6, 7, 8, 0], PARAMS, BLOCK)
+    assert bm.match_prefix(q) == a.block_table[:2]
+    other = BlockManager(8, BLOCK)
+    other.version = bm.version  # another manager at the same cache version: its own match
+    assert other.match_prefix(q) == []
+    bm.free(a)
+    bm.allocate_blocks(8)  # reclaims both cached blocks: the cache changed
+    assert bm.match_prefix(q) == []
+
 
 def test_reclaims_least_frequently_then_least_recently_used_leaf():
     bm = BlockManager(6, BLOCK)
