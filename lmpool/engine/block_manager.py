@@ -280,6 +280,7 @@ class BlockManager:
                 raise ValueError(f"block {block_id} is not a reserved transfer destination")
             if len(tokens) != self.block_size:
                 raise ValueError(f"block {short(h)} carries {len(tokens)} tokens, not {self.block_size}")
+            token_bytes = token_array(tokens).tobytes()  # before any change: an id past int32 changes nothing
             block.state = BlockState.READY
             parent_id = None if parent == ROOT_HASH else self.hash_to_block.get(parent)
             if h in self.hash_to_block or (parent != ROOT_HASH and parent_id is None):
@@ -287,7 +288,7 @@ class BlockManager:
             if parent_id is not None:
                 self.blocks[parent_id].num_cached_children += 1
             block.block_hash, block.parent_id, block.token_ids = h, parent_id, tuple(tokens)
-            block.token_bytes = token_array(tokens).tobytes()
+            block.token_bytes = token_bytes
             self.hash_to_block[h] = block_id
             self._emit(BlockStored(h, parent, block_id, block.generation, block.token_ids))
         for block_id in block_ids:
