@@ -21,6 +21,9 @@ with cascades, only the recorded prices hold.
                                                      # (and the step fits' accuracy by kind of step, where recorded)
     python -m benchmarks.ttft_replay --places FILE --phase burst   # priced against measured by a request's
                                                      # place on its rank, with the measured time's parts
+    python -m benchmarks.ttft_replay --joiners FILE ...   # the recorded prices within 25 %, with the joiners'
+                                                     # own prefill added (known afterwards: a bound), and
+                                                     # with the forecast a route could make (``joiner_table``)
 """
 
 from __future__ import annotations
@@ -241,6 +244,62 @@ def place_table(path: str, policy: str, phase: str | None, rows: int = 6) -> lis
     return out
 
 
+# First tokens of one step reach the caller in one message, stamped microseconds apart; a rank's
+# steps are milliseconds apart.
+SAME_STEP_S = 1e-4
+
+
+def joiner_ratios(run: dict, phase: str | None) -> tuple[list[float], list[float], list[float]]:
+    """Per priced request of ``run`` (pulls apart, as ``replay_run``): recorded priced over measured
+    time to first token; the same with the recorded own prefill (``own=``) of the requests routed
+    after it to its rank that got their first token in the same step added (the joiners, known
+    only afterwards); and with a forecast from what its route knew: the own prefill routed to its
+    rank over the last ``busy`` seconds (its price's wait for the step under way), as much again
+    over the next."""
+    rows = requests(run)
+    recorded: list[float] = []
+    bound: list[float] = []
+    forecast: list[float] = []
+    routed: dict[int, list[tuple[float, float]]] = {}  # rank -> (route time, own prefill) so far
+    for i, r in enumerate(rows):
+        parts = priced_parts(r.get("route_reason"))
+        busy, own = parts if parts is not None else (0.0, 0.0)
+        earlier = routed.setdefault(r["rank"], [])
+        recent = sum(o for t, o in earlier if t >= r["routed_s"] - busy)
+        earlier.append((r["routed_s"], own))
+        measured = r["first_token_s"] - r["routed_s"]
+        if (r.get("predicted_ttft_s") is None or measured <= 0 or (phase and r.get("phase") != phase)
+                or str(r.get("route", "")).startswith("pull")):
+            continue
+        joiners = sum((priced_parts(e.get("route_reason")) or (0.0, 0.0))[1] for e in rows[i + 1:]
+                      if e["rank"] == r["rank"] and abs(e["first_token_s"] - r["first_token_s"]) < SAME_STEP_S)
+        price = r["predicted_ttft_s"] - (r.get("dispatch_s") or 0.0)
+        recorded.append(price / measured)
+        bound.append((price + joiners) / measured)
+        forecast.append((price + recent) / measured)
+    return recorded, bound, forecast
+
+
+def joiner_table(paths: list[str], policy: str, phase: str | None) -> list[str]:
+    """One markdown row per file and workload (repetitions pooled): the share of priced requests
+    within 25 % as recorded, with the joiners' bound and with the forecast (``joiner_ratios``)."""
+    out = ["| file | workload | requests | recorded | with the joiners (bound) | with the forecast |",
+           "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for path in paths:
+        pooled: dict[str, tuple[list[float], list[float], list[float]]] = {}
+        for run in json.load(open(path))["runs"]:
+            if run["policy"] == policy and run.get("status", "ok") == "ok":
+                into = pooled.setdefault(run["workload"], ([], [], []))
+                for acc, got in zip(into, joiner_ratios(run, phase)):
+                    acc.extend(got)
+        name = path.rsplit("/", 1)[-1].removesuffix(".json")
+        for workload, (recorded, bound, forecast) in sorted(pooled.items()):
+            if recorded:
+                out.append(f"| `{name}` | {workload} | {len(recorded)} | {within(recorded):.2f} | "
+                           f"{within(bound):.2f} | {within(forecast):.2f} |")
+    return out
+
+
 def limits_of(data: dict) -> Limits:
     """The scheduler limits a result file's pool ran with."""
     config = data["metadata"]["config"]
@@ -258,7 +317,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="one markdown row per file and workload, repetitions pooled, with the distribution")
     ap.add_argument("--places", action="store_true",
                     help="priced against measured by a request's place on its rank, with the measured parts")
+    ap.add_argument("--joiners", action="store_true",
+                    help="within 25 %% as recorded, with the joiners' own prefill (a bound) and with a forecast")
     args = ap.parse_args(argv)
+    if args.joiners:
+        print("\n".join(joiner_table(args.files, args.policy, args.phase)))
+        return
     if args.places:
         for path in args.files:
             print("\n".join(place_table(path, args.policy, args.phase)))

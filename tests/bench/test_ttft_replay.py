@@ -161,3 +161,26 @@ def test_a_pull_s_priced_parts_are_its_own_not_the_owner_s_it_overrode():
     assert priced_parts(f"pull r1<-r0:8b=100 copy=3.0ms busy=1.0ms own=2.0ms over {owner}") == (0.001, 0.002)
     assert priced_parts(f"pull r1<-r0:8b=100 copy=3.0ms over {owner}") is None
     assert priced_parts(owner) == (0.012, 0.005)
+
+
+def test_the_joiners_table_adds_the_own_prefill_of_later_requests_sharing_the_first_step(tmp_path, capsys):
+    """Three requests on rank 0, routed 1 ms apart, all first tokens in one step at 40 ms: priced
+    12, 20 and 38 ms against 40, 39 and 38 measured, only the last within 25 %. The later ones' own
+    prefill (10 ms each) added makes the first two 32 and 30 ms: all three within. The forecast
+    adds what was routed to the rank over the ``busy`` (5 ms) before each: 0, 10 and 20 ms, which
+    brings the second within and the third past 125 %."""
+    import json
+
+    from lmpool.control.pricing.price import RankPrice, describe
+
+    def timed(arrival, predicted):
+        price = RankPrice(0, 2, 16, 1, 10, 10, 1, predicted, 0.2, 0, busy_s=0.005, own_s=0.01)
+        return record(arrival, 0.04, 0.1, 64, 32, predicted=predicted) | {
+            "route_reason": describe("owner", price) + "; serve r0=200"}
+    data = {"metadata": {"config": {"block_size": BLOCK, "max_num_seqs": 64, "max_num_batched_tokens": 8192}},
+            "runs": [run_of([timed(0.0, 0.012), timed(0.001, 0.02), timed(0.002, 0.038)]) | {"status": "ok"}]}
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(data))
+    main(["--joiners", str(path)])
+    row = capsys.readouterr().out.splitlines()[2].rstrip(" |").split(" | ")
+    assert row[2:6] == ["3", "0.33", "1.00", "0.33"]  # requests; recorded, bound, forecast within 25 %
