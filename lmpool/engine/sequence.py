@@ -113,7 +113,7 @@ class Sequence:
 
     def block_bytes(self, index: int) -> bytes:
         """Block ``index``'s token ids as int32 bytes: what a cached block's are compared with."""
-        return self.token_ids[index * self.block_size : (index + 1) * self.block_size].tobytes()
+        return self.block_tokens(index).tobytes()
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
