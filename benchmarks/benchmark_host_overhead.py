@@ -110,6 +110,13 @@ class StubModel:
 # ---- workload and measurement ------------------------------------------------------------
 
 
+def stubbed_engine(config: EngineConfig, args) -> EngineCore:
+    """An engine of ``config`` whose model is the stub: only its host work is left to time."""
+    core = EngineCore(config)
+    core.runner.model = StubModel(core.model_config.hidden_size, args.stub_vocab, args.seed)
+    return core
+
+
 def make_engine(model_dir: str, args, batch: int, contexts: list[int], max_tokens: int,
                 async_scheduling: bool) -> EngineCore:
     bs = args.block_size
@@ -119,8 +126,7 @@ def make_engine(model_dir: str, args, batch: int, contexts: list[int], max_token
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_context + max_tokens,
         enable_prefix_caching=True, async_scheduling=async_scheduling,
     )
-    core = EngineCore(config)
-    core.runner.model = StubModel(core.model_config.hidden_size, args.stub_vocab, args.seed)
+    core = stubbed_engine(config, args)
     rng = random.Random(args.seed)
     vocab = core.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -189,13 +195,12 @@ def run_burst(model_dir: str, args, questions: int, document: int) -> dict:
     bs = args.block_size
     admit, launch = [], []
     for rep in range(args.repeats):
-        config = EngineConfig(
-            model=model_dir, device="cpu", block_size=bs, max_num_seqs=max(questions, 1),
-            num_kv_blocks=-(-document // bs) + questions * (-(-QUESTION_TOKENS // bs) + 2), max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=document + 2 * QUESTION_TOKENS, enable_prefix_caching=True, async_scheduling=True,
-        )
-        core = EngineCore(config)
-        core.runner.model = StubModel(core.model_config.hidden_size, args.stub_vocab, args.seed)
+        blocks = -(-document // bs) + questions * (-(-QUESTION_TOKENS // bs) + 2)
+        core = stubbed_engine(EngineConfig(
+            model=model_dir, device="cpu", block_size=bs, max_num_seqs=max(questions, 1), num_kv_blocks=blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=document + 2 * QUESTION_TOKENS,
+            enable_prefix_caching=True, async_scheduling=True,
+        ), args)
         rng = random.Random(args.seed + rep)
         vocab = core.model_config.vocab_size
         doc = [rng.randrange(vocab) for _ in range(document)]

@@ -260,10 +260,10 @@ def joiner_ratios(run: dict, phase: str | None) -> tuple[list[float], list[float
     recorded: list[float] = []
     bound: list[float] = []
     forecast: list[float] = []
+    parts = [priced_parts(r.get("route_reason")) or (0.0, 0.0) for r in rows]  # (busy, own) per row
     routed: dict[int, list[tuple[float, float]]] = {}  # rank -> (route time, own prefill) so far
     for i, r in enumerate(rows):
-        parts = priced_parts(r.get("route_reason"))
-        busy, own = parts if parts is not None else (0.0, 0.0)
+        busy, own = parts[i]
         earlier = routed.setdefault(r["rank"], [])
         recent = sum(o for t, o in earlier if t >= r["routed_s"] - busy)
         earlier.append((r["routed_s"], own))
@@ -271,8 +271,8 @@ def joiner_ratios(run: dict, phase: str | None) -> tuple[list[float], list[float
         if (r.get("predicted_ttft_s") is None or measured <= 0 or (phase and r.get("phase") != phase)
                 or str(r.get("route", "")).startswith("pull")):
             continue
-        joiners = sum((priced_parts(e.get("route_reason")) or (0.0, 0.0))[1] for e in rows[i + 1:]
-                      if e["rank"] == r["rank"] and abs(e["first_token_s"] - r["first_token_s"]) < SAME_STEP_S)
+        joiners = sum(parts[j][1] for j in range(i + 1, len(rows)) if rows[j]["rank"] == r["rank"]
+                      and abs(rows[j]["first_token_s"] - r["first_token_s"]) < SAME_STEP_S)
         price = r["predicted_ttft_s"] - (r.get("dispatch_s") or 0.0)
         recorded.append(price / measured)
         bound.append((price + joiners) / measured)

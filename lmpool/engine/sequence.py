@@ -19,13 +19,16 @@ from __future__ import annotations
 import enum
 from array import array
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lmpool.engine.hashing import chain_hashes
 from lmpool.sampling_params import SamplingParams
 from lmpool.token_logprobs import TokenLogprobs
+
+if TYPE_CHECKING:
+    from lmpool.engine.block_manager import BlockManager
 
 TOKEN_TYPECODE = "i"  # token ids as int32: every id is below a vocabulary's size, validated on admission
 assert array(TOKEN_TYPECODE).itemsize == 4, "the token array must hold int32s"
@@ -74,7 +77,7 @@ class Sequence:
         self.block_table: list[int] = []
         # ``BlockManager.match_prefix``'s last answer: (its manager, that manager's cache version,
         # this sequence's length, the hit), reused while all three stand.
-        self.prefix_match: tuple[Any, int, int, tuple[int, ...]] | None = None
+        self.prefix_match: tuple[BlockManager, int, int, tuple[int, ...]] | None = None
         self.num_computed_tokens = 0
         self.num_ready_blocks = 0  # leading blocks whose KV is complete (see BlockManager.commit)
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
