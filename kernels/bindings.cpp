@@ -707,18 +707,12 @@ at::Tensor skinny_linear_mma(const at::Tensor& x, const at::Tensor& w) {
   return run_skinny(x, w, "skinny_linear_mma", launch_skinny_linear_mma);
 }
 
-// Whether the skinny kernel beats cuBLAS at this many rows and outputs (launchers.h): 1 or 2 rows
-// always, up to kSkinnyLinearRows over fewer outputs than a vocabulary's (the LM head's go to
-// cuBLAS at 3-4 rows).
-bool skinny_linear_wins(int64_t rows, int64_t n) {
-  return rows <= 2 || (rows <= kSkinnyLinearRows && n <= kSkinnyLinearWideMaxN);
-}
-
-// A linear layer without bias: the skinny kernel where it fits and wins, else cuBLAS
-// (at::linear); x [..., k] keeps its leading shape.
+// A linear layer without bias: where a few half rows fit, the skinny kernel at up to
+// kSkinnyLinearRows rows and its tensor-core kernel past that (launchers.h); else cuBLAS
+// (at::linear).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
-  if (skinny_linear_fits(x, w) && skinny_linear_wins(x.size(0), w.size(0))) return skinny_linear(x, w);
-  return at::linear(x, w);
+  if (!skinny_linear_fits(x, w)) return at::linear(x, w);
+  return x.size(0) <= kSkinnyLinearRows ? skinny_linear(x, w) : skinny_linear_mma(x, w);
 }
 
 // The rotary tables (fp32 [positions, dim / 2]) and the tokens' positions for the rows of x.
@@ -900,9 +894,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &lmpool::skinny_linear, py::arg("x"), py::arg("w"),
         "x [1..8, k] @ w [n, k]^T in fp16 or bf16 with fp32 sums, each weight read once.");
   m.def("skinny_linear_mma", &lmpool::skinny_linear_mma, py::arg("x"), py::arg("w"),
-        "skinny_linear on the tensor cores (m16n8k16): a candidate the kernel benchmark times; linear never uses it.");
+        "skinny_linear on the tensor cores (m16n8k16): what linear runs for 3-8 rows.");
   m.def("linear", &lmpool::linear, py::arg("x"), py::arg("w"),
-        "x @ w^T: skinny_linear where it fits (a few contiguous half rows), else at::linear.");
+        "x @ w^T: skinny_linear (1-2 rows) or skinny_linear_mma (3-8) where they fit (contiguous half rows), "
+        "else at::linear.");
   m.def("silu_mul", &lmpool::silu_mul, py::arg("gate_up"),
         "SiLU(gate) * up of [rows, 2 * dim] (gate first), torch's roundings, into a new [rows, dim] tensor.");
   m.def("qkv_norm_rope_store", &lmpool::qkv_norm_rope_store, py::arg("qkv"), py::arg("q_weight"),

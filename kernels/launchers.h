@@ -22,10 +22,10 @@ enum class DType { kF32, kF16, kBF16 };
 inline int dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // Whether the decode path's kernels (norms, rotary and KV store, attention and its split merge,
-// SiLU x up, the skinny linear) start before the kernel ahead of them in the stream ends
+// SiLU x up, the skinny linear kernels) start before the kernel ahead of them in the stream ends
 // (programmatic dependent launch, common.cuh): their launch and the weights they read overlap that
 // kernel's tail. One flag a process, off until bindings.cpp's set_dependent_launch turns it on
-// (only where the device has compute capability 9.0 or more).
+// (only where the device has compute capability 9.0 or more; an engine does, by default).
 inline bool& dependent_launch_on() {
   static bool on = false;
   return on;
@@ -282,18 +282,16 @@ cudaError_t launch_silu_mul(DType dtype, const SiluMulArgs& args, cudaStream_t s
 
 // y[rows, n] = x[rows, k] @ w[n, k]^T for a few rows (``kernels/skinny_linear.cu``).
 constexpr int kSkinnyMaxRows = 8;
-// The rows ``linear`` sends to it: on an H100 (the kernel benchmark's ``linear`` case, 0.6B shapes)
-// it beat cuBLAS at 1 and 2 rows in every projection, at 4 over a layer's four (0.039 against
-// 0.043 ms), and lost at 8 in all but one (0.053 against 0.043 ms a layer, 0.22 against 0.12 ms
-// for the output projection).
-constexpr int kSkinnyLinearRows = 4;
-// ... of which more than 2 only over at most this many outputs, fewer than a vocabulary's: on an
-// H200 at 4 rows the LM head's 151,936 ran at 0.68x cuBLAS (0.130 against 0.089 ms, once a step,
-// eager on the sampled rows). A layer's projections stay on the kernel at 3-4 rows, inside CUDA
-// graphs too: it beat cuBLAS over 1,024 to 4,096 outputs (1.02-1.63x) and lost only a little
-// over gate and up's 6,144 (0.93x), and a graph pads 3 rows to 4, which the kernel's fixed sums
-// give the same bits (cuBLAS at 3 and 4 rows need not).
-constexpr int64_t kSkinnyLinearWideMaxN = 65536;
+// ``linear`` sends it steps of at most this many rows, and those of up to kSkinnyMaxRows to
+// ``launch_skinny_linear_mma``. On an H100 (the kernel benchmark's ``linear`` case, 0.6B shapes)
+// the kernel beat cuBLAS and the tensor-core kernel at 1 and 2 rows in every projection (0.036
+// against 0.042 ms a layer at 1 row); the tensor-core kernel beat both at 4 and 8 rows over a
+// layer's four projections (0.0415 against cuBLAS's 0.0424 ms at 4 rows, 0.0413 against 0.0429
+// at 8) and over the LM head's 151,936 outputs (0.115 against 0.124 ms at 4, 0.116 against 0.125
+// at 8), where this kernel lost from 4 rows. Both give a row the same bits whatever rows are
+// beside it, so an eager step of 3 rows and its CUDA graph padded to 4, or of 5-7 and the graph
+// padded to 8, give the same tokens (cuBLAS at different row counts need not).
+constexpr int kSkinnyLinearRows = 2;
 struct SkinnyLinearArgs {
   const void* x;  // [rows, k], last dimension contiguous
   int64_t x_stride;
@@ -305,8 +303,7 @@ struct SkinnyLinearArgs {
   int64_t n;
 };
 cudaError_t launch_skinny_linear(DType dtype, const SkinnyLinearArgs& args, cudaStream_t stream);
-// The same product on the tensor cores (m16n8k16, 16 outputs a block): a candidate timed beside
-// the kernel above and cuBLAS (the kernel benchmark's ``linear`` case); ``linear`` does not use it.
+// The same product on the tensor cores (m16n8k16, 16 outputs a block): ``linear``'s for 3-8 rows.
 cudaError_t launch_skinny_linear_mma(DType dtype, const SkinnyLinearArgs& args, cudaStream_t stream);
 
 }  // namespace lmpool

@@ -1,7 +1,7 @@
 // A linear layer of few rows, y[m, n] = sum_k x[m, k] * w[n, k], as a decode step of 1-8
 // sequences runs its projections: reading the weights is all of its cost, and cuBLAS's tiles
 // for a handful of rows reach ~1.4 TB/s of the H200's ~4. ``linear`` sends it at most
-// kSkinnyLinearRows (4): at 8 rows cuBLAS was faster on an H100.
+// kSkinnyLinearRows (2); steps of 3-8 rows go to the tensor-core kernel below.
 //
 // Layout: a block of kThreads threads computes kRows consecutive outputs n for every row m.
 // Its threads stride over k in 16-byte vectors: each holds the kRows weight vectors at its k

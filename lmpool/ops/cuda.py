@@ -364,10 +364,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``reference.linear``; a decode step's few rows (fp16 or bf16: 1 or 2, or up to 4 over fewer
-    outputs than a vocabulary's, ``skinny_linear_wins``) read each weight once in one kernel
-    (``kernels/skinny_linear.cu``), where cuBLAS's tiles read them at a fraction of the bandwidth;
-    other shapes go to cuBLAS (at 8 rows it is faster)."""
+    """``reference.linear``; a decode step's few rows (fp16 or bf16, 1-8) read each weight once in
+    one kernel (``kernels/skinny_linear.cu``: the skinny kernel at 1-2 rows, its tensor-core kernel
+    at 3-8), where cuBLAS's tiles read them at a fraction of the bandwidth; other shapes go to
+    cuBLAS."""
     if x.dim() == 2:
         return load_extension().linear(x, weight)
     return load_extension().linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])

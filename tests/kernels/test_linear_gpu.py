@@ -1,7 +1,7 @@
 """The skinny linear kernel (``kernels/skinny_linear.cu``: a decode step's 1-8 rows times a
 weight, each weight read once) against fp64 sums of the same half inputs, and ``ops.cuda.linear``
-sending more than 4 rows (where cuBLAS is faster) and every other shape to cuBLAS, and its
-tensor-core candidate ``skinny_linear_mma`` (needs a GPU).
+sending 1-2 rows to it, 3-8 to its tensor-core kernel ``skinny_linear_mma`` and every other shape
+to cuBLAS (needs a GPU).
 
 The kernel sums in fp32 in its own order and rounds once, so its results are the exact sums
 rounded, give or take a unit; freed allocator memory is NaN before each call, so an output it
@@ -86,7 +86,7 @@ def test_three_dimensional_decode_rows_go_through_the_kernel_and_keep_their_shap
     w = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
     out = cuda.linear(x, w)
     assert out.shape == (1, 3, 512)
-    assert torch.equal(out[0], cuda.load_extension().skinny_linear(x[0], w))
+    assert torch.equal(out[0], cuda.load_extension().skinny_linear_mma(x[0], w))
 
 
 def test_skinny_linear_replays_in_a_cuda_graph_on_new_inputs():
@@ -101,25 +101,16 @@ def test_skinny_linear_replays_in_a_cuda_graph_on_new_inputs():
     check(out, x, w)
 
 
-@pytest.mark.parametrize("rows", [5, 8])
-def test_linear_sends_more_rows_than_the_kernel_wins_at_to_cublas(rows):
-    """Past 4 rows cuBLAS is the faster (the kernel benchmark's ``linear`` case): ``linear``'s
-    result is ``F.linear``'s, bit for bit, though the kernel would take up to 8."""
-    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(cuda.linear(x, w), F.linear(x, w))
-
-
-@pytest.mark.parametrize("rows,n,kernel", [(2, 151936, True), (3, 4096, True), (4, 6144, True), (4, 65536, True),
-                                           (3, 65537, False), (4, 151936, False)])
-def test_three_or_four_rows_go_through_the_kernel_except_over_a_vocabulary(rows, n, kernel):
-    """Over the LM head's 151,936 outputs cuBLAS beat the kernel at 4 rows on an H200; at 1 and 2
-    rows the kernel won everywhere, and a layer's projections keep it at 3-4 rows (a CUDA graph
-    pads 3 to 4: the kernel's bits do not change with it)."""
+@pytest.mark.parametrize("rows,n,kernel", [(1, 151936, "skinny_linear"), (2, 4096, "skinny_linear"),
+                                           (3, 4096, "skinny_linear_mma"), (4, 151936, "skinny_linear_mma"),
+                                           (8, 6144, "skinny_linear_mma")])
+def test_linear_runs_the_skinny_kernel_at_one_or_two_rows_and_the_tensor_core_one_to_eight(rows, n, kernel):
+    """The kernel benchmark's ``linear`` case: at 1-2 rows the skinny kernel won every projection,
+    at 4 and 8 the tensor-core one won over a layer's and the LM head's (a CUDA graph pads 3 to 4
+    and 5-7 to 8: neither kernel's bits change with it)."""
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16)
-    want = cuda.load_extension().skinny_linear(x, w) if kernel else F.linear(x, w)
-    assert torch.equal(cuda.linear(x, w), want)
+    assert torch.equal(cuda.linear(x, w), getattr(cuda.load_extension(), kernel)(x, w))
 
 
 @pytest.mark.parametrize("kernel", ["skinny_linear", "skinny_linear_mma"])
