@@ -172,3 +172,33 @@ class PoolConfig(msgspec.Struct, kw_only=True):
         if sharing > 1 and self.engine.num_kv_blocks is None:
             changes["gpu_memory_utilization"] = self.engine.gpu_memory_utilization / sharing
         return dataclasses.replace(self.engine, **changes) if changes else self.engine
+
+
+# What a pool's ``reset`` may change: settings only its control process reads.
+RESET_OPTIONS = ("routing", "routing_config", "transfer_mode")
+
+
+def reset_config(config: PoolConfig, transfers_ready: bool, options: dict) -> PoolConfig:
+    """``config`` with ``options`` applied, as a running pool's ``reset`` takes them: an option
+    outside ``RESET_OPTIONS`` is a ``TypeError``, and a change its workers would read (whether
+    they count cascade groups, release blocks through moves, or have a data path at all:
+    ``transfers_ready``) a ``ValueError`` that says a new pool is needed."""
+    unknown = sorted(set(options) - set(RESET_OPTIONS))
+    if unknown:
+        raise TypeError(f"a reset takes {', '.join(RESET_OPTIONS)}; got {', '.join(unknown)} (start a new pool for it)")
+    routing_config = options.get("routing_config", config.routing_config)
+    if not isinstance(routing_config, RoutingConfig):
+        raise ValueError(f"routing_config must be a RoutingConfig, got {type(routing_config).__name__}")
+    if routing_config.cascade_groups != config.routing_config.cascade_groups:
+        raise ValueError("a reset keeps routing_config.cascade_groups (the workers count the groups): start a new pool")
+    transfer = config.transfer
+    if "transfer_mode" in options:
+        transfer = msgspec.structs.replace(transfer, transfer_mode=options["transfer_mode"])
+    if transfer.transfer_mode != "none" and not transfers_ready:
+        raise ValueError(f"transfer_mode {transfer.transfer_mode!r} needs a pool started with transfers "
+                         "(enable_transfers=True)")
+    if transfer.foreground_release != config.transfer.foreground_release:
+        raise ValueError("a reset keeps foreground release on or off (the workers' eviction asks for moves): "
+                         "start a new pool")
+    return msgspec.structs.replace(config, routing=options.get("routing", config.routing),
+                                   routing_config=routing_config, transfer=transfer)

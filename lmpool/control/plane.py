@@ -50,6 +50,7 @@ from lmpool.protocol import (
     PlanAnswer,
     PlanState,
     QueryAnswer,
+    Quiesce,
     RankDown,
     RankUp,
     ReleaseRoute,
@@ -120,6 +121,9 @@ class ControlPlane:
         # Route replies held until the pull their request waits on has landed or aborted.
         self.pull_waiters: dict[str, asyncio.Future] = {}
         self.plan_waiters: dict[int, asyncio.Future] = {}
+        # Once set (``quiesce``), no transfer starts; the waiter hears when the last open plan ends.
+        self.quiesced = False
+        self.settled: asyncio.Future | None = None
         # Questions to one worker (``WorkerQuery``): (rank, the answer's type, waiter) by the id
         # they carry. Ids start at random: a worker may still answer a question of the control
         # process this one replaced, whose ids started where this one's would.
@@ -149,7 +153,8 @@ class ControlPlane:
                     self.on_query_answer(msg)
                     continue
                 if isinstance(msg, ShortageReport):
-                    self.policies.on_shortage(msg)
+                    if not self.quiesced:  # quiesced: the worker evicts, as when a move is refused
+                        self.policies.on_shortage(msg)
                     continue
                 if isinstance(msg, StepTimings):
                     if msg.rank == rank and msg.epoch >= self.gbm.ranks[rank].epoch:
@@ -272,8 +277,23 @@ class ControlPlane:
         if waiter is not None and not waiter.done():
             waiter.set_result(TransferResult(plan.plan_id, plan.state.value, plan.abort_reason,
                                              self.coordinator.clock() - plan.started))
+        if self.settled is not None and not self.coordinator.plans and not self.settled.done():
+            self.settled.set_result(None)
+
+    async def quiesce(self) -> None:
+        """Start no transfer from now on; return once every open plan has ended (each ends by its
+        answers or, stuck, by the watchdog's deadline)."""
+        self.quiesced = True
+        if self._reaction is not None:
+            self._reaction.cancel()
+            self._reaction = None
+        if self.coordinator.plans:
+            self.settled = self.settled or asyncio.get_running_loop().create_future()
+            await self.settled
 
     async def transfer_chain(self, request: TransferChain) -> TransferResult:
+        if self.quiesced:
+            raise ValueError("the pool is resetting: no transfer starts")
         for rank in (request.src, request.dst):
             if rank not in self.outbox:
                 raise ValueError(f"rank {rank} is not a live rank of this pool")
@@ -365,8 +385,8 @@ class ControlPlane:
         if self._reaction is not None:
             self._reaction.cancel()
             self._reaction = None
-        if self._slicing is not None:
-            return  # a pass is under way; it goes on
+        if self._slicing is not None or self.quiesced:
+            return  # a pass is under way, and goes on; or none may start
         self._placed_at = time.monotonic()
         self._place_slice(fresh_only)
 
@@ -374,6 +394,9 @@ class ControlPlane:
         """One slice of the placement pass; the next is queued behind whatever is ready, so a
         route waits for one slice at most, never for a whole pass."""
         self._slicing = None
+        if self.quiesced:
+            self.policies.drop_pass()
+            return
         try:
             over = self.policies.tick(self.spec.pool.transfer.transfer_policy.placement_slice_s, fresh_only)
         except Exception:  # a bug in a policy must not end placement, nor the control plane
@@ -424,6 +447,9 @@ class ControlPlane:
             return None
         if isinstance(request, StatsQuery):
             return self.stats()
+        if isinstance(request, Quiesce):
+            await self.quiesce()
+            return None
         if isinstance(request, TransferChain):
             return await self.transfer_chain(request)
         if isinstance(request, BlockDigests):

@@ -310,6 +310,20 @@ class BlockManager:
             freed.append(block_id)
         return freed
 
+    def forget_cached(self) -> int:
+        """Uncache every cached block nobody references, leaves first as reclamation takes them
+        (each removal an event); return how many. A block in use keeps its hash, and so do its
+        cached ancestors: on an idle manager nothing stays cached."""
+        dropped = 0
+        while self._reclaim_heap:
+            hits, last_access, block_id = heapq.heappop(self._reclaim_heap)
+            block = self.blocks[block_id]
+            if (block.state is BlockState.RECLAIMABLE and block.num_cached_children == 0
+                    and (block.hits, block.last_access) == (hits, last_access)):
+                self._uncache(block)  # its parent, a leaf now, joins the heap
+                dropped += 1
+        return dropped
+
     def eviction_order(self, n: int, exclude: Iterable[int] = ()) -> list[int]:
         """The first ``n`` blocks (or fewer) reclamation would take, in order, without taking
         them: cold cached blocks that nobody references, leaves first. A block in ``exclude``

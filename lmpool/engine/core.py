@@ -210,6 +210,15 @@ class EngineCore:
         self.runner.sampler.release(request_id)
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (``BlockManager.forget_cached``): the cache of a freshly
+        started engine. Only an idle engine resets (``ValueError`` otherwise: a running request's
+        blocks would stay cached); the number of blocks forgotten."""
+        if self.has_unfinished():
+            raise ValueError(f"a prefix cache resets only on an idle engine; {len(self.requests)} requests "
+                             "are unfinished")
+        return self.block_manager.forget_cached()
+
     def close(self) -> None:
         """Release the replica's device memory; the engine cannot step afterwards."""
         self.runner.close()

@@ -239,6 +239,13 @@ class AsyncLMPool:
         """Stop a request; an unknown or finished id is a no-op."""
         await self.client.abort(request_id)
 
+    async def reset(self, **options) -> None:
+        """Forget every cached prefix and restart the control plane, optionally with another
+        ``routing``, ``routing_config`` or ``transfer_mode``: the pool then serves as a freshly
+        started one, in a fraction of a start's time (``PoolClient.reset``). Only when idle."""
+        await self.client.reset(**options)
+        self.config = self.client.config
+
     async def stats(self) -> dict:
         """Pool state: ``control_pid``, per-rank rows and the ``transfers`` counters (see
         ``PoolClient.stats`` and ``TransferStats``)."""
@@ -330,6 +337,10 @@ class LMPool:
 
     def stats(self) -> dict:
         return self._call(self._pool.stats())
+
+    def reset(self, **options) -> None:
+        """``AsyncLMPool.reset``: forget every cached prefix, optionally switch routing."""
+        self._call(self._pool.reset(**options))
 
     def transfer(self, prompt: Prompt, src: int, dst: int, move: bool = False):
         """``AsyncLMPool.transfer``: copy (or move) a prompt's cached blocks between ranks."""

@@ -23,6 +23,7 @@ Everything here runs on the one event loop that called ``start()``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import subprocess
 import time
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from lmpool.config.pool import PoolConfig
+from lmpool.config.pool import PoolConfig, reset_config
 from lmpool.config.transfer_profile import TransferProfile
 from lmpool.engine.hashing import chain_hashes
 from lmpool.engine.model_runner import planned_cascades, resolve_dtype
@@ -50,6 +51,7 @@ from lmpool.protocol import (
     BlockDigests,
     ControlStats,
     DigestsReply,
+    Quiesce,
     RankDown,
     ReleaseRoute,
     RequestRejected,
@@ -286,19 +288,45 @@ class PoolClient:
             if self.control is not failed or self._closed:
                 return
             self.control_restarts += 1
-            failed.close()
-            # A control process (its channel and process) runs while self.control is set.
-            assert self.ipc is not None and self._control_channel is not None and self.control_proc is not None
-            self._control_channel.close()
-            await asyncio.get_running_loop().run_in_executor(None, process.stop, self.control_proc, 1.0)
-            live = [r for r in self.ranks if r.alive]
-            links = {r.rank: self.ipc.create_link(CONTROL_LINK_CAPACITY) for r in live}
-            ends = [links[r].a if r in links else None for r in range(self.config.world_size)]
-            await self._spawn_control(ends)
-            for r in live:  # each worker re-attaches and sends a full snapshot
-                await self._send_to_rank(r, AttachControl(links[r.rank].b))
-            # Routing needs the snapshots; a rank that dies meanwhile releases the wait.
-            await self.control.request(WaitRanks([r.rank for r in live]))
+            await self._replace_control()
+
+    async def _replace_control(self, reset: bool = False) -> None:
+        """Stop the control process and start one of ``self.config`` on fresh links; every live
+        worker re-attaches (with ``reset``, first forgetting its cached prefixes) and sends a full
+        snapshot. Under ``_control_lock``."""
+        # A control process (its requester, channel and process) runs while self.control is set.
+        assert self.ipc is not None and self.control is not None and self._control_channel is not None
+        assert self.control_proc is not None
+        self.control.close()
+        self._control_channel.close()
+        await asyncio.get_running_loop().run_in_executor(None, process.stop, self.control_proc, 1.0)
+        live = [r for r in self.ranks if r.alive]
+        links = {r.rank: self.ipc.create_link(CONTROL_LINK_CAPACITY) for r in live}
+        ends = [links[r].a if r in links else None for r in range(self.config.world_size)]
+        await self._spawn_control(ends)
+        for r in live:
+            await self._send_to_rank(r, AttachControl(links[r.rank].b, reset=reset))
+        # Routing needs the snapshots; a rank that dies meanwhile releases the wait.
+        await self.control.request(WaitRanks([r.rank for r in live]))
+
+    async def reset(self, **options) -> None:
+        """Forget every rank's cached prefixes and replace the control process, optionally with
+        other ``RESET_OPTIONS`` (another routing rule or transfer mode): the pool then routes,
+        caches and counts as a freshly started one, keeping its processes, engines and data
+        paths (what a start spends most of its time on). Only an idle pool resets: a request in
+        flight is a ``PoolError``, as is a pool that is not running; an option the workers would
+        need to restart for is a ``ValueError``. Transfers under way end first, none starts."""
+        self._check_loop()
+        if self._closed or self.ipc is None or self.control is None:
+            raise PoolError("the pool is not running")
+        if self.requests:
+            raise PoolError(f"a pool resets only when idle; {len(self.requests)} requests are in flight")
+        config = reset_config(self.config, self.rendezvous is not None, options)
+        async with self._control_lock:
+            with contextlib.suppress(LinkError):  # a dead control process leaves no plan to wait for
+                await self.control.request(Quiesce())
+            self.config = config
+            await self._replace_control(reset=True)
 
     async def control_request(self, msg):
         """A request to the control plane, restarting the control process if it died."""

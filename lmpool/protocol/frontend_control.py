@@ -58,6 +58,11 @@ class StatsQuery(Message, tag="stats"):
     pass
 
 
+class Quiesce(Message, tag="quiesce"):
+    """Start no transfer from now on, and reply once every open plan has ended (the pool's
+    ``reset``, before this control process is replaced): no block stays pinned for it."""
+
+
 # msgspec lets a frozen struct extend an unfrozen one; mypy reads it with dataclass rules.
 class StepKindFit(Message, kw_only=True, frozen=True):  # type: ignore[misc]
     """How well a rank's priced step time predicts one kind of its steps
@@ -183,5 +188,5 @@ class DigestsReply(Message, tag="digests"):
     digests: list[str]  # "" for a block the rank does not cache
 
 
-FrontendToControl = (RouteQuery | ReleaseRoute | RankDown | RankUp | WaitRanks | StatsQuery | TransferChain
-                     | BlockDigests)
+FrontendToControl = (RouteQuery | ReleaseRoute | RankDown | RankUp | WaitRanks | StatsQuery | Quiesce
+                     | TransferChain | BlockDigests)

@@ -54,9 +54,12 @@ class AbortRequest(Message, tag="abort"):
 
 
 class AttachControl(Message, tag="attach_control"):
-    """Use this link end to reach a (re)started control process, and send it a full snapshot."""
+    """Use this link end to reach a (re)started control process, and send it a full snapshot.
+    With ``reset`` (the pool's ``reset``, on an idle pool), first forget every cached prefix and
+    count the worker's figures from zero: the new control process meets a fresh replica."""
 
     end: str
+    reset: bool = False
 
 
 class Shutdown(Message, tag="shutdown"):

@@ -7,7 +7,7 @@ The stages are the loop's synchronous stretches: ``admit`` (the requests that ar
 awaited one, or one the device finished before the next launch), and, wherever they fall, the
 garbage collector's passes (``collect``, once ``watch_collections`` is on: a full pass over a
 heap holding torch takes a tenth of a second, which is why a worker freezes its start-up heap).
-Per stage, since the worker started: how many, their total and the longest, in milliseconds.
+Per stage, since the worker started (or its pool reset): how many, their total and the longest, in milliseconds.
 
 Invariants: every timed stretch counts once, under one stage; a stage's longest is at most its
 total, and its total is zero when its count is.
@@ -58,6 +58,11 @@ class LoopStages:
         self._count[stage] += 1
         self._total[stage] += seconds
         self._longest[stage] = max(self._longest[stage], seconds)
+
+    def clear(self) -> None:
+        """Count from now on, as a new worker does (its pool reset)."""
+        for stage in STAGES:
+            self._count[stage], self._total[stage], self._longest[stage] = 0, 0.0, 0.0
 
     def snapshot(self) -> dict[str, list[float]]:
         """stage -> [count, total ms, longest ms]."""

@@ -190,6 +190,15 @@ class Worker:
             if self.control is channel:
                 self.fail(e)
 
+    def reset(self) -> None:
+        """Forget every cached prefix and count from zero, as a fresh worker (the pool is idle:
+        the frontend resets only then, and a request it aborted was read before this)."""
+        dropped = self.core.reset_prefix_cache()
+        log.info("rank %d: pool reset, %d cached blocks forgotten", self.rank, dropped)
+        self.prompt_tokens = self.prefix_hit_tokens = self.generated_tokens = 0
+        self.loop_stages.clear()
+        self.last_load = None
+
     def attach_control(self, end: str) -> None:
         old, self.control = self.control, Channel(end, ControlToWorker)
         if old is not None:
@@ -432,6 +441,8 @@ class Worker:
         elif isinstance(msg, AbortRequest):
             self.core.abort_request(msg.request_id)
         elif isinstance(msg, AttachControl):
+            if msg.reset:
+                self.reset()
             self.attach_control(msg.end)
         elif isinstance(msg, Shutdown):
             self.stopping = True

@@ -92,6 +92,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.match_prefix(seq) == self.bm.match_prefix(Sequence("probe", list(seq.token_ids), PARAMS, BLOCK))
 
     @precondition(lambda self: self.bm is not None)
+    @rule()
+    def forget(self) -> None:
+        """A reset forgets every cached block nobody holds: what stays cached is held, or a held
+        block's ancestor; with nothing held, nothing stays."""
+        bm = self.bm
+        before = len(bm.hash_to_block)
+        assert bm.forget_cached() == before - len(bm.hash_to_block)
+        assert not any(b.state is BlockState.RECLAIMABLE and b.num_cached_children == 0 for b in bm.blocks)
+        if not self.seqs and not self.raw:
+            assert not bm.hash_to_block and bm.num_free == bm.num_blocks
+
+    @precondition(lambda self: self.bm is not None)
     @rule(k=st.integers(1, 6))
     def take_raw(self, k: int) -> None:
         """Allocate outside any sequence, forcing dependency-safe reclamation when free runs out."""

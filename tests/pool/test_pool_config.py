@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from lmpool.config.kv_events import KVEventsConfig
-from lmpool.config.pool import PoolConfig
+from lmpool.config.pool import PoolConfig, reset_config
+from lmpool.config.routing import RoutingConfig
 from lmpool.frontend.client import with_gpus
 
 
@@ -111,3 +112,21 @@ def test_kv_events_are_a_section_of_the_tree_given_as_a_struct_or_a_dict_of_its_
         config(2, device="cpu", kv_events={"endpoint": ""})
     with pytest.raises(ValueError, match="kv_events must be a KVEventsConfig"):
         config(2, device="cpu", kv_events="tcp://127.0.0.1:5557")
+
+
+def test_a_reset_switches_what_only_the_control_process_reads_and_refuses_the_rest():
+    cfg = PoolConfig.from_options("m", world_size=2, device="cpu", transfer_mode="pull")
+    switched = reset_config(cfg, True, {"routing": "round_robin", "transfer_mode": "none"})
+    assert (switched.routing, switched.transfer.transfer_mode) == ("round_robin", "none")
+    assert switched.transfer.enable_transfers and switched.engine == cfg.engine
+    assert reset_config(switched, True, {"routing": "lmpool", "transfer_mode": "pull"}).transfer.route_pulls
+    with pytest.raises(TypeError, match="block_size"):
+        reset_config(cfg, True, {"block_size": 32})
+    with pytest.raises(ValueError, match="cascade_groups"):
+        reset_config(cfg, True, {"routing_config": RoutingConfig(cascade_groups=not cfg.routing_config.cascade_groups)})
+    with pytest.raises(ValueError, match="started with transfers"):
+        reset_config(PoolConfig.from_options("m", device="cpu", transfer_mode="none"), False, {"transfer_mode": "pull"})
+    with pytest.raises(ValueError, match="foreground"):
+        reset_config(cfg, True, {"transfer_mode": "foreground"})
+    with pytest.raises(ValueError, match="routing must be one of"):
+        reset_config(cfg, True, {"routing": "no-such-rule"})
