@@ -1,4 +1,4 @@
-"""A benchmark suite: every policy on every workload, repeated, one fresh pool per run.
+"""A benchmark suite: every policy on every workload, repeated, each run on a fresh or reset pool.
 
 Runs go repetition-major (repetition 0: every setting and workload under every policy;
 then repetition 1; ...), so a suite cut short by ``--max-minutes`` still holds complete
@@ -6,9 +6,10 @@ repetitions of every policy. Within a repetition the policies run in that repeti
 of a Williams design (``policy_order``; ``--order fixed`` only to reproduce old results),
 and the JSON records every repetition's order and every run's position in it. A sweep
 (``--sweep``, ``eval_settings``) runs every workload under every setting; each run and each
-comparison says its KV budget, window, arrival process and order. Every run starts its own
-pool: each repetition begins with empty KV caches and no learned state, and no policy
-inherits another's cache. All policies of a workload replay the same trace (same token ids,
+comparison says its KV budget, window, arrival process and order. Every run starts with empty
+KV caches and a new control process (no learned state), and no policy inherits another's
+cache: on a pool kept across runs and reset before each (``lib/pool_keeper.py``), or, with
+``--fresh-pools``, on a pool of its own. All policies of a workload replay the same trace (same token ids,
 order and arrivals); repetition r uses seed ``--seed + r``.
 
 A policy whose pool constructor rejects its settings (``TypeError``/``ValueError``, e.g. a
@@ -50,6 +51,7 @@ from benchmarks.peers.eval_policies import (
 from benchmarks.replay.eval_settings import Setting, cell_key, parse_arrival, parse_sweep, settings
 from benchmarks.device.mps import mps_daemon
 from benchmarks.stats.policy_order import ORDERS, policy_order, run_order
+from benchmarks.lib.pool_keeper import PoolKeeper
 from benchmarks.lib.revision import git_record
 from benchmarks.workloads.trace_file import load_trace, trace_name
 from benchmarks.workloads.traces import max_request_tokens
@@ -130,6 +132,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mps", action="store_true",
                     help="start a private MPS daemon; each replica gets 100/replicas-per-GPU %% of the SMs")
     ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds before a run is abandoned")
+    ap.add_argument("--fresh-pools", action="store_true",
+                    help="start a pool for every run (default: keep one across the runs its workers can serve, "
+                         "reset between them: benchmarks/lib/pool_keeper.py)")
     ap.add_argument("--max-minutes", type=float, help="start no repetition that would end past this")
     ap.add_argument("--trace", type=Path, action="append", default=[],
                     help="a JSON Lines trace of one's own (trace_file.py says the format), run as workload "
@@ -378,20 +383,23 @@ def engine_args(args: argparse.Namespace, setting: Setting, max_model_len: int) 
 
 
 def new_pool(model: str, args: argparse.Namespace, policy: Policy, setting: Setting, max_model_len: int,
-             **extra):
-    """An unstarted pool for one run of ``policy`` (``extra``: more of the pool's settings);
+             kept: bool = False, **extra):
+    """An unstarted pool for one run of ``policy`` (``extra``: more of the pool's settings), or,
+    ``kept``, for every run its workers can serve (transfers set up for any of them);
     ``PolicyUnavailable`` when its constructor refuses the policy's settings."""
     from lmpool.frontend.api import AsyncLMPool
 
     try:
-        if policy.transfer_mode != "none" and args.transfer_profile is not None:
+        if (kept or policy.transfer_mode != "none") and args.transfer_profile is not None:
             from lmpool.config.transfer import TransferPolicyConfig
 
             extra["transfer_policy"] = TransferPolicyConfig(transfer_profile=str(args.transfer_profile))
+        if kept:
+            extra["enable_transfers"] = True
         # A start that hangs is bounded too (the pool's own default waits 300 s).
         return AsyncLMPool(model, world_size=args.world_size, device=args.device,
                            ready_timeout=min(300.0, max(60.0, args.run_timeout)),
-                           **policy.pool_kwargs(), **extra, **engine_args(args, setting, max_model_len))
+                           **(policy.pool_kwargs() | extra), **engine_args(args, setting, max_model_len))
     except (TypeError, ValueError) as e:
         raise PolicyUnavailable(f"{type(e).__name__}: {e}") from e
 
@@ -407,36 +415,56 @@ def pool_figures(stats: dict) -> dict:
 
 
 async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, setting: Setting,
-                  max_model_len: int, bar) -> dict:
-    """Start a pool for ``policy``, replay ``trace`` on it, and stop it. Raises
-    ``PolicyUnavailable`` when the pool constructor refuses the policy (or, for a policy
-    with a ``runner``, when that system cannot run here)."""
+                  max_model_len: int, bar, keeper: PoolKeeper | None = None) -> dict:
+    """Replay ``trace`` on a pool for ``policy`` (``keeper``'s: a kept one, reset, or a new one;
+    without a keeper, a pool of its own). Raises ``PolicyUnavailable`` when the pool constructor
+    refuses the policy (or, for a policy with a ``runner``, when that system cannot run here)."""
+    keeper = keeper or pool_keeper(model, args, max_model_len, keep=False)
     if policy.runner is not None:
+        await keeper.close()  # an external router starts processes of its own
         return await run_external(model, args, policy, trace, setting, max_model_len, bar)
-    pool = new_pool(model, args, policy, setting, max_model_len)
-    record: dict = {}
-    started = time.perf_counter()
+    pool, record = await keeper.acquire(policy, setting, trace)
     try:
-        await pool.start()
-        record["start_s"] = time.perf_counter() - started
         async with asyncio.timeout(args.run_timeout):
-            t = time.perf_counter()
-            # The user process's own garbage collections: they hold its loop, which submits,
-            # routes and hands over every request, and delivers every token.
-            driver = LoopStages()
-            stop = driver.watch_collections()
-            try:
-                record["requests"] = await replay(pool, trace, setting.arrival,
-                                                  bar.update if bar is not None else (lambda *a: None))
-            finally:
-                stop()
-            record["replay_s"] = time.perf_counter() - t
-            record["frontend_collect_ms"] = driver.snapshot()["collect"]
-            stats = await pool.stats()
-        record.update(pool_figures(stats))
-    finally:
-        await pool.shutdown()
+            record.update(await measure(pool, trace, setting, bar))
+    except BaseException:
+        await keeper.release(failed=True)
+        raise
+    await keeper.release()
     return record
+
+
+async def measure(pool, trace, setting: Setting, bar) -> dict:
+    """Replay ``trace`` on a started ``pool``; its requests' records and the pool's figures."""
+    record: dict = {}
+    t = time.perf_counter()
+    # The user process's own garbage collections: they hold its loop, which submits,
+    # routes and hands over every request, and delivers every token.
+    driver = LoopStages()
+    stop = driver.watch_collections()
+    try:
+        record["requests"] = await replay(pool, trace, setting.arrival,
+                                          bar.update if bar is not None else (lambda *a: None))
+    finally:
+        stop()
+    record["replay_s"] = time.perf_counter() - t
+    record["frontend_collect_ms"] = driver.snapshot()["collect"]
+    record.update(pool_figures(await pool.stats()))
+    return record
+
+
+def pool_keeper(model: str, args: argparse.Namespace, max_model_len: int, keep: bool) -> PoolKeeper:
+    """The suite's pools: kept across runs, or (``keep`` off, ``--fresh-pools``) one per run; a
+    kept pool sets up transfers for every policy it may serve, and warms up on its first run's trace."""
+
+    def make(policy: Policy, setting: Setting):
+        return new_pool(model, args, policy, setting, max_model_len, kept=keep)
+
+    async def warm_up(pool, trace, setting: Setting) -> None:
+        async with asyncio.timeout(args.run_timeout):
+            await replay(pool, trace, setting.arrival, lambda *a: None)
+
+    return PoolKeeper(make, warm_up, keep)
 
 
 # Dynamo's router pins every request it routes, so the pool's own routing never runs (only a
@@ -498,8 +526,9 @@ def _describe(e: BaseException) -> str:
     return text
 
 
-def _run_policy(args: argparse.Namespace, model: str, policy: Policy, cell: dict, rep: int,
-                max_model_len: int, state: dict, failures: dict[str, int], progress: Progress) -> dict:
+async def _run_policy(args: argparse.Namespace, model: str, policy: Policy, cell: dict, rep: int,
+                      max_model_len: int, state: dict, failures: dict[str, int], progress: Progress,
+                      keeper: PoolKeeper | None = None) -> dict:
     """One run's record; updates the policy's ``state`` when it turns out unavailable or failed.
     ``cell`` is the run's workload key, trace, setting, and its place in the repetition's order."""
     trace, setting, key = cell["trace"], cell["setting"], cell["key"]
@@ -512,7 +541,7 @@ def _run_policy(args: argparse.Namespace, model: str, policy: Policy, cell: dict
     bar = progress.run_bar(f"{key} {policy.name} rep {rep}", len(trace.requests))
     t = time.perf_counter()
     try:
-        record = uvloop.run(run_one(model, args, policy, trace, setting, max_model_len, bar))
+        record = await run_one(model, args, policy, trace, setting, max_model_len, bar, keeper)
         run.update(record, status="ok")
         run["metrics"] = run_metrics(record["requests"], record["transfers"], args.world_size)
     except PolicyUnavailable as e:
@@ -556,6 +585,8 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
             "config": config | {"max_model_len": max_model_len} | engine_record(args, model),
             "model": model_record(model, args.preset if args.preset_given or not args.model else None),
             **environment(args.device),
+            "pools": ("fresh: one per run" if args.fresh_pools
+                      else "kept: one pool across the runs its workers can serve, reset between them"),
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             # The profile does not depend on the seed (``workloads``): the first repetition's.
             "dataset_profile": {wl: profile_trace(ts[args.rep_ids[0]], args.block_size) for wl, ts in traces.items()},
@@ -574,9 +605,10 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
 
     suite_start = time.perf_counter()
     rep_seconds: list[float] = []
-    try:
-        with mps_if_asked(args) as mps:
-            result["metadata"]["mps"] = mps
+
+    async def run_reps() -> None:
+        keeper = pool_keeper(model, args, max_model_len, keep=not args.fresh_pools)
+        try:
             for done_reps, rep in enumerate(args.rep_ids):
                 elapsed = time.perf_counter() - suite_start
                 if args.max_minutes and rep_seconds and elapsed + rep_seconds[-1] > 60 * args.max_minutes:
@@ -592,13 +624,20 @@ def run_suite(args: argparse.Namespace, benchmark: str, traces: dict[str, dict[i
                         for position, policy in enumerate(order):
                             cell = {"key": cell_key(workload, setting, swept), "trace": reps[rep],
                                     "setting": setting, "position": position}
-                            run = _run_policy(args, model, policy, cell, rep, max_model_len,
-                                              result["policies"][policy.name], failures, progress)
+                            run = await _run_policy(args, model, policy, cell, rep, max_model_len,
+                                                    result["policies"][policy.name], failures, progress, keeper)
                             result["runs"].append(run)
                             result["summary"] = summarize(result["runs"])
                             result["comparisons"] = compare()
                             write_json(args.json, result)
                 rep_seconds.append(time.perf_counter() - rep_start)
+        finally:
+            await keeper.close()
+
+    try:
+        with mps_if_asked(args) as mps:
+            result["metadata"]["mps"] = mps
+            uvloop.run(run_reps())
     finally:
         progress.close()
         result["metadata"]["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

@@ -291,8 +291,8 @@ def test_an_absent_dynamo_package_makes_the_policy_unavailable(monkeypatch):
 
     state, failures = {"status": "ok", "error": None}, {DYNAMO.name: 0}
     cell = {"key": "dynamo_seed", "trace": traces(16)[0], "setting": setting, "position": 0}
-    run = eval_suite._run_policy(suite_args(), "unused", DYNAMO, cell, 0, 128, state, failures,
-                                 eval_suite.Progress(1, False))
+    run = asyncio.run(eval_suite._run_policy(suite_args(), "unused", DYNAMO, cell, 0, 128, state, failures,
+                                             eval_suite.Progress(1, False)))
     assert run["status"] == state["status"] == "unavailable"
     assert "ai-dynamo-runtime" in run["error"] and failures[DYNAMO.name] == 0
 
