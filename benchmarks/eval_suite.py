@@ -421,8 +421,7 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, s
     refuses the policy (or, for a policy with a ``runner``, when that system cannot run here)."""
     keeper = keeper or pool_keeper(model, args, max_model_len, keep=False)
     if policy.runner is not None:
-        await keeper.close()  # an external router starts processes of its own
-        return await run_external(model, args, policy, trace, setting, max_model_len, bar)
+        return await run_external(model, args, policy, trace, setting, max_model_len, bar, keeper)
     pool, record = await keeper.acquire(policy, setting, trace)
     try:
         async with asyncio.timeout(args.run_timeout):
@@ -457,8 +456,9 @@ def pool_keeper(model: str, args: argparse.Namespace, max_model_len: int, keep: 
     """The suite's pools: kept across runs, or (``keep`` off, ``--fresh-pools``) one per run; a
     kept pool sets up transfers for every policy it may serve, and warms up on its first run's trace."""
 
-    def make(policy: Policy, setting: Setting):
-        return new_pool(model, args, policy, setting, max_model_len, kept=keep)
+    def make(policy: Policy, setting: Setting, kv_events):
+        extra = {} if kv_events is None else {"kv_events": kv_events}
+        return new_pool(model, args, policy, setting, max_model_len, kept=keep, **extra)
 
     async def warm_up(pool, trace, setting: Setting) -> None:
         async with asyncio.timeout(args.run_timeout):
@@ -473,12 +473,15 @@ DYNAMO_POOL = Policy("dynamo_kv's pool", "round_robin")
 
 
 async def run_external(model: str, args: argparse.Namespace, policy: Policy, trace, setting: Setting,
-                       max_model_len: int, bar) -> dict:
-    """``run_one`` for a policy that names an external router (``eval_gateway``, ``eval_dynamo``)."""
+                       max_model_len: int, bar, keeper: PoolKeeper) -> dict:
+    """``run_one`` for a policy that names an external router (``eval_gateway``, ``eval_dynamo``):
+    the gateway fronts hosts of its own (``keeper``'s pool is closed first), Dynamo's router a
+    pool of ``keeper``'s that publishes KV events."""
     on_done = bar.update if bar is not None else (lambda *a: None)
     if policy.runner == "smg":
         from benchmarks.peers.eval_gateway import GatewayUnavailable, run_gateway
 
+        await keeper.close()
         try:
             return await run_gateway(model, args, trace, setting, max_model_len, replay, on_done)
         except GatewayUnavailable as e:
@@ -488,10 +491,16 @@ async def run_external(model: str, args: argparse.Namespace, policy: Policy, tra
 
         try:
             selection_service()  # before any pool is made
-            pool = new_pool(model, args, DYNAMO_POOL, setting, max_model_len, kv_events=events_config())
-            return await run_dynamo(pool, args, trace, setting, replay, on_done, pool_figures)
         except DynamoUnavailable as e:
             raise PolicyUnavailable(str(e)) from e
+        pool, record = await keeper.acquire(DYNAMO_POOL, setting, trace, kv_events=events_config())
+        try:
+            record.update(await run_dynamo(pool, args, trace, setting, replay, on_done, pool_figures))
+        except BaseException:
+            await keeper.release(failed=True)
+            raise
+        await keeper.release()
+        return record
     raise PolicyUnavailable(f"no runner {policy.runner!r}")
 
 

@@ -9,8 +9,10 @@ mode. Its workers are started with transfers set up, so a routing-only policy ru
 data path it never uses. A kept pool first replays its first run's trace once, unmeasured,
 and is reset: every measured run then meets warm engines, whatever its place in the order.
 
-Invariants: at most one pool is up at a time (an external router's run closes it first: it
-starts processes of its own); every run starts on empty caches and a new control process; a
+Dynamo's router runs in front of a kept pool too (reset to round robin, publishing KV events);
+the real SGLang gateway's run closes it (its hosts are processes of their own).
+
+Invariants: at most one pool is up at a time; every run starts on empty caches and a new control process; a
 pool whose run failed is shut down, never reused.
 """
 
@@ -25,14 +27,14 @@ from benchmarks.peers.eval_policies import Policy, default_transfer_mode
 Pool = Any  # an AsyncLMPool (imported lazily: the suite's parser loads without torch)
 
 
-def reset_options(policy: Policy) -> dict:
-    """What a kept pool's reset sets for ``policy``: every setting a reset may change, so nothing
-    of the run before it carries over."""
+def reset_options(policy: Policy, kv_events=None) -> dict:
+    """What a kept pool's reset sets for ``policy`` (and ``kv_events``, which an external router
+    reads): every setting a reset may change, so nothing of the run before it carries over."""
     from lmpool.config import RoutingConfig
 
     mode = policy.transfer_mode if policy.transfer_mode is not None else default_transfer_mode()
     return {"routing": policy.routing, "routing_config": RoutingConfig(**dict(policy.routing_config)),
-            "transfer_mode": mode}
+            "transfer_mode": mode, "kv_events": kv_events}
 
 
 def worker_key(policy: Policy, kv_blocks: int) -> tuple:
@@ -48,8 +50,8 @@ def worker_key(policy: Policy, kv_blocks: int) -> tuple:
 
 
 class PoolKeeper:
-    """``make(policy, setting)`` builds an unstarted pool; ``warm_up(pool, trace, setting)``
-    replays a trace on it, unmeasured. With ``keep`` off, every run gets a pool of its own."""
+    """``make(policy, setting, kv_events)`` builds an unstarted pool; ``warm_up(pool, trace,
+    setting)`` replays a trace on it, unmeasured. With ``keep`` off, every run gets a pool of its own."""
 
     def __init__(self, make: Callable[..., Pool], warm_up: Callable[[Pool, Any, Any], Awaitable[object]],
                  keep: bool) -> None:
@@ -57,16 +59,18 @@ class PoolKeeper:
         self.pool: Pool | None = None
         self.key: tuple | None = None
 
-    async def acquire(self, policy: Policy, setting, trace) -> tuple[Pool, dict]:
-        """A pool for one run of ``policy``, and what getting it cost (``start_s``; ``reset_s``
-        and ``pool_reused`` for a kept one; ``warm_up_s`` for a kept one's first run)."""
+    async def acquire(self, policy: Policy, setting, trace, kv_events=None) -> tuple[Pool, dict]:
+        """A pool for one run of ``policy`` (publishing ``kv_events`` where given), and what getting
+        it cost (``start_s``; ``reset_s`` and ``pool_reused`` for a kept one; ``warm_up_s`` for a
+        kept one's first run)."""
         key = worker_key(policy, setting.kv_blocks)
+        options = reset_options(policy, kv_events)
         if self.keep and self.pool is not None and key == self.key:
             started = time.perf_counter()
-            await self.pool.reset(**reset_options(policy))
+            await self.pool.reset(**options)
             return self.pool, {"pool_reused": True, "reset_s": time.perf_counter() - started}
         await self.close()
-        pool = self.make(policy, setting)
+        pool = self.make(policy, setting, kv_events)
         started = time.perf_counter()
         try:
             await pool.start()
@@ -74,7 +78,7 @@ class PoolKeeper:
             if self.keep:
                 started = time.perf_counter()
                 await self.warm_up(pool, trace, setting)
-                await pool.reset(**reset_options(policy))
+                await pool.reset(**options)
                 record["warm_up_s"] = time.perf_counter() - started
         except BaseException:
             await pool.shutdown()

@@ -201,20 +201,31 @@ async def router_on(events: KVEventsConfig, args, setting) -> AsyncIterator[tupl
 @contextlib.asynccontextmanager
 async def dynamo_in_front(pool, args, setting) -> AsyncIterator[Front]:
     """Start ``pool`` (unstarted, made for this run with its ``kv_events`` set: ``events_config``)
-    and put Dynamo's router in front of it, reading those events; stop the service, the relay and
-    the pool, in that order, on the way out."""
-    from benchmarks.peers.dynamo_client import DynamoRoutedPool
-
-    events = pool.config.kv_events
+    and put Dynamo's router in front of it (``dynamo_on``); stop the service, the relay and the
+    pool, in that order, on the way out."""
     try:
-        if events is None:
+        if pool.config.kv_events is None:
             raise ValueError("Dynamo's router reads the pool's KV events: make the pool with kv_events set")
         selection_service()
         await pool.start()
-        async with router_on(events, args, setting) as (service, relay):
-            yield Front(DynamoRoutedPool(pool, service, args.world_size), service, relay)
+        async with dynamo_on(pool, args, setting) as front:
+            yield front
     finally:
         await pool.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def dynamo_on(pool, args, setting) -> AsyncIterator[Front]:
+    """Dynamo's router in front of a started ``pool`` that publishes KV events (its ``kv_events``
+    set, at its start or its last reset), reading them; the service and the relay stop on the
+    way out, the pool runs on."""
+    from benchmarks.peers.dynamo_client import DynamoRoutedPool
+
+    events = pool.config.kv_events
+    if events is None:
+        raise ValueError("Dynamo's router reads the pool's KV events: start or reset the pool with kv_events set")
+    async with router_on(events, args, setting) as (service, relay):
+        yield Front(DynamoRoutedPool(pool, service, args.world_size), service, relay)
 
 
 def run_figures(front: Front, block_size: int) -> dict:
@@ -228,13 +239,15 @@ def run_figures(front: Front, block_size: int) -> dict:
 
 
 async def run_dynamo(pool, args, trace, setting, replay, on_done, figures) -> dict:
-    """Replay ``trace`` through Dynamo's router in front of ``pool`` (``dynamo_in_front``); the
-    run's record, shaped as ``eval_suite.run_one``'s (``figures(stats)`` adds the pool's), with
-    ``dynamo``: ``run_figures``. Raises ``DynamoUnavailable`` when Dynamo cannot run."""
+    """Replay ``trace`` through Dynamo's router in front of ``pool`` (started and left running:
+    ``dynamo_on``; unstarted, started and stopped: ``dynamo_in_front``); the run's record, shaped
+    as ``eval_suite.run_one``'s (``figures(stats)`` adds the pool's), with ``dynamo``:
+    ``run_figures``, and ``router_start_s``. Raises ``DynamoUnavailable`` when Dynamo cannot run."""
     record: dict = {}
     started = time.perf_counter()
-    async with dynamo_in_front(pool, args, setting) as front:
-        record["start_s"] = time.perf_counter() - started
+    front_of = dynamo_on if pool.client.ipc is not None else dynamo_in_front
+    async with front_of(pool, args, setting) as front:
+        record["router_start_s"] = time.perf_counter() - started
         async with asyncio.timeout(args.run_timeout):
             t = time.perf_counter()
             record["requests"] = await replay(front.client, trace, setting.arrival, on_done)

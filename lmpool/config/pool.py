@@ -175,7 +175,7 @@ class PoolConfig(msgspec.Struct, kw_only=True):
 
 
 # What a pool's ``reset`` may change: settings only its control process reads.
-RESET_OPTIONS = ("routing", "routing_config", "transfer_mode")
+RESET_OPTIONS = ("routing", "routing_config", "transfer_mode", "kv_events")
 
 
 def reset_config(config: PoolConfig, transfers_ready: bool, options: dict) -> PoolConfig:
@@ -201,4 +201,5 @@ def reset_config(config: PoolConfig, transfers_ready: bool, options: dict) -> Po
         raise ValueError("a reset keeps foreground release on or off (the workers' eviction asks for moves): "
                          "start a new pool")
     return msgspec.structs.replace(config, routing=options.get("routing", config.routing),
-                                   routing_config=routing_config, transfer=transfer)
+                                   routing_config=routing_config, transfer=transfer,
+                                   kv_events=options.get("kv_events", config.kv_events))

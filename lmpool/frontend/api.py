@@ -241,7 +241,7 @@ class AsyncLMPool:
 
     async def reset(self, **options) -> None:
         """Forget every cached prefix and restart the control plane, optionally with another
-        ``routing``, ``routing_config`` or ``transfer_mode``: the pool then serves as a freshly
+        ``routing``, ``routing_config``, ``transfer_mode`` or ``kv_events``: the pool then serves as a freshly
         started one, in a fraction of a start's time (``PoolClient.reset``). Only when idle."""
         await self.client.reset(**options)
         self.config = self.client.config

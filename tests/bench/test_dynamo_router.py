@@ -411,3 +411,35 @@ async def test_the_relay_follows_a_publisher_restarted_on_its_endpoints():
         for publisher in (first, second):
             if publisher is not None:
                 publisher.close()
+
+
+def test_dynamo_runs_in_front_of_a_kept_pool_reset_to_publish_its_events(tiny_model, no_leaks):
+    """The suite's kept pool serves Dynamo's run too: reset to round robin with KV events on, it
+    shows Dynamo empty caches (the run before it left none), the seeds then fill them and the
+    followers go where their prefixes are; a reset turns the events off again."""
+    dynamo_runs()
+    from benchmarks import eval_suite
+    from lmpool.model.config import ModelConfig
+
+    seed, follow, prefixes = traces(ModelConfig.from_pretrained(tiny_model).vocab_size)
+    args, setting = suite_args(), Setting(kv_blocks=64, arrival=Arrival("window", window=1))
+
+    async def scenario():
+        pool = await eval_suite.new_pool(tiny_model, args, eval_suite.DYNAMO_POOL, setting, 128, kept=True).start()
+        try:
+            await replay(pool, seed, setting.arrival)  # the run before: its cache is the reset's to empty
+            await pool.reset(routing="round_robin", transfer_mode="none", kv_events=eval_dynamo.events_config())
+            async with eval_dynamo.dynamo_on(pool, args, setting) as front:
+                empty = [await device_blocks(front.service, prefixes[g]) for g in ("a", "b")]
+                await replay(front.client, seed, setting.arrival)
+                await wait_for_placement(front.service, prefixes, {"a": 0, "b": 1})
+                followed = await replay(front.client, follow, setting.arrival)
+            await pool.reset(kv_events=None)
+            return empty, followed, pool.config.kv_events
+        finally:
+            await pool.shutdown()
+
+    empty, followed, events = asyncio.run(scenario())
+    assert all(set(blocks.values()) <= {0} for blocks in empty)
+    assert_followed(followed, {"a": 0, "b": 1})
+    assert events is None
