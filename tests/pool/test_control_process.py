@@ -113,3 +113,29 @@ def test_routing_sees_the_resynced_chain():
     decision, sent = asyncio.run(main())
     assert sent == [ResyncRequest(1)]
     assert decision.rank == 1 and decision.matched_blocks == 3
+
+
+def test_quiesce_starts_no_transfer_and_answers_once_the_open_plans_have_ended():
+    """A reset's first step: placement starts no pass, a transfer asked for is refused, and the
+    answer waits for the plan still open (here, until it aborts)."""
+    from lmpool.protocol import Quiesce, TransferChain
+
+    async def scenario():
+        plane = control()
+        plan = plane.coordinator.start(0, 1, [7], [1], [0])
+        quiet = asyncio.create_task(plane.handle(Quiesce()))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        waited = not quiet.done()
+        plane._place_now(fresh_only=False)
+        idle = plane._slicing is None
+        try:
+            await plane.handle(TransferChain(0, 1, [7], False))
+            refused = False
+        except ValueError as e:
+            refused = "resetting" in str(e)
+        plane.coordinator.abort(plan.plan_id, "the test ends it")
+        await quiet
+        return waited, idle, refused
+
+    assert asyncio.run(scenario()) == (True, True, True)
