@@ -193,7 +193,11 @@ class Worker:
     def reset(self) -> None:
         """Forget every cached prefix and count from zero, as a fresh worker (the pool is idle:
         the frontend resets only then, and a request it aborted was read before this)."""
-        dropped = self.core.reset_prefix_cache()
+        try:
+            dropped = self.core.reset_prefix_cache()
+        except ValueError as e:  # a frontend bug, not this rank's: it serves on, its cache kept
+            log.error("rank %d: pool reset refused: %s", self.rank, e)
+            return
         log.info("rank %d: pool reset, %d cached blocks forgotten", self.rank, dropped)
         self.prompt_tokens = self.prefix_hit_tokens = self.generated_tokens = 0
         self.loop_stages.clear()
