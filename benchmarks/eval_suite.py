@@ -411,7 +411,7 @@ def pool_figures(stats: dict) -> dict:
     return {"transfers": dict(transfers) if isinstance(transfers, dict) else None,
             "rank_stats": [{k: r.get(k) for k in ("rank", "prompt_tokens", "prefix_hit_tokens", "blocks_used",
                                                  "blocks_reclaimable", "blocks_free", "cached_blocks", "step_fit",
-                                                 "loop_ms")}
+                                                 "loop_ms", "start_phases")}
                            for r in stats.get("ranks", [])]}
 
 

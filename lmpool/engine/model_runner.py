@@ -37,6 +37,7 @@ from lmpool.engine.piecewise_graphs import PiecewiseGraphs
 from lmpool.engine.sampler import Sampler
 from lmpool.engine.scheduler import ScheduledBatch
 from lmpool.engine.sequence import Sequence
+from lmpool.engine.start_phases import StartPhases
 from lmpool.engine.step_inputs import StepInputBuilder, StepInputs, arena_capacity
 from lmpool.engine.warm_up import warm_up
 from lmpool.model.checkpoint import iter_safetensors
@@ -100,6 +101,7 @@ def cache_shortfall(needed: int, available: int, device: str, num_blocks: int, u
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+        self.start_phases = StartPhases()
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
@@ -131,12 +133,14 @@ class ModelRunner:
             from lmpool.ops.cuda import load_extension
 
             load_extension().set_dependent_launch(config.dependent_launch)
+        self.start_phases.lap("kernels")
         with torch.device(self.device):
             self.model = Qwen3ForCausalLM(model_config, max_model_len)
         for p in self.model.parameters():  # rotary tables stay fp32
             p.data = p.data.to(self.dtype)
         self.model.load_weights(iter_safetensors(config.model))
         self.model.eval()
+        self.start_phases.lap("weights")
         self.sampler = Sampler(self.device, config.seed)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         if self.num_blocks * self.block_size >= 2**31:  # step inputs hold slots as int32
@@ -154,6 +158,7 @@ class ModelRunner:
             c.num_hidden_layers, 2, self.num_blocks, self.block_size,
             c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device,
         )
+        self.start_phases.lap("kv_cache")
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         self.cascade_min_saved = planned_cascades(config, model_config)  # what the pool prices with
         gather = None
@@ -168,6 +173,7 @@ class ModelRunner:
             + (gather[1] if gather else 0),  # room for a gathering step's key slots: it never grows while serving
             self.cascade_min_saved, gather,
         )
+        self.start_phases.lap("attention_plans")
         self.graphs = None
         self.pieces = None
         # The torch reference synchronises with the host, so only the kernels can be captured.
@@ -176,8 +182,10 @@ class ModelRunner:
             piece_rows = piecewise_rows(config)
             if piece_rows:
                 self.pieces = PiecewiseGraphs(self, piece_rows)
+        self.start_phases.lap("graphs")
         if self.device.type == "cuda":
             warm_up(self.model, self.device, self.dtype, config.max_num_seqs, config.max_num_batched_tokens)
+        self.start_phases.lap("warm_up")
 
     def close(self) -> None:
         """Free the device memory now (weights, KV cache, graphs, input buffers), whatever

@@ -111,6 +111,10 @@ class Rank:
     alive: bool = True
     num_blocks: int = 0
     epoch: int = 1
+    spawned: float = 0.0  # time.monotonic() of its process's spawn
+    # Seconds of each phase of its start (``WorkerReady.start_phases``), and before them its
+    # process's launch and imports ("launch": from its spawn to its engine's first phase).
+    start_phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -229,10 +233,11 @@ class PoolClient:
                 rank=r, epoch=1, frontend_end=link.b, control_end=control_links[r].b, pool=cfg,
                 transfer_rendezvous=self.rendezvous.address if self.rendezvous else None,
             )
+            spawned = time.monotonic()
             proc = process.spawn("lmpool.worker.main", spec)
             channel: Channel[WorkerToFrontend] = Channel(link.a, WorkerToFrontend)
             channel.expect_peer(proc.pid)
-            self.ranks.append(Rank(r, proc, channel))
+            self.ranks.append(Rank(r, proc, channel, spawned=spawned))
         await self._spawn_control([link.a for link in control_links])
         await asyncio.gather(*(self._await_ready(rank) for rank in self.ranks))
         for rank in self.ranks:
@@ -253,6 +258,8 @@ class PoolClient:
             raise PoolError(f"rank {rank.rank} failed to start: {msg.error}")
         assert isinstance(msg, WorkerReady)
         rank.num_blocks = msg.num_blocks
+        launch = time.monotonic() - rank.spawned - sum(msg.start_phases.values())
+        rank.start_phases = {"launch": round(max(0.0, launch), 4), **msg.start_phases}
         # Watched only from now: while it loaded the model its loop could not beat.
         assert not isinstance(self.config.hang_timeout, str)  # PoolConfig resolved "auto"
         rank.channel.watch_heartbeat(self.config.hang_timeout)
@@ -599,7 +606,7 @@ class PoolClient:
                 "prefix_hit_tokens": load.prefix_hit_tokens, "heartbeat_age_s": state.heartbeat_age_s,
                 "epoch": state.epoch, "snapshot_version": state.snapshot_version,
                 "cached_blocks": state.cached_blocks, "step_fit": step_fit_dict(state.step_fit),
-                "loop_ms": state.loop_ms,
+                "loop_ms": state.loop_ms, "start_phases": rank.start_phases,
             })
             if not rank.alive:  # a dead rank queues, runs and holds nothing: no stale figures
                 ranks[-1].update(dict.fromkeys(LIVE_STATS, 0))

@@ -71,6 +71,9 @@ class WorkerReady(Message, tag="ready"):
     pid: int
     num_blocks: int
     block_size: int
+    # Seconds of each phase of its start, in order (``lmpool.engine.start_phases``): the engine's,
+    # then its calibration and the worker's own set-up.
+    start_phases: dict[str, float] = {}
 
 
 class WorkerFailed(Message, tag="failed"):

@@ -593,8 +593,12 @@ async def main_async(spec: WorkerSpec) -> int:
     frontend: Channel[FrontendToWorker] = Channel(spec.frontend_end, FrontendToWorker)
     try:
         core = EngineCore(spec.pool.engine_of(spec.rank), release_hook(spec))
+        phases = core.runner.start_phases
+        phases.lap("engine")  # what the runner's own phases leave: the scheduler, the block manager
         samples = calibrate(core, seed=spec.rank) if spec.pool.calibrate_steps else []
+        phases.lap("calibration")
         worker = Worker(spec, core, frontend, samples)  # joins the transfer rendezvous, if any
+        phases.lap("worker")
     except Exception as e:  # any start-up failure is reported, with its cause, to the frontend
         await frontend.send(WorkerFailed(spec.rank, f"{type(e).__name__}: {e}"))
         frontend.close()
@@ -606,7 +610,8 @@ async def main_async(spec: WorkerSpec) -> int:
     gc.freeze()
     worker.loop_stages.watch_collections()
     bm = core.block_manager
-    await frontend.send(WorkerReady(spec.rank, os.getpid(), bm.num_blocks, bm.block_size))
+    await frontend.send(WorkerReady(spec.rank, os.getpid(), bm.num_blocks, bm.block_size,
+                                    {k: round(v, 4) for k, v in phases.seconds.items()}))
     try:
         await worker.run()
     finally:

@@ -38,6 +38,10 @@ def test_a_reset_pool_forgets_its_prefixes_counts_afresh_and_routes_by_its_new_r
             after = await pool.stats()
             assert pool.client.pids()[:2] == workers, "the workers keep running"
             assert after["control_pid"] != before["control_pid"] and after["control_restarts"] == 0
+            # What each worker's start spent, phase by phase: the reset started none again.
+            phases = before["ranks"][0]["start_phases"]
+            assert list(phases)[:3] == ["launch", "kernels", "weights"] and all(v >= 0 for v in phases.values())
+            assert {"calibration", "worker"} <= set(phases) and after["ranks"][0]["start_phases"] == phases
             assert pool.config.routing == "round_robin" and pool.config.transfer.transfer_mode == "none"
             for row in rows(after):
                 assert (row["cached_blocks"], row["prompt_tokens"], row["prefix_hit_tokens"]) == (0, 0, 0)
