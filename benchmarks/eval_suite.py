@@ -423,7 +423,7 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, s
     keeper = keeper or pool_keeper(model, args, max_model_len, keep=False)
     if policy.runner is not None:
         return await run_external(model, args, policy, trace, setting, max_model_len, bar, keeper)
-    pool, record = await keeper.acquire(policy, setting, trace)
+    pool, record = await acquire(keeper, policy, setting, trace)
     try:
         async with asyncio.timeout(args.run_timeout):
             record.update(await measure(pool, trace, setting, bar))
@@ -432,6 +432,15 @@ async def run_one(model: str, args: argparse.Namespace, policy: Policy, trace, s
         raise
     await keeper.release()
     return record
+
+
+async def acquire(keeper: PoolKeeper, policy: Policy, setting: Setting, trace, **control) -> tuple:
+    """``keeper.acquire``; settings the pool refuses (``TypeError``/``ValueError``, from a new
+    pool's constructor or a kept one's reset) make the policy ``PolicyUnavailable``."""
+    try:
+        return await keeper.acquire(policy, setting, trace, **control)
+    except (TypeError, ValueError) as e:
+        raise PolicyUnavailable(f"{type(e).__name__}: {e}") from e
 
 
 async def measure(pool, trace, setting: Setting, bar) -> dict:
@@ -494,7 +503,7 @@ async def run_external(model: str, args: argparse.Namespace, policy: Policy, tra
             selection_service()  # before any pool is made
         except DynamoUnavailable as e:
             raise PolicyUnavailable(str(e)) from e
-        pool, record = await keeper.acquire(DYNAMO_POOL, setting, trace, kv_events=events_config())
+        pool, record = await acquire(keeper, DYNAMO_POOL, setting, trace, kv_events=events_config())
         try:
             record.update(await run_dynamo(pool, args, trace, setting, replay, on_done, pool_figures))
         except BaseException:
