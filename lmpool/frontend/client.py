@@ -184,6 +184,8 @@ class PoolClient:
         self.control: Requester | None = None
         self._control_channel: Channel | None = None
         self._control_lock = asyncio.Lock()
+        self._serving = asyncio.Event()  # cleared while a ``reset`` runs: routes wait for it
+        self._serving.set()
         self.control_restarts = 0
         self.requests: dict[str, TrackedRequest] = {}
         self._by_wire: dict[str, TrackedRequest] = {}
@@ -322,18 +324,23 @@ class PoolClient:
         caches and counts as a freshly started one, keeping its processes, engines and data
         paths (what a start spends most of its time on). Only an idle pool resets: a request in
         flight is a ``PoolError``, as is a pool that is not running; an option the workers would
-        need to restart for is a ``ValueError``. Transfers under way end first, none starts."""
+        need to restart for is a ``ValueError``. Transfers under way end first, none starts; a
+        request submitted meanwhile waits for the reset to end."""
         self._check_loop()
         if self._closed or self.ipc is None or self.control is None:
             raise PoolError("the pool is not running")
         if self.requests:
             raise PoolError(f"a pool resets only when idle; {len(self.requests)} requests are in flight")
         config = reset_config(self.config, self.rendezvous is not None, options)
-        async with self._control_lock:
-            with contextlib.suppress(LinkError):  # a dead control process leaves no plan to wait for
-                await self.control.request(Quiesce())
-            self.config = config
-            await self._replace_control(reset=True)
+        self._serving.clear()  # from here (no await since the check) a new request waits
+        try:
+            async with self._control_lock:
+                with contextlib.suppress(LinkError):  # a dead control process leaves no plan to wait for
+                    await self.control.request(Quiesce())
+                self.config = config
+                await self._replace_control(reset=True)
+        finally:
+            self._serving.set()
 
     async def control_request(self, msg):
         """A request to the control plane, restarting the control process if it died."""
@@ -414,8 +421,11 @@ class PoolClient:
         return req
 
     async def _dispatch(self, req: TrackedRequest, pinned: int | None = None) -> None:
-        """Route ``req`` (again, after a failure) and hand it to its rank."""
+        """Route ``req`` (again, after a failure) and hand it to its rank; one submitted during a
+        ``reset`` waits for it, and routes by the new control process on the emptied caches."""
         while True:
+            if not self._serving.is_set():
+                await self._serving.wait()
             if not any(r.alive for r in self.ranks):
                 raise PoolError("no rank is alive")
             # The route's reservation is keyed by this dispatch's wire id: the worker reports

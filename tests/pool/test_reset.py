@@ -90,3 +90,19 @@ def test_a_pool_with_a_request_in_flight_or_an_option_its_workers_read_does_not_
             await pool.reset()
 
     uvloop.run(main())
+
+
+def test_a_request_submitted_during_a_reset_waits_for_it_and_meets_the_new_rule(tiny_model):
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="none") as pool:
+            await pool.generate(PROMPT, GREEDY)
+            await settled(pool, lambda st: sum(r["cached_blocks"] for r in rows(st)) > 0, "the prompt cached")
+            reset = asyncio.create_task(pool.reset(routing="round_robin"))
+            await asyncio.sleep(0)  # the reset has begun: it awaits the old control process
+            assert not reset.done()
+            out = await pool.generate(PROMPT, GREEDY)
+            await reset
+            return out
+
+    out = uvloop.run(main())
+    assert out.route.split()[0] == "round_robin" and out.num_cached_tokens == 0
