@@ -67,7 +67,13 @@ class PoolKeeper:
         options = reset_options(policy, kv_events)
         if self.keep and self.pool is not None and key == self.key:
             started = time.perf_counter()
-            await self.pool.reset(**options)
+            try:
+                await self.pool.reset(**options)
+            except (TypeError, ValueError):
+                raise  # settings the reset refused: the pool is as it was
+            except BaseException:
+                await self.close()  # a reset that failed part-way leaves no pool to trust
+                raise
             return self.pool, {"pool_reused": True, "reset_s": time.perf_counter() - started}
         await self.close()
         pool = self.make(policy, setting, kv_events)
