@@ -2,8 +2,9 @@
 
 The process that starts a pool owns it. ``IpcPool.start`` first sweeps the leftovers of
 dead pools, then names a fresh pool; ``create_link`` creates the two rings and two
-semaphores of one link (mode 0600, exclusive create); ``create_board`` creates a board
-(see ``board``); ``close`` unlinks every object of the pool, whichever process created it.
+semaphores of one link (mode 0600, exclusive create), ``remove_link`` unlinks them once the
+link is done with; ``create_board`` creates a board (see ``board``); ``close`` unlinks every
+object of the pool, whichever process created it.
 A link whose rings, with the pool's others, would exceed the whole shared-memory filesystem
 (a container's 64 MB default) is refused, naming the sizes: it would fail later, with SIGBUS.
 Links are opened by end name with ``Channel``, boards by name with ``BoardWriter`` and
@@ -37,6 +38,7 @@ from .names import (
     new_link_prefix,
     new_pool_id,
     object_name,
+    parse_end,
     parse_object,
 )
 from .ring import format_ring, ring_bytes
@@ -86,6 +88,14 @@ class IpcPool:
                 undo.callback(_unlink, "sem", name)
             undo.pop_all()
         return Link(end_name(prefix, "a"), end_name(prefix, "b"))
+
+    def remove_link(self, link: Link) -> list[str]:
+        """Unlink ``link``'s rings and semaphores, once its processes are done with it (a
+        channel still open on it keeps working until it closes); return the names removed."""
+        prefix, _ = parse_end(link.a)
+        named = [("shm", object_name(prefix, role)) for role in RING_ROLES]
+        named += [("sem", object_name(prefix, role)) for role in BELL_ROLES]
+        return [name for kind, name in named if _unlink(kind, name)]
 
     def _check_room(self, more: int) -> None:
         """Refuse ``more`` bytes of segments that, with this pool's own, exceed the size of the
@@ -188,7 +198,7 @@ def _size(obj: PoolObject) -> int:
         return 0
 
 
-def _unlink(kind: str, name: str) -> None:
+def _unlink(kind: str, name: str) -> bool:
     parsed = parse_object(name)
     assert parsed is not None  # a name object_name made
-    unlink_object(PoolObject(kind, name, parsed))
+    return unlink_object(PoolObject(kind, name, parsed))

@@ -73,7 +73,7 @@ from lmpool.protocol.frontend_worker import pack_ids
 from lmpool.protocol.spec import ControlSpec, WorkerSpec
 from lmpool.protocol.state_board import BOARD_LABEL, board_capacity
 from lmpool.sampling_params import SamplingParams
-from lmpool_ipc import DEFAULT_CAPACITY, Channel, IpcError, IpcPool, LinkError, RemoteError, Requester
+from lmpool_ipc import DEFAULT_CAPACITY, Channel, IpcError, IpcPool, Link, LinkError, RemoteError, Requester
 from lmpool_ipc.frames import max_payload
 
 # Rank deaths a request survives: it is recomputed elsewhere once. A request whose second
@@ -183,6 +183,7 @@ class PoolClient:
         self.control_proc: subprocess.Popen | None = None
         self.control: Requester | None = None
         self._control_channel: Channel | None = None
+        self._control_links: list[Link] = []  # the control process's links (``_spawn_control``)
         self._control_lock = asyncio.Lock()
         self._serving = asyncio.Event()  # cleared while a ``reset`` runs: routes wait for it
         self._serving.set()
@@ -240,7 +241,7 @@ class PoolClient:
             channel: Channel[WorkerToFrontend] = Channel(link.a, WorkerToFrontend)
             channel.expect_peer(proc.pid)
             self.ranks.append(Rank(r, proc, channel, spawned=spawned))
-        await self._spawn_control([link.a for link in control_links])
+        await self._spawn_control(dict(enumerate(control_links)))
         await asyncio.gather(*(self._await_ready(rank) for rank in self.ranks))
         for rank in self.ranks:
             self._tasks.append(asyncio.create_task(self._read_worker(rank)))
@@ -266,10 +267,14 @@ class PoolClient:
         assert not isinstance(self.config.hang_timeout, str)  # PoolConfig resolved "auto"
         rank.channel.watch_heartbeat(self.config.hang_timeout)
 
-    async def _spawn_control(self, worker_ends: list[str | None]) -> None:
+    async def _spawn_control(self, worker_links: dict[int, Link]) -> None:
+        """Start a control process reaching each rank of ``worker_links`` on its link (a rank
+        without one is down); the links it holds are ``_control_links`` until it is replaced."""
         cfg = self.config
         assert self.ipc is not None  # start() made it
         link = self.ipc.create_link()
+        self._control_links = [link, *worker_links.values()]
+        worker_ends = [worker_links[r].a if r in worker_links else None for r in range(cfg.world_size)]
         spec = ControlSpec(
             pool=cfg, frontend_end=link.b, worker_ends=worker_ends,
             pool_id=self.ipc.pool_id, owner_pid=self.ipc.owner_pid, started_at=self.started_at,
@@ -309,10 +314,13 @@ class PoolClient:
         self.control.close()
         self._control_channel.close()
         await asyncio.get_running_loop().run_in_executor(None, process.stop, self.control_proc, 1.0)
+        # The old process's links go with it: a worker still holding its end keeps it open until
+        # it re-attaches, and a pool that resets between every run would otherwise pile them up.
+        for old in self._control_links:
+            self.ipc.remove_link(old)
         live = [r for r in self.ranks if r.alive]
         links = {r.rank: self.ipc.create_link(CONTROL_LINK_CAPACITY) for r in live}
-        ends = [links[r].a if r in links else None for r in range(self.config.world_size)]
-        await self._spawn_control(ends)
+        await self._spawn_control(links)
         for r in live:
             await self._send_to_rank(r, AttachControl(links[r.rank].b, reset=reset))
         # Routing needs the snapshots; a rank that dies meanwhile releases the wait.

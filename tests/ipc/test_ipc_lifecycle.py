@@ -156,6 +156,27 @@ def test_pool_close_removes_every_object_and_open_channels_keep_working(run):
     run(main())
 
 
+def test_removing_a_link_unlinks_its_objects_only_and_its_open_channels_keep_working(run):
+    with IpcPool.start() as pool:
+        kept, done = pool.create_link(), pool.create_link()
+        before = leftovers(pool.pool_id)
+
+        async def main():
+            async with Channel(done.a, Message) as a, Channel(done.b, Message) as b:
+                removed = pool.remove_link(done)
+                await a.send(Seq(1))  # the mappings outlive the names
+                return removed, await b.recv()
+
+        removed, got = run(main())
+        assert len(removed) == 4 and got == Seq(1)
+        assert sorted(leftovers(pool.pool_id)) == sorted(set(before) - set(removed))
+        assert pool.remove_link(done) == []  # already gone
+        async def still_open():
+            async with Channel(kept.a, Message), Channel(kept.b, Message):
+                return True
+        assert run(still_open())
+
+
 def test_a_pool_started_after_a_crash_removes_its_leftovers(loop_name, spawn):
     crashed = spawn("crash-pool", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     crashed_pool = crashed.stdout.readline().strip()

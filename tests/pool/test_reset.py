@@ -13,11 +13,17 @@ from lmpool import SamplingParams
 from lmpool.config.routing import RoutingConfig
 from lmpool.frontend.api import AsyncLMPool
 from lmpool.frontend.client import PoolError
+from lmpool_ipc.lifecycle import pool_objects
 from tests.pool.pool_waits import settled
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 PROMPT = list(range(100, 180))  # five whole blocks
+
+
+def pool_objects_of(pool) -> list:
+    """The pool's shared-memory objects: links, semaphores, its board."""
+    return [o for o in pool_objects() if o.parsed.pool_id == pool.client.ipc.pool_id]
 
 
 def rows(stats: dict) -> list[dict]:
@@ -50,7 +56,9 @@ def test_a_reset_pool_forgets_its_prefixes_counts_afresh_and_routes_by_its_new_r
             assert sorted(o.rank for o in outs) == [0, 1]
             assert all(o.num_cached_tokens == 0 and o.token_ids == first.token_ids for o in outs)
 
+            objects = len(pool_objects_of(pool))
             await pool.reset(routing="lmpool", transfer_mode="pull")  # and back, transfers on again
+            assert len(pool_objects_of(pool)) == objects, "a reset leaves the old control links behind"
             back = await pool.generate(PROMPT, GREEDY)
             assert back.num_cached_tokens == 0 and back.token_ids == first.token_ids
 
