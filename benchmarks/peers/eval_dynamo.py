@@ -239,14 +239,13 @@ def run_figures(front: Front, block_size: int) -> dict:
 
 
 async def run_dynamo(pool, args, trace, setting, replay, on_done, figures) -> dict:
-    """Replay ``trace`` through Dynamo's router in front of ``pool`` (started and left running:
-    ``dynamo_on``; unstarted, started and stopped: ``dynamo_in_front``); the run's record, shaped
-    as ``eval_suite.run_one``'s (``figures(stats)`` adds the pool's), with ``dynamo``:
-    ``run_figures``, and ``router_start_s``. Raises ``DynamoUnavailable`` when Dynamo cannot run."""
+    """Replay ``trace`` through Dynamo's router in front of a started ``pool``, left running
+    (``dynamo_on``); the run's record, shaped as ``eval_suite.run_one``'s (``figures(stats)`` adds
+    the pool's), with ``dynamo``: ``run_figures``, and ``router_start_s``. Raises
+    ``DynamoUnavailable`` when Dynamo cannot run."""
     record: dict = {}
     started = time.perf_counter()
-    front_of = dynamo_on if pool.client.ipc is not None else dynamo_in_front
-    async with front_of(pool, args, setting) as front:
+    async with dynamo_on(pool, args, setting) as front:
         record["router_start_s"] = time.perf_counter() - started
         async with asyncio.timeout(args.run_timeout):
             t = time.perf_counter()

@@ -283,10 +283,7 @@ class ControlPlane:
     async def quiesce(self) -> None:
         """Start no transfer from now on; return once every open plan has ended (each ends by its
         answers or, stuck, by the watchdog's deadline)."""
-        self.quiesced = True
-        if self._reaction is not None:
-            self._reaction.cancel()
-            self._reaction = None
+        self.quiesced = True  # a placement pass, under way or to come, stops at its next slice
         if self.coordinator.plans:
             self.settled = self.settled or asyncio.get_running_loop().create_future()
             await self.settled
@@ -385,8 +382,8 @@ class ControlPlane:
         if self._reaction is not None:
             self._reaction.cancel()
             self._reaction = None
-        if self._slicing is not None or self.quiesced:
-            return  # a pass is under way, and goes on; or none may start
+        if self._slicing is not None:
+            return  # a pass is under way; it goes on
         self._placed_at = time.monotonic()
         self._place_slice(fresh_only)
 

@@ -432,8 +432,7 @@ class PoolClient:
         """Route ``req`` (again, after a failure) and hand it to its rank; one submitted during a
         ``reset`` waits for it, and routes by the new control process on the emptied caches."""
         while True:
-            if not self._serving.is_set():
-                await self._serving.wait()
+            await self._serving.wait()  # returns at once unless a reset runs
             if not any(r.alive for r in self.ranks):
                 raise PoolError("no rank is alive")
             # The route's reservation is keyed by this dispatch's wire id: the worker reports
