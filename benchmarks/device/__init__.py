@@ -1,2 +1,3 @@
 """The device machine's side of the benchmarks: its shell scripts (``setup.sh``, ``run_*.sh``),
-Dynamo's wheel carry (``pack_dynamo``), and the MPS daemon the evaluation runs under (``mps``)."""
+the wheel carries of Dynamo (``pack_dynamo``) and smg (``pack_serve``), and the MPS daemon the
+evaluation runs under (``mps``)."""
