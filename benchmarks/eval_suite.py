@@ -45,8 +45,8 @@ from benchmarks.workloads.dataset_profile import profile_trace
 from benchmarks.replay.eval_driver import Arrival, replay
 from benchmarks.stats.eval_metrics import run_metrics, summarize
 from benchmarks.peers.eval_policies import (
-    CANDIDATES, GATEWAYS, LMPOOL, LMPOOL_IDLE, LMPOOL_UNGROUPED, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS,
-    NAMED_ONLY, PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, Policy, select_policies,
+    CANDIDATES, GATEWAYS, LMPOOL, LMPOOL_UNGROUPED, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, NAMED_ONLY,
+    PEER_VARIANTS, PEERS, TRANSFER_MODES, TRANSFERS_IDLE, Policy, select_policies,
 )
 from benchmarks.replay.eval_settings import Setting, cell_key, parse_arrival, parse_sweep, settings
 from benchmarks.device.mps import mps_daemon
@@ -67,9 +67,9 @@ MAX_FAILURES = 2
 
 
 # The policy tables live in ``eval_policies``; the runners and tests import them from here too.
-__all__ = ["CANDIDATES", "GATEWAYS", "LMPOOL", "LMPOOL_IDLE", "LMPOOL_UNGROUPED", "LMPOOL_OWNER_PULLS",
-           "LMPOOL_ROUTING", "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS", "Policy", "TRANSFERS_IDLE", "TRANSFER_MODES",
-           "run_order", "select_policies"]
+__all__ = ["CANDIDATES", "GATEWAYS", "LMPOOL", "LMPOOL_UNGROUPED", "LMPOOL_OWNER_PULLS", "LMPOOL_ROUTING",
+           "LMPOOL_VARIANTS", "PEERS", "PEER_VARIANTS", "Policy", "TRANSFERS_IDLE", "TRANSFER_MODES", "run_order",
+           "select_policies"]
 
 
 def chosen_policies(args: argparse.Namespace, available: tuple[Policy, ...], quick: str) -> list[Policy]:

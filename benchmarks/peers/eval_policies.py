@@ -134,10 +134,7 @@ LMPOOL_OWNER_PULLS = Policy("lmpool-owner-pulls", "lmpool", transfer_mode=None,
 # wherever the sequences in flight could save a cascade's worth with it, whatever their prefixes
 # (``RoutingConfig.cascade_groups`` off: a document's questions spread over every replica).
 LMPOOL_UNGROUPED = Policy("lmpool-ungrouped", "lmpool", transfer_mode=None, routing_config=(("cascade_groups", False),))
-# The default letting a rank with nothing in flight take a request from its busy owner where it
-# is priced cheaper (``RoutingConfig.leave_for_idle``): the sessions' phase tails.
-LMPOOL_IDLE = Policy("lmpool-idle", "lmpool", transfer_mode=None, routing_config=(("leave_for_idle", True),))
-CANDIDATES = (LMPOOL_OWNER_PULLS, LMPOOL_UNGROUPED, LMPOOL_IDLE)
+CANDIDATES = (LMPOOL_OWNER_PULLS, LMPOOL_UNGROUPED)
 # Policies that run only when named (``--policies all`` leaves them out): the real gateway starts
 # server processes of its own; the candidate defaults are run beside the default, not in every suite.
 NAMED_ONLY = (*GATEWAYS, *CANDIDATES)

@@ -21,11 +21,6 @@ class RoutingConfig:
     # recomputing it). Off: the owner keeps it. The "lmpool-owner-pulls" evaluation policy; a CPU
     # red-team found sessions that all opened on one replica kept there (``agent_sessions_scaleout``).
     owner_pulls: bool = False
-    # Whether a rank with nothing in flight, priced cheaper than an owner the gate keeps (beyond
-    # ``price_tie``), takes the request (recomputing the prefix, or a pull bringing it): the phases'
-    # tails of agent sessions left ranks idle beside owners with 4-7 requests in flight (about one
-    # route in ten at 319dec7). Off: the owner keeps it. The "lmpool-idle" evaluation policy.
-    leave_for_idle: bool = False
     # Where the ranks decode shared prefixes once (cascades), whether a request's shared prefix is
     # priced as read once only on a rank whose sequences (as last reported, or routed there since)
     # are of its group, keyed by that shared prefix's last block (so documents behind one shared

@@ -9,7 +9,7 @@ import pytest
 
 
 from benchmarks import benchmark_kv_routing
-from benchmarks.eval_suite import LMPOOL, LMPOOL_IDLE, LMPOOL_UNGROUPED, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy
+from benchmarks.eval_suite import LMPOOL, LMPOOL_UNGROUPED, LMPOOL_OWNER_PULLS, LMPOOL_ROUTING, LMPOOL_VARIANTS, Policy
 from lmpool.config.routing import RoutingConfig
 
 
@@ -116,8 +116,7 @@ def test_the_default_mode_passes_no_transfer_mode_and_records_which_it_ran():
     assert "rule_fields" not in LMPOOL.record()
 
 
-@pytest.mark.parametrize("candidate, option", [(LMPOOL_OWNER_PULLS, "owner_pulls"), (LMPOOL_UNGROUPED, "cascade_groups"),
-                                               (LMPOOL_IDLE, "leave_for_idle")])
+@pytest.mark.parametrize("candidate, option", [(LMPOOL_OWNER_PULLS, "owner_pulls"), (LMPOOL_UNGROUPED, "cascade_groups")])
 def test_a_candidate_default_runs_the_default_mode_with_its_option_and_only_when_named(candidate, option):
     """A candidate turns one option of the default the other way (owner pulls on; cascade groups, the
     default since 1dc4676, off) and runs only when named."""

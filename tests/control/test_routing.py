@@ -152,27 +152,6 @@ def test_an_overloaded_owner_spills_to_the_cheapest_rank():
     assert " from owner r0 m10 " in decision.reason
 
 
-def test_an_idle_rank_priced_cheaper_takes_a_busy_owners_request_only_where_the_pool_allows_it():
-    """``leave_for_idle``: the gate keeps a busy owner (5 in flight), but a rank with nothing in
-    flight, priced cheaper, takes the request; one with a request in flight does not, nor an
-    idle rank priced dearer (a long prefix to recompute for two tokens), nor any by default."""
-    def routed(config, others=0, blocks=10, running=5, max_tokens=16):
-        gbm, router = make(config=config)
-        cache(gbm, 0, chain(blocks))
-        load(gbm, 0, num_running=running, context_tokens=running * 200, decode_tokens_left=running * 16)
-        for rank in (1, 2, 3):
-            load(gbm, rank, num_running=others, context_tokens=others * 200, decode_tokens_left=others * 16)
-        return router.route(query(chain(blocks), max_tokens=max_tokens))
-
-    idle = RoutingConfig(leave_for_idle=True)
-    decision = routed(idle)
-    assert decision.rank != 0 and decision.reason.startswith(f"idle r{decision.rank} m0 ")
-    assert " from owner r0 m10 " in decision.reason
-    assert routed(RoutingConfig()).reason.startswith("owner r0 m10")
-    assert routed(idle, others=1).reason.startswith("owner r0 m10")
-    assert routed(idle, blocks=400, running=1, max_tokens=2).reason.startswith("owner r0 m400")
-
-
 def test_a_spill_prefers_a_partial_holder():
     gbm, router = make()
     cache(gbm, 0, chain(10))

@@ -16,8 +16,6 @@ with it.
   later stage may send the request elsewhere, even when it must wait for blocks there (what
   the owner's cache holds is why it is the owner; SGLang's gateway does not look at memory),
   unless ``RoutingConfig.owner_pulls``: then a pull may bring the prefix to a cheaper rank;
-  with ``RoutingConfig.leave_for_idle``, a rank with nothing in flight priced cheaper than a
-  busy owner takes it instead ("idle": what an idle rank adds to nobody's steps);
 - an overloaded owner: the cheapest rank ("spill" when it is no owner), and a later stage may
   still pull the prefix to another rank.
 
@@ -61,25 +59,11 @@ class LMPoolPolicy(RoutingPolicy):
         owners = [p for p in pool if p.matched == top]
         owner = cheapest(owners, cfg.price_tie)
         if not overloaded(owner.seqs, [p.seqs for p in prices], cfg.gate_abs_threshold, cfg.gate_rel_threshold):
-            idle = self._idle_cheaper(pool, owner) if cfg.leave_for_idle else None
-            if idle is not None:
-                return Choice(idle.rank, f"{describe('idle', idle)} from {describe('owner', owner)}{alternatives}",
-                              prices, may_leave=True)
             return Choice(owner.rank, describe("owner", owner) + alternatives, prices, may_leave=cfg.owner_pulls)
         if best.matched == top:
             return Choice(best.rank, describe("owner", best) + alternatives, prices, may_leave=True)
         return Choice(best.rank, f"{describe('spill', best)} from {describe('owner', owner)}{alternatives}", prices,
                       may_leave=True)
-
-    def _idle_cheaper(self, pool: list[RankPrice], owner: RankPrice) -> RankPrice | None:
-        """With ``RoutingConfig.leave_for_idle``: the cheapest rank with nothing in flight, where it
-        is cheaper than a busy owner beyond the price tie (it recomputes the prefix there, or a
-        later stage pulls it); None elsewhere."""
-        idle = [p for p in pool if p.seqs == 0 and p.rank != owner.rank]
-        if not idle or owner.seqs == 0:
-            return None
-        target = cheapest(idle, self.config.price_tie)
-        return target if target.total_s < owner.total_s * (1 - self.config.price_tie) else None
 
     def _serve_prices(self, ranks: tuple[int, ...], prices: list[RankPrice]) -> str:
         """"; serve r0=12 r1=15 ...": each candidate's price in milliseconds, ``prices`` being in
