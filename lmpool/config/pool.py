@@ -187,6 +187,8 @@ def reset_config(config: PoolConfig, transfers_ready: bool, options: dict) -> Po
     if unknown:
         raise TypeError(f"a reset takes {', '.join(RESET_OPTIONS)}; got {', '.join(unknown)} (start a new pool for it)")
     routing_config = options.get("routing_config", config.routing_config)
+    if routing_config is None:  # as a new pool takes it: the policies' default thresholds
+        routing_config = RoutingConfig()
     if not isinstance(routing_config, RoutingConfig):
         raise ValueError(f"routing_config must be a RoutingConfig, got {type(routing_config).__name__}")
     if routing_config.cascade_groups != config.routing_config.cascade_groups:

@@ -76,7 +76,6 @@ class AsyncLMPool:
         if config is not None and options:
             raise TypeError(f"give either config or pool options, not both (got {sorted(options)})")
         self.client = PoolClient(config if config is not None else PoolConfig.from_options(model, **options))
-        self.config = self.client.config  # with the GPUs this process sees (``with_gpus``)
         self.tokenizer = load_tokenizer(self.config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -244,7 +243,12 @@ class AsyncLMPool:
         ``routing``, ``routing_config``, ``transfer_mode`` or ``kv_events``: the pool then serves as a freshly
         started one, in a fraction of a start's time (``PoolClient.reset``). Only when idle."""
         await self.client.reset(**options)
-        self.config = self.client.config
+
+    @property
+    def config(self) -> PoolConfig:
+        """The settings the pool runs with: those it started with, with the GPUs this process sees
+        (``with_gpus``), as its last ``reset`` left them."""
+        return self.client.config
 
     async def stats(self) -> dict:
         """Pool state: ``control_pid``, per-rank rows and the ``transfers`` counters (see

@@ -185,8 +185,9 @@ class PoolClient:
         self._control_channel: Channel | None = None
         self._control_links: list[Link] = []  # the control process's links (``_spawn_control``)
         self._control_lock = asyncio.Lock()
-        self._serving = asyncio.Event()  # cleared while a ``reset`` runs: routes wait for it
+        self._serving = asyncio.Event()  # cleared while any ``reset`` is pending: routes wait for it
         self._serving.set()
+        self._resets: set[asyncio.Task] = set()  # ``reset``'s work, each on a task of its own
         self.control_restarts = 0
         self.requests: dict[str, TrackedRequest] = {}
         self._by_wire: dict[str, TrackedRequest] = {}
@@ -314,6 +315,8 @@ class PoolClient:
         self.control.close()
         self._control_channel.close()
         await asyncio.get_running_loop().run_in_executor(None, process.stop, self.control_proc, 1.0)
+        if self._closed:  # a shutdown began meanwhile: it stops what runs; start nothing more
+            raise PoolError("the pool is shut down")
         # The old process's links go with it: a worker still holding its end keeps it open until
         # it re-attaches, and a pool that resets between every run would otherwise pile them up.
         for old in self._control_links:
@@ -333,7 +336,11 @@ class PoolClient:
         paths (what a start spends most of its time on). Only an idle pool resets: a request in
         flight is a ``PoolError``, as is a pool that is not running; an option the workers would
         need to restart for is a ``ValueError``. Transfers under way end first, none starts; a
-        request submitted meanwhile waits for the reset to end."""
+        request submitted meanwhile waits for every pending reset to end.
+
+        The work runs on a task of its own: a caller cancelled meanwhile (a timeout, Ctrl-C)
+        leaves it to finish, so the pool is never left half reset. A reset whose new control
+        process fails is a ``PoolError``, and the pool goes back to its settings before it."""
         self._check_loop()
         if self._closed or self.ipc is None or self.control is None:
             raise PoolError("the pool is not running")
@@ -341,29 +348,63 @@ class PoolClient:
             raise PoolError(f"a pool resets only when idle; {len(self.requests)} requests are in flight")
         config = reset_config(self.config, self.rendezvous is not None, options)
         self._serving.clear()  # from here (no await since the check) a new request waits
+        task = asyncio.get_running_loop().create_task(self._reset(config))
+        self._resets.add(task)
+        task.add_done_callback(self._reset_ended)
         try:
-            async with self._control_lock:
-                with contextlib.suppress(LinkError):  # a dead control process leaves no plan to wait for
-                    await self.control.request(Quiesce())
-                self.config = config
-                await self._replace_control(reset=True)
-        finally:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled() and self._closed:  # the shutdown stopped it
+                raise PoolError("the pool is shut down") from None
+            raise
+
+    def _reset_ended(self, task: asyncio.Task) -> None:
+        self._resets.discard(task)
+        if not self._resets:
             self._serving.set()
+        if not task.cancelled():
+            task.exception()  # read: a caller cancelled meanwhile never awaits it
+
+    async def _reset(self, config: PoolConfig) -> None:
+        async with self._control_lock:
+            if self._closed:
+                raise PoolError("the pool is shut down")
+            assert self.control is not None  # a running pool has one (``reset`` checked)
+            with contextlib.suppress(LinkError):  # a dead control process leaves no plan to wait for
+                await self.control.request(Quiesce())
+            previous, self.config = self.config, config
+            try:
+                await self._replace_control(reset=True)
+            except LinkError as e:  # the new control process died (say, its KV-event port was taken)
+                self.config = previous
+                failure = f"the reset's control process failed ({type(e).__name__}: {e})"
+            else:
+                return
+            try:  # back to the settings that served
+                await self._replace_control(reset=True)
+            except LinkError as e:
+                raise PoolError(f"{failure}; so did the restart with the previous settings ({e})") from None
+            raise PoolError(f"{failure}; the pool keeps its previous settings")
 
     async def control_request(self, msg):
         """A request to the control plane, restarting the control process if it died."""
         self._check_loop()
+        failure: LinkError | None = None
         for _ in range(3):
             requester = self.control
             try:
                 return await requester.request(msg)
             except RemoteError as e:  # the control plane answered with an error: not a crash
                 raise PoolError(f"control plane: {e}") from None
-            except LinkError:  # a MessageError (say, too large) is the request's, not a crash
+            except LinkError as e:  # a MessageError (say, too large) is the request's, not a crash
+                failure = e
                 if self._closed:
                     raise PoolError("the pool is shut down") from None
-                await self._restart_control(requester)
-        raise PoolError("the control process keeps failing")
+                try:
+                    await self._restart_control(requester)
+                except LinkError as restart:  # the new one died too: the next round tries again
+                    failure = restart
+        raise PoolError(f"the control process keeps failing ({type(failure).__name__}: {failure})")
 
     # ---- requests ---------------------------------------------------------------
 
@@ -652,7 +693,7 @@ class PoolClient:
             req.queue.put_nowait(PoolError("the pool is shut down"))
         self.requests.clear()
         self._by_wire.clear()
-        for task in [*self._tasks, *self._releases]:
+        for task in [*self._tasks, *self._releases, *self._resets]:
             task.cancel()
         for rank in self.ranks:
             if rank.alive:
@@ -660,13 +701,17 @@ class PoolClient:
                     await asyncio.wait_for(rank.channel.send(Shutdown()), 1.0)
                 except (IpcError, asyncio.TimeoutError):
                     pass
-        if self.control is not None:
-            self.control.close()
-            assert self._control_channel is not None  # made with self.control
-            self._control_channel.close()  # the control process's Responder sees it and exits
-        loop = asyncio.get_running_loop()
-        procs = [r.proc for r in self.ranks] + ([self.control_proc] if self.control_proc else [])
-        await asyncio.gather(*(loop.run_in_executor(None, process.stop, p, timeout) for p in procs))
+        # A reset (or a restart) replacing the control process has unwound once this is taken:
+        # the process it started, if any, is the one stopped here. A restart waiting for it
+        # afterwards finds the pool closed.
+        async with self._control_lock:
+            if self.control is not None:
+                self.control.close()
+                assert self._control_channel is not None  # made with self.control
+                self._control_channel.close()  # the control process's Responder sees it and exits
+            loop = asyncio.get_running_loop()
+            procs = [r.proc for r in self.ranks] + ([self.control_proc] if self.control_proc else [])
+            await asyncio.gather(*(loop.run_in_executor(None, process.stop, p, timeout) for p in procs))
         for rank in self.ranks:
             rank.channel.close()
         if self.ipc is not None:

@@ -182,13 +182,20 @@ class Worker:
                     self.release.on_outcome(msg)
                     self.wakeup.set()
         except (PeerDeadError, ChannelClosedError):
-            if self.control is channel:  # the control process died; the frontend restarts it
-                self.control = None
-                if self.release is not None:
-                    self.release.disconnected()
+            self.drop_control(channel)  # the control process died (the frontend restarts it), or was replaced
         except LinkError as e:
             if self.control is channel:
                 self.fail(e)
+
+    def drop_control(self, channel: Channel) -> None:
+        """``channel``'s control process is gone, or a successor replaced it: close it, which
+        unmaps its rings and frees their descriptors (a pool reset replaces the control process
+        every time), and, where it was the current link, wait for the successor's ``AttachControl``."""
+        channel.close()
+        if self.control is channel:
+            self.control = None
+            if self.release is not None:
+                self.release.disconnected()
 
     def reset(self) -> None:
         """Forget every cached prefix and count from zero, as a fresh worker (the pool is idle:
@@ -210,6 +217,8 @@ class Worker:
         self.need_snapshot = True
         if self.release is not None:
             self.release.connected = True
+        # The replaced links' readers have ended (or end on the close above): forget them.
+        self.tasks = [t for t in self.tasks if not t.done()]
         self.tasks.append(asyncio.create_task(self.read_control(self.control)))
 
     # ---- reports --------------------------------------------------------------
@@ -402,8 +411,7 @@ class Worker:
             log.error("rank %d: a message to the control plane was refused: %s", self.rank, e)
             return False
         except (PeerDeadError, ChannelClosedError):
-            if self.control is channel:
-                self.control = None
+            self.drop_control(channel)
             return False
         except LinkError as e:
             self.fail(e)

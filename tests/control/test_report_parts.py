@@ -86,6 +86,10 @@ class Link:
         self.max_payload = max_payload
         self.fail = fail
         self.sent: list = []
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
     async def send_bytes(self, payload) -> None:
         self._check(len(payload))
@@ -139,6 +143,7 @@ def test_a_refused_message_fails_alone_and_a_lost_control_process_detaches():
     link.fail = PeerDeadError("control process gone")
     assert asyncio.run(w.send_control(object())) is False
     assert w.control is None and w.fatal is None and not w.stopping  # waits for its successor
+    assert link.closed  # its rings unmapped: a pool that resets often would run out of descriptors
 
 
 def test_a_broken_link_to_a_live_control_process_ends_the_worker():

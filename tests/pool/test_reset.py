@@ -5,6 +5,9 @@ freshly started one without starting its workers again; only an idle pool resets
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+from pathlib import Path
 
 import pytest
 import uvloop
@@ -12,6 +15,7 @@ import uvloop
 from lmpool import SamplingParams
 from lmpool.config.routing import RoutingConfig
 from lmpool.frontend.api import AsyncLMPool
+from lmpool.frontend import launcher as process
 from lmpool.frontend.client import PoolError
 from lmpool_ipc.lifecycle import pool_objects
 from tests.pool.pool_waits import settled
@@ -114,3 +118,114 @@ def test_a_request_submitted_during_a_reset_waits_for_it_and_meets_the_new_rule(
 
     out = uvloop.run(main())
     assert out.route.split()[0] == "round_robin" and out.num_cached_tokens == 0
+
+
+def shm_descriptors(pid: int) -> int:
+    """Open descriptors of process ``pid`` on POSIX shared memory (rings, board, semaphores' memory)."""
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(1 for fd in fds.iterdir() if os.readlink(fd).startswith("/dev/shm/"))
+
+
+def test_workers_close_each_replaced_control_link(tiny_model):
+    """Every reset replaces the control process and its links: a worker closes its end of the old
+    one (the rings unmapped, the descriptors freed), or a pool reset between runs would run out."""
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="none") as pool:
+            workers = pool.client.pids()[:2]
+            await pool.reset()
+            once = [shm_descriptors(pid) for pid in workers]
+            for _ in range(4):
+                await pool.reset()
+                await pool.generate(PROMPT, GREEDY)
+            assert [shm_descriptors(pid) for pid in workers] == once
+
+    uvloop.run(main())
+
+
+def test_a_reset_whose_control_process_fails_keeps_the_previous_settings(tiny_model):
+    pytest.importorskip("zmq")
+
+    async def main():
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+            async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="none") as pool:
+                with pytest.raises(PoolError, match="keeps its previous settings"):
+                    await pool.reset(routing="round_robin", kv_events={"endpoint": endpoint})
+                assert pool.config.kv_events is None and pool.config.routing == "lmpool"
+                out = await pool.generate(PROMPT, GREEDY)
+                assert out.route.split()[0] != "round_robin"  # routed by the rule before the reset
+                assert (await pool.stats())["control_restarts"] == 0
+
+    uvloop.run(main())
+
+
+def test_a_cancelled_reset_still_ends_with_the_new_settings(tiny_model):
+    """A caller cancelled (a timeout) leaves the reset to finish: never a quiesced old control
+    process, nor settings that differ from the ones the pool runs with."""
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="none",
+                               enable_transfers=True) as pool:
+            await pool.generate(PROMPT, GREEDY, rank=0)
+            await settled(pool, lambda st: rows(st)[0]["cached_blocks"] > 0, "the prompt cached on rank 0")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(pool.reset(routing="round_robin"), 0.001)
+            out = await pool.generate(PROMPT, GREEDY)  # waits for the reset
+            assert pool.config.routing == "round_robin" and out.route.split()[0] == "round_robin"
+            assert out.num_cached_tokens == 0
+            await settled(pool, lambda st: rows(st)[out.rank]["cached_blocks"] > 0, "the prompt cached again")
+            await pool.transfer(PROMPT, out.rank, 1 - out.rank)  # transfers start: not quiesced
+
+    uvloop.run(main())
+
+
+def test_overlapping_resets_replace_the_control_process_with_no_request_on_a_rank(tiny_model):
+    """A request submitted while two resets are pending waits for both: neither replaces the
+    control process (and resets the workers' caches) with a request on a rank."""
+    async def main():
+        async with AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="none") as pool:
+            client = pool.client
+            replace = client._replace_control
+            dispatched_at_replace: list[bool] = []
+
+            async def spy(reset: bool = False) -> None:
+                await replace(reset=reset)  # no request may reach a rank before the replacement ends
+                dispatched_at_replace.append(any(r.dispatched for r in client.requests.values()))
+
+            client._replace_control = spy
+            await pool.generate(PROMPT, GREEDY)
+            first = asyncio.create_task(pool.reset())
+            second = asyncio.create_task(pool.reset())
+            await asyncio.sleep(0)
+            out = asyncio.create_task(pool.generate(PROMPT, GREEDY))
+            await asyncio.gather(first, second)
+            assert (await out).num_cached_tokens == 0
+            assert dispatched_at_replace == [False, False]
+
+    uvloop.run(main())
+
+
+def test_a_shutdown_during_a_reset_stops_the_control_process_it_started(tiny_model):
+    async def main():
+        pool = AsyncLMPool(tiny_model, world_size=2, block_size=BLOCK, transfer_mode="none")
+        await pool.start()
+        spawned = []
+        spawn = process.spawn
+
+        def spy(*args, **kwargs):
+            spawned.append(spawn(*args, **kwargs))
+            return spawned[-1]
+
+        process.spawn = spy
+        try:
+            reset = asyncio.create_task(pool.reset())
+            await asyncio.sleep(0)
+            await pool.shutdown()
+        finally:
+            process.spawn = spawn
+        with pytest.raises(PoolError, match="shut down"):
+            await reset
+        assert all(p.poll() is not None for p in [*spawned, pool.client.control_proc])
+
+    uvloop.run(main())
