@@ -87,24 +87,36 @@ def repack(wheel: Path, out: Path, tmp: Path, library_name: str = LIBRARY) -> Pa
     return packed
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path(".whl-dynamo"))
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for old in args.out.iterdir():  # one version of each, or the device's install stops
+def fresh_folder(description: str, default: str) -> Path:
+    """The ``--out`` folder of a packing script, made and emptied: one version of each wheel, or
+    the device's install stops."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(default))
+    out = ap.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.iterdir():
         old.unlink()
-    with tempfile.TemporaryDirectory(prefix="pack-dynamo-") as tmp:
-        download((DYNAMO,), Path(tmp))
-        [wheel] = Path(tmp).glob("ai_dynamo_runtime-*.whl")
-        packed = repack(wheel, args.out, Path(tmp))
-    download(DEPENDENCIES, args.out)
-    files = sorted(args.out.iterdir())
+    return out
+
+
+def report(out: Path, carries: str) -> int:
+    """Print each file of ``out`` and their total (MiB); the total in bytes."""
+    files = sorted(out.iterdir())
     total = sum(f.stat().st_size for f in files)
     for f in files:
         print(f"{f.stat().st_size / 2**20:8.2f} MiB  {f.name}")
-    print(f"{total / 2**20:8.2f} MiB  in {args.out} ({packed.name} carries Dynamo)")
-    if total > (BUDGET_MIB - TREE_MIB) * 2**20:
+    print(f"{total / 2**20:8.2f} MiB  in {out} ({carries})")
+    return total
+
+
+def main() -> int:
+    out = fresh_folder(__doc__, ".whl-dynamo")
+    with tempfile.TemporaryDirectory(prefix="pack-dynamo-") as tmp:
+        download((DYNAMO,), Path(tmp))
+        [wheel] = Path(tmp).glob("ai_dynamo_runtime-*.whl")
+        packed = repack(wheel, out, Path(tmp))
+    download(DEPENDENCIES, out)
+    if report(out, f"{packed.name} carries Dynamo") > (BUDGET_MIB - TREE_MIB) * 2**20:
         print(f"warning: leaves under {TREE_MIB} MiB of the {BUDGET_MIB} MiB a device call carries for the "
               f"working tree", file=sys.stderr)
     return 0

@@ -17,7 +17,6 @@ It is about 22 MiB: with the tracked tree (about 23 MiB) it cannot travel beside
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
@@ -33,24 +32,16 @@ LEFT_OUT = ("pydantic-", "pydantic_core-", "annotated_types-", "pyzmq-", "grpcio
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path(".whl-serve"))
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for old in args.out.iterdir():  # one version of each, or the device's install stops
-        old.unlink()
+    out = pack_dynamo.fresh_folder(__doc__, ".whl-serve")
     with tempfile.TemporaryDirectory(prefix="pack-serve-") as tmp:
         pack_dynamo.download((SMG,), Path(tmp))
         [wheel] = Path(tmp).glob("smg-*.whl")
-        packed = pack_dynamo.repack(wheel, args.out, Path(tmp), LIBRARY)
-    pack_dynamo.download(WHEELS, args.out, needs=True)
-    for f in args.out.iterdir():
+        packed = pack_dynamo.repack(wheel, out, Path(tmp), LIBRARY)
+    pack_dynamo.download(WHEELS, out, needs=True)
+    for f in out.iterdir():
         if f.name.startswith(LEFT_OUT):
             f.unlink()
-    files = sorted(args.out.iterdir())
-    for f in files:
-        print(f"{f.stat().st_size / 2**20:8.2f} MiB  {f.name}")
-    print(f"{sum(f.stat().st_size for f in files) / 2**20:8.2f} MiB  in {args.out} ({packed.name} carries smg)")
+    pack_dynamo.report(out, f"{packed.name} carries smg")
     return 0
 
 
