@@ -10,7 +10,7 @@ pydantic-core, annotated-types, pyzmq): one version of each in /tmp/site, where 
     python3 -m benchmarks.device.pack_serve            # writes .whl-serve/ (git-ignored)
 
 ``benchmarks/device/setup.sh`` unpacks and installs it into /tmp/site when ``.whl-serve/`` travels.
-It is about 22 MiB: with the tracked tree (about 23 MiB) it cannot travel beside ``.whl-dynamo``
+It is about 22 MiB: with the tracked tree (about 22 MiB) it cannot travel beside ``.whl-dynamo``
 (about 39 MiB), so a run with both real routers takes two calls on one warm machine
 (``PAPER_RUNBOOK.md``, "Every peer in one balanced run").
 """
