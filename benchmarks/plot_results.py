@@ -193,6 +193,7 @@ def save(fig, path: Path) -> None:
 
 
 def compact(image: Image.Image) -> Image.Image:
+    """``image`` as a palette image of at most ``PALETTE_COLORS`` colours."""
     return image.convert("RGB").quantize(colors=PALETTE_COLORS, method=Image.Quantize.MEDIANCUT)
 
 

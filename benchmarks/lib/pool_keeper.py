@@ -72,7 +72,7 @@ class PoolKeeper:
             except (TypeError, ValueError):
                 raise  # settings the reset refused: the pool is as it was
             except BaseException:
-                await self.close()  # a reset that failed part-way leaves no pool to trust
+                await self.close()  # a failed reset (its settings restored, or not) starts the next run afresh
                 raise
             return self.pool, {"pool_reused": True, "reset_s": time.perf_counter() - started}
         await self.close()
